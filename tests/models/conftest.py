@@ -1,0 +1,109 @@
+"""Generic helpers for model tests: tiny random transformers models and checkpoints.
+
+Test modules under ``tests/models`` get them through the ``hf_tiny`` fixture (a namespace
+of the functions below); nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+HF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+
+_TINY: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+_FAMILY_TINY: dict[str, dict[str, Any]] = {
+    "llama": {"head_dim": 16},
+    "qwen2": {},
+    "qwen3": {"head_dim": 32},  # head_dim * heads != hidden_size, as in real Qwen3
+    "qwen3_moe": {
+        "head_dim": 16,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "mistral": {"head_dim": 16, "sliding_window": None},
+}
+
+
+def tiny_hf_config(model_type: str, **overrides: Any) -> transformers.PretrainedConfig:
+    """A tiny transformers config of ``model_type`` (``HF_FAMILIES``), fields overridable."""
+    kwargs = {**_TINY, **_FAMILY_TINY[model_type], **overrides}
+    return transformers.AutoConfig.for_model(model_type, **kwargs)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.1) -> torch.nn.Module:
+    """Overwrite every parameter with seeded noise so that logits are O(1) and norms,
+    biases and routers all matter (a fresh HF init has unit norms and zero biases)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            else:
+                param.copy_(std * noise)
+    return model
+
+
+def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    """A randomly initialised fp32 transformers causal LM in eval mode (eager attention)."""
+    config = tiny_hf_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    return randomize_(model, seed).eval()
+
+
+def write_tiny_hf_checkpoint(
+    folder: str | Path, model_type: str, seed: int = 0, **overrides: Any
+) -> transformers.PreTrainedModel:
+    """Save a :func:`tiny_hf_model` with ``save_pretrained`` into ``folder``; return the model."""
+    model = tiny_hf_model(model_type, seed, **overrides)
+    model.save_pretrained(folder)
+    return model
+
+
+def read_safetensors_folder(folder: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of all ``*.safetensors`` files in ``folder`` (the on-disk HF keys)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+@pytest.fixture(scope="session")
+def hf_tiny() -> SimpleNamespace:
+    """The helpers above as one fixture: ``hf_tiny.model("qwen3", tie_word_embeddings=True)``."""
+    return SimpleNamespace(
+        families=HF_FAMILIES,
+        config=tiny_hf_config,
+        model=tiny_hf_model,
+        randomize=randomize_,
+        write_checkpoint=write_tiny_hf_checkpoint,
+        read_safetensors=read_safetensors_folder,
+    )
+

@@ -1,0 +1,199 @@
+"""Equivalence contracts: our models == transformers (fp32), cache == no cache, packed == unpacked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tunesmith.models import build_model, llama3, mistral, qwen3, qwen3_moe, spec_from_hf_config
+from tunesmith.modules.masks import (
+    document_causal_mask,
+    document_position_ids,
+    padding_position_ids,
+)
+from tunesmith.modules.moe import load_balancing_loss
+
+ATOL = 1e-4
+SEQ = 12
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Tiny original context: wavelengths of the 16-dim heads straddle 4..16, so every
+    # branch of the llama3 rule (keep, blend, divide) applies at the test positions.
+    "original_max_position_embeddings": 16,
+}
+DENSE_CASES = {
+    "llama_rope_llama3": ("llama", {"rope_scaling": LLAMA3_ROPE}),
+    "qwen2_tied_qkv_bias": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3_qk_norm": ("qwen3", {}),
+    "mistral_sliding_window": ("mistral", {"sliding_window": 4}),
+}
+
+
+def _batch(vocab: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two rows of SEQ tokens; row 0 is left-padded by 3 (ids, 0/1 mask, positions)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (2, SEQ), generator=gen)
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[0, :3] = 0
+    ids[0, :3] = 0
+    return ids, mask, padding_position_ids(mask)
+
+
+@pytest.fixture(scope="module", params=list(DENSE_CASES))
+def dense_pair(request, hf_tiny):
+    family, overrides = DENSE_CASES[request.param]
+    hf = hf_tiny.model(family, seed=1, **overrides)
+    ours = build_model(spec_from_hf_config(hf.config.to_dict())).eval()
+    # Strict: every HF key has a parameter of the same name here and vice versa.
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    return request.param, hf, ours
+
+
+@torch.no_grad()
+def test_dense_logits_match_transformers(dense_pair):
+    case, hf, ours = dense_pair
+    ids, mask, pos = _batch()
+    full = ids[1:]
+    assert torch.allclose(ours(full), hf(full).logits, atol=ATOL, rtol=0)
+
+    ours_padded = ours(ids, attention_mask=mask, position_ids=pos)
+    hf_padded = hf(ids, attention_mask=mask, position_ids=pos).logits
+    real = mask.bool()
+    assert (ours_padded - hf_padded)[real].abs().max() < ATOL
+    # The padded row equals the same tokens run alone (padding is invisible).
+    assert torch.allclose(ours_padded[0, 3:], ours(ids[:1, 3:])[0], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    ("case", "ablation"),
+    [
+        ("llama_rope_llama3", {"rope_scaling": None}),
+        ("mistral_sliding_window", {"sliding_window": None}),
+    ],
+)
+def test_config_only_features_change_the_logits(hf_tiny, case, ablation):
+    """The parity above would be vacuous if rope scaling / the window did not matter."""
+    family, overrides = DENSE_CASES[case]
+    hf = hf_tiny.model(family, seed=1, **overrides)
+    spec = spec_from_hf_config(hf.config.to_dict())
+    ablated = build_model(spec.replace(**ablation)).eval()
+    ablated.load_state_dict(hf.state_dict())
+    ids = _batch()[0][1:]
+    assert (ablated(ids) - hf(ids).logits).abs().max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def moe_pair(hf_tiny, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3_moe")
+    # Three layers with the middle one dense: router logits come from layers 0 and 2.
+    hf = hf_tiny.write_checkpoint(
+        folder, "qwen3_moe", seed=2, num_hidden_layers=3, mlp_only_layers=[1]
+    )
+    ours = build_model(spec_from_hf_config(hf.config.to_dict())).eval()
+    # transformers 5 fuses experts in memory; the checkpoint on disk keeps per-expert keys.
+    ours.load_state_dict(hf_tiny.read_safetensors(folder), strict=True)
+    return hf, ours
+
+
+@torch.no_grad()
+def test_moe_logits_router_logits_and_aux_loss_match_transformers(moe_pair):
+    hf, ours = moe_pair
+    ids, mask, pos = _batch(seed=3)
+    hf_out = hf(ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
+    logits, router_logits = ours(
+        ids, attention_mask=mask, position_ids=pos, output_router_logits=True
+    )
+    real = mask.bool()
+    assert (logits - hf_out.logits)[real].abs().max() < ATOL
+    assert len(router_logits) == len(hf_out.router_logits) == 2
+    for mine, theirs in zip(router_logits, hf_out.router_logits):
+        assert mine.shape == theirs.shape == (2 * SEQ, 8)
+        assert (mine - theirs)[real.flatten()].abs().max() < ATOL
+    aux = load_balancing_loss(router_logits, top_k=2, attention_mask=mask)
+    assert torch.allclose(aux, hf_out.aux_loss.float(), atol=1e-5, rtol=0)
+
+    full = ids[1:]
+    hf_full = hf(full, output_router_logits=True)
+    logits, router_logits = ours(full, output_router_logits=True)
+    assert torch.allclose(logits, hf_full.logits, atol=ATOL, rtol=0)
+    aux = load_balancing_loss(router_logits, top_k=2)
+    assert torch.allclose(aux, hf_full.aux_loss.float(), atol=1e-5, rtol=0)
+
+
+# --- our model against itself ------------------------------------------------------------
+
+
+def _random_model(factory, hf_tiny, **overrides):
+    model = factory(**overrides)
+    return hf_tiny.randomize(model, seed=4).eval()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "factory", [qwen3.qwen3_tiny, mistral.mistral_tiny], ids=["qwen3", "mistral_window8"]
+)
+def test_kv_cache_decode_equals_full_forward(factory, hf_tiny):
+    """Prefill, a chunked prefill and token-by-token decode with a padded batch == one pass."""
+    model = _random_model(factory, hf_tiny)
+    total = 20  # longer than mistral_tiny's window of 8
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 256, (2, total), generator=gen)
+    mask = torch.ones(2, total, dtype=torch.long)
+    mask[1, :4] = 0
+    pos = padding_position_ids(mask)
+    full = model(ids, attention_mask=mask, position_ids=pos)
+
+    cache = model.init_kv_cache(batch_size=2, max_seq_len=total)
+    pieces = []
+    bounds = [0, 6, 9] + list(range(10, total + 1))  # prefill 6, chunk of 3, then 1 by 1
+    for start, end in zip(bounds, bounds[1:]):
+        pieces.append(
+            model(
+                ids[:, start:end],
+                attention_mask=mask[:, :end],
+                position_ids=pos[:, start:end],
+                kv_cache=cache,
+            )
+        )
+    assert cache.seq_len == total
+    stepwise = torch.cat(pieces, dim=1)
+    real = mask.bool()
+    assert (stepwise - full)[real].abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_kv_cache_without_masks_equals_full_forward(hf_tiny):
+    """Unpadded decoding uses the mask-free fast paths (SDPA is_causal, single token)."""
+    model = _random_model(llama3.llama3_tiny, hf_tiny)
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(6))
+    full = model(ids)
+    cache = model.init_kv_cache(1, 10)
+    steps = [model(ids[:, :4], kv_cache=cache)]
+    steps += [model(ids[:, i : i + 1], kv_cache=cache) for i in range(4, 10)]
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "factory", [llama3.llama3_tiny, qwen3_moe.qwen3_moe_tiny], ids=["llama", "qwen3_moe"]
+)
+def test_document_mask_packing_equals_separate_documents(factory, hf_tiny):
+    model = _random_model(factory, hf_tiny)
+    gen = torch.Generator().manual_seed(7)
+    doc_a = torch.randint(0, 256, (1, 5), generator=gen)
+    doc_b = torch.randint(0, 256, (1, 9), generator=gen)
+    packed = torch.cat([doc_a, doc_b], dim=1)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 9])
+    positions = document_position_ids(doc_ids)
+    assert positions.tolist() == [list(range(5)) + list(range(9))]
+
+    logits = model(packed, attention_mask=document_causal_mask(doc_ids), position_ids=positions)
+    assert torch.allclose(logits[:, :5], model(doc_a), atol=1e-5, rtol=0)
+    assert torch.allclose(logits[:, 5:], model(doc_b), atol=1e-5, rtol=0)
+    # Without the document mask the second document would see the first.
+    leaky = model(packed, position_ids=positions)
+    assert (leaky[:, 5:] - model(doc_b)).abs().max() > 1e-3

@@ -1,0 +1,315 @@
+"""The ``tunesmith`` command line.
+
+Every subcommand has ``--help``. Errors print as one line (``tunesmith: error: ...``) and exit 1;
+``--debug`` shows the full traceback instead.
+
+Example::
+
+    $ tunesmith ls
+    $ tunesmith run sft --config demo max_steps=10
+    $ tunesmith run sft --config qwen3_0_6b --nproc-per-node 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tunesmith.cli import catalog
+
+ALLOW_ANY_ENV = "TUNESMITH_ALLOW_ANY_COMPONENT"
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, never with a traceback."""
+
+
+# --------------------------------------------------------------------------- subcommands
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """List the built-in recipes and their configs."""
+    print(f"{'RECIPE':<12} CONFIGS")
+    for recipe in catalog.recipe_names():
+        configs = catalog.config_names(recipe)
+        print(f"{recipe:<12} {', '.join(configs) if configs else '-'}")
+    return 0
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    """Copy a built-in recipe or config to a file you can edit."""
+    try:
+        source = catalog.recipe_path(args.source)
+    except catalog.CatalogError:
+        source = catalog.config_path(args.source)
+    dest = Path(args.dest)
+    if dest.is_dir():
+        dest = dest / source.name
+    if dest.exists() and not args.force:
+        raise CLIError(f"{dest} already exists (use --force to overwrite)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, dest)
+    print(f"copied {source.name} to {dest}")
+    return 0
+
+
+def _load(args: argparse.Namespace, recipe: str | None = None):
+    from tunesmith.config import load_config
+
+    return load_config(catalog.config_path(args.config, recipe), args.overrides)
+
+
+def cmd_cat(args: argparse.Namespace) -> int:
+    """Print a config with the overrides applied and interpolations resolved."""
+    from tunesmith.config import config_to_yaml
+
+    print(config_to_yaml(_load(args)), end="")
+    return 0
+
+
+def _check(cfg, recipe_file: Path | None) -> None:
+    """Validate the whole config tree; raise one error listing every problem."""
+    from tunesmith.config import ConfigError, validate_config
+
+    runtime_args, runtime_kwargs = {}, {}
+    if recipe_file is not None:
+        from tunesmith.cli.launch import load_recipe_module
+
+        recipe = load_recipe_module(recipe_file)
+        runtime_args = getattr(recipe, "RUNTIME_ARGS", {})
+        runtime_kwargs = getattr(recipe, "RUNTIME_KWARGS", {})
+    issues = validate_config(cfg, runtime_args=runtime_args, runtime_kwargs=runtime_kwargs)
+    if issues:
+        raise ConfigError.from_issues(issues)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Check a config against the real signatures of its components."""
+    config_file = catalog.config_path(args.config)
+    recipe = args.recipe or catalog.recipe_of_config(config_file)
+    from tunesmith.config import load_config
+
+    cfg = load_config(config_file, args.overrides)
+    _check(cfg, catalog.recipe_path(recipe) if recipe else None)
+    print(f"{config_file.name}: OK")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run a recipe on a config, in this process or on N ranks through torchrun."""
+    recipe_file = catalog.recipe_path(args.recipe)
+    builtin = recipe_file.stem if recipe_file.parent == catalog.RECIPES_DIR else None
+    config_file = catalog.config_path(args.config, builtin)
+    from tunesmith.config import load_config
+
+    cfg = load_config(config_file, args.overrides)
+    _check(cfg, recipe_file)  # every problem reported before anything is written
+    if args.nproc_per_node == 1 and args.nnodes == 1:
+        from tunesmith.cli.launch import run_recipe
+
+        run_recipe(recipe_file, cfg)
+        return 0
+    command = [sys.executable, "-m", "torch.distributed.run", *_torchrun_args(args)]
+    command += ["-m", "tunesmith.cli.launch", str(recipe_file), str(config_file), *args.overrides]
+    code = subprocess.call(command, env=os.environ.copy())
+    if code != 0:
+        raise CLIError(f"torchrun exited with code {code} (the failing rank's error is above)")
+    return 0
+
+
+def _torchrun_args(args: argparse.Namespace) -> list[str]:
+    out = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes)]
+    if args.nnodes == 1 and args.rdzv_endpoint is None:
+        return [*out, "--standalone"]
+    if args.rdzv_endpoint is None:
+        raise CLIError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    return [*out, "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
+            "--rdzv-id", args.rdzv_id]  # fmt: skip
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    """Download a model repository from the Hugging Face Hub into a local folder."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    dest = Path(args.output_dir or Path("models") / args.repo_id.split("/")[-1])
+    try:
+        path = snapshot_download(
+            args.repo_id,
+            revision=args.revision,
+            local_dir=dest,
+            allow_patterns=args.allow_patterns,
+            token=args.token,
+        )
+    except LocalEntryNotFoundError as e:
+        raise CLIError(
+            f"cannot download {args.repo_id}: the Hub is not reachable (offline, or HF_HUB_OFFLINE=1)"
+            f" and no local copy exists; copy the model folder here by hand and pass its path"
+        ) from e
+    except HfHubHTTPError as e:
+        raise CLIError(f"cannot download {args.repo_id}: {e}".splitlines()[0]) from e
+    print(f"downloaded {args.repo_id} to {path}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate a reply from a HF checkpoint folder for a prompt or a chat."""
+    import json
+
+    import torch
+
+    from tunesmith.data import Tokenizer
+    from tunesmith.generation import generate
+    from tunesmith.models import from_hf
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = Tokenizer.from_pretrained(args.checkpoint, chat_template=args.chat_template)
+    model = from_hf(args.checkpoint, dtype=args.dtype, device=device).eval()
+    if args.chat is not None:
+        messages = json.loads(Path(args.chat).read_text())
+    elif args.prompt is not None and not args.raw:
+        messages = [{"role": "user", "content": args.prompt}]
+    else:
+        messages = None
+    if messages is not None:
+        if args.system:
+            messages = [{"role": "system", "content": args.system}, *messages]
+        prompt_ids, _ = tokenizer.tokenize_conversation(messages, add_generation_prompt=True)
+    elif args.prompt is not None:
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        raise CLIError("give --prompt TEXT or --chat FILE.json (a list of messages)")
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    out = generate(
+        model,
+        [prompt_ids],
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop_token_ids=tokenizer.stop_token_ids,
+        pad_id=tokenizer.pad_id or 0,
+    )
+    tokens = out.sequences[0]
+    if tokens and tokens[-1] in tokenizer.stop_token_ids:
+        tokens = tokens[:-1]
+    print(tokenizer.decode(tokens, skip_special_tokens=True))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Write a PNG of the loss curves of a run directory (its metrics.jsonl)."""
+    from tunesmith.training import plot_run
+
+    print(plot_run(args.run_dir, args.output))
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="overrides: a.b=value, ~a.b (delete), a=pkg.Cls")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tunesmith", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    parser.add_argument(
+        "--allow-any-component",
+        action="store_true",
+        help="let configs instantiate _component_ paths outside the allow-list (runs their code)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        doc = (fn.__doc__ or "").strip()
+        p = sub.add_parser(name, help=doc, description=doc)
+        p.set_defaults(func=fn)
+        return p
+
+    add("ls", cmd_ls)
+
+    p = add("cp", cmd_cp)
+    p.add_argument("source", help="recipe name (sft) or config name (demo, sft/demo)")
+    p.add_argument("dest", help="destination file or directory")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+
+    p = add("cat", cmd_cat)
+    p.add_argument("config", help="config name or path to a .yaml file")
+    _add_config_args(p)
+
+    p = add("validate", cmd_validate)
+    p.add_argument("config", help="config name or path to a .yaml file")
+    p.add_argument("--recipe", help="recipe the config is for (built-in configs know theirs)")
+    _add_config_args(p)
+
+    p = add("run", cmd_run)
+    p.add_argument("recipe", help="recipe name (see `tunesmith ls`) or path to a .py file")
+    p.add_argument("--config", required=True, help="config name or path to a .yaml file")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="processes (ranks) per node")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous for multi-node runs")
+    p.add_argument("--rdzv-id", default="tunesmith", help="job id shared by all nodes")
+    _add_config_args(p)
+
+    p = add("download", cmd_download)
+    p.add_argument("repo_id", help="Hub repository, e.g. Qwen/Qwen3-0.6B")
+    p.add_argument("--output-dir", help="destination folder (default: models/<name>)")
+    p.add_argument("--revision", help="branch, tag or commit")
+    p.add_argument("--allow-patterns", nargs="*", help="only files matching these globs")
+    p.add_argument("--token", help="Hub token (default: HF_TOKEN or the cached login)")
+
+    p = add("generate", cmd_generate)
+    p.add_argument("checkpoint", help="HF folder: weights, config.json and tokenizer files")
+    p.add_argument("--prompt", help="user message (or raw text with --raw)")
+    p.add_argument("--chat", help="JSON file with a list of {role, content} messages")
+    p.add_argument("--system", help="system prompt to put first")
+    p.add_argument("--raw", action="store_true", help="encode --prompt as is, no chat template")
+    p.add_argument("--chat-template", help="template name (llama3, qwen2_5, qwen3) or .jinja file")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--dtype", help="float32, bfloat16, ... (default: the checkpoint's)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+
+    p = add("plot", cmd_plot)
+    p.add_argument("run_dir", help="run directory holding metrics.jsonl")
+    p.add_argument("--output", help="PNG path (default: RUN_DIR/loss.png)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tunesmith`` console script."""
+    parser = build_parser()
+    # Overrides may follow options (`run sft --config demo a=1`): collect what argparse leaves.
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides") or any(x.startswith("-") for x in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    if args.allow_any_component:
+        os.environ[ALLOW_ANY_ENV] = "1"  # inherited by torchrun ranks
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("tunesmith: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one clear line for the user; --debug for the traceback
+        if args.debug:
+            raise
+        message = str(e).strip() or type(e).__name__
+        print(f"tunesmith: error: {message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""YAML configs with ``_component_`` dotted paths: load, override, validate, instantiate.
+
+Example::
+
+    >>> from tunesmith.config import load_config, validate_config, instantiate, ConfigError
+    >>> cfg = load_config("sft.yaml", ["optimizer.lr=1e-4", "~profiler"])
+    >>> issues = validate_config(cfg, runtime_args={"optimizer": 1})
+    >>> if issues:
+    ...     raise ConfigError.from_issues(issues)
+    >>> optimizer = instantiate(cfg.optimizer, model.parameters())
+"""
+
+from tunesmith.config.components import (
+    ALLOW_ANY_COMPONENT_ENV,
+    ALLOWED_COMPONENT_PREFIXES,
+    COMPONENT_KEY,
+    any_component_allowed,
+    is_component_allowed,
+    resolve_component,
+)
+from tunesmith.config.errors import ConfigError, ConfigIssue
+from tunesmith.config.instantiate import instantiate
+from tunesmith.config.loading import config_to_yaml, load_config
+from tunesmith.config.overrides import apply_overrides, parse_override
+from tunesmith.config.validate import check_keys, validate_config
+
+__all__ = [
+    "ALLOWED_COMPONENT_PREFIXES",
+    "ALLOW_ANY_COMPONENT_ENV",
+    "COMPONENT_KEY",
+    "ConfigError",
+    "ConfigIssue",
+    "any_component_allowed",
+    "apply_overrides",
+    "check_keys",
+    "config_to_yaml",
+    "instantiate",
+    "is_component_allowed",
+    "load_config",
+    "parse_override",
+    "resolve_component",
+    "validate_config",
+]

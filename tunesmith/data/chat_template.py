@@ -1,0 +1,489 @@
+"""Chat templates: render a conversation the way ``transformers`` does, and find the replies.
+
+A chat template is the model's own Jinja program (``tokenizer_config.json`` or
+``chat_template.jinja``). :func:`render` runs it in a sandbox that behaves like the one
+``transformers`` uses (``trim_blocks``/``lstrip_blocks``, ``loopcontrols``, ``tojson`` that keeps
+non-ASCII text, ``raise_exception``, ``strftime_now``, the ``{% generation %}`` tag), so the text
+is byte-for-byte what a server rendering the same template sees.
+
+:func:`render_chat` also returns the character span of every assistant reply. A reply is what
+the model generates after the generation prompt: it starts right after the assistant header and
+ends after the end-of-turn token (``<|eot_id|>``, ``<|im_end|>``, ...) that closes it. With
+``{% generation %}`` tags the spans are the tagged blocks; without them they are found from the
+rendered text alone (see :func:`render_chat`). Tokens are not involved here; the tokenizer maps
+the spans onto tokens.
+
+Example::
+
+    >>> template = load_template("qwen2_5")
+    >>> chat = render_chat(template, [{"role": "user", "content": "Hi"},
+    ...                               {"role": "assistant", "content": "Hello!"}],
+    ...                    control_tokens=["<|im_start|>", "<|im_end|>"], end_tokens=["<|im_end|>"])
+    >>> [chat.text[s:e] for s, e in chat.assistant_spans]
+    ['Hello!<|im_end|>']
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from importlib import resources
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+__all__ = [
+    "TEMPLATE_NAMES",
+    "RenderedChat",
+    "compile_template",
+    "has_generation_tags",
+    "load_template",
+    "normalize_messages",
+    "render",
+    "render_chat",
+]
+
+TEMPLATE_NAMES = ("llama3", "qwen2_5", "qwen3")
+"""Chat templates shipped with tunesmith (``tunesmith/data/templates/<name>.jinja``)."""
+
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A rendered conversation and the ``[start, end)`` character span of each assistant reply."""
+
+    text: str
+    assistant_spans: list[tuple[int, int]]
+
+
+def load_template(name_or_path: str | PathLike[str]) -> str:
+    """Source of a shipped template (``"llama3"``, ``"qwen2_5"``, ``"qwen3"``) or of a ``.jinja`` file.
+
+    Example::
+
+        >>> "<|im_start|>" in load_template("qwen3")
+        True
+    """
+    if isinstance(name_or_path, str) and name_or_path in TEMPLATE_NAMES:
+        return (
+            resources.files("tunesmith.data")
+            .joinpath(f"templates/{name_or_path}.jinja")
+            .read_text("utf-8")
+        )
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"chat template {str(name_or_path)!r} is neither a shipped template "
+            f"({', '.join(TEMPLATE_NAMES)}) nor an existing .jinja file"
+        )
+    return path.read_text(encoding="utf-8")
+
+
+def has_generation_tags(template: str) -> bool:
+    """Whether the template marks assistant text with ``{% generation %}`` blocks."""
+    return _GENERATION_TAG.search(template) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# The sandboxed Jinja environment (same behaviour as transformers' chat template environment).
+
+# (rendered pieces so far, spans found) of the render in progress, if it tracks generation blocks
+_TRACKING: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar(
+    "tunesmith_generation_tracking", default=None
+)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: renders its body and records where it landed."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_record", [])
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _record(self, caller: Callable[[], str]) -> str:
+        text = caller()
+        tracking = _TRACKING.get()
+        if tracking is not None:
+            pieces, spans = tracking
+            start = sum(len(piece) for piece in pieces)
+            spans.append((start, start + len(text)))
+        return text
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Plain json.dumps: Jinja's own filter escapes HTML characters and sorts keys.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _DictFactory:
+    """``dict(...)`` for templates, without exposing the ``dict`` type object itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _check_attribute(name: object) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(
+            f"chat templates may not store underscore attributes on a namespace (got {name!r})"
+        )
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """``namespace(...)`` that refuses underscore attributes (no reach into Python internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - same trick as jinja's Namespace
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _check_attribute(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _check_attribute(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+
+def _make_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _DictFactory()
+    env.globals["namespace"] = _Namespace
+    return env
+
+
+_ENV = _make_environment()
+
+
+@lru_cache(maxsize=64)
+def compile_template(template: str) -> jinja2.Template:
+    """Compile a chat template (cached by source). Raises ``jinja2.TemplateSyntaxError``."""
+    return _ENV.from_string(template)
+
+
+# ---------------------------------------------------------------------------------------------
+# Template inputs
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A copy of ``value`` made of plain JSON-like Python types only (safe to hand to a template)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, np.generic):
+        return _plain(value.item(), where)
+    if isinstance(value, Mapping):
+        return {_plain(k, where): _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return tuple(_plain(v, f"{where}[{i}]") for i, v in enumerate(value))
+    raise TypeError(
+        f"{where}: a chat template input must be JSON-like (str, number, bool, None, dict, "
+        f"list), got {type(value).__name__}"
+    )
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as ``transformers`` hands them to a template.
+
+    Keys whose value is ``None`` are dropped (templates test for a missing key, not for None),
+    values become plain Python data, and a message with reasoning under any of
+    ``reasoning_content`` / ``thinking`` / ``reasoning`` gets it under ``reasoning_content`` and
+    ``thinking`` too.
+
+    Example::
+
+        >>> normalize_messages([{"role": "assistant", "content": "4", "tool_calls": None,
+        ...                      "reasoning": "2+2"}])
+        [{'thinking': '2+2', 'role': 'assistant', 'content': '4', 'reasoning': '2+2', 'reasoning_content': '2+2'}]
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        plain = _plain({k: v for k, v in message.items() if v is not None}, f"messages[{i}]")
+        reasoning = next((plain[k] for k in _REASONING_KEYS if plain.get(k) is not None), None)
+        if reasoning is not None:
+            plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
+        out.append(plain)
+    return out
+
+
+def _plain_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise TypeError(f"tools must be a list of JSON schema dicts, got {type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise TypeError(f"tools[{i}] must be a JSON schema dict, got {type(tool).__name__}")
+    return _plain(list(tools), "tools")
+
+
+class _Renderer:
+    """Renders one conversation's template with fixed tools and kwargs, for any message list."""
+
+    def __init__(
+        self,
+        template: str,
+        tools: Sequence[Mapping[str, Any]] | None,
+        kwargs: Mapping[str, Any],
+    ) -> None:
+        self.compiled = compile_template(template)
+        self.context = {"documents": None, **_plain(dict(kwargs), "template kwargs")}
+        self.context["tools"] = _plain_tools(tools)
+
+    def __call__(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.compiled.render(
+            **self.context, messages=messages, add_generation_prompt=add_generation_prompt
+        )
+
+    def tracked(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> tuple[str, list[tuple[int, int]]]:
+        pieces: list[str] = []
+        spans: list[tuple[int, int]] = []
+        token = _TRACKING.set((pieces, spans))
+        try:
+            stream = self.compiled.generate(
+                **self.context, messages=messages, add_generation_prompt=add_generation_prompt
+            )
+            for piece in stream:
+                pieces.append(piece)
+        finally:
+            _TRACKING.reset(token)
+        return "".join(pieces), spans
+
+    def try_render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str | None:
+        # Probe renders of a prefix may fail on templates that validate the whole conversation
+        # (e.g. "roles must alternate"); the caller then locates turns by search instead.
+        try:
+            return self(messages, add_generation_prompt)
+        except Exception:
+            return None
+
+
+def render(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+    **template_kwargs: Any,
+) -> str:
+    """Render ``messages`` with a chat template, exactly as ``transformers`` would.
+
+    ``template_kwargs`` become template variables (``bos_token``, ``enable_thinking``, ...).
+
+    Example::
+
+        >>> render("{% for m in messages %}{{ m.role }}: {{ m.content }}\\n{% endfor %}",
+        ...        [{"role": "user", "content": "hi"}])
+        'user: hi\\n'
+    """
+    messages = normalize_messages(messages)
+    if not messages:
+        raise ValueError("cannot render an empty conversation")
+    return _Renderer(template, tools, template_kwargs)(messages, add_generation_prompt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the assistant replies
+
+
+def render_chat(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+    control_tokens: Collection[str] = (),
+    end_tokens: Collection[str] = (),
+    **template_kwargs: Any,
+) -> RenderedChat:
+    """Render ``messages`` and locate each assistant reply in the text.
+
+    With ``{% generation %}`` tags, the replies are the tagged blocks, as in ``transformers``.
+
+    Otherwise, for the ``i``-th message when it is an assistant message:
+
+    * **Header.** The generation prompt ``g`` is what ``add_generation_prompt=True`` appends to
+      the conversation before the first assistant message. The reply's turn starts where the
+      conversation before it ends: at ``len(render(messages[:i]))`` when that render is a prefix
+      of the full text, else (templates that rewrite history, like Qwen3 dropping old
+      ``<think>`` blocks) at the next occurrence of the assistant role header after the previous
+      reply. The header is the longest prefix of ``g``, cut just before one of
+      ``control_tokens`` (or all of ``g``), that the text repeats there: with Qwen3's
+      ``enable_thinking=False`` prompt ``<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n``, a
+      turn that has that empty think block excludes it, a turn with real reasoning starts at
+      ``<think>``.
+    * **End.** The reply runs to the end of the first of ``end_tokens`` after the header.
+
+    So a reply is exactly what the model generates after the generation prompt, including the
+    end-of-turn token and excluding what follows it (e.g. the newline after ``<|im_end|>``).
+
+    Args:
+        control_tokens: the tokenizer's added tokens (``<|im_start|>``, ``<think>``, ...).
+        end_tokens: strings that end a turn (the tokenizer's stop tokens).
+
+    Raises:
+        ValueError: the template has no generation prompt, a reply is not closed by one of
+            ``end_tokens``, or a reply cannot be located.
+    """
+    messages = normalize_messages(messages)
+    if not messages:
+        raise ValueError("cannot render an empty conversation")
+    renderer = _Renderer(template, tools, template_kwargs)
+    if has_generation_tags(template):
+        text, spans = renderer.tracked(messages, add_generation_prompt)
+        return RenderedChat(text, spans)
+    text = renderer(messages, add_generation_prompt)
+    spans = _infer_spans(renderer, messages, text, control_tokens, end_tokens)
+    return RenderedChat(text, spans)
+
+
+def _infer_spans(
+    renderer: _Renderer,
+    messages: list[dict[str, Any]],
+    text: str,
+    control_tokens: Collection[str],
+    end_tokens: Collection[str],
+) -> list[tuple[int, int]]:
+    replies = [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
+    if not replies:
+        return []
+    end_tokens = [token for token in end_tokens if token]
+    if not end_tokens:
+        raise ValueError(
+            "cannot find where assistant replies end: no end-of-turn tokens given "
+            "(the tokenizer has no eos / stop tokens)"
+        )
+    prefixes: dict[int, str | None] = {}
+
+    def prefix(n: int) -> str | None:
+        if n not in prefixes:
+            prefixes[n] = renderer.try_render(messages[:n], False)
+        return prefixes[n]
+
+    headers = _header_candidates(
+        _generation_prompt(renderer, messages, replies, prefix), control_tokens
+    )
+    spans = []
+    cursor = 0
+    for i in replies:
+        before = prefix(i)
+        if before is not None and len(before) >= cursor and text.startswith(before):
+            cursor = len(before)  # the turn starts here, unless the header comes a bit later
+        turn = cursor if text.startswith(headers[-1], cursor) else text.find(headers[-1], cursor)
+        if turn < 0:
+            raise ValueError(
+                f"messages[{i}]: cannot find the assistant header {headers[-1]!r} in the "
+                "rendered conversation; add {% generation %} tags to the chat template"
+            )
+        header = next(h for h in headers if text.startswith(h, turn))
+        start = turn + len(header)
+        end = _end_of_turn(text, start, end_tokens)
+        through = prefix(i + 1) if i + 1 < len(messages) else None
+        turn_end = len(through) if through is not None and text.startswith(through) else None
+        if end is None or (turn_end is not None and end > turn_end):
+            raise ValueError(
+                f"messages[{i}]: the assistant turn is not closed by an end-of-turn token "
+                f"({', '.join(map(repr, end_tokens))}); add {{% generation %}} tags to the "
+                "chat template to mark the replies"
+            )
+        spans.append((start, end))
+        cursor = end
+    return spans
+
+
+def _generation_prompt(
+    renderer: _Renderer,
+    messages: list[dict[str, Any]],
+    replies: list[int],
+    prefix: Callable[[int], str | None],
+) -> str:
+    for i in replies:
+        without = prefix(i)
+        with_prompt = renderer.try_render(messages[:i], True)
+        if without is None or with_prompt is None:
+            continue
+        if with_prompt.startswith(without) and len(with_prompt) > len(without):
+            return with_prompt[len(without) :]
+    raise ValueError(
+        "cannot locate the assistant replies: add_generation_prompt=True does not add an "
+        "assistant header to this chat template's output; add {% generation %} tags to the "
+        "chat template to mark the replies"
+    )
+
+
+def _header_candidates(prompt: str, control_tokens: Collection[str]) -> list[str]:
+    """Prefixes of the generation prompt that may serve as a turn's header, longest first."""
+    cuts = {len(prompt)}
+    for token in control_tokens:
+        if not token:
+            continue
+        at = prompt.find(token, 1)
+        while at != -1:
+            cuts.add(at)
+            at = prompt.find(token, at + 1)
+    return [prompt[:cut] for cut in sorted(cuts, reverse=True)]
+
+
+def _end_of_turn(text: str, start: int, end_tokens: Sequence[str]) -> int | None:
+    best: tuple[int, int] | None = None  # (position, -length): earliest, then longest
+    for token in end_tokens:
+        at = text.find(token, start)
+        if at != -1 and (best is None or (at, -len(token)) < best):
+            best = (at, -len(token))
+    return None if best is None else best[0] - best[1]

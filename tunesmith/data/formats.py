@@ -1,0 +1,336 @@
+"""Turn one dataset row into a conversation (or plain text), checking it on the way.
+
+Formats and the fields they read (``column_map`` renames fields to your columns):
+
+=====================  ===========================================  ========================
+format                 required fields                              optional fields
+=====================  ===========================================  ========================
+``messages``           ``messages`` (OpenAI ``{role, content}``)     ``tools``
+``sharegpt``           ``conversations`` (``{from, value}``)         ``system``, ``tools``
+``alpaca``             ``instruction``, ``output``                   ``input``, ``system``
+``prompt_completion``  ``prompt``, ``completion``                    ``system``
+``text``               ``text``                                     --
+=====================  ===========================================  ========================
+
+Conversations are checked by :func:`check_messages`; any problem raises
+:class:`~tunesmith.data.report.BadRow` with a reason code (see ``report.py``), which the
+dataset turns into an error or a counted skip.
+
+Role order (what counts as ``roles_out_of_order``): roles are ``system``, ``user``,
+``assistant`` and ``tool``. ``system`` may only come first. The first other message is
+``user``; a ``user`` is followed by an ``assistant``; an ``assistant`` by a ``user`` or a
+``tool``; a ``tool`` by another ``tool`` or an ``assistant``. So two user turns or two
+assistant turns in a row, an assistant (or tool) first, or a tool after a user are all
+out of order. A conversation may end on any role; it needs at least one assistant turn.
+
+Example::
+
+    >>> row = {"question": "2+2?", "answer": "4"}
+    >>> conv = convert_row(row, "alpaca", {"instruction": "question", "output": "answer"})
+    >>> conv.messages
+    [{'role': 'user', 'content': '2+2?'}, {'role': 'assistant', 'content': '4'}]
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tunesmith.data.report import (
+    EMPTY_ASSISTANT_TURN,
+    EMPTY_TEXT,
+    MISSING_FIELD,
+    NO_ASSISTANT_TURN,
+    ROLES_OUT_OF_ORDER,
+    UNKNOWN_ROLE,
+    WRONG_TYPE,
+    BadRow,
+    DataError,
+)
+
+__all__ = [
+    "FORMATS",
+    "FORMAT_FIELDS",
+    "SHAREGPT_ROLES",
+    "Conversation",
+    "PlainText",
+    "PromptCompletion",
+    "check_columns",
+    "check_messages",
+    "convert_row",
+    "resolve_columns",
+]
+
+ROLES = ("system", "user", "assistant", "tool")
+
+# Which role may follow which (None = start of the conversation).
+_NEXT_ROLES: dict[str | None, tuple[str, ...]] = {
+    None: ("system", "user"),
+    "system": ("user",),
+    "user": ("assistant",),
+    "assistant": ("user", "tool"),
+    "tool": ("tool", "assistant"),
+}
+
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "function_call": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+}
+"""ShareGPT ``from`` values and the role each one becomes."""
+
+FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "messages": (("messages",), ("tools",)),
+    "sharegpt": (("conversations",), ("system", "tools")),
+    "alpaca": (("instruction", "output"), ("input", "system")),
+    "prompt_completion": (("prompt", "completion"), ("system",)),
+    "text": (("text",), ()),
+}
+"""format -> (required fields, optional fields)."""
+
+FORMATS = tuple(FORMAT_FIELDS)
+
+
+@dataclass
+class Conversation:
+    """Checked chat messages (and tool schemas) ready for the chat template."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class PromptCompletion:
+    """A prompt and its completion, tokenised raw (no chat template)."""
+
+    prompt: str
+    completion: str
+
+
+@dataclass
+class PlainText:
+    """A text trained on in full (continued pre-training style)."""
+
+    text: str
+
+
+def resolve_columns(format: str, column_map: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Map each field of ``format`` to its column name (the field itself unless renamed).
+
+    Example::
+
+        >>> resolve_columns("prompt_completion", {"completion": "answer"})
+        {'prompt': 'prompt', 'completion': 'answer', 'system': 'system'}
+    """
+    if format not in FORMAT_FIELDS:
+        raise ValueError(f"unknown dataset format {format!r}; choose one of {FORMATS}")
+    required, optional = FORMAT_FIELDS[format]
+    fields = required + optional
+    column_map = dict(column_map or {})
+    unknown = sorted(set(column_map) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"column_map has keys {unknown} that format {format!r} does not read; "
+            f"its fields are {list(fields)} (map field -> your column name)"
+        )
+    return {f: str(column_map.get(f, f)) for f in fields}
+
+
+def check_columns(
+    format: str, columns: Mapping[str, str], available: Sequence[str], source: str
+) -> None:
+    """Raise :class:`DataError` if a required column is absent from the whole dataset."""
+    required, _ = FORMAT_FIELDS[format]
+    missing = [f for f in required if columns[f] not in available]
+    if missing:
+        names = ", ".join(
+            f"{columns[f]!r}" + ("" if columns[f] == f else f" (for field {f!r})") for f in missing
+        )
+        raise DataError(
+            f"{source}: format {format!r} needs column {names}, but the data has columns "
+            f"{sorted(available)}; set column_map={{field: column}} to use other names"
+        )
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def _field(row: Mapping[str, Any], column: str, required: bool) -> Any:
+    value = row.get(column)
+    if value is None and required:
+        raise BadRow(MISSING_FIELD, f"column {column!r} is missing or null")
+    return value
+
+
+def _string(row: Mapping[str, Any], column: str, required: bool = True) -> str | None:
+    value = _field(row, column, required)
+    if value is not None and not isinstance(value, str):
+        raise BadRow(WRONG_TYPE, f"column {column!r} is {_type_name(value)}, expected str")
+    return value
+
+
+def _tools(row: Mapping[str, Any], column: str) -> list[dict[str, Any]] | None:
+    tools = row.get(column)
+    if tools is None:
+        return None
+    if isinstance(tools, str):  # many datasets store the tool schemas as a JSON string
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise BadRow(WRONG_TYPE, f"column {column!r} is a string but not JSON: {e}") from e
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        raise BadRow(WRONG_TYPE, f"column {column!r} must be a list of tool schemas (objects)")
+    return [dict(t) for t in tools] or None
+
+
+def check_messages(messages: object, column: str = "messages") -> list[dict[str, Any]]:
+    """Check roles, types, order and content; return clean copies of the messages.
+
+    Keys whose value is ``None`` are dropped (Arrow fills absent keys with ``None``).
+    ``content`` must be a string; an assistant message may instead carry ``tool_calls``.
+
+    Example::
+
+        >>> check_messages([{"role": "user", "content": "hi"},
+        ...                 {"role": "assistant", "content": "hello", "tool_calls": None}])
+        [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'hello'}]
+    """
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        raise BadRow(
+            WRONG_TYPE, f"column {column!r} is {_type_name(messages)}, expected a list of messages"
+        )
+    out: list[dict[str, Any]] = []
+    prev: str | None = None
+    for i, message in enumerate(messages):
+        where = f"{column}[{i}]"
+        if not isinstance(message, Mapping):
+            raise BadRow(WRONG_TYPE, f"{where} is {_type_name(message)}, expected an object")
+        msg = {k: v for k, v in message.items() if v is not None}
+        role = msg.get("role")
+        if role is None:
+            raise BadRow(MISSING_FIELD, f"{where} has no 'role'")
+        if not isinstance(role, str):
+            raise BadRow(WRONG_TYPE, f"{where}.role is {_type_name(role)}, expected str")
+        if role not in ROLES:
+            raise BadRow(UNKNOWN_ROLE, f"{where}.role is {role!r}; known roles are {ROLES}")
+        content = msg.get("content")
+        has_calls = role == "assistant" and bool(msg.get("tool_calls"))
+        if content is None and not has_calls:
+            raise BadRow(MISSING_FIELD, f"{where} ({role}) has no 'content'")
+        if content is not None and not isinstance(content, str):
+            raise BadRow(WRONG_TYPE, f"{where}.content is {_type_name(content)}, expected str")
+        if role == "assistant" and not has_calls and not content.strip():
+            raise BadRow(EMPTY_ASSISTANT_TURN, f"{where} is an empty assistant turn")
+        if role not in _NEXT_ROLES[prev]:
+            after = "at the start" if prev is None else f"after {prev!r}"
+            raise BadRow(
+                ROLES_OUT_OF_ORDER,
+                f"{where} is {role!r} {after}; allowed there: {_NEXT_ROLES[prev]}",
+            )
+        out.append(msg)
+        prev = role
+    if not any(m["role"] == "assistant" for m in out):
+        raise BadRow(NO_ASSISTANT_TURN, f"column {column!r} has no assistant turn")
+    return out
+
+
+def _with_system(messages: list[dict[str, Any]], system: str | None) -> list[dict[str, Any]]:
+    if system is None or (messages and messages[0]["role"] == "system"):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _sharegpt_messages(turns: object, column: str) -> list[dict[str, Any]]:
+    if not isinstance(turns, Sequence) or isinstance(turns, (str, bytes)):
+        raise BadRow(
+            WRONG_TYPE, f"column {column!r} is {_type_name(turns)}, expected a list of turns"
+        )
+    messages = []
+    for i, turn in enumerate(turns):
+        where = f"{column}[{i}]"
+        if not isinstance(turn, Mapping):
+            raise BadRow(WRONG_TYPE, f"{where} is {_type_name(turn)}, expected an object")
+        speaker, value = turn.get("from"), turn.get("value")
+        if speaker is None or value is None:
+            key = "from" if speaker is None else "value"
+            raise BadRow(MISSING_FIELD, f"{where} has no {key!r}")
+        if not isinstance(speaker, str):
+            raise BadRow(WRONG_TYPE, f"{where}.from is {_type_name(speaker)}, expected str")
+        if speaker not in SHAREGPT_ROLES:
+            raise BadRow(
+                UNKNOWN_ROLE, f"{where}.from is {speaker!r}; known: {sorted(SHAREGPT_ROLES)}"
+            )
+        messages.append({"role": SHAREGPT_ROLES[speaker], "content": value})
+    return messages
+
+
+def convert_row(
+    row: Mapping[str, Any],
+    format: str,
+    column_map: Mapping[str, str] | None = None,
+    *,
+    system_prompt: str | None = None,
+    use_chat_template: bool = True,
+) -> Conversation | PromptCompletion | PlainText:
+    """Convert one row to a :class:`Conversation` (or raw text), raising :class:`BadRow`.
+
+    ``system_prompt`` is added as the first message of conversations that have no system
+    message of their own (a row's own system message wins). ``prompt_completion`` rows
+    become a user/assistant conversation when ``use_chat_template`` is true, else a
+    :class:`PromptCompletion`; ``text`` rows become :class:`PlainText`.
+
+    Example::
+
+        >>> convert_row({"prompt": "1+1=", "completion": "2"}, "prompt_completion",
+        ...             use_chat_template=False)
+        PromptCompletion(prompt='1+1=', completion='2')
+    """
+    columns = resolve_columns(format, column_map)
+    if not isinstance(row, Mapping):
+        raise BadRow(WRONG_TYPE, f"row is {_type_name(row)}, expected an object")
+    if format == "text":
+        text = _string(row, columns["text"])
+        if not text.strip():
+            raise BadRow(EMPTY_TEXT, f"column {columns['text']!r} is empty")
+        return PlainText(text)
+    if format == "prompt_completion":
+        prompt = _string(row, columns["prompt"])
+        completion = _string(row, columns["completion"])
+        if not completion.strip():
+            raise BadRow(EMPTY_ASSISTANT_TURN, f"column {columns['completion']!r} is empty")
+        if not use_chat_template:
+            return PromptCompletion(prompt, completion)
+        system = _string(row, columns["system"], required=False) or system_prompt
+        messages = [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": completion},
+        ]
+        return Conversation(check_messages(_with_system(messages, system)))
+    if format == "alpaca":
+        instruction = _string(row, columns["instruction"])
+        extra = _string(row, columns["input"], required=False)
+        output = _string(row, columns["output"])
+        prompt = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
+        system = _string(row, columns["system"], required=False) or system_prompt
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+        return Conversation(check_messages(_with_system(messages, system)))
+    if format == "sharegpt":
+        turns = _field(row, columns["conversations"], required=True)
+        messages = _sharegpt_messages(turns, columns["conversations"])
+        system = _string(row, columns["system"], required=False) or system_prompt
+        messages = check_messages(_with_system(messages, system), columns["conversations"])
+        return Conversation(messages, _tools(row, columns["tools"]))
+    # format == "messages"
+    messages = _field(row, columns["messages"], required=True)
+    messages = check_messages(messages, columns["messages"])
+    return Conversation(_with_system(messages, system_prompt), _tools(row, columns["tools"]))

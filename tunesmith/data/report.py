@@ -1,0 +1,168 @@
+"""Bad-row errors and the per-dataset report of what was kept, skipped and truncated.
+
+A row that cannot become a correct training sample raises :class:`BadRow` inside the
+converters. The dataset either stops with a :class:`BadRowError` (naming the file, the
+row and the reason) or counts the row in its :class:`DataReport` and skips it.
+
+Example::
+
+    >>> report = DataReport(source="train.jsonl")
+    >>> report.add_bad(BadRow(MISSING_FIELD, "no 'output'"), row=3)
+    >>> report.skipped
+    {'missing_field': 1}
+    >>> report.examples["missing_field"]
+    [3]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "BAD_ROW_REASONS",
+    "EMPTY_ASSISTANT_TURN",
+    "EMPTY_TEXT",
+    "INVALID_UTF8",
+    "MALFORMED_JSON",
+    "MISSING_FIELD",
+    "NO_ASSISTANT_TURN",
+    "NO_TRAINED_TOKENS",
+    "ROLES_OUT_OF_ORDER",
+    "TEMPLATE_ERROR",
+    "TOO_LONG",
+    "UNKNOWN_ROLE",
+    "WRONG_TYPE",
+    "BadRow",
+    "BadRowError",
+    "DataError",
+    "DataReport",
+]
+
+# Reason codes: stable strings, used as keys of DataReport.skipped / .examples.
+MALFORMED_JSON = "malformed_json"
+INVALID_UTF8 = "invalid_utf8"
+MISSING_FIELD = "missing_field"
+WRONG_TYPE = "wrong_type"
+UNKNOWN_ROLE = "unknown_role"
+ROLES_OUT_OF_ORDER = "roles_out_of_order"
+NO_ASSISTANT_TURN = "no_assistant_turn"
+EMPTY_ASSISTANT_TURN = "empty_assistant_turn"
+EMPTY_TEXT = "empty_text"
+TEMPLATE_ERROR = "template_error"
+TOO_LONG = "too_long"
+NO_TRAINED_TOKENS = "no_trained_tokens"
+
+BAD_ROW_REASONS = (
+    MALFORMED_JSON,
+    INVALID_UTF8,
+    MISSING_FIELD,
+    WRONG_TYPE,
+    UNKNOWN_ROLE,
+    ROLES_OUT_OF_ORDER,
+    NO_ASSISTANT_TURN,
+    EMPTY_ASSISTANT_TURN,
+    EMPTY_TEXT,
+    TEMPLATE_ERROR,
+    TOO_LONG,
+    NO_TRAINED_TOKENS,
+)
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used as given (bad file, missing column, bad row...)."""
+
+
+class BadRow(Exception):
+    """Raised by converters for one unusable row; carries a reason code and a detail.
+
+    Example::
+
+        >>> str(BadRow(WRONG_TYPE, "messages[1].content is int, expected str"))
+        'wrong_type: messages[1].content is int, expected str'
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        if reason not in BAD_ROW_REASONS:
+            raise ValueError(f"unknown bad-row reason {reason!r}; known: {BAD_ROW_REASONS}")
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class BadRowError(DataError):
+    """A bad row met with ``on_bad_row="error"``: names the source, the row and the reason."""
+
+    def __init__(self, source: str, row: int, where: str, bad: BadRow) -> None:
+        super().__init__(
+            f"{source}: bad row {row}{where}: {bad.reason}: {bad.detail} "
+            f"(set on_bad_row='skip' to skip and count such rows)"
+        )
+        self.source = source
+        self.row = row
+        self.reason = bad.reason
+        self.detail = bad.detail
+
+
+@dataclass
+class DataReport:
+    """What happened to each row of a dataset.
+
+    ``rows`` counts every row read, ``samples`` the rows that became samples,
+    ``skipped`` maps reason -> count, ``examples`` maps reason -> the first
+    ``max_examples`` row indices (0-based, in source order), ``details`` the
+    detail text of the first example per reason. ``truncated`` counts kept samples
+    that were cut to ``max_seq_len``; ``tokens`` / ``trained_tokens`` sum the kept
+    samples' lengths and their positions with a label.
+    """
+
+    source: str
+    rows: int = 0
+    samples: int = 0
+    truncated: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[int]] = field(default_factory=dict)
+    details: dict[str, str] = field(default_factory=dict)
+    max_examples: int = 10
+
+    @property
+    def num_skipped(self) -> int:
+        """Total number of skipped rows."""
+        return sum(self.skipped.values())
+
+    def add_bad(self, bad: BadRow, row: int) -> None:
+        """Count one skipped row under its reason."""
+        self.skipped[bad.reason] = self.skipped.get(bad.reason, 0) + 1
+        rows = self.examples.setdefault(bad.reason, [])
+        if len(rows) < self.max_examples:
+            rows.append(row)
+        self.details.setdefault(bad.reason, bad.detail)
+
+    def summary(self) -> str:
+        """One human-readable paragraph for the training log."""
+        lines = [
+            f"{self.source}: {self.rows} rows -> {self.samples} samples "
+            f"({self.tokens} tokens, {self.trained_tokens} trained), "
+            f"{self.truncated} truncated, {self.num_skipped} skipped"
+        ]
+        for reason, count in sorted(self.skipped.items()):
+            rows = ", ".join(str(r) for r in self.examples[reason])
+            more = ", ..." if count > len(self.examples[reason]) else ""
+            lines.append(
+                f"  skipped {count} x {reason} (rows {rows}{more}; first: {self.details[reason]})"
+            )
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain-data view, e.g. for a metrics logger or a JSON file."""
+        return {
+            "source": self.source,
+            "rows": self.rows,
+            "samples": self.samples,
+            "truncated": self.truncated,
+            "tokens": self.tokens,
+            "trained_tokens": self.trained_tokens,
+            "skipped": dict(self.skipped),
+            "examples": {k: list(v) for k, v in self.examples.items()},
+        }

@@ -1,0 +1,269 @@
+"""The SFT dataset: rows -> checked conversations -> token ids and shifted labels.
+
+Everything is tokenised once, at construction, in a plain loop that keeps each row's
+index, so every problem is reported with the file and the row. A row that cannot give a
+correct sample (see the reason codes in ``report.py``) either stops construction with a
+:class:`~tunesmith.data.report.BadRowError` (``on_bad_row="error"``, the default) or is
+skipped and counted in :attr:`SFTDataset.report` (``on_bad_row="skip"``); a sample is
+never kept with no trained token.
+
+What is trained (``train_on``):
+
+- ``"assistant"``: the assistant replies, each with its end-of-turn token, as the chat
+  template marks them (``Tokenizer.tokenize_conversation``);
+- ``"last_turn"``: only the last assistant reply (the last of the reply token spans
+  that ``tokenize_conversation(..., return_spans=True)`` gives; after tool calls, the
+  final assistant message, not the calls before it);
+- ``"all"``: every token of the rendered conversation.
+
+``prompt_completion`` rows with ``use_chat_template=False`` are tokenised raw:
+``encode(prompt)`` (with the tokenizer's special tokens, e.g. BOS) followed by
+``encode(completion, add_special_tokens=False)`` and EOS; the completion and EOS are
+trained (everything with ``train_on="all"``). ``text`` rows are ``encode(text)`` + EOS,
+all trained whatever ``train_on`` says.
+
+Truncation to ``max_seq_len``: ``"right"`` keeps the start, ``"left"`` keeps the end,
+``"drop"`` skips or rejects longer samples as ``too_long``. A truncated sample whose
+trained tokens were all cut off is ``no_trained_tokens``.
+
+A sample is ``{"input_ids": list[int], "labels": list[int]}`` with shifted labels
+(``labels[i]`` is the target of position ``i``; see ``labels.py``).
+
+Example (YAML)::
+
+    dataset:
+      _component_: tunesmith.data.sft_dataset.SFTDataset
+      source: data/train.jsonl
+      format: alpaca
+      column_map: {instruction: question, output: answer}
+      max_seq_len: 2048
+      on_bad_row: skip
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import Dataset
+
+from tunesmith.data.formats import (
+    Conversation,
+    PlainText,
+    PromptCompletion,
+    check_columns,
+    convert_row,
+    resolve_columns,
+)
+from tunesmith.data.labels import count_trained, make_labels, truncate
+from tunesmith.data.report import (
+    NO_TRAINED_TOKENS,
+    TEMPLATE_ERROR,
+    TOO_LONG,
+    BadRow,
+    BadRowError,
+    DataError,
+    DataReport,
+)
+from tunesmith.data.sources import load_rows
+
+if TYPE_CHECKING:
+    from tunesmith.data.tokenizer import Tokenizer
+
+__all__ = ["BAD_ROW_POLICIES", "TRAIN_ON", "TRUNCATION", "SFTDataset", "tokenize_example"]
+
+TRAIN_ON = ("assistant", "last_turn", "all")
+TRUNCATION = ("right", "left", "drop")
+BAD_ROW_POLICIES = ("error", "skip")
+
+
+def _with_eos(ids: list[int], eos_id: int | None) -> list[int]:
+    if eos_id is not None and (not ids or ids[-1] != eos_id):
+        ids = [*ids, eos_id]
+    return ids
+
+
+def _encode(
+    tokenizer: Tokenizer,
+    example: Conversation | PromptCompletion | PlainText,
+    train_on: str,
+    template_kwargs: Mapping[str, Any],
+) -> tuple[list[int], list[int]]:
+    if isinstance(example, PlainText):
+        ids = _with_eos(tokenizer.encode(example.text, add_special_tokens=True), tokenizer.eos_id)
+        return ids, [1] * len(ids)
+    if isinstance(example, PromptCompletion):
+        prompt = tokenizer.encode(example.prompt, add_special_tokens=True)
+        completion = _with_eos(
+            tokenizer.encode(example.completion, add_special_tokens=False), tokenizer.eos_id
+        )
+        prompt_mask = [1 if train_on == "all" else 0] * len(prompt)
+        return prompt + completion, prompt_mask + [1] * len(completion)
+    try:
+        ids, mask, spans = tokenizer.tokenize_conversation(
+            example.messages, tools=example.tools, return_spans=True, **template_kwargs
+        )
+    except Exception as e:  # a template's raise_exception, or a template that fails to render
+        raise BadRow(TEMPLATE_ERROR, f"the chat template failed: {type(e).__name__}: {e}") from e
+    if not any(mask):
+        raise BadRow(NO_TRAINED_TOKENS, "the chat template marks no assistant tokens")
+    if train_on == "all":
+        mask = [1] * len(ids)
+    elif train_on == "last_turn":
+        start, end = spans[-1]
+        mask = [0] * start + [1] * (end - start) + [0] * (len(ids) - end)
+    return list(ids), list(mask)
+
+
+def tokenize_example(
+    tokenizer: Tokenizer,
+    example: Conversation | PromptCompletion | PlainText,
+    *,
+    train_on: str = "assistant",
+    max_seq_len: int | None = None,
+    truncation: str = "right",
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, list[int]], bool]:
+    """Tokenise one converted row; return ``(sample, was_truncated)`` or raise ``BadRow``.
+
+    Example::
+
+        >>> conv = Conversation([{"role": "user", "content": "hi"},
+        ...                      {"role": "assistant", "content": "hello"}])
+        >>> sample, cut = tokenize_example(tok, conv, max_seq_len=64)   # doctest: +SKIP
+    """
+    ids, mask = _encode(tokenizer, example, train_on, template_kwargs or {})
+    cut = max_seq_len is not None and len(ids) > max_seq_len
+    if cut:
+        if truncation == "drop":
+            raise BadRow(TOO_LONG, f"{len(ids)} tokens > max_seq_len={max_seq_len}")
+        ids, mask = truncate(ids, mask, max_seq_len, truncation)
+    labels = make_labels(ids, mask)
+    if count_trained(labels) == 0:
+        after = f" after truncation to max_seq_len={max_seq_len}" if cut else ""
+        raise BadRow(NO_TRAINED_TOKENS, f"no trained tokens{after}")
+    return {"input_ids": ids, "labels": labels}, bool(cut)
+
+
+class SFTDataset(Dataset):
+    """Supervised fine-tuning samples from a local file or a Hub dataset.
+
+    Args:
+        tokenizer: a :class:`~tunesmith.data.tokenizer.Tokenizer` (a runtime argument
+            when built from YAML).
+        source: local ``.jsonl``/``.json``/``.parquet``/``.csv``/``.tsv`` file, local
+            folder, or ``datasets.load_dataset`` name.
+        format: ``"messages"``, ``"sharegpt"``, ``"alpaca"``, ``"prompt_completion"`` or
+            ``"text"`` (fields in ``formats.py``).
+        column_map: ``{field: column}`` to read a field from another column.
+        split, data_files: passed to ``datasets.load_dataset`` (folders, Hub names).
+        train_on: ``"assistant"``, ``"last_turn"`` or ``"all"`` (see the module docs).
+        max_seq_len: longest sample in tokens (``None``: no limit).
+        truncation: ``"right"``, ``"left"`` or ``"drop"``.
+        on_bad_row: ``"error"`` (raise at the first bad row) or ``"skip"`` (count it).
+        use_chat_template: render ``prompt_completion`` rows through the chat template
+            (``True``) or concatenate them raw (``False``).
+        system_prompt: system message for conversations that have none.
+        template_kwargs: extra chat template variables (e.g. ``{"enable_thinking": False}``).
+
+    Attributes:
+        samples: the ``{"input_ids", "labels"}`` dicts, in source order.
+        row_indices: the source row of each sample.
+        report: a :class:`~tunesmith.data.report.DataReport` (log ``report.summary()``).
+
+    Example::
+
+        >>> ds = SFTDataset(tok, source="train.jsonl", max_seq_len=512)  # doctest: +SKIP
+        >>> ds[0].keys()  # doctest: +SKIP
+        dict_keys(['input_ids', 'labels'])
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        source: str | os.PathLike[str],
+        format: str = "messages",
+        column_map: Mapping[str, str] | None = None,
+        split: str = "train",
+        data_files: str | Sequence[str] | Mapping[str, Any] | None = None,
+        train_on: str = "assistant",
+        max_seq_len: int | None = None,
+        truncation: str = "right",
+        on_bad_row: str = "error",
+        use_chat_template: bool = True,
+        system_prompt: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if train_on not in TRAIN_ON:
+            raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
+        if truncation not in TRUNCATION:
+            raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
+        if on_bad_row not in BAD_ROW_POLICIES:
+            raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {on_bad_row!r}")
+        if max_seq_len is not None and max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2 (or None), got {max_seq_len}")
+        raw = format == "text" or (format == "prompt_completion" and not use_chat_template)
+        if raw and system_prompt is not None:
+            raise ValueError(
+                f"system_prompt needs the chat template; format {format!r} with "
+                f"use_chat_template={use_chat_template} is tokenised raw"
+            )
+        if not raw and not tokenizer.chat_templates:
+            raise ValueError(
+                f"format {format!r} renders conversations with the chat template, but the "
+                f"tokenizer has none (load it with Tokenizer.from_pretrained(..., chat_template=...))"
+            )
+        columns = resolve_columns(format, column_map)
+        rows = load_rows(source, split=split, data_files=data_files)
+        check_columns(format, columns, rows.columns, rows.name)
+
+        self.source = rows.name
+        self.format = format
+        self.train_on = train_on
+        self.max_seq_len = max_seq_len
+        self.samples: list[dict[str, list[int]]] = []
+        self.row_indices: list[int] = []
+        self.report = DataReport(source=rows.name)
+        for index, where, row in rows:
+            self.report.rows += 1
+            try:
+                if isinstance(row, BadRow):
+                    raise row
+                example = convert_row(
+                    row,
+                    format,
+                    column_map,
+                    system_prompt=system_prompt,
+                    use_chat_template=use_chat_template,
+                )
+                sample, cut = tokenize_example(
+                    tokenizer,
+                    example,
+                    train_on=train_on,
+                    max_seq_len=max_seq_len,
+                    truncation=truncation,
+                    template_kwargs=template_kwargs,
+                )
+            except BadRow as bad:
+                if on_bad_row == "error":
+                    raise BadRowError(rows.name, index, where, bad) from bad
+                self.report.add_bad(bad, index)
+                continue
+            self.samples.append(sample)
+            self.row_indices.append(index)
+            self.report.samples += 1
+            self.report.truncated += int(cut)
+            self.report.tokens += len(sample["input_ids"])
+            self.report.trained_tokens += count_trained(sample["labels"])
+        if not self.samples:
+            raise DataError(
+                f"{rows.name}: no usable samples, every row was skipped\n{self.report.summary()}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.samples[index]

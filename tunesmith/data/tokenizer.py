@@ -1,0 +1,542 @@
+"""The tokenizer: a Hugging Face tokenizer folder read with ``tokenizers`` and ``jinja2``.
+
+:class:`Tokenizer` reads ``tokenizer.json`` (the fast-tokenizer file, which holds the whole
+pipeline: normalizer, pre-tokenizer, BPE model, added tokens and the post-processor that adds
+BOS), ``tokenizer_config.json`` (special tokens, chat template, ``model_max_length``),
+``chat_template.jinja`` and ``additional_chat_templates/*.jinja`` (newer layout),
+``special_tokens_map.json`` (older layout) and ``generation_config.json`` (extra stop tokens).
+It needs no ``transformers`` at run time, and its token ids equal ``transformers``'.
+
+Chat data is rendered with the model's own template and tokenized as one text, like
+``tokenizer.apply_chat_template(..., tokenize=True)``; :meth:`Tokenizer.tokenize_conversation`
+also says which tokens are the assistant's replies (the loss mask).
+
+Example::
+
+    >>> tok = Tokenizer.from_pretrained("path/to/Qwen2.5-0.5B-Instruct")  # doctest: +SKIP
+    >>> ids, mask = tok.tokenize_conversation(  # doctest: +SKIP
+    ...     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}])
+    >>> tok.decode([i for i, m in zip(ids, mask) if m])  # doctest: +SKIP
+    'Hello!<|im_end|>'
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from os import PathLike
+from pathlib import Path
+from typing import Any, Literal, overload
+
+import jinja2
+import tokenizers
+
+from tunesmith.data.chat_template import (
+    TEMPLATE_NAMES,
+    compile_template,
+    load_template,
+    render,
+    render_chat,
+)
+
+__all__ = ["SPECIAL_TOKEN_KEYS", "Tokenizer"]
+
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+"""Named special tokens read from ``tokenizer_config.json`` (and passed to chat templates)."""
+
+_REQUIRED_IN_VOCAB = ("bos_token", "eos_token", "pad_token")
+
+# Tokens that end a turn or a document in common model families; each one that the vocabulary
+# has joins ``stop_token_ids``.
+_END_OF_TURN_TOKENS = (
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "<end_of_turn>",
+)
+
+# transformers writes this when a tokenizer has no length limit.
+_NO_LIMIT = int(1e18)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any, path: Path, key: str) -> str | None:
+    """A special token entry: a string, an AddedToken dict ``{"content": ...}``, or null."""
+    if value is None or isinstance(value, str):
+        return value or None
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"] or None
+    raise ValueError(
+        f"{path}: {key} must be a string or an AddedToken object with a 'content' string, got {value!r}"
+    )
+
+
+class Tokenizer:
+    """Token ids, special tokens and chat templates of one model.
+
+    Args:
+        backend: the ``tokenizers.Tokenizer`` (from ``tokenizer.json``).
+        special_tokens: named special tokens, e.g. ``{"bos_token": "<|begin_of_text|>",
+            "eos_token": "<|eot_id|>"}`` (keys from :data:`SPECIAL_TOKEN_KEYS`).
+        chat_template: the default template source, or named templates ``{"default": ...,
+            "tool_use": ...}`` (``tool_use`` is picked when tools are given, as in transformers).
+        extra_stop_ids: more ids that end generation (e.g. ``generation_config.json``'s
+            ``eos_token_id`` list).
+        model_max_length: the longest sequence the model takes, if known.
+        name: where the tokenizer came from, for error messages.
+
+    Attributes:
+        special_tokens: the named special tokens that are set (``{"eos_token": ...}``).
+        chat_templates: template sources by name (``"default"``, maybe ``"tool_use"``).
+        added_tokens: contents of the added tokens (special or not), by id.
+        stop_token_ids: ids that end generation, eos first: eos, the generation config's eos
+            ids, and the end-of-turn tokens the vocabulary has (``<|eot_id|>``, ``<|eom_id|>``,
+            ``<|end_of_text|>``, ``<|im_end|>``, ``<|endoftext|>``, ``<|end|>``,
+            ``<end_of_turn>``). Their strings also end assistant replies in the loss mask.
+        model_max_length: from ``tokenizer_config.json``; None when unset or unlimited.
+
+    Most code builds one with :meth:`from_pretrained`.
+
+    Example::
+
+        >>> tok = Tokenizer.from_pretrained(folder)  # doctest: +SKIP
+        >>> tok.decode(tok.encode("Hello world", add_special_tokens=False))  # doctest: +SKIP
+        'Hello world'
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        special_tokens: Mapping[str, str] | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
+        extra_stop_ids: Sequence[int] = (),
+        model_max_length: int | None = None,
+        name: str = "tokenizer",
+    ) -> None:
+        self._backend = backend
+        # Encode exactly what we are given: tokenizer.json may carry padding/truncation settings.
+        self._backend.no_padding()
+        self._backend.no_truncation()
+        self.name = name
+        self.model_max_length = model_max_length
+        self.special_tokens: dict[str, str] = {}
+        for key, token in (special_tokens or {}).items():
+            if key not in SPECIAL_TOKEN_KEYS:
+                raise ValueError(f"{name}: unknown special token key {key!r}")
+            if token is None:
+                continue
+            if key in _REQUIRED_IN_VOCAB and backend.token_to_id(token) is None:
+                raise ValueError(f"{name}: {key} {token!r} is not in the vocabulary")
+            self.special_tokens[key] = token
+        if chat_template is None:
+            self.chat_templates: dict[str, str] = {}
+        elif isinstance(chat_template, str):
+            self.chat_templates = {"default": chat_template}
+        else:
+            self.chat_templates = dict(chat_template)
+        for template_name, source in self.chat_templates.items():
+            try:
+                compile_template(source)
+            except jinja2.TemplateSyntaxError as e:
+                raise ValueError(
+                    f"{name}: chat template {template_name!r} does not compile: {e} (line {e.lineno})"
+                ) from e
+        self.added_tokens: list[str] = [
+            added.content for _, added in sorted(backend.get_added_tokens_decoder().items())
+        ]
+        stops = [self.eos_id, *extra_stop_ids, *map(backend.token_to_id, _END_OF_TURN_TOKENS)]
+        self.stop_token_ids: list[int] = list(dict.fromkeys(i for i in stops if i is not None))
+
+    # -----------------------------------------------------------------------------------------
+    # Loading
+
+    @classmethod
+    def from_pretrained(
+        cls, folder: str | PathLike[str], *, chat_template: str | PathLike[str] | None = None
+    ) -> Tokenizer:
+        """Load a Hugging Face tokenizer folder.
+
+        Args:
+            folder: a folder with ``tokenizer.json`` (``tokenizer_config.json``,
+                ``chat_template.jinja``, ``special_tokens_map.json`` and
+                ``generation_config.json`` are read when present).
+            chat_template: use this template instead of the folder's: a shipped one
+                (``"llama3"``, ``"qwen2_5"``, ``"qwen3"``), the name of one of the folder's
+                named templates, or the path of a ``.jinja`` file.
+
+        BOS/EOS insertion is the ``tokenizer.json`` post-processor's, as in transformers 5,
+        which ignores ``add_bos_token`` / ``add_eos_token`` when that file exists.
+
+        Special tokens follow transformers: ``tokenizer_config.json`` names them (strings or
+        AddedToken objects); an older folder whose config has no ``added_tokens_decoder``
+        takes them from ``special_tokens_map.json`` instead. Template files
+        (``chat_template.jinja``, ``additional_chat_templates/``) win over the config's
+        ``chat_template``.
+
+        Example::
+
+            >>> tok = Tokenizer.from_pretrained("Llama-3.2-1B-Instruct")  # doctest: +SKIP
+            >>> tok = Tokenizer.from_pretrained("Llama-3.2-1B", chat_template="llama3")  # doctest: +SKIP
+        """
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder}: no such tokenizer folder")
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"{tokenizer_file}: missing. tunesmith reads the fast-tokenizer file "
+                "tokenizer.json; a folder with only tokenizer.model / vocab.json can be converted "
+                "once with transformers: AutoTokenizer.from_pretrained(folder).save_pretrained(folder)"
+            )
+        try:
+            backend = tokenizers.Tokenizer.from_str(tokenizer_file.read_text(encoding="utf-8"))
+        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            raise ValueError(f"{tokenizer_file}: not a valid tokenizer.json ({e})") from e
+
+        config_file = folder / "tokenizer_config.json"
+        config = _read_json_object(config_file)
+        special: dict[str, str | None] = {
+            key: _token_content(config.get(key), config_file, key) for key in SPECIAL_TOKEN_KEYS
+        }
+        map_file = folder / "special_tokens_map.json"
+        if "added_tokens_decoder" not in config and map_file.is_file():
+            for key, value in _read_json_object(map_file).items():
+                if key in SPECIAL_TOKEN_KEYS:
+                    special[key] = _token_content(value, map_file, key)
+        for key, token in special.items():
+            if (
+                token is not None
+                and key in _REQUIRED_IN_VOCAB
+                and backend.token_to_id(token) is None
+            ):
+                raise ValueError(
+                    f"{config_file}: {key} {token!r} is not in the vocabulary of {tokenizer_file}"
+                )
+
+        templates = _folder_templates(folder, config, config_file)
+        if chat_template is not None:
+            templates = {"default": _chosen_template(chat_template, templates, folder)}
+
+        generation_file = folder / "generation_config.json"
+        eos = _read_json_object(generation_file).get("eos_token_id")
+        eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if not all(isinstance(i, int) for i in eos_ids):
+            raise ValueError(f"{generation_file}: eos_token_id must be an int or a list of ints")
+
+        max_length = config.get("model_max_length")
+        if not isinstance(max_length, (int, float)) or max_length >= _NO_LIMIT:
+            max_length = None
+        return cls(
+            backend,
+            special_tokens={k: v for k, v in special.items() if v is not None},
+            chat_template=templates or None,
+            extra_stop_ids=eos_ids,
+            model_max_length=None if max_length is None else int(max_length),
+            name=str(folder),
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # Vocabulary
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._backend
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (``len(hf_tokenizer)``, not its
+        ``vocab_size``, which leaves the added tokens out). Ids run from 0 to ``vocab_size - 1``."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token string (e.g. ``"<|im_end|>"``), or None if it is not in the vocabulary."""
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """Token string of an id, or None if the id is out of range."""
+        return self._backend.id_to_token(token_id)
+
+    def _special_id(self, key: str) -> int | None:
+        token = self.special_tokens.get(key)
+        return None if token is None else self._backend.token_to_id(token)
+
+    @property
+    def bos_id(self) -> int | None:
+        """Id of the BOS token, or None (Qwen has none)."""
+        return self._special_id("bos_token")
+
+    @property
+    def eos_id(self) -> int | None:
+        """Id of the EOS token named by the tokenizer config, or None."""
+        return self._special_id("eos_token")
+
+    @property
+    def pad_id(self) -> int | None:
+        """Id used for padding: the pad token's; when the tokenizer names none (Llama 3), the
+        EOS id. Padded positions are masked out of attention and loss, so the id only has to
+        exist. None only when the tokenizer has neither."""
+        pad = self._special_id("pad_token")
+        return pad if pad is not None else self.eos_id
+
+    @property
+    def unk_id(self) -> int | None:
+        """Id of the unknown token, or None."""
+        return self._special_id("unk_token")
+
+    @property
+    def chat_template(self) -> str | None:
+        """Source of the default chat template, or None."""
+        return self.chat_templates.get("default")
+
+    # -----------------------------------------------------------------------------------------
+    # Text
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``.
+
+        ``add_special_tokens`` runs the post-processor of ``tokenizer.json``, as transformers
+        does: Llama 3 prepends ``<|begin_of_text|>``, Qwen adds nothing.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of token ids (no clean-up of spaces, like transformers for BPE tokenizers)."""
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    # -----------------------------------------------------------------------------------------
+    # Chat
+
+    def _template(self, tools: Sequence[Mapping[str, Any]] | None) -> str:
+        if not self.chat_templates:
+            raise ValueError(
+                f"{self.name}: the tokenizer has no chat template (tokenizer_config.json has no "
+                "chat_template and there is no chat_template.jinja). Pass one with "
+                f"Tokenizer.from_pretrained(..., chat_template=...): a shipped template "
+                f"({', '.join(map(repr, TEMPLATE_NAMES))}) or the path of a .jinja file"
+            )
+        if tools is not None and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        if "default" in self.chat_templates:
+            return self.chat_templates["default"]
+        raise ValueError(
+            f"{self.name}: the tokenizer has named chat templates "
+            f"{sorted(self.chat_templates)} but no 'default' one; choose one with "
+            "Tokenizer.from_pretrained(..., chat_template=<name>)"
+        )
+
+    def _template_kwargs(self, template_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        # Like transformers: the named special tokens are template variables, kwargs win.
+        return {**self.special_tokens, **template_kwargs}
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render a conversation to text with the chat template (``tokenize=False`` in HF).
+
+        ``tools`` are JSON function schemas; ``template_kwargs`` become template variables
+        (``enable_thinking=False``, ``date_string=...``). The special tokens (``bos_token``,
+        ``eos_token``, ...) are template variables too.
+
+        Example::
+
+            >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}],  # doctest: +SKIP
+            ...                         add_generation_prompt=True)
+            '<|im_start|>system\\nYou are Qwen, ...<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
+        """
+        return render(
+            self._template(tools),
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **self._template_kwargs(template_kwargs),
+        )
+
+    @overload
+    def tokenize_conversation(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = ...,
+        add_generation_prompt: bool = ...,
+        return_spans: Literal[False] = ...,
+        **template_kwargs: Any,
+    ) -> tuple[list[int], list[int]]: ...
+
+    @overload
+    def tokenize_conversation(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = ...,
+        add_generation_prompt: bool = ...,
+        return_spans: Literal[True],
+        **template_kwargs: Any,
+    ) -> tuple[list[int], list[int], list[tuple[int, int]]]: ...
+
+    def tokenize_conversation(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        return_spans: bool = False,
+        **template_kwargs: Any,
+    ) -> tuple[list[int], list[int]] | tuple[list[int], list[int], list[tuple[int, int]]]:
+        """Token ids of a conversation and the mask of the assistant's replies.
+
+        The ids equal ``transformers``' ``apply_chat_template(..., tokenize=True)``: the
+        rendered text encoded without adding special tokens (the template writes BOS itself).
+
+        ``assistant_mask[t]`` is 1 when token ``t`` belongs to an assistant reply: what the
+        model generates after the generation prompt, through the end-of-turn token that closes
+        the reply (``<|eot_id|>``, ``<|im_end|>``), but not the assistant header before it nor
+        the newline after it. Templates with ``{% generation %}`` tags define the replies
+        themselves, as in transformers' ``return_assistant_tokens_mask``; for other templates
+        see :func:`tunesmith.data.chat_template.render_chat`. A token is in a reply when its
+        characters overlap the reply's text.
+
+        With ``return_spans=True`` a third item lists each reply's token span ``(start, end)``
+        (end exclusive), in conversation order; ``mask[start:end]`` is all ones. The last span
+        alone gives "train on the last turn".
+
+        Example::
+
+            >>> ids, mask, spans = tok.tokenize_conversation(messages, return_spans=True)  # doctest: +SKIP
+            >>> start, end = spans[-1]  # doctest: +SKIP
+            >>> tok.decode(ids[start:end])  # doctest: +SKIP
+            'Goodbye!<|im_end|>'
+        """
+        chat = render_chat(
+            self._template(tools),
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            control_tokens=self.added_tokens,
+            end_tokens=[self._backend.id_to_token(i) for i in self.stop_token_ids],
+            **self._template_kwargs(template_kwargs),
+        )
+        encoding = self._backend.encode(chat.text, add_special_tokens=False)
+        mask, spans = _token_spans(encoding.offsets, chat.assistant_spans)
+        if return_spans:
+            return encoding.ids, mask, spans
+        return encoding.ids, mask
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
+
+
+def _folder_templates(folder: Path, config: dict[str, Any], config_file: Path) -> dict[str, str]:
+    """Named chat templates of a folder; files win over ``tokenizer_config.json`` (as in HF)."""
+    templates: dict[str, str] = {}
+    default_file = folder / "chat_template.jinja"
+    if default_file.is_file():
+        templates["default"] = default_file.read_text(encoding="utf-8")
+    extra_dir = folder / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            templates[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    if templates:
+        return templates
+    entry = config.get("chat_template")
+    if entry is None:
+        return {}
+    if isinstance(entry, str):
+        return {"default": entry}
+    if isinstance(entry, list) and all(
+        isinstance(t, dict)
+        and isinstance(t.get("name"), str)
+        and isinstance(t.get("template"), str)
+        for t in entry
+    ):
+        return {t["name"]: t["template"] for t in entry}
+    raise ValueError(
+        f"{config_file}: chat_template must be a string or a list of "
+        '{"name": ..., "template": ...} objects'
+    )
+
+
+def _chosen_template(
+    choice: str | PathLike[str], templates: Mapping[str, str], folder: Path
+) -> str:
+    if isinstance(choice, str) and choice in templates:
+        return templates[choice]
+    if isinstance(choice, str) and choice in TEMPLATE_NAMES:
+        return load_template(choice)
+    path = Path(choice)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    named = f", the folder's templates {sorted(templates)}" if templates else ""
+    raise ValueError(
+        f"chat_template={str(choice)!r} for {folder}: not a shipped template "
+        f"({', '.join(map(repr, TEMPLATE_NAMES))}){named}, nor an existing .jinja file"
+    )
+
+
+def _token_spans(
+    offsets: Sequence[tuple[int, int]], char_spans: Sequence[tuple[int, int]]
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Mask of the tokens that overlap a character span, and each span's token range.
+
+    Token ``[a, b)`` overlaps span ``[s, e)`` when ``b > s`` and ``a < e``; one pass over tokens
+    and spans in order, the same rule and walk as transformers' ``return_assistant_tokens_mask``.
+    """
+    mask = [0] * len(offsets)
+    first: list[int | None] = [None] * len(char_spans)
+    last = [0] * len(char_spans)
+    j = 0
+    for t, (a, b) in enumerate(offsets):
+        while j < len(char_spans) and a >= char_spans[j][1]:
+            j += 1
+        if j == len(char_spans):
+            break
+        k = j
+        while k < len(char_spans) and b > char_spans[k][0]:  # usually one span; more if b is long
+            mask[t] = 1
+            if first[k] is None:
+                first[k] = t
+            last[k] = t + 1
+            k += 1
+    ranges = []
+    for (start, _), lo, hi in zip(char_spans, first, last):
+        if lo is None:  # an empty reply: an empty range where it would be
+            lo = hi = sum(1 for _, b in offsets if b <= start)
+        ranges.append((lo, hi))
+    return mask, ranges

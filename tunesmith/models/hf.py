@@ -1,0 +1,349 @@
+"""Hugging Face folders in and out: ``from_hf`` builds and loads, ``save_hf_checkpoint`` writes.
+
+A HF folder is ``config.json`` + safetensors weights (+ tokenizer files, ``generation_config``).
+Our parameter names are the HF names, so no key map is involved; the work here is reading
+``config.json`` into a :class:`~tunesmith.models.spec.ModelSpec`, streaming weights shard by
+shard into a meta-built model, and writing a folder transformers/vLLM load as is.
+
+Example::
+
+    >>> model = from_hf("Qwen3-0.6B", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> save_hf_checkpoint(model, "out/qwen3-sft", source_dir="Qwen3-0.6B")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tunesmith.models.builder import build_model
+from tunesmith.models.safetensors_io import (
+    CheckpointError,
+    CheckpointFileNotFoundError,
+    assert_no_meta,
+    atomic_directory,
+    find_weight_files,
+    load_into_module,
+    write_safetensors_shards,
+)
+from tunesmith.models.spec import ModelSpec, UnsupportedModelError, spec_from_hf_config
+from tunesmith.modules.decoder import TransformerLM
+
+__all__ = [
+    "CONFIG_NAME",
+    "GENERATION_CONFIG_NAME",
+    "TOKENIZER_FILES",
+    "CheckpointError",
+    "from_hf",
+    "load_hf_weights",
+    "read_hf_config",
+    "resolve_dtype",
+    "save_hf_checkpoint",
+    "spec_from_hf_folder",
+    "write_hf_checkpoint",
+]
+
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+# Files (and one folder) a tokenizer may consist of; copied as they are when present.
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "additional_chat_templates",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+)
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(
+    dtype: torch.dtype | str | None, default: torch.dtype = torch.float32
+) -> torch.dtype:
+    """A floating dtype from a ``torch.dtype`` or a name (``"bf16"``, ``"torch.bfloat16"`` ...).
+
+    >>> resolve_dtype("bf16"), resolve_dtype(None)
+    (torch.bfloat16, torch.float32)
+    """
+    if dtype is None or dtype == "auto":
+        return default
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        name = str(dtype).removeprefix("torch.").lower()
+        if name not in _DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}")
+        resolved = _DTYPE_NAMES[name]
+    if not resolved.is_floating_point:
+        raise ValueError(f"dtype must be floating point, got {resolved}")
+    return resolved
+
+
+def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """The parsed ``config.json`` of ``folder``; errors name the file."""
+    path = Path(folder) / CONFIG_NAME
+    if not path.is_file():
+        raise CheckpointFileNotFoundError(f"{path} not found: {folder} is not a HF model folder")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot parse ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def spec_from_hf_folder(folder: str | os.PathLike) -> ModelSpec:
+    """:func:`spec_from_hf_config` on ``folder/config.json``, errors naming the folder."""
+    return _spec_from_config(read_hf_config(folder), folder)
+
+
+def _spec_from_config(config: dict[str, Any], folder: str | os.PathLike) -> ModelSpec:
+    try:
+        return spec_from_hf_config(config)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{Path(folder) / CONFIG_NAME}: {e}") from e
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{Path(folder) / CONFIG_NAME}: {e}") from e
+
+
+def _config_dtype(config: Mapping[str, Any], folder: str | os.PathLike) -> torch.dtype:
+    value = config.get("dtype") or config.get("torch_dtype")
+    try:
+        return resolve_dtype(value)
+    except ValueError as e:
+        raise CheckpointError(f"{Path(folder) / CONFIG_NAME}: dtype {value!r}: {e}") from e
+
+
+def load_hf_weights(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """Stream the safetensors weights of ``folder`` into ``model`` (meta-built or real).
+
+    Tensors are cast to ``dtype`` (default: each parameter's current dtype) and placed on
+    ``device`` (default: each parameter's device, CPU for meta). Afterwards tied weights are
+    re-tied, RoPE buffers are recomputed on the weights' device (``init_buffers``), and nothing
+    may be left on the meta device. Returns ``model``.
+
+    Example::
+
+        >>> model = build_model(spec, device="meta")  # doctest: +SKIP
+        >>> load_hf_weights(model, "Qwen3-0.6B", dtype=torch.bfloat16, device="cuda")  # doctest: +SKIP
+    """
+    resolved = None if dtype is None else resolve_dtype(dtype)
+    load_into_module(model, folder, device=device, dtype=resolved)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    if hasattr(model, "init_buffers"):
+        model.init_buffers()
+    assert_no_meta(model, str(folder))
+    return model
+
+
+def from_hf(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    load_weights: bool = True,
+) -> TransformerLM:
+    """Build the model of a HF folder from its ``config.json`` and load its weights.
+
+    ``dtype`` defaults to the config's ``dtype``/``torch_dtype``, else float32. The model is
+    built on the meta device and each tensor is assigned once (memory-mapped, cast, moved),
+    so loading never holds a second copy of the model. With ``load_weights=False`` the model
+    is randomly initialised instead (same architecture, no weights read).
+
+    Example::
+
+        >>> model = from_hf("Qwen3-0.6B", dtype="bf16", device="cuda")  # doctest: +SKIP
+    """
+    folder = Path(path)
+    config = read_hf_config(folder)
+    spec = _spec_from_config(config, folder)
+    resolved = resolve_dtype(dtype, default=_config_dtype(config, folder))
+    if not load_weights:
+        return build_model(spec, device=device, dtype=resolved)
+    find_weight_files(folder)  # fail on a folder without weights before building anything
+    model = build_model(spec, device="meta", dtype=resolved)
+    load_hf_weights(model, folder, dtype=resolved, device=device)
+    return model
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def _model_and_state(
+    model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], spec: ModelSpec | None
+) -> tuple[dict[str, torch.Tensor], ModelSpec]:
+    if isinstance(model_or_state_dict, nn.Module):
+        state = model_or_state_dict.state_dict()
+        spec = spec if spec is not None else getattr(model_or_state_dict, "spec", None)
+    else:
+        state = dict(model_or_state_dict)
+    if not isinstance(spec, ModelSpec):
+        raise TypeError("save_hf_checkpoint needs spec=ModelSpec(...) to write config.json")
+    if spec.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # transformers stores tied heads once
+    reference = build_model(spec, device="meta").state_dict()
+    missing = sorted(set(reference) - set(state))
+    unexpected = sorted(set(state) - set(reference))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"state dict does not match the {spec.model_type} spec: "
+            f"missing {missing[:20]}, unexpected {unexpected[:20]} "
+            f"(merge adapters and gather a full, plain state dict before saving)"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(reference[name].shape):
+            raise CheckpointError(
+                f"tensor '{name}' has shape {list(tensor.shape)}, the spec expects "
+                f"{list(reference[name].shape)}"
+            )
+    return {name: state[name] for name in reference}, spec
+
+
+def _dominant_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
+    counts: dict[torch.dtype, int] = {}
+    for tensor in state.values():
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return max(counts, key=counts.__getitem__) if counts else torch.float32
+
+
+def _generation_config(spec: ModelSpec) -> dict[str, Any]:
+    config: dict[str, Any] = {"_from_model_config": True}
+    eos = spec.eos_token_id
+    tokens = {
+        "bos_token_id": spec.bos_token_id,
+        "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
+        "pad_token_id": spec.pad_token_id,
+    }
+    config.update({k: v for k, v in tokens.items() if v is not None})
+    return config
+
+
+def _copy_tokenizer_files(source_dir: Path, folder: Path) -> list[Path]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = source_dir / name
+        if src.is_dir():
+            shutil.copytree(src, folder / name)
+        elif src.is_file():
+            shutil.copy2(src, folder / name)
+        else:
+            continue
+        copied.append(folder / name)
+    return copied
+
+
+def write_hf_checkpoint(
+    model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+    folder: str | os.PathLike,
+    *,
+    spec: ModelSpec | None = None,
+    dtype: torch.dtype | str | None = None,
+    max_shard_size: int | str = "5GB",
+    source_dir: str | os.PathLike | None = None,
+    generation_config: Mapping[str, Any] | None = None,
+) -> list[Path]:
+    """Write a HF folder's files into ``folder`` (not atomic; see :func:`save_hf_checkpoint`).
+
+    For callers that add more files (training state) inside one :func:`atomic_directory`.
+    Returns the paths written.
+    """
+    folder = Path(folder)
+    state, spec = _model_and_state(model_or_state_dict, spec)
+    out_dtype = resolve_dtype(dtype) if dtype is not None else _dominant_dtype(state)
+    written = write_safetensors_shards(
+        state, folder, max_shard_size=max_shard_size, dtype=out_dtype
+    )
+
+    config = spec.to_hf_config()
+    dtype_name = str(out_dtype).removeprefix("torch.")
+    config["dtype"] = dtype_name  # transformers >= 4.56
+    config["torch_dtype"] = dtype_name  # older transformers, vLLM
+    (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    written.append(folder / CONFIG_NAME)
+
+    source = Path(source_dir) if source_dir is not None else None
+    if source is not None and not source.is_dir():
+        raise CheckpointFileNotFoundError(f"source_dir {source} does not exist")
+    gen_path = folder / GENERATION_CONFIG_NAME
+    if generation_config is not None:
+        gen_path.write_text(json.dumps(dict(generation_config), indent=2) + "\n")
+    elif source is not None and (source / GENERATION_CONFIG_NAME).is_file():
+        shutil.copy2(source / GENERATION_CONFIG_NAME, gen_path)
+    else:
+        gen_path.write_text(json.dumps(_generation_config(spec), indent=2) + "\n")
+    written.append(gen_path)
+    if source is not None:
+        written += _copy_tokenizer_files(source, folder)
+    return written
+
+
+def save_hf_checkpoint(
+    model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    *,
+    spec: ModelSpec | None = None,
+    dtype: torch.dtype | str | None = None,
+    max_shard_size: int | str = "5GB",
+    source_dir: str | os.PathLike | None = None,
+    generation_config: Mapping[str, Any] | None = None,
+) -> Path:
+    """Atomically write a HF folder that transformers/vLLM load as is; returns ``out_dir``.
+
+    Writes safetensors (sharded at ``max_shard_size`` with ``model.safetensors.index.json``
+    when more than one shard), ``config.json`` (``spec.to_hf_config()`` plus the dtype),
+    ``generation_config.json`` (``generation_config`` if given, else copied from
+    ``source_dir``, else bos/eos from the spec) and the tokenizer files of ``source_dir``.
+    A tied ``lm_head.weight`` is not stored, as transformers does. ``spec`` defaults to
+    ``model.spec``; ``dtype`` to the weights' own. Everything goes into a sibling temporary
+    folder, is fsynced, then replaces ``out_dir``: a crash never leaves a half-written
+    ``out_dir``, and ``source_dir == out_dir`` is allowed.
+
+    Takes a module or a plain, full state dict: FSDP/DTensor shards must be gathered first.
+
+    Example::
+
+        >>> save_hf_checkpoint(model, "out/final", dtype="bf16", source_dir="Qwen3-0.6B")  # doctest: +SKIP
+    """
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir) as tmp:
+        write_hf_checkpoint(
+            model_or_state_dict,
+            tmp,
+            spec=spec,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            source_dir=source_dir,
+            generation_config=generation_config,
+        )
+    return out_dir

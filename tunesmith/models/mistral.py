@@ -1,0 +1,80 @@
+"""Mistral 7B v0.3 and Mistral NeMo 12B (Mistral AI).
+
+Architecturally Llama-like; the data differs: a 32768-token (v0.3) or 131072-token
+(NeMo, ``head_dim`` 128 < width / heads) vocabulary, RoPE theta 1e6, no sliding
+window in these releases (the decoder supports one, as in Mistral 7B v0.1).
+Values are those of the published ``config.json`` files.
+
+Example::
+
+    >>> from tunesmith.models import mistral
+    >>> model = mistral.mistral_7b_v0_3(device="meta")
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.spec import ModelSpec
+from tunesmith.modules.decoder import TransformerLM
+
+__all__ = ["SIZES", "mistral_7b_v0_3", "mistral_nemo_12b", "mistral_tiny", "spec"]
+
+_COMMON: dict[str, Any] = {
+    "model_type": "mistral",
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+
+SIZES: dict[str, dict[str, Any]] = {
+    "mistral_7b_v0_3": {"vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336,
+                        "num_hidden_layers": 32, "num_attention_heads": 32,
+                        "max_position_embeddings": 32768},
+    "mistral_nemo_12b": {"vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 14336,
+                         "num_hidden_layers": 40, "num_attention_heads": 32,
+                         "max_position_embeddings": 1024000},
+    # A sliding window shorter than test sequences, so the tiny model exercises it.
+    "mistral_tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "head_dim": 16, "max_position_embeddings": 512, "sliding_window": 8,
+                     "torch_dtype": None},
+}  # fmt: skip
+
+
+def spec(size: str, **overrides: Any) -> ModelSpec:
+    """The :class:`ModelSpec` of a size in :data:`SIZES`, e.g. ``spec("mistral_7b_v0_3")``."""
+    return family_spec(_COMMON, SIZES, size, overrides)
+
+
+def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
+    return build_model(spec(size, **overrides), device=device, dtype=dtype)
+
+
+def mistral_7b_v0_3(
+    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
+) -> TransformerLM:
+    """Mistral 7B v0.3 (7.25B parameters)."""
+    return _build("mistral_7b_v0_3", device, dtype, overrides)
+
+
+def mistral_nemo_12b(
+    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
+) -> TransformerLM:
+    """Mistral NeMo 12B (12.2B parameters)."""
+    return _build("mistral_nemo_12b", device, dtype, overrides)
+
+
+def mistral_tiny(
+    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
+) -> TransformerLM:
+    """A 2-layer random Mistral for tests (vocab 256, sliding window 8)."""
+    return _build("mistral_tiny", device, dtype, overrides)

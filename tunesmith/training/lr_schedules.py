@@ -1,0 +1,151 @@
+"""Learning-rate schedules with linear warmup, as :class:`torch.optim.lr_scheduler.LambdaLR`.
+
+Conventions (the same as Hugging Face ``transformers``' ``get_*_schedule_with_warmup``):
+
+* The multiplier at step ``s`` during warmup is ``s / num_warmup_steps``, so **step 0 has
+  learning rate 0** and the peak (the optimizer's configured ``lr``) is reached at step
+  ``num_warmup_steps``. With ``num_warmup_steps=0`` step 0 already has the peak learning rate.
+* After warmup, decay progress is ``(s - num_warmup_steps) / max(1, num_training_steps -
+  num_warmup_steps)``. Unlike ``transformers``, progress is clamped to ``[0, 1]``: stepping past
+  ``num_training_steps`` holds the final value instead of climbing back up the cosine.
+* ``min_lr_ratio`` is the floor as a fraction of the peak: the decaying part is rescaled to
+  ``min_lr_ratio + (1 - min_lr_ratio) * decay``.
+
+The multiplier is a small callable object rather than a lambda, so ``scheduler.state_dict()``
+records its parameters and a scheduler rebuilt on resume and given ``load_state_dict`` continues
+the exact same learning-rate sequence (with the saved parameters, which win over the rebuilt
+ones). Resume in this order: build the optimizer and the scheduler exactly as at the start,
+then ``optimizer.load_state_dict(...)`` and ``scheduler.load_state_dict(...)`` (building the
+scheduler after loading the optimizer would reset the groups' ``lr``). Everything in the state dict is a plain number, so it survives
+``torch.load(..., weights_only=True)``.
+
+Example::
+
+    >>> opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    >>> sched = cosine_with_warmup(opt, num_warmup_steps=100, num_training_steps=1000)
+    >>> for batch in loader:
+    ...     loss.backward(); opt.step(); sched.step()
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+__all__ = ["constant_with_warmup", "cosine_with_warmup", "linear_with_warmup"]
+
+
+def _check_args(
+    num_warmup_steps: int, num_training_steps: int | None, min_lr_ratio: float = 0.0
+) -> None:
+    if isinstance(num_warmup_steps, bool) or not isinstance(num_warmup_steps, int):
+        raise TypeError(f"num_warmup_steps must be an int, got {num_warmup_steps!r}")
+    if num_warmup_steps < 0:
+        raise ValueError(f"num_warmup_steps must be >= 0, got {num_warmup_steps}")
+    if num_training_steps is not None:
+        if isinstance(num_training_steps, bool) or not isinstance(num_training_steps, int):
+            raise TypeError(f"num_training_steps must be an int, got {num_training_steps!r}")
+        if num_training_steps < 1:
+            raise ValueError(f"num_training_steps must be >= 1, got {num_training_steps}")
+        if num_warmup_steps > num_training_steps:
+            raise ValueError(
+                f"num_warmup_steps ({num_warmup_steps}) must not exceed "
+                f"num_training_steps ({num_training_steps})"
+            )
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+
+
+@dataclass
+class _WarmupDecay:
+    """The multiplier ``LambdaLR`` calls: linear warmup, then ``decay`` with a floor.
+
+    A dataclass rather than a closure so ``LambdaLR.state_dict`` stores its fields.
+    """
+
+    decay: str  # "constant" | "linear" | "cosine"
+    num_warmup_steps: int
+    num_training_steps: int | None = None
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
+
+    def __call__(self, step: int) -> float:
+        if step < self.num_warmup_steps:
+            return step / self.num_warmup_steps
+        if self.decay == "constant" or self.num_training_steps is None:
+            return 1.0
+        span = max(1, self.num_training_steps - self.num_warmup_steps)
+        progress = min(1.0, max(0.0, (step - self.num_warmup_steps) / span))
+        if self.decay == "linear":
+            factor = 1.0 - progress
+        else:
+            factor = 0.5 * (1.0 + math.cos(2.0 * math.pi * self.num_cycles * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * max(0.0, factor)
+
+
+def cosine_with_warmup(
+    optimizer: Optimizer,
+    *,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    min_lr_ratio: float = 0.0,
+    num_cycles: float = 0.5,
+    last_epoch: int = -1,
+) -> LambdaLR:
+    """Linear warmup from 0, then cosine decay to ``min_lr_ratio * lr``.
+
+    ``num_cycles=0.5`` is a half cosine (peak -> floor once over the decay phase).
+
+    Example::
+
+        >>> sched = cosine_with_warmup(opt, num_warmup_steps=10, num_training_steps=100)
+    """
+    _check_args(num_warmup_steps, num_training_steps, min_lr_ratio)
+    if not num_cycles > 0:
+        raise ValueError(f"num_cycles must be > 0, got {num_cycles}")
+    fn = _WarmupDecay(
+        "cosine", num_warmup_steps, num_training_steps, float(min_lr_ratio), float(num_cycles)
+    )
+    return LambdaLR(optimizer, fn, last_epoch=last_epoch)
+
+
+def linear_with_warmup(
+    optimizer: Optimizer,
+    *,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    min_lr_ratio: float = 0.0,
+    last_epoch: int = -1,
+) -> LambdaLR:
+    """Linear warmup from 0, then linear decay to ``min_lr_ratio * lr`` at ``num_training_steps``.
+
+    Example::
+
+        >>> sched = linear_with_warmup(opt, num_warmup_steps=10, num_training_steps=100)
+    """
+    _check_args(num_warmup_steps, num_training_steps, min_lr_ratio)
+    fn = _WarmupDecay("linear", num_warmup_steps, num_training_steps, float(min_lr_ratio))
+    return LambdaLR(optimizer, fn, last_epoch=last_epoch)
+
+
+def constant_with_warmup(
+    optimizer: Optimizer,
+    *,
+    num_warmup_steps: int,
+    num_training_steps: int | None = None,
+    last_epoch: int = -1,
+) -> LambdaLR:
+    """Linear warmup from 0, then the optimizer's ``lr`` unchanged.
+
+    ``num_training_steps`` is optional and only checked (warmup must fit inside it), so all three
+    schedules accept the same keyword arguments from a config.
+
+    Example::
+
+        >>> sched = constant_with_warmup(opt, num_warmup_steps=10)
+    """
+    _check_args(num_warmup_steps, num_training_steps)
+    return LambdaLR(optimizer, _WarmupDecay("constant", num_warmup_steps), last_epoch=last_epoch)

@@ -1,0 +1,325 @@
+"""Metric loggers: stdout, JSONL, TensorBoard, Weights & Biases, and fan-out.
+
+Every logger has the same three methods (the :class:`MetricLogger` protocol) and can be named in
+a config as a ``_component_``::
+
+    metric_logger:
+      _component_: tunesmith.training.JSONLLogger
+      log_dir: ${output_dir}/logs
+
+Loggers take no rank argument. In a distributed run the recipe builds the configured logger on
+rank 0 only and a :class:`NullLogger` on every other rank, so the training loop calls
+``logger.log(...)`` unconditionally.
+
+Example::
+
+    >>> logger = MultiLogger([StdoutLogger(), JSONLLogger("runs/exp1")])
+    >>> logger.log_config({"lr": 2e-5})
+    >>> logger.log(10, {"loss": 1.2345, "lr": 2e-5})
+    step 10 | loss 1.2345 | lr 2.0e-05
+    >>> logger.close()
+
+Optional back ends are imported only when their logger is constructed: ``tensorboard``
+(``pip install tunesmith[tb]``) and ``wandb`` (``pip install tunesmith[wandb]``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Protocol, runtime_checkable
+
+import yaml
+
+__all__ = [
+    "JSONLLogger",
+    "MetricLogger",
+    "MultiLogger",
+    "NullLogger",
+    "StdoutLogger",
+    "TensorBoardLogger",
+    "WandBLogger",
+]
+
+
+@runtime_checkable
+class MetricLogger(Protocol):
+    """What a training loop needs from a logger."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Record scalar ``metrics`` at training ``step``."""
+
+    def log_config(self, cfg: Mapping[str, Any]) -> None:
+        """Record the run's (resolved) config once, at start."""
+
+    def close(self) -> None:
+        """Flush and release files/handles. Safe to call twice."""
+
+
+class _ContextManager:
+    """``with Logger(...) as log:`` closes the logger on exit."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # type: ignore[attr-defined]
+
+
+def _scalars(step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
+    """Validate ``step`` and turn every metric into a Python int/float (tensors included)."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, got {step!r}")
+    out: dict[str, float | int] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise TypeError(f"metric names must be str, got {key!r}")
+        if key == "step":
+            raise ValueError("metric name 'step' is reserved; pass the step as the first argument")
+        if isinstance(value, bool):
+            raise TypeError(f"metric {key!r} must be a number, got bool {value!r}")
+        if isinstance(value, int):
+            out[key] = value
+            continue
+        try:
+            out[key] = float(value)  # floats, numpy scalars, 1-element tensors
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"metric {key!r} must be a number, got {value!r}") from err
+    return out
+
+
+def _plain(obj: Any) -> Any:
+    """Turn a config (OmegaConf or nested mappings) into plain YAML/JSON-able Python objects."""
+    if type(obj).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return _plain(OmegaConf.to_container(obj, resolve=True))
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
+
+
+def _format_value(value: float | int, precision: int) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if not math.isfinite(value):
+        return str(value)
+    if value != 0 and not 1e-3 <= abs(value) < 1e5:
+        return f"{value:.1e}"
+    return f"{value:.{precision}f}"
+
+
+class StdoutLogger(_ContextManager):
+    """One compact line per ``log`` call: ``step 10 | loss 1.2345 | lr 2.0e-05``.
+
+    Floats print with ``precision`` decimals, or in scientific notation when tiny or huge.
+    ``stream`` defaults to the current ``sys.stdout``.
+
+    Example::
+
+        >>> StdoutLogger().log(10, {"loss": 1.2345, "lr": 2e-5})
+        step 10 | loss 1.2345 | lr 2.0e-05
+    """
+
+    def __init__(self, stream: IO[str] | None = None, precision: int = 4) -> None:
+        self._stream = stream
+        self.precision = precision
+
+    def _write(self, text: str) -> None:
+        stream = self._stream if self._stream is not None else sys.stdout
+        stream.write(text)
+        stream.flush()
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        values = _scalars(step, metrics)
+        parts = [f"step {step}"]
+        parts += [f"{k} {_format_value(v, self.precision)}" for k, v in values.items()]
+        self._write(" | ".join(parts) + "\n")
+
+    def log_config(self, cfg: Mapping[str, Any]) -> None:
+        self._write("config:\n" + yaml.safe_dump(_plain(cfg), sort_keys=False))
+
+    def close(self) -> None:
+        pass
+
+
+class JSONLLogger(_ContextManager):
+    """Append one JSON object per ``log`` call to ``log_dir/metrics.jsonl``.
+
+    Each line is ``{"step": step, **metrics}``, flushed as soon as it is written, so a crashed
+    run keeps every logged step. The file is opened in append mode: a resumed run continues the
+    same file (readers such as :func:`tunesmith.training.plot_run` keep the last value logged for
+    a step). ``log_config`` writes ``log_dir/config.yaml``.
+
+    Example::
+
+        >>> with JSONLLogger("runs/exp1") as logger:
+        ...     logger.log(1, {"loss": 2.5})
+        >>> open("runs/exp1/metrics.jsonl").read()
+        '{"step": 1, "loss": 2.5}\\n'
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str], filename: str = "metrics.jsonl") -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.log_dir / filename
+        self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self._file is None:
+            raise RuntimeError(f"JSONLLogger for {self.path} is closed")
+        record = {"step": step, **_scalars(step, metrics)}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def log_config(self, cfg: Mapping[str, Any]) -> None:
+        text = yaml.safe_dump(_plain(cfg), sort_keys=False)
+        (self.log_dir / "config.yaml").write_text(text, encoding="utf-8")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoardLogger(_ContextManager):
+    """Scalars to TensorBoard event files in ``log_dir`` (``torch.utils.tensorboard``).
+
+    Needs ``tensorboard`` (``pip install tunesmith[tb]``). The config is logged as text under the
+    tag ``config``. Extra keyword arguments go to ``SummaryWriter``.
+
+    Example::
+
+        >>> with TensorBoardLogger("runs/exp1/tb") as logger:
+        ...     logger.log(1, {"loss": 2.5})
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str], **writer_kwargs: Any) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise ImportError(
+                "TensorBoardLogger needs the 'tensorboard' package: "
+                "pip install tunesmith[tb]  (or: pip install tensorboard)"
+            ) from err
+        self.log_dir = Path(log_dir)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), **writer_kwargs)
+        self._closed = False
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for key, value in _scalars(step, metrics).items():
+            self._writer.add_scalar(key, value, global_step=step)
+
+    def log_config(self, cfg: Mapping[str, Any]) -> None:
+        text = yaml.safe_dump(_plain(cfg), sort_keys=False)
+        # TensorBoard renders text as markdown; indenting by 4 spaces keeps YAML verbatim.
+        self._writer.add_text("config", "".join("    " + ln for ln in text.splitlines(True)))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._writer.close()
+            self._closed = True
+
+
+class WandBLogger(_ContextManager):
+    """Log to Weights & Biases (``wandb.init(project=..., **init_kwargs)``).
+
+    Needs ``wandb`` (``pip install tunesmith[wandb]``), imported only when this class is
+    constructed. ``log`` passes ``step`` through, so W&B's x-axis is the training step.
+
+    Example::
+
+        >>> logger = WandBLogger("my-project", name="sft-llama3-1b")
+        >>> logger.log(1, {"loss": 2.5}); logger.close()
+    """
+
+    def __init__(
+        self,
+        project: str,
+        *,
+        entity: str | None = None,
+        name: str | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        **init_kwargs: Any,
+    ) -> None:
+        try:
+            import wandb
+        except ImportError as err:
+            raise ImportError(
+                "WandBLogger needs the 'wandb' package: pip install tunesmith[wandb]  "
+                "(or: pip install wandb)"
+            ) from err
+        if log_dir is not None:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            init_kwargs["dir"] = str(log_dir)
+        self._run = wandb.init(project=project, entity=entity, name=name, **init_kwargs)
+        self._closed = False
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._run.log(_scalars(step, metrics), step=step)
+
+    def log_config(self, cfg: Mapping[str, Any]) -> None:
+        self._run.config.update(_plain(cfg), allow_val_change=True)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._run.finish()
+            self._closed = True
+
+
+class NullLogger(_ContextManager):
+    """Discards everything: what non-zero ranks get instead of a real logger."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def log_config(self, cfg: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MultiLogger(_ContextManager):
+    """Send every call to each of ``loggers`` in order.
+
+    ``close`` closes all of them even if one fails, then re-raises the first error.
+
+    Example::
+
+        >>> logger = MultiLogger([StdoutLogger(), JSONLLogger("runs/exp1")])
+    """
+
+    def __init__(self, loggers: Sequence[MetricLogger]) -> None:
+        for i, logger in enumerate(loggers):
+            if not isinstance(logger, MetricLogger):
+                raise TypeError(
+                    f"loggers[{i}] ({type(logger).__name__}) lacks log/log_config/close"
+                )
+        self.loggers = list(loggers)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for logger in self.loggers:
+            logger.log(step, metrics)
+
+    def log_config(self, cfg: Mapping[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.log_config(cfg)
+
+    def close(self) -> None:
+        first: BaseException | None = None
+        for logger in self.loggers:
+            try:
+                logger.close()
+            except Exception as err:
+                first = first or err
+        if first is not None:
+            raise first
