@@ -15,7 +15,7 @@ from tunesmith.cli import catalog
 ASSETS = Path(__file__).parent / "assets"
 ECHO_RECIPE = ASSETS / "echo_recipe.py"
 ECHO_CONFIG = ASSETS / "echo.yaml"
-SUBCOMMANDS = ["ls", "cp", "cat", "validate", "run", "download", "generate", "plot"]
+SUBCOMMANDS = ["ls", "cp", "cat", "validate", "run", "download", "generate", "export", "plot"]
 
 
 def tunesmith(
@@ -173,3 +173,27 @@ def test_plot_writes_a_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     missing = tunesmith("plot", str(tmp_path / "nothing"))
     assert missing.returncode == 1 and "metrics.jsonl" in missing.stderr
+
+
+def test_export_merges_an_adapter_into_a_plain_checkpoint(tmp_path):
+    import torch
+
+    from tests.recipes.sft_world import make_model_dir
+    from tunesmith.models import from_hf
+    from tunesmith.models.peft_io import save_peft_adapter
+    from tunesmith.modules.peft import adapter_modules, apply_lora
+
+    model_dir = make_model_dir(tmp_path)
+    model = apply_lora(from_hf(model_dir), target_modules=["q_proj", "v_proj"], rank=4, alpha=8)
+    torch.manual_seed(0)
+    for layer in adapter_modules(model).values():
+        torch.nn.init.normal_(layer.lora_B.weight, std=0.05)  # a non-trivial adapter
+    save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(model_dir))
+    out = tmp_path / "merged"
+    result = tunesmith("export", str(tmp_path / "adapter"), "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr
+    ids = torch.randint(0, 200, (2, 9))
+    with torch.no_grad():
+        expected, merged = model(ids), from_hf(out)(ids)
+    assert not any("lora" in name for name, _ in from_hf(out).named_parameters())
+    torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)

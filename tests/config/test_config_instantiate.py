@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.config.configtest_components import Block, Net, Optim, WithParams
 from omegaconf import OmegaConf
 
+from tests.config.configtest_components import Block, Net, Optim, WithParams
 from tunesmith.config import (
     ALLOW_ANY_COMPONENT_ENV,
     ALLOWED_COMPONENT_PREFIXES,
@@ -175,7 +175,8 @@ def test_positional_args_need_a_component() -> None:
 
 
 @pytest.mark.parametrize(
-    "spec", ["os.system", "subprocess.run", "builtins.eval", "tests.config.configtest_components.Optim"]
+    "spec",
+    ["os.system", "subprocess.run", "builtins.eval", "tests.config.configtest_components.Optim"],
 )
 def test_allow_list_refuses_other_components(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ALLOW_ANY_COMPONENT_ENV, raising=False)

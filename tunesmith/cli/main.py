@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -74,16 +75,20 @@ def cmd_cat(args: argparse.Namespace) -> int:
 
 def _check(cfg, recipe_file: Path | None) -> None:
     """Validate the whole config tree; raise one error listing every problem."""
-    from tunesmith.config import ConfigError, validate_config
+    from tunesmith.config import ConfigError, check_keys, validate_config
 
-    runtime_args, runtime_kwargs = {}, {}
+    recipe = None
     if recipe_file is not None:
         from tunesmith.cli.launch import load_recipe_module
 
         recipe = load_recipe_module(recipe_file)
-        runtime_args = getattr(recipe, "RUNTIME_ARGS", {})
-        runtime_kwargs = getattr(recipe, "RUNTIME_KWARGS", {})
-    issues = validate_config(cfg, runtime_args=runtime_args, runtime_kwargs=runtime_kwargs)
+    issues = validate_config(
+        cfg,
+        runtime_args=getattr(recipe, "RUNTIME_ARGS", {}),
+        runtime_kwargs=getattr(recipe, "RUNTIME_KWARGS", {}),
+    )
+    if hasattr(recipe, "KEYS"):  # the recipe's own top-level keys, misspellings suggested
+        issues += check_keys(cfg, recipe.KEYS)
     if issues:
         raise ConfigError.from_issues(issues)
 
@@ -116,7 +121,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     command = [sys.executable, "-m", "torch.distributed.run", *_torchrun_args(args)]
     command += ["-m", "tunesmith.cli.launch", str(recipe_file), str(config_file), *args.overrides]
-    code = subprocess.call(command, env=os.environ.copy())
+    launcher = subprocess.Popen(command, env=os.environ.copy())
+    # SIGTERM to this process reaches torchrun, which forwards it to every rank (each then
+    # saves a checkpoint and exits cleanly).
+    signal.signal(signal.SIGTERM, lambda signum, frame: launcher.send_signal(signum))
+    code = launcher.wait()
     if code != 0:
         raise CLIError(f"torchrun exited with code {code} (the failing rank's error is above)")
     return 0
@@ -203,11 +212,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Merge a LoRA/DoRA adapter into its base and write a plain HF checkpoint."""
+    from tunesmith.models.export import export_merged
+
+    out = export_merged(args.path, args.output_dir, base_dir=args.base_dir, dtype=args.dtype)
+    print(f"exported {args.path} to {out}")
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     """Write a PNG of the loss curves of a run directory (its metrics.jsonl)."""
     from tunesmith.training import plot_run
 
     print(plot_run(args.run_dir, args.output))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Fine-tune a tiny model on a generated task; print held-out accuracy before and after."""
+    from tunesmith.demo.assets import AssetSettings
+    from tunesmith.demo.run import run_demo
+
+    run_demo(
+        args.output_dir,
+        settings=AssetSettings(seed=args.seed),
+        overrides=[f"seed={args.seed}", *args.overrides],
+        threads=args.threads,
+    )
     return 0
 
 
@@ -259,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-id", default="tunesmith", help="job id shared by all nodes")
     _add_config_args(p)
 
+    p = add("demo", cmd_demo)
+    p.add_argument("--output-dir", default="outputs/demo", help="assets, checkpoint and plot")
+    p.add_argument("--seed", type=int, default=0, help="seed of the task data, model and run")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny: 1 is fastest)")
+    _add_config_args(p)
+
     p = add("download", cmd_download)
     p.add_argument("repo_id", help="Hub repository, e.g. Qwen/Qwen3-0.6B")
     p.add_argument("--output-dir", help="destination folder (default: models/<name>)")
@@ -280,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--dtype", help="float32, bfloat16, ... (default: the checkpoint's)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+
+    p = add("export", cmd_export)
+    p.add_argument("path", help="adapter folder (or checkpoint step dir), or a HF model folder")
+    p.add_argument("--output-dir", required=True, help="where to write the merged HF folder")
+    p.add_argument("--base-dir", help="base model folder (default: the adapter config's)")
+    p.add_argument("--dtype", help="float32 or bfloat16 (default: the base's)")
 
     p = add("plot", cmd_plot)
     p.add_argument("run_dir", help="run directory holding metrics.jsonl")

@@ -6,7 +6,7 @@ Nothing is downloaded. :func:`make_assets` writes, under one folder:
 - ``tokenizer/``: a byte-level BPE tokenizer trained with ``tokenizers`` on the task's chat
   text, with the Qwen2.5 special tokens and tunesmith's shipped Qwen2.5 chat template. Its
   pre-tokenizer keeps every capital letter and digit a token of its own (so the letters to
-  reverse are single tokens) while lowercase words such as ``assistant`` merge into one;
+  sort are single tokens) while lowercase words such as ``assistant`` merge into one;
 - ``base_model/``: a Hugging Face folder (``config.json`` + safetensors + the tokenizer files)
   holding a tiny Qwen2.5-style model built by tunesmith with random weights.
 
@@ -44,6 +44,7 @@ __all__ = [
     "DemoAssets",
     "build_base_model",
     "build_tokenizer",
+    "is_built",
     "make_assets",
 ]
 
@@ -55,6 +56,7 @@ SPLIT_PATTERN = (
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
 TEMPLATE = "qwen2_5"
+MANIFEST = "manifest.json"
 
 DEFAULT_MODEL: dict[str, Any] = {
     "hidden_size": 128,
@@ -140,7 +142,9 @@ def build_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     backend.train_from_iterator(_chat_pieces(examples), trainer=trainer)
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -208,21 +212,21 @@ def make_assets(
     """
     settings = settings or AssetSettings()
     assets = DemoAssets.under(root)
-    manifest = assets.root / "manifest.json"
-    wanted = asdict(settings)
-    if not force and manifest.is_file() and _read_manifest(manifest) == wanted:
+    if not force and is_built(root, settings):
         return assets
     train, held_out = make_splits(settings.num_train, settings.num_held_out, seed=settings.seed)
     write_jsonl(train, assets.train_file)
     write_jsonl(held_out, assets.held_out_file)
     build_tokenizer(assets.tokenizer_dir, train, settings.vocab_size)
     build_base_model(assets.model_dir, assets.tokenizer_dir, seed=settings.seed, **settings.model)
-    manifest.write_text(json.dumps(wanted, indent=2), encoding="utf-8")
+    (assets.root / MANIFEST).write_text(json.dumps(asdict(settings), indent=2), encoding="utf-8")
     return assets
 
 
-def _read_manifest(path: Path) -> Any:
+def is_built(root: str | os.PathLike[str], settings: AssetSettings | None = None) -> bool:
+    """Whether ``root`` holds assets that :func:`make_assets` built with ``settings``."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        recorded = json.loads((Path(root) / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
+        return False
+    return recorded == asdict(settings or AssetSettings())

@@ -9,7 +9,7 @@ Example::
 
     >>> result = run_demo("outputs/demo")  # doctest: +SKIP
     >>> result.accuracy_before, result.accuracy_after  # doctest: +SKIP
-    (0.0, 0.97)
+    (0.0, 0.99)
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,16 +26,19 @@ import torch
 from torch import nn
 
 from tunesmith.data import Tokenizer
-from tunesmith.demo.assets import AssetSettings, DemoAssets, make_assets
-from tunesmith.demo.task import MAX_LEN, Example, accuracy, read_jsonl
+from tunesmith.demo.assets import AssetSettings, DemoAssets, is_built, make_assets
+from tunesmith.demo.task import COMMAND, MAX_LEN, Example, accuracy, read_jsonl
 from tunesmith.generation import generate
 from tunesmith.models import from_hf
 from tunesmith.training import CheckpointDirectory, plot_run
 
-__all__ = ["CONFIG", "DemoResult", "evaluate", "run_demo", "train"]
+__all__ = ["CONFIG", "RUN_DIR", "DemoResult", "evaluate", "run_demo", "summary", "train"]
 
 CONFIG = "demo"
 """The SFT config the demo trains with (``tunesmith/recipes/configs/sft/demo.yaml``)."""
+RUN_DIR = "sft"
+"""Sub-folder of the output folder for the training run (metrics, checkpoints, plot)."""
+_OWN_KEYS = ("model_dir", "dataset.source", "output_dir")
 
 
 @dataclass(frozen=True)
@@ -43,11 +47,12 @@ class DemoResult:
 
     accuracy_before: float
     accuracy_after: float
-    num_held_out: int
+    held_out: list[Example]
+    replies_before: list[str]  # the base model's reply to each held-out prompt
+    replies_after: list[str]  # the fine-tuned model's
     checkpoint: Path
     plot: Path
     seconds: float
-    samples: list[tuple[str, str, str]]  # (prompt letters, reply before, reply after)
 
 
 def evaluate(
@@ -85,10 +90,13 @@ def evaluate(
 def train(assets: DemoAssets, run_dir: Path, overrides: Sequence[str] = ()) -> Path:
     """Train with ``tunesmith run sft --config demo`` pointed at ``assets``; return the checkpoint.
 
-    ``run_dir`` is emptied first, so the metrics and checkpoints are this run's only.
+    ``run_dir`` is emptied first, so the metrics and checkpoints are this run's only. The
+    demo sets ``model_dir``, ``dataset.source`` and ``output_dir`` itself; ``overrides`` may
+    change anything else.
     """
     from tunesmith.cli.main import build_parser
 
+    _check_overrides(overrides)
     shutil.rmtree(run_dir, ignore_errors=True)
     args = build_parser().parse_args(["run", "sft", "--config", CONFIG])
     args.overrides = [
@@ -97,7 +105,11 @@ def train(assets: DemoAssets, run_dir: Path, overrides: Sequence[str] = ()) -> P
         f"output_dir={run_dir}",
         *overrides,
     ]
-    args.func(args)  # cmd_run: load the config, validate it, run the recipe in this process
+    with warnings.catch_warnings():
+        # torchdata's StatefulDataLoader calls a deprecated torch API on construction; the
+        # warning says nothing about the run, so the demo keeps it off its output.
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        args.func(args)  # cmd_run: load the config, validate it, run the recipe in this process
     checkpoint = CheckpointDirectory(run_dir / "checkpoints").latest()
     if checkpoint is None:
         raise RuntimeError(f"training finished without a checkpoint in {run_dir / 'checkpoints'}")
@@ -119,22 +131,33 @@ def run_demo(
         settings: task size, seed and model size (default :class:`AssetSettings`).
         overrides: extra ``key=value`` overrides of the ``demo`` SFT config
             (e.g. ``["max_steps=50"]``).
-        threads: torch CPU threads for the whole demo (default: torch's choice).
+        threads: torch CPU threads during the demo (default: torch's current setting); the
+            previous setting is restored at the end.
         verbose: print the progress and the summary.
     """
-    say = print if verbose else (lambda *a, **k: None)
-    start = time.perf_counter()
+    previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    root = Path(output_dir)
-    settings = settings or AssetSettings()
+    try:
+        return _run(Path(output_dir), settings or AssetSettings(), overrides, verbose)
+    finally:
+        torch.set_num_threads(previous)
 
-    say(f"[1/4] task and assets in {root}/ (letter reversal; created once, then reused)")
+
+def _run(
+    root: Path, settings: AssetSettings, overrides: Sequence[str], verbose: bool
+) -> DemoResult:
+    _check_overrides(overrides)  # before anything is built
+    say = print if verbose else (lambda *a, **k: None)
+    start = time.perf_counter()
+    built = is_built(root, settings)
+    say(f"[1/4] task (sort the letters), tokenizer and base model in {root}/")
     assets = make_assets(root, settings)
     held_out = read_jsonl(assets.held_out_file)
     tokenizer = Tokenizer.from_pretrained(assets.model_dir)
     say(
-        f"      {settings.num_train} training / {len(held_out)} held-out prompts; "
+        f"      {'reused' if built else 'built'}: {settings.num_train} training / "
+        f"{len(held_out)} held-out prompts; "
         f"tokenizer: {tokenizer.vocab_size} tokens; base model: randomly initialised tiny "
         "Qwen2.5-style model built by tunesmith"
     )
@@ -147,7 +170,7 @@ def run_demo(
     say(f"      accuracy before: {before:.1%}")
 
     say(f"[3/4] fine-tuning: tunesmith run sft --config {CONFIG}")
-    run_dir = root / "run"
+    run_dir = root / RUN_DIR
     checkpoint = train(assets, run_dir, overrides)
 
     say("[4/4] held-out accuracy of the fine-tuned checkpoint")
@@ -158,28 +181,44 @@ def run_demo(
     result = DemoResult(
         accuracy_before=before,
         accuracy_after=after,
-        num_held_out=len(held_out),
+        held_out=held_out,
+        replies_before=replies_before,
+        replies_after=replies_after,
         checkpoint=checkpoint,
         plot=plot,
         seconds=time.perf_counter() - start,
-        samples=[
-            (ex.letters, b, a) for ex, b, a in zip(held_out, replies_before, replies_after)
-        ][:3],
     )
     say(summary(result))
     return result
 
 
-def summary(result: DemoResult) -> str:
-    """The closing report of the demo, a few lines."""
-    lines = ["", "held-out examples (prompt -> base model | fine-tuned):"]
-    lines += [f"  reverse {p:<8} -> {b!r:<14} | {a!r}" for p, b, a in result.samples]
+def _check_overrides(overrides: Sequence[str]) -> None:
+    for item in overrides:
+        if item.split("=", 1)[0].lstrip("~") in _OWN_KEYS:
+            raise ValueError(
+                f"override {item!r}: the demo sets {', '.join(_OWN_KEYS)} itself "
+                "(choose the folder with --output-dir)"
+            )
+
+
+def summary(result: DemoResult, examples: int = 3) -> str:
+    """The closing report of the demo: a few held-out replies, the accuracies, the paths."""
+    lines = ["", "held-out prompts -> reply of the base model | of the fine-tuned model:"]
+    for ex, before, after in list(
+        zip(result.held_out, result.replies_before, result.replies_after)
+    )[:examples]:
+        lines.append(f"  {COMMAND} {ex.letters:<8} -> {_shown(before):<16} | {_shown(after)}")
     lines += [
         "",
-        f"held-out accuracy ({result.num_held_out} prompts never seen in training): "
+        f"held-out accuracy ({len(result.held_out)} prompts never seen in training): "
         f"{result.accuracy_before:.1%} before -> {result.accuracy_after:.1%} after fine-tuning",
         f"checkpoint (Hugging Face folder): {result.checkpoint}",
         f"loss plot:                        {result.plot}",
         f"total time: {result.seconds:.0f} s",
     ]
     return "\n".join(lines)
+
+
+def _shown(reply: str, width: int = 14) -> str:
+    text = repr(reply)
+    return text if len(text) <= width else text[: width - 3] + "..."

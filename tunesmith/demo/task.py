@@ -1,20 +1,21 @@
-"""The demo's task: reverse a short string of capital letters.
+"""The demo's task: sort a short string of distinct capital letters alphabetically.
 
-Every example is a three-turn chat (a fixed short system prompt, ``"reverse QZXAB"``, the
-answer ``"BAXZQ"``). Train and held-out strings are drawn from the same distribution but never
+Every example is a three-turn chat (a fixed short system prompt, ``"sort QZXAB"``, the
+answer ``"ABQXZ"``). Train and held-out strings are drawn from the same distribution but never
 overlap, so held-out accuracy measures whether the model learned the rule, not the examples.
 
 Example::
 
     >>> train, held_out = make_splits(num_train=4, num_held_out=2, seed=0)
     >>> ex = held_out[0]
-    >>> ex.answer == ex.letters[::-1], score(ex.answer + "\\n", ex)
+    >>> ex.answer == "".join(sorted(ex.letters)), score(ex.answer + "\\n", ex)
     (True, True)
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import string
@@ -34,25 +35,26 @@ __all__ = [
 ]
 
 ALPHABET = string.ascii_uppercase
-SYSTEM_PROMPT = "reverse the letters"
+SYSTEM_PROMPT = "sort the letters"
+COMMAND = "sort"
 MIN_LEN, MAX_LEN = 3, 8
 
 
 @dataclass(frozen=True)
 class Example:
-    """One task instance: ``letters`` to reverse; the expected reply is :attr:`answer`."""
+    """One task instance: ``letters`` to sort; the expected reply is :attr:`answer`."""
 
     letters: str
 
     @property
     def answer(self) -> str:
-        return self.letters[::-1]
+        return "".join(sorted(self.letters))
 
     def prompt_messages(self) -> list[dict[str, str]]:
         """The conversation up to the assistant's turn (what the model is asked)."""
         return [
             {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"reverse {self.letters}"},
+            {"role": "user", "content": f"{COMMAND} {self.letters}"},
         ]
 
     def messages(self) -> list[dict[str, str]]:
@@ -68,16 +70,19 @@ def make_splits(
     min_len: int = MIN_LEN,
     max_len: int = MAX_LEN,
 ) -> tuple[list[Example], list[Example]]:
-    """Distinct random strings of ``min_len..max_len`` letters: ``(train, held_out)``.
+    """Random strings of ``min_len..max_len`` distinct letters: ``(train, held_out)``.
 
-    No string is in both splits (nor twice in one), so a held-out prompt is never seen in
+    No letter repeats within a string, and no string is in both splits (nor twice in one), so a held-out prompt is never seen in
     training.
     """
-    if not 1 <= min_len <= max_len:
-        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len} and {max_len}")
+    if not 1 <= min_len <= max_len <= len(ALPHABET):
+        raise ValueError(
+            f"need 1 <= min_len <= max_len, got {min_len} and {max_len}"
+            f" (at most {len(ALPHABET)}: letters do not repeat)"
+        )
     if num_train < 0 or num_held_out < 0:
         raise ValueError(f"split sizes must be >= 0, got {num_train} and {num_held_out}")
-    possible = sum(len(ALPHABET) ** n for n in range(min_len, max_len + 1))
+    possible = sum(math.perm(len(ALPHABET), n) for n in range(min_len, max_len + 1))
     if num_train + num_held_out > possible:
         raise ValueError(
             f"{num_train + num_held_out} distinct strings requested, only {possible} exist "
@@ -87,7 +92,7 @@ def make_splits(
     seen: set[str] = set()
     drawn: list[Example] = []
     while len(drawn) < num_train + num_held_out:
-        letters = "".join(rng.choices(ALPHABET, k=rng.randint(min_len, max_len)))
+        letters = "".join(rng.sample(ALPHABET, k=rng.randint(min_len, max_len)))
         if letters not in seen:
             seen.add(letters)
             drawn.append(Example(letters))
@@ -95,7 +100,7 @@ def make_splits(
 
 
 def score(reply: str, example: Example) -> bool:
-    """True when ``reply`` (surrounding whitespace ignored) is exactly the reversed string."""
+    """True when ``reply`` (surrounding whitespace ignored) is exactly the sorted string."""
     return reply.strip() == example.answer
 
 
@@ -129,8 +134,8 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[Example]:
                 user = json.loads(line)["messages"][1]["content"]
             except (ValueError, KeyError, IndexError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: not a demo task row ({e})") from e
-            prefix = "reverse "
+            prefix = f"{COMMAND} "
             if not (isinstance(user, str) and user.startswith(prefix)):
-                raise ValueError(f"{path}:{lineno}: user turn {user!r} is not 'reverse LETTERS'")
+                raise ValueError(f"{path}:{lineno}: user turn {user!r} is not '{COMMAND} LETTERS'")
             examples.append(Example(user[len(prefix) :]))
     return examples

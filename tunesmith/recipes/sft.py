@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -48,9 +49,9 @@ KEYS = [
     "output_dir", "model_dir", "seed", "device", "mixed_precision", "tokenizer", "model",
     "dataset", "val_dataset", "val_fraction", "packed", "shuffle", "batch_size",
     "gradient_accumulation_steps", "epochs", "max_steps", "stop_after_steps", "optimizer",
-    "lr_scheduler",
-    "max_grad_norm", "loss", "metric_loggers", "log_every_n_steps", "eval_every_n_steps",
-    "save_every_n_steps", "keep_last", "resume", "on_nonfinite_loss", "progress_bar",
+    "lr_scheduler", "max_grad_norm", "loss", "metric_loggers", "log_every_n_steps",
+    "eval_every_n_steps", "save_every_n_steps", "keep_last", "resume", "on_nonfinite_loss",
+    "progress_bar",
 ]  # fmt: skip
 AUTOCAST = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,9 +61,12 @@ def main(cfg: DictConfig) -> None:
     if issues:
         raise ConfigError.from_issues(issues)
     ctx = init_distributed(cfg.get("device", "auto"))
+    previous_sigterm = signal.getsignal(signal.SIGTERM)
     try:
         train(cfg, ctx)
     finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous_sigterm)  # train() installed its own
         close_distributed()
 
 
@@ -105,7 +109,7 @@ def train(cfg: DictConfig, ctx) -> None:
     # -- model, optimizer, schedule
     model = instantiate(cfg.model).to(ctx.device)
     model = shard_model(model, ctx)
-    optimizer = instantiate(cfg.optimizer, model.parameters())
+    optimizer = instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
     scheduler = instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
     loss_fn = instantiate(cfg.loss)
     autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
@@ -118,6 +122,11 @@ def train(cfg: DictConfig, ctx) -> None:
     stateful = {"scheduler": scheduler, "dataloader": loader}
     progress = {"step": 0, "epoch": 0, "tokens_seen": 0}
     resume_from = _resume_path(cfg.get("resume", False), checkpointer)
+    if resume_from is None and checkpointer.latest() is not None:
+        raise FileExistsError(
+            f"{checkpointer.root} already holds checkpoints (latest: {checkpointer.latest()}); "
+            "pass resume=true to continue that run, or choose another output_dir"
+        )
     if resume_from is not None:
         progress = checkpointer.load(resume_from, model, optimizer, stateful)
         log(f"resumed from {resume_from} at step {progress['step']}")
@@ -132,73 +141,75 @@ def train(cfg: DictConfig, ctx) -> None:
             ctx.is_rank_zero and cfg.get("progress_bar", True)), desc="sft",
     )  # fmt: skip
     last_checkpoint = checkpointer.latest()
-    step_start = time.perf_counter()
-    model.train()
-    while progress["step"] < total_steps:
-        step = progress["step"] + 1
-        micro = [next(stream) for _ in range(accum)]
-        num_tokens = all_reduce_sum(sum(_trained(mb) for mb in micro), ctx.device)
-        step_loss = torch.zeros((), device=ctx.device)
-        for mb in micro:
-            batch = {k: v.to(ctx.device) for k, v in mb.items()}
-            with torch.autocast(
-                ctx.device.type, autocast_dtype, enabled=autocast_dtype is not None
-            ):
-                logits, router_logits = _forward(model, batch)
-            loss = loss_fn(logits, batch["labels"]) * ctx.world_size / num_tokens.float()
-            if router_logits:  # MoE: the load-balancing loss, a mean per micro-batch
-                aux = load_balancing_loss(
-                    router_logits, model.spec.num_experts_per_tok, batch.get("attention_mask")
-                )
-                loss = loss + model.spec.router_aux_loss_coef * aux / accum
-            loss.backward()
-            step_loss += loss.detach()
-        step_loss = all_reduce_sum(step_loss, ctx.device) / ctx.world_size
-        grad_norm = _clip(model, cfg.get("max_grad_norm"))
-
-        if not (math.isfinite(step_loss.item()) and math.isfinite(grad_norm)):
-            message = f"loss {step_loss.item()} / grad norm {grad_norm} at step {step}"
-            if cfg.get("on_nonfinite_loss", "stop") == "stop":
-                raise FloatingPointError(
-                    f"{message}; stopping (last good checkpoint: {last_checkpoint}). "
-                    "Set on_nonfinite_loss=skip to skip such batches."
-                )
-            log(f"skipping the update: {message}")
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        progress["step"] = step
-        progress["tokens_seen"] += int(all_reduce_sum(
-            sum(_real_tokens(mb) for mb in micro), ctx.device).item())  # fmt: skip
-        bar.update(1)
-
-        if step % int(cfg.get("log_every_n_steps", 1)) == 0 or step == total_steps:
-            elapsed = time.perf_counter() - step_start
-            logger.log(step, {
-                "loss": step_loss.item(), "lr": scheduler.get_last_lr()[0],
-                "grad_norm": grad_norm, "tokens_seen": progress["tokens_seen"],
-                "trained_tokens": int(num_tokens.item()),
-                "tokens_per_s": sum(_real_tokens(mb) for mb in micro) * ctx.world_size / elapsed,
-                "peak_memory_gb": peak_memory_gb(ctx.device),
-            })  # fmt: skip
-        if val_dataset is not None and _every(step, cfg.get("eval_every_n_steps"), total_steps):
-            val_loss = evaluate(model, val_dataset, collate, loss_fn, ctx, cfg.batch_size)
-            logger.log(step, {"val_loss": val_loss})
-        stop = bool(all_reduce_sum(float(stop_requested()), ctx.device).item())
-        stop_after = cfg.get("stop_after_steps")
-        stop_early = stop_after is not None and step == int(stop_after) < total_steps
-        if _every(step, cfg.get("save_every_n_steps"), total_steps) or stop or stop_early:
-            last_checkpoint = checkpointer.save(step, model, optimizer, stateful, progress)
-            log(f"checkpoint: {last_checkpoint}")
-        if stop or stop_early:
-            reason = "SIGTERM" if stop else f"stop_after_steps={stop_after}"
-            log(f"{reason}: stopped after step {step}; resume with resume=true")
-            break
+    try:
         step_start = time.perf_counter()
-    bar.close()
-    logger.close()
+        model.train()
+        while progress["step"] < total_steps:
+            step = progress["step"] + 1
+            micro = [next(stream) for _ in range(accum)]
+            num_tokens = all_reduce_sum(sum(_trained(mb) for mb in micro), ctx.device)
+            step_loss = torch.zeros((), device=ctx.device)
+            for mb in micro:
+                batch = {k: v.to(ctx.device) for k, v in mb.items()}
+                with torch.autocast(
+                    ctx.device.type, autocast_dtype, enabled=autocast_dtype is not None
+                ):
+                    logits, router_logits = _forward(model, batch)
+                loss = loss_fn(logits, batch["labels"]) * ctx.world_size / num_tokens.float()
+                if router_logits:  # MoE: the load-balancing loss, a mean per micro-batch
+                    aux = load_balancing_loss(
+                        router_logits, model.spec.num_experts_per_tok, batch.get("attention_mask")
+                    )
+                    loss = loss + model.spec.router_aux_loss_coef * aux / accum
+                loss.backward()
+                step_loss += loss.detach()
+            step_loss = all_reduce_sum(step_loss, ctx.device) / ctx.world_size
+            grad_norm = _clip(model, cfg.get("max_grad_norm"))
+
+            if not (math.isfinite(step_loss.item()) and math.isfinite(grad_norm)):
+                message = f"loss {step_loss.item()} / grad norm {grad_norm} at step {step}"
+                if cfg.get("on_nonfinite_loss", "stop") == "stop":
+                    raise FloatingPointError(
+                        f"{message}; stopping (last good checkpoint: {last_checkpoint}). "
+                        "Set on_nonfinite_loss=skip to skip such batches."
+                    )
+                log(f"skipping the update: {message}")
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            progress["step"] = step
+            progress["tokens_seen"] += int(all_reduce_sum(
+                sum(_real_tokens(mb) for mb in micro), ctx.device).item())  # fmt: skip
+            bar.update(1)
+
+            if step % int(cfg.get("log_every_n_steps", 1)) == 0 or step == total_steps:
+                elapsed = time.perf_counter() - step_start
+                logger.log(step, {
+                    "loss": step_loss.item(), "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm, "tokens_seen": progress["tokens_seen"],
+                    "trained_tokens": int(num_tokens.item()),
+                    "tokens_per_s": sum(_real_tokens(mb) for mb in micro) * ctx.world_size / elapsed,
+                    "peak_memory_gb": peak_memory_gb(ctx.device),
+                })  # fmt: skip
+            if val_dataset is not None and _every(step, cfg.get("eval_every_n_steps"), total_steps):
+                val_loss = evaluate(model, val_dataset, collate, loss_fn, ctx, cfg.batch_size)
+                logger.log(step, {"val_loss": val_loss})
+            stop = bool(all_reduce_sum(float(stop_requested()), ctx.device).item())
+            stop_after = cfg.get("stop_after_steps")
+            stop_early = stop_after is not None and step == int(stop_after) < total_steps
+            if _every(step, cfg.get("save_every_n_steps"), total_steps) or stop or stop_early:
+                last_checkpoint = checkpointer.save(step, model, optimizer, stateful, progress)
+                log(f"checkpoint: {last_checkpoint}")
+            if stop or stop_early:
+                reason = "SIGTERM" if stop else f"stop_after_steps={stop_after}"
+                log(f"{reason}: stopped after step {step}; resume with resume=true")
+                break
+            step_start = time.perf_counter()
+    finally:
+        bar.close()
+        logger.close()
 
 
 def evaluate(model, dataset, collate, loss_fn, ctx, batch_size: int) -> float:
@@ -281,5 +292,6 @@ def _install_sigterm_handler():
     def handler(signum, frame):
         received["flag"] = True
 
-    signal.signal(signal.SIGTERM, handler)
+    if threading.current_thread() is threading.main_thread():  # signals only reach it
+        signal.signal(signal.SIGTERM, handler)
     return lambda: received["flag"]

@@ -1,7 +1,8 @@
 """Checkpoints that both deploy and resume, written atomically by one rank or many.
 
 A checkpoint ``<root>/step_000100/`` is a Hugging Face model folder (safetensors, config,
-tokenizer files: ``transformers`` loads it as is) plus ``training_state/``: the optimizer
+tokenizer files: ``transformers`` loads it as is) — or, for a LoRA/DoRA model, a PEFT adapter
+folder (``peft.PeftModel.from_pretrained`` loads it onto the base) — plus ``training_state/``: the optimizer
 (torch.distributed.checkpoint, sharded by rank), and one ``rank<N>.pt`` per rank with the LR
 schedule, data-loader position, RNG states and progress counters. The folder appears under
 its final name only once every file is written and fsynced (see :class:`CheckpointDirectory`).
@@ -36,7 +37,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tunesmith.models.hf import write_hf_checkpoint
+from tunesmith.models.peft_io import load_peft_adapter, write_peft_adapter
 from tunesmith.models.safetensors_io import find_weight_files
+from tunesmith.modules.peft import adapter_modules, adapter_state_dict
 from tunesmith.training.checkpoint_dir import CheckpointDirectory
 from tunesmith.training.distributed import DistributedContext
 
@@ -76,6 +79,18 @@ def _broadcast_path(path: Path | None) -> Path:
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def _gather_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) weights to export, on CPU: the whole model, or only its LoRA/DoRA
+    adapters when it has any (the frozen base is never gathered)."""
+    if adapter_modules(model):
+        return {
+            name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+            for name, t in adapter_state_dict(model).items()
+        }
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
 
 
 class Checkpointer:
@@ -125,14 +140,17 @@ class Checkpointer:
         progress: Mapping[str, Any],
     ) -> Path:
         """Write checkpoint ``step`` (a collective: every rank calls it); returns its path."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full_weights = get_model_state_dict(model, options=options)  # gathered on rank 0
+        weights = _gather_weights(model)  # collective; only the adapters for LoRA models
         optim_state = get_optimizer_state_dict(model, optimizer)
         tmp = _broadcast_path(self.directory.begin(step) if self.directory else None)
         try:
-            if self.ctx.is_rank_zero:
+            if self.ctx.is_rank_zero and adapter_modules(model):
+                write_peft_adapter(
+                    model, tmp, state_dict=weights, base_model_name_or_path=self.source_dir
+                )
+            elif self.ctx.is_rank_zero:
                 write_hf_checkpoint(
-                    full_weights, tmp, spec=model.spec, dtype=self.save_dtype,
+                    weights, tmp, spec=model.spec, dtype=self.save_dtype,
                     source_dir=self.source_dir,
                 )  # fmt: skip
             dcp.save({"optimizer": optim_state}, checkpoint_id=tmp / STATE_DIR / "optimizer")
@@ -162,18 +180,21 @@ class Checkpointer:
                 f"{rank_file} is missing: {path} is not a training checkpoint of a "
                 f"{self.ctx.world_size}-rank run (resume needs the same number of ranks)"
             )
-        weights: dict[str, torch.Tensor] = {}
-        if self.ctx.is_rank_zero or self.ctx.world_size == 1:
-            files, _ = find_weight_files(path)
-            for file in files:
-                weights.update(load_file(file))
-        set_model_state_dict(
-            model,
-            weights,
-            options=StateDictOptions(
-                full_state_dict=True, broadcast_from_rank0=self.ctx.world_size > 1
-            ),
-        )
+        if adapter_modules(model):
+            load_peft_adapter(model, path)  # each rank takes its shard of each tensor
+        else:
+            weights: dict[str, torch.Tensor] = {}
+            if self.ctx.is_rank_zero:
+                files, _ = find_weight_files(path)
+                for file in files:
+                    weights.update(load_file(file))
+            set_model_state_dict(
+                model,
+                weights,
+                options=StateDictOptions(
+                    full_state_dict=True, broadcast_from_rank0=self.ctx.world_size > 1
+                ),
+            )
         optim_state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
         dcp.load(optim_state, checkpoint_id=path / STATE_DIR / "optimizer")
         set_optimizer_state_dict(model, optimizer, optim_state["optimizer"])

@@ -1,0 +1,276 @@
+"""PEFT-format adapters: ours load in ``peft`` and ``peft``'s load in ours, with equal logits
+and gradients; merged export loads in transformers; bad adapters fail naming file and tensor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file, save_file
+
+from tests.peft.conftest import randomize_adapters_, token_batch
+from tunesmith.models import from_hf
+from tunesmith.models.export import export_merged
+from tunesmith.models.peft_io import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    load_peft_adapter,
+    read_peft_adapter,
+    save_peft_adapter,
+)
+from tunesmith.models.safetensors_io import CheckpointError
+from tunesmith.modules.peft import (
+    DoRALinear,
+    adapter_modules,
+    adapter_state_dict,
+    apply_lora,
+    trainable_parameters,
+)
+
+ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATOL = 1e-4
+
+
+def _hf(folder: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation="eager", dtype=torch.float32
+    )
+
+
+def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _peft_name(ours: str) -> str:
+    """Our adapter parameter name -> the PeftModel parameter name (adapter 'default')."""
+    module, _, kind = ours.rpartition(".lora_")
+    kind = "lora_" + kind
+    if kind == "lora_magnitude_vector":
+        return f"base_model.model.{module}.lora_magnitude_vector.default.weight"
+    return f"base_model.model.{module}.{kind.replace('.weight', '.default.weight')}"
+
+
+def _our_model(folder: Path, case: str):
+    model = from_hf(folder)
+    if case == "mixed_ranks":
+        apply_lora(model, target_modules=["q_proj", "o_proj"], rank=4, alpha=8)
+        apply_lora(model, target_modules=["v_proj", "lm_head"], rank=2, alpha=6, use_rslora=False)
+    else:
+        targets = [*ATTN_MLP, "lm_head"]
+        apply_lora(model, target_modules=targets, rank=4, alpha=8, use_dora=case == "dora")
+    randomize_adapters_(trainable_parameters(model), seed=11)
+    return model
+
+
+@pytest.mark.parametrize("case", ["lora", "dora", "mixed_ranks"])
+def test_our_adapter_loads_in_peft_with_equal_logits_and_grads(qwen2_dir, tmp_path, case):
+    ours = _our_model(qwen2_dir, case)
+    save_peft_adapter(ours, tmp_path / "adapter", base_model_name_or_path=str(qwen2_dir))
+    config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG_NAME).read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert config["use_dora"] == (case == "dora") and config["base_model_name_or_path"] == str(
+        qwen2_dir
+    )
+    if case == "mixed_ranks":
+        assert config["r"] == 4 and config["lora_alpha"] == 8
+        assert config["rank_pattern"]["model.layers.1.self_attn.v_proj"] == 2
+        assert config["alpha_pattern"]["lm_head"] == 6
+    else:
+        assert config["target_modules"] == sorted([*ATTN_MLP, "lm_head"])
+
+    theirs = peft.PeftModel.from_pretrained(_hf(qwen2_dir), tmp_path / "adapter", is_trainable=True)
+    ids = token_batch(seed=3)
+    our_logits, their_logits = ours(ids), theirs(input_ids=ids).logits
+    torch.testing.assert_close(our_logits, their_logits, rtol=0, atol=ATOL)
+    _loss(our_logits, ids).backward()
+    _loss(their_logits, ids).backward()
+    their_params = dict(theirs.named_parameters())
+    our_params = trainable_parameters(ours)
+    assert {_peft_name(n) for n in our_params} == {
+        n for n, p in their_params.items() if p.requires_grad
+    }
+    for name, param in our_params.items():
+        torch.testing.assert_close(
+            param.grad, their_params[_peft_name(name)].grad, atol=1e-5, rtol=1e-3
+        )
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_peft_made_adapter_loads_in_tunesmith(qwen2_dir, tmp_path, use_dora):
+    torch.manual_seed(0)
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=[*ATTN_MLP, "lm_head"],
+        rank_pattern={"v_proj": 2},
+        alpha_pattern={"o_proj": 3},
+        use_rslora=True,
+        use_dora=use_dora,
+        init_lora_weights=False,  # random B: a non-trivial adapter
+        task_type="CAUSAL_LM",
+    )
+    theirs = peft.get_peft_model(_hf(qwen2_dir), config)
+    with torch.no_grad():
+        randomize_adapters_(
+            {n: p for n, p in theirs.named_parameters() if "magnitude" in n}, seed=5
+        )
+        theirs.base_model.model.lm_head.base_layer.weight.mul_(1.5)  # saved with the adapter
+    theirs.save_pretrained(tmp_path / "adapter")
+    assert "base_model.model.lm_head.base_layer.weight" in load_file(
+        tmp_path / "adapter" / ADAPTER_WEIGHTS_NAME
+    )
+
+    ours = load_peft_adapter(from_hf(qwen2_dir), tmp_path / "adapter")
+    layers = adapter_modules(ours)
+    assert len(layers) == 2 * 7 + 1
+    assert layers["model.layers.0.self_attn.v_proj"].rank == 2
+    assert layers["model.layers.0.self_attn.o_proj"].alpha == 3
+    assert all(isinstance(m, DoRALinear) == use_dora and m.use_rslora for m in layers.values())
+    ids = token_batch(seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(input_ids=ids).logits, rtol=0, atol=ATOL)
+
+
+def test_resume_into_an_adapted_model_and_config_mismatch(llama_dir, tmp_path):
+    ours = _our_model(llama_dir, "dora")
+    save_peft_adapter(ours, tmp_path / "a")
+    fresh = apply_lora(
+        from_hf(llama_dir), target_modules=[*ATTN_MLP, "lm_head"], rank=4, alpha=8, use_dora=True
+    )
+    load_peft_adapter(fresh, tmp_path / "a")
+    for key, value in adapter_state_dict(ours).items():
+        assert torch.equal(adapter_state_dict(fresh)[key], value), key
+    other = apply_lora(
+        from_hf(llama_dir), target_modules=[*ATTN_MLP, "lm_head"], rank=2, alpha=8, use_dora=True
+    )
+    with pytest.raises(CheckpointError, match=r"rank=4.*in the file but rank=2"):
+        load_peft_adapter(other, tmp_path / "a")
+    fewer = apply_lora(
+        from_hf(llama_dir), target_modules=["q_proj"], rank=4, alpha=8, use_dora=True
+    )
+    with pytest.raises(CheckpointError, match="adapted layers differ"):
+        load_peft_adapter(fewer, tmp_path / "a")
+
+
+def test_adapter_file_is_a_small_fraction_of_the_model(llama_dir, tmp_path):
+    model = apply_lora(from_hf(llama_dir), target_modules=["q_proj", "v_proj"], rank=2, alpha=4)
+    save_peft_adapter(model, tmp_path / "adapter")
+    adapter_bytes = (tmp_path / "adapter" / ADAPTER_WEIGHTS_NAME).stat().st_size
+    model_bytes = (llama_dir / "model.safetensors").stat().st_size
+    assert adapter_bytes < 0.03 * model_bytes
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        ADAPTER_CONFIG_NAME,
+        ADAPTER_WEIGHTS_NAME,
+    ]
+
+
+def test_export_merged_loads_in_transformers(llama_dir, tmp_path):
+    ours = _our_model(llama_dir, "dora")
+    save_peft_adapter(ours, tmp_path / "adapter", base_model_name_or_path=str(llama_dir))
+    (tmp_path / "adapter" / "tokenizer_config.json").write_text('{"model_max_length": 7}\n')
+    ids = token_batch(seed=9)
+    with torch.no_grad():
+        expected = ours(ids)
+
+    export_merged(tmp_path / "adapter", tmp_path / "fp32")  # base from adapter_config.json
+    assert not any(".lora_" in k for k in load_file(tmp_path / "fp32" / "model.safetensors"))
+    assert (
+        json.loads((tmp_path / "fp32" / "tokenizer_config.json").read_text())["model_max_length"]
+        == 7
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(_hf(tmp_path / "fp32")(ids).logits, expected, rtol=0, atol=ATOL)
+
+    export_merged(tmp_path / "adapter", tmp_path / "bf16", base_dir=llama_dir, dtype="bf16")
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    tensors = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    fp32 = load_file(tmp_path / "fp32" / "model.safetensors")
+    assert all(torch.equal(tensors[k], fp32[k].bfloat16()) for k in fp32)
+
+    export_merged(tmp_path / "fp32", tmp_path / "copy", dtype="bf16")  # a model folder
+    copy = load_file(tmp_path / "copy" / "model.safetensors")
+    assert all(torch.equal(copy[k], tensors[k]) for k in tensors)
+
+
+def _write_adapter(tmp_path: Path, llama_dir: Path) -> Path:
+    model = apply_lora(from_hf(llama_dir), target_modules=["q_proj"], rank=2, alpha=4)
+    return save_peft_adapter(model, tmp_path / "adapter")
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    path = folder / ADAPTER_CONFIG_NAME
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save=.*not supported"),
+        ({"bias": "all"}, "bias='all'"),
+        ({"peft_type": "IA3"}, "peft_type 'IA3'"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),
+        ({"use_dora": True}, "lacks a lora_magnitude_vector"),
+        ({"r": 8}, "has rank 2, but adapter_config.json says r=8"),
+    ],
+)
+def test_unsupported_or_inconsistent_configs_are_refused(llama_dir, tmp_path, changes, message):
+    folder = _write_adapter(tmp_path, llama_dir)
+    _edit_config(folder, **changes)
+    with pytest.raises(CheckpointError, match=message):
+        load_peft_adapter(from_hf(llama_dir), folder)
+
+
+def test_bad_tensors_are_named(llama_dir, tmp_path):
+    folder = _write_adapter(tmp_path, llama_dir)
+    weights = folder / ADAPTER_WEIGHTS_NAME
+    good = load_file(weights)
+    key_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+    save_file({**good, key_a: torch.zeros(2, 63)}, weights)
+    with pytest.raises(CheckpointError, match=rf"'{key_a}' has shape \[2, 63\].*needs \[2, 64\]"):
+        load_peft_adapter(from_hf(llama_dir), folder)
+
+    save_file(
+        {k: v for k, v in good.items() if "layers.1.self_attn.q_proj.lora_B" not in k}, weights
+    )
+    with pytest.raises(
+        CheckpointError, match="layer 'model.layers.1.self_attn.q_proj' has no lora_B"
+    ):
+        read_peft_adapter(folder)
+
+    ghost = "base_model.model.model.layers.5.self_attn.q_proj"
+    save_file(
+        {
+            **good,
+            f"{ghost}.lora_A.weight": good[key_a].clone(),
+            f"{ghost}.lora_B.weight": torch.zeros(64, 2),
+        },
+        weights,
+    )
+    with pytest.raises(CheckpointError, match="targets 'model.layers.5.self_attn.q_proj', which"):
+        load_peft_adapter(from_hf(llama_dir), folder)
+
+    save_file({k.removeprefix("base_model.model."): v for k, v in good.items()}, weights)
+    with pytest.raises(CheckpointError, match="lacks the 'base_model.model.' prefix"):
+        read_peft_adapter(folder)
+
+    weights.unlink()
+    (folder / "adapter_model.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="adapter_model.bin found: only safetensors"):
+        read_peft_adapter(folder)
+    with pytest.raises(CheckpointError, match="is not a PEFT adapter"):
+        read_peft_adapter(tmp_path)
+
+
+def test_export_needs_a_base(llama_dir, tmp_path):
+    folder = _write_adapter(tmp_path, llama_dir)  # base_model_name_or_path: null
+    with pytest.raises(CheckpointError, match="pass base_dir="):
+        export_merged(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

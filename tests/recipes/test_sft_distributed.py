@@ -1,0 +1,119 @@
+"""FSDP2 on two CPU ranks (gloo) == one process: same logged losses and same exported weights.
+
+Why the two runs see the same samples: the DistributedSampler draws one permutation ``perm``
+per epoch from the seed alone (not from the world size) and hands rank r ``perm[r::2]``. With
+a per-rank batch of B, step k's batches on the two ranks are ``perm[2kB : 2kB + 2B]`` split by
+parity, exactly the samples of the single process's step-k batch of 2B. The samples train
+different numbers of tokens, so the ranks' token counts differ and only a global token mean
+(not a mean of per-rank means) matches the single process.
+
+The default-set test starts the two ranks itself (``python -m tunesmith.cli.launch`` with the
+torchrun environment variables); the slow one goes through ``tunesmith run --nproc-per-node 2``.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.recipes.sft_world import (
+    checkpoint_weights,
+    checkpoints,
+    cli_command,
+    final_weights,
+    make_counting_data,
+    make_model_dir,
+    read_metrics,
+    run_sft,
+    sft_overrides,
+    subprocess_env,
+)
+from tunesmith.cli import catalog
+
+PER_RANK, STEPS = 2, 3
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    model_dir = make_model_dir(root)
+    data = make_counting_data(root / "count.jsonl", rows=24)
+    single = run_sft(
+        model_dir, data, root / "single", f"batch_size={2 * PER_RANK}", f"max_steps={STEPS}"
+    )
+    return model_dir, data, single
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_same_as_single(model_dir, single, distributed) -> None:
+    assert [p.name for p in checkpoints(distributed)] == [f"step_{STEPS:06d}"]
+    state = checkpoints(distributed)[-1] / "training_state"
+    assert sorted(p.name for p in state.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
+    logged_1, logged_2 = read_metrics(single), read_metrics(distributed)
+    assert sorted(logged_1) == sorted(logged_2) == list(range(1, STEPS + 1))
+    for step in logged_1:
+        one, two = logged_1[step], logged_2[step]
+        assert one["trained_tokens"] == two["trained_tokens"]
+        assert one["tokens_seen"] == two["tokens_seen"]
+        assert one["loss"] == pytest.approx(two["loss"], rel=1e-5), f"loss at step {step}"
+        assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-5), f"step {step}"
+    weights_1, weights_2 = final_weights(single), final_weights(distributed)
+    assert weights_1.keys() == weights_2.keys()
+    for name in weights_1:
+        torch.testing.assert_close(
+            weights_2[name], weights_1[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    initial = checkpoint_weights(model_dir)
+    assert max((weights_1[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
+
+
+def test_two_gloo_ranks_equal_one_process(world, tmp_path):
+    model_dir, data, single = world
+    out = tmp_path / "fsdp"
+    args = [
+        "-m", "tunesmith.cli.launch", str(catalog.recipe_path("sft")),
+        str(catalog.config_path("tiny", "sft")),
+        *sft_overrides(model_dir, data, out, f"batch_size={PER_RANK}", f"max_steps={STEPS}"),
+    ]  # fmt: skip
+    port = str(_free_port())
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    ranks = []
+    for r, log in enumerate(logs):  # what torchrun would start, without torchrun
+        env = subprocess_env(
+            RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+        )  # fmt: skip
+        with open(log, "w") as f:
+            ranks.append(subprocess.Popen([sys.executable, *args], env=env, stdout=f, stderr=f))
+    try:
+        for p in ranks:
+            p.wait(timeout=120)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, log) in enumerate(zip(ranks, logs)):
+        assert p.returncode == 0, f"rank {r} failed:\n{log.read_text()[-3000:]}"
+    _check_same_as_single(model_dir, single, out)
+
+
+@pytest.mark.slow
+def test_cli_nproc_per_node_2_equals_one_process(world, tmp_path):
+    model_dir, data, single = world
+    out = tmp_path / "cli"
+    overrides = sft_overrides(model_dir, data, out, f"batch_size={PER_RANK}", f"max_steps={STEPS}")
+    result = subprocess.run(
+        cli_command("run", "sft", "--config", "tiny", "--nproc-per-node", "2", *overrides),
+        env=subprocess_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    _check_same_as_single(model_dir, single, out)

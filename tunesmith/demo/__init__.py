@@ -1,0 +1,28 @@
+"""``tunesmith demo``: a generated task, a tiny local model, SFT, and accuracy before/after.
+
+Modules: :mod:`~tunesmith.demo.task` (the task's data and scorer), :mod:`~tunesmith.demo.assets`
+(tokenizer and base model, built locally) and :mod:`~tunesmith.demo.run` (the orchestration).
+The demo sits at the top of the layers, beside the CLI: it trains through ``tunesmith run``.
+
+Example::
+
+    >>> from tunesmith.demo import run_demo
+    >>> result = run_demo("outputs/demo", threads=1)  # doctest: +SKIP
+"""
+
+from tunesmith.demo.assets import AssetSettings, DemoAssets, make_assets
+from tunesmith.demo.run import DemoResult, evaluate, run_demo
+from tunesmith.demo.task import Example, accuracy, make_splits, score
+
+__all__ = [
+    "AssetSettings",
+    "DemoAssets",
+    "DemoResult",
+    "Example",
+    "accuracy",
+    "evaluate",
+    "make_assets",
+    "make_splits",
+    "run_demo",
+    "score",
+]

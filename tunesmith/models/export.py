@@ -1,0 +1,109 @@
+"""Export: merge LoRA/DoRA adapters into their base and write a plain Hugging Face folder.
+
+``tunesmith export`` calls :func:`export_merged`. The result loads in transformers and vLLM
+with no ``peft`` involved; NF4 (QLoRA) training does not matter here, since the merge starts
+from the base folder's dense weights.
+
+Example::
+
+    >>> export_merged("out/adapter", "out/merged", base_dir="Qwen3-0.6B", dtype="bf16")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from tunesmith.models.hf import (
+    CONFIG_NAME,
+    TOKENIZER_FILES,
+    from_hf,
+    read_hf_config,
+    resolve_dtype,
+    save_hf_checkpoint,
+    write_hf_checkpoint,
+)
+from tunesmith.models.peft_io import ADAPTER_CONFIG_NAME, load_peft_adapter, read_adapter_config
+from tunesmith.models.safetensors_io import CheckpointFileNotFoundError, atomic_directory
+from tunesmith.modules.peft import merge_adapters
+
+__all__ = ["export_merged"]
+
+
+def _overlay_tokenizer_files(source: Path, folder: Path) -> None:
+    for name in TOKENIZER_FILES:
+        src, dst = source / name, folder / name
+        if src.is_dir():
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst)
+        elif src.is_file():
+            shutil.copy2(src, dst)
+
+
+def _merge_dtype(base: str | os.PathLike, out_dtype: torch.dtype | None) -> torch.dtype:
+    """Load the base in the wider of its stored dtype and the output dtype: the merge then
+    rounds once, to the output dtype."""
+    config = read_hf_config(base)
+    stored = resolve_dtype(config.get("dtype") or config.get("torch_dtype"))
+    if out_dtype is None or stored.itemsize >= out_dtype.itemsize:
+        return stored
+    return out_dtype
+
+
+def export_merged(
+    adapter_or_model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    base_dir: str | os.PathLike | None = None,
+    dtype: torch.dtype | str | None = None,
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Write a plain Hugging Face folder with the adapters merged into the base weights.
+
+    ``adapter_or_model_dir`` is a PEFT adapter folder (its base model is ``base_dir``, else
+    ``base_model_name_or_path`` from ``adapter_config.json``, a local HF folder) or a HF model
+    folder (re-saved, e.g. to change dtype). ``dtype`` (``"bf16"``, ``"fp32"``...) defaults to
+    the base config's. The base is loaded in the wider of its stored dtype and ``dtype``; each
+    merged weight is computed in float32, then cast to ``dtype``. Generation config and
+    tokenizer files come from the base folder; tokenizer files found in the adapter folder
+    replace them. Atomic; returns ``out_dir``.
+
+    Example::
+
+        >>> export_merged("ckpt/step_1000", "out/merged", base_dir="Qwen3-0.6B", dtype="bf16")  # doctest: +SKIP
+    """
+    src = Path(adapter_or_model_dir)
+    if not src.is_dir():
+        raise CheckpointFileNotFoundError(f"{src} does not exist")
+    out_dtype = None if dtype is None else resolve_dtype(dtype)
+    if not (src / ADAPTER_CONFIG_NAME).is_file():
+        if not (src / CONFIG_NAME).is_file():
+            raise CheckpointFileNotFoundError(
+                f"{src} holds neither {ADAPTER_CONFIG_NAME} (an adapter) nor {CONFIG_NAME} (a model)"
+            )
+        if base_dir is not None:
+            raise ValueError(f"{src} is a full model folder: it takes no base_dir")
+        model = from_hf(src, dtype=out_dtype)
+        return save_hf_checkpoint(
+            model, out_dir, dtype=out_dtype, max_shard_size=max_shard_size, source_dir=src
+        )
+    config = read_adapter_config(src)
+    base = base_dir if base_dir is not None else config.get("base_model_name_or_path")
+    if base is None or not (Path(base) / CONFIG_NAME).is_file():
+        raise CheckpointFileNotFoundError(
+            f"{src / ADAPTER_CONFIG_NAME}: base model {base!r} is not a local HF folder; "
+            f"pass base_dir="
+        )
+    model = from_hf(base, dtype=_merge_dtype(base, out_dtype))
+    load_peft_adapter(model, src)
+    merge_adapters(model)
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir) as tmp:
+        write_hf_checkpoint(
+            model, tmp, dtype=out_dtype, max_shard_size=max_shard_size, source_dir=base
+        )
+        _overlay_tokenizer_files(src, tmp)
+    return out_dir

@@ -1,0 +1,539 @@
+"""PEFT-format LoRA/DoRA adapters in and out (merged export: :mod:`tunesmith.models.export`).
+
+An adapter folder is what ``peft`` writes with ``save_pretrained``: ``adapter_config.json``
+(``peft_type: LORA``, ``r``, ``lora_alpha``, ``target_modules``, ...) and
+``adapter_model.safetensors`` whose keys are the adapted model's keys with the prefix
+``base_model.model.``, e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
+and, for DoRA, ``...q_proj.lora_magnitude_vector``. Our adapter keys are the same without the
+prefix, so the mapping is only that prefix. ``peft.PeftModel.from_pretrained(hf_model, folder)``
+loads what :func:`save_peft_adapter` writes, and :func:`load_peft_adapter` reads adapters
+trained with ``peft``.
+
+Example::
+
+    >>> save_peft_adapter(model, "out/adapter", base_model_name_or_path="Qwen3-0.6B")  # doctest: +SKIP
+    >>> model = load_peft_adapter(from_hf("Qwen3-0.6B"), "out/adapter")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tunesmith.models.hf import resolve_dtype
+from tunesmith.models.safetensors_io import (
+    CheckpointError,
+    CheckpointFileNotFoundError,
+    atomic_directory,
+)
+from tunesmith.modules.peft import (
+    DoRALinear,
+    LoRALinear,
+    adapter_modules,
+    adapter_state_dict,
+    add_adapter,
+    is_nf4,
+    mark_adapters_trainable,
+    resolve_quantize_base,
+)
+
+__all__ = [
+    "ADAPTER_CONFIG_NAME",
+    "ADAPTER_WEIGHTS_NAME",
+    "PEFT_KEY_PREFIX",
+    "PeftAdapter",
+    "load_peft_adapter",
+    "peft_adapter_config",
+    "read_adapter_config",
+    "read_peft_adapter",
+    "save_peft_adapter",
+    "write_peft_adapter",
+]
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+PEFT_KEY_PREFIX = "base_model.model."
+
+_ADAPTER_KINDS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")
+# adapter_config.json fields whose non-empty values change the model in ways not supported here.
+_UNSUPPORTED_FIELDS = {
+    "modules_to_save": "fully trained extra modules",
+    "trainable_token_indices": "trainable token embeddings",
+    "layer_replication": "layer replication",
+    "target_parameters": "adapters on raw parameters (e.g. fused MoE experts)",
+    "lora_bias": "LoRA biases",
+    "fan_in_fan_out": "Conv1D-style (fan_in_fan_out) weights",
+    "use_qalora": "QALoRA",
+    "alora_invocation_tokens": "activated LoRA",
+    "use_bdlora": "block-diagonal LoRA",
+    "arrow_config": "Arrow routing",
+    "kasa_config": "KaSA",
+    "velora_config": "VeLoRA",
+    "monteclora_config": "MonteCLoRA",
+    "megatron_config": "Megatron parallel layers",
+}
+# init_lora_weights values that leave the base weights alone (PiSSA, OLoRA, LoftQ, EVA,
+# CorDA... rewrite the base when the adapter is loaded into peft).
+_PLAIN_INITS = (True, False, "gaussian", "orthogonal")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _pattern_value(pattern: Mapping[str, Any], module_name: str, default: Any) -> Any:
+    """PEFT's rank/alpha pattern lookup: the first key that matches the end of the name."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", module_name):
+            return value
+    return default
+
+
+def _one_value(values: dict[str, Any], what: str) -> Any:
+    distinct = set(values.values())
+    if len(distinct) > 1:
+        raise ValueError(
+            f"the PEFT format stores one {what} per adapter, but the layers differ: "
+            f"{dict(list(values.items())[:6])}"
+        )
+    return distinct.pop()
+
+
+def _most_common_and_pattern(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    common = Counter(values.values()).most_common(1)[0][0]
+    return common, {name: v for name, v in values.items() if v != common}
+
+
+def _target_modules(model: nn.Module, adapted: list[str]) -> list[str]:
+    """Leaf names (``q_proj``) when they select exactly the adapted layers, else full names."""
+    adapted_set = set(adapted)
+    inside = tuple(f"{name}." for name in adapted)
+    candidates = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, LoRALinear)) and name and not name.startswith(inside)
+    ]
+    leaves = sorted({name.rpartition(".")[2] for name in adapted})
+    selected = {n for n in candidates if n.rpartition(".")[2] in leaves}
+    return leaves if selected == adapted_set else sorted(adapted)
+
+
+def peft_adapter_config(
+    model: nn.Module, *, base_model_name_or_path: str | os.PathLike | None = None
+) -> dict[str, Any]:
+    """The ``adapter_config.json`` dict describing ``model``'s adapters.
+
+    Reads module attributes only (works on sharded models). Different ranks or alphas per
+    layer become ``rank_pattern``/``alpha_pattern`` entries; DoRA, rsLoRA and dropout must be
+    the same on every layer, as the PEFT format has one value for each.
+    """
+    modules = adapter_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no adapters (apply_lora first)")
+    names = list(modules)
+    use_dora = _one_value({n: isinstance(m, DoRALinear) for n, m in modules.items()}, "use_dora")
+    use_rslora = _one_value({n: m.use_rslora for n, m in modules.items()}, "use_rslora")
+    dropout = _one_value({n: m.dropout for n, m in modules.items()}, "lora_dropout")
+    r, rank_pattern = _most_common_and_pattern({n: m.rank for n, m in modules.items()})
+    alpha, alpha_pattern = _most_common_and_pattern({n: m.alpha for n, m in modules.items()})
+    base = None if base_model_name_or_path is None else str(base_model_name_or_path)
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "revision": None,
+        "r": r,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": _target_modules(model, names),
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+        "use_rslora": use_rslora,
+        "use_dora": use_dora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "inference_mode": True,
+    }
+
+
+def read_adapter_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """The checked ``adapter_config.json`` of ``folder``; unsupported adapters (other PEFT
+    types, trained biases, ``modules_to_save``, base-rewriting inits...) are errors naming
+    the file and every offending field."""
+    folder = Path(folder)
+    path = folder / ADAPTER_CONFIG_NAME
+    if not path.is_file():
+        raise CheckpointFileNotFoundError(f"{path} not found: {folder} is not a PEFT adapter")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot parse ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    problems = []
+    if config.get("peft_type") != "LORA":
+        problems.append(f"peft_type {config.get('peft_type')!r} (only 'LORA' is supported)")
+    if config.get("task_type") not in (None, "CAUSAL_LM"):
+        problems.append(f"task_type {config.get('task_type')!r} (only 'CAUSAL_LM')")
+    if config.get("bias", "none") != "none":
+        problems.append(f"bias={config['bias']!r} (trained biases; only 'none' is supported)")
+    if config.get("init_lora_weights", True) not in _PLAIN_INITS:
+        problems.append(
+            f"init_lora_weights={config['init_lora_weights']!r} (peft rewrites the base weights "
+            f"for it; convert the adapter to plain LoRA first)"
+        )
+    for key, what in _UNSUPPORTED_FIELDS.items():
+        if config.get(key):
+            problems.append(f"{key}={config[key]!r} ({what} not supported)")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        problems.append(f"r={r!r} (a positive int is required)")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        problems.append(f"lora_alpha={alpha!r} (a number is required)")
+    if problems:
+        raise CheckpointError(f"{path}: unsupported adapter: " + "; ".join(problems))
+    return config
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _plain_cpu(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        DTensor = ()  # noqa: N806
+    if isinstance(tensor, DTensor):
+        raise CheckpointError(
+            f"adapter tensor '{name}' is a DTensor: gather the adapter state dict first and "
+            f"pass it as state_dict="
+        )
+    if tensor.is_meta:
+        raise CheckpointError(f"adapter tensor '{name}' is on the meta device")
+    out = tensor.detach().to("cpu", dtype=dtype if dtype is not None else tensor.dtype)
+    return out.clone(memory_format=torch.contiguous_format)
+
+
+def write_peft_adapter(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    *,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    base_model_name_or_path: str | os.PathLike | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> list[Path]:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``folder`` (not
+    atomic; for callers that write more files inside one ``atomic_directory``).
+
+    ``state_dict`` (our adapter keys, full plain tensors) replaces ``adapter_state_dict(model)``,
+    e.g. a state dict gathered from an FSDP-sharded model. ``dtype`` casts the tensors.
+    Returns the paths written.
+    """
+    folder = Path(folder)
+    config = peft_adapter_config(model, base_model_name_or_path=base_model_name_or_path)
+    own = adapter_state_dict(model)
+    expected = own if state_dict is None else dict(state_dict)
+    if set(expected) != set(own):
+        missing, extra = sorted(set(own) - set(expected)), sorted(set(expected) - set(own))
+        raise CheckpointError(
+            f"state_dict does not hold the model's adapter tensors: missing {missing[:10]}, "
+            f"unexpected {extra[:10]}"
+        )
+    out_dtype = None if dtype is None else resolve_dtype(dtype)
+    tensors = {PEFT_KEY_PREFIX + k: _plain_cpu(k, v, out_dtype) for k, v in expected.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = folder / ADAPTER_WEIGHTS_NAME
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config_path = folder / ADAPTER_CONFIG_NAME
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return [weights, config_path]
+
+
+def save_peft_adapter(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    base_model_name_or_path: str | os.PathLike | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> Path:
+    """Atomically write ``model``'s adapters as a PEFT adapter folder; returns ``out_dir``.
+
+    ``peft.PeftModel.from_pretrained(transformers_model, out_dir)`` loads it onto the base
+    model. Arguments as :func:`write_peft_adapter`.
+
+    Example::
+
+        >>> save_peft_adapter(model, "out/adapter", base_model_name_or_path="Qwen3-0.6B")  # doctest: +SKIP
+    """
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir) as tmp:
+        write_peft_adapter(
+            model,
+            tmp,
+            state_dict=state_dict,
+            base_model_name_or_path=base_model_name_or_path,
+            dtype=dtype,
+        )
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+@dataclass
+class PeftAdapter:
+    """A PEFT adapter folder read into memory, keys in tunesmith's naming.
+
+    ``layers`` maps a layer name (``model.layers.0.self_attn.q_proj``) to its tensors by kind
+    (``lora_A.weight``, ``lora_B.weight``, ``lora_magnitude_vector``); ``base`` holds base
+    weights the file replaces (``lm_head.weight`` from PEFT's ``lm_head.base_layer.weight``,
+    saved when embedding layers are targeted); ``sources`` maps our keys to file keys.
+    """
+
+    folder: Path
+    config: dict[str, Any]
+    layers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    base: dict[str, torch.Tensor] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def weights_file(self) -> Path:
+        return self.folder / ADAPTER_WEIGHTS_NAME
+
+    def rank(self, layer: str) -> int:
+        return int(self.layers[layer]["lora_A.weight"].shape[0])
+
+    def alpha(self, layer: str) -> float:
+        return _pattern_value(
+            self.config.get("alpha_pattern") or {}, layer, self.config["lora_alpha"]
+        )
+
+
+def read_peft_adapter(folder: str | os.PathLike) -> PeftAdapter:
+    """Read and check a PEFT LoRA/DoRA adapter folder (config and tensors).
+
+    Errors name the file and tensor: unsupported config fields, missing ``lora_A``/``lora_B``
+    of a layer, a DoRA magnitude missing (or present without ``use_dora``), ranks that differ
+    from ``r``/``rank_pattern``, keys without PEFT's prefix, embedding adapters.
+    """
+    folder = Path(folder)
+    config = read_adapter_config(folder)
+    weights = folder / ADAPTER_WEIGHTS_NAME
+    if not weights.is_file():
+        legacy = folder / "adapter_model.bin"
+        hint = (
+            f" ({legacy.name} found: only safetensors adapters are read)"
+            if legacy.is_file()
+            else ""
+        )
+        raise CheckpointFileNotFoundError(f"{weights} not found{hint}")
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{weights}: not a valid safetensors file: {e}") from e
+    adapter = PeftAdapter(folder, config)
+    for file_key, tensor in tensors.items():
+        if not file_key.startswith(PEFT_KEY_PREFIX):
+            raise CheckpointError(
+                f"{weights}: tensor '{file_key}' lacks the '{PEFT_KEY_PREFIX}' prefix PEFT writes"
+            )
+        key = file_key[len(PEFT_KEY_PREFIX) :]
+        if "lora_embedding_" in key:
+            raise CheckpointError(
+                f"{weights}: tensor '{file_key}' is an embedding adapter (not supported)"
+            )
+        kind = next((k for k in _ADAPTER_KINDS if key.endswith("." + k)), None)
+        if kind is not None:
+            layer = key[: -len(kind) - 1]
+            adapter.layers.setdefault(layer, {})[kind] = tensor
+            adapter.sources[key] = file_key
+            continue
+        if ".lora_" in key:
+            raise CheckpointError(
+                f"{weights}: unexpected adapter tensor '{file_key}' (expected names ending in "
+                f"{', '.join(_ADAPTER_KINDS)})"
+            )
+        key = key.replace(".base_layer.", ".")
+        adapter.base[key] = tensor
+        adapter.sources[key] = file_key
+    if not adapter.layers:
+        raise CheckpointError(f"{weights}: holds no lora_A/lora_B tensors")
+    use_dora = bool(config.get("use_dora", False))
+    rank_pattern = config.get("rank_pattern") or {}
+    for layer, parts in adapter.layers.items():
+        for kind in ("lora_A.weight", "lora_B.weight"):
+            if kind not in parts:
+                raise CheckpointError(f"{weights}: layer '{layer}' has no {kind} tensor")
+        has_mag = "lora_magnitude_vector" in parts
+        if use_dora != has_mag:
+            state = "lacks" if use_dora else "has"
+            raise CheckpointError(
+                f"{weights}: layer '{layer}' {state} a lora_magnitude_vector but "
+                f"{ADAPTER_CONFIG_NAME} says use_dora={use_dora}"
+            )
+        a, b = parts["lora_A.weight"], parts["lora_B.weight"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise CheckpointError(
+                f"{weights}: layer '{layer}': lora_A {list(a.shape)} and lora_B "
+                f"{list(b.shape)} are not [r, in] and [out, r]"
+            )
+        expected_r = _pattern_value(rank_pattern, layer, config["r"])
+        if a.shape[0] != expected_r:
+            raise CheckpointError(
+                f"{weights}: layer '{layer}' has rank {a.shape[0]}, but {ADAPTER_CONFIG_NAME} "
+                f"says r={expected_r}"
+            )
+    return adapter
+
+
+def _copy_into(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    """``param.copy_(tensor)``; a DTensor parameter (FSDP2-sharded model) takes its shard."""
+    try:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+    except ImportError:  # torch built without distributed
+        DTensor = ()  # noqa: N806
+    if isinstance(param, DTensor):
+        tensor = distribute_tensor(
+            tensor.to(param.device, param.dtype), param.device_mesh, param.placements
+        )
+    param.copy_(tensor)
+
+
+def _check_layer(adapter: PeftAdapter, layer: str, module: nn.Module) -> None:
+    parts = adapter.layers[layer]
+    file = adapter.weights_file
+    out_f, in_f = module.out_features, module.in_features
+    r = adapter.rank(layer)
+    shapes = {"lora_A.weight": (r, in_f), "lora_B.weight": (out_f, r)}
+    if "lora_magnitude_vector" in parts:
+        shapes["lora_magnitude_vector"] = (out_f,)
+    for kind, shape in shapes.items():
+        got = tuple(parts[kind].shape)
+        if got != shape:
+            raise CheckpointError(
+                f"{file}: tensor '{adapter.sources[f'{layer}.{kind}']}' has shape {list(got)}, "
+                f"the model's '{layer}' needs {list(shape)}"
+            )
+
+
+def load_peft_adapter(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    *,
+    quantize_base: bool | str = False,
+    adapter_dtype: torch.dtype | str | None = None,
+) -> nn.Module:
+    """Load a PEFT LoRA/DoRA adapter folder into ``model``; returns ``model``.
+
+    A plain model gets the adapters the file describes (layers from the tensor names, rank
+    from their shapes, alpha, rsLoRA, DoRA and dropout from ``adapter_config.json``), then
+    the weights. A model that already has adapters (e.g. built by ``apply_lora`` from the
+    same config, to resume training) must have the same adapted layers, ranks, scalings and
+    DoRA-ness; only the weights are loaded. Base weights stored in the file (PEFT saves
+    ``lm_head``/embeddings when they are targeted) replace the model's. ``quantize_base``
+    (``"nf4"``) quantises the adapted layers' bases after that (QLoRA); ``adapter_dtype``
+    sets the dtype of new adapter parameters. Afterwards only adapters require grad.
+
+    On an FSDP2-sharded model (adapters applied before sharding), every rank calls this and
+    each parameter takes its own shard of the file's tensor.
+    """
+    adapter = read_peft_adapter(folder)
+    file = adapter.weights_file
+    config = adapter.config
+    existing = adapter_modules(model)
+    use_dora = bool(config.get("use_dora", False))
+    use_rslora = bool(config.get("use_rslora", False))
+    if existing and set(existing) != set(adapter.layers):
+        missing = sorted(set(adapter.layers) - set(existing))
+        extra = sorted(set(existing) - set(adapter.layers))
+        raise CheckpointError(
+            f"{file}: the model's adapted layers differ from the file's: in the file only "
+            f"{missing[:10]}, in the model only {extra[:10]}"
+        )
+    # Base weights first, while the layers are still plain (and unquantised).
+    for key, tensor in adapter.base.items():
+        try:
+            param = model.get_parameter(key)
+        except AttributeError:
+            raise CheckpointError(
+                f"{file}: tensor '{adapter.sources[key]}' names a base weight '{key}' the "
+                f"model does not have"
+            ) from None
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{file}: tensor '{adapter.sources[key]}' has shape {list(tensor.shape)}, "
+                f"the model's '{key}' has {list(param.shape)}"
+            )
+        if is_nf4(param):
+            raise CheckpointError(
+                f"{file}: tensor '{adapter.sources[key]}' replaces '{key}', which is already "
+                f"quantised; load the adapter before quantising (quantize_base=)"
+            )
+        with torch.no_grad():
+            _copy_into(param, tensor)
+    for layer in adapter.layers:
+        rank, alpha = adapter.rank(layer), adapter.alpha(layer)
+        if existing:
+            module = existing[layer]
+            _check_layer(adapter, layer, module)
+            if (isinstance(module, DoRALinear), module.rank) != (use_dora, rank) or (
+                module.use_rslora,
+                module.alpha,
+            ) != (use_rslora, alpha):
+                raise CheckpointError(
+                    f"{file}: layer '{layer}' is rank={rank}, alpha={alpha}, "
+                    f"use_rslora={use_rslora}, use_dora={use_dora} in the file but rank="
+                    f"{module.rank}, alpha={module.alpha}, use_rslora={module.use_rslora}, "
+                    f"use_dora={isinstance(module, DoRALinear)} in the model"
+                )
+            continue
+        try:
+            linear = model.get_submodule(layer)
+        except AttributeError:
+            raise CheckpointError(
+                f"{file}: tensor '{adapter.sources[layer + '.lora_A.weight']}' targets "
+                f"'{layer}', which the model does not have"
+            ) from None
+        if not isinstance(linear, nn.Linear):
+            raise CheckpointError(
+                f"{file}: '{layer}' is a {type(linear).__name__} in the model, not a linear layer"
+            )
+        _check_layer(adapter, layer, linear)
+        try:
+            add_adapter(
+                model,
+                layer,
+                rank=rank,
+                alpha=alpha,
+                dropout=float(config.get("lora_dropout", 0.0)),
+                use_rslora=use_rslora,
+                use_dora=use_dora,
+                adapter_dtype=adapter_dtype,
+            )
+        except ValueError as e:
+            raise CheckpointError(f"{file}: cannot adapt '{layer}': {e}") from e
+    modules = adapter_modules(model)
+    with torch.no_grad():
+        for layer, parts in adapter.layers.items():
+            for kind, tensor in parts.items():
+                _copy_into(modules[layer].get_parameter(kind), tensor)
+    if resolve_quantize_base(quantize_base) == "nf4":
+        for module in modules.values():
+            module.quantize_base()
+    mark_adapters_trainable(model)
+    return model

@@ -1,0 +1,338 @@
+"""Put LoRA/DoRA adapters on chosen linear layers of any model, and take them off again.
+
+Layers are chosen by name, as PEFT does: a list entry matches a module whose dotted name
+equals it or ends with ``"." + entry`` (``q_proj``, ``self_attn.o_proj``, ``lm_head``); a
+single string other than ``"all-linear"`` is a regular expression the whole name must match;
+``"all-linear"`` is every linear layer except ``lm_head`` and MoE routers.
+
+Adapted layers keep their base parameters under the original names, so the base part of
+``model.state_dict()`` still has the Hugging Face keys; adapter tensors add
+``<layer>.lora_A.weight``, ``<layer>.lora_B.weight`` and, for DoRA,
+``<layer>.lora_magnitude_vector``.
+
+Example (also usable from YAML, the model argument being a nested component)::
+
+    >>> from tunesmith.models import llama3
+    >>> model = apply_lora(llama3.llama3_tiny(), target_modules=["q_proj", "v_proj"], rank=8, alpha=16)
+    >>> sorted(trainable_parameters(model))[:2]
+    ['model.layers.0.self_attn.q_proj.lora_A.weight', 'model.layers.0.self_attn.q_proj.lora_B.weight']
+    >>> with disable_adapters(model):   # the base model, e.g. as a DPO reference
+    ...     ref_logits = model(torch.randint(0, 256, (1, 4)))
+    >>> merged = merge_adapters(model)  # plain nn.Linear layers again
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from tunesmith.modules.moe import MoE
+from tunesmith.modules.peft.dora import DoRALinear
+from tunesmith.modules.peft.lora import LoRALinear
+from tunesmith.modules.peft.nf4 import quantize_nf4
+
+__all__ = [
+    "ADAPTER_KEY_SUFFIXES",
+    "adapter_modules",
+    "adapter_state_dict",
+    "add_adapter",
+    "apply_lora",
+    "disable_adapters",
+    "find_linear_targets",
+    "init_adapters",
+    "is_adapter_key",
+    "mark_adapters_trainable",
+    "merge_adapters",
+    "resolve_quantize_base",
+    "trainable_parameters",
+]
+
+# Endings of every adapter tensor name in a state dict (PEFT's names, adapter name dropped).
+ADAPTER_KEY_SUFFIXES: tuple[str, ...] = (
+    ".lora_A.weight",
+    ".lora_B.weight",
+    ".lora_magnitude_vector",
+)
+
+_DTYPE_ALIASES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a state-dict key names an adapter tensor (not a base weight)."""
+    return key.endswith(ADAPTER_KEY_SUFFIXES)
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in _DTYPE_ALIASES:
+        raise ValueError(f"adapter_dtype {dtype!r} is not one of {sorted(_DTYPE_ALIASES)}")
+    return _DTYPE_ALIASES[name]
+
+
+def resolve_quantize_base(quantize_base: bool | str | None) -> str | None:
+    """``"nf4"`` for ``True``/``"nf4"``, None for ``False``/None/``"none"``; else an error."""
+    if quantize_base is None or quantize_base is False:
+        return None
+    if quantize_base is True:
+        return "nf4"
+    if isinstance(quantize_base, str) and quantize_base.lower() in ("nf4", "none"):
+        return None if quantize_base.lower() == "none" else "nf4"
+    raise ValueError(
+        f"quantize_base={quantize_base!r} is not supported: use false, true or 'nf4' (QLoRA)"
+    )
+
+
+# ----------------------------------------------------------------------------- finding layers
+
+
+def _routers(model: nn.Module) -> set[int]:
+    return {id(m.gate) for m in model.modules() if isinstance(m, MoE)}
+
+
+def _matches(name: str, targets: Sequence[str]) -> bool:
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def find_linear_targets(model: nn.Module, target_modules: str | Sequence[str]) -> list[str]:
+    """Names of the ``nn.Linear`` layers of ``model`` that ``target_modules`` selects.
+
+    Raises ``ValueError`` when an entry matches no linear layer (listing the available layer
+    names) and when a selected layer already carries an adapter.
+    """
+    adapted = adapter_modules(model)
+    inside = tuple(f"{name}." for name in adapted)  # lora_A/lora_B are linears too
+    linears = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, LoRALinear)) and not name.startswith(inside)
+    }
+    if isinstance(target_modules, str):
+        if target_modules == "all-linear":
+            routers = _routers(model)
+            chosen = [
+                n
+                for n, m in linears.items()
+                if n.rpartition(".")[2] != "lm_head" and id(m) not in routers
+            ]
+        else:
+            pattern = re.compile(target_modules)
+            chosen = [n for n in linears if pattern.fullmatch(n)]
+            if not chosen:
+                raise ValueError(
+                    f"target_modules regex {target_modules!r} matches no linear layer; "
+                    f"layer names look like {sorted(linears)[:5]}"
+                )
+    else:
+        targets = list(target_modules)
+        if not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ValueError(f"target_modules must be non-empty layer names, got {targets!r}")
+        unmatched = [t for t in targets if not any(_matches(n, [t]) for n in linears)]
+        if unmatched:
+            leaves = sorted({n.rpartition(".")[2] for n in linears})
+            raise ValueError(
+                f"target_modules {unmatched} match no linear layer of "
+                f"{type(model).__name__}; linear layer names: {leaves}"
+            )
+        chosen = [n for n in linears if _matches(n, targets)]
+    again = [n for n in chosen if n in adapted]
+    if again:
+        raise ValueError(f"layers {again[:5]} already have adapters; apply LoRA once")
+    return chosen
+
+
+def _tied_elsewhere(model: nn.Module, name: str, weight: torch.Tensor) -> list[str]:
+    own = f"{name}.weight"
+    return [
+        n for n, p in model.named_parameters(remove_duplicate=False) if p is weight and n != own
+    ]
+
+
+# ----------------------------------------------------------------------------- applying
+
+
+def add_adapter(
+    model: nn.Module,
+    name: str,
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    use_rslora: bool = False,
+    use_dora: bool = False,
+    quantize_base: bool | str = False,
+    adapter_dtype: torch.dtype | str | None = None,
+) -> LoRALinear:
+    """Replace the ``nn.Linear`` at ``name`` in ``model`` with a LoRA (or DoRA) layer that
+    shares its parameters; returns the new layer. ``apply_lora`` does this for many layers."""
+    linear = model.get_submodule(name)
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"'{name}' is a {type(linear).__name__}, not an nn.Linear")
+    tied = _tied_elsewhere(model, name, linear.weight)
+    if tied:
+        raise ValueError(
+            f"'{name}.weight' is tied to {tied} (tie_word_embeddings); adapters on tied weights "
+            f"are not supported: leave '{name}' out of target_modules"
+        )
+    if resolve_quantize_base(quantize_base) == "nf4":
+        try:
+            linear.weight = nn.Parameter(quantize_nf4(linear.weight), requires_grad=False)
+        except ValueError as e:
+            raise ValueError(f"cannot quantise '{name}.weight' to NF4: {e}") from e
+    cls = DoRALinear if use_dora else LoRALinear
+    layer = cls.from_linear(
+        linear,
+        rank=rank,
+        alpha=alpha,
+        dropout=dropout,
+        use_rslora=use_rslora,
+        adapter_dtype=_resolve_dtype(adapter_dtype),
+    )
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, layer)
+    return layer
+
+
+def apply_lora(
+    model: nn.Module,
+    *,
+    target_modules: str | Sequence[str],
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    use_rslora: bool = False,
+    use_dora: bool = False,
+    quantize_base: bool | str = False,
+    adapter_dtype: torch.dtype | str | None = None,
+) -> nn.Module:
+    """Add adapters to the layers ``target_modules`` selects, freeze everything else.
+
+    Args:
+        model: any module (a ``TransformerLM`` of any family); changed in place and returned.
+        target_modules: layer names (``["q_proj", "v_proj", "lm_head"]``), a regex over full
+            names, or ``"all-linear"`` (see the module docs).
+        rank, alpha: LoRA rank ``r`` and ``alpha``; ``scaling = alpha / r``.
+        dropout: dropout on the adapters' input.
+        use_rslora: ``scaling = alpha / sqrt(r)``.
+        use_dora: DoRA layers (a learned magnitude per output feature).
+        quantize_base: ``"nf4"`` (or ``True``): store the adapted layers' base weights as NF4
+            (QLoRA / QDoRA; needs torchao). Cast the model to its training dtype first.
+        adapter_dtype: dtype of the adapter parameters (default: the base weight's).
+
+    After this, only adapter parameters require grad: build the optimizer from
+    :func:`trainable_parameters`. Adapters start as an exact no-op.
+    """
+    names = find_linear_targets(model, target_modules)
+    for name in names:
+        add_adapter(
+            model,
+            name,
+            rank=rank,
+            alpha=alpha,
+            dropout=dropout,
+            use_rslora=use_rslora,
+            use_dora=use_dora,
+            quantize_base=quantize_base,
+            adapter_dtype=adapter_dtype,
+        )
+    mark_adapters_trainable(model)
+    return model
+
+
+# ----------------------------------------------------------------------------- inspecting
+
+
+def adapter_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """Name -> adapter layer for every LoRA/DoRA layer of ``model``."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def mark_adapters_trainable(model: nn.Module) -> None:
+    """Freeze every parameter of ``model`` except the adapters' (which get ``requires_grad``)."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for module in adapter_modules(model).values():
+        for local in module.adapter_parameter_names():
+            module.get_parameter(local).requires_grad_(True)
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Name -> parameter for the parameters that require grad (what the optimizer gets)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors of ``model`` under their state-dict names (detached, not copied).
+
+    >>> sorted(adapter_state_dict(model))[0]  # doctest: +SKIP
+    'model.layers.0.self_attn.q_proj.lora_A.weight'
+    """
+    state = {}
+    for name, module in adapter_modules(model).items():
+        prefix = f"{name}." if name else ""
+        for local in module.adapter_parameter_names():
+            state[prefix + local] = module.get_parameter(local).detach()
+    return state
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module) -> None:
+    """Re-initialise every adapter (A random, B zero, DoRA magnitude = base norm), e.g. after
+    building on the meta device, ``to_empty()`` and loading the base weights."""
+    for module in adapter_modules(model).values():
+        module.reset_adapter_parameters()
+
+
+@contextlib.contextmanager
+def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, adapter layers compute their base layer only (the frozen model).
+
+    Raises ``ValueError`` for a model without adapters, so that a full fine-tuning model is
+    never silently used as its own reference.
+    """
+    modules = list(adapter_modules(model).values())
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no adapters to disable")
+    previous = [m.adapters_disabled for m in modules]
+    for m in modules:
+        m.adapters_disabled = True
+    try:
+        yield model
+    finally:
+        for m, state in zip(modules, previous):
+            m.adapters_disabled = state
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight and put plain ``nn.Linear`` layers back.
+
+    In place; returns ``model``, whose state dict is then a plain (Hugging Face) one. NF4
+    bases are dequantised; the merged weight has the base's (original) dtype and the update
+    is computed in float32. Merged weights do not require grad.
+    """
+    for name, module in adapter_modules(model).items():
+        if not name:
+            raise ValueError("merge_adapters takes a model that contains adapter layers")
+        weight = module.merged_weight()
+        linear = nn.Linear(
+            module.in_features, module.out_features, bias=module.bias is not None, device="meta"
+        )
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if module.bias is not None:
+            linear.bias = module.bias
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, linear)
+    return model
