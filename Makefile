@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 demo: venv
-	$(VENV)/bin/tunesmith run sft --config demo
+	$(VENV)/bin/tunesmith demo
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -19,6 +19,7 @@ from tunesmith.models import llama3
 from tunesmith.modules.decoder import TransformerLM
 from tunesmith.modules.losses import CrossEntropyLoss, LinearCrossEntropyLoss
 from tunesmith.training import cosine_with_warmup
+from tunesmith.training.activations import apply_activation_checkpointing
 from tunesmith.training.checkpointer import Checkpointer
 from tunesmith.training.distributed import (
     DistributedContext,
@@ -270,18 +271,20 @@ def _fsdp_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> No
         local = [b[rank * 2 : rank * 2 + 2] for b in batches]
         ctx = DistributedContext(rank, world_size, rank, torch.device("cpu"), mesh)
 
-        def build(seed=0):
+        def build(seed=0, checkpointing=False):
             torch.manual_seed(seed)
             model = llama3.llama3_tiny()
             model.__class__ = _HiddenStatesLM
+            if checkpointing:
+                apply_activation_checkpointing(model, mode="selective")
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
             return model
 
         finals = {}
-        for run in ("ordinary", "in_backward", "in_backward+linear_ce", "resumed"):
-            model = build(seed=1 if run == "resumed" else 0)
+        for run in ("ordinary", "in_backward", "in_backward+linear_ce+checkpointing", "resumed"):
+            model = build(seed=1 if run == "resumed" else 0, checkpointing="linear_ce" in run)
             if run == "ordinary":
                 opt = ADAMW(model.parameters())
                 _train(model, opt, _schedule(opt), local, False)
@@ -310,7 +313,8 @@ def test_fsdp2_two_ranks_equals_ordinary_optimizer(tmp_path):
     """FSDP2 fires each sharded parameter's hook after its reduce-scatter: every rank updates
     its shard in backward, ending where the ordinary FSDP2 step ends (and where one process
     training on the whole batch ends). The same holds with the linear cross-entropy taking
-    the root's gathered ``lm_head.weight``; and a sharded checkpoint resumes bit for bit."""
+    the root's gathered ``lm_head.weight`` (and selective activation checkpointing); and a
+    sharded checkpoint resumes bit for bit."""
     mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     finals = torch.load(tmp_path / "finals.pt", weights_only=True)
     torch.manual_seed(0)
@@ -321,7 +325,7 @@ def test_fsdp2_two_ranks_equals_ordinary_optimizer(tmp_path):
         ordinary = finals["ordinary"][name]
         torch.testing.assert_close(finals["in_backward"][name], ordinary, rtol=0, atol=1e-6)
         torch.testing.assert_close(
-            finals["in_backward+linear_ce"][name], ordinary, rtol=1e-4, atol=1e-6
+            finals["in_backward+linear_ce+checkpointing"][name], ordinary, rtol=1e-4, atol=1e-6
         )
         torch.testing.assert_close(ordinary, p.detach(), rtol=1e-4, atol=1e-5)
         assert torch.equal(finals["resumed"][name], finals["in_backward"][name])

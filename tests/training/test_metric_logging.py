@@ -35,6 +35,8 @@ def test_stdout_format(capsys):
 
 def test_stdout_log_config(capsys):
     StdoutLogger().log_config(CFG)
+    assert capsys.readouterr().out == ""  # quiet by default
+    StdoutLogger(print_config=True).log_config(CFG)
     out = capsys.readouterr().out
     assert out.startswith("config:\n")
     assert yaml.safe_load(out[len("config:\n") :]) == CFG

@@ -214,6 +214,7 @@ class TransformerLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         output_router_logits: bool = False,
+        return_hidden_states: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Logits ``[b, s, vocab]`` for ``input_ids`` ``[b, s]``.
 
@@ -227,6 +228,10 @@ class TransformerLM(nn.Module):
                 are appended and its ``seq_len`` advances by ``s``.
             output_router_logits: also return the tuple of per-MoE-layer router
                 logits ``[b * s, num_experts]`` (for the load-balancing loss).
+            return_hidden_states: return the final normed hidden states ``[b, s, hidden]``
+                instead of logits, for a loss that owns the output projection
+                (:class:`~tunesmith.modules.losses.LinearCrossEntropyLoss`). Going through
+                this root forward (not ``.model``) keeps FSDP2's hooks in play.
         """
         out = self.model(
             input_ids,
@@ -235,10 +240,11 @@ class TransformerLM(nn.Module):
             kv_cache=kv_cache,
             output_router_logits=output_router_logits,
         )
+        head = (lambda h: h) if return_hidden_states else self.lm_head
         if output_router_logits:
             hidden, router_logits = out
-            return self.lm_head(hidden), router_logits
-        return self.lm_head(out)
+            return head(hidden), router_logits
+        return head(out)
 
     def init_kv_cache(
         self,

@@ -33,6 +33,7 @@ from tunesmith.modules.losses import IGNORE_INDEX
 from tunesmith.modules.masks import document_causal_mask
 from tunesmith.modules.moe import load_balancing_loss
 from tunesmith.training import MultiLogger, NullLogger
+from tunesmith.training.activations import activation_offloading, apply_activation_checkpointing
 from tunesmith.training.checkpointer import Checkpointer
 from tunesmith.training.distributed import (
     all_reduce_sum,
@@ -41,6 +42,7 @@ from tunesmith.training.distributed import (
     shard_model,
 )
 from tunesmith.training.memory import peak_memory_gb
+from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
 
 # Arguments the recipe passes at run time (for `tunesmith validate`).
 RUNTIME_ARGS = {"tokenizer": 0, "dataset": 1, "val_dataset": 1, "optimizer": 1, "lr_scheduler": 1}
@@ -51,7 +53,7 @@ KEYS = [
     "gradient_accumulation_steps", "epochs", "max_steps", "stop_after_steps", "optimizer",
     "lr_scheduler", "max_grad_norm", "loss", "metric_loggers", "log_every_n_steps",
     "eval_every_n_steps", "save_every_n_steps", "keep_last", "resume", "on_nonfinite_loss",
-    "progress_bar",
+    "progress_bar", "optimizer_in_backward", "activation_checkpointing", "activation_offloading",
 ]  # fmt: skip
 AUTOCAST = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -108,11 +110,21 @@ def train(cfg: DictConfig, ctx) -> None:
 
     # -- model, optimizer, schedule
     model = instantiate(cfg.model).to(ctx.device)
+    if cfg.get("activation_checkpointing"):
+        apply_activation_checkpointing(model, **cfg.activation_checkpointing)
     model = shard_model(model, ctx)
-    optimizer = instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    in_backward = bool(cfg.get("optimizer_in_backward", False))
+    if in_backward:  # each parameter steps as soon as its gradient is ready
+        check_compatible(accum, cfg.get("max_grad_norm"),
+                         on_nonfinite_loss=cfg.get("on_nonfinite_loss", "stop"))  # fmt: skip
+        optimizer = OptimizerInBackward(trainable, partial(instantiate, cfg.optimizer))
+    else:
+        optimizer = instantiate(cfg.optimizer, trainable)
     scheduler = instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
     loss_fn = instantiate(cfg.loss)
     autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
+    offload = bool(cfg.get("activation_offloading", False))
 
     # -- checkpoints, resume, logging
     checkpointer = Checkpointer(
@@ -151,11 +163,12 @@ def train(cfg: DictConfig, ctx) -> None:
             step_loss = torch.zeros((), device=ctx.device)
             for mb in micro:
                 batch = {k: v.to(ctx.device) for k, v in mb.items()}
-                with torch.autocast(
-                    ctx.device.type, autocast_dtype, enabled=autocast_dtype is not None
+                with (
+                    torch.autocast(ctx.device.type, autocast_dtype, enabled=bool(autocast_dtype)),
+                    activation_offloading(offload, device=ctx.device),
                 ):
-                    logits, router_logits = _forward(model, batch)
-                loss = loss_fn(logits, batch["labels"]) * ctx.world_size / num_tokens.float()
+                    loss, router_logits = _loss(model, loss_fn, batch)
+                loss = loss * ctx.world_size / num_tokens.float()
                 if router_logits:  # MoE: the load-balancing loss, a mean per micro-batch
                     aux = load_balancing_loss(
                         router_logits, model.spec.num_experts_per_tok, batch.get("attention_mask")
@@ -164,9 +177,10 @@ def train(cfg: DictConfig, ctx) -> None:
                 loss.backward()
                 step_loss += loss.detach()
             step_loss = all_reduce_sum(step_loss, ctx.device) / ctx.world_size
-            grad_norm = _clip(model, cfg.get("max_grad_norm"))
+            # with the optimizer in backward the update is done and no gradient is left
+            grad_norm = float("nan") if in_backward else _clip(model, cfg.get("max_grad_norm"))
 
-            if not (math.isfinite(step_loss.item()) and math.isfinite(grad_norm)):
+            if not (math.isfinite(step_loss.item()) and (in_backward or math.isfinite(grad_norm))):
                 message = f"loss {step_loss.item()} / grad norm {grad_norm} at step {step}"
                 if cfg.get("on_nonfinite_loss", "stop") == "stop":
                     raise FloatingPointError(
@@ -186,13 +200,16 @@ def train(cfg: DictConfig, ctx) -> None:
 
             if step % int(cfg.get("log_every_n_steps", 1)) == 0 or step == total_steps:
                 elapsed = time.perf_counter() - step_start
-                logger.log(step, {
+                metrics = {
                     "loss": step_loss.item(), "lr": scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm, "tokens_seen": progress["tokens_seen"],
                     "trained_tokens": int(num_tokens.item()),
                     "tokens_per_s": sum(_real_tokens(mb) for mb in micro) * ctx.world_size / elapsed,
                     "peak_memory_gb": peak_memory_gb(ctx.device),
-                })  # fmt: skip
+                }  # fmt: skip
+                if in_backward:
+                    del metrics["grad_norm"]
+                logger.log(step, metrics)
             if val_dataset is not None and _every(step, cfg.get("eval_every_n_steps"), total_steps):
                 val_loss = evaluate(model, val_dataset, collate, loss_fn, ctx, cfg.batch_size)
                 logger.log(step, {"val_loss": val_loss})
@@ -222,17 +239,27 @@ def evaluate(model, dataset, collate, loss_fn, ctx, batch_size: int) -> float:
     with torch.no_grad():
         for mb in loader:
             batch = {k: v.to(ctx.device) for k, v in mb.items()}
-            total += loss_fn(_forward(model, batch)[0], batch["labels"])
+            total += _loss(model, loss_fn, batch)[0]
             tokens += _trained(mb)
     model.train()
     return (all_reduce_sum(total, ctx.device) / all_reduce_sum(tokens, ctx.device)).item()
 
 
-def _forward(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple]:
-    """Logits, and the router logits of MoE layers (empty for dense models)."""
+def _loss(model, loss_fn, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple]:
+    """Summed loss over the batch's trained tokens, and the MoE router logits. A loss that owns
+    the output projection (``needs_hidden_states``) gets hidden states and the head's weight."""
+    if getattr(loss_fn, "needs_hidden_states", False):
+        hidden, router_logits = _forward(model, batch, return_hidden_states=True)
+        return loss_fn(hidden, model.lm_head.weight, batch["labels"]), router_logits
+    logits, router_logits = _forward(model, batch)
+    return loss_fn(logits, batch["labels"]), router_logits
+
+
+def _forward(model, batch: dict[str, torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, tuple]:
+    """Logits (or hidden states), and the router logits of MoE layers (empty for dense models)."""
     if not getattr(model.spec, "is_moe", False):
-        return model(batch["input_ids"], **_model_inputs(batch)), ()
-    return model(batch["input_ids"], **_model_inputs(batch), output_router_logits=True)
+        return model(batch["input_ids"], **_model_inputs(batch), **kwargs), ()
+    return model(batch["input_ids"], **_model_inputs(batch), **kwargs, output_router_logits=True)
 
 
 def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -121,7 +121,8 @@ class StdoutLogger(_ContextManager):
     """One compact line per ``log`` call: ``step 10 | loss 1.2345 | lr 2.0e-05``.
 
     Floats print with ``precision`` decimals, or in scientific notation when tiny or huge.
-    ``stream`` defaults to the current ``sys.stdout``.
+    ``stream`` defaults to the current ``sys.stdout``. ``log_config`` prints the resolved
+    config only with ``print_config=True`` (the JSONL logger keeps it in ``config.yaml``).
 
     Example::
 
@@ -129,9 +130,12 @@ class StdoutLogger(_ContextManager):
         step 10 | loss 1.2345 | lr 2.0e-05
     """
 
-    def __init__(self, stream: IO[str] | None = None, precision: int = 4) -> None:
+    def __init__(
+        self, stream: IO[str] | None = None, precision: int = 4, print_config: bool = False
+    ) -> None:
         self._stream = stream
         self.precision = precision
+        self.print_config = print_config
 
     def _write(self, text: str) -> None:
         stream = self._stream if self._stream is not None else sys.stdout
@@ -145,7 +149,8 @@ class StdoutLogger(_ContextManager):
         self._write(" | ".join(parts) + "\n")
 
     def log_config(self, cfg: Mapping[str, Any]) -> None:
-        self._write("config:\n" + yaml.safe_dump(_plain(cfg), sort_keys=False))
+        if self.print_config:
+            self._write("config:\n" + yaml.safe_dump(_plain(cfg), sort_keys=False))
 
     def close(self) -> None:
         pass
