@@ -106,4 +106,3 @@ def hf_tiny() -> SimpleNamespace:
         write_checkpoint=write_tiny_hf_checkpoint,
         read_safetensors=read_safetensors_folder,
     )
-
