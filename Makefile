@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv demo test test-slow lint format clean
+.PHONY: venv demo test test-slow test-faults lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,14 @@ test: lint
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow
+
+# The whole reliability suite (24 SIGKILL seeds, torchrun cases...), its outcomes recorded in
+# benchmarks/results/reliability.json, then RELIABILITY.md regenerated from them.
+test-faults: venv
+	TUNESMITH_FAULTS_RESULTS=benchmarks/results/reliability.json $(PY) -m pytest -q -m "not slow" \
+		tests/faults --ignore=tests/faults/test_reliability_report.py
+	$(PY) -m tests.faults.report
+	$(PY) -m pytest -q tests/faults/test_reliability_report.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

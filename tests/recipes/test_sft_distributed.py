@@ -13,9 +13,7 @@ torchrun environment variables); the slow one goes through ``tunesmith run --npr
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from tests.recipes.sft_world import (
     checkpoints,
     cli_command,
     final_weights,
+    launch_ranks,
     make_counting_data,
     make_model_dir,
     read_metrics,
@@ -32,7 +31,6 @@ from tests.recipes.sft_world import (
     sft_overrides,
     subprocess_env,
 )
-from tunesmith.cli import catalog
 
 PER_RANK, STEPS = 2, 3
 
@@ -46,12 +44,6 @@ def world(tmp_path_factory):
         model_dir, data, root / "single", f"batch_size={2 * PER_RANK}", f"max_steps={STEPS}"
     )
     return model_dir, data, single
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_same_as_single(model_dir, single, distributed) -> None:
@@ -79,30 +71,8 @@ def _check_same_as_single(model_dir, single, distributed) -> None:
 def test_two_gloo_ranks_equal_one_process(world, tmp_path):
     model_dir, data, single = world
     out = tmp_path / "fsdp"
-    args = [
-        "-m", "tunesmith.cli.launch", str(catalog.recipe_path("sft")),
-        str(catalog.config_path("tiny", "sft")),
-        *sft_overrides(model_dir, data, out, f"batch_size={PER_RANK}", f"max_steps={STEPS}"),
-    ]  # fmt: skip
-    port = str(_free_port())
-    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
-    ranks = []
-    for r, log in enumerate(logs):  # what torchrun would start, without torchrun
-        env = subprocess_env(
-            RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-        )  # fmt: skip
-        with open(log, "w") as f:
-            ranks.append(subprocess.Popen([sys.executable, *args], env=env, stdout=f, stderr=f))
-    try:
-        for p in ranks:
-            p.wait(timeout=120)
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, log) in enumerate(zip(ranks, logs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{log.read_text()[-3000:]}"
+    overrides = sft_overrides(model_dir, data, out, f"batch_size={PER_RANK}", f"max_steps={STEPS}")
+    launch_ranks(overrides, tmp_path)  # what torchrun would start, without torchrun
     _check_same_as_single(model_dir, single, out)
 
 

@@ -4,7 +4,8 @@
   the loss on its training set, and checkpoints a PEFT adapter folder a small fraction of the
   model's size that ``peft`` loads onto the transformers base with our trained model's logits;
   ``export_merged`` turns it into a plain HF folder with the same logits.
-- FSDP2 on two gloo ranks == one process (LoRA, and QLoRA with NF4 bases sharded over ranks).
+- FSDP2 on two gloo ranks == one process (LoRA, and QLoRA with NF4 bases sharded over ranks),
+  also across a stop and resume.
 - Stopping and resuming a LoRA run == the uninterrupted run (bitwise adapters, same logs).
 - DoRA and QLoRA runs lower the loss and their checkpoints load back into the same model.
 - The shipped LoRA/QLoRA configs for real models run end to end (bf16 base, fp32 adapters).
@@ -195,26 +196,46 @@ def test_lora_checkpoint_is_a_peft_adapter_that_peft_and_export_load(world, lora
     ],
 )
 def test_two_gloo_ranks_equal_one_process(world, tmp_path, case, extra):
-    root, model_dir, data = world
+    _, model_dir, data = world
     if case == "qlora":
         model_dir = make_model_dir(tmp_path / "world", **FSDP_QLORA_SIZES)
-    steps, per_rank = 3, BATCH // 2
+    steps = 3
     single = run_sft(
         model_dir, data, tmp_path / "single", f"batch_size={BATCH}", f"max_steps={steps}",
         *extra, config=CONFIG,
     )  # fmt: skip
     fsdp = tmp_path / "fsdp"
     overrides = sft_overrides(
-        model_dir, data, fsdp, f"batch_size={per_rank}", f"max_steps={steps}", *extra
+        model_dir, data, fsdp, f"batch_size={BATCH // 2}", f"max_steps={steps}", *extra
     )
     launch_ranks(overrides, tmp_path, config=CONFIG)
+    _assert_two_ranks_match(fsdp, single, steps)
 
+
+@pytest.mark.slow  # ~30-60 s: two launches of two ranks
+def test_two_gloo_ranks_stop_and_resume_equal_one_process(world, lora_run, tmp_path):
+    """Each rank reloads its shard of the adapters and of the optimizer state."""
+    _, model_dir, data = world
+    single, _ = lora_run
+    fsdp = tmp_path / "fsdp"
+    config = (f"batch_size={BATCH // 2}", f"max_steps={STEPS}")
+    launch_ranks(
+        sft_overrides(model_dir, data, fsdp, *config, "stop_after_steps=3"), tmp_path, config=CONFIG
+    )
+    assert [p.name for p in checkpoints(fsdp)] == ["step_000003"]
+    launch_ranks(
+        sft_overrides(model_dir, data, fsdp, *config, "resume=true"), tmp_path, config=CONFIG
+    )
+    _assert_two_ranks_match(fsdp, single, STEPS)
+
+
+def _assert_two_ranks_match(fsdp: Path, single: Path, steps: int) -> None:
+    """Same logged losses and grad norms, same adapter weights (up to reduction order)."""
     step_dir = checkpoints(fsdp)[-1]
+    assert step_dir.name == f"step_{steps:06d}"
     assert (step_dir / ADAPTER_CONFIG_NAME).is_file()
-    assert sorted(p.name for p in (step_dir / "training_state").glob("rank*.pt")) == [
-        "rank0.pt",
-        "rank1.pt",
-    ]
+    ranks = sorted(p.name for p in (step_dir / "training_state").glob("rank*.pt"))
+    assert ranks == ["rank0.pt", "rank1.pt"]
     logged_1, logged_2 = read_metrics(single), read_metrics(fsdp)
     assert sorted(logged_1) == sorted(logged_2) == list(range(1, steps + 1))
     for step in logged_1:

@@ -112,6 +112,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     config_file = catalog.config_path(args.config, builtin)
     from tunesmith.config import load_config
 
+    if args.preflight:  # the recipe's `preflight` key: one step on the longest batch first
+        args.overrides = [*args.overrides, "preflight=true"]
     cfg = load_config(config_file, args.overrides)
     _check(cfg, recipe_file)  # every problem reported before anything is written
     if args.nproc_per_node == 1 and args.nnodes == 1:
@@ -122,13 +124,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", *_torchrun_args(args)]
     command += ["-m", "tunesmith.cli.launch", str(recipe_file), str(config_file), *args.overrides]
     launcher = subprocess.Popen(command, env=os.environ.copy())
-    # SIGTERM to this process reaches torchrun, which forwards it to every rank (each then
-    # saves a checkpoint and exits cleanly).
-    signal.signal(signal.SIGTERM, lambda signum, frame: launcher.send_signal(signum))
+    # SIGTERM to this process goes to every rank (each then saves a checkpoint and exits 0, so
+    # torchrun, and this command, exit 0); torchrun itself, signalled, would report a failure.
+    signal.signal(signal.SIGTERM, lambda signum, frame: _signal_ranks(launcher, signum))
     code = launcher.wait()
     if code != 0:
         raise CLIError(f"torchrun exited with code {code} (the failing rank's error is above)")
     return 0
+
+
+def _signal_ranks(launcher: subprocess.Popen, signum: int) -> None:
+    """Send ``signum`` to torchrun's worker processes (found in Linux's /proc), or to torchrun
+    itself when they cannot be listed."""
+    ranks: list[int] = []
+    for children in Path(f"/proc/{launcher.pid}/task").glob("*/children"):
+        try:
+            ranks += [int(pid) for pid in children.read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            continue
+    for pid in ranks or [launcher.pid]:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:  # that rank has already exited
+            continue
 
 
 def _torchrun_args(args: argparse.Namespace) -> list[str]:
@@ -289,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous for multi-node runs")
     p.add_argument("--rdzv-id", default="tunesmith", help="job id shared by all nodes")
+    p.add_argument("--preflight", action="store_true",
+                   help="run one step on the longest batch first (same as preflight=true)")  # fmt: skip
     _add_config_args(p)
 
     p = add("demo", cmd_demo)

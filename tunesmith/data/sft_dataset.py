@@ -213,7 +213,9 @@ class SFTDataset(Dataset):
         if not raw and not tokenizer.chat_templates:
             raise ValueError(
                 f"format {format!r} renders conversations with the chat template, but the "
-                f"tokenizer has none (load it with Tokenizer.from_pretrained(..., chat_template=...))"
+                f"tokenizer {getattr(tokenizer, 'name', '')} has none (tokenizer_config.json has "
+                "no chat_template and there is no chat_template.jinja); load it with "
+                "Tokenizer.from_pretrained(..., chat_template=...)"
             )
         columns = resolve_columns(format, column_map)
         rows = load_rows(source, split=split, data_files=data_files)
@@ -258,9 +260,8 @@ class SFTDataset(Dataset):
             self.report.tokens += len(sample["input_ids"])
             self.report.trained_tokens += count_trained(sample["labels"])
         if not self.samples:
-            raise DataError(
-                f"{rows.name}: no usable samples, every row was skipped\n{self.report.summary()}"
-            )
+            reasons = "; ".join(line.strip() for line in self.report.summary().splitlines()[1:])
+            raise DataError(f"{rows.name}: no usable samples, every row was skipped: {reasons}")
 
     def __len__(self) -> int:
         return len(self.samples)

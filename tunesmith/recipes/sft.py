@@ -35,14 +35,18 @@ from tunesmith.modules.moe import load_balancing_loss
 from tunesmith.training import MultiLogger, NullLogger
 from tunesmith.training.activations import activation_offloading, apply_activation_checkpointing
 from tunesmith.training.checkpointer import Checkpointer
+from tunesmith.training.compile import compile_loss, compile_model, compile_options
 from tunesmith.training.distributed import (
     all_reduce_sum,
     close_distributed,
     init_distributed,
+    peer_failure,
     shard_model,
 )
 from tunesmith.training.memory import peak_memory_gb
+from tunesmith.training.memory_planner import estimate_memory, optimizer_kind
 from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
+from tunesmith.training.preflight import longest_batch, preflight
 
 # Arguments the recipe passes at run time (for `tunesmith validate`).
 RUNTIME_ARGS = {"tokenizer": 0, "dataset": 1, "val_dataset": 1, "optimizer": 1, "lr_scheduler": 1}
@@ -54,6 +58,7 @@ KEYS = [
     "lr_scheduler", "max_grad_norm", "loss", "metric_loggers", "log_every_n_steps",
     "eval_every_n_steps", "save_every_n_steps", "keep_last", "resume", "on_nonfinite_loss",
     "progress_bar", "optimizer_in_backward", "activation_checkpointing", "activation_offloading",
+    "compile", "preflight", "distributed_timeout_s",
 ]  # fmt: skip
 AUTOCAST = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -62,10 +67,15 @@ def main(cfg: DictConfig) -> None:
     issues = check_keys(cfg, KEYS)
     if issues:
         raise ConfigError.from_issues(issues)
-    ctx = init_distributed(cfg.get("device", "auto"))
+    ctx = init_distributed(cfg.get("device", "auto"), cfg.get("distributed_timeout_s"))
     previous_sigterm = signal.getsignal(signal.SIGTERM)
     try:
         train(cfg, ctx)
+    except Exception as error:  # a dead or hung peer: say so instead of gloo/NCCL internals
+        failure = peer_failure(error, ctx)
+        if failure is None:
+            raise
+        raise failure from error
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous_sigterm)  # train() installed its own
@@ -77,6 +87,9 @@ def train(cfg: DictConfig, ctx) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
     output_dir = Path(cfg.output_dir)
+    resume = cfg.get("resume", False)
+    if isinstance(resume, str) and not Path(resume).is_dir():  # before anything is written
+        raise FileNotFoundError(f"resume={resume}: no such checkpoint folder")
     log = print if ctx.is_rank_zero else (lambda *a, **k: None)
 
     # -- data
@@ -110,9 +123,20 @@ def train(cfg: DictConfig, ctx) -> None:
 
     # -- model, optimizer, schedule
     model = instantiate(cfg.model).to(ctx.device)
+    _check_vocab(tokenizer, model, cfg)
     if cfg.get("activation_checkpointing"):
         apply_activation_checkpointing(model, **cfg.activation_checkpointing)
+    loss_fn = instantiate(cfg.loss)
+    compiling = compile_options(cfg.get("compile"))
+    if compiling is not None and compiling.layers:  # each layer, in place: names unchanged
+        compile_model(model, backend=compiling.backend, mode=compiling.mode,
+                      fullgraph=compiling.fullgraph, dynamic=compiling.dynamic)  # fmt: skip
+    if compiling is not None and compiling.loss:
+        loss_fn = compile_loss(loss_fn, backend=compiling.backend, mode=compiling.mode,
+                               dynamic=compiling.dynamic)  # fmt: skip
     model = shard_model(model, ctx)
+    # before the optimizer exists: the preflight step must not update anything
+    _memory_plan_and_preflight(cfg, ctx, model, loss_fn, dataset, collate, log)
     trainable = [p for p in model.parameters() if p.requires_grad]
     in_backward = bool(cfg.get("optimizer_in_backward", False))
     if in_backward:  # each parameter steps as soon as its gradient is ready
@@ -122,7 +146,6 @@ def train(cfg: DictConfig, ctx) -> None:
     else:
         optimizer = instantiate(cfg.optimizer, trainable)
     scheduler = instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
-    loss_fn = instantiate(cfg.loss)
     autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
     offload = bool(cfg.get("activation_offloading", False))
 
@@ -155,6 +178,7 @@ def train(cfg: DictConfig, ctx) -> None:
     last_checkpoint = checkpointer.latest()
     try:
         step_start = time.perf_counter()
+        first_step = progress["step"] + 1  # its time includes compilation and warm-up
         model.train()
         while progress["step"] < total_steps:
             step = progress["step"] + 1
@@ -209,7 +233,14 @@ def train(cfg: DictConfig, ctx) -> None:
                 }  # fmt: skip
                 if in_backward:
                     del metrics["grad_norm"]
+                if step == first_step:  # not a throughput: compilation, warm-up
+                    metrics["first_step_s"] = elapsed
+                    del metrics["tokens_per_s"]
+                else:
+                    metrics["step_time_s"] = elapsed
                 logger.log(step, metrics)
+            elif step == first_step:
+                logger.log(step, {"first_step_s": time.perf_counter() - step_start})
             if val_dataset is not None and _every(step, cfg.get("eval_every_n_steps"), total_steps):
                 val_loss = evaluate(model, val_dataset, collate, loss_fn, ctx, cfg.batch_size)
                 logger.log(step, {"val_loss": val_loss})
@@ -271,6 +302,52 @@ def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     return inputs
 
 
+def _memory_plan_and_preflight(cfg, ctx, model, loss_fn, dataset, collate, log) -> None:
+    """Print the estimated peak memory for the longest batch of ``dataset``; with
+    ``preflight: true`` also run that batch forward and backward once (no update, same RNG)
+    and print the measured peak next to the estimate."""
+    if not hasattr(model, "spec") or not len(dataset):
+        return
+    batch = longest_batch(dataset, min(cfg.batch_size, len(dataset)), collate)
+    plan = estimate_memory(
+        model, batch_size=batch["input_ids"].shape[0], seq_len=batch["input_ids"].shape[1],
+        optimizer=optimizer_kind(cfg.optimizer._component_, cfg.optimizer),
+        mixed_precision=cfg.get("mixed_precision"),
+        activation_checkpointing=cfg.get("activation_checkpointing"),
+        loss="linear" if getattr(loss_fn, "needs_hidden_states", False) else "full",
+        loss_chunks=getattr(loss_fn, "num_chunks", 8),
+        loss_chunk_size=getattr(loss_fn, "chunk_size", None),
+        optimizer_in_backward=bool(cfg.get("optimizer_in_backward", False)),
+        packed="document_ids" in batch, world_size=ctx.world_size, device=ctx.device,
+    )  # fmt: skip
+    log(plan.table())
+    if not cfg.get("preflight", False):
+        return
+    autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
+
+    def batch_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast(ctx.device.type, autocast_dtype, enabled=bool(autocast_dtype)):
+            return _loss(model, loss_fn, batch)[0]
+
+    report = preflight(
+        model, {k: v.to(ctx.device) for k, v in batch.items()}, batch_loss, device=ctx.device,
+        free_grads_in_backward=bool(cfg.get("optimizer_in_backward", False)),
+    )  # fmt: skip
+    log(report.summary(plan))
+
+
+def _check_vocab(tokenizer, model, cfg: DictConfig) -> None:
+    """Refuse a tokenizer whose ids run past the model's embedding (another model's tokenizer):
+    training would index out of range, or on a GPU read garbage rows."""
+    rows = getattr(getattr(model, "spec", None), "vocab_size", None)
+    if rows is not None and tokenizer.vocab_size > rows:
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name', cfg.tokenizer)} has {tokenizer.vocab_size} "
+            f"token ids but the model ({cfg.model.get('path', cfg.model._component_)}) embeds "
+            f"only {rows} (model.embed_tokens.weight): the tokenizer belongs to another model"
+        )
+
+
 def _trained(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"] != IGNORE_INDEX).sum())
 
@@ -304,12 +381,17 @@ def _micro_batches(loader, sampler, progress: dict[str, int]) -> Iterator[dict[s
 def _resume_path(resume: bool | str, checkpointer: Checkpointer) -> Path | None:
     if resume is False or resume is None:
         return None
-    if resume is True:
-        return checkpointer.latest()  # None: nothing to resume from yet, start fresh
-    path = Path(resume)
-    if not path.is_dir():
-        raise FileNotFoundError(f"resume={resume}: no such checkpoint folder")
-    return path
+    if resume is True:  # None when nothing was saved yet: start fresh
+        latest = checkpointer.latest()  # skips (with a warning) damaged checkpoints
+        unusable = sorted(p.name for p in checkpointer.root.glob("step_*"))
+        if latest is None and unusable:
+            raise FileNotFoundError(
+                f"resume=true: no usable checkpoint in {checkpointer.root}: {', '.join(unusable)} "
+                "do not match their COMPLETE manifest (damaged or incomplete); restarting from "
+                "step 0 would lose them. Move them away to start fresh, or pass resume=<folder>"
+            )
+        return latest
+    return Path(resume)  # checked at the start of train()
 
 
 def _install_sigterm_handler():

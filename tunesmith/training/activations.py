@@ -100,12 +100,10 @@ class _CheckpointedForward:
         forward = partial(type(self.module).forward, self.module)
         if not torch.is_grad_enabled() or kwargs.get("kv_cache") is not None:
             return forward(*args, **kwargs)
-        context_fn = _selective_contexts if self.mode == "selective" else _no_contexts
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-
-def _no_contexts() -> tuple[Any, Any]:
-    return contextlib.nullcontext(), contextlib.nullcontext()
+        # full mode passes no context_fn: under torch.compile one must make dispatch modes
+        if self.mode == "selective":
+            kwargs["context_fn"] = _selective_contexts
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def is_checkpointed(module: nn.Module) -> bool:

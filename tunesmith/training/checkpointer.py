@@ -17,8 +17,11 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 import random
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,8 +29,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,9 +43,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from tunesmith.models.hf import write_hf_checkpoint
 from tunesmith.models.peft_io import load_peft_adapter, write_peft_adapter
-from tunesmith.models.safetensors_io import find_weight_files
+from tunesmith.models.safetensors_io import CheckpointError, find_weight_files
 from tunesmith.modules.peft import adapter_modules, adapter_state_dict
-from tunesmith.training.checkpoint_dir import CheckpointDirectory
+from tunesmith.training import safe_dcp
+from tunesmith.training.checkpoint_dir import CheckpointDirectory, CheckpointWriteError
 from tunesmith.training.distributed import DistributedContext
 
 __all__ = ["Checkpointer", "rng_state", "set_rng_state"]
@@ -91,6 +97,101 @@ def _gather_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         }
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
+
+
+def _check_shapes(
+    model: nn.Module, weights: Mapping[str, torch.Tensor], files: Mapping[str, Path]
+) -> None:
+    """One clear error for a checkpoint of another architecture (instead of a list of them)."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    for name, tensor in weights.items():
+        if name in expected and tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(
+                f"{files[name]}: tensor '{name}' has shape {list(tensor.shape)}, the model "
+                f"expects {list(expected[name])} (a checkpoint of another model size?)"
+            )
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        where = ", ".join(sorted({str(f) for f in files.values()}))
+        raise CheckpointError(
+            f"{where}: the tensors do not match the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+
+
+def _cause(err: BaseException) -> str:
+    """One line saying what went wrong: the first rank's error inside dcp's
+    ``CheckpointException`` (whose own text is a traceback per rank), else ``err`` itself."""
+    if isinstance(err, CheckpointException) and err.failures:
+        err = next(iter(err.failures.values()))[0]
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _nbytes(tree: Any) -> int:
+    """Bytes of the tensors in nested dicts/lists (the size of what a checkpoint writes)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.nbytes
+    if isinstance(tree, Mapping):
+        return sum(_nbytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_nbytes(v) for v in tree)
+    return 0
+
+
+def _write_error(
+    step: int, root: Path, err: BaseException, free: int | None, needed: int
+) -> CheckpointWriteError:
+    """A one-line error for a failed checkpoint write, saying when the disk is full (the
+    underlying errors often do not: torch's writer reports ENOSPC as 'unexpected pos')."""
+    code = next((e.errno for e in _chain(err) if isinstance(e, OSError) and e.errno), None)
+    if code in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < needed):
+        hint = (
+            f" (disk full: {_human(free or 0)} free, the checkpoint needs about {_human(needed)})"
+        )
+    elif code == errno.EFBIG:
+        hint = " (file too large for the filesystem or the process's file size limit)"
+    else:
+        hint = ""
+    return CheckpointWriteError(
+        f"failed to write checkpoint step {step} in {root}{hint}: {_cause(err)}. "
+        f"Older checkpoints in {root} are untouched.",
+        path=root / f"step_{step:06d}",
+        step=step,
+        errno=code,
+    )
+
+
+def _human(size: float) -> str:
+    """``1391720`` -> ``'1.3 MiB'``."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    while size >= 1024 and len(units) > 1:
+        size /= 1024
+        units.pop(0)
+    return f"{size:.0f} B" if units[0] == "B" else f"{size:.1f} {units[0]}"
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err``, its causes and contexts, and the errors inside a dcp CheckpointException."""
+    seen: list[BaseException] = []
+    todo = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [wrapped[0] for wrapped in e.failures.values()]
+    return seen
 
 
 class Checkpointer:
@@ -159,7 +260,12 @@ class Checkpointer:
             torch.save(rank_state, tmp / STATE_DIR / f"rank{self.ctx.rank}.pt")
             _barrier()
             final = self.directory.commit(tmp) if self.directory else None
-        except BaseException:
+        except (Exception, CheckpointException) as err:  # dcp's is a BaseException
+            free = _free_bytes(tmp)  # before the partial files are removed
+            if self.directory is not None:
+                self.directory.abort(tmp)
+            raise _write_error(step, self.root, err, free, _nbytes((weights, optim_state))) from err
+        except BaseException:  # KeyboardInterrupt, SystemExit: clean up, propagate as is
             if self.directory is not None:
                 self.directory.abort(tmp)
             raise
@@ -186,8 +292,17 @@ class Checkpointer:
             weights: dict[str, torch.Tensor] = {}
             if self.ctx.is_rank_zero:
                 files, _ = find_weight_files(path)
+                origin: dict[str, Path] = {}
                 for file in files:
-                    weights.update(load_file(file))
+                    try:
+                        tensors = load_file(file)
+                    except SafetensorError as err:
+                        raise CheckpointError(
+                            f"{file}: not a valid safetensors file (truncated or corrupt?): {err}"
+                        ) from err
+                    weights.update(tensors)
+                    origin.update(dict.fromkeys(tensors, file))
+                _check_shapes(model, weights, origin)
             set_model_state_dict(
                 model,
                 weights,
@@ -196,9 +311,26 @@ class Checkpointer:
                 ),
             )
         optim_state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(optim_state, checkpoint_id=path / STATE_DIR / "optimizer")
+        optim_dir = path / STATE_DIR / "optimizer"
+        try:  # no pickle: allow-listed metadata, weights_only entries
+            safe_dcp.load(optim_state, optim_dir)
+        except (Exception, CheckpointException) as err:  # dcp's is a BaseException
+            raise CheckpointError(
+                f"{optim_dir}: cannot load the optimizer state: {_cause(err)}"
+            ) from err
         set_optimizer_state_dict(model, optimizer, optim_state["optimizer"])
-        rank_state = torch.load(rank_file, weights_only=True)
+        try:  # weights_only: plain tensors and containers, never arbitrary pickled objects
+            rank_state = torch.load(rank_file, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(
+                f"{rank_file}: refused to load the training state: it holds objects other than "
+                f"tensors and plain data ({safe_dcp.refusal_reason(err)})"
+            ) from err
+        except Exception as err:
+            raise CheckpointError(
+                f"{rank_file}: cannot load the training state (truncated or corrupt?): "
+                f"{_cause(err)}"
+            ) from err
         for name, obj in stateful.items():
             obj.load_state_dict(rank_state[name])
         set_rng_state(rank_state["rng"])

@@ -15,7 +15,9 @@ Example::
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -24,9 +26,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
     "DistributedContext",
+    "PeerFailureError",
     "all_reduce_sum",
     "close_distributed",
     "init_distributed",
+    "peer_failure",
     "shard_model",
 ]
 
@@ -40,6 +44,7 @@ class DistributedContext:
     local_rank: int
     device: torch.device
     mesh: DeviceMesh
+    timeout_s: float | None = None  # the bound on collectives (None: the backend's default)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -55,20 +60,31 @@ def _pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device(device)
 
 
-def init_distributed(device: str = "auto") -> DistributedContext:
+def init_distributed(device: str = "auto", timeout_s: float | None = None) -> DistributedContext:
     """Join (or create) the process group and build a 1-D device mesh over every rank.
 
-    ``device`` is ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+    ``device`` is ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``. ``timeout_s``
+    bounds every collective: a rank whose peer died or hangs raises an error after that long
+    instead of waiting (None: the backend's default, 30 min for gloo, 10 min for NCCL).
     """
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0
+    ):
+        raise ValueError(
+            f"distributed_timeout_s must be a number of seconds > 0, got {timeout_s!r}"
+        )
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=float(timeout_s))}
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dev = _pick_device(device, local_rank)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if not dist.is_initialized():
         if launched:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **timeout)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, **timeout
+            )
     mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
     return DistributedContext(
         rank=dist.get_rank(),
@@ -76,6 +92,48 @@ def init_distributed(device: str = "auto") -> DistributedContext:
         local_rank=local_rank,
         device=dev,
         mesh=mesh,
+        timeout_s=None if timeout_s is None else float(timeout_s),
+    )
+
+
+class PeerFailureError(RuntimeError):
+    """A collective failed because another rank died, hangs or cannot be reached."""
+
+
+# What gloo and NCCL say when a peer is gone or silent (their errors are plain RuntimeErrors).
+_PEER_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "Watchdog caught collective operation timeout",
+    "NCCL communicator was aborted",
+)
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*")  # gloo's "[.../pair.cc:553] "
+
+
+def peer_failure(error: BaseException, ctx: DistributedContext) -> PeerFailureError | None:
+    """A clear :class:`PeerFailureError` for ``error`` if it is a failed collective in a run
+    of several ranks (another rank died or hangs), else None.
+
+    Example::
+
+        >>> err = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. ...")
+        >>> str(peer_failure(err, ctx))  # doctest: +SKIP
+        'rank 0 of 2: a collective operation failed (Connection closed by peer ...); ...'
+    """
+    text = str(error).strip()
+    if ctx.world_size == 1 or not (
+        isinstance(error, dist.DistError) or any(m in text for m in _PEER_FAILURE_MARKERS)
+    ):
+        return None
+    detail = _SOURCE_PREFIX.sub("", text.splitlines()[0] if text else type(error).__name__)
+    detail = detail.split(". ")[0].rstrip(".")
+    bound = f"{ctx.timeout_s:g} s" if ctx.timeout_s is not None else "the backend's default"
+    return PeerFailureError(
+        f"rank {ctx.rank} of {ctx.world_size}: a collective operation with the other ranks "
+        f"failed ({detail}); another rank has probably died or hangs, see its log "
+        f"(collectives wait at most distributed_timeout_s: {bound})"
     )
 
 

@@ -1,0 +1,264 @@
+"""Every case of the reliability suite, in one list: the tests take their parameters (and test
+ids) from it, and ``python -m tests.faults.report`` renders RELIABILITY.md from it and the
+recorded outcomes, so the table and the suite cannot drift apart.
+
+Groups: ``fault`` (a real training process killed, stopped or starved), ``bad_input`` (a broken
+config, dataset, checkpoint or tokenizer given to ``tunesmith run``), ``safety`` (code from a
+config or a file must not run) and ``determinism``. Cases with ``ci=False`` run only in
+``make test-faults`` (pytest marker ``faults``); the others run in the default selection too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tests.faults.bad_inputs import BAD_INPUTS
+
+__all__ = [
+    "CASES",
+    "CI_SIGKILL_SEEDS",
+    "GROUPS",
+    "PHASES",
+    "SIGKILL_SEEDS",
+    "Case",
+    "cases",
+    "params",
+]
+
+PHASES = ("training", "checkpoint", "export")
+SIGKILL_SEEDS = tuple(range(24))
+CI_SIGKILL_SEEDS = (0, 1, 2, 3)  # one of each phase, and one more in training
+GROUPS = ("fault", "bad_input", "safety", "determinism")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One case: ``id`` (the test id), its ``group`` and ``kind``, the fault or input
+    (``what``), the outcome the suite checks (``expect``), and whether CI runs it."""
+
+    id: str
+    group: str
+    kind: str
+    what: str
+    expect: str
+    ci: bool = True
+
+
+_RESUMES = "resume (a new process, `resume=true`) ends bitwise equal to the uninterrupted run"
+
+FAULTS = [
+    *(
+        Case(
+            f"sigkill-seed-{seed:02d}",
+            "fault",
+            "sigkill",
+            f"SIGKILL at a random {PHASES[seed % len(PHASES)]} event (seed {seed})",
+            "every committed checkpoint the run keeps is there and verifies, the newest loads "
+            f"and equals the reference's; no partial checkpoint is visible; {_RESUMES}",
+            ci=seed in CI_SIGKILL_SEEDS,
+        )
+        for seed in SIGKILL_SEEDS
+    ),
+    Case(
+        "sigterm-mid-step",
+        "fault",
+        "sigterm",
+        "SIGTERM during the backward pass of step 3",
+        "checkpoint of step 3 written, exit 0 within 30 s of the signal; " + _RESUMES,
+    ),
+    Case(
+        "sigterm-mid-checkpoint",
+        "fault",
+        "sigterm",
+        "SIGTERM while the step-2 checkpoint writes its optimizer state",
+        "step-2 checkpoint completes, step 3 is saved, exit 0 within 30 s; " + _RESUMES,
+    ),
+    Case(
+        "sigterm-during-export",
+        "fault",
+        "sigterm",
+        "SIGTERM while the final checkpoint (the exported model) is being fsynced",
+        "the final checkpoint completes, exit 0 within 30 s, weights equal the reference",
+    ),
+    Case(
+        "sigterm-torchrun-2-ranks",
+        "fault",
+        "sigterm",
+        "SIGTERM to `tunesmith run --nproc-per-node 2` (the CLI passes it to both ranks)",
+        "both ranks save one checkpoint together; the ranks, torchrun and the CLI exit 0 "
+        "within 60 s",
+        ci=False,
+    ),
+    Case(
+        "disk-full-during-checkpoint",
+        "fault",
+        "disk_full",
+        "the checkpoint filesystem fills up while the second checkpoint is written (a 2.6 MB "
+        "tmpfs; RLIMIT_FSIZE where mounting is not permitted)",
+        "one-line error naming the checkpoint and 'disk full' (or 'file too large'), exit 1; "
+        "no partial checkpoint left; the first checkpoint verifies and resuming from it "
+        "reproduces the uninterrupted run",
+    ),
+    Case(
+        "file-size-limit-during-checkpoint",
+        "fault",
+        "disk_full",
+        "RLIMIT_FSIZE lowered to 100 kB after the first checkpoint, so writing the second "
+        "one fails with EFBIG",
+        "one-line error naming the checkpoint and 'File too large', exit 1; no partial "
+        "checkpoint left; the first checkpoint verifies and resuming from it reproduces the "
+        "uninterrupted run",
+    ),
+    Case(
+        "rank-1-killed",
+        "fault",
+        "rank_death",
+        "2-rank gloo run (FSDP2), rank 1 SIGKILLed in the forward pass of step 3",
+        "rank 0 exits 1 within 60 s with one line: 'rank 0 of 2: a collective operation ... "
+        "failed (Connection closed by peer ...)'",
+    ),
+    Case(
+        "rank-1-stopped",
+        "fault",
+        "rank_death",
+        "2-rank gloo run, rank 1 frozen with SIGSTOP (alive but silent) in step 3",
+        "rank 0 exits 1 after distributed_timeout_s (10 s), within 60 s, with one line naming "
+        "the timed-out collective, instead of waiting 30 minutes",
+    ),
+    Case(
+        "rank-0-killed",
+        "fault",
+        "rank_death",
+        "2-rank gloo run, rank 0 (which hosts the rendezvous store) SIGKILLed in step 3",
+        "rank 1 exits 1 within 60 s with a one-line error naming the failed collective",
+        ci=False,
+    ),
+    Case(
+        "rank-killed-under-torchrun",
+        "fault",
+        "rank_death",
+        "`tunesmith run --nproc-per-node 2`, rank 1 dies (SIGKILL) at its third loss",
+        "torchrun stops the other rank, the CLI exits 1 within 120 s with one line "
+        "'tunesmith: error: torchrun exited with code 1'",
+        ci=False,
+    ),
+]
+
+SAFETY = [
+    Case(
+        "component-os-system",
+        "safety",
+        "component",
+        "config: `loss._component_: os.system` with a command that creates a file",
+        "refused before anything runs (exit 1, names loss._component_ and "
+        "--allow-any-component); the file is never created",
+    ),
+    Case(
+        "component-subprocess-run",
+        "safety",
+        "component",
+        "config: a metric logger `_component_: subprocess.run` with a command",
+        "refused (exit 1, names metric_loggers.0._component_); nothing is executed",
+    ),
+    Case(
+        "component-test-loss-refused",
+        "safety",
+        "component",
+        "config: a harmless test loss outside the allow-list, without the flag",
+        "refused (exit 1), the component is never built",
+    ),
+    Case(
+        "component-test-loss-allowed",
+        "safety",
+        "component",
+        "the same config with `tunesmith --allow-any-component run ...`",
+        "the component is built and trains (exit 0, checkpoint written)",
+    ),
+    Case(
+        "pickled-weights",
+        "safety",
+        "pickle",
+        "model folder with only `pytorch_model.bin`, a pickle whose load runs a command",
+        "refused: 'only safetensors weights are loaded' (exit 1); the command never runs",
+    ),
+    Case(
+        "pickled-training-state",
+        "safety",
+        "pickle",
+        "resume from a checkpoint whose `training_state/rank0.pt` pickles `os.system`",
+        "refused by torch.load(weights_only=True), the error names the file and "
+        "'posix.system' (exit 1); the command never runs",
+    ),
+    Case(
+        "pickled-optimizer-metadata",
+        "safety",
+        "pickle",
+        "resume from a checkpoint whose optimizer `.metadata` pickles `os.system` (plain "
+        "`dcp.load` runs it: checked)",
+        "refused by the allow-list unpickler, the error names the file (exit 1); the command "
+        "never runs",
+    ),
+    Case(
+        "pickled-optimizer-entry",
+        "safety",
+        "pickle",
+        "resume from a checkpoint whose optimizer entry `param_groups.0.lr` pickles "
+        "`os.system` (plain `dcp.load` runs it: checked)",
+        "refused (weights_only), the error names the entry (exit 1); the command never runs",
+    ),
+    Case(
+        "no-unsafe-loading-in-source",
+        "safety",
+        "static",
+        "the package source: every torch.load, pickle, dcp.load, trust_remote_code",
+        "torch.load only with weights_only=True, no pickle/dill loads, dcp.load only through "
+        "tunesmith.training.safe_dcp, no trust_remote_code",
+    ),
+]
+
+DETERMINISM = [
+    Case(
+        "cpu-same-seed-twice",
+        "determinism",
+        "cpu",
+        "the tiny config (shuffled data) run twice with seed 0, in two processes",
+        "bitwise identical loss, grad norm and lr at every step and identical final weights; "
+        "seed 1 differs",
+    ),
+    Case(
+        "cpu-packed-accumulation-twice",
+        "determinism",
+        "cpu",
+        "packed=true, gradient_accumulation_steps=2, run twice with seed 0",
+        "bitwise identical losses and final weights",
+    ),
+]
+
+CASES: list[Case] = [
+    *FAULTS,
+    *(
+        Case(b.id, "bad_input", b.kind, b.what, b.expect, ci=True)
+        for b in BAD_INPUTS  # the builders live in tests/faults/bad_inputs.py
+    ),
+    *SAFETY,
+    *DETERMINISM,
+]
+
+
+def cases(group: str, kind: str | None = None) -> list[Case]:
+    """The cases of ``group`` (and ``kind``), in catalogue order."""
+    return [c for c in CASES if c.group == group and (kind is None or c.kind == kind)]
+
+
+def params(group: str, kind: str | None = None) -> list:
+    """``pytest.param`` per case (test id = case id; ``faults`` marker where ``ci=False``)."""
+    import pytest
+
+    return [
+        pytest.param(c, id=c.id, marks=() if c.ci else pytest.mark.faults)
+        for c in cases(group, kind)
+    ]
+
+
+if len({c.id for c in CASES}) != len(CASES):
+    raise ValueError("tests/faults/catalogue.py: case ids must be unique")

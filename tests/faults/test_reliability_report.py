@@ -1,0 +1,38 @@
+"""RELIABILITY.md cannot drift from the suite: the committed file is exactly what
+``python -m tests.faults.report`` renders from the catalogue and the committed outcomes, and
+every catalogue case has a recorded, passing outcome (a new case fails this test until
+``make test-faults`` has run it)."""
+
+from __future__ import annotations
+
+from tests.faults.catalogue import CASES, GROUPS
+from tests.faults.report import OUTPUT, RESULTS, load_results, render, summary
+
+
+def test_reliability_md_is_generated_from_the_current_catalogue():
+    results = load_results(RESULTS)
+    assert OUTPUT.read_text() == render(CASES, results), (
+        "RELIABILITY.md is out of date: run `make test-faults` (or `python -m tests.faults.report`)"
+    )
+
+
+def test_every_case_has_a_passing_recorded_outcome():
+    results = load_results(RESULTS)
+    missing = [c.id for c in CASES if c.id not in results]
+    failed = [c.id for c in CASES if c.id in results and not results[c.id]["passed"]]
+    assert missing == [] and failed == [], f"not run: {missing}; failed: {failed}"
+    counts = summary(CASES, results)
+    assert counts["checkpoints lost"] == 0
+    assert counts["faults injected"] == counts["faults survived"] >= 20 + 3 + 2 + 2
+    assert counts["bad inputs tried"] >= 30
+
+
+def test_report_lists_every_case_once_and_counts_failures():
+    fake = {c.id: {"passed": True} for c in CASES}
+    fake[CASES[0].id] = {"passed": False}
+    text = render(CASES, fake)
+    for case in CASES:
+        assert text.count(f"| `{case.id}` |") == 1, case.id
+    assert text.count("**FAILED**") == 1
+    assert summary(CASES, fake)["cases failed"] == 1
+    assert {c.group for c in CASES} == set(GROUPS)
