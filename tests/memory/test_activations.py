@@ -9,7 +9,6 @@ import warnings
 import pytest
 import torch
 
-from tests.memory.live_tensors import LiveTensorBytes
 from tunesmith.models import llama3
 from tunesmith.modules.losses import IGNORE_INDEX, CrossEntropyLoss
 from tunesmith.training.activations import (
@@ -17,6 +16,7 @@ from tunesmith.training.activations import (
     apply_activation_checkpointing,
     is_checkpointed,
 )
+from tunesmith.training.memory import LiveTensorBytes
 from tunesmith.training.optim_in_backward import OptimizerInBackward
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.memory.live_tensors import LiveTensorBytes
 from tunesmith.models import llama3
 from tunesmith.modules.losses import IGNORE_INDEX, CrossEntropyLoss, LinearCrossEntropyLoss
+from tunesmith.training.memory import LiveTensorBytes
 
 
 def _inputs(b=2, s=9, h=32, vocab=97, dtype=torch.float32, seed=0):
