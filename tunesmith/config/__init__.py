@@ -14,6 +14,7 @@ from tunesmith.config.components import (
     ALLOW_ANY_COMPONENT_ENV,
     ALLOWED_COMPONENT_PREFIXES,
     COMPONENT_KEY,
+    DENIED_COMPONENT_PREFIXES,
     any_component_allowed,
     is_component_allowed,
     resolve_component,
@@ -26,6 +27,7 @@ from tunesmith.config.validate import check_keys, validate_config
 
 __all__ = [
     "ALLOWED_COMPONENT_PREFIXES",
+    "DENIED_COMPONENT_PREFIXES",
     "ALLOW_ANY_COMPONENT_ENV",
     "COMPONENT_KEY",
     "ConfigError",

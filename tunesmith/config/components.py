@@ -34,6 +34,7 @@ __all__ = [
     "ALLOWED_COMPONENT_PREFIXES",
     "ALLOW_ANY_COMPONENT_ENV",
     "COMPONENT_KEY",
+    "DENIED_COMPONENT_PREFIXES",
     "any_component_allowed",
     "is_component_allowed",
     "resolve_component",
@@ -53,6 +54,18 @@ ALLOWED_COMPONENT_PREFIXES: list[str] = [
     "datasets.",
 ]
 
+# Paths under an allowed prefix that still load or run code from files or the network
+# (pickles, TorchScript, torch.hub repos, C++ extensions): refused like paths off the list.
+DENIED_COMPONENT_PREFIXES: list[str] = [
+    "torch.load",
+    "torch.hub.",
+    "torch.jit.load",
+    "torch.package.",
+    "torch.utils.cpp_extension.",
+    "torch.serialization.",
+    "transformers.dynamic_module_utils.",
+]
+
 ALLOW_ANY_COMPONENT_ENV = "TUNESMITH_ALLOW_ANY_COMPONENT"
 
 _DOTTED_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
@@ -67,7 +80,10 @@ def any_component_allowed(allow_any_component: bool | None = None) -> bool:
 
 
 def is_component_allowed(path: str) -> bool:
-    """Whether ``path`` lies under one of :data:`ALLOWED_COMPONENT_PREFIXES`."""
+    """Whether ``path`` lies under one of :data:`ALLOWED_COMPONENT_PREFIXES` and under none of
+    :data:`DENIED_COMPONENT_PREFIXES`."""
+    if any(path == p or path.startswith(p) for p in DENIED_COMPONENT_PREFIXES):
+        return False
     return any(path.startswith(prefix) for prefix in ALLOWED_COMPONENT_PREFIXES)
 
 
@@ -92,7 +108,8 @@ def resolve_component(
     if not any_component_allowed(allow_any_component) and not is_component_allowed(path):
         prefixes = ", ".join(ALLOWED_COMPONENT_PREFIXES)
         raise ConfigError(
-            f"component {path!r} is not allowed: only paths under {prefixes} are resolved; "
+            f"component {path!r} is not allowed: only paths under {prefixes} (and not "
+            "loaders of pickles/TorchScript/hub code such as torch.load) are resolved; "
             "to allow any component pass --allow-any-component (allow_any_component=True, "
             f"or set {ALLOW_ANY_COMPONENT_ENV}=1)"
         )
