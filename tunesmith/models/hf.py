@@ -31,6 +31,7 @@ from tunesmith.models.safetensors_io import (
     atomic_directory,
     find_weight_files,
     load_into_module,
+    read_json_object,
     write_safetensors_shards,
 )
 from tunesmith.models.spec import ModelSpec, UnsupportedModelError, spec_from_hf_config
@@ -103,16 +104,7 @@ def resolve_dtype(
 
 def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
     """The parsed ``config.json`` of ``folder``; errors name the file."""
-    path = Path(folder) / CONFIG_NAME
-    if not path.is_file():
-        raise CheckpointFileNotFoundError(f"{path} not found: {folder} is not a HF model folder")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot parse ({e})") from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
+    return read_json_object(Path(folder) / CONFIG_NAME, "a HF model folder")
 
 
 def spec_from_hf_folder(folder: str | os.PathLike) -> ModelSpec:

@@ -36,6 +36,7 @@ from tunesmith.models.safetensors_io import (
     CheckpointError,
     CheckpointFileNotFoundError,
     atomic_directory,
+    read_json_object,
 )
 from tunesmith.modules.peft import (
     DoRALinear,
@@ -174,16 +175,8 @@ def read_adapter_config(folder: str | os.PathLike) -> dict[str, Any]:
     """The checked ``adapter_config.json`` of ``folder``; unsupported adapters (other PEFT
     types, trained biases, ``modules_to_save``, base-rewriting inits...) are errors naming
     the file and every offending field."""
-    folder = Path(folder)
-    path = folder / ADAPTER_CONFIG_NAME
-    if not path.is_file():
-        raise CheckpointFileNotFoundError(f"{path} not found: {folder} is not a PEFT adapter")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot parse ({e})") from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    path = Path(folder) / ADAPTER_CONFIG_NAME
+    config = read_json_object(path, "a PEFT adapter")
     problems = []
     if config.get("peft_type") != "LORA":
         problems.append(f"peft_type {config.get('peft_type')!r} (only 'LORA' is supported)")

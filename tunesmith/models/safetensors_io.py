@@ -29,6 +29,7 @@ import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -135,6 +136,20 @@ def parse_size(size: int | str) -> int:
 
 
 # ----------------------------------------------------------------------------- reading
+
+
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``path``; errors name the file (``what`` says what the folder
+    should have been, e.g. "a HF model folder")."""
+    if not path.is_file():
+        raise CheckpointFileNotFoundError(f"{path} not found: {path.parent} is not {what}")
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot parse ({e})") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def find_weight_files(folder: str | os.PathLike) -> tuple[list[Path], Path | None]:
