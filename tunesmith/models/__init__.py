@@ -6,8 +6,10 @@ Example::
     >>> model = build_model(qwen3.spec("qwen3_tiny"))
     >>> model = qwen3.qwen3_8b(device="meta")           # real size, instant
     >>> model = from_hf("path/to/Qwen3-8B")              # doctest: +SKIP
+    >>> rm = reward_model_from_hf("path/to/Qwen3-8B")    # doctest: +SKIP
 """
 
+import importlib
 from typing import Any
 
 from tunesmith.models import llama3, mistral, qwen2_5, qwen3, qwen3_moe
@@ -22,23 +24,32 @@ from tunesmith.models.spec import (
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "ModelSpec",
+    "RewardModel",
     "UnsupportedModelError",
     "build_model",
+    "build_reward_model",
     "from_hf",
     "llama3",
     "mistral",
     "qwen2_5",
     "qwen3",
     "qwen3_moe",
+    "reward_model_from_hf",
     "spec_from_hf_config",
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # Imported on first use: the checkpoint code pulls in safetensors I/O most users of
-    # the builders never need, and importing it lazily keeps this package free of cycles.
-    if name == "from_hf":
-        from tunesmith.models.hf import from_hf
+# Imported on first use: the checkpoint code pulls in safetensors I/O most users of
+# the builders never need, and importing it lazily keeps this package free of cycles.
+_LAZY = {
+    "from_hf": "tunesmith.models.hf",
+    "RewardModel": "tunesmith.models.reward",
+    "build_reward_model": "tunesmith.models.reward",
+    "reward_model_from_hf": "tunesmith.models.reward",
+}
 
-        return from_hf
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'tunesmith.models' has no attribute {name!r}")

@@ -40,18 +40,23 @@ from tunesmith.modules.decoder import TransformerLM
 __all__ = [
     "CONFIG_NAME",
     "GENERATION_CONFIG_NAME",
+    "SCORE_WEIGHT",
     "TOKENIZER_FILES",
     "CheckpointError",
     "from_hf",
+    "hf_folder_spec",
     "load_hf_weights",
     "read_hf_config",
     "resolve_dtype",
     "save_hf_checkpoint",
+    "score_num_labels",
     "spec_from_hf_folder",
     "write_hf_checkpoint",
 ]
 
 CONFIG_NAME = "config.json"
+# The head of a *ForSequenceClassification checkpoint (reward models), in place of lm_head.
+SCORE_WEIGHT = "score.weight"
 GENERATION_CONFIG_NAME = "generation_config.json"
 # Files (and one folder) a tokenizer may consist of; copied as they are when present.
 TOKENIZER_FILES: tuple[str, ...] = (
@@ -129,6 +134,22 @@ def _config_dtype(config: Mapping[str, Any], folder: str | os.PathLike) -> torch
         raise CheckpointError(f"{Path(folder) / CONFIG_NAME}: dtype {value!r}: {e}") from e
 
 
+def hf_folder_spec(
+    path: str | os.PathLike, dtype: torch.dtype | str | None = None
+) -> tuple[ModelSpec, torch.dtype]:
+    """The spec of HF folder ``path`` and the dtype to load it in: ``dtype``, else the
+    config's ``dtype``/``torch_dtype``, else float32. Errors name ``config.json``.
+
+    Example::
+
+        >>> spec, dtype = hf_folder_spec("Qwen3-0.6B")  # doctest: +SKIP
+    """
+    folder = Path(path)
+    config = read_hf_config(folder)
+    spec = _spec_from_config(config, folder)
+    return spec, resolve_dtype(dtype, default=_config_dtype(config, folder))
+
+
 def load_hf_weights(
     model: nn.Module,
     folder: str | os.PathLike,
@@ -176,10 +197,8 @@ def from_hf(
 
         >>> model = from_hf("Qwen3-0.6B", dtype="bf16", device="cuda")  # doctest: +SKIP
     """
+    spec, resolved = hf_folder_spec(path, dtype)
     folder = Path(path)
-    config = read_hf_config(folder)
-    spec = _spec_from_config(config, folder)
-    resolved = resolve_dtype(dtype, default=_config_dtype(config, folder))
     if not load_weights:
         return build_model(spec, device=device, dtype=resolved)
     find_weight_files(folder)  # fail on a folder without weights before building anything
@@ -191,9 +210,26 @@ def from_hf(
 # ----------------------------------------------------------------------------- saving
 
 
+def score_num_labels(state: Mapping[str, Any]) -> int | None:
+    """Outputs of the ``score`` head when ``state`` (tensors or file headers with a
+    ``.shape``) is a sequence-classification (reward) model's, else None (a causal LM)."""
+    score = state.get(SCORE_WEIGHT)
+    return None if score is None else int(score.shape[0])
+
+
+def _reference_state(spec: ModelSpec, num_labels: int | None) -> dict[str, torch.Tensor]:
+    """Meta tensors named and shaped as the HF checkpoint of ``spec`` holds them: the causal
+    LM's, or with ``num_labels`` the ``*ForSequenceClassification``'s (``score``, no head)."""
+    reference = build_model(spec, device="meta").state_dict()
+    if num_labels is not None:
+        reference.pop("lm_head.weight", None)
+        reference[SCORE_WEIGHT] = torch.empty(num_labels, spec.hidden_size, device="meta")
+    return reference
+
+
 def _model_and_state(
     model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], spec: ModelSpec | None
-) -> tuple[dict[str, torch.Tensor], ModelSpec]:
+) -> tuple[dict[str, torch.Tensor], ModelSpec, int | None]:
     if isinstance(model_or_state_dict, nn.Module):
         state = model_or_state_dict.state_dict()
         spec = spec if spec is not None else getattr(model_or_state_dict, "spec", None)
@@ -201,9 +237,10 @@ def _model_and_state(
         state = dict(model_or_state_dict)
     if not isinstance(spec, ModelSpec):
         raise TypeError("save_hf_checkpoint needs spec=ModelSpec(...) to write config.json")
-    if spec.tie_word_embeddings:
+    num_labels = score_num_labels(state)
+    if spec.tie_word_embeddings and num_labels is None:
         state.pop("lm_head.weight", None)  # transformers stores tied heads once
-    reference = build_model(spec, device="meta").state_dict()
+    reference = _reference_state(spec, num_labels)
     missing = sorted(set(reference) - set(state))
     unexpected = sorted(set(state) - set(reference))
     if missing or unexpected:
@@ -218,7 +255,7 @@ def _model_and_state(
                 f"tensor '{name}' has shape {list(tensor.shape)}, the spec expects "
                 f"{list(reference[name].shape)}"
             )
-    return {name: state[name] for name in reference}, spec
+    return {name: state[name] for name in reference}, spec, num_labels
 
 
 def _dominant_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
@@ -264,6 +301,7 @@ def write_hf_checkpoint(
     max_shard_size: int | str = "5GB",
     source_dir: str | os.PathLike | None = None,
     generation_config: Mapping[str, Any] | None = None,
+    pad_token_id: int | None = None,
 ) -> list[Path]:
     """Write a HF folder's files into ``folder`` (not atomic; see :func:`save_hf_checkpoint`).
 
@@ -271,13 +309,21 @@ def write_hf_checkpoint(
     Returns the paths written.
     """
     folder = Path(folder)
-    state, spec = _model_and_state(model_or_state_dict, spec)
+    state, spec, num_labels = _model_and_state(model_or_state_dict, spec)
+    if pad_token_id is not None:
+        spec = spec.replace(pad_token_id=pad_token_id)
+    if num_labels is not None and spec.pad_token_id is None:
+        raise ValueError(
+            f"saving a sequence-classification (reward) model to {folder} needs a pad token id: "
+            "pass pad_token_id= or set spec.pad_token_id (transformers scores the last token "
+            "that is not padding)"
+        )
     out_dtype = resolve_dtype(dtype) if dtype is not None else _dominant_dtype(state)
     written = write_safetensors_shards(
         state, folder, max_shard_size=max_shard_size, dtype=out_dtype
     )
 
-    config = spec.to_hf_config()
+    config = spec.to_hf_config(num_labels=num_labels)
     dtype_name = str(out_dtype).removeprefix("torch.")
     config["dtype"] = dtype_name  # transformers >= 4.56
     config["torch_dtype"] = dtype_name  # older transformers, vLLM
@@ -290,11 +336,13 @@ def write_hf_checkpoint(
     gen_path = folder / GENERATION_CONFIG_NAME
     if generation_config is not None:
         gen_path.write_text(json.dumps(dict(generation_config), indent=2) + "\n")
-    elif source is not None and (source / GENERATION_CONFIG_NAME).is_file():
-        shutil.copy2(source / GENERATION_CONFIG_NAME, gen_path)
-    else:
-        gen_path.write_text(json.dumps(_generation_config(spec), indent=2) + "\n")
-    written.append(gen_path)
+        written.append(gen_path)
+    elif num_labels is None:  # a classifier does not generate; transformers writes none either
+        if source is not None and (source / GENERATION_CONFIG_NAME).is_file():
+            shutil.copy2(source / GENERATION_CONFIG_NAME, gen_path)
+        else:
+            gen_path.write_text(json.dumps(_generation_config(spec), indent=2) + "\n")
+        written.append(gen_path)
     if source is not None:
         written += _copy_tokenizer_files(source, folder)
     return written
@@ -309,6 +357,7 @@ def save_hf_checkpoint(
     max_shard_size: int | str = "5GB",
     source_dir: str | os.PathLike | None = None,
     generation_config: Mapping[str, Any] | None = None,
+    pad_token_id: int | None = None,
 ) -> Path:
     """Atomically write a HF folder that transformers/vLLM load as is; returns ``out_dir``.
 
@@ -317,9 +366,17 @@ def save_hf_checkpoint(
     ``generation_config.json`` (``generation_config`` if given, else copied from
     ``source_dir``, else bos/eos from the spec) and the tokenizer files of ``source_dir``.
     A tied ``lm_head.weight`` is not stored, as transformers does. ``spec`` defaults to
-    ``model.spec``; ``dtype`` to the weights' own. Everything goes into a sibling temporary
-    folder, is fsynced, then replaces ``out_dir``: a crash never leaves a half-written
-    ``out_dir``, and ``source_dir == out_dir`` is allowed.
+    ``model.spec``; ``dtype`` to the weights' own; ``pad_token_id`` (written to config.json)
+    to ``spec.pad_token_id``.
+
+    A reward model (:class:`~tunesmith.models.reward.RewardModel`, or any state dict with a
+    ``score.weight`` and no ``lm_head``) is written as the family's
+    ``*ForSequenceClassification`` (``num_labels``/``id2label``/``label2id`` in config.json,
+    no generation config unless ``generation_config`` is given). It needs a pad token id, from
+    ``pad_token_id`` or the spec: transformers scores the last token that is not padding.
+
+    Everything goes into a sibling temporary folder, is fsynced, then replaces ``out_dir``:
+    a crash never leaves a half-written ``out_dir``, and ``source_dir == out_dir`` is allowed.
 
     Takes a module or a plain, full state dict: FSDP/DTensor shards must be gathered first.
 
@@ -337,5 +394,6 @@ def save_hf_checkpoint(
             max_shard_size=max_shard_size,
             source_dir=source_dir,
             generation_config=generation_config,
+            pad_token_id=pad_token_id,
         )
     return out_dir

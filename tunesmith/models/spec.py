@@ -37,6 +37,11 @@ _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_ARCHITECTURES)
+# The same checkpoint body with a ``score`` head instead of ``lm_head`` (reward models).
+_SEQ_CLS_ARCHITECTURES = {
+    model_type: name.replace("ForCausalLM", "ForSequenceClassification")
+    for model_type, name in _ARCHITECTURES.items()
+}
 
 # Families whose attention always applies a per-head RMSNorm to q and k.
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe")
@@ -147,11 +152,23 @@ class ModelSpec:
         """A copy with some fields changed, e.g. ``spec.replace(num_hidden_layers=2)``."""
         return dataclasses.replace(self, **changes)
 
-    def to_hf_config(self) -> dict[str, Any]:
+    def to_hf_config(self, *, num_labels: int | None = None) -> dict[str, Any]:
         """A ``config.json`` dict that transformers (4.x and 5.x) and vLLM load as is.
 
         RoPE is written in the widely read legacy form (``rope_theta`` plus a
         ``rope_scaling`` dict or null), which transformers 5 also accepts.
+
+        With ``num_labels`` the config is that of the family's ``*ForSequenceClassification``
+        (a reward model: ``score`` head of ``num_labels`` outputs, no ``lm_head``), with
+        ``num_labels``, ``id2label`` and ``label2id`` as transformers reads them. It then needs
+        ``pad_token_id``: transformers scores the last token of each row that is not padding.
+
+        Example::
+
+            >>> from tunesmith.models import llama3
+            >>> spec = llama3.spec("llama3_tiny").replace(pad_token_id=0)
+            >>> spec.to_hf_config(num_labels=1)["architectures"]
+            ['LlamaForSequenceClassification']
         """
         config: dict[str, Any] = {
             "architectures": [_ARCHITECTURES[self.model_type]],
@@ -229,7 +246,26 @@ class ModelSpec:
             )
         elif self.num_experts:
             raise UnsupportedModelError(f"{self.model_type} has no mixture-of-experts layers")
+        if num_labels is not None:
+            config.update(self._sequence_classification_fields(num_labels))
         return config
+
+    def _sequence_classification_fields(self, num_labels: int) -> dict[str, Any]:
+        """``config.json`` fields of a ``*ForSequenceClassification`` with ``num_labels``."""
+        if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
+            raise ValueError(f"num_labels must be a positive int, got {num_labels!r}")
+        if self.pad_token_id is None:
+            raise ValueError(
+                "a sequence-classification config.json needs pad_token_id (transformers "
+                "scores the last token that is not padding); set it on the spec"
+            )
+        labels = [f"LABEL_{i}" for i in range(num_labels)]
+        return {
+            "architectures": [_SEQ_CLS_ARCHITECTURES[self.model_type]],
+            "num_labels": num_labels,
+            "id2label": {str(i): label for i, label in enumerate(labels)},
+            "label2id": {label: i for i, label in enumerate(labels)},
+        }
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,93 +3,57 @@
     tunesmith run sft --config tiny                         # one process
     tunesmith run sft --config qwen3_0_6b --nproc-per-node 8  # eight ranks, FSDP2
 
-The loop, per optimizer step: take ``gradient_accumulation_steps`` micro-batches; count the
-trained tokens of all of them on all ranks; backpropagate each micro-batch's summed loss
-divided by that count (times the world size, since FSDP averages gradients over ranks), so
-the update equals one big batch's token-mean loss; clip; step; log; validate; checkpoint.
+The recipe: tokenise the dataset (optionally pack it), build the model (activation
+checkpointing, compile, FSDP2 when world > 1), estimate the memory (and preflight the longest
+batch), then :func:`~tunesmith.training.loop.fit` the objective below: cross-entropy summed
+over the trained tokens, divided by the trained tokens of all micro-batches on all ranks, so
+the update equals one big batch's token-mean loss.
 """
 
 from __future__ import annotations
 
-import math
-import random
-import signal
-import threading
-import time
-from collections.abc import Iterator
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, DistributedSampler
-from torchdata.stateful_dataloader import StatefulDataLoader
-from tqdm import tqdm
 
-from tunesmith.config import ConfigError, check_keys, instantiate
+from tunesmith.config import instantiate
 from tunesmith.data import PackedDataset, collate_packed, collate_padded, split_train_val
 from tunesmith.modules.losses import IGNORE_INDEX
 from tunesmith.modules.masks import document_causal_mask
 from tunesmith.modules.moe import load_balancing_loss
-from tunesmith.training import MultiLogger, NullLogger
-from tunesmith.training.activations import activation_offloading, apply_activation_checkpointing
-from tunesmith.training.checkpointer import Checkpointer
+from tunesmith.training.activations import apply_activation_checkpointing
 from tunesmith.training.compile import compile_loss, compile_model, compile_options
-from tunesmith.training.distributed import (
-    all_reduce_sum,
-    close_distributed,
-    init_distributed,
-    peer_failure,
-    shard_model,
+from tunesmith.training.distributed import DistributedContext, shard_model
+from tunesmith.training.loop import (
+    AUTOCAST,
+    LOOP_KEYS,
+    LOOP_RUNTIME_ARGS,
+    LOOP_RUNTIME_KWARGS,
+    LossOutput,
+    check_vocab,
+    fit,
+    make_loader,
+    run_main,
 )
-from tunesmith.training.memory import peak_memory_gb
 from tunesmith.training.memory_planner import estimate_memory, optimizer_kind
-from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
 from tunesmith.training.preflight import longest_batch, preflight
 
 # Arguments the recipe passes at run time (for `tunesmith validate`).
-RUNTIME_ARGS = {"tokenizer": 0, "dataset": 1, "val_dataset": 1, "optimizer": 1, "lr_scheduler": 1}
-RUNTIME_KWARGS = {"lr_scheduler": ["num_training_steps"]}
+RUNTIME_ARGS = {"tokenizer": 0, "dataset": 1, "val_dataset": 1, **LOOP_RUNTIME_ARGS}
+RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
 KEYS = [
-    "output_dir", "model_dir", "seed", "device", "mixed_precision", "tokenizer", "model",
-    "dataset", "val_dataset", "val_fraction", "packed", "shuffle", "batch_size",
-    "gradient_accumulation_steps", "epochs", "max_steps", "stop_after_steps", "optimizer",
-    "lr_scheduler", "max_grad_norm", "loss", "metric_loggers", "log_every_n_steps",
-    "eval_every_n_steps", "save_every_n_steps", "keep_last", "resume", "on_nonfinite_loss",
-    "progress_bar", "optimizer_in_backward", "activation_checkpointing", "activation_offloading",
-    "compile", "preflight", "distributed_timeout_s",
+    *LOOP_KEYS, "tokenizer", "model", "dataset", "val_dataset", "val_fraction", "packed", "loss",
+    "activation_checkpointing", "compile", "preflight",
 ]  # fmt: skip
-AUTOCAST = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main(cfg: DictConfig) -> None:
-    issues = check_keys(cfg, KEYS)
-    if issues:
-        raise ConfigError.from_issues(issues)
-    ctx = init_distributed(cfg.get("device", "auto"), cfg.get("distributed_timeout_s"))
-    previous_sigterm = signal.getsignal(signal.SIGTERM)
-    try:
-        train(cfg, ctx)
-    except Exception as error:  # a dead or hung peer: say so instead of gloo/NCCL internals
-        failure = peer_failure(error, ctx)
-        if failure is None:
-            raise
-        raise failure from error
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, previous_sigterm)  # train() installed its own
-        close_distributed()
+    run_main(train, cfg, KEYS)
 
 
-def train(cfg: DictConfig, ctx) -> None:
-    seed = int(cfg.get("seed", 0))
-    random.seed(seed)
-    torch.manual_seed(seed)
-    output_dir = Path(cfg.output_dir)
-    resume = cfg.get("resume", False)
-    if isinstance(resume, str) and not Path(resume).is_dir():  # before anything is written
-        raise FileNotFoundError(f"resume={resume}: no such checkpoint folder")
+def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     log = print if ctx.is_rank_zero else (lambda *a, **k: None)
 
     # -- data
@@ -98,32 +62,20 @@ def train(cfg: DictConfig, ctx) -> None:
     log(f"dataset: {dataset.report.summary()}")
     val_dataset = instantiate(cfg.val_dataset, tokenizer) if cfg.get("val_dataset") else None
     if val_dataset is None and cfg.get("val_fraction", 0.0) > 0:
-        dataset, val_dataset = split_train_val(dataset, cfg.val_fraction, seed=seed)
+        dataset, val_dataset = split_train_val(
+            dataset, cfg.val_fraction, seed=int(cfg.get("seed", 0))
+        )
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     if cfg.get("packed", False):
         dataset = PackedDataset(dataset, cfg.dataset.max_seq_len, pad_id)
         collate = collate_packed
     else:
         collate = partial(collate_padded, pad_id=pad_id)
-    sampler = DistributedSampler(
-        dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=bool(cfg.get("shuffle", True)),
-        seed=seed, drop_last=True,
-    )  # fmt: skip
-    loader = StatefulDataLoader(
-        dataset, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate, drop_last=True
-    )
-    accum = int(cfg.get("gradient_accumulation_steps", 1))
-    steps_per_epoch = len(loader) // accum
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"{len(dataset)} samples make no optimizer step: batch_size {cfg.batch_size} x "
-            f"gradient_accumulation_steps {accum} x {ctx.world_size} ranks is larger"
-        )
-    total_steps = cfg.get("max_steps") or steps_per_epoch * int(cfg.get("epochs", 1))
+    loader, sampler = make_loader(dataset, collate, cfg, ctx)
 
-    # -- model, optimizer, schedule
+    # -- model and loss
     model = instantiate(cfg.model).to(ctx.device)
-    _check_vocab(tokenizer, model, cfg)
+    check_vocab(tokenizer, model, cfg)
     if cfg.get("activation_checkpointing"):
         apply_activation_checkpointing(model, **cfg.activation_checkpointing)
     loss_fn = instantiate(cfg.loss)
@@ -135,145 +87,35 @@ def train(cfg: DictConfig, ctx) -> None:
         loss_fn = compile_loss(loss_fn, backend=compiling.backend, mode=compiling.mode,
                                dynamic=compiling.dynamic)  # fmt: skip
     model = shard_model(model, ctx)
+    objective = TokenCrossEntropy(loss_fn)
     # before the optimizer exists: the preflight step must not update anything
     _memory_plan_and_preflight(cfg, ctx, model, loss_fn, dataset, collate, log)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    in_backward = bool(cfg.get("optimizer_in_backward", False))
-    if in_backward:  # each parameter steps as soon as its gradient is ready
-        check_compatible(accum, cfg.get("max_grad_norm"),
-                         on_nonfinite_loss=cfg.get("on_nonfinite_loss", "stop"))  # fmt: skip
-        optimizer = OptimizerInBackward(trainable, partial(instantiate, cfg.optimizer))
-    else:
-        optimizer = instantiate(cfg.optimizer, trainable)
-    scheduler = instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
-    autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
-    offload = bool(cfg.get("activation_offloading", False))
 
-    # -- checkpoints, resume, logging
-    checkpointer = Checkpointer(
-        output_dir / "checkpoints", ctx, keep_last=cfg.get("keep_last"),
-        source_dir=cfg.get("model_dir"),
-    )  # fmt: skip
-    stateful = {"scheduler": scheduler, "dataloader": loader}
-    progress = {"step": 0, "epoch": 0, "tokens_seen": 0}
-    resume_from = _resume_path(cfg.get("resume", False), checkpointer)
-    if resume_from is None and checkpointer.latest() is not None:
-        raise FileExistsError(
-            f"{checkpointer.root} already holds checkpoints (latest: {checkpointer.latest()}); "
-            "pass resume=true to continue that run, or choose another output_dir"
+    # -- train: per step, the token-mean loss of all micro-batches on all ranks
+    fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,
+        val_dataset=val_dataset, name="sft")  # fmt: skip
+
+
+class TokenCrossEntropy:
+    """The SFT objective: cross-entropy summed over the trained tokens (labels != -100), plus
+    the MoE load-balancing loss (a mean per micro-batch) for MoE models."""
+
+    unit = "trained_tokens"
+
+    def __init__(self, loss_fn: torch.nn.Module) -> None:
+        self.loss_fn = loss_fn
+
+    def units(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        loss, router_logits = _loss(model, self.loss_fn, batch)
+        if not router_logits:
+            return LossOutput(loss)
+        aux = load_balancing_loss(
+            router_logits, model.spec.num_experts_per_tok, batch.get("attention_mask")
         )
-    if resume_from is not None:
-        progress = checkpointer.load(resume_from, model, optimizer, stateful)
-        log(f"resumed from {resume_from} at step {progress['step']}")
-    loggers = [instantiate(c) for c in cfg.get("metric_loggers") or []]
-    logger = MultiLogger(loggers) if ctx.is_rank_zero else NullLogger()
-    logger.log_config(cfg)
-    stop_requested = _install_sigterm_handler()
-
-    stream = _micro_batches(loader, sampler, progress)
-    bar = tqdm(
-        total=total_steps, initial=progress["step"], disable=not (
-            ctx.is_rank_zero and cfg.get("progress_bar", True)), desc="sft",
-    )  # fmt: skip
-    last_checkpoint = checkpointer.latest()
-    try:
-        step_start = time.perf_counter()
-        first_step = progress["step"] + 1  # its time includes compilation and warm-up
-        model.train()
-        while progress["step"] < total_steps:
-            step = progress["step"] + 1
-            micro = [next(stream) for _ in range(accum)]
-            num_tokens = all_reduce_sum(sum(_trained(mb) for mb in micro), ctx.device)
-            step_loss = torch.zeros((), device=ctx.device)
-            for mb in micro:
-                batch = {k: v.to(ctx.device) for k, v in mb.items()}
-                with (
-                    torch.autocast(ctx.device.type, autocast_dtype, enabled=bool(autocast_dtype)),
-                    activation_offloading(offload, device=ctx.device),
-                ):
-                    loss, router_logits = _loss(model, loss_fn, batch)
-                loss = loss * ctx.world_size / num_tokens.float()
-                if router_logits:  # MoE: the load-balancing loss, a mean per micro-batch
-                    aux = load_balancing_loss(
-                        router_logits, model.spec.num_experts_per_tok, batch.get("attention_mask")
-                    )
-                    loss = loss + model.spec.router_aux_loss_coef * aux / accum
-                loss.backward()
-                step_loss += loss.detach()
-            step_loss = all_reduce_sum(step_loss, ctx.device) / ctx.world_size
-            # with the optimizer in backward the update is done and no gradient is left
-            grad_norm = float("nan") if in_backward else _clip(model, cfg.get("max_grad_norm"))
-
-            if not (math.isfinite(step_loss.item()) and (in_backward or math.isfinite(grad_norm))):
-                message = f"loss {step_loss.item()} / grad norm {grad_norm} at step {step}"
-                if cfg.get("on_nonfinite_loss", "stop") == "stop":
-                    raise FloatingPointError(
-                        f"{message}; stopping (last good checkpoint: {last_checkpoint}). "
-                        "Set on_nonfinite_loss=skip to skip such batches."
-                    )
-                log(f"skipping the update: {message}")
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            progress["step"] = step
-            progress["tokens_seen"] += int(all_reduce_sum(
-                sum(_real_tokens(mb) for mb in micro), ctx.device).item())  # fmt: skip
-            bar.update(1)
-
-            if step % int(cfg.get("log_every_n_steps", 1)) == 0 or step == total_steps:
-                elapsed = time.perf_counter() - step_start
-                metrics = {
-                    "loss": step_loss.item(), "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": grad_norm, "tokens_seen": progress["tokens_seen"],
-                    "trained_tokens": int(num_tokens.item()),
-                    "tokens_per_s": sum(_real_tokens(mb) for mb in micro) * ctx.world_size / elapsed,
-                    "peak_memory_gb": peak_memory_gb(ctx.device),
-                }  # fmt: skip
-                if in_backward:
-                    del metrics["grad_norm"]
-                if step == first_step:  # not a throughput: compilation, warm-up
-                    metrics["first_step_s"] = elapsed
-                    del metrics["tokens_per_s"]
-                else:
-                    metrics["step_time_s"] = elapsed
-                logger.log(step, metrics)
-            elif step == first_step:
-                logger.log(step, {"first_step_s": time.perf_counter() - step_start})
-            if val_dataset is not None and _every(step, cfg.get("eval_every_n_steps"), total_steps):
-                val_loss = evaluate(model, val_dataset, collate, loss_fn, ctx, cfg.batch_size)
-                logger.log(step, {"val_loss": val_loss})
-            stop = bool(all_reduce_sum(float(stop_requested()), ctx.device).item())
-            stop_after = cfg.get("stop_after_steps")
-            stop_early = stop_after is not None and step == int(stop_after) < total_steps
-            if _every(step, cfg.get("save_every_n_steps"), total_steps) or stop or stop_early:
-                last_checkpoint = checkpointer.save(step, model, optimizer, stateful, progress)
-                log(f"checkpoint: {last_checkpoint}")
-            if stop or stop_early:
-                reason = "SIGTERM" if stop else f"stop_after_steps={stop_after}"
-                log(f"{reason}: stopped after step {step}; resume with resume=true")
-                break
-            step_start = time.perf_counter()
-    finally:
-        bar.close()
-        logger.close()
-
-
-def evaluate(model, dataset, collate, loss_fn, ctx, batch_size: int) -> float:
-    """Token-mean loss over ``dataset``, split over ranks."""
-    sampler = DistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate)
-    total = torch.zeros((), device=ctx.device, dtype=torch.float64)
-    tokens = 0
-    model.eval()
-    with torch.no_grad():
-        for mb in loader:
-            batch = {k: v.to(ctx.device) for k, v in mb.items()}
-            total += _loss(model, loss_fn, batch)[0]
-            tokens += _trained(mb)
-    model.train()
-    return (all_reduce_sum(total, ctx.device) / all_reduce_sum(tokens, ctx.device)).item()
+        return LossOutput(loss, aux_loss=model.spec.router_aux_loss_coef * aux)
 
 
 def _loss(model, loss_fn, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple]:
@@ -334,73 +176,3 @@ def _memory_plan_and_preflight(cfg, ctx, model, loss_fn, dataset, collate, log) 
         free_grads_in_backward=bool(cfg.get("optimizer_in_backward", False)),
     )  # fmt: skip
     log(report.summary(plan))
-
-
-def _check_vocab(tokenizer, model, cfg: DictConfig) -> None:
-    """Refuse a tokenizer whose ids run past the model's embedding (another model's tokenizer):
-    training would index out of range, or on a GPU read garbage rows."""
-    rows = getattr(getattr(model, "spec", None), "vocab_size", None)
-    if rows is not None and tokenizer.vocab_size > rows:
-        raise ValueError(
-            f"tokenizer {getattr(tokenizer, 'name', cfg.tokenizer)} has {tokenizer.vocab_size} "
-            f"token ids but the model ({cfg.model.get('path', cfg.model._component_)}) embeds "
-            f"only {rows} (model.embed_tokens.weight): the tokenizer belongs to another model"
-        )
-
-
-def _trained(batch: dict[str, torch.Tensor]) -> int:
-    return int((batch["labels"] != IGNORE_INDEX).sum())
-
-
-def _real_tokens(batch: dict[str, torch.Tensor]) -> int:
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    return int((batch["document_ids"] >= 0).sum())
-
-
-def _clip(model: torch.nn.Module, max_norm: float | None) -> float:
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
-        norm = norm.full_tensor()
-    return float(norm)
-
-
-def _every(step: int, every: int | None, total: int) -> bool:
-    return step == total or bool(every) and step % int(every) == 0
-
-
-def _micro_batches(loader, sampler, progress: dict[str, int]) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless stream of micro-batches; ``progress["epoch"]`` advances at each epoch end."""
-    while True:
-        sampler.set_epoch(progress["epoch"])
-        yield from loader
-        progress["epoch"] += 1
-
-
-def _resume_path(resume: bool | str, checkpointer: Checkpointer) -> Path | None:
-    if resume is False or resume is None:
-        return None
-    if resume is True:  # None when nothing was saved yet: start fresh
-        latest = checkpointer.latest()  # skips (with a warning) damaged checkpoints
-        unusable = sorted(p.name for p in checkpointer.root.glob("step_*"))
-        if latest is None and unusable:
-            raise FileNotFoundError(
-                f"resume=true: no usable checkpoint in {checkpointer.root}: {', '.join(unusable)} "
-                "do not match their COMPLETE manifest (damaged or incomplete); restarting from "
-                "step 0 would lose them. Move them away to start fresh, or pass resume=<folder>"
-            )
-        return latest
-    return Path(resume)  # checked at the start of train()
-
-
-def _install_sigterm_handler():
-    """SIGTERM asks for a checkpoint at the end of the current step, then a clean exit."""
-    received = {"flag": False}
-
-    def handler(signum, frame):
-        received["flag"] = True
-
-    if threading.current_thread() is threading.main_thread():  # signals only reach it
-        signal.signal(signal.SIGTERM, handler)
-    return lambda: received["flag"]

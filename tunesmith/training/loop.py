@@ -1,0 +1,406 @@
+"""The training loop every recipe shares; a recipe brings its data, its model and its objective.
+
+An :class:`Objective` says what one micro-batch's loss is: a *sum* over some unit (trained
+tokens for SFT and KD, preference pairs for DPO and reward models), plus summed metrics.
+:func:`fit` does the rest, identically for every method: per optimizer step it takes
+``gradient_accumulation_steps`` micro-batches, counts their units on all ranks, backpropagates
+each summed loss divided by that count (times the world size, since FSDP averages gradients
+over ranks), so the update equals one big batch's mean; then clips, steps (or lets an
+optimizer in backward do it), logs, validates, checkpoints, and stops cleanly on SIGTERM.
+
+Example (the core of a recipe)::
+
+    >>> ctx = init_distributed("cpu")                                        # doctest: +SKIP
+    >>> loader, sampler = make_loader(dataset, collate, cfg, ctx)            # doctest: +SKIP
+    >>> fit(cfg, ctx, model=model, objective=objective, loader=loader,      # doctest: +SKIP
+    ...     sampler=sampler, name="sft")
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+from tqdm import tqdm
+
+from tunesmith.config import ConfigError, check_keys, instantiate
+from tunesmith.training.activations import activation_offloading
+from tunesmith.training.checkpointer import Checkpointer
+from tunesmith.training.distributed import (
+    DistributedContext,
+    all_reduce_sum,
+    close_distributed,
+    init_distributed,
+    peer_failure,
+)
+from tunesmith.training.memory import peak_memory_gb
+from tunesmith.training.metric_logging import MultiLogger, NullLogger
+from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
+
+__all__ = [
+    "AUTOCAST",
+    "LOOP_KEYS",
+    "LOOP_RUNTIME_ARGS",
+    "LOOP_RUNTIME_KWARGS",
+    "LossOutput",
+    "Objective",
+    "check_vocab",
+    "fit",
+    "make_loader",
+    "run_main",
+]
+
+Batch = dict[str, torch.Tensor]
+
+# The top-level config keys fit() and make_loader() read; recipes add their own.
+LOOP_KEYS = [
+    "output_dir", "model_dir", "seed", "device", "mixed_precision", "shuffle", "batch_size",
+    "gradient_accumulation_steps", "epochs", "max_steps", "stop_after_steps", "optimizer",
+    "lr_scheduler", "max_grad_norm", "metric_loggers", "log_every_n_steps", "eval_every_n_steps",
+    "save_every_n_steps", "keep_last", "resume", "on_nonfinite_loss", "progress_bar",
+    "optimizer_in_backward", "activation_offloading", "distributed_timeout_s",
+]  # fmt: skip
+# Arguments fit() passes at run time (for `tunesmith validate`).
+LOOP_RUNTIME_ARGS = {"optimizer": 1, "lr_scheduler": 1}
+LOOP_RUNTIME_KWARGS = {"lr_scheduler": ["num_training_steps"]}
+AUTOCAST = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class LossOutput:
+    """What an objective returns for one micro-batch.
+
+    Attributes:
+        loss: the loss *summed* over the batch's units (:meth:`Objective.units`).
+        metrics: other sums over the same units, logged as means (e.g. ``"accuracy"``).
+        aux_loss: a term that is already a mean for this micro-batch (MoE load balancing);
+            added divided by the number of accumulated micro-batches.
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    aux_loss: torch.Tensor | None = None
+
+
+class Objective(Protocol):
+    """A method's loss. ``unit`` names what the loss is summed over (logged per step)."""
+
+    unit: str
+
+    def units(self, batch: Mapping[str, torch.Tensor]) -> int:
+        """How many units (trained tokens, pairs) ``batch`` holds; called before the forward."""
+        ...
+
+    def __call__(self, model: nn.Module, batch: Batch) -> LossOutput: ...
+
+
+def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictConfig,
+             keys: Sequence[str]) -> None:  # fmt: skip
+    """A recipe's ``main``: check the config's top-level keys, start the process group, run
+    ``train(cfg, ctx)``, and turn a dead or hung peer's collective error into one clear line."""
+    issues = check_keys(cfg, list(keys))
+    if issues:
+        raise ConfigError.from_issues(issues)
+    resume = cfg.get("resume", False)
+    if isinstance(resume, str) and not Path(resume).is_dir():  # before anything is written
+        raise FileNotFoundError(f"resume={resume}: no such checkpoint folder")
+    ctx = init_distributed(cfg.get("device", "auto"), cfg.get("distributed_timeout_s"))
+    previous_sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        random.seed(int(cfg.get("seed", 0)))
+        torch.manual_seed(int(cfg.get("seed", 0)))
+        train(cfg, ctx)
+    except Exception as error:  # a dead or hung peer: say so instead of gloo/NCCL internals
+        failure = peer_failure(error, ctx)
+        if failure is None:
+            raise
+        raise failure from error
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous_sigterm)  # fit() installed its own
+        close_distributed()
+
+
+def make_loader(
+    dataset: Sequence[Any], collate: Callable[[list[Any]], Batch], cfg: DictConfig,
+    ctx: DistributedContext,
+) -> tuple[StatefulDataLoader, DistributedSampler]:  # fmt: skip
+    """This rank's resumable loader over ``dataset`` (a new order every epoch when
+    ``cfg.shuffle``, drawn from ``cfg.seed``); incomplete batches are dropped."""
+    sampler = DistributedSampler(
+        dataset, num_replicas=ctx.world_size, rank=ctx.rank,
+        shuffle=bool(cfg.get("shuffle", True)), seed=int(cfg.get("seed", 0)), drop_last=True,
+    )  # fmt: skip
+    loader = StatefulDataLoader(
+        dataset, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate, drop_last=True
+    )
+    return loader, sampler
+
+
+def check_vocab(tokenizer: Any, model: nn.Module, cfg: DictConfig) -> None:
+    """Refuse a tokenizer whose ids run past the model's embedding (another model's tokenizer):
+    training would index out of range, or on a GPU read garbage rows."""
+    rows = getattr(getattr(model, "spec", None), "vocab_size", None)
+    if rows is not None and tokenizer.vocab_size > rows:
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name', cfg.tokenizer)} has {tokenizer.vocab_size} "
+            f"token ids but the model ({cfg.model.get('path', cfg.model._component_)}) embeds "
+            f"only {rows} (model.embed_tokens.weight): the tokenizer belongs to another model"
+        )
+
+
+def fit(
+    cfg: DictConfig,
+    ctx: DistributedContext,
+    *,
+    model: nn.Module,
+    objective: Objective,
+    loader: StatefulDataLoader,
+    sampler: DistributedSampler,
+    val_dataset: Sequence[Any] | None = None,
+    name: str = "train",
+) -> None:
+    """Train ``model`` on ``objective`` over ``loader`` as ``cfg`` says (see the module docs).
+
+    Creates the optimizer (``cfg.optimizer``, or one per parameter inside the backward pass
+    with ``optimizer_in_backward``) over the parameters that require grad, the schedule, the
+    :class:`Checkpointer` (resuming from ``cfg.resume``) and the metric loggers.
+    """
+    log = print if ctx.is_rank_zero else (lambda *a, **k: None)
+    output_dir = Path(cfg.output_dir)
+    accum = int(cfg.get("gradient_accumulation_steps", 1))
+    steps_per_epoch = len(loader) // accum
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"{len(loader.dataset)} samples make no optimizer step: batch_size {cfg.batch_size} "
+            f"x gradient_accumulation_steps {accum} x {ctx.world_size} ranks is larger"
+        )
+    total_steps = cfg.get("max_steps") or steps_per_epoch * int(cfg.get("epochs", 1))
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    in_backward = bool(cfg.get("optimizer_in_backward", False))
+    if in_backward:  # each parameter steps as soon as its gradient is ready
+        check_compatible(accum, cfg.get("max_grad_norm"),
+                         on_nonfinite_loss=cfg.get("on_nonfinite_loss", "stop"))  # fmt: skip
+        optimizer = OptimizerInBackward(trainable, partial(instantiate, cfg.optimizer))
+    else:
+        optimizer = instantiate(cfg.optimizer, trainable)
+    scheduler = instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
+    autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
+    offload = bool(cfg.get("activation_offloading", False))
+
+    checkpointer = Checkpointer(
+        output_dir / "checkpoints", ctx, keep_last=cfg.get("keep_last"),
+        source_dir=cfg.get("model_dir"),
+    )  # fmt: skip
+    stateful = {"scheduler": scheduler, "dataloader": loader}
+    progress = {"step": 0, "epoch": 0, "tokens_seen": 0}
+    resume_from = _resume_path(cfg.get("resume", False), checkpointer)
+    if resume_from is None and checkpointer.latest() is not None:
+        raise FileExistsError(
+            f"{checkpointer.root} already holds checkpoints (latest: {checkpointer.latest()}); "
+            "pass resume=true to continue that run, or choose another output_dir"
+        )
+    if resume_from is not None:
+        progress = checkpointer.load(resume_from, model, optimizer, stateful)
+        log(f"resumed from {resume_from} at step {progress['step']}")
+    loggers = [instantiate(c) for c in cfg.get("metric_loggers") or []]
+    logger = MultiLogger(loggers) if ctx.is_rank_zero else NullLogger()
+    logger.log_config(cfg)
+    stop_requested = _install_sigterm_handler()
+
+    stream = _micro_batches(loader, sampler, progress)
+    bar = tqdm(
+        total=total_steps, initial=progress["step"], disable=not (
+            ctx.is_rank_zero and cfg.get("progress_bar", True)), desc=name,
+    )  # fmt: skip
+    last_checkpoint = checkpointer.latest()
+    try:
+        step_start = time.perf_counter()
+        first_step = progress["step"] + 1  # its time includes compilation and warm-up
+        model.train()
+        while progress["step"] < total_steps:
+            step = progress["step"] + 1
+            micro = [next(stream) for _ in range(accum)]
+            units = all_reduce_sum(sum(objective.units(mb) for mb in micro), ctx.device)
+            step_loss = torch.zeros((), device=ctx.device)
+            sums: dict[str, torch.Tensor] = {}
+            for mb in micro:
+                batch = {k: v.to(ctx.device) for k, v in mb.items()}
+                with (
+                    torch.autocast(ctx.device.type, autocast_dtype, enabled=bool(autocast_dtype)),
+                    activation_offloading(offload, device=ctx.device),
+                ):
+                    out = objective(model, batch)
+                loss = out.loss * ctx.world_size / units.float()
+                if out.aux_loss is not None:  # already a mean over this micro-batch
+                    loss = loss + out.aux_loss / accum
+                loss.backward()
+                step_loss += loss.detach()
+                _add_metrics(sums, out.metrics)
+            step_loss = all_reduce_sum(step_loss, ctx.device) / ctx.world_size
+            # with the optimizer in backward the update is done and no gradient is left
+            grad_norm = float("nan") if in_backward else _clip(model, cfg.get("max_grad_norm"))
+
+            if not (math.isfinite(step_loss.item()) and (in_backward or math.isfinite(grad_norm))):
+                message = f"loss {step_loss.item()} / grad norm {grad_norm} at step {step}"
+                if cfg.get("on_nonfinite_loss", "stop") == "stop":
+                    raise FloatingPointError(
+                        f"{message}; stopping (last good checkpoint: {last_checkpoint}). "
+                        "Set on_nonfinite_loss=skip to skip such batches."
+                    )
+                log(f"skipping the update: {message}")
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            progress["step"] = step
+            real_tokens = sum(_real_tokens(mb) for mb in micro)
+            progress["tokens_seen"] += int(all_reduce_sum(real_tokens, ctx.device).item())
+            bar.update(1)
+
+            if step % int(cfg.get("log_every_n_steps", 1)) == 0 or step == total_steps:
+                elapsed = time.perf_counter() - step_start
+                metrics = {
+                    "loss": step_loss.item(), "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm, "tokens_seen": progress["tokens_seen"],
+                    objective.unit: int(units.item()),
+                    "tokens_per_s": real_tokens * ctx.world_size / elapsed,
+                    "peak_memory_gb": peak_memory_gb(ctx.device),
+                }  # fmt: skip
+                metrics |= _means(sums, units, ctx)
+                if in_backward:
+                    del metrics["grad_norm"]
+                if step == first_step:  # not a throughput: compilation, warm-up
+                    metrics["first_step_s"] = elapsed
+                    del metrics["tokens_per_s"]
+                else:
+                    metrics["step_time_s"] = elapsed
+                logger.log(step, metrics)
+            elif step == first_step:
+                logger.log(step, {"first_step_s": time.perf_counter() - step_start})
+            if val_dataset is not None and _every(step, cfg.get("eval_every_n_steps"), total_steps):
+                logger.log(step, evaluate(model, objective, val_dataset, loader.collate_fn, ctx,
+                                          cfg.batch_size, autocast_dtype))  # fmt: skip
+            stop = bool(all_reduce_sum(float(stop_requested()), ctx.device).item())
+            stop_after = cfg.get("stop_after_steps")
+            stop_early = stop_after is not None and step == int(stop_after) < total_steps
+            if _every(step, cfg.get("save_every_n_steps"), total_steps) or stop or stop_early:
+                last_checkpoint = checkpointer.save(step, model, optimizer, stateful, progress)
+                log(f"checkpoint: {last_checkpoint}")
+            if stop or stop_early:
+                reason = "SIGTERM" if stop else f"stop_after_steps={stop_after}"
+                log(f"{reason}: stopped after step {step}; resume with resume=true")
+                break
+            step_start = time.perf_counter()
+    finally:
+        bar.close()
+        logger.close()
+
+
+def evaluate(
+    model: nn.Module, objective: Objective, dataset: Sequence[Any],
+    collate: Callable[[list[Any]], Batch], ctx: DistributedContext, batch_size: int,
+    autocast_dtype: torch.dtype | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """``val_loss`` and ``val_<metric>``: the objective's sums over ``dataset`` (split over
+    ranks) divided by its units, with no gradient."""
+    sampler = DistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate)
+    sums: dict[str, torch.Tensor] = {}
+    units = 0
+    model.eval()
+    with (
+        torch.no_grad(),
+        torch.autocast(ctx.device.type, autocast_dtype, enabled=bool(autocast_dtype)),
+    ):
+        for mb in loader:
+            out = objective(model, {k: v.to(ctx.device) for k, v in mb.items()})
+            _add_metrics(sums, {"loss": out.loss, **out.metrics})
+            units += objective.units(mb)
+    model.train()
+    total_units = all_reduce_sum(units, ctx.device)
+    return {f"val_{k}": v for k, v in _means(sums, total_units, ctx).items()}
+
+
+def _add_metrics(sums: dict[str, torch.Tensor], metrics: Mapping[str, torch.Tensor]) -> None:
+    for key, value in metrics.items():
+        value = value.detach().to(torch.float64)
+        sums[key] = sums[key] + value if key in sums else value
+
+
+def _means(
+    sums: Mapping[str, torch.Tensor], units: torch.Tensor, ctx: DistributedContext
+) -> dict[str, float]:
+    """Each summed metric over all ranks divided by the global unit count."""
+    return {
+        key: (all_reduce_sum(value, ctx.device) / units.to(torch.float64)).item()
+        for key, value in sorted(sums.items())
+    }
+
+
+def _real_tokens(batch: Mapping[str, torch.Tensor]) -> int:
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int((batch["document_ids"] >= 0).sum())
+
+
+def _clip(model: nn.Module, max_norm: float | None) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def _every(step: int, every: int | None, total: int) -> bool:
+    return step == total or bool(every) and step % int(every) == 0
+
+
+def _micro_batches(loader, sampler, progress: dict[str, int]) -> Iterator[Batch]:
+    """Endless stream of micro-batches; ``progress["epoch"]`` advances at each epoch end."""
+    while True:
+        sampler.set_epoch(progress["epoch"])
+        yield from loader
+        progress["epoch"] += 1
+
+
+def _resume_path(resume: bool | str, checkpointer: Checkpointer) -> Path | None:
+    if resume is False or resume is None:
+        return None
+    if resume is True:  # None when nothing was saved yet: start fresh
+        latest = checkpointer.latest()  # skips (with a warning) damaged checkpoints
+        unusable = sorted(p.name for p in checkpointer.root.glob("step_*"))
+        if latest is None and unusable:
+            raise FileNotFoundError(
+                f"resume=true: no usable checkpoint in {checkpointer.root}: {', '.join(unusable)} "
+                "do not match their COMPLETE manifest (damaged or incomplete); restarting from "
+                "step 0 would lose them. Move them away to start fresh, or pass resume=<folder>"
+            )
+        return latest
+    return Path(resume)
+
+
+def _install_sigterm_handler() -> Callable[[], bool]:
+    """SIGTERM asks for a checkpoint at the end of the current step, then a clean exit."""
+    received = {"flag": False}
+
+    def handler(signum, frame):
+        received["flag"] = True
+
+    if threading.current_thread() is threading.main_thread():  # signals only reach it
+        signal.signal(signal.SIGTERM, handler)
+    return lambda: received["flag"]
