@@ -20,7 +20,7 @@ from tunesmith.data import PackedDataset, SFTDataset, Tokenizer, collate_packed,
 from tunesmith.data.packing import assign_packs
 from tunesmith.models import from_hf
 from tunesmith.modules.losses import CrossEntropyLoss
-from tunesmith.recipes import sft
+from tunesmith.training.forward import forward_batch
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory):
 
 def _loss_and_grads(model, batch):
     model.zero_grad(set_to_none=True)
-    logits = sft._forward(model, batch)[0]
+    logits = forward_batch(model, batch)[0]
     loss = CrossEntropyLoss()(logits, batch["labels"])
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

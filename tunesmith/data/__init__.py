@@ -21,10 +21,15 @@ __all__ = [
 ]
 
 # Datasets, labels, packing and collate
-from tunesmith.data.collate import collate_packed, collate_padded  # noqa: E402
+from tunesmith.data.collate import (  # noqa: E402
+    collate_packed,
+    collate_padded,
+    collate_preference,
+)
 from tunesmith.data.formats import FORMATS, convert_row  # noqa: E402
 from tunesmith.data.labels import IGNORE_INDEX, make_labels  # noqa: E402
 from tunesmith.data.packing import PackedDataset, pack_greedy  # noqa: E402
+from tunesmith.data.preference_dataset import PreferenceDataset  # noqa: E402
 from tunesmith.data.report import BadRowError, DataError, DataReport  # noqa: E402
 from tunesmith.data.sft_dataset import SFTDataset  # noqa: E402
 from tunesmith.data.validation import split_train_val  # noqa: E402
@@ -37,9 +42,11 @@ __all__ += [
     "DataError",
     "DataReport",
     "PackedDataset",
+    "PreferenceDataset",
     "SFTDataset",
     "collate_packed",
     "collate_padded",
+    "collate_preference",
     "convert_row",
     "make_labels",
     "pack_greedy",

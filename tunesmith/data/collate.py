@@ -19,7 +19,7 @@ from torch import Tensor
 
 from tunesmith.data.labels import IGNORE_INDEX
 
-__all__ = ["collate_packed", "collate_padded"]
+__all__ = ["collate_packed", "collate_padded", "collate_preference"]
 
 _PACK_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
 
@@ -99,3 +99,56 @@ def collate_packed(batch: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, Te
         key: torch.tensor([list(pack[key]) for pack in batch], dtype=torch.long)
         for key in _PACK_KEYS
     }
+
+
+_PAIR_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+
+
+def _pair_sides(index: int, sample: object) -> list[dict[str, Sequence[int]]]:
+    """The chosen and rejected sequences of one preference sample, checked."""
+    if not isinstance(sample, Mapping):
+        raise ValueError(f"preference sample {index} is {type(sample).__name__}, expected a dict")
+    for key in _PAIR_KEYS:
+        if key not in sample:
+            raise ValueError(
+                f"preference sample {index} has no {key!r} (keys: {sorted(sample)}); "
+                "is it a PreferenceDataset sample?"
+            )
+    sides = []
+    for side in ("chosen", "rejected"):
+        ids, labels = sample[f"{side}_input_ids"], sample[f"{side}_labels"]
+        if len(ids) != len(labels):
+            raise ValueError(
+                f"preference sample {index}: {len(ids)} {side}_input_ids but "
+                f"{len(labels)} {side}_labels"
+            )
+        if not ids:
+            raise ValueError(f"preference sample {index}: {side}_input_ids is empty")
+        sides.append({"input_ids": ids, "labels": labels})
+    return sides
+
+
+def collate_preference(
+    batch: Sequence[Mapping[str, object]],
+    pad_id: int,
+    pad_to_multiple_of: int | None = None,
+) -> dict[str, Tensor]:
+    """One right-padded batch of ``2 * B`` rows from ``B`` preference samples.
+
+    Rows ``0..B-1`` are the chosen sequences and rows ``B..2B-1`` the rejected ones, in
+    the same order (row ``i`` and row ``B + i`` are one pair), all padded to one length as
+    in :func:`collate_padded`: ``input_ids``, ``labels`` (``IGNORE_INDEX`` at padding),
+    ``attention_mask`` and ``position_ids``.
+
+    Example::
+
+        >>> pair = {"chosen_input_ids": [1, 2, 3], "chosen_labels": [-100, 3, -100],
+        ...         "rejected_input_ids": [1, 4], "rejected_labels": [4, -100], "prompt_len": 1}
+        >>> collate_preference([pair], pad_id=0)["input_ids"].tolist()
+        [[1, 2, 3], [1, 4, 0]]
+    """
+    if not batch:
+        raise ValueError("collate_preference got an empty batch")
+    pairs = [_pair_sides(i, sample) for i, sample in enumerate(batch)]
+    rows = [sides[0] for sides in pairs] + [sides[1] for sides in pairs]
+    return collate_padded(rows, pad_id, pad_to_multiple_of)

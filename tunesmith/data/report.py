@@ -22,11 +22,14 @@ __all__ = [
     "BAD_ROW_REASONS",
     "EMPTY_ASSISTANT_TURN",
     "EMPTY_TEXT",
+    "IDENTICAL_RESPONSES",
     "INVALID_UTF8",
+    "LAST_TURN_NOT_ASSISTANT",
     "MALFORMED_JSON",
     "MISSING_FIELD",
     "NO_ASSISTANT_TURN",
     "NO_TRAINED_TOKENS",
+    "PROMPT_MISMATCH",
     "ROLES_OUT_OF_ORDER",
     "TEMPLATE_ERROR",
     "TOO_LONG",
@@ -51,6 +54,10 @@ EMPTY_TEXT = "empty_text"
 TEMPLATE_ERROR = "template_error"
 TOO_LONG = "too_long"
 NO_TRAINED_TOKENS = "no_trained_tokens"
+# Preference pairs (preference_dataset.py)
+LAST_TURN_NOT_ASSISTANT = "last_turn_not_assistant"
+PROMPT_MISMATCH = "prompt_mismatch"
+IDENTICAL_RESPONSES = "identical_responses"
 
 BAD_ROW_REASONS = (
     MALFORMED_JSON,
@@ -65,6 +72,9 @@ BAD_ROW_REASONS = (
     TEMPLATE_ERROR,
     TOO_LONG,
     NO_TRAINED_TOKENS,
+    LAST_TURN_NOT_ASSISTANT,
+    PROMPT_MISMATCH,
+    IDENTICAL_RESPONSES,
 )
 
 

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
-__all__ = ["IGNORE_INDEX", "CrossEntropyLoss", "LinearCrossEntropyLoss"]
+__all__ = ["IGNORE_INDEX", "CrossEntropyLoss", "LinearCrossEntropyLoss", "token_logprobs"]
 
 IGNORE_INDEX = -100
 
@@ -46,51 +47,109 @@ class CrossEntropyLoss(nn.Module):
 # -- linear cross-entropy ----------------------------------------------------------------------
 
 
-def _chunk_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed CE of one chunk of rows, and each row's log-sum-exp (float32 at least)."""
-    logits = (hidden @ weight.t()).to(_accumulation_dtype(hidden.dtype))
-    lse = torch.logsumexp(logits, dim=-1)
-    target_logits = logits.gather(1, targets[:, None]).squeeze(1)
-    return (lse - target_logits).sum(), lse
-
-
-def _chunk_grads(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    grad_output: torch.Tensor,
-    need_hidden: bool,
-    need_weight: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of ``grad_output * chunk loss`` wrt the chunk's hidden rows and the weight
-    (None where not needed, e.g. a frozen ``lm_head`` under LoRA).
-
-    The logits are recomputed; ``d loss / d logits = softmax(logits) - one_hot(targets)``.
-    The weight gradient is returned in float32 so chunks accumulate without rounding.
-    """
-    # the logits, turned in place into their gradient
-    grad_logits = (hidden @ weight.t()).to(_accumulation_dtype(hidden.dtype))
-    grad_logits.sub_(lse[:, None]).exp_()
-    grad_logits[torch.arange(len(targets), device=targets.device), targets] -= 1.0
-    grad_logits = grad_logits.mul_(grad_output).to(hidden.dtype)
-    grad_hidden = grad_logits @ weight if need_hidden else None
-    grad_weight = None
-    if need_weight:
-        grad_weight = (grad_logits.t() @ hidden).to(_accumulation_dtype(hidden.dtype))
-    return grad_hidden, grad_weight
-
-
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32, or float64 for float64 inputs."""
     return torch.promote_types(dtype, torch.float32)
 
 
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor | None
+) -> torch.Tensor:
+    """``hidden @ weight.T`` in the accumulation dtype: written into ``buffer`` (one
+    ``[rows, vocab]`` block reused by every chunk, so no chunk pays for fresh pages) when the
+    matmul already runs in that dtype, else a 16-bit matmul cast to float32."""
+    if buffer is None:
+        return (hidden @ weight.t()).to(_accumulation_dtype(hidden.dtype))
+    return torch.mm(hidden, weight.t(), out=buffer[: hidden.shape[0]])
+
+
+def _softmax_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of ``logits`` ``[rows, vocab]`` against ``targets`` ``[rows]``;
+    ``logits`` is turned in place into the gradient of that sum,
+    ``softmax(logits) - one_hot(targets)``.
+
+    The log-sum-exp comes out of the softmax: the largest logit's probability is
+    ``1 / sum(exp(logits - max))`` (at least ``1 / vocab``, so it never underflows), hence
+    ``lse = max - log(p_max)``, with no extra pass over the exponentials.
+    """
+    best, best_index = logits.max(dim=1)
+    target_logits = logits.gather(1, targets[:, None]).squeeze(1)
+    torch.softmax(logits, dim=1, out=logits)  # row by row: each element read, then written
+    lse = best - logits.gather(1, best_index[:, None]).squeeze(1).log()
+    logits.scatter_add_(1, targets[:, None], torch.full_like(target_logits[:, None], -1.0))
+    return (lse - target_logits).sum()
+
+
+def _add_chunk_grads(
+    grad_logits: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+    first: bool,
+) -> None:
+    """From one chunk's ``d loss / d logits``: write its rows' gradient into ``grad_hidden``
+    (a slice of the full gradient) and add its weight gradient to ``grad_weight`` (float32
+    at least; ``first`` overwrites it). The matmuls run in ``hidden``'s dtype; a float32
+    (or float64) matmul accumulates straight into ``grad_weight``."""
+    grad_logits = grad_logits.to(hidden.dtype)
+    if grad_hidden is not None:
+        torch.mm(grad_logits, weight, out=grad_hidden)
+    if grad_weight is None:
+        return
+    if grad_weight.dtype != hidden.dtype:  # 16-bit matmul, float32 sum
+        chunk_grad = grad_logits.t() @ hidden
+        if first:
+            grad_weight.copy_(chunk_grad)
+        else:
+            grad_weight.add_(chunk_grad)
+    elif first:
+        torch.mm(grad_logits.t(), hidden, out=grad_weight)
+    else:
+        grad_weight.addmm_(grad_logits.t(), hidden)
+
+
+def _chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int,
+    ce_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    need_hidden: bool = False,
+    need_weight: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Summed CE of ``hidden @ weight.T`` against ``targets``, ``chunk_size`` rows at a time,
+    and (where asked) the *unscaled* gradients of that sum wrt ``hidden`` (its dtype) and
+    ``weight`` (float32 at least). At most one chunk of logits exists at any time."""
+    rows, acc_dtype, device = hidden.shape[0], _accumulation_dtype(hidden.dtype), hidden.device
+    buffer = None
+    if hidden.dtype == acc_dtype:
+        buffer = torch.empty(min(chunk_size, rows), weight.shape[0], dtype=acc_dtype, device=device)
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    grad_weight = torch.empty(weight.shape, dtype=acc_dtype, device=device) if need_weight else None
+    total = torch.zeros((), dtype=acc_dtype, device=device)
+    for start in range(0, rows, chunk_size):
+        part = slice(start, start + chunk_size)
+        logits = _chunk_logits(hidden[part], weight, buffer)
+        total += ce_fn(logits, targets[part])
+        if need_hidden or need_weight:
+            chunk_grad_hidden = grad_hidden[part] if grad_hidden is not None else None
+            _add_chunk_grads(
+                logits, hidden[part], weight, chunk_grad_hidden, grad_weight, first=start == 0
+            )
+        del logits
+    return total, grad_hidden, grad_weight
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Summed CE of ``hidden @ weight.T`` computed chunk by chunk; backward recomputes each
-    chunk's logits, so at most one chunk of ``[rows, vocab]`` logits is alive at any time."""
+    """Summed CE of ``hidden @ weight.T``, chunk by chunk.
+
+    With ``grad_in_forward`` each chunk also computes its gradients in forward (its logits
+    become ``softmax - one_hot`` in place and feed the two gradient matmuls at once), and
+    backward only scales them by the incoming scalar: three matmuls in all, as with full
+    logits. Without it (or on a second backward through a retained graph, the stored
+    gradients being handed over by the first) backward recomputes each chunk's logits.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -99,46 +158,33 @@ class _LinearCrossEntropy(torch.autograd.Function):
         weight: torch.Tensor,
         targets: torch.Tensor,
         chunk_size: int,
-        loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]],
-        grads_fn: Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]],
+        ce_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        grad_in_forward: bool,
     ) -> torch.Tensor:
-        acc_dtype = _accumulation_dtype(hidden.dtype)
-        total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
-        lses = []
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            chunk_total, lse = loss_fn(hidden[rows], weight, targets[rows])
-            total += chunk_total
-            lses.append(lse)
-        lse_all = torch.cat(lses)
-        ctx.save_for_backward(hidden, weight, targets, lse_all)
-        ctx.chunk_size = chunk_size
-        ctx.grads_fn = grads_fn
+        need = ctx.needs_input_grad[:2] if grad_in_forward else (False, False)
+        total, grad_hidden, grad_weight = _chunked_cross_entropy(
+            hidden, weight, targets, chunk_size, ce_fn, *need
+        )
+        ctx.save_for_backward(hidden, weight, targets)  # for a recompute only
+        ctx.chunk_size, ctx.ce_fn, ctx.weight_dtype = chunk_size, ce_fn, weight.dtype
+        ctx.grads = (grad_hidden, grad_weight) if grad_in_forward else None
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        hidden, weight, targets, lse = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=_accumulation_dtype(weight.dtype), device=weight.device)
-            if need_weight
-            else None
-        )
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            chunk_grad_hidden, chunk_grad_weight = ctx.grads_fn(
-                hidden[rows], weight, targets[rows], lse[rows], grad_output,
-                need_hidden, need_weight,
-            )  # fmt: skip
-            if grad_hidden is not None:
-                grad_hidden[rows] = chunk_grad_hidden
-            if grad_weight is not None:
-                grad_weight += chunk_grad_weight
-            del chunk_grad_hidden, chunk_grad_weight
+        if ctx.grads is not None:  # computed in forward: handed over, so autograd may keep
+            grad_hidden, grad_weight = ctx.grads  # the weight gradient without a copy
+            ctx.grads = None
+        else:
+            hidden, weight, targets = ctx.saved_tensors
+            _, grad_hidden, grad_weight = _chunked_cross_entropy(
+                hidden, weight, targets, ctx.chunk_size, ctx.ce_fn, *ctx.needs_input_grad[:2]
+            )
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_output)
         if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight = grad_weight.mul_(grad_output).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None
 
 
@@ -148,13 +194,21 @@ class LinearCrossEntropyLoss(nn.Module):
 
     Positions labelled ``ignore_index`` are dropped first (only trained rows are projected);
     the trained rows are then processed ``chunk_size`` rows at a time (or split into
-    ``num_chunks`` chunks), and the backward pass recomputes each chunk's logits instead of
-    keeping them, so at most one chunk of logits is alive in forward *and* backward. The
-    price is one extra ``hidden @ weight.T`` matmul in backward. Logits, log-sum-exp and the
-    weight-gradient accumulator are float32 for 16-bit inputs (float64 for float64 inputs);
-    with a 16-bit weight that accumulator is one float32 ``[vocab, hidden]`` buffer during
-    backward. A weight that needs no gradient (a frozen head under LoRA) costs no weight
-    gradient matmul.
+    ``num_chunks`` chunks), so at most one chunk of logits is alive at any time. With
+    ``grad_in_forward`` (the default), when a gradient is wanted each chunk computes its
+    loss *and* its gradients during forward (``softmax - one_hot`` from the chunk's logits,
+    then ``d hidden`` rows and a float32 ``d weight`` sum): the same three big matmuls as
+    full logits, and backward only scales the stored gradients by the incoming scalar.
+    Between forward and backward they hold one ``[vocab, hidden]`` float32 weight gradient
+    and one ``[trained rows, hidden]`` hidden gradient, the weight gradient autograd keeps
+    anyway. ``grad_in_forward=False`` keeps nothing weight-sized between the two passes and
+    recomputes each chunk's logits in backward instead (a fourth matmul, about a third
+    slower): for callers that run several forwards before one backward. Under
+    ``torch.no_grad`` (evaluation) only the loss is computed.
+
+    Logits, log-sum-exp and the weight-gradient sum are float32 for 16-bit inputs (float64
+    for float64 inputs). A weight that needs no gradient (a frozen head under LoRA) costs no
+    weight-gradient matmul. The loss is differentiable once (no double backward).
 
     The result is the same *sum* over trained tokens as :class:`CrossEntropyLoss` (the
     recipe divides by the global trained-token count, so gradient accumulation and data
@@ -171,8 +225,9 @@ class LinearCrossEntropyLoss(nn.Module):
         chunk_size: rows per chunk; fixes the peak logits memory at
             ``chunk_size * vocab * 4`` bytes whatever the batch.
         ignore_index: label of positions that are not trained.
-        compile: run each chunk's computation through ``torch.compile`` (worth it on GPU,
-            where it fuses the softmax/one-hot arithmetic; compilation is slow on CPU).
+        compile: run each chunk's softmax/one-hot arithmetic through ``torch.compile``
+            (worth it on GPU, where it fuses those passes; compilation is slow on CPU).
+        grad_in_forward: compute the gradients in forward (see above).
 
     Example::
 
@@ -193,6 +248,7 @@ class LinearCrossEntropyLoss(nn.Module):
         chunk_size: int | None = None,
         ignore_index: int = IGNORE_INDEX,
         compile: bool = False,
+        grad_in_forward: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
@@ -201,17 +257,18 @@ class LinearCrossEntropyLoss(nn.Module):
             isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
         ):
             raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
+        if not isinstance(grad_in_forward, bool):
+            raise ValueError(f"grad_in_forward must be true or false, got {grad_in_forward!r}")
         self.num_chunks = num_chunks
         self.chunk_size = chunk_size
         self.ignore_index = ignore_index
         self.compile = compile
-        self._loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _chunk_loss
-        self._grads_fn: Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]] = (
-            _chunk_grads
+        self.grad_in_forward = grad_in_forward
+        self._ce_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+            torch.compile(_softmax_cross_entropy_, dynamic=True)
+            if compile
+            else _softmax_cross_entropy_
         )
-        if compile:
-            self._loss_fn = torch.compile(_chunk_loss, dynamic=True)
-            self._grads_fn = torch.compile(_chunk_grads, dynamic=True)
 
     def forward(
         self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
@@ -247,7 +304,114 @@ class LinearCrossEntropyLoss(nn.Module):
         else:
             dtype = torch.promote_types(rows.dtype, weight.dtype)
         chunk = self.chunk_size or -(-rows.shape[0] // self.num_chunks)
+        rows, weight = rows.to(dtype), weight.to(dtype)
         with torch.autocast(device_type, enabled=False):
-            return _LinearCrossEntropy.apply(
-                rows.to(dtype), weight.to(dtype), targets, chunk, self._loss_fn, self._grads_fn
-            )
+            if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
+                return _LinearCrossEntropy.apply(
+                    rows, weight, targets, chunk, self._ce_fn, self.grad_in_forward
+                )
+            return _chunked_cross_entropy(rows, weight, targets, chunk, self._ce_fn)[0]
+
+
+# -- per-token log-probabilities -------------------------------------------------------------
+
+
+def _chunk_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``log softmax(hidden @ weight.T)[targets]`` of one chunk of rows (float32 at least).
+
+    The casts to the compute ``dtype`` happen here, so a float32 weight's gradient is summed
+    over chunks in float32 even when the matmul runs in bf16.
+    """
+    logits = (hidden.to(dtype) @ weight.to(dtype).t()).to(_accumulation_dtype(dtype))
+    target_logits = logits.gather(1, targets[:, None]).squeeze(1)
+    return target_logits - torch.logsumexp(logits, dim=-1)
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int = 1024,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Log-probability of each label under ``softmax(hidden @ weight.T)``, without ever
+    materialising the ``[batch, seq, vocab]`` logits.
+
+    ``hidden`` is ``[..., h]``, ``weight`` the ``lm_head`` weight ``[V, h]`` (possibly the tied
+    embedding, possibly frozen), ``labels`` ``[...]`` (already shifted). Returns a tensor shaped
+    like ``labels``: float32 (float64 for float64 inputs), ``0.0`` where the label is
+    ``ignore_index``. Summing it over a response's positions gives the sequence log-probability
+    that DPO-family losses compare.
+
+    Only rows with a trained label are projected, ``chunk_size`` rows at a time; each chunk
+    runs under ``torch.utils.checkpoint`` so backward recomputes its logits, and at most one
+    chunk of ``[rows, V]`` logits is alive in forward or backward. Under autocast the
+    projection runs in the autocast dtype (as the ``lm_head`` matmul would), otherwise in the
+    promoted dtype of ``hidden`` and ``weight``; log-softmax is float32 at least. Under
+    ``torch.no_grad`` (a reference model) no checkpointing is done.
+
+    Example::
+
+        >>> hidden, weight = torch.randn(2, 5, 8), torch.randn(11, 8)
+        >>> labels = torch.tensor([[1, 2, -100, 4, -100]] * 2)
+        >>> logps = token_logprobs(hidden, weight, labels, chunk_size=3)
+        >>> full = torch.log_softmax(hidden @ weight.T, -1)
+        >>> full = full.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+        >>> torch.allclose(logps, full * (labels != -100), atol=1e-6)
+        True
+    """
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"token_logprobs: hidden {list(hidden.shape)} and labels {list(labels.shape)} must "
+            "agree on every dimension but the last"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"token_logprobs: weight must be [vocab, hidden={hidden.shape[-1]}], got "
+            f"{list(weight.shape)}"
+        )
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"token_logprobs: chunk_size must be an int >= 1, got {chunk_size!r}")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    out_dtype = _accumulation_dtype(dtype)
+
+    flat_labels = labels.reshape(-1)
+    keep = (flat_labels != ignore_index).nonzero().squeeze(1)
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
+    targets = flat_labels.index_select(0, keep)
+    if rows.shape[0] == 0:  # nothing trained: zeros that still reach both inputs
+        anchor = (hidden.sum() + weight.sum()).to(out_dtype) * 0
+        return torch.zeros(labels.shape, dtype=out_dtype, device=hidden.device) + anchor
+    if ((targets < 0) | (targets >= weight.shape[0])).any():
+        raise ValueError(
+            f"token_logprobs: labels must be in [0, {weight.shape[0]}) or {ignore_index}, got "
+            f"values in [{int(targets.min())}, {int(targets.max())}]"
+        )
+    from torch.utils.checkpoint import checkpoint
+
+    checkpointed = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
+    pieces = []
+    with torch.autocast(device_type, enabled=False):
+        for start in range(0, rows.shape[0], chunk_size):
+            chunk = (rows[start : start + chunk_size], weight, targets[start : start + chunk_size])
+            if checkpointed:
+                pieces.append(
+                    checkpoint(
+                        _chunk_token_logprobs,
+                        *chunk,
+                        dtype,
+                        use_reentrant=False,
+                        preserve_rng_state=False,
+                    )
+                )
+            else:
+                pieces.append(_chunk_token_logprobs(*chunk, dtype))
+    flat = torch.zeros(flat_labels.shape[0], dtype=out_dtype, device=hidden.device)
+    return flat.index_copy(0, keep, torch.cat(pieces)).reshape(labels.shape)

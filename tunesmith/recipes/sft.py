@@ -13,25 +13,24 @@ the update equals one big batch's token-mean loss.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
 from tunesmith.config import instantiate
-from tunesmith.data import PackedDataset, collate_packed, collate_padded, split_train_val
+from tunesmith.data import PackedDataset, collate_packed, collate_padded
 from tunesmith.modules.losses import IGNORE_INDEX
-from tunesmith.modules.masks import document_causal_mask
-from tunesmith.modules.moe import load_balancing_loss
 from tunesmith.training.activations import apply_activation_checkpointing
 from tunesmith.training.compile import compile_loss, compile_model, compile_options
 from tunesmith.training.distributed import DistributedContext, shard_model
+from tunesmith.training.forward import forward_batch, router_aux_loss
 from tunesmith.training.loop import (
     AUTOCAST,
     LOOP_KEYS,
     LOOP_RUNTIME_ARGS,
     LOOP_RUNTIME_KWARGS,
     LossOutput,
+    build_datasets,
     check_vocab,
     fit,
     make_loader,
@@ -41,11 +40,10 @@ from tunesmith.training.memory_planner import estimate_memory, optimizer_kind
 from tunesmith.training.preflight import longest_batch, preflight
 
 # Arguments the recipe passes at run time (for `tunesmith validate`).
-RUNTIME_ARGS = {"tokenizer": 0, "dataset": 1, "val_dataset": 1, **LOOP_RUNTIME_ARGS}
+RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
 KEYS = [
-    *LOOP_KEYS, "tokenizer", "model", "dataset", "val_dataset", "val_fraction", "packed", "loss",
-    "activation_checkpointing", "compile", "preflight",
+    *LOOP_KEYS, "model", "packed", "loss", "activation_checkpointing", "compile", "preflight",
 ]  # fmt: skip
 
 
@@ -58,13 +56,7 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
 
     # -- data
     tokenizer = instantiate(cfg.tokenizer)
-    dataset = instantiate(cfg.dataset, tokenizer)
-    log(f"dataset: {dataset.report.summary()}")
-    val_dataset = instantiate(cfg.val_dataset, tokenizer) if cfg.get("val_dataset") else None
-    if val_dataset is None and cfg.get("val_fraction", 0.0) > 0:
-        dataset, val_dataset = split_train_val(
-            dataset, cfg.val_fraction, seed=int(cfg.get("seed", 0))
-        )
+    dataset, val_dataset = build_datasets(cfg, tokenizer, log)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     if cfg.get("packed", False):
         dataset = PackedDataset(dataset, cfg.dataset.max_seq_len, pad_id)
@@ -110,38 +102,17 @@ class TokenCrossEntropy:
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         loss, router_logits = _loss(model, self.loss_fn, batch)
-        if not router_logits:
-            return LossOutput(loss)
-        aux = load_balancing_loss(
-            router_logits, model.spec.num_experts_per_tok, batch.get("attention_mask")
-        )
-        return LossOutput(loss, aux_loss=model.spec.router_aux_loss_coef * aux)
+        return LossOutput(loss, aux_loss=router_aux_loss(model, router_logits, batch))
 
 
 def _loss(model, loss_fn, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple]:
     """Summed loss over the batch's trained tokens, and the MoE router logits. A loss that owns
     the output projection (``needs_hidden_states``) gets hidden states and the head's weight."""
     if getattr(loss_fn, "needs_hidden_states", False):
-        hidden, router_logits = _forward(model, batch, return_hidden_states=True)
+        hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
         return loss_fn(hidden, model.lm_head.weight, batch["labels"]), router_logits
-    logits, router_logits = _forward(model, batch)
+    logits, router_logits = forward_batch(model, batch)
     return loss_fn(logits, batch["labels"]), router_logits
-
-
-def _forward(model, batch: dict[str, torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, tuple]:
-    """Logits (or hidden states), and the router logits of MoE layers (empty for dense models)."""
-    if not getattr(model.spec, "is_moe", False):
-        return model(batch["input_ids"], **_model_inputs(batch), **kwargs), ()
-    return model(batch["input_ids"], **_model_inputs(batch), **kwargs, output_router_logits=True)
-
-
-def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Packed rows get a block-causal mask; right-padded rows need only the causal mask
-    (a real token never attends to the padding after it, and padding is never trained)."""
-    inputs: dict[str, Any] = {"position_ids": batch["position_ids"]}
-    if "document_ids" in batch:
-        inputs["attention_mask"] = document_causal_mask(batch["document_ids"])
-    return inputs
 
 
 def _memory_plan_and_preflight(cfg, ctx, model, loss_fn, dataset, collate, log) -> None:

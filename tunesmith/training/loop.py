@@ -37,6 +37,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from tqdm import tqdm
 
 from tunesmith.config import ConfigError, check_keys, instantiate
+from tunesmith.data import split_train_val
 from tunesmith.training.activations import activation_offloading
 from tunesmith.training.checkpointer import Checkpointer
 from tunesmith.training.distributed import (
@@ -57,6 +58,7 @@ __all__ = [
     "LOOP_RUNTIME_KWARGS",
     "LossOutput",
     "Objective",
+    "build_datasets",
     "check_vocab",
     "fit",
     "make_loader",
@@ -65,16 +67,17 @@ __all__ = [
 
 Batch = dict[str, torch.Tensor]
 
-# The top-level config keys fit() and make_loader() read; recipes add their own.
+# The top-level config keys fit(), make_loader() and build_datasets() read; recipes add theirs.
 LOOP_KEYS = [
     "output_dir", "model_dir", "seed", "device", "mixed_precision", "shuffle", "batch_size",
     "gradient_accumulation_steps", "epochs", "max_steps", "stop_after_steps", "optimizer",
-    "lr_scheduler", "max_grad_norm", "metric_loggers", "log_every_n_steps", "eval_every_n_steps",
+    "lr_scheduler", "max_grad_norm", "tokenizer", "dataset", "val_dataset", "val_fraction", "metric_loggers", "log_every_n_steps", "eval_every_n_steps",
     "save_every_n_steps", "keep_last", "resume", "on_nonfinite_loss", "progress_bar",
     "optimizer_in_backward", "activation_offloading", "distributed_timeout_s",
 ]  # fmt: skip
 # Arguments fit() passes at run time (for `tunesmith validate`).
-LOOP_RUNTIME_ARGS = {"optimizer": 1, "lr_scheduler": 1}
+LOOP_RUNTIME_ARGS = {"tokenizer": 0, "dataset": 1, "val_dataset": 1, "optimizer": 1,
+                     "lr_scheduler": 1}  # fmt: skip
 LOOP_RUNTIME_KWARGS = {"lr_scheduler": ["num_training_steps"]}
 AUTOCAST = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -148,6 +151,21 @@ def make_loader(
         dataset, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate, drop_last=True
     )
     return loader, sampler
+
+
+def build_datasets(
+    cfg: DictConfig, tokenizer: Any, log: Callable[[str], None] = print
+) -> tuple[Sequence[Any], Sequence[Any] | None]:
+    """``cfg.dataset`` and the validation set: ``cfg.val_dataset``, or a seeded
+    ``cfg.val_fraction`` of the training samples, or None. Logs the data report."""
+    dataset = instantiate(cfg.dataset, tokenizer)
+    log(f"dataset: {dataset.report.summary()}")
+    val_dataset = instantiate(cfg.val_dataset, tokenizer) if cfg.get("val_dataset") else None
+    if val_dataset is None and cfg.get("val_fraction", 0.0) > 0:
+        dataset, val_dataset = split_train_val(
+            dataset, cfg.val_fraction, seed=int(cfg.get("seed", 0))
+        )
+    return dataset, val_dataset
 
 
 def check_vocab(tokenizer: Any, model: nn.Module, cfg: DictConfig) -> None:

@@ -1,0 +1,263 @@
+"""Knowledge-distillation losses: a divergence between the teacher's and the student's
+next-token distributions, computed from hidden states without materialising full logits.
+
+:func:`divergence` compares two logits tensors position by position; :class:`KDLoss` owns
+both output projections (student and teacher ``lm_head`` weights) and computes, chunk by
+chunk, the summed divergence and the summed student cross-entropy over trained positions.
+Like the other token losses it returns *sums*: the recipe divides by the global trained-token
+count and mixes the two terms (e.g. ``α·kd + (1-α)·ce``).
+
+Example::
+
+    >>> student, teacher = torch.randn(3, 7), torch.randn(3, 7)
+    >>> divergence(student, teacher, "forward").shape
+    torch.Size([3])
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tunesmith.modules.losses import IGNORE_INDEX
+
+__all__ = ["KD_KINDS", "KDLoss", "divergence"]
+
+KD_KINDS = ("forward", "reverse", "symmetric", "js")
+
+
+def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """``KL(p || q)`` over the last dimension, from log-probabilities."""
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def divergence(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    kind: str,
+    temperature: float = 1.0,
+    js_beta: float = 0.5,
+) -> torch.Tensor:
+    """Per-position divergence between ``p_T = softmax(teacher/T)`` and
+    ``p_S = softmax(student/T)`` over the last (vocabulary) dimension, shape ``[...]``.
+
+    Kinds: ``"forward"`` ``KL(p_T || p_S)`` (mass-covering, classic KD); ``"reverse"``
+    ``KL(p_S || p_T)`` (mode-seeking, MiniLLM); ``"symmetric"`` their mean; ``"js"`` the
+    generalised Jensen-Shannon divergence with mixture ``m = β·p_T + (1-β)·p_S``:
+    ``β·KL(p_T || m) + (1-β)·KL(p_S || m)`` (``β = js_beta``, in ``(0, 1)``; at ``β = 0.5`` it
+    is the plain JSD, at most ``log 2``).
+
+    The result is multiplied by ``T²`` (Hinton et al. 2015): the gradient of a softened
+    divergence scales as ``1/T²``, so this keeps its size comparable to the cross-entropy
+    term across temperatures. It is float32 (float64 for float64 student logits); the
+    teacher logits are cast to that dtype. Logits must be finite.
+
+    Example::
+
+        >>> logits = torch.randn(4, 10)
+        >>> divergence(logits, logits, "js").abs().max() < 1e-6
+        tensor(True)
+    """
+    _check_kind(kind, temperature, js_beta)
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student logits {list(student_logits.shape)} and teacher logits "
+            f"{list(teacher_logits.shape)} must have the same shape"
+        )
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    log_s = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
+    log_t = torch.log_softmax(teacher_logits.to(dtype) / temperature, dim=-1)
+    if kind == "forward":
+        value = _kl(log_t, log_s)
+    elif kind == "reverse":
+        value = _kl(log_s, log_t)
+    elif kind == "symmetric":
+        value = 0.5 * (_kl(log_t, log_s) + _kl(log_s, log_t))
+    else:
+        log_m = torch.logaddexp(log_t + math.log(js_beta), log_s + math.log(1 - js_beta))
+        value = js_beta * _kl(log_t, log_m) + (1 - js_beta) * _kl(log_s, log_m)
+    return value * temperature**2
+
+
+def _check_kind(kind: str, temperature: float, js_beta: float) -> None:
+    if kind not in KD_KINDS:
+        raise ValueError(f"kind must be one of {list(KD_KINDS)}, got {kind!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if not 0 < js_beta < 1:
+        raise ValueError(f"js_beta must be in (0, 1), got {js_beta!r}")
+
+
+def _projection_dtype(rows: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """Autocast's dtype when autocast is on (as the ``lm_head`` matmul would run), else the
+    promoted dtype of the two operands."""
+    device_type = rows.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(rows.dtype, weight.dtype)
+
+
+class KDLoss(nn.Module):
+    """Knowledge distillation from hidden states: ``(Σ divergence, Σ student CE)`` over the
+    positions whose label is not ``ignore_index``, both float32 scalars (float64 for float64
+    student inputs).
+
+    ``forward(student_hidden [b, s, h_s], student_weight [V, h_s], teacher_hidden [b, s, h_t],
+    teacher_weight [V, h_t], labels [b, s])``. The divergence (see :func:`divergence`, which
+    documents ``kind``, ``temperature`` and ``js_beta``) compares the softened teacher and
+    student distributions; the cross-entropy is the student's on the labels at temperature 1.
+    The recipe divides both by the global trained-token count and mixes them.
+
+    Ignored rows are dropped first; the trained rows are processed ``chunk_size`` rows at a
+    time (or split into ``num_chunks`` chunks). Each chunk's student and teacher logits and
+    both sums run under ``torch.utils.checkpoint``, so backward recomputes them and at most
+    one chunk of logits of each model is alive in forward and backward. Teacher tensors are
+    detached (the teacher never gets gradients) and may be in another dtype than the student
+    (e.g. a bf16 teacher for a float32 student): each model's projection runs in its own
+    dtype (autocast's when autocast is on), the divergence in float32.
+
+    Example::
+
+        >>> loss_fn = KDLoss(kind="forward", temperature=2.0, num_chunks=2)
+        >>> s_hidden, s_weight = torch.randn(2, 5, 8), torch.randn(11, 8)
+        >>> t_hidden, t_weight = torch.randn(2, 5, 16), torch.randn(11, 16)
+        >>> labels = torch.tensor([[1, 2, -100, 4, -100]] * 2)
+        >>> kd, ce = loss_fn(s_hidden, s_weight, t_hidden, t_weight, labels)
+        >>> kd.shape, ce.shape
+        (torch.Size([]), torch.Size([]))
+    """
+
+    needs_hidden_states = True
+
+    def __init__(
+        self,
+        kind: str = "forward",
+        temperature: float = 1.0,
+        js_beta: float = 0.5,
+        num_chunks: int = 8,
+        *,
+        chunk_size: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> None:
+        super().__init__()
+        _check_kind(kind, temperature, js_beta)
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(f"num_chunks must be an int >= 1, got {num_chunks!r}")
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
+            raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
+        self.kind = kind
+        self.temperature = temperature
+        self.js_beta = js_beta
+        self.num_chunks = num_chunks
+        self.chunk_size = chunk_size
+        self.ignore_index = ignore_index
+
+    def extra_repr(self) -> str:
+        return (
+            f"kind={self.kind!r}, temperature={self.temperature}, js_beta={self.js_beta}, "
+            f"num_chunks={self.num_chunks}, chunk_size={self.chunk_size}"
+        )
+
+    def forward(
+        self,
+        student_hidden: torch.Tensor,
+        student_weight: torch.Tensor,
+        teacher_hidden: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        labels: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight, labels)
+        out_dtype = torch.promote_types(
+            _projection_dtype(student_hidden, student_weight), torch.float32
+        )
+        flat_labels = labels.reshape(-1)
+        keep = (flat_labels != self.ignore_index).nonzero().squeeze(1)
+        s_rows = student_hidden.reshape(-1, student_hidden.shape[-1]).index_select(0, keep)
+        t_rows = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])[keep]
+        targets = flat_labels.index_select(0, keep)
+        if s_rows.shape[0] == 0:  # nothing trained: zeros that still reach the student
+            zero = (student_hidden.sum() + student_weight.sum()).to(out_dtype) * 0
+            return zero, zero.clone()
+        if ((targets < 0) | (targets >= student_weight.shape[0])).any():
+            raise ValueError(
+                f"KDLoss: labels must be in [0, {student_weight.shape[0]}) or "
+                f"{self.ignore_index}, got values in [{int(targets.min())}, {int(targets.max())}]"
+            )
+        s_dtype = _projection_dtype(s_rows, student_weight)
+        t_dtype = _projection_dtype(t_rows, teacher_weight)
+        t_weight = teacher_weight.detach()
+        chunk = self.chunk_size or -(-s_rows.shape[0] // self.num_chunks)
+        checkpointed = torch.is_grad_enabled() and (
+            s_rows.requires_grad or student_weight.requires_grad
+        )
+        kd_total = torch.zeros((), dtype=out_dtype, device=s_rows.device)
+        ce_total = torch.zeros((), dtype=out_dtype, device=s_rows.device)
+        with torch.autocast(s_rows.device.type, enabled=False):
+            for start in range(0, s_rows.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                args = (s_rows[rows], student_weight, t_rows[rows], t_weight, targets[rows])
+                dtypes = (s_dtype, t_dtype, out_dtype)
+                if checkpointed:
+                    kd, ce = checkpoint(
+                        self._chunk, *args, *dtypes, use_reentrant=False, preserve_rng_state=False
+                    )
+                else:
+                    kd, ce = self._chunk(*args, *dtypes)
+                kd_total = kd_total + kd
+                ce_total = ce_total + ce
+        return kd_total, ce_total
+
+    def _chunk(
+        self,
+        s_rows: torch.Tensor,
+        s_weight: torch.Tensor,
+        t_rows: torch.Tensor,
+        t_weight: torch.Tensor,
+        targets: torch.Tensor,
+        s_dtype: torch.dtype,
+        t_dtype: torch.dtype,
+        out_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed divergence and summed student CE of one chunk of trained rows."""
+        s_logits = (s_rows.to(s_dtype) @ s_weight.to(s_dtype).t()).to(out_dtype)
+        t_logits = (t_rows.to(t_dtype) @ t_weight.to(t_dtype).t()).to(out_dtype)
+        kd = divergence(s_logits, t_logits, self.kind, self.temperature, self.js_beta).sum()
+        target_logits = s_logits.gather(1, targets[:, None]).squeeze(1)
+        ce = (torch.logsumexp(s_logits, dim=-1) - target_logits).sum()
+        return kd, ce
+
+
+def _check_shapes(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    labels: torch.Tensor,
+) -> None:
+    """Clear errors for inputs that do not fit together."""
+    for name, hidden in (("student_hidden", student_hidden), ("teacher_hidden", teacher_hidden)):
+        if hidden.shape[:-1] != labels.shape:
+            raise ValueError(
+                f"KDLoss: {name} {list(hidden.shape)} and labels {list(labels.shape)} must agree "
+                "on every dimension but the last"
+            )
+    for name, weight, hidden in (
+        ("student_weight", student_weight, student_hidden),
+        ("teacher_weight", teacher_weight, teacher_hidden),
+    ):
+        if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+            raise ValueError(
+                f"KDLoss: {name} must be [vocab, hidden={hidden.shape[-1]}], got "
+                f"{list(weight.shape)}"
+            )
+    if student_weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(
+            f"KDLoss: student and teacher vocabularies differ: student_weight "
+            f"{list(student_weight.shape)} vs teacher_weight {list(teacher_weight.shape)} (the "
+            "divergence needs the same vocabulary; pad or slice the teacher's lm_head)"
+        )

@@ -1,0 +1,240 @@
+"""Preference optimisation: DPO and its family, full fine-tuning or LoRA, one device or many.
+
+    tunesmith run dpo --config tiny model_dir=... dataset.source=pairs.jsonl
+    tunesmith run dpo --config tiny ... loss._component_=tunesmith.modules.preference_losses.SimPOLoss
+
+The loss is a ``_component_`` of :mod:`tunesmith.modules.preference_losses`: DPO (with label
+smoothing = cDPO, or reference-free), IPO, hinge (RSO), SimPO, ORPO. Per micro-batch of ``B``
+pairs (``2B`` rows: chosen then rejected, from
+:func:`~tunesmith.data.collate.collate_preference`):
+
+1. the policy's log-probability of each response, summed over its tokens;
+2. the reference's, when the loss needs one, from (in this order of preference):
+   ``reference_model`` (a component: e.g. another checkpoint, or bf16), the policy itself with
+   its adapters disabled (LoRA: no second copy in memory), or a frozen copy of the policy taken
+   before training (full fine-tuning); with ``precompute_reference: true`` they are computed
+   once for the whole dataset before training and the reference model is then freed;
+3. the loss of each pair, summed; :func:`~tunesmith.training.loop.fit` divides by the number
+   of pairs of all micro-batches on all ranks, so the update is one big batch's mean.
+
+Logged per step (means over pairs): ``rewards/chosen``, ``rewards/rejected``,
+``rewards/accuracy`` (chosen reward above rejected), ``rewards/margin``, ``logps/chosen``,
+``logps/rejected``; with a validation set the same with a ``val_`` prefix.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from tunesmith.config import instantiate
+from tunesmith.data import collate_preference
+from tunesmith.modules.peft import adapter_modules, disable_adapters
+from tunesmith.modules.preference_losses import PairLogps
+from tunesmith.training.activations import apply_activation_checkpointing
+from tunesmith.training.distributed import DistributedContext, shard_model
+from tunesmith.training.forward import router_aux_loss, sequence_logps
+from tunesmith.training.loop import (
+    LOOP_KEYS,
+    LOOP_RUNTIME_ARGS,
+    LOOP_RUNTIME_KWARGS,
+    LossOutput,
+    build_datasets,
+    check_vocab,
+    fit,
+    make_loader,
+    run_main,
+)
+
+RUNTIME_ARGS = LOOP_RUNTIME_ARGS
+RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
+KEYS = [
+    *LOOP_KEYS, "model", "reference_model", "loss", "precompute_reference",
+    "logprob_chunk_size", "activation_checkpointing",
+]  # fmt: skip
+REFERENCE_KEYS = ("reference_chosen", "reference_rejected")
+
+
+def main(cfg: DictConfig) -> None:
+    run_main(train, cfg, KEYS)
+
+
+def train(cfg: DictConfig, ctx: DistributedContext) -> None:
+    log = print if ctx.is_rank_zero else (lambda *a, **k: None)
+
+    # -- data: pairs rendered through the chat template, trained on the responses
+    tokenizer = instantiate(cfg.tokenizer)
+    dataset, val_dataset = build_datasets(cfg, tokenizer, log)
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    collate = partial(collate_with_reference, pad_id=pad_id)
+
+    # -- policy, loss, reference
+    model = instantiate(cfg.model).to(ctx.device)
+    check_vocab(tokenizer, model, cfg)
+    loss_fn = instantiate(cfg.loss)
+    chunk_size = int(cfg.get("logprob_chunk_size", 1024))
+    reference = None
+    if loss_fn.needs_reference:
+        reference = reference_logps(cfg, model, ctx, chunk_size, log)
+    if cfg.get("activation_checkpointing"):
+        apply_activation_checkpointing(model, **cfg.activation_checkpointing)
+    model = shard_model(model, ctx)
+    if reference is not None and cfg.get("precompute_reference", False):
+        log("precomputing the reference log-probabilities of every pair")
+        dataset = precompute(reference, dataset, collate, ctx, cfg.batch_size)
+        if val_dataset is not None:
+            val_dataset = precompute(reference, val_dataset, collate, ctx, cfg.batch_size)
+        reference = None  # a separate reference model is freed here
+    objective = PreferenceObjective(loss_fn, reference, chunk_size)
+
+    loader, sampler = make_loader(dataset, collate, cfg, ctx)
+    fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,
+        val_dataset=val_dataset, name="dpo")  # fmt: skip
+
+
+class PreferenceObjective:
+    """Summed preference loss of a batch of pairs, and the logged rewards and log-probs."""
+
+    unit = "pairs"
+
+    def __init__(
+        self,
+        loss_fn: nn.Module,
+        reference: Callable[[Mapping[str, torch.Tensor]], PairLogps] | None,
+        chunk_size: int = 1024,
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.reference = reference
+        self.chunk_size = chunk_size
+
+    def units(self, batch: Mapping[str, torch.Tensor]) -> int:
+        return batch["input_ids"].shape[0] // 2
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        sums, counts, router_logits = sequence_logps(model, batch, chunk_size=self.chunk_size)
+        policy = _pairs(sums, counts)
+        reference = None
+        if self.loss_fn.needs_reference:
+            reference = self._reference(batch, policy)
+        out = self.loss_fn(policy, reference)
+        chosen, rejected = out.chosen_rewards, out.rejected_rewards
+        metrics = {
+            "rewards/chosen": chosen.sum(), "rewards/rejected": rejected.sum(),
+            "rewards/accuracy": (chosen > rejected).float().sum(),
+            "rewards/margin": (chosen - rejected).sum(),
+            "logps/chosen": policy.chosen.detach().sum(),
+            "logps/rejected": policy.rejected.detach().sum(),
+        }  # fmt: skip
+        aux = router_aux_loss(model, router_logits, batch)
+        return LossOutput(out.losses.sum(), metrics, aux_loss=aux)
+
+    def _reference(self, batch: Mapping[str, torch.Tensor], policy: PairLogps) -> PairLogps:
+        if "reference_chosen" in batch:  # precomputed
+            return PairLogps(batch["reference_chosen"], batch["reference_rejected"],
+                             policy.chosen_tokens, policy.rejected_tokens)  # fmt: skip
+        if self.reference is None:
+            raise ValueError(f"{type(self.loss_fn).__name__} needs reference log-probabilities")
+        return self.reference(batch)
+
+
+def reference_logps(
+    cfg: DictConfig, model: nn.Module, ctx: DistributedContext, chunk_size: int,
+    log: Callable[[str], None],
+) -> Callable[[Mapping[str, torch.Tensor]], PairLogps]:  # fmt: skip
+    """The reference policy as a function of a batch (no gradient): ``cfg.reference_model``,
+    else ``model`` with its adapters disabled, else a frozen copy of ``model`` as it is now
+    (before any update; call this before sharding)."""
+    if cfg.get("reference_model"):
+        reference = instantiate(cfg.reference_model).to(ctx.device)
+        log(f"reference: {cfg.reference_model.get('path', cfg.reference_model._component_)}")
+    elif adapter_modules(model):
+        log("reference: the policy with its adapters disabled")
+        return partial(_pair_logps, model, chunk_size=chunk_size, context=disable_adapters)
+    else:
+        log("reference: a frozen copy of the initial policy")
+        reference = copy.deepcopy(model)
+    reference.requires_grad_(False).eval()
+    reference = shard_model(reference, ctx)
+    return partial(_pair_logps, reference, chunk_size=chunk_size)
+
+
+def _pair_logps(
+    model: nn.Module, batch: Mapping[str, torch.Tensor], *, chunk_size: int,
+    context: Callable[[nn.Module], Any] = nullcontext,
+) -> PairLogps:  # fmt: skip
+    with torch.no_grad(), context(model):
+        sums, counts, _ = sequence_logps(model, batch, chunk_size=chunk_size)
+    return _pairs(sums, counts)
+
+
+def _pairs(sums: torch.Tensor, counts: torch.Tensor) -> PairLogps:
+    """Rows ``0..B-1`` are the chosen responses, ``B..2B-1`` the rejected ones."""
+    half = sums.shape[0] // 2
+    return PairLogps(sums[:half], sums[half:], counts[:half], counts[half:])
+
+
+# -- precomputed reference log-probabilities ---------------------------------------------------
+
+
+def collate_with_reference(
+    batch: Sequence[Mapping[str, Any]], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """:func:`collate_preference`, passing precomputed reference log-probs through as
+    ``[B]`` float tensors when the samples carry them."""
+    pairs = [{k: v for k, v in s.items() if k not in REFERENCE_KEYS} for s in batch]
+    out = collate_preference(pairs, pad_id=pad_id)
+    if REFERENCE_KEYS[0] in batch[0]:
+        for key in REFERENCE_KEYS:
+            out[key] = torch.tensor([float(s[key]) for s in batch], dtype=torch.float32)
+    return out
+
+
+class WithReference(Dataset):
+    """``dataset``'s pairs with their reference log-probs added (``reference_chosen``,
+    ``reference_rejected``)."""
+
+    def __init__(self, dataset: Sequence[Mapping[str, Any]], logps: torch.Tensor) -> None:
+        self.dataset = dataset
+        self.logps = logps  # [len(dataset), 2]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        chosen, rejected = self.logps[index].tolist()
+        return {**self.dataset[index], "reference_chosen": chosen, "reference_rejected": rejected}
+
+
+def precompute(
+    reference: Callable[[Mapping[str, torch.Tensor]], PairLogps], dataset: Sequence[Any],
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]], ctx: DistributedContext,
+    batch_size: int,
+) -> WithReference:  # fmt: skip
+    """Every pair's reference log-probs, each rank computing its share (every rank runs the
+    same number of batches, as a sharded reference needs) and all ranks gathering all."""
+    sampler = DistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate)
+    mine = []
+    for mb in loader:
+        logps = reference({k: v.to(ctx.device) for k, v in mb.items()})
+        mine.append(torch.stack([logps.chosen, logps.rejected], dim=1).float())
+    mine_t = torch.cat(mine).to(ctx.device)
+    indices = torch.tensor(list(iter(sampler)), device=ctx.device)
+    if ctx.world_size > 1:
+        every = [torch.empty_like(mine_t) for _ in range(ctx.world_size)]
+        dist.all_gather(every, mine_t)
+        all_indices = [torch.empty_like(indices) for _ in range(ctx.world_size)]
+        dist.all_gather(all_indices, indices)
+        mine_t, indices = torch.cat(every), torch.cat(all_indices)
+    table = torch.empty(len(dataset), 2)
+    table[indices.cpu()] = mine_t.cpu()  # padded repeats write the same value twice
+    return WithReference(dataset, table)

@@ -1,0 +1,125 @@
+"""Knowledge distillation: a student learns a teacher's token distributions (same tokenizer),
+mixed with the ordinary cross-entropy on the labels; full fine-tuning or LoRA, one device or many.
+
+    tunesmith run kd --config tiny model_dir=student teacher_dir=teacher dataset.source=chat.jsonl
+
+Per micro-batch of SFT samples (any SFT dataset format, optionally packed):
+
+1. the student's final hidden states (with gradient) and the teacher's (``teacher_model``, in
+   eval mode and without gradient, possibly in another dtype such as bf16);
+2. ``loss`` (:class:`~tunesmith.modules.kd_losses.KDLoss`: forward KL, reverse KL, symmetric,
+   or Jensen-Shannon, at a temperature) projects both through their heads chunk by chunk, so
+   the two models' full logits never both exist; it returns the summed divergence and the
+   student's summed cross-entropy over the trained tokens;
+3. the objective ``kd_ratio * divergence + (1 - kd_ratio) * cross-entropy``, which
+   :func:`~tunesmith.training.loop.fit` divides by the trained tokens of all micro-batches on
+   all ranks.
+
+Logged per step: ``loss``, ``kd_loss`` and ``ce_loss`` (token means), and with a validation
+set ``val_loss``, ``val_kd_loss`` (the student's divergence from the teacher on held-out data)
+and ``val_ce_loss``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from tunesmith.config import instantiate
+from tunesmith.data import PackedDataset, collate_packed, collate_padded
+from tunesmith.modules.losses import IGNORE_INDEX
+from tunesmith.training.activations import apply_activation_checkpointing
+from tunesmith.training.distributed import DistributedContext, shard_model
+from tunesmith.training.forward import forward_batch, router_aux_loss
+from tunesmith.training.loop import (
+    LOOP_KEYS,
+    LOOP_RUNTIME_ARGS,
+    LOOP_RUNTIME_KWARGS,
+    LossOutput,
+    build_datasets,
+    check_vocab,
+    fit,
+    make_loader,
+    run_main,
+)
+
+RUNTIME_ARGS = LOOP_RUNTIME_ARGS
+RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
+KEYS = [
+    *LOOP_KEYS, "model", "teacher_model", "teacher_dir", "loss", "kd_ratio", "packed",
+    "activation_checkpointing",
+]  # fmt: skip
+
+
+def main(cfg: DictConfig) -> None:
+    run_main(train, cfg, KEYS)
+
+
+def train(cfg: DictConfig, ctx: DistributedContext) -> None:
+    log = print if ctx.is_rank_zero else (lambda *a, **k: None)
+
+    # -- data: SFT samples (the teacher sees exactly the student's tokens)
+    tokenizer = instantiate(cfg.tokenizer)
+    dataset, val_dataset = build_datasets(cfg, tokenizer, log)
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    if cfg.get("packed", False):
+        dataset = PackedDataset(dataset, cfg.dataset.max_seq_len, pad_id)
+        collate = collate_packed
+    else:
+        collate = partial(collate_padded, pad_id=pad_id)
+
+    # -- student, frozen teacher
+    model = instantiate(cfg.model).to(ctx.device)
+    check_vocab(tokenizer, model, cfg)
+    teacher = instantiate(cfg.teacher_model).to(ctx.device).requires_grad_(False).eval()
+    _check_same_vocab(model, teacher)
+    if cfg.get("activation_checkpointing"):
+        apply_activation_checkpointing(model, **cfg.activation_checkpointing)
+    model = shard_model(model, ctx)
+    teacher = shard_model(teacher, ctx)
+    objective = Distillation(teacher, instantiate(cfg.loss), float(cfg.get("kd_ratio", 0.5)))
+
+    loader, sampler = make_loader(dataset, collate, cfg, ctx)
+    fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,
+        val_dataset=val_dataset, name="kd")  # fmt: skip
+
+
+class Distillation:
+    """``kd_ratio * Σ divergence + (1 - kd_ratio) * Σ CE`` over the trained tokens."""
+
+    unit = "trained_tokens"
+
+    def __init__(self, teacher: nn.Module, loss_fn: nn.Module, kd_ratio: float) -> None:
+        if not 0.0 <= kd_ratio <= 1.0:
+            raise ValueError(f"kd_ratio must be in [0, 1], got {kd_ratio}")
+        self.teacher = teacher
+        self.loss_fn = loss_fn
+        self.kd_ratio = kd_ratio
+
+    def units(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
+        with torch.no_grad():
+            teacher_hidden, _ = forward_batch(self.teacher, batch, return_hidden_states=True)
+        kd, ce = self.loss_fn(
+            hidden, model.lm_head.weight, teacher_hidden, self.teacher.lm_head.weight,
+            batch["labels"],
+        )  # fmt: skip
+        loss = self.kd_ratio * kd + (1.0 - self.kd_ratio) * ce
+        metrics = {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
+        return LossOutput(loss, metrics, aux_loss=router_aux_loss(model, router_logits, batch))
+
+
+def _check_same_vocab(student: nn.Module, teacher: nn.Module) -> None:
+    student_rows = student.lm_head.weight.shape[0]
+    teacher_rows = teacher.lm_head.weight.shape[0]
+    if student_rows != teacher_rows:
+        raise ValueError(
+            f"student lm_head.weight has {student_rows} rows but teacher lm_head.weight has "
+            f"{teacher_rows}: distillation needs one tokenizer (the same vocabulary)"
+        )

@@ -1,0 +1,116 @@
+"""Reward-model training: a scalar ``score`` head on a decoder, trained with the
+Bradley-Terry loss on preference pairs; saved as a HF ``*ForSequenceClassification`` folder.
+
+    tunesmith run reward_model --config tiny model_dir=... dataset.source=pairs.jsonl
+
+Per micro-batch of ``B`` pairs (``2B`` rows: chosen then rejected, from
+:func:`~tunesmith.data.collate.collate_preference`), the model scores each sequence at its
+last real token (as transformers' sequence classifiers do) and the loss is
+``Σ -log σ(score_chosen - score_rejected - margin)``; :func:`~tunesmith.training.loop.fit`
+divides it by the number of pairs on all ranks. Logged (means over pairs): ``accuracy``
+(chosen scored above rejected), ``margin`` (score difference), ``scores/chosen``,
+``scores/rejected``.
+
+The tokenizer's pad token is written as the checkpoint's ``pad_token_id``: transformers
+scores the last token that is not padding, so it must not be a token of the sequences
+(the recipe refuses a pad token that also ends the responses, e.g. pad = eos).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from tunesmith.config import instantiate
+from tunesmith.data import collate_preference
+from tunesmith.training.activations import apply_activation_checkpointing
+from tunesmith.training.distributed import DistributedContext, shard_model
+from tunesmith.training.loop import (
+    LOOP_KEYS,
+    LOOP_RUNTIME_ARGS,
+    LOOP_RUNTIME_KWARGS,
+    LossOutput,
+    build_datasets,
+    check_vocab,
+    fit,
+    make_loader,
+    run_main,
+)
+
+RUNTIME_ARGS = LOOP_RUNTIME_ARGS
+RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
+KEYS = [*LOOP_KEYS, "model", "loss", "activation_checkpointing"]
+
+
+def main(cfg: DictConfig) -> None:
+    run_main(train, cfg, KEYS)
+
+
+def train(cfg: DictConfig, ctx: DistributedContext) -> None:
+    log = print if ctx.is_rank_zero else (lambda *a, **k: None)
+
+    tokenizer = instantiate(cfg.tokenizer)
+    dataset, val_dataset = build_datasets(cfg, tokenizer, log)
+    if tokenizer.pad_id is None:
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name', '')} has no pad token: a reward model "
+            "checkpoint needs pad_token_id (transformers scores the last non-pad token)"
+        )
+    _check_pad_not_trained(dataset, tokenizer.pad_id)
+    collate = partial(collate_preference, pad_id=tokenizer.pad_id)
+
+    model = instantiate(cfg.model).to(ctx.device)
+    check_vocab(tokenizer, model, cfg)
+    model.spec = model.spec.replace(pad_token_id=tokenizer.pad_id)
+    if cfg.get("activation_checkpointing"):
+        apply_activation_checkpointing(model, **cfg.activation_checkpointing)
+    model = shard_model(model, ctx)
+    objective = PairwiseRanking(instantiate(cfg.loss))
+
+    loader, sampler = make_loader(dataset, collate, cfg, ctx)
+    fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,
+        val_dataset=val_dataset, name="reward_model")  # fmt: skip
+
+
+class PairwiseRanking:
+    """Summed Bradley-Terry loss of a batch of pairs scored by a reward model."""
+
+    unit = "pairs"
+
+    def __init__(self, loss_fn: nn.Module) -> None:
+        self.loss_fn = loss_fn
+
+    def units(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["input_ids"].shape[0] // 2
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        scores = model(
+            batch["input_ids"], position_ids=batch["position_ids"],
+            attention_mask=batch["attention_mask"],
+        )[:, 0]  # fmt: skip
+        half = scores.shape[0] // 2
+        chosen, rejected = scores[:half], scores[half:]
+        losses = self.loss_fn(chosen, rejected)
+        margin = (chosen - rejected).detach()
+        metrics = {
+            "accuracy": (margin > 0).float().sum(), "margin": margin.sum(),
+            "scores/chosen": chosen.detach().sum(), "scores/rejected": rejected.detach().sum(),
+        }  # fmt: skip
+        return LossOutput(losses.sum(), metrics)
+
+
+def _check_pad_not_trained(dataset, pad_id: int) -> None:
+    """The scored token (the last of each sequence) must not be the pad token, or transformers
+    would score an earlier token than the one trained here."""
+    for index in range(len(dataset)):
+        sample = dataset[index]
+        for side in ("chosen", "rejected"):
+            if sample[f"{side}_input_ids"][-1] == pad_id:
+                raise ValueError(
+                    f"sample {index}: the {side} sequence ends with the pad token "
+                    f"(id {pad_id}); transformers would score an earlier token. Use a "
+                    "tokenizer whose pad token differs from the end-of-turn/eos token"
+                )

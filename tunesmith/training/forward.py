@@ -1,0 +1,67 @@
+"""One forward pass of a collated batch through a decoder, the way every recipe runs it.
+
+Packed rows (``document_ids``) get a block-causal mask; right-padded rows need only the
+causal mask (a real token never attends to the padding after it, and padding is never
+trained). MoE models also return their router logits, for the load-balancing loss.
+
+Example::
+
+    >>> out, router_logits = forward_batch(model, batch, return_hidden_states=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tunesmith.modules.losses import IGNORE_INDEX, token_logprobs
+from tunesmith.modules.masks import document_causal_mask
+from tunesmith.modules.moe import load_balancing_loss
+
+__all__ = ["forward_batch", "model_inputs", "router_aux_loss", "sequence_logps"]
+
+
+def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The keyword arguments of ``model(batch["input_ids"], ...)`` for a collated batch."""
+    inputs: dict[str, Any] = {"position_ids": batch["position_ids"]}
+    if "document_ids" in batch:
+        inputs["attention_mask"] = document_causal_mask(batch["document_ids"])
+    return inputs
+
+
+def forward_batch(
+    model: nn.Module, batch: Mapping[str, torch.Tensor], **kwargs: Any
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Logits (or, with ``return_hidden_states=True``, the final hidden states) and the
+    router logits of MoE layers (empty for dense models)."""
+    if not getattr(getattr(model, "spec", None), "is_moe", False):
+        return model(batch["input_ids"], **model_inputs(batch), **kwargs), ()
+    return model(batch["input_ids"], **model_inputs(batch), **kwargs, output_router_logits=True)
+
+
+def router_aux_loss(
+    model: nn.Module, router_logits: tuple[torch.Tensor, ...], batch: Mapping[str, torch.Tensor]
+) -> torch.Tensor | None:
+    """The MoE load-balancing loss times the model's coefficient (None for dense models)."""
+    if not router_logits:
+        return None
+    aux = load_balancing_loss(
+        router_logits, model.spec.num_experts_per_tok, batch.get("attention_mask")
+    )
+    return model.spec.router_aux_loss_coef * aux
+
+
+def sequence_logps(
+    model: nn.Module, batch: Mapping[str, torch.Tensor], *, chunk_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Per row: the summed log-probability of its trained labels (float32, ``[b]``), their
+    number (``[b]``), and the MoE router logits. The head is applied ``chunk_size`` trained
+    positions at a time (:func:`~tunesmith.modules.losses.token_logprobs`), so the
+    ``[b, s, vocab]`` logits never exist."""
+    hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
+    labels = batch["labels"]
+    logps = token_logprobs(hidden, model.lm_head.weight, labels, chunk_size=chunk_size)
+    return logps.sum(-1), (labels != IGNORE_INDEX).sum(-1), router_logits
