@@ -8,6 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests.config import configtest_components
 from tests.config.configtest_components import Block, Net, Optim, WithParams
 from tunesmith.config import (
     ALLOW_ANY_COMPONENT_ENV,
@@ -220,3 +221,27 @@ def test_allow_any_by_environment_and_by_extending_the_list(
         ALLOWED_COMPONENT_PREFIXES.remove(f"{HELPERS}.")
     with pytest.raises(ConfigError, match="not allowed"):
         instantiate(cfg.o)
+
+
+def test_trust_remote_code_is_refused_under_the_allow_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allowed component (a hub loader, say) must not be told to run the model's own code."""
+    monkeypatch.delenv(ALLOW_ANY_COMPONENT_ENV, raising=False)
+    calls = []
+    monkeypatch.setattr(
+        configtest_components, "Loader", lambda **kw: calls.append(kw) or kw, raising=False
+    )
+    cfg = OmegaConf.create(
+        {"model": {"_component_": f"{HELPERS}.Loader", "path": "x", "trust_remote_code": True}}
+    )
+    ALLOWED_COMPONENT_PREFIXES.append(f"{HELPERS}.")
+    try:
+        with pytest.raises(ConfigError) as info:
+            instantiate(cfg.model)
+        assert str(info.value).startswith("model.trust_remote_code: trust_remote_code=true")
+        assert "--allow-any-component" in str(info.value) and calls == []
+        cfg.model.trust_remote_code = False  # an explicit false is fine
+        assert instantiate(cfg.model) == {"path": "x", "trust_remote_code": False}
+        cfg.model.trust_remote_code = True
+        assert instantiate(cfg.model, allow_any_component=True)["trust_remote_code"] is True
+    finally:
+        ALLOWED_COMPONENT_PREFIXES.remove(f"{HELPERS}.")

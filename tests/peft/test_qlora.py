@@ -120,3 +120,24 @@ def test_small_weights_use_smaller_scaler_groups():
     q = quantize_nf4(w)
     assert is_nf4(q)
     assert (dequantize_nf4(q) - w).abs().max() < 0.2 * w.abs().max()
+
+
+def test_fsdp2_refuses_an_nf4_weight_it_cannot_split_and_names_it(qlora_dir):
+    from tunesmith.training.distributed import check_nf4_shardable
+
+    model = _qlora(qlora_dir)
+    nf4 = {n: p for n, p in model.named_parameters() if type(p.data).__name__ == "NF4Tensor"}
+    name, weight = next(iter(nf4.items()))
+    groups = weight.numel() // (weight.data.block_size * weight.data.scaler_block_size)
+    fits = [w for w in range(1, 9) if groups % w == 0 and weight.shape[0] % w == 0]
+    misfit = next(w for w in range(2, 64) if groups % w)
+    for world in fits:  # every weight of this model shares the layout of the first one checked
+        if all(
+            (p.numel() // (p.data.block_size * p.data.scaler_block_size)) % world == 0
+            and p.shape[0] % world == 0
+            for p in nf4.values()
+        ):
+            check_nf4_shardable(model, world)
+    with pytest.raises(ValueError) as info:
+        check_nf4_shardable(model, misfit)
+    assert str(info.value).split(":")[0] in nf4 and f"over {misfit} ranks" in str(info.value)

@@ -25,7 +25,12 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from tunesmith.config.components import COMPONENT_KEY, resolve_component
+from tunesmith.config.components import (
+    ALLOW_ANY_COMPONENT_ENV,
+    COMPONENT_KEY,
+    any_component_allowed,
+    resolve_component,
+)
 from tunesmith.config.errors import ConfigError, join_path
 from tunesmith.config.nodes import has_key, node_path, read_child
 
@@ -95,6 +100,13 @@ def _call_component(
         if key != COMPONENT_KEY and key not in kwargs
     }
     call_kwargs.update(kwargs)
+    if call_kwargs.get("trust_remote_code") and not any_component_allowed(allow_any):
+        raise ConfigError(
+            f"trust_remote_code=true would run Python code downloaded with the model ({spec}); "
+            "refused unless any component is allowed (--allow-any-component, or "
+            f"{ALLOW_ANY_COMPONENT_ENV}=1)",
+            path=join_path(path, "trust_remote_code"),
+        )
     try:
         return target(*args, **call_kwargs)
     except ConfigError as exc:

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from tunesmith.modules.peft.nf4 import is_nf4
+
 __all__ = [
     "DistributedContext",
     "PeerFailureError",
@@ -159,9 +161,28 @@ def shard_model(model: nn.Module, ctx: DistributedContext) -> nn.Module:
     """
     if ctx.world_size == 1:
         return model
+    check_nf4_shardable(model, ctx.world_size)
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
         fully_shard(layer, mesh=ctx.mesh)
     fully_shard(model, mesh=ctx.mesh)
     return model
+
+
+def check_nf4_shardable(model: nn.Module, world_size: int) -> None:
+    """FSDP2 splits each NF4 (QLoRA) weight's quantisation groups evenly over the ranks:
+    refuse, naming the weight, a model where a weight's groups do not divide by
+    ``world_size`` (torchao's own error names no weight)."""
+    for name, param in model.named_parameters():
+        if not is_nf4(param.data if isinstance(param, nn.Parameter) else param):
+            continue
+        weight = param.data
+        groups = weight.numel() // (weight.block_size * weight.scaler_block_size)
+        if groups % world_size or weight.shape[0] % world_size:
+            raise ValueError(
+                f"{name}: the NF4 weight {list(weight.shape)} has {groups} quantisation groups of "
+                f"{weight.block_size}x{weight.scaler_block_size} values, which FSDP2 cannot "
+                f"split over {world_size} ranks; use a world size dividing {groups} and "
+                f"{weight.shape[0]}, or do not quantise this module"
+            )
