@@ -311,3 +311,15 @@ def test_moe_model_returns_router_logits_and_dense_returns_none():
     assert logits.shape == (1, 3, 256) and len(router) == 2  # layer 1 is dense
     _, dense_router = llama3.llama3_tiny()(torch.tensor([[1, 2]]), output_router_logits=True)
     assert dense_router == ()
+
+
+def test_logits_to_keep_projects_only_the_last_positions():
+    torch.manual_seed(0)
+    model = llama3.llama3_tiny()
+    ids = torch.randint(0, model.spec.vocab_size, (2, 9))
+    full = model(ids)
+    for keep in (1, 4, 9):
+        assert torch.allclose(model(ids, logits_to_keep=keep), full[:, -keep:], atol=1e-6)
+    assert model(ids, logits_to_keep=3).shape == (2, 3, model.spec.vocab_size)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, logits_to_keep=-1)

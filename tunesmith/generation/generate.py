@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from tunesmith.generation.sampling import LogitsProcessor, build_processors, sample
+from tunesmith.modules.decoder import TransformerLM
 from tunesmith.modules.masks import padding_position_ids
 
 __all__ = ["FinishReason", "GenerationOutput", "generate", "left_pad"]
@@ -117,15 +118,11 @@ def _check_vocab(rows: list[list[int]], model: nn.Module) -> None:
 def _last_logits(model: nn.Module, input_ids: Tensor, **kwargs: object) -> Tensor:
     """Logits ``[b, V]`` of the last position only.
 
-    A plain ``TransformerLM`` (``.model`` -> hidden states, ``.lm_head``) projects only the
-    last hidden state, so a long prefill never materialises ``[b, s, V]`` logits. A model
-    whose top-level forward is hooked (FSDP2 unsharding, user hooks) or that is not shaped
-    like that runs its full forward instead.
+    A ``TransformerLM`` projects only the last hidden state (``logits_to_keep=1``), so a long
+    prefill never materialises ``[b, s, V]`` logits; other models run their full forward.
     """
-    decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    hooked = bool(model._forward_pre_hooks or model._forward_hooks)
-    if not hooked and isinstance(decoder, nn.Module) and isinstance(head, nn.Module):
-        return head(decoder(input_ids, **kwargs)[:, -1])
+    if isinstance(model, TransformerLM):
+        return model(input_ids, logits_to_keep=1, **kwargs)[:, -1]
     return model(input_ids, **kwargs)[:, -1]
 
 

@@ -215,6 +215,7 @@ class TransformerLM(nn.Module):
         kv_cache: KVCache | None = None,
         output_router_logits: bool = False,
         return_hidden_states: bool = False,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Logits ``[b, s, vocab]`` for ``input_ids`` ``[b, s]``.
 
@@ -232,7 +233,12 @@ class TransformerLM(nn.Module):
                 instead of logits, for a loss that owns the output projection
                 (:class:`~tunesmith.modules.losses.LinearCrossEntropyLoss`). Going through
                 this root forward (not ``.model``) keeps FSDP2's hooks in play.
+            logits_to_keep: when > 0, project only the last ``logits_to_keep`` positions
+                (``[b, logits_to_keep, vocab]``): a prefill that needs only the next token's
+                logits never builds ``[b, s, vocab]``. 0 keeps every position.
         """
+        if logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
         out = self.model(
             input_ids,
             position_ids=position_ids,
@@ -240,7 +246,12 @@ class TransformerLM(nn.Module):
             kv_cache=kv_cache,
             output_router_logits=output_router_logits,
         )
-        head = (lambda h: h) if return_hidden_states else self.lm_head
+        if return_hidden_states:
+            head = lambda h: h  # noqa: E731
+        elif logits_to_keep:
+            head = lambda h: self.lm_head(h[:, -logits_to_keep:])  # noqa: E731
+        else:
+            head = self.lm_head
         if output_router_logits:
             hidden, router_logits = out
             return head(hidden), router_logits
