@@ -419,7 +419,10 @@ def test_all_rows_bad_and_bad_arguments_are_refused(tok, tmp_path):
     for kwargs, message in [
         ({"truncation": "right"}, "truncation must be one of"),
         ({"on_bad_row": "ignore"}, "on_bad_row must be one of"),
-        ({"format": "alpaca"}, "unknown preference dataset format"),
+        (
+            {"format": "alpaca"},
+            "unknown dataset format .alpaca.; choose one of .*prompt_chosen_rejected",
+        ),
         ({"column_map": {"answer": "x"}}, "does not read"),
         ({"max_prompt_len": 8}, "max_prompt_len needs max_seq_len"),
         (

@@ -28,7 +28,7 @@ from tunesmith.data.collate import (  # noqa: E402
 )
 from tunesmith.data.formats import FORMATS, convert_row  # noqa: E402
 from tunesmith.data.labels import IGNORE_INDEX, make_labels  # noqa: E402
-from tunesmith.data.packing import PackedDataset, pack_greedy  # noqa: E402
+from tunesmith.data.packing import PackedDataset, pack_greedy, packed_or_padded  # noqa: E402
 from tunesmith.data.preference_dataset import PreferenceDataset  # noqa: E402
 from tunesmith.data.report import BadRowError, DataError, DataReport  # noqa: E402
 from tunesmith.data.sft_dataset import SFTDataset  # noqa: E402
@@ -42,6 +42,7 @@ __all__ += [
     "DataError",
     "DataReport",
     "PackedDataset",
+    "packed_or_padded",
     "PreferenceDataset",
     "SFTDataset",
     "collate_packed",

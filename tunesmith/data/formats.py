@@ -123,17 +123,22 @@ class PlainText:
     text: str
 
 
-def resolve_columns(format: str, column_map: Mapping[str, str] | None = None) -> dict[str, str]:
+def resolve_columns(
+    format: str,
+    column_map: Mapping[str, str] | None = None,
+    formats: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]] = FORMAT_FIELDS,
+) -> dict[str, str]:
     """Map each field of ``format`` to its column name (the field itself unless renamed).
+    ``formats`` is the table of ``format -> (required fields, optional fields)``.
 
     Example::
 
         >>> resolve_columns("prompt_completion", {"completion": "answer"})
         {'prompt': 'prompt', 'completion': 'answer', 'system': 'system'}
     """
-    if format not in FORMAT_FIELDS:
-        raise ValueError(f"unknown dataset format {format!r}; choose one of {FORMATS}")
-    required, optional = FORMAT_FIELDS[format]
+    if format not in formats:
+        raise ValueError(f"unknown dataset format {format!r}; choose one of {tuple(formats)}")
+    required, optional = formats[format]
     fields = required + optional
     column_map = dict(column_map or {})
     unknown = sorted(set(column_map) - set(fields))
@@ -146,10 +151,14 @@ def resolve_columns(format: str, column_map: Mapping[str, str] | None = None) ->
 
 
 def check_columns(
-    format: str, columns: Mapping[str, str], available: Sequence[str], source: str
+    format: str,
+    columns: Mapping[str, str],
+    available: Sequence[str],
+    source: str,
+    formats: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]] = FORMAT_FIELDS,
 ) -> None:
     """Raise :class:`DataError` if a required column is absent from the whole dataset."""
-    required, _ = FORMAT_FIELDS[format]
+    required, _ = formats[format]
     missing = [f for f in required if columns[f] not in available]
     if missing:
         names = ", ".join(

@@ -29,13 +29,17 @@ Example::
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
 
+from torch import Tensor
 from torch.utils.data import Dataset
 
+from tunesmith.data.collate import collate_packed, collate_padded
 from tunesmith.data.labels import IGNORE_INDEX
 
-__all__ = ["PAD_DOCUMENT_ID", "PackedDataset", "assign_packs", "pack_greedy"]
+__all__ = ["PAD_DOCUMENT_ID", "PackedDataset", "assign_packs", "pack_greedy", "packed_or_padded"]
 
 PAD_DOCUMENT_ID = -1
 """``document_ids`` value of padding positions in a pack."""
@@ -163,3 +167,21 @@ class PackedDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         return self.packs[index]
+
+
+def packed_or_padded(
+    dataset: Sequence[Sample], *, packed: bool, max_seq_len: int | None, pad_id: int
+) -> tuple[Sequence[Any], Callable[[list[Any]], dict[str, Tensor]]]:
+    """The samples a loader should draw and how to collate them: fixed-length packs of
+    ``max_seq_len`` tokens (:class:`PackedDataset`, :func:`collate_packed`), or the samples
+    themselves right-padded per batch (:func:`collate_padded`).
+
+    Example::
+
+        >>> data, collate = packed_or_padded(dataset, packed=True, max_seq_len=512, pad_id=0)  # doctest: +SKIP
+    """
+    if not packed:
+        return dataset, partial(collate_padded, pad_id=pad_id)
+    if max_seq_len is None:
+        raise ValueError("packing needs the dataset's max_seq_len (the length of each pack)")
+    return PackedDataset(dataset, max_seq_len, pad_id), collate_packed

@@ -88,7 +88,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Dataset
 
-from tunesmith.data.formats import check_messages
+from tunesmith.data.formats import check_columns, check_messages, resolve_columns
 from tunesmith.data.labels import count_trained, make_labels
 from tunesmith.data.report import (
     EMPTY_ASSISTANT_TURN,
@@ -101,9 +101,9 @@ from tunesmith.data.report import (
     TOO_LONG,
     WRONG_TYPE,
     BadRow,
-    BadRowError,
-    DataError,
     DataReport,
+    raise_if_empty,
+    read_samples,
 )
 from tunesmith.data.sources import load_rows
 
@@ -157,35 +157,7 @@ def resolve_preference_columns(
         >>> resolve_preference_columns("prompt_chosen_rejected", {"chosen": "good"})
         {'prompt': 'prompt', 'chosen': 'good', 'rejected': 'rejected', 'system': 'system'}
     """
-    if format not in PREFERENCE_FORMAT_FIELDS:
-        raise ValueError(
-            f"unknown preference dataset format {format!r}; choose one of {PREFERENCE_FORMATS}"
-        )
-    required, optional = PREFERENCE_FORMAT_FIELDS[format]
-    fields = required + optional
-    column_map = dict(column_map or {})
-    unknown = sorted(set(column_map) - set(fields))
-    if unknown:
-        raise ValueError(
-            f"column_map has keys {unknown} that format {format!r} does not read; "
-            f"its fields are {list(fields)} (map field -> your column name)"
-        )
-    return {f: str(column_map.get(f, f)) for f in fields}
-
-
-def _check_columns(
-    format: str, columns: Mapping[str, str], available: Sequence[str], source: str
-) -> None:
-    required, _ = PREFERENCE_FORMAT_FIELDS[format]
-    missing = [f for f in required if columns[f] not in available]
-    if missing:
-        names = ", ".join(
-            f"{columns[f]!r}" + ("" if columns[f] == f else f" (for field {f!r})") for f in missing
-        )
-        raise DataError(
-            f"{source}: format {format!r} needs column {names}, but the data has columns "
-            f"{sorted(available)}; set column_map={{field: column}} to use other names"
-        )
+    return resolve_columns(format, column_map, PREFERENCE_FORMAT_FIELDS)
 
 
 # ------------------------------------------------------------------------- row -> pair
@@ -512,7 +484,7 @@ class PreferenceDataset(Dataset):
             )
         columns = resolve_preference_columns(format, column_map)
         rows = load_rows(source, split=split, data_files=data_files)
-        _check_columns(format, columns, rows.columns, rows.name)
+        check_columns(format, columns, rows.columns, rows.name, PREFERENCE_FORMAT_FIELDS)
 
         self.source = rows.name
         self.format = format
@@ -520,29 +492,17 @@ class PreferenceDataset(Dataset):
         self.samples: list[dict[str, Any]] = []
         self.row_indices: list[int] = []
         self.report = DataReport(source=rows.name)
-        for index, where, row in rows:
-            self.report.rows += 1
-            try:
-                if isinstance(row, BadRow):
-                    raise row
-                pair = convert_preference_row(row, format, column_map, system_prompt=system_prompt)
-                sample, cut = tokenize_pair(
-                    tokenizer,
-                    pair,
-                    max_seq_len=max_seq_len,
-                    max_prompt_len=max_prompt_len,
-                    truncation=truncation,
-                    template_kwargs=template_kwargs,
-                )
-            except BadRow as bad:
-                if on_bad_row == "error":
-                    raise BadRowError(rows.name, index, where, bad) from bad
-                self.report.add_bad(bad, index)
-                continue
+
+        def make_sample(row: Any) -> tuple[dict[str, Any], bool]:
+            pair = convert_preference_row(row, format, column_map, system_prompt=system_prompt)
+            return tokenize_pair(
+                tokenizer, pair, max_seq_len=max_seq_len, max_prompt_len=max_prompt_len,
+                truncation=truncation, template_kwargs=template_kwargs,
+            )  # fmt: skip
+
+        for index, sample, cut in read_samples(rows, make_sample, on_bad_row, self.report):
             self._keep(sample, index, cut)
-        if not self.samples:
-            reasons = "; ".join(line.strip() for line in self.report.summary().splitlines()[1:])
-            raise DataError(f"{rows.name}: no usable pairs, every row was skipped: {reasons}")
+        raise_if_empty(self.report, "pairs")
 
     def _keep(self, sample: dict[str, Any], index: int, cut: bool) -> None:
         self.samples.append(sample)

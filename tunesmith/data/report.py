@@ -16,9 +16,13 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
+    "raise_if_empty",
+    "read_samples",
     "BAD_ROW_REASONS",
     "EMPTY_ASSISTANT_TURN",
     "EMPTY_TEXT",
@@ -176,3 +180,36 @@ class DataReport:
             "skipped": dict(self.skipped),
             "examples": {k: list(v) for k, v in self.examples.items()},
         }
+
+
+def read_samples(
+    rows: Iterable[tuple[int, str, Any]],
+    make_sample: Callable[[Any], tuple[Any, bool]],
+    on_bad_row: str,
+    report: DataReport,
+) -> Iterator[tuple[int, Any, bool]]:
+    """``(row index, sample, was_truncated)`` for each row ``make_sample`` turns into a sample.
+
+    Counts every row in ``report``. A row that is a :class:`BadRow` (the reader could not
+    parse it) or whose ``make_sample`` raises one raises :class:`BadRowError` naming the
+    source and row when ``on_bad_row="error"``, else is counted as skipped.
+    """
+    for index, where, row in rows:
+        report.rows += 1
+        try:
+            if isinstance(row, BadRow):
+                raise row
+            sample, cut = make_sample(row)
+        except BadRow as bad:
+            if on_bad_row == "error":
+                raise BadRowError(report.source, index, where, bad) from bad
+            report.add_bad(bad, index)
+            continue
+        yield index, sample, cut
+
+
+def raise_if_empty(report: DataReport, what: str = "samples") -> None:
+    """A dataset whose every row was skipped is an error that lists the reasons."""
+    if report.samples == 0:
+        reasons = "; ".join(line.strip() for line in report.summary().splitlines()[1:])
+        raise DataError(f"{report.source}: no usable {what}, every row was skipped: {reasons}")

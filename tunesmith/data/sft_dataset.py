@@ -62,9 +62,9 @@ from tunesmith.data.report import (
     TEMPLATE_ERROR,
     TOO_LONG,
     BadRow,
-    BadRowError,
-    DataError,
     DataReport,
+    raise_if_empty,
+    read_samples,
 )
 from tunesmith.data.sources import load_rows
 
@@ -228,40 +228,25 @@ class SFTDataset(Dataset):
         self.samples: list[dict[str, list[int]]] = []
         self.row_indices: list[int] = []
         self.report = DataReport(source=rows.name)
-        for index, where, row in rows:
-            self.report.rows += 1
-            try:
-                if isinstance(row, BadRow):
-                    raise row
-                example = convert_row(
-                    row,
-                    format,
-                    column_map,
-                    system_prompt=system_prompt,
-                    use_chat_template=use_chat_template,
-                )
-                sample, cut = tokenize_example(
-                    tokenizer,
-                    example,
-                    train_on=train_on,
-                    max_seq_len=max_seq_len,
-                    truncation=truncation,
-                    template_kwargs=template_kwargs,
-                )
-            except BadRow as bad:
-                if on_bad_row == "error":
-                    raise BadRowError(rows.name, index, where, bad) from bad
-                self.report.add_bad(bad, index)
-                continue
+
+        def make_sample(row: Any) -> tuple[dict[str, list[int]], bool]:
+            example = convert_row(
+                row, format, column_map, system_prompt=system_prompt,
+                use_chat_template=use_chat_template,
+            )  # fmt: skip
+            return tokenize_example(
+                tokenizer, example, train_on=train_on, max_seq_len=max_seq_len,
+                truncation=truncation, template_kwargs=template_kwargs,
+            )  # fmt: skip
+
+        for index, sample, cut in read_samples(rows, make_sample, on_bad_row, self.report):
             self.samples.append(sample)
             self.row_indices.append(index)
             self.report.samples += 1
             self.report.truncated += int(cut)
             self.report.tokens += len(sample["input_ids"])
             self.report.trained_tokens += count_trained(sample["labels"])
-        if not self.samples:
-            reasons = "; ".join(line.strip() for line in self.report.summary().splitlines()[1:])
-            raise DataError(f"{rows.name}: no usable samples, every row was skipped: {reasons}")
+        raise_if_empty(self.report)
 
     def __len__(self) -> int:
         return len(self.samples)

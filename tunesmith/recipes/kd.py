@@ -22,14 +22,12 @@ and ``val_ce_loss``.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
 from tunesmith.config import instantiate
-from tunesmith.data import PackedDataset, collate_packed, collate_padded
+from tunesmith.data import packed_or_padded
 from tunesmith.modules.losses import IGNORE_INDEX
 from tunesmith.training.activations import apply_activation_checkpointing
 from tunesmith.training.distributed import DistributedContext, shard_model
@@ -64,12 +62,10 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     # -- data: SFT samples (the teacher sees exactly the student's tokens)
     tokenizer = instantiate(cfg.tokenizer)
     dataset, val_dataset = build_datasets(cfg, tokenizer, log)
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    if cfg.get("packed", False):
-        dataset = PackedDataset(dataset, cfg.dataset.max_seq_len, pad_id)
-        collate = collate_packed
-    else:
-        collate = partial(collate_padded, pad_id=pad_id)
+    dataset, collate = packed_or_padded(
+        dataset, packed=bool(cfg.get("packed", False)), max_seq_len=cfg.dataset.get("max_seq_len"),
+        pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0,
+    )  # fmt: skip
 
     # -- student, frozen teacher
     model = instantiate(cfg.model).to(ctx.device)

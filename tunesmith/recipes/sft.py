@@ -12,13 +12,11 @@ the update equals one big batch's token-mean loss.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from omegaconf import DictConfig
 
 from tunesmith.config import instantiate
-from tunesmith.data import PackedDataset, collate_packed, collate_padded
+from tunesmith.data import packed_or_padded
 from tunesmith.modules.losses import IGNORE_INDEX
 from tunesmith.training.activations import apply_activation_checkpointing
 from tunesmith.training.compile import compile_loss, compile_model, compile_options
@@ -57,12 +55,10 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     # -- data
     tokenizer = instantiate(cfg.tokenizer)
     dataset, val_dataset = build_datasets(cfg, tokenizer, log)
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    if cfg.get("packed", False):
-        dataset = PackedDataset(dataset, cfg.dataset.max_seq_len, pad_id)
-        collate = collate_packed
-    else:
-        collate = partial(collate_padded, pad_id=pad_id)
+    dataset, collate = packed_or_padded(
+        dataset, packed=bool(cfg.get("packed", False)), max_seq_len=cfg.dataset.get("max_seq_len"),
+        pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0,
+    )  # fmt: skip
     loader, sampler = make_loader(dataset, collate, cfg, ctx)
 
     # -- model and loss
