@@ -135,7 +135,6 @@ def run_rung(preset: str, rung_index: int, steps: int, threads: int) -> RungResu
     from tunesmith.models import build_model
     from tunesmith.models.spec import spec_from_hf_config
     from tunesmith.modules.losses import CrossEntropyLoss, LinearCrossEntropyLoss
-    from tunesmith.modules.masks import document_causal_mask
     from tunesmith.training.activations import apply_activation_checkpointing
     from tunesmith.training.compile import compile_loss, compile_model
     from tunesmith.training.memory import LiveTensorBytes, storage_bytes
@@ -186,7 +185,7 @@ def run_rung(preset: str, rung_index: int, steps: int, threads: int) -> RungResu
     def train_step(batch: dict[str, torch.Tensor]) -> None:
         inputs = {"position_ids": batch["position_ids"]}
         if "document_ids" in batch:
-            inputs["attention_mask"] = document_causal_mask(batch["document_ids"])
+            inputs["document_ids"] = batch["document_ids"]
         if on.get("linear_ce"):
             hidden = model(batch["input_ids"], **inputs, return_hidden_states=True)
             loss = loss_fn(hidden, model.lm_head.weight, batch["labels"])

@@ -22,6 +22,7 @@ from tunesmith.modules import (
     causal_mask,
     document_causal_mask,
     document_position_ids,
+    document_spans,
     load_balancing_loss,
     padding_position_ids,
     rope_inv_freq,
@@ -323,3 +324,54 @@ def test_logits_to_keep_projects_only_the_last_positions():
     assert model(ids, logits_to_keep=3).shape == (2, 3, model.spec.vocab_size)
     with pytest.raises(ValueError, match="logits_to_keep"):
         model(ids, logits_to_keep=-1)
+
+
+def _packed_document_ids() -> torch.Tensor:
+    return torch.tensor(
+        [[0, 0, 0, 1, 1, 2, 2, 2, 2, -1, -1], [7, 7, 7, 7, 7, 7, 3, 3, 3, 3, 3]]
+    )  # fmt: skip
+
+
+def test_packed_rows_attend_document_by_document_exactly_as_the_block_causal_mask():
+    """The per-document path (``document_ids``) equals the explicit block-causal mask on
+    every real position, in outputs and in every parameter's gradient; padding is zeros."""
+    torch.manual_seed(0)
+    model = llama3.llama3_tiny().double()  # 4 heads over 2 KV heads: grouped
+    ids = torch.randint(0, model.spec.vocab_size, (2, 11))
+    docs = _packed_document_ids()
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 0], [*range(6), *range(5)]])
+    real = (docs >= 0)[..., None]
+
+    def run(**inputs):
+        model.zero_grad()
+        out = model(ids, position_ids=positions, **inputs)
+        (out * real).pow(2).sum().backward()
+        return out * real, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    by_document, grads = run(document_ids=docs)
+    masked, mask_grads = run(attention_mask=document_causal_mask(docs))
+    torch.testing.assert_close(by_document, masked, rtol=1e-10, atol=1e-10)
+    for name in grads:
+        torch.testing.assert_close(grads[name], mask_grads[name], rtol=1e-9, atol=1e-10)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, 11, model.spec.hidden_size, dtype=torch.float64)
+    cos, sin = model.model.rotary_emb(positions, dtype=x.dtype)
+    out = attn(x, cos, sin, spans=document_spans(docs))
+    assert torch.equal(out[0, 9:], attn.o_proj(torch.zeros_like(x[0, 9:])))  # padding: zeros
+
+
+def test_document_spans_and_their_fallbacks():
+    assert document_spans(_packed_document_ids()) == [
+        [(0, 3), (3, 5), (5, 9)],
+        [(0, 6), (6, 11)],
+    ]
+    assert document_spans(torch.tensor([[0, 0, 1, 0]])) is None  # id 0 in two runs
+    assert document_spans(torch.tensor([[-1, -1]])) == [[]]
+    model = llama3.llama3_tiny()
+    ids = torch.randint(0, model.spec.vocab_size, (1, 3))
+    with pytest.raises(ValueError, match="document_ids must be shaped like input_ids"):
+        model(ids, document_ids=torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="takes no attention_mask"):
+        model(
+            ids, document_ids=torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 3)
+        )

@@ -13,6 +13,7 @@ from tunesmith.modules.masks import (
     causal_mask,
     document_causal_mask,
     document_position_ids,
+    document_spans,
     padding_position_ids,
 )
 from tunesmith.modules.moe import MoE, load_balancing_loss
@@ -33,6 +34,7 @@ __all__ = [
     "build_attention_mask",
     "causal_mask",
     "document_causal_mask",
+    "document_spans",
     "document_position_ids",
     "load_balancing_loss",
     "padding_position_ids",

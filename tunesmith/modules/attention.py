@@ -78,12 +78,18 @@ class Attention(nn.Module):
         mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         layer_idx: int = 0,
+        spans: list[list[tuple[int, int]]] | None = None,
     ) -> torch.Tensor:
         """Attend ``x`` ``[b, s, hidden]`` (plus cached keys) and return ``[b, s, hidden]``.
 
         ``mask`` is a bool ``[b|1, 1, s, kv_len]`` mask (True = attend). When it is None
         the attention is causal for a fresh sequence, or unrestricted for a single
         new token after a cache (see :func:`tunesmith.modules.masks.build_attention_mask`).
+        ``spans`` (packed rows, see :func:`tunesmith.modules.masks.document_spans`) says the
+        same as a block-causal ``mask`` more cheaply: each document attends causally to
+        itself alone, so the cost is the sum of the squared document lengths instead of the
+        squared row length; padding positions get zeros. Under ``torch.compile`` the mask
+        is used instead (data-dependent spans would recompile each batch).
         """
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
@@ -97,7 +103,9 @@ class Attention(nn.Module):
             k, v = kv_cache.update(layer_idx, k, v)
 
         groups = self.num_heads // self.num_kv_heads
-        if mask is None:
+        if spans is not None and not torch.compiler.is_compiling():
+            out = _attend_by_document(q, k, v, spans, enable_gqa=groups > 1)
+        elif mask is None:
             # Causal fast path: flash/efficient kernels handle grouped heads themselves.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=groups > 1)
         else:
@@ -110,3 +118,33 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+
+
+def _attend_by_document(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spans: list[list[tuple[int, int]]],
+    *,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """Causal SDPA over each document of each row (``[b, heads, s, d]`` in and out); the
+    positions of no document (padding) are zeros."""
+    b, heads, s, d = q.shape
+    rows = []
+    for row, row_spans in enumerate(spans):
+        pieces, pos = [], 0
+        for start, end in row_spans:
+            if start > pos:
+                pieces.append(q.new_zeros(1, heads, start - pos, d))
+            pieces.append(
+                F.scaled_dot_product_attention(
+                    q[row : row + 1, :, start:end], k[row : row + 1, :, start:end],
+                    v[row : row + 1, :, start:end], is_causal=True, enable_gqa=enable_gqa,
+                )
+            )  # fmt: skip
+            pos = end
+        if pos < s:
+            pieces.append(q.new_zeros(1, heads, s - pos, d))
+        rows.append(torch.cat(pieces, dim=2))
+    return torch.cat(rows, dim=0)

@@ -15,7 +15,7 @@ from torch import nn
 
 from tunesmith.modules.attention import Attention
 from tunesmith.modules.kv_cache import KVCache
-from tunesmith.modules.masks import build_attention_mask
+from tunesmith.modules.masks import build_attention_mask, document_causal_mask, document_spans
 from tunesmith.modules.norms import RMSNorm
 from tunesmith.modules.rope import RotaryEmbedding
 
@@ -57,10 +57,12 @@ class DecoderLayer(nn.Module):
         mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         layer_idx: int = 0,
+        spans: list[list[tuple[int, int]]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = x + self.self_attn(
-            self.input_layernorm(x), cos, sin, mask=mask, kv_cache=kv_cache, layer_idx=layer_idx
-        )
+            self.input_layernorm(x), cos, sin, mask=mask, kv_cache=kv_cache,
+            layer_idx=layer_idx, spans=spans,
+        )  # fmt: skip
         out = self.mlp(self.post_attention_layernorm(h))
         router_logits = None
         if isinstance(out, tuple):
@@ -98,6 +100,7 @@ class DecoderModel(nn.Module):
         *,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         output_router_logits: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -120,6 +123,20 @@ class DecoderModel(nn.Module):
                 f"position_ids must be [batch, seq] = {[b, s]} (or [1, seq]), "
                 f"got {list(position_ids.shape)}"
             )
+        spans = None
+        if document_ids is not None:
+            if attention_mask is not None or kv_cache is not None:
+                raise ValueError("document_ids (packed rows) takes no attention_mask or kv_cache")
+            if document_ids.shape != input_ids.shape:
+                raise ValueError(
+                    f"document_ids must be shaped like input_ids {list(input_ids.shape)}, "
+                    f"got {list(document_ids.shape)}"
+                )
+            attention_mask = document_causal_mask(document_ids)
+            spans = document_spans(document_ids)
+            if spans is not None and self.sliding_window is not None:
+                longest = max((end - start for row in spans for start, end in row), default=0)
+                spans = None if longest > self.sliding_window else spans
         mask = build_attention_mask(
             attention_mask,
             batch_size=b,
@@ -132,7 +149,9 @@ class DecoderModel(nn.Module):
         cos, sin = self.rotary_emb(position_ids, dtype=h.dtype)
         router_logits = []
         for i, layer in enumerate(self.layers):
-            h, layer_router_logits = layer(h, cos, sin, mask=mask, kv_cache=kv_cache, layer_idx=i)
+            h, layer_router_logits = layer(
+                h, cos, sin, mask=mask, kv_cache=kv_cache, layer_idx=i, spans=spans
+            )
             if layer_router_logits is not None:
                 router_logits.append(layer_router_logits)
         if kv_cache is not None:
@@ -212,6 +231,7 @@ class TransformerLM(nn.Module):
         *,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         output_router_logits: bool = False,
         return_hidden_states: bool = False,
@@ -225,6 +245,10 @@ class TransformerLM(nn.Module):
                 ``[b, cached + s]`` 0/1 padding mask, combined with causal; or an
                 explicit 4-D bool ``[b, 1, s, cached + s]`` mask (True = may attend),
                 e.g. :func:`~tunesmith.modules.masks.document_causal_mask` for packing.
+            document_ids: ``[b, s]`` packed rows (equal ids = one document, negative =
+                padding): each document attends causally to itself only, computed document
+                by document (no ``[s, s]`` work across documents); instead of
+                ``attention_mask``.
             kv_cache: a :class:`KVCache` from :meth:`init_kv_cache`; new keys/values
                 are appended and its ``seq_len`` advances by ``s``.
             output_router_logits: also return the tuple of per-MoE-layer router
@@ -243,6 +267,7 @@ class TransformerLM(nn.Module):
             input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
+            document_ids=document_ids,
             kv_cache=kv_cache,
             output_router_logits=output_router_logits,
         )

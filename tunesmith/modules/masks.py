@@ -13,6 +13,7 @@ __all__ = [
     "build_attention_mask",
     "causal_mask",
     "document_causal_mask",
+    "document_spans",
     "document_position_ids",
     "padding_position_ids",
 ]
@@ -100,6 +101,34 @@ def padding_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """
     mask = attention_mask.long()
     return ((mask.cumsum(-1) - 1) * mask).clamp_min(0)
+
+
+def document_spans(document_ids: torch.Tensor) -> list[list[tuple[int, int]]] | None:
+    """Each row's documents as ``(start, end)`` runs of equal, non-negative ids (negative ids
+    are padding), or None when some id appears in two separate runs of a row (then only
+    :func:`document_causal_mask` describes the attention).
+
+    Example::
+
+        >>> document_spans(torch.tensor([[0, 0, 1, -1], [5, 5, 5, 5]]))
+        [[(0, 2), (2, 3)], [(0, 4)]]
+    """
+    spans = []
+    for row in document_ids.tolist():
+        runs: list[tuple[int, int]] = []
+        seen: set[int] = set()
+        start = 0
+        for i in range(1, len(row) + 1):
+            if i < len(row) and row[i] == row[start]:
+                continue
+            if row[start] >= 0:
+                if row[start] in seen:
+                    return None
+                seen.add(row[start])
+                runs.append((start, i))
+            start = i
+        spans.append(runs)
+    return spans
 
 
 def build_attention_mask(

@@ -1,7 +1,7 @@
 """One forward pass of a collated batch through a decoder, the way every recipe runs it.
 
-Packed rows (``document_ids``) get a block-causal mask; right-padded rows need only the
-causal mask (a real token never attends to the padding after it, and padding is never
+Packed rows pass their ``document_ids`` (each document attends causally to itself only);
+right-padded rows need only the causal mask (a real token never attends to the padding after it, and padding is never
 trained). MoE models also return their router logits, for the load-balancing loss.
 
 Example::
@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from tunesmith.modules.losses import IGNORE_INDEX, token_logprobs
-from tunesmith.modules.masks import document_causal_mask
 from tunesmith.modules.moe import load_balancing_loss
 
 __all__ = ["forward_batch", "model_inputs", "router_aux_loss", "sequence_logps"]
@@ -28,7 +27,7 @@ def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The keyword arguments of ``model(batch["input_ids"], ...)`` for a collated batch."""
     inputs: dict[str, Any] = {"position_ids": batch["position_ids"]}
     if "document_ids" in batch:
-        inputs["attention_mask"] = document_causal_mask(batch["document_ids"])
+        inputs["document_ids"] = batch["document_ids"]
     return inputs
 
 
