@@ -84,7 +84,7 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     chunk_size = int(cfg.get("logprob_chunk_size", 1024))
     reference = None
     if loss_fn.needs_reference:
-        reference = reference_logps(cfg, model, ctx, chunk_size, log)
+        reference = reference_logps(cfg, model, ctx, chunk_size, log, tokenizer=tokenizer)
     if cfg.get("activation_checkpointing"):
         apply_activation_checkpointing(model, **cfg.activation_checkpointing)
     model = shard_model(model, ctx)
@@ -148,13 +148,16 @@ class PreferenceObjective:
 
 def reference_logps(
     cfg: DictConfig, model: nn.Module, ctx: DistributedContext, chunk_size: int,
-    log: Callable[[str], None],
+    log: Callable[[str], None], tokenizer: Any = None,
 ) -> Callable[[Mapping[str, torch.Tensor]], PairLogps]:  # fmt: skip
     """The reference policy as a function of a batch (no gradient): ``cfg.reference_model``,
     else ``model`` with its adapters disabled, else a frozen copy of ``model`` as it is now
-    (before any update; call this before sharding)."""
+    (before any update; call this before sharding). With ``tokenizer``, a
+    ``reference_model`` that cannot embed its token ids is refused."""
     if cfg.get("reference_model"):
         reference = instantiate(cfg.reference_model).to(ctx.device)
+        if tokenizer is not None:
+            check_vocab(tokenizer, reference, cfg, key="reference_model")
         log(f"reference: {cfg.reference_model.get('path', cfg.reference_model._component_)}")
     elif adapter_modules(model):
         log("reference: the policy with its adapters disabled")

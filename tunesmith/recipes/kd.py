@@ -71,12 +71,14 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     model = instantiate(cfg.model).to(ctx.device)
     check_vocab(tokenizer, model, cfg)
     teacher = instantiate(cfg.teacher_model).to(ctx.device).requires_grad_(False).eval()
-    _check_same_vocab(model, teacher)
+    vocab = shared_vocab(model, teacher, tokenizer.vocab_size, log)
     if cfg.get("activation_checkpointing"):
         apply_activation_checkpointing(model, **cfg.activation_checkpointing)
     model = shard_model(model, ctx)
     teacher = shard_model(teacher, ctx)
-    objective = Distillation(teacher, instantiate(cfg.loss), float(cfg.get("kd_ratio", 0.5)))
+    objective = Distillation(
+        teacher, instantiate(cfg.loss), float(cfg.get("kd_ratio", 0.5)), vocab_size=vocab
+    )
 
     loader, sampler = make_loader(dataset, collate, cfg, ctx)
     fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,
@@ -84,16 +86,21 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
 
 
 class Distillation:
-    """``kd_ratio * Σ divergence + (1 - kd_ratio) * Σ CE`` over the trained tokens."""
+    """``kd_ratio * Σ divergence + (1 - kd_ratio) * Σ CE`` over the trained tokens, over the
+    first ``vocab_size`` rows of both heads (None: all of them)."""
 
     unit = "trained_tokens"
 
-    def __init__(self, teacher: nn.Module, loss_fn: nn.Module, kd_ratio: float) -> None:
+    def __init__(
+        self, teacher: nn.Module, loss_fn: nn.Module, kd_ratio: float,
+        vocab_size: int | None = None,
+    ) -> None:  # fmt: skip
         if not 0.0 <= kd_ratio <= 1.0:
             raise ValueError(f"kd_ratio must be in [0, 1], got {kd_ratio}")
         self.teacher = teacher
         self.loss_fn = loss_fn
         self.kd_ratio = kd_ratio
+        self.vocab_size = vocab_size
 
     def units(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"] != IGNORE_INDEX).sum())
@@ -102,20 +109,35 @@ class Distillation:
         hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
         with torch.no_grad():
             teacher_hidden, _ = forward_batch(self.teacher, batch, return_hidden_states=True)
+        rows = slice(self.vocab_size)
         kd, ce = self.loss_fn(
-            hidden, model.lm_head.weight, teacher_hidden, self.teacher.lm_head.weight,
-            batch["labels"],
+            hidden, model.lm_head.weight[rows], teacher_hidden,
+            self.teacher.lm_head.weight[rows], batch["labels"],
         )  # fmt: skip
         loss = self.kd_ratio * kd + (1.0 - self.kd_ratio) * ce
         metrics = {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return LossOutput(loss, metrics, aux_loss=router_aux_loss(model, router_logits, batch))
 
 
-def _check_same_vocab(student: nn.Module, teacher: nn.Module) -> None:
+def shared_vocab(
+    student: nn.Module, teacher: nn.Module, tokenizer_size: int, log=print
+) -> int | None:
+    """None when both heads have the same rows; else the tokenizer's size, when both heads
+    cover it (one tokenizer, vocabularies padded differently, as Qwen2.5 0.5B's 151936 and
+    7B's 152064 rows): the padding rows, which no token id reaches, are left out of both
+    distributions. A head smaller than the tokenizer is refused."""
     student_rows = student.lm_head.weight.shape[0]
     teacher_rows = teacher.lm_head.weight.shape[0]
-    if student_rows != teacher_rows:
+    if student_rows == teacher_rows:
+        return None
+    if min(student_rows, teacher_rows) < tokenizer_size:
         raise ValueError(
             f"student lm_head.weight has {student_rows} rows but teacher lm_head.weight has "
-            f"{teacher_rows}: distillation needs one tokenizer (the same vocabulary)"
+            f"{teacher_rows}, and the tokenizer has {tokenizer_size} ids: distillation needs "
+            "one tokenizer that both models embed"
         )
+    log(
+        f"student and teacher heads have {student_rows} and {teacher_rows} rows: distilling "
+        f"over the tokenizer's {tokenizer_size} ids"
+    )
+    return tokenizer_size

@@ -23,6 +23,7 @@ from functools import partial
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.utils.data import Subset
 
 from tunesmith.config import instantiate
 from tunesmith.data import collate_preference
@@ -110,7 +111,16 @@ def _check_pad_not_trained(dataset, pad_id: int) -> None:
         for side in ("chosen", "rejected"):
             if sample[f"{side}_input_ids"][-1] == pad_id:
                 raise ValueError(
-                    f"sample {index}: the {side} sequence ends with the pad token "
+                    f"{_source_row(dataset, index)}: the {side} sequence ends with the pad token "
                     f"(id {pad_id}); transformers would score an earlier token. Use a "
                     "tokenizer whose pad token differs from the end-of-turn/eos token"
                 )
+
+
+def _source_row(dataset, index: int) -> str:
+    """``"<source>: row <r>"``, the source row (0-based) of sample ``index`` of a dataset,
+    possibly a training split (:class:`~torch.utils.data.Subset`) of one."""
+    while isinstance(dataset, Subset):
+        dataset, index = dataset.dataset, dataset.indices[index]
+    rows = getattr(dataset, "row_indices", None)
+    return f"{getattr(dataset, 'source', 'dataset')}: row {index if rows is None else rows[index]}"

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from tqdm import tqdm
 
@@ -168,15 +169,17 @@ def build_datasets(
     return dataset, val_dataset
 
 
-def check_vocab(tokenizer: Any, model: nn.Module, cfg: DictConfig) -> None:
-    """Refuse a tokenizer whose ids run past the model's embedding (another model's tokenizer):
-    training would index out of range, or on a GPU read garbage rows."""
+def check_vocab(tokenizer: Any, model: nn.Module, cfg: DictConfig, key: str = "model") -> None:
+    """Refuse a tokenizer whose ids run past the embedding of ``model`` (built from
+    ``cfg[key]``): a model of another vocabulary would index out of range, or on a GPU read
+    garbage rows, in the middle of the first step."""
     rows = getattr(getattr(model, "spec", None), "vocab_size", None)
     if rows is not None and tokenizer.vocab_size > rows:
+        node = cfg[key]
         raise ValueError(
             f"tokenizer {getattr(tokenizer, 'name', cfg.tokenizer)} has {tokenizer.vocab_size} "
-            f"token ids but the model ({cfg.model.get('path', cfg.model._component_)}) embeds "
-            f"only {rows} (model.embed_tokens.weight): the tokenizer belongs to another model"
+            f"token ids but {key} ({node.get('path', node._component_)}) embeds only {rows} "
+            f"(model.embed_tokens.weight): {key} belongs to another vocabulary"
         )
 
 
@@ -334,10 +337,17 @@ def evaluate(
     collate: Callable[[list[Any]], Batch], ctx: DistributedContext, batch_size: int,
     autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:  # fmt: skip
-    """``val_loss`` and ``val_<metric>``: the objective's sums over ``dataset`` (split over
-    ranks) divided by its units, with no gradient."""
-    sampler = DistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate)
+    """``val_loss`` and ``val_<metric>``: the objective's sums over ``dataset`` divided by its
+    units, with no gradient. Rank ``r`` takes items ``r, r + world, ...``; every rank runs
+    the same number of batches (a sharded model needs each forward on all ranks), a rank
+    short of items repeating one whose result it then discards, so no item counts twice."""
+    mine = list(range(ctx.rank, len(dataset), ctx.world_size))
+    batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+    rounds = len(batches)
+    if ctx.world_size > 1:
+        count = torch.tensor(rounds, device=ctx.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        rounds = int(count.item())
     sums: dict[str, torch.Tensor] = {}
     units = 0
     model.eval()
@@ -345,10 +355,15 @@ def evaluate(
         torch.no_grad(),
         torch.autocast(ctx.device.type, autocast_dtype, enabled=bool(autocast_dtype)),
     ):
-        for mb in loader:
+        for i in range(rounds):
+            counted = i < len(batches)
+            mb = collate([dataset[j] for j in (batches[i] if counted else [0])])
             out = objective(model, {k: v.to(ctx.device) for k, v in mb.items()})
-            _add_metrics(sums, {"loss": out.loss, **out.metrics})
-            units += objective.units(mb)
+            metrics = {"loss": out.loss, **out.metrics}
+            if not counted:  # zeros keep every rank's metric names (and all-reduces) equal
+                metrics = {k: torch.zeros_like(v) for k, v in metrics.items()}
+            _add_metrics(sums, metrics)
+            units += objective.units(mb) if counted else 0
     model.train()
     total_units = all_reduce_sum(units, ctx.device)
     return {f"val_{k}": v for k, v in _means(sums, total_units, ctx).items()}

@@ -1,0 +1,104 @@
+"""DPO under FSDP2 on two CPU ranks (gloo) == one process: same logged losses and rewards, same
+exported weights; the frozen reference copy is sharded like the policy, and precomputed
+reference log-probs are gathered from both ranks into one table.
+
+Why the runs see the same pairs: the DistributedSampler draws one permutation per epoch from the
+seed alone and hands rank r ``perm[r::2]``, so with a per-rank batch of B step k's batches on
+the two ranks are exactly the single process's step-k batch of 2B (see
+``test_sft_distributed``). The 'add' pairs have responses of different lengths, so the ranks'
+token counts differ; the loss is a mean over pairs of all ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.recipes.preference_world import (
+    launch_recipe_ranks,
+    make_preference_data,
+    read_eval_metrics,
+    recipe_overrides,
+    run_recipe,
+)
+from tests.recipes.sft_world import (
+    checkpoint_weights,
+    checkpoints,
+    final_weights,
+    make_model_dir,
+    read_metrics,
+)
+
+PER_RANK, STEPS = 2, 3
+COMMON = [f"max_steps={STEPS}", "optimizer.lr=1e-3"]
+VAL = "val_fraction=0.2"  # 26 pairs: 21 train, 5 val (neither splits evenly over 2 ranks)
+PRECOMPUTE = ["precompute_reference=true", VAL]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo_fsdp")
+    model_dir = make_model_dir(root)
+    data = make_preference_data(root / "add.jsonl", rows=26, seed=0, task="add")
+    return root, model_dir, data
+
+
+def _single(world, name: str, *extra: str):
+    root, model_dir, data = world
+    return run_recipe(
+        "dpo", "tiny", model_dir, data, root / name, f"batch_size={2 * PER_RANK}", *COMMON, *extra
+    )
+
+
+def _check_same_as_single(model_dir, single, distributed) -> None:
+    assert [p.name for p in checkpoints(distributed)] == [f"step_{STEPS:06d}"]
+    state = checkpoints(distributed)[-1] / "training_state"
+    assert sorted(p.name for p in state.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
+    logged_1, logged_2 = read_metrics(single), read_metrics(distributed)
+    assert sorted(logged_1) == sorted(logged_2) == list(range(1, STEPS + 1))
+    for step in logged_1:
+        one, two = logged_1[step], logged_2[step]
+        assert one["pairs"] == two["pairs"] == 2 * PER_RANK
+        assert one["tokens_seen"] == two["tokens_seen"]
+        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
+            assert two[key] == pytest.approx(one[key], rel=1e-5), f"{key} at step {step}"
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracy"):
+            assert two[key] == pytest.approx(one[key], abs=1e-5), f"{key} at step {step}"
+    assert abs(logged_1[STEPS]["rewards/margin"]) > 1e-4  # the reference matters by then
+    weights_1, weights_2 = final_weights(single), final_weights(distributed)
+    assert weights_1.keys() == weights_2.keys()
+    for name in weights_1:
+        torch.testing.assert_close(
+            weights_2[name], weights_1[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    initial = checkpoint_weights(model_dir)
+    assert max((weights_1[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
+
+
+def test_two_gloo_ranks_equal_one_process(world, tmp_path):
+    _, model_dir, data = world
+    single = _single(world, "single")
+    out = tmp_path / "fsdp"
+    overrides = recipe_overrides(model_dir, data, out, f"batch_size={PER_RANK}", *COMMON)
+    launch_recipe_ranks("dpo", "tiny", overrides, tmp_path)
+    _check_same_as_single(model_dir, single, out)
+
+
+def test_precomputed_reference_on_two_ranks_equals_one_process(world, tmp_path):
+    """21 training pairs do not split evenly over 2 ranks: the precompute pass pads one rank
+    with a repeat, and the gathered table must still give every pair its own log-probs. The
+    5 validation pairs do not either: evaluation must count each exactly once."""
+    _, model_dir, data = world
+    single = _single(world, "single_live", VAL)  # reference on the fly
+    out = tmp_path / "fsdp"
+    overrides = recipe_overrides(
+        model_dir, data, out, f"batch_size={PER_RANK}", *COMMON, *PRECOMPUTE
+    )
+    launch_recipe_ranks("dpo", "tiny", overrides, tmp_path)
+    assert "precomputing the reference" in (tmp_path / "rank0.log").read_text()
+    _check_same_as_single(model_dir, single, out)
+    val_1, val_2 = read_eval_metrics(single)[STEPS], read_eval_metrics(out)[STEPS]
+    keys = ("val_loss", "val_rewards/chosen", "val_rewards/margin", "val_rewards/accuracy",
+            "val_logps/chosen")  # fmt: skip
+    for key in keys:
+        assert val_2[key] == pytest.approx(val_1[key], rel=1e-5, abs=1e-6), key
