@@ -12,8 +12,8 @@ divides it by the number of pairs on all ranks. Logged (means over pairs): ``acc
 ``scores/rejected``.
 
 The tokenizer's pad token is written as the checkpoint's ``pad_token_id``: transformers
-scores the last token that is not padding, so it must not be a token of the sequences
-(the recipe refuses a pad token that also ends the responses, e.g. pad = eos).
+scores the last token that is not padding, so no sequence may end with it (the recipe
+refuses such a pad token, e.g. pad = eos when sequences end with eos).
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
             f"tokenizer {getattr(tokenizer, 'name', '')} has no pad token: a reward model "
             "checkpoint needs pad_token_id (transformers scores the last non-pad token)"
         )
-    _check_pad_not_trained(dataset, tokenizer.pad_id)
+    for data in (dataset, val_dataset or []):
+        _check_pad_not_trained(data, tokenizer.pad_id)
     collate = partial(collate_preference, pad_id=tokenizer.pad_id)
 
     model = instantiate(cfg.model).to(ctx.device)
