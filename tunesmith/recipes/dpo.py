@@ -12,8 +12,10 @@ pairs (``2B`` rows: chosen then rejected, from
 2. the reference's, when the loss needs one, from (in this order of preference):
    ``reference_model`` (a component: e.g. another checkpoint, or bf16), the policy itself with
    its adapters disabled (LoRA: no second copy in memory), or a frozen copy of the policy taken
-   before training (full fine-tuning); with ``precompute_reference: true`` they are computed
-   once for the whole dataset before training and the reference model is then freed;
+   before training (full fine-tuning), sharded like the policy and, with
+   ``reference_offload: true`` on a GPU, kept in CPU memory between its layers' forwards; with
+   ``precompute_reference: true`` they are computed once for the whole dataset before
+   training and the reference model is then freed;
 3. the loss of each pair, summed; :func:`~tunesmith.training.loop.fit` divides by the number
    of pairs of all micro-batches on all ranks, so the update is one big batch's mean.
 
@@ -58,7 +60,7 @@ from tunesmith.training.loop import (
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
 KEYS = [
-    *LOOP_KEYS, "model", "reference_model", "loss", "precompute_reference",
+    *LOOP_KEYS, "model", "reference_model", "reference_offload", "loss", "precompute_reference",
     "logprob_chunk_size", "activation_checkpointing",
 ]  # fmt: skip
 REFERENCE_KEYS = ("reference_chosen", "reference_rejected")
@@ -78,13 +80,14 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     collate = partial(collate_with_reference, pad_id=pad_id)
 
     # -- policy, loss, reference
-    model = instantiate(cfg.model).to(ctx.device)
+    model = instantiate(cfg.model)
     check_vocab(tokenizer, model, cfg)
     loss_fn = instantiate(cfg.loss)
     chunk_size = int(cfg.get("logprob_chunk_size", 1024))
     reference = None
-    if loss_fn.needs_reference:
+    if loss_fn.needs_reference:  # before the policy moves: an offloaded copy stays on the host
         reference = reference_logps(cfg, model, ctx, chunk_size, log, tokenizer=tokenizer)
+    model = model.to(ctx.device)
     if cfg.get("activation_checkpointing"):
         apply_activation_checkpointing(model, **cfg.activation_checkpointing)
     model = shard_model(model, ctx)
@@ -154,8 +157,9 @@ def reference_logps(
     else ``model`` with its adapters disabled, else a frozen copy of ``model`` as it is now
     (before any update; call this before sharding). With ``tokenizer``, a
     ``reference_model`` that cannot embed its token ids is refused."""
+    offload = bool(cfg.get("reference_offload", False))
     if cfg.get("reference_model"):
-        reference = instantiate(cfg.reference_model).to(ctx.device)
+        reference = instantiate(cfg.reference_model)
         if tokenizer is not None:
             check_vocab(tokenizer, reference, cfg, key="reference_model")
         log(f"reference: {cfg.reference_model.get('path', cfg.reference_model._component_)}")
@@ -166,7 +170,9 @@ def reference_logps(
         log("reference: a frozen copy of the initial policy")
         reference = copy.deepcopy(model)
     reference.requires_grad_(False).eval()
-    reference = shard_model(reference, ctx)
+    if not (offload and ctx.device.type == "cuda"):  # offloaded: FSDP2 places the shards
+        reference = reference.to(ctx.device)
+    reference = shard_model(reference, ctx, cpu_offload=offload)
     return partial(_pair_logps, reference, chunk_size=chunk_size)
 
 

@@ -6,7 +6,8 @@ mixed with the ordinary cross-entropy on the labels; full fine-tuning or LoRA, o
 Per micro-batch of SFT samples (any SFT dataset format, optionally packed):
 
 1. the student's final hidden states (with gradient) and the teacher's (``teacher_model``, in
-   eval mode and without gradient, possibly in another dtype such as bf16);
+   eval mode and without gradient, possibly in another dtype such as bf16, and with
+   ``teacher_offload: true`` on a GPU kept in CPU memory between its layers' forwards);
 2. ``loss`` (:class:`~tunesmith.modules.kd_losses.KDLoss`: forward KL, reverse KL, symmetric,
    or Jensen-Shannon, at a temperature) projects both through their heads chunk by chunk, so
    the two models' full logits never both exist; it returns the summed divergence and the
@@ -47,7 +48,8 @@ from tunesmith.training.loop import (
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
 KEYS = [
-    *LOOP_KEYS, "model", "teacher_model", "teacher_dir", "loss", "kd_ratio", "packed",
+    *LOOP_KEYS, "model", "teacher_model", "teacher_dir", "teacher_offload", "loss", "kd_ratio",
+    "packed",
     "activation_checkpointing",
 ]  # fmt: skip
 
@@ -70,12 +72,15 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     # -- student, frozen teacher
     model = instantiate(cfg.model).to(ctx.device)
     check_vocab(tokenizer, model, cfg)
-    teacher = instantiate(cfg.teacher_model).to(ctx.device).requires_grad_(False).eval()
+    teacher = instantiate(cfg.teacher_model).requires_grad_(False).eval()
+    offload = bool(cfg.get("teacher_offload", False))
+    if not (offload and ctx.device.type == "cuda"):  # offloaded: FSDP2 places the shards
+        teacher = teacher.to(ctx.device)
     vocab = shared_vocab(model, teacher, tokenizer.vocab_size, log)
     if cfg.get("activation_checkpointing"):
         apply_activation_checkpointing(model, **cfg.activation_checkpointing)
     model = shard_model(model, ctx)
-    teacher = shard_model(teacher, ctx)
+    teacher = shard_model(teacher, ctx, cpu_offload=offload)
     objective = Distillation(
         teacher, instantiate(cfg.loss), float(cfg.get("kd_ratio", 0.5)), vocab_size=vocab
     )

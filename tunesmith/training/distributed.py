@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -153,20 +154,32 @@ def all_reduce_sum(value: torch.Tensor | float | int, device: torch.device) -> t
     return tensor
 
 
-def shard_model(model: nn.Module, ctx: DistributedContext) -> nn.Module:
+def shard_model(
+    model: nn.Module, ctx: DistributedContext, *, cpu_offload: bool = False
+) -> nn.Module:
     """FSDP2: ``fully_shard`` each decoder layer, then the root; a no-op on a world of one.
 
     Parameters become DTensors sharded on dim 0 over ``ctx.mesh``; gradients are averaged
     over ranks (the recipe scales its loss by the world size to get a global token mean).
+    With ``cpu_offload`` (a CUDA device; e.g. a frozen DPO reference or KD teacher) the
+    shards live in pinned CPU memory and each layer is copied to the GPU for its forward,
+    on any world size; on a CPU device there is nothing to offload to: a warning, no-op.
     """
-    if ctx.world_size == 1:
+    offload = cpu_offload and ctx.device.type == "cuda"
+    if cpu_offload and not offload:
+        warnings.warn(
+            f"cpu_offload needs a CUDA device; on {ctx.device} the model stays where it is",
+            stacklevel=2,
+        )
+    if ctx.world_size == 1 and not offload:
         return model
     check_nf4_shardable(model, ctx.world_size)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+    policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
     for layer in model.model.layers:
-        fully_shard(layer, mesh=ctx.mesh)
-    fully_shard(model, mesh=ctx.mesh)
+        fully_shard(layer, mesh=ctx.mesh, **policy)
+    fully_shard(model, mesh=ctx.mesh, **policy)
     return model
 
 
