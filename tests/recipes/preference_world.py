@@ -1,8 +1,8 @@
-"""Preference data and recipe runners for the preference recipe tests (dpo, reward_model).
+"""Preference data for the preference recipe tests (dpo, reward_model): synthetic preference
+tasks written as JSONL pairs, the pairs as the recipes tokenize and collate them, and an
+independent log-probability reference (transformers' own model in float64).
 
-Builds on :mod:`tests.recipes.sft_world` (tiny model folders, metrics, checkpoints, rank
-environment): this module adds synthetic preference tasks written as JSONL pairs, and runs any
-recipe on its shipped config, in this process or on several local ranks.
+Model folders, recipe runners, metrics and checkpoints are :mod:`tests.recipes.sft_world`'s.
 
 Example::
 
@@ -14,23 +14,13 @@ Example::
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import transformers
-from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
-from tests.recipes import sft_world
-from tests.recipes.sft_world import free_port, subprocess_env
-from tunesmith.cli import catalog
-from tunesmith.cli.launch import load_recipe_module
-from tunesmith.config import ALLOW_ANY_COMPONENT_ENV, load_config
 from tunesmith.data import PreferenceDataset, Tokenizer, collate_preference
 from tunesmith.modules.losses import IGNORE_INDEX
 
@@ -65,10 +55,29 @@ def _sort_pair(rng: random.Random) -> tuple[str, str, str]:
     return f"sort {' '.join(digits)}", " ".join(chosen), " ".join(rejected)
 
 
+WORDS = ("red", "blue", "green", "hot")
+FILLER = (  # words of the tiny tokenizer's training text, to vary the prompts
+    "the", "of", "to", "and", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are",
+    "with", "as", "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by",
+    "word", "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when",
+    "up", "use",
+)  # fmt: skip
+
+
+def _say_pair(rng: random.Random) -> tuple[str, str, str]:
+    """'<two filler words> say blue' -> chosen 'blue', rejected another word of :data:`WORDS`.
+    Every word is chosen and rejected equally often, so a random reward model ranks the pairs
+    at chance; the filler words make held-out prompts new ones. A tiny reward model learns it
+    within ~100 steps (it does not learn 'copy')."""
+    word, other = rng.sample(WORDS, 2)
+    return f"{' '.join(rng.sample(FILLER, 2))} say {word}", word, other
+
+
 TASKS: dict[str, Callable[[random.Random], tuple[str, str, str]]] = {
     "copy": _copy_pair,
     "add": _add_pair,
     "sort": _sort_pair,
+    "say": _say_pair,
 }
 """task name -> a function drawing one (prompt, chosen reply, rejected reply)."""
 
@@ -119,10 +128,16 @@ def make_preference_data(
 
 
 def make_held_out_data(
-    path: Path, train: Path, rows: int, seed: int = 1, task: str = "copy"
+    path: Path,
+    train: Path,
+    rows: int,
+    seed: int = 1,
+    task: str = "copy",
+    system: str | None = SYSTEM,
 ) -> Path:
-    """Write ``rows`` pairs of ``task`` whose prompts appear nowhere in the JSONL file
-    ``train`` (held-out pairs for a validation set).
+    """Write ``rows`` pairs of ``task`` (opening with ``system``, as in
+    :func:`preference_rows`) whose prompts appear nowhere in the JSONL file ``train``
+    (held-out pairs for a validation set).
 
     Example::
 
@@ -132,7 +147,7 @@ def make_held_out_data(
         json.dumps(json.loads(line)["chosen"][:-1]) for line in Path(train).read_text().splitlines()
     }
     kept: list[dict] = []
-    for row in preference_rows(50 * rows, seed, task):
+    for row in preference_rows(50 * rows, seed, task, system):
         if json.dumps(row["chosen"][:-1]) not in seen:
             kept.append(row)
     if len(kept) < rows:
@@ -143,153 +158,29 @@ def make_held_out_data(
     return path
 
 
-def val_dataset_override(path: Path, max_seq_len: int = 256) -> str:
-    """The override that makes the preference pairs of ``path`` the run's validation set.
-
-    Example::
-
-        >>> run_recipe("dpo", "tiny", m, d, out, val_dataset_override(val))  # doctest: +SKIP
-    """
-    return (
-        "val_dataset={_component_: tunesmith.data.PreferenceDataset, "
-        f"source: {path}, max_seq_len: {max_seq_len}}}"
-    )
-
-
-def recipe_overrides(model_dir: Path, data: Path, output_dir: Path, *overrides: str) -> list[str]:
-    """The overrides that point a shipped config at the local world, plus ``overrides``."""
-    base = [f"model_dir={model_dir}", f"dataset.source={data}", f"output_dir={output_dir}"]
-    return [*base, "progress_bar=false", *overrides]
-
-
-def recipe_config(
-    recipe: str, config: str, model_dir: Path, data: Path, output_dir: Path, *overrides: str
-) -> DictConfig:
-    """The shipped ``config`` of ``recipe`` pointed at the local world, with ``overrides``.
-
-    Example::
-
-        >>> cfg = recipe_config("dpo", "tiny", model_dir, data, out, "max_steps=2")  # doctest: +SKIP
-    """
-    return load_config(
-        catalog.config_path(config, recipe),
-        recipe_overrides(model_dir, data, output_dir, *overrides),
-    )
-
-
-def run_config(recipe: str, cfg: DictConfig) -> None:
-    """Run ``recipe``'s ``main(cfg)`` in this process on one intra-op thread (so runs compare
-    bitwise whatever thread count the caller has)."""
-    module = load_recipe_module(catalog.recipe_path(recipe))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        module.main(cfg)
-    finally:
-        torch.set_num_threads(previous)
-
-
-def run_recipe(
-    recipe: str, config: str, model_dir: Path, data: Path, output_dir: Path, *overrides: str
-) -> Path:
-    """Run ``recipe`` on its shipped ``config`` in this process; returns ``output_dir``.
-
-    Example::
-
-        >>> run_recipe("dpo", "tiny_lora", model_dir, data, out, "max_steps=4")  # doctest: +SKIP
-    """
-    run_config(recipe, recipe_config(recipe, config, model_dir, data, output_dir, *overrides))
-    return output_dir
-
-
-def run_recipe_keeping_model(
-    recipe: str, config: str, model_dir: Path, data: Path, output_dir: Path, *overrides: str
-) -> tuple[Path, nn.Module]:
-    """:func:`run_recipe`, also returning the model object the recipe trained, as it left it
-    (the config's model is wrapped in :func:`tests.recipes.sft_world.keep_model`)."""
-    cfg = recipe_config(recipe, config, model_dir, data, output_dir, *overrides)
-    key = f"{recipe}:{output_dir}"
-    cfg.model = OmegaConf.create(
-        {"_component_": f"{sft_world.__name__}.keep_model", "model": cfg.model, "key": key}
-    )
-    previous = os.environ.get(ALLOW_ANY_COMPONENT_ENV)
-    os.environ[ALLOW_ANY_COMPONENT_ENV] = "1"  # keep_model is outside the allow-list
-    try:
-        run_config(recipe, cfg)
-    finally:
-        if previous is None:
-            os.environ.pop(ALLOW_ANY_COMPONENT_ENV)
-        else:
-            os.environ[ALLOW_ANY_COMPONENT_ENV] = previous
-    return output_dir, sft_world._KEPT_MODELS.pop(key)
-
-
-def launch_recipe_ranks(
-    recipe: str,
-    config: str,
-    overrides: list[str],
-    log_dir: Path,
-    *,
-    world_size: int = 2,
-    timeout: float = 120,
-) -> None:
-    """Run ``recipe`` on ``world_size`` local ranks started the way torchrun would (one
-    ``python -m tunesmith.cli.launch`` process per rank with the torchrun environment), and
-    wait; a failing rank fails with the tail of its log (``log_dir/rank<N>.log``).
-
-    Example::
-
-        >>> launch_recipe_ranks("dpo", "tiny", recipe_overrides(m, d, out), tmp_path)  # doctest: +SKIP
-    """
-    args = [
-        "-m", "tunesmith.cli.launch", str(catalog.recipe_path(recipe)),
-        str(catalog.config_path(config, recipe)), *overrides,
-    ]  # fmt: skip
-    port = str(free_port())
-    logs = [log_dir / f"rank{r}.log" for r in range(world_size)]
-    ranks = []
-    for r, log in enumerate(logs):
-        env = subprocess_env(
-            RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-        )  # fmt: skip
-        with open(log, "w") as f:
-            ranks.append(subprocess.Popen([sys.executable, *args], env=env, stdout=f, stderr=f))
-    try:
-        for p in ranks:
-            p.wait(timeout=timeout)
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, log) in enumerate(zip(ranks, logs)):
-        if p.returncode != 0:
-            raise AssertionError(f"rank {r} failed ({p.returncode}):\n{log.read_text()[-3000:]}")
-
-
-def read_eval_metrics(output_dir: Path) -> dict[int, dict[str, float]]:
-    """The JSONL logger's validation records (``val_*`` keys) by step."""
-    records: dict[int, dict[str, float]] = {}
-    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "val_loss" in record:
-            records[record.pop("step")] = record
-    return records
-
-
 def pair_dataset(model_dir: Path, data: Path) -> PreferenceDataset:
     """The pairs of ``data`` as the shipped configs build them (``max_seq_len`` 256)."""
     tokenizer = Tokenizer.from_pretrained(model_dir)
     return PreferenceDataset(tokenizer, source=str(data), max_seq_len=256, on_bad_row="error")
 
 
-def collate_pairs(model_dir: Path, data: Path, indices: list[int] | None = None) -> dict:
+def collate_pairs(
+    model_dir: Path, data: Path, indices: list[int] | None = None, pad_id: int | None = None
+) -> dict:
     """One collated batch (chosen rows, then rejected rows) of the pairs ``indices`` of
-    ``data`` (default: all), padded with the tokenizer's pad id like the recipes."""
+    ``data`` (default: all), right-padded with ``pad_id`` (default: the tokenizer's pad id,
+    like the recipes).
+
+    Example::
+
+        >>> collate_pairs(model_dir, data, [0, 1])["input_ids"].shape[0]  # doctest: +SKIP
+        4
+    """
     dataset = pair_dataset(model_dir, data)
     indices = list(range(len(dataset))) if indices is None else indices
-    pad_id = Tokenizer.from_pretrained(model_dir).pad_id
-    return collate_preference([dataset[i] for i in indices], pad_id=pad_id or 0)
+    if pad_id is None:
+        pad_id = Tokenizer.from_pretrained(model_dir).pad_id or 0
+    return collate_preference([dataset[i] for i in indices], pad_id=pad_id)
 
 
 def hf_sequence_logps(model_dir: Path, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,20 @@
 """A tiny, fully local world for recipe tests: a HF model folder (our builder, a trained tiny
-tokenizer with the Qwen2.5 chat template), synthetic chat datasets, and helpers that run the SFT
-recipe (in this process or through the CLI) and read back what it wrote."""
+tokenizer with the Qwen2.5 chat template), synthetic chat datasets, and helpers that run any
+recipe on its shipped config (in this process, or on several local ranks as torchrun would
+start them) and read back what it wrote. Preference data lives in
+:mod:`tests.recipes.preference_world`.
+
+Example::
+
+    >>> model_dir = make_model_dir(tmp_path)  # doctest: +SKIP
+    >>> data = make_chat_data(tmp_path / "chat.jsonl")  # doctest: +SKIP
+    >>> out = run_recipe("sft", "tiny", model_dir, data, tmp_path / "out", "max_steps=2")  # doctest: +SKIP
+    >>> read_metrics(out)[2]["loss"]  # doctest: +SKIP
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -11,6 +22,8 @@ import socket
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -55,15 +68,6 @@ def make_chat_data(path: Path, rows: int = 32, seed: int = 0) -> Path:
     return path
 
 
-def tiny_config(
-    model_dir: Path, data: Path, output_dir: Path, *overrides: str, config: str = "tiny"
-) -> DictConfig:
-    """The shipped SFT ``config`` (`tiny`, `tiny_lora`) pointed at the local world, with
-    ``overrides``."""
-    base = [f"model_dir={model_dir}", f"dataset.source={data}", f"output_dir={output_dir}"]
-    return load_config(catalog.config_path(config, "sft"), [*base, *overrides])
-
-
 def make_counting_data(path: Path, rows: int = 32, seed: int = 0) -> Path:
     """JSONL of one-turn conversations whose answers differ in length ('count 3 from 7' ->
     '7 8 9'), so samples train different numbers of tokens."""
@@ -100,26 +104,96 @@ def make_equal_length_data(path: Path, model_dir: Path, rows: int, seed: int = 0
     return length
 
 
-def run_sft(
-    model_dir: Path, data: Path, output_dir: Path, *overrides: str, config: str = "tiny"
-) -> Path:
-    """Run the SFT recipe on the shipped ``config`` in this process on one intra-op thread (so
-    runs compare bitwise whatever thread count the caller has); returns ``output_dir``."""
-    _run_config(
-        tiny_config(model_dir, data, output_dir, "progress_bar=false", *overrides, config=config)
+def recipe_overrides(model_dir: Path, data: Path, output_dir: Path, *overrides: str) -> list[str]:
+    """The overrides that point a shipped config at the local world (no progress bar), plus
+    ``overrides``; the same for every recipe, in this process or on the command line.
+
+    Example::
+
+        >>> recipe_overrides(Path("m"), Path("d.jsonl"), Path("out"), "max_steps=2")[-1]
+        'max_steps=2'
+    """
+    base = [f"model_dir={model_dir}", f"dataset.source={data}", f"output_dir={output_dir}"]
+    return [*base, "progress_bar=false", *overrides]
+
+
+sft_overrides = recipe_overrides
+"""The name the SFT and fault tests know :func:`recipe_overrides` by."""
+
+
+def recipe_config(
+    recipe: str,
+    config: str,
+    model_dir: Path,
+    data: Path,
+    output_dir: Path,
+    *overrides: str,
+    val: Path | None = None,
+) -> DictConfig:
+    """The shipped ``config`` of ``recipe`` pointed at the local world, with ``overrides``;
+    ``val`` (a data file) becomes ``val_dataset``, built like the training set.
+
+    Example::
+
+        >>> cfg = recipe_config("dpo", "tiny", model_dir, data, out, "max_steps=2")  # doctest: +SKIP
+    """
+    cfg = load_config(
+        catalog.config_path(config, recipe),
+        recipe_overrides(model_dir, data, output_dir, *overrides),
     )
-    return output_dir
+    if val is not None:
+        cfg.val_dataset = OmegaConf.merge(cfg.dataset, {"source": str(val)})
+    return cfg
 
 
-def _run_config(cfg: DictConfig) -> None:
-    from tunesmith.recipes import sft
+def run_config(recipe: str, cfg: DictConfig) -> None:
+    """Run the built-in ``recipe``'s ``main(cfg)`` in this process on one intra-op thread (so
+    runs compare bitwise whatever thread count the caller has).
 
+    Example::
+
+        >>> run_config("kd", recipe_config("kd", "tiny", m, d, out))  # doctest: +SKIP
+    """
+    module = importlib.import_module(f"tunesmith.recipes.{recipe}")
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        sft.main(cfg)
+        module.main(cfg)
     finally:
         torch.set_num_threads(previous)
+
+
+def run_recipe(
+    recipe: str,
+    config: str,
+    model_dir: Path,
+    data: Path,
+    output_dir: Path,
+    *overrides: str,
+    val: Path | None = None,
+) -> Path:
+    """Run ``recipe`` on its shipped ``config`` in this process (see :func:`recipe_config`
+    for ``val``); returns ``output_dir``.
+
+    Example::
+
+        >>> run_recipe("dpo", "tiny_lora", model_dir, data, out, "max_steps=4")  # doctest: +SKIP
+    """
+    cfg = recipe_config(recipe, config, model_dir, data, output_dir, *overrides, val=val)
+    run_config(recipe, cfg)
+    return output_dir
+
+
+def run_sft(
+    model_dir: Path, data: Path, output_dir: Path, *overrides: str, config: str = "tiny"
+) -> Path:
+    """:func:`run_recipe` of the SFT recipe on its shipped ``config``; returns ``output_dir``.
+
+    Example::
+
+        >>> run_sft(model_dir, data, tmp_path / "out", "max_steps=2")  # doctest: +SKIP
+    """
+    return run_recipe("sft", config, model_dir, data, output_dir, *overrides)
 
 
 _KEPT_MODELS: dict[str, nn.Module] = {}
@@ -127,40 +201,82 @@ _KEPT_MODELS: dict[str, nn.Module] = {}
 
 def keep_model(model: nn.Module, key: str) -> nn.Module:
     """Test-only model component: remember ``model`` under ``key`` and return it unchanged.
-    :func:`run_sft_keeping_model` wraps a config's model in it to get the trained model."""
+    :func:`run_recipe_keeping_model` wraps a config's model in it to get the trained model."""
     _KEPT_MODELS[key] = model
     return model
 
 
-def run_sft_keeping_model(
-    model_dir: Path, data: Path, output_dir: Path, *overrides: str, config: str = "tiny"
-) -> tuple[Path, nn.Module]:
-    """:func:`run_sft`, also returning the model object the recipe trained, as it left it."""
-    cfg = tiny_config(model_dir, data, output_dir, "progress_bar=false", *overrides, config=config)
-    key = str(output_dir)
-    cfg.model = OmegaConf.create(
-        {"_component_": f"{__name__}.keep_model", "model": cfg.model, "key": key}
-    )
+@contextmanager
+def _any_component_allowed() -> Iterator[None]:
+    """Lift the component allow-list (test components such as :func:`keep_model` are outside
+    it) for the duration, then restore the environment as it was."""
     previous = os.environ.get(ALLOW_ANY_COMPONENT_ENV)
-    os.environ[ALLOW_ANY_COMPONENT_ENV] = "1"  # keep_model is outside the allow-list
+    os.environ[ALLOW_ANY_COMPONENT_ENV] = "1"
     try:
-        _run_config(cfg)
+        yield
     finally:
         if previous is None:
             os.environ.pop(ALLOW_ANY_COMPONENT_ENV)
         else:
             os.environ[ALLOW_ANY_COMPONENT_ENV] = previous
+
+
+def run_recipe_keeping_model(
+    recipe: str, config: str, model_dir: Path, data: Path, output_dir: Path, *overrides: str
+) -> tuple[Path, nn.Module]:
+    """:func:`run_recipe`, also returning the model object the recipe trained, as it left it
+    (the config's model is wrapped in :func:`keep_model`).
+
+    Example::
+
+        >>> out, policy = run_recipe_keeping_model("dpo", "tiny_lora", m, d, out)  # doctest: +SKIP
+    """
+    cfg = recipe_config(recipe, config, model_dir, data, output_dir, *overrides)
+    key = f"{recipe}:{output_dir}"
+    cfg.model = OmegaConf.create(
+        {"_component_": f"{__name__}.keep_model", "model": cfg.model, "key": key}
+    )
+    with _any_component_allowed():
+        run_config(recipe, cfg)
     return output_dir, _KEPT_MODELS.pop(key)
 
 
+def run_sft_keeping_model(
+    model_dir: Path, data: Path, output_dir: Path, *overrides: str, config: str = "tiny"
+) -> tuple[Path, nn.Module]:
+    """:func:`run_recipe_keeping_model` of the SFT recipe on its shipped ``config``.
+
+    Example::
+
+        >>> out, model = run_sft_keeping_model(m, d, out, config="tiny_lora")  # doctest: +SKIP
+    """
+    return run_recipe_keeping_model("sft", config, model_dir, data, output_dir, *overrides)
+
+
+def _records(output_dir: Path) -> list[dict[str, float]]:
+    """Every record the JSONL logger wrote to ``output_dir/metrics.jsonl``, in order."""
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def read_metrics(output_dir: Path) -> dict[int, dict[str, float]]:
-    """The JSONL logger's records by step (training metrics only; a later record wins)."""
-    records: dict[int, dict[str, float]] = {}
-    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            records[record.pop("step")] = record
-    return records
+    """The JSONL logger's training records by step (those with ``loss``; a later record wins).
+
+    Example::
+
+        >>> read_metrics(run_sft(m, d, out, "max_steps=2"))[2]["loss"]  # doctest: +SKIP
+    """
+    return {r.pop("step"): r for r in _records(output_dir) if "loss" in r}
+
+
+def read_eval_metrics(output_dir: Path) -> dict[int, dict[str, float]]:
+    """The JSONL logger's validation records (``val_loss`` and the other ``val_*`` keys) by
+    step (a later record wins).
+
+    Example::
+
+        >>> read_eval_metrics(out)[80]["val_rewards/accuracy"]  # doctest: +SKIP
+    """
+    return {r.pop("step"): r for r in _records(output_dir) if "val_loss" in r}
 
 
 def checkpoints(output_dir: Path) -> list[Path]:
@@ -186,6 +302,37 @@ def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
     return checkpoint_weights(checkpoints(output_dir)[-1])
 
 
+def assert_same_weights(
+    got: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    atol: float | Callable[[str], float],
+) -> None:
+    """``got`` holds exactly ``expected``'s tensors, each within ``atol`` of it (``rtol`` 0; a
+    function of the tensor's name gives each its own); a mismatch names the tensor.
+
+    Example::
+
+        >>> assert_same_weights(final_weights(accum), final_weights(big), 1e-6)  # doctest: +SKIP
+    """
+    assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
+    for name in expected:
+        torch.testing.assert_close(
+            got[name], expected[name], atol=atol(name) if callable(atol) else atol, rtol=0,
+            msg=lambda m, n=name: f"{n}: {m}",
+        )  # fmt: skip
+
+
+def largest_change(weights: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> float:
+    """The largest absolute change of any tensor of ``initial`` in ``weights``: how far training
+    moved them (a comparison within a tolerance tests little unless this is well above it).
+
+    Example::
+
+        >>> assert largest_change(final_weights(out), checkpoint_weights(model_dir)) > 1e-3  # doctest: +SKIP
+    """
+    return max((weights[k] - initial[k]).abs().max().item() for k in initial)
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for recipe subprocesses: this repo importable (test components, drivers),
     one intra-op thread like the in-process runs."""
@@ -201,12 +348,6 @@ def cli_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "tunesmith.cli.main", *args]
 
 
-def sft_overrides(model_dir: Path, data: Path, output_dir: Path, *overrides: str) -> list[str]:
-    """The CLI overrides that :func:`tiny_config` applies, plus ``overrides``."""
-    base = [f"model_dir={model_dir}", f"dataset.source={data}", f"output_dir={output_dir}"]
-    return [*base, "progress_bar=false", *overrides]
-
-
 def free_port() -> int:
     """A TCP port nobody listens on right now (for a rendezvous on 127.0.0.1)."""
     with socket.socket() as s:
@@ -218,16 +359,23 @@ def launch_ranks(
     overrides: list[str],
     log_dir: Path,
     *,
+    recipe: str = "sft",
     config: str = "tiny",
     world_size: int = 2,
     timeout: float = 120,
 ) -> None:
-    """Run the SFT recipe on ``world_size`` local ranks, started the way torchrun would (one
-    ``python -m tunesmith.cli.launch`` process per rank with the torchrun environment), and
-    wait for them; a failing rank fails with the tail of its log (``log_dir/rank<N>.log``)."""
+    """Run ``recipe`` on its shipped ``config`` on ``world_size`` local ranks, started the way
+    torchrun would (one ``python -m tunesmith.cli.launch`` process per rank with the torchrun
+    environment), and wait for them; a failing rank fails with the tail of its log
+    (``log_dir/rank<N>.log``).
+
+    Example::
+
+        >>> launch_ranks(recipe_overrides(m, d, out), tmp_path, recipe="dpo")  # doctest: +SKIP
+    """
     args = [
-        "-m", "tunesmith.cli.launch", str(catalog.recipe_path("sft")),
-        str(catalog.config_path(config, "sft")), *overrides,
+        "-m", "tunesmith.cli.launch", str(catalog.recipe_path(recipe)),
+        str(catalog.config_path(config, recipe)), *overrides,
     ]  # fmt: skip
     port = str(free_port())
     logs = [log_dir / f"rank{r}.log" for r in range(world_size)]

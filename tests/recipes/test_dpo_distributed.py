@@ -12,21 +12,20 @@ token counts differ; the loss is a mean over pairs of all ranks.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.recipes.preference_world import (
-    launch_recipe_ranks,
-    make_preference_data,
-    read_eval_metrics,
-    recipe_overrides,
-    run_recipe,
-)
+from tests.recipes.preference_world import make_preference_data
 from tests.recipes.sft_world import (
+    assert_same_weights,
     checkpoint_weights,
     checkpoints,
     final_weights,
+    largest_change,
+    launch_ranks,
     make_model_dir,
+    read_eval_metrics,
     read_metrics,
+    recipe_overrides,
+    run_recipe,
 )
 
 PER_RANK, STEPS = 2, 3
@@ -65,14 +64,9 @@ def _check_same_as_single(model_dir, single, distributed) -> None:
         for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracy"):
             assert two[key] == pytest.approx(one[key], abs=1e-5), f"{key} at step {step}"
     assert abs(logged_1[STEPS]["rewards/margin"]) > 1e-4  # the reference matters by then
-    weights_1, weights_2 = final_weights(single), final_weights(distributed)
-    assert weights_1.keys() == weights_2.keys()
-    for name in weights_1:
-        torch.testing.assert_close(
-            weights_2[name], weights_1[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
-        )
-    initial = checkpoint_weights(model_dir)
-    assert max((weights_1[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
+    weights_1 = final_weights(single)
+    assert_same_weights(final_weights(distributed), weights_1, 1e-5)
+    assert largest_change(weights_1, checkpoint_weights(model_dir)) > 1e-3
 
 
 def test_two_gloo_ranks_equal_one_process(world, tmp_path):
@@ -80,7 +74,7 @@ def test_two_gloo_ranks_equal_one_process(world, tmp_path):
     single = _single(world, "single")
     out = tmp_path / "fsdp"
     overrides = recipe_overrides(model_dir, data, out, f"batch_size={PER_RANK}", *COMMON)
-    launch_recipe_ranks("dpo", "tiny", overrides, tmp_path)
+    launch_ranks(overrides, tmp_path, recipe="dpo")
     _check_same_as_single(model_dir, single, out)
 
 
@@ -94,7 +88,7 @@ def test_precomputed_reference_on_two_ranks_equals_one_process(world, tmp_path):
     overrides = recipe_overrides(
         model_dir, data, out, f"batch_size={PER_RANK}", *COMMON, *PRECOMPUTE
     )
-    launch_recipe_ranks("dpo", "tiny", overrides, tmp_path)
+    launch_ranks(overrides, tmp_path, recipe="dpo")
     assert "precomputing the reference" in (tmp_path / "rank0.log").read_text()
     _check_same_as_single(model_dir, single, out)
     val_1, val_2 = read_eval_metrics(single)[STEPS], read_eval_metrics(out)[STEPS]

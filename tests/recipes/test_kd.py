@@ -16,33 +16,33 @@ teacher (hidden 128, trained for a few steps with the SFT recipe on the same cha
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.utils.data import DistributedSampler
 from transformers import AutoModelForCausalLM
 
-from tests.recipes.preference_world import (
-    launch_recipe_ranks,
-    recipe_config,
-    recipe_overrides,
-    run_config,
-    run_recipe,
-)
 from tests.recipes.sft_world import (
+    assert_same_weights,
     checkpoint_weights,
     checkpoints,
     cli_command,
     final_weights,
+    largest_change,
+    launch_ranks,
     make_chat_data,
     make_counting_data,
     make_model_dir,
+    read_eval_metrics,
     read_metrics,
+    recipe_config,
+    recipe_overrides,
+    run_config,
+    run_recipe,
     subprocess_env,
 )
 from tunesmith.config import instantiate
@@ -83,25 +83,17 @@ def kd_config(
 ) -> DictConfig:  # fmt: skip
     """The shipped kd ``tiny`` config on the world (or another ``teacher``); with ``val``, the
     held-out chat file as ``val_dataset``."""
-    cfg = recipe_config(
+    return recipe_config(
         "kd", "tiny", world["student"], world["chat"], output_dir,
         f"teacher_dir={teacher or world['teacher']}", *overrides,
+        val=world["val"] if val else None,
     )  # fmt: skip
-    if val:
-        cfg.val_dataset = OmegaConf.merge(cfg.dataset, {"source": str(world["val"])})
-    return cfg
 
 
 def run_kd(world: dict[str, Path], output_dir: Path, *overrides: str, **kw) -> Path:
     """Run the kd recipe in this process; returns ``output_dir``."""
     run_config("kd", kd_config(world, output_dir, *overrides, **kw))
     return output_dir
-
-
-def val_records(output_dir: Path) -> dict[int, dict[str, float]]:
-    """The logged validation metrics by step."""
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r.pop("step"): r for r in records if "val_kd_loss" in r}
 
 
 # -- an independent divergence: transformers' logits, the definitions in float64 --------------
@@ -182,7 +174,7 @@ def test_distillation_lowers_the_students_kl_to_the_teacher_on_held_out_data(wor
     final = checkpoints(out)[-1]
     assert final.name == f"step_{DISTILL_STEPS:06d}"
     end = mean_kl_to_teacher(final, world["teacher"], held_out)
-    logged = val_records(out)
+    logged = read_eval_metrics(out)
     assert sorted(logged) == [DISTILL_STEPS // 2, DISTILL_STEPS]
     assert logged[DISTILL_STEPS]["val_kd_loss"] == pytest.approx(end, rel=1e-4)
     assert logged[DISTILL_STEPS]["val_kd_loss"] < logged[DISTILL_STEPS // 2]["val_kd_loss"]
@@ -230,11 +222,9 @@ def test_each_kind_is_its_definition_and_chunking_changes_nothing(
             assert logged_7[step][key] == pytest.approx(logged_1[step][key], rel=1e-5), (
                 f"{key} at step {step}"
             )
-    weights_1, weights_7 = final_weights(whole), final_weights(chunked)
-    for name in weights_1:
-        torch.testing.assert_close(weights_7[name], weights_1[name], atol=1e-5, rtol=0, msg=name)
-    initial = checkpoint_weights(world["student"])
-    assert max((weights_1[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
+    weights_1 = final_weights(whole)
+    assert_same_weights(final_weights(chunked), weights_1, 1e-5)
+    assert largest_change(weights_1, checkpoint_weights(world["student"])) > 1e-3
 
 
 def _step1_targets(world: dict[str, Path], batch_size: int) -> torch.Tensor:
@@ -256,9 +246,7 @@ def test_kd_ratio_0_is_the_sft_recipe(world, tmp_path):
         assert a["ce_loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), f"step {step}"
         assert a["kd_loss"] > 0.1  # computed (and logged), only weighted by 0
-    weights_kd, weights_sft = final_weights(kd), final_weights(sft)
-    for name in weights_kd:
-        torch.testing.assert_close(weights_kd[name], weights_sft[name], atol=1e-5, rtol=0)
+    assert_same_weights(final_weights(kd), final_weights(sft), 1e-5)
 
 
 def padded_teacher(teacher_dir: Path, root: Path, extra_rows: int) -> Path:
@@ -369,17 +357,14 @@ def check_same_as_single(world, fsdp_world, out: Path) -> None:
         assert one["trained_tokens"] == two["trained_tokens"] == sum(tokens[step - 1])
         for key in ("loss", "kd_loss", "ce_loss", "grad_norm"):
             assert two[key] == pytest.approx(one[key], rel=1e-5), f"{key} at step {step}"
-    weights_1, weights_2 = final_weights(single), final_weights(out)
-    assert weights_1.keys() == weights_2.keys()
-    for name in weights_1:
-        torch.testing.assert_close(weights_2[name], weights_1[name], atol=1e-5, rtol=0, msg=name)
-    initial = checkpoint_weights(world["student"])
-    assert max((weights_1[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
+    weights_1 = final_weights(single)
+    assert_same_weights(final_weights(out), weights_1, 1e-5)
+    assert largest_change(weights_1, checkpoint_weights(world["student"])) > 1e-3
 
 
 def test_two_gloo_ranks_equal_one_process(world, fsdp_world, tmp_path):
     out = tmp_path / "fsdp"
-    launch_recipe_ranks("kd", "tiny", distributed_overrides(world, fsdp_world, out), tmp_path)
+    launch_ranks(distributed_overrides(world, fsdp_world, out), tmp_path, recipe="kd")
     check_same_as_single(world, fsdp_world, out)
 
 

@@ -12,47 +12,43 @@
   file and row; a pad token that only occurs inside the sequences is fine.
 - (slow) FSDP2 over two gloo ranks trains like one process.
 
-The task: the prompt asks for one of four words ("... say blue"); the chosen reply is that word,
-the rejected reply another of the four. Every word is chosen and rejected equally often, so a
-random reward model ranks pairs at chance; two random filler words in each prompt make the
-held-out prompts new ones.
+The task: preference_world's 'say' pairs. The prompt asks for one of four words ("... say
+blue"); the chosen reply is that word, the rejected reply another of the four. Every word is
+chosen and rejected equally often, so a random reward model ranks pairs at chance; two random
+filler words in each prompt make the held-out prompts new ones.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForSequenceClassification
 
 from tests.recipes.preference_world import (
-    launch_recipe_ranks,
-    recipe_config,
-    recipe_overrides,
-    run_config,
+    collate_pairs,
+    make_held_out_data,
+    make_preference_data,
 )
 from tests.recipes.sft_world import (
+    assert_same_weights,
     checkpoints,
     final_weights,
+    largest_change,
+    launch_ranks,
     make_model_dir,
+    read_eval_metrics,
     read_metrics,
+    recipe_overrides,
+    run_recipe,
 )
-from tunesmith.data import PreferenceDataset, Tokenizer, collate_preference, split_train_val
+from tunesmith.data import Tokenizer, split_train_val
 from tunesmith.models import reward_model_from_hf
 
-WORDS = ("red", "blue", "green", "hot")
-FILLER = (  # words of the tiny tokenizer's training text, to vary the prompts
-    "the", "of", "to", "and", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are",
-    "with", "as", "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by",
-    "word", "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when",
-    "up", "use",
-)  # fmt: skip
 STEPS, BATCH, EVAL_EVERY, SAVE_EVERY, VAL_ROWS = 96, 8, 8, 16, 32
 LEARN = ["optimizer.lr=3e-3", "lr_scheduler.num_warmup_steps=5"]
 SGD = [
@@ -61,64 +57,42 @@ SGD = [
 ]  # fmt: skip
 
 
-def make_say_word_pairs(path: Path, rows: int, seed: int, *, unlike: Path | None = None) -> Path:
-    """JSONL preference pairs: '<two filler words> say W' -> chosen 'W', rejected another
-    word of :data:`WORDS`; with ``unlike`` (another such file), none of its prompts.
+SAY = {"task": "say", "system": None}
+"""The pairs of these tests: preference_world's 'say' task with no system turn (the template
+then adds Qwen's default one)."""
+
+
+def make_pairs(path: Path, rows: int, seed: int) -> Path:
+    """JSONL 'say' preference pairs (see :data:`SAY`).
 
     Example::
 
-        >>> make_say_word_pairs(tmp_path / "pairs.jsonl", rows=8, seed=0)  # doctest: +SKIP
+        >>> make_pairs(tmp_path / "pairs.jsonl", rows=8, seed=0)  # doctest: +SKIP
     """
-    taken = set() if unlike is None else {_prompt(line) for line in unlike.read_text().splitlines()}
-    rng = random.Random(seed)
-    lines = []
-    while len(lines) < rows:
-        word, other = rng.sample(WORDS, 2)
-        user = {"role": "user", "content": f"{' '.join(rng.sample(FILLER, 2))} say {word}"}
-        if user["content"] in taken:
-            continue
-        row = {
-            "chosen": [user, {"role": "assistant", "content": word}],
-            "rejected": [user, {"role": "assistant", "content": other}],
-        }
-        lines.append(json.dumps(row) + "\n")
-    path.write_text("".join(lines))
-    return path
+    return make_preference_data(path, rows, seed, **SAY)
 
 
-def _prompt(line: str) -> str:
-    return json.loads(line)["chosen"][0]["content"]
-
-
-def rm_config(
+def run_rm(
     model_dir: Path, train: Path, output_dir: Path, *overrides: str, val: Path | None = None
-) -> DictConfig:
-    """The shipped reward_model ``tiny`` config on the local world; ``val`` (a pairs file)
-    becomes ``val_dataset``, built like the training set."""
-    cfg = recipe_config("reward_model", "tiny", model_dir, train, output_dir, *overrides)
-    if val is not None:
-        cfg.val_dataset = OmegaConf.merge(cfg.dataset, {"source": str(val)})
-    return cfg
-
-
-def run_rm(model_dir: Path, train: Path, output_dir: Path, *overrides: str, **kw) -> Path:
-    """Run the reward-model recipe in this process; returns ``output_dir``."""
-    run_config("reward_model", rm_config(model_dir, train, output_dir, *overrides, **kw))
-    return output_dir
-
-
-def val_records(output_dir: Path) -> dict[int, dict[str, float]]:
-    """The logged validation metrics by step."""
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r.pop("step"): r for r in records if "val_accuracy" in r}
+) -> Path:
+    """Run the reward-model recipe on its shipped ``tiny`` config in this process (``val``: a
+    pairs file for ``val_dataset``); returns ``output_dir``."""
+    return run_recipe("reward_model", "tiny", model_dir, train, output_dir, *overrides, val=val)
 
 
 def held_out_batch(folder: Path, val: Path, pad_id: int) -> dict[str, torch.Tensor]:
     """All held-out pairs, tokenized with ``folder``'s tokenizer, as one batch right-padded
     with ``pad_id`` (chosen rows, then rejected rows)."""
-    dataset = PreferenceDataset(Tokenizer.from_pretrained(folder), source=str(val))
-    assert len(dataset) == VAL_ROWS
-    return collate_preference([dataset[i] for i in range(len(dataset))], pad_id=pad_id)
+    batch = collate_pairs(folder, val, pad_id=pad_id)
+    assert batch["input_ids"].shape[0] == 2 * VAL_ROWS
+    return batch
+
+
+def initial_body(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights of ``model_dir``'s transformer body (everything but the random score head)
+    as a reward model starts from them."""
+    initial = reward_model_from_hf(model_dir).state_dict()
+    return {k: v for k, v in initial.items() if "score" not in k}
 
 
 def pair_accuracy(scores: torch.Tensor) -> float:
@@ -131,8 +105,8 @@ def pair_accuracy(scores: torch.Tensor) -> float:
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("reward_model")
     model_dir = make_model_dir(root)
-    train = make_say_word_pairs(root / "train.jsonl", rows=STEPS * BATCH, seed=0)
-    val = make_say_word_pairs(root / "val.jsonl", rows=VAL_ROWS, seed=1, unlike=train)
+    train = make_pairs(root / "train.jsonl", rows=STEPS * BATCH, seed=0)
+    val = make_held_out_data(root / "val.jsonl", train, rows=VAL_ROWS, seed=1, **SAY)
     return root, model_dir, train, val
 
 
@@ -160,7 +134,7 @@ def test_held_out_accuracy_rises_from_chance_to_above_0_8(world, trained):
         start = pair_accuracy(untrained(batch["input_ids"], attention_mask=batch["attention_mask"]))
     assert 0.25 <= start <= 0.75, f"an untrained reward model already ranks {start:.2f} right"
 
-    logged = val_records(trained)
+    logged = read_eval_metrics(trained)
     assert sorted(logged) == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY))
     accuracy = [logged[step]["val_accuracy"] for step in sorted(logged)]
     assert accuracy[0] < 0.8, f"already {accuracy[0]} after {EVAL_EVERY} steps: task too easy"
@@ -203,7 +177,7 @@ def test_checkpoint_loads_in_transformers_and_scores_like_tunesmith(world, train
 
 def test_transformers_ranks_held_out_pairs_as_the_logged_val_accuracy_says(world, trained):
     _, _, _, val = world
-    logged = val_records(trained)
+    logged = read_eval_metrics(trained)
     saved = checkpoints(trained)
     assert [p.name for p in saved] == [
         f"step_{s:06d}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)
@@ -225,7 +199,7 @@ COMPARED = ("loss", "lr", "grad_norm", "pairs", "accuracy", "margin")
 
 def test_stop_and_resume_is_bitwise_the_uninterrupted_run(world, tmp_path):
     root, model_dir, _, _ = world
-    data = make_say_word_pairs(tmp_path / "pairs.jsonl", rows=RESUME_ROWS, seed=2)
+    data = make_pairs(tmp_path / "pairs.jsonl", rows=RESUME_ROWS, seed=2)
     common = [f"batch_size={RESUME_BATCH}", f"max_steps={RESUME_TOTAL}", *LEARN]
     reference = run_rm(model_dir, data, tmp_path / "whole", *common)
     out = tmp_path / "resumed"
@@ -247,7 +221,7 @@ def test_stop_and_resume_is_bitwise_the_uninterrupted_run(world, tmp_path):
 def test_gradient_accumulation_equals_one_big_batch(world, tmp_path):
     _, model_dir, _, _ = world
     micro, accum, steps = 2, 3, 3
-    data = make_say_word_pairs(tmp_path / "pairs.jsonl", rows=micro * accum * steps, seed=3)
+    data = make_pairs(tmp_path / "pairs.jsonl", rows=micro * accum * steps, seed=3)
     common = [f"max_steps={steps}", *SGD]
     accumulated = run_rm(
         model_dir, data, tmp_path / "accum", f"batch_size={micro}",
@@ -262,11 +236,9 @@ def test_gradient_accumulation_equals_one_big_batch(world, tmp_path):
         assert a["pairs"] == b["pairs"] == micro * accum
         for key in ("loss", "grad_norm", "accuracy", "margin"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), f"{key} at step {step}"
-    weights_a, weights_b = final_weights(accumulated), final_weights(big)
-    for name in weights_a:
-        torch.testing.assert_close(weights_a[name], weights_b[name], atol=1e-6, rtol=0, msg=name)
-    initial = reward_model_from_hf(model_dir).state_dict()
-    moved = max((weights_a[k] - initial[k]).abs().max().item() for k in initial if "score" not in k)
+    weights_a = final_weights(accumulated)
+    assert_same_weights(weights_a, final_weights(big), 1e-6)
+    moved = largest_change(weights_a, initial_body(model_dir))
     assert moved > 1e-3, "training barely moved the body: the comparison would not test it"
 
 
@@ -296,9 +268,9 @@ def _turns_end_at_im_end(template: str) -> str:
 
 
 def pairs_after_a_skipped_row(path: Path, rows: int, seed: int) -> Path:
-    """:func:`make_say_word_pairs` with a first row the dataset skips (identical replies), so
+    """:func:`make_pairs` with a first row the dataset skips (identical replies), so
     sample i comes from source row i + 1."""
-    make_say_word_pairs(path, rows, seed)
+    make_pairs(path, rows, seed)
     user = {"role": "user", "content": "say red"}
     same = [user, {"role": "assistant", "content": "red"}]
     path.write_text(json.dumps({"chosen": same, "rejected": same}) + "\n" + path.read_text())
@@ -341,7 +313,7 @@ def test_accepts_a_pad_token_inside_the_sequences_but_not_at_their_end(world, tm
     _, model_dir, _, val = world
     folder = tokenizer_variant(model_dir, tmp_path / "model", pad_token=None)
     eos = Tokenizer.from_pretrained(folder).eos_id
-    data = make_say_word_pairs(tmp_path / "pairs.jsonl", rows=8, seed=5)
+    data = make_pairs(tmp_path / "pairs.jsonl", rows=8, seed=5)
     out = run_rm(folder, data, tmp_path / "run", "batch_size=4", "max_steps=2")
     final = checkpoints(out)[-1]
     assert json.loads((final / "config.json").read_text())["pad_token_id"] == eos
@@ -359,13 +331,13 @@ def test_accepts_a_pad_token_inside_the_sequences_but_not_at_their_end(world, tm
 def test_two_gloo_ranks_equal_one_process(world, tmp_path):
     _, model_dir, _, _ = world
     per_rank, steps = 2, 3
-    data = make_say_word_pairs(tmp_path / "pairs.jsonl", rows=4 * per_rank * steps, seed=6)
+    data = make_pairs(tmp_path / "pairs.jsonl", rows=4 * per_rank * steps, seed=6)
     # SGD: Adam would turn the ranks' rounding noise in near-zero gradients into lr-sized steps
     common = [f"max_steps={steps}", *SGD]
     single = run_rm(model_dir, data, tmp_path / "single", f"batch_size={2 * per_rank}", *common)
     out = tmp_path / "fsdp"
     overrides = recipe_overrides(model_dir, data, out, *common, f"batch_size={per_rank}")
-    launch_recipe_ranks("reward_model", "tiny", overrides, tmp_path)
+    launch_ranks(overrides, tmp_path, recipe="reward_model")
     logged_1, logged_2 = read_metrics(single), read_metrics(out)
     assert sorted(logged_1) == sorted(logged_2) == list(range(1, steps + 1))
     for step in logged_1:
@@ -373,14 +345,9 @@ def test_two_gloo_ranks_equal_one_process(world, tmp_path):
             assert logged_2[step][key] == pytest.approx(logged_1[step][key], rel=1e-5, abs=1e-6), (
                 key
             )
-    weights_1, weights_2 = final_weights(single), final_weights(out)
-    assert weights_1.keys() == weights_2.keys() and "score.weight" in weights_1
-    for name in weights_1:
-        torch.testing.assert_close(weights_2[name], weights_1[name], atol=1e-5, rtol=0, msg=name)
-    initial = reward_model_from_hf(model_dir).state_dict()
-    assert (
-        max((weights_1[k] - initial[k]).abs().max().item() for k in initial if "score" not in k)
-        > 1e-3
-    )
+    weights_1 = final_weights(single)
+    assert "score.weight" in weights_1
+    assert_same_weights(final_weights(out), weights_1, 1e-5)
+    assert largest_change(weights_1, initial_body(model_dir)) > 1e-3
     config = json.loads((checkpoints(out)[-1] / "config.json").read_text())
     assert config["pad_token_id"] == Tokenizer.from_pretrained(model_dir).pad_id

@@ -23,7 +23,7 @@ def _errors(capsys) -> list[str]:
 
 
 def test_validate_names_the_missing_required_values(capsys):
-    assert main(["validate", "tiny"]) == 1
+    assert main(["validate", "sft/tiny"]) == 1
     errors = _errors(capsys)
     for path in ("model_dir", "dataset.source"):
         assert any(e.startswith(f"{path}: value is missing (???)") for e in errors), errors
@@ -31,7 +31,7 @@ def test_validate_names_the_missing_required_values(capsys):
 
 def test_validate_accepts_the_config_once_they_are_given(world, tmp_path, capsys):
     model_dir, data = world
-    assert main(["validate", "tiny", *sft_overrides(model_dir, data, tmp_path / "out")]) == 0
+    assert main(["validate", "sft/tiny", *sft_overrides(model_dir, data, tmp_path / "out")]) == 0
     assert capsys.readouterr().out.strip() == "tiny.yaml: OK"
 
 
