@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results" / "sft_ladder.md"
+RESULTS = REPO / "benchmarks" / "results"  # sft_ladder.md (cpu preset), sft_ladder_100m.md
 
 LLAMA_100M = {
     "model_type": "llama", "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048,
@@ -319,7 +319,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per rung")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
     parser.add_argument("--rungs", nargs="+", choices=list(RUNGS), help="only these rungs")
-    parser.add_argument("--no-write", action="store_true", help=f"do not write {RESULTS.name}")
+    parser.add_argument("--no-write", action="store_true", help="do not write the results file")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -348,8 +348,11 @@ def main() -> None:
     peak = max([peak, matmul_peak_flops(args.threads), *(r.matmul_peak for r in results)])
     print(table(results, peak))
     if not args.no_write:
-        RESULTS.write_text(report(args, results, peak, minutes))
-        print(f"wrote {RESULTS}")
+        path = RESULTS / (
+            "sft_ladder.md" if args.preset == "cpu" else f"sft_ladder_{args.preset}.md"
+        )
+        path.write_text(report(args, results, peak, minutes))
+        print(f"wrote {path}")
 
 
 def report(args, results: list[RungResult], peak: float, minutes: float) -> str:

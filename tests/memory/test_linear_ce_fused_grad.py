@@ -49,7 +49,7 @@ def _close(got, expected, rtol=1e-10, atol=1e-12):
 
 
 class MatmulCounter(TorchDispatchMode):
-    """Counts the matmul ops (mm, addmm, bmm, matmul; any overload) run inside the block."""
+    """Counts the aten matmul ops (mm, addmm, bmm; any overload, in place too) run inside."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -251,3 +251,30 @@ def test_double_backward_is_refused():
 def test_grad_in_forward_must_be_a_bool():
     with pytest.raises(ValueError, match="grad_in_forward"):
         LinearCrossEntropyLoss(grad_in_forward="yes")
+
+
+@pytest.mark.parametrize(
+    ("rows", "vocab", "kwargs", "chunks"),
+    [
+        (100, 8192, {}, 1),  # an 8 MiB weight: no chunk under 512 rows
+        (1100, 8192, {}, 2),
+        (2100, 8192, {}, 4),
+        (4200, 8192, {}, 8),  # at most 8 chunks
+        (100, 64, {}, 8),  # a weight that stays in cache: 8 chunks whatever their size
+        (100, 8192, {"num_chunks": 3}, 3),  # an explicit count is kept whatever the size
+        (100, 8192, {"chunk_size": 40}, 3),
+    ],
+)
+def test_default_chunks_are_at_most_eight_and_at_least_512_rows_for_big_weights(
+    rows, vocab, kwargs, chunks
+):
+    hidden, weight, labels = _inputs(b=2, s=rows // 2, h=256, vocab=vocab, dtype=torch.float32)
+    labels.clamp_(min=0)  # every row trained
+    loss_fn = LinearCrossEntropyLoss(**kwargs)
+    assert loss_fn.num_chunks == kwargs.get("num_chunks", 8)
+    expected_rows = kwargs.get("chunk_size", -(-rows // chunks))
+    assert loss_fn.rows_per_chunk(rows, weight.numel() * 4) == expected_rows
+    with torch.no_grad(), MatmulCounter() as counter:
+        loss = loss_fn(hidden, weight, labels)
+    assert counter.count == chunks  # one logits matmul per chunk
+    torch.testing.assert_close(loss, _reference(hidden, weight, labels), rtol=1e-5, atol=1e-2)

@@ -47,6 +47,18 @@ class CrossEntropyLoss(nn.Module):
 # -- linear cross-entropy ----------------------------------------------------------------------
 
 
+# The default chunking: up to 8 chunks, none under 512 rows once the weight is too big to stay
+# in a CPU's caches (8 MiB or more). Each chunk's matmuls then re-read (and repack) the whole
+# [vocab, hidden] weight and its float32 gradient sum from memory, a cost that does not shrink
+# with the chunk, so small chunks run slower. Measured on a 2-core CPU: ~500 trained rows in 8
+# chunks made a whole SFT step ~20% slower than in 256-row ones (benchmarks/sft_mfu.py); at vocab
+# 128256 x hidden 2048 on 2 threads, 256-row chunks took 1.37x the full-logits matmul time,
+# 512-row chunks 1.08x, 1024-row chunks 1.02x (benchmarks/linear_ce.py).
+_DEFAULT_NUM_CHUNKS = 8
+_DEFAULT_MIN_CHUNK_ROWS = 512
+_CACHED_WEIGHT_BYTES = 8 * 2**20
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32, or float64 for float64 inputs."""
     return torch.promote_types(dtype, torch.float32)
@@ -68,14 +80,15 @@ def _softmax_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor) -> torc
     ``logits`` is turned in place into the gradient of that sum,
     ``softmax(logits) - one_hot(targets)``.
 
-    The log-sum-exp comes out of the softmax: the largest logit's probability is
+    The log-sum-exp comes out of the softmax: the largest probability is
     ``1 / sum(exp(logits - max))`` (at least ``1 / vocab``, so it never underflows), hence
-    ``lse = max - log(p_max)``, with no extra pass over the exponentials.
+    ``lse = max - log(p_max)``. Two ``amax`` passes cost a CPU far less than one
+    ``logsumexp`` or one ``max`` with indices.
     """
-    best, best_index = logits.max(dim=1)
+    best = logits.amax(dim=1)
     target_logits = logits.gather(1, targets[:, None]).squeeze(1)
     torch.softmax(logits, dim=1, out=logits)  # row by row: each element read, then written
-    lse = best - logits.gather(1, best_index[:, None]).squeeze(1).log()
+    lse = best - logits.amax(dim=1).log()
     logits.scatter_add_(1, targets[:, None], torch.full_like(target_logits[:, None], -1.0))
     return (lse - target_logits).sum()
 
@@ -194,17 +207,21 @@ class LinearCrossEntropyLoss(nn.Module):
 
     Positions labelled ``ignore_index`` are dropped first (only trained rows are projected);
     the trained rows are then processed ``chunk_size`` rows at a time (or split into
-    ``num_chunks`` chunks), so at most one chunk of logits is alive at any time. With
-    ``grad_in_forward`` (the default), when a gradient is wanted each chunk computes its
-    loss *and* its gradients during forward (``softmax - one_hot`` from the chunk's logits,
-    then ``d hidden`` rows and a float32 ``d weight`` sum): the same three big matmuls as
-    full logits, and backward only scales the stored gradients by the incoming scalar.
-    Between forward and backward they hold one ``[vocab, hidden]`` float32 weight gradient
-    and one ``[trained rows, hidden]`` hidden gradient, the weight gradient autograd keeps
-    anyway. ``grad_in_forward=False`` keeps nothing weight-sized between the two passes and
-    recomputes each chunk's logits in backward instead (a fourth matmul, about a third
-    slower): for callers that run several forwards before one backward. Under
-    ``torch.no_grad`` (evaluation) only the loss is computed.
+    ``num_chunks`` chunks; by default up to 8 chunks, of at least 512 rows each for a
+    weight of 8 MiB or more), so at most
+    one chunk of logits is alive at any time.
+
+    With ``grad_in_forward`` (the default), when a gradient is wanted, each chunk computes
+    its loss *and* its gradients during forward: its logits become ``softmax - one_hot`` in
+    place and feed the ``d hidden`` and ``d weight`` matmuls at once, so a step costs the
+    same three big matmuls as full logits; backward only scales the stored gradients by the
+    incoming scalar, and the float32 weight gradient becomes ``.grad`` without a copy.
+    Between forward and backward this holds the weight gradient (which autograd would hold
+    from the start of backward anyway) and a ``[trained rows, hidden]`` hidden gradient.
+    ``grad_in_forward=False`` holds nothing weight-sized between the two passes and
+    recomputes each chunk's logits in backward instead (a fourth matmul): for callers that
+    run several forwards before one backward. A second backward through a retained graph
+    recomputes too. Under ``torch.no_grad`` (evaluation) only the loss is computed.
 
     Logits, log-sum-exp and the weight-gradient sum are float32 for 16-bit inputs (float64
     for float64 inputs). A weight that needs no gradient (a frozen head under LoRA) costs no
@@ -221,7 +238,10 @@ class LinearCrossEntropyLoss(nn.Module):
 
     Args:
         num_chunks: number of chunks the trained rows are split into (ignored when
-            ``chunk_size`` is given).
+            ``chunk_size`` is given). Default (None): up to 8 chunks, none under 512 rows
+            when the weight takes 8 MiB or more (smaller chunks re-read a weight that no
+            longer fits in cache more often per FLOP, and run slower); ``self.num_chunks``
+            is then 8 and ``self.min_chunk_rows`` 512.
         chunk_size: rows per chunk; fixes the peak logits memory at
             ``chunk_size * vocab * 4`` bytes whatever the batch.
         ignore_index: label of positions that are not trained.
@@ -243,7 +263,7 @@ class LinearCrossEntropyLoss(nn.Module):
 
     def __init__(
         self,
-        num_chunks: int = 8,
+        num_chunks: int | None = None,
         *,
         chunk_size: int | None = None,
         ignore_index: int = IGNORE_INDEX,
@@ -251,15 +271,18 @@ class LinearCrossEntropyLoss(nn.Module):
         grad_in_forward: bool = True,
     ) -> None:
         super().__init__()
-        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-            raise ValueError(f"num_chunks must be an int >= 1, got {num_chunks!r}")
+        if num_chunks is not None and (
+            isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1
+        ):
+            raise ValueError(f"num_chunks must be an int >= 1 or None, got {num_chunks!r}")
         if chunk_size is not None and (
             isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
         ):
             raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
         if not isinstance(grad_in_forward, bool):
             raise ValueError(f"grad_in_forward must be true or false, got {grad_in_forward!r}")
-        self.num_chunks = num_chunks
+        self.num_chunks = _DEFAULT_NUM_CHUNKS if num_chunks is None else num_chunks
+        self.min_chunk_rows = _DEFAULT_MIN_CHUNK_ROWS if num_chunks is None else 1
         self.chunk_size = chunk_size
         self.ignore_index = ignore_index
         self.compile = compile
@@ -269,6 +292,25 @@ class LinearCrossEntropyLoss(nn.Module):
             if compile
             else _softmax_cross_entropy_
         )
+
+    def rows_per_chunk(self, rows: int, weight_bytes: int) -> int:
+        """Rows per chunk for ``rows`` trained rows and a ``weight_bytes`` weight (in the
+        compute dtype): ``chunk_size``, else ``num_chunks`` even chunks, fewer when a weight
+        of 8 MiB or more would get chunks under ``min_chunk_rows``.
+
+        Example::
+
+            >>> llama3_head = 128256 * 2048 * 4
+            >>> LinearCrossEntropyLoss().rows_per_chunk(2048, llama3_head)  # 4 chunks
+            512
+            >>> LinearCrossEntropyLoss(num_chunks=4).rows_per_chunk(100, llama3_head)
+            25
+        """
+        if self.chunk_size is not None:
+            return self.chunk_size
+        min_rows = self.min_chunk_rows if weight_bytes >= _CACHED_WEIGHT_BYTES else 1
+        chunks = max(1, min(self.num_chunks, rows // min_rows))
+        return -(-rows // chunks)
 
     def forward(
         self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
@@ -303,7 +345,7 @@ class LinearCrossEntropyLoss(nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
         else:
             dtype = torch.promote_types(rows.dtype, weight.dtype)
-        chunk = self.chunk_size or -(-rows.shape[0] // self.num_chunks)
+        chunk = self.rows_per_chunk(rows.shape[0], weight.numel() * weight.element_size())
         rows, weight = rows.to(dtype), weight.to(dtype)
         with torch.autocast(device_type, enabled=False):
             if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
