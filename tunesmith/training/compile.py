@@ -128,9 +128,11 @@ def compile_loss(
     if isinstance(loss_fn, LinearCrossEntropyLoss):
         if loss_fn.compile:
             return loss_fn
+        default_chunking = loss_fn.min_chunk_rows > 1  # keep the default's minimum chunk rows
         return LinearCrossEntropyLoss(
-            loss_fn.num_chunks, chunk_size=loss_fn.chunk_size, ignore_index=loss_fn.ignore_index,
-            compile=True,
+            None if default_chunking else loss_fn.num_chunks, chunk_size=loss_fn.chunk_size,
+            ignore_index=loss_fn.ignore_index, compile=True,
+            grad_in_forward=loss_fn.grad_in_forward,
         )  # fmt: skip
     if not isinstance(loss_fn, nn.Module):
         raise TypeError(f"compile_loss expects a loss module, got {type(loss_fn).__name__}")
