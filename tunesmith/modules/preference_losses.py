@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -181,7 +182,24 @@ def _log1m_exp(a: torch.Tensor) -> torch.Tensor:
 # -- reference-based losses --------------------------------------------------------------------
 
 
-class DPOLoss(nn.Module):
+class _PairLoss(nn.Module):
+    """A preference loss's β (checked) and other hyperparameters, all shown by ``repr``."""
+
+    needs_reference: bool = True
+
+    def __init__(self, beta: float, **hyperparameters: Any) -> None:
+        super().__init__()
+        _check_beta(beta)
+        self.beta = beta
+        self._shown = ["beta", *hyperparameters]
+        for name, value in hyperparameters.items():
+            setattr(self, name, value)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={getattr(self, name)}" for name in self._shown)
+
+
+class DPOLoss(_PairLoss):
     """Sigmoid DPO (Rafailov et al. 2023), with conservative label smoothing (cDPO, Mitchell
     2023): ``-(1-ε)·logσ(β·h) - ε·logσ(-β·h)``.
 
@@ -204,18 +222,11 @@ class DPOLoss(nn.Module):
     def __init__(
         self, beta: float = 0.1, label_smoothing: float = 0.0, reference_free: bool = False
     ) -> None:
-        super().__init__()
-        _check_beta(beta)
         if not 0.0 <= label_smoothing <= 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5], got {label_smoothing!r}")
-        self.beta = beta
-        self.label_smoothing = label_smoothing
-        self.reference_free = reference_free
+        super().__init__(beta, label_smoothing=label_smoothing, reference_free=reference_free)
         if reference_free:
             self.needs_reference = False
-
-    def extra_repr(self) -> str:
-        return f"beta={self.beta}, label_smoothing={self.label_smoothing}, reference_free={self.reference_free}"
 
     def forward(
         self, policy: PairLogps, reference: PairLogps | None = None
@@ -228,7 +239,7 @@ class DPOLoss(nn.Module):
         return _output(losses, self.beta * (pi_c - ref_c), self.beta * (pi_r - ref_r))
 
 
-class IPOLoss(nn.Module):
+class IPOLoss(_PairLoss):
     """IPO (Azar et al. 2023): ``(h - 1/(2β))²``, a squared loss that pulls the reward margin
     to ``1/(2β)`` instead of pushing it to infinity.
 
@@ -250,13 +261,7 @@ class IPOLoss(nn.Module):
     needs_reference: bool = True
 
     def __init__(self, beta: float = 0.1, average_log_prob: bool = True) -> None:
-        super().__init__()
-        _check_beta(beta)
-        self.beta = beta
-        self.average_log_prob = average_log_prob
-
-    def extra_repr(self) -> str:
-        return f"beta={self.beta}, average_log_prob={self.average_log_prob}"
+        super().__init__(beta, average_log_prob=average_log_prob)
 
     def forward(
         self, policy: PairLogps, reference: PairLogps | None = None
@@ -272,7 +277,7 @@ class IPOLoss(nn.Module):
         return _output(losses, self.beta * chosen_margin, self.beta * rejected_margin)
 
 
-class HingeLoss(nn.Module):
+class HingeLoss(_PairLoss):
     """Hinge loss of RSO (Liu et al. 2023): ``relu(1 - β·h)``. Rewards are ``β·(π - ref)``.
 
     Example::
@@ -287,12 +292,7 @@ class HingeLoss(nn.Module):
     needs_reference: bool = True
 
     def __init__(self, beta: float = 0.1) -> None:
-        super().__init__()
-        _check_beta(beta)
-        self.beta = beta
-
-    def extra_repr(self) -> str:
-        return f"beta={self.beta}"
+        super().__init__(beta)
 
     def forward(
         self, policy: PairLogps, reference: PairLogps | None = None
@@ -307,7 +307,7 @@ class HingeLoss(nn.Module):
 # -- reference-free losses ---------------------------------------------------------------------
 
 
-class SimPOLoss(nn.Module):
+class SimPOLoss(_PairLoss):
     """SimPO (Meng et al. 2024): ``-logσ(β·π_c/|y_c| - β·π_r/|y_r| - γ)``, reference-free
     (a passed ``reference`` is ignored). The length-normalised log-probability is the implicit
     reward (``β·π/|y|``) and ``γ`` the target reward margin.
@@ -324,13 +324,7 @@ class SimPOLoss(nn.Module):
     needs_reference: bool = False
 
     def __init__(self, beta: float = 2.0, gamma: float = 0.5) -> None:
-        super().__init__()
-        _check_beta(beta)
-        self.beta = beta
-        self.gamma = gamma
-
-    def extra_repr(self) -> str:
-        return f"beta={self.beta}, gamma={self.gamma}"
+        super().__init__(beta, gamma=gamma)
 
     def forward(
         self, policy: PairLogps, reference: PairLogps | None = None
@@ -342,7 +336,7 @@ class SimPOLoss(nn.Module):
         return _output(losses, chosen_rewards, rejected_rewards)
 
 
-class ORPOLoss(nn.Module):
+class ORPOLoss(_PairLoss):
     """ORPO (Hong et al. 2024), reference-free: per pair
     ``NLL_c - β·logσ(log odds(y_c) - log odds(y_r))``.
 
@@ -363,12 +357,7 @@ class ORPOLoss(nn.Module):
     needs_reference: bool = False
 
     def __init__(self, beta: float = 0.1) -> None:
-        super().__init__()
-        _check_beta(beta)
-        self.beta = beta
-
-    def extra_repr(self) -> str:
-        return f"beta={self.beta}"
+        super().__init__(beta)
 
     def forward(
         self, policy: PairLogps, reference: PairLogps | None = None
