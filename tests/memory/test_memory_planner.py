@@ -1,5 +1,5 @@
-"""The memory planner's estimate against the measured peak of real training steps (live
-tensors counted op by op), for the memory switches one at a time and together; the
+"""The memory planner's estimate against the measured peak of real training steps (the CPU
+allocator's peak, `AllocatedBytes`), for the memory switches one at a time and together; the
 live-tensor counter itself; and the preflight step (measures, changes nothing)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tunesmith.models import llama3, qwen3
 from tunesmith.modules.losses import CrossEntropyLoss, LinearCrossEntropyLoss
 from tunesmith.modules.masks import document_causal_mask
 from tunesmith.training.activations import apply_activation_checkpointing
-from tunesmith.training.memory import LiveTensorBytes, storage_bytes
+from tunesmith.training.memory import AllocatedBytes, LiveTensorBytes, storage_bytes
 from tunesmith.training.memory_planner import estimate_memory, optimizer_kind
 from tunesmith.training.optim_in_backward import OptimizerInBackward
 from tunesmith.training.preflight import longest_batch, preflight
@@ -52,7 +52,7 @@ def _build(dims, family=llama3, name="llama3_tiny"):
 
 
 def measured_peak(model, batch_size, seq_len, steps=2, **switches) -> int:
-    """Weights plus the live-tensor peak of ``steps`` AdamW training steps."""
+    """Weights plus the allocator's peak over ``steps`` AdamW training steps."""
     model = copy.deepcopy(model)
     if switches.get("activation_checkpointing"):
         apply_activation_checkpointing(model, mode=switches["activation_checkpointing"])
@@ -69,7 +69,7 @@ def measured_peak(model, batch_size, seq_len, steps=2, **switches) -> int:
     loss_fn = LinearCrossEntropyLoss() if linear else CrossEntropyLoss()
     params = list(model.parameters())
     dtype = torch.bfloat16 if switches.get("mixed_precision") else None
-    with LiveTensorBytes() as mem:
+    with AllocatedBytes() as mem:
         if switches.get("optimizer_in_backward"):
             opt = OptimizerInBackward(params, partial(torch.optim.AdamW, lr=1e-3))
         else:
