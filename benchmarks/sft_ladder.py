@@ -15,8 +15,8 @@ then one untimed step on the longest batch under the live-tensor counter. Report
   the embedding lookup; a tied head counts once, as the output projection) plus causal
   attention ``6 * L * nh * hd * l^2`` per document of length ``l``, i.e. useful work only
   (no padding, no recomputation);
-* peak memory: the live-tensor peak (weights + optimizer states + tensors alive during the
-  step, counted op by op by ``tunesmith.training.memory.LiveTensorBytes``), the memory
+* peak memory: weights + optimizer states + the CPU allocator's peak during the step
+  (``tunesmith.training.memory.AllocatedBytes``) and where that peak sits, the memory
   planner's estimate for that batch, and the process's peak resident set over the training
   steps after the warm-up (``VmHWM``, reset once compilation is done) above its resident set
   after imports.
@@ -81,6 +81,7 @@ class RungResult:
     fastest_tokens_per_s: float
     first_step_s: float
     live_peak: int
+    peak_at: str
     estimate: int
     rss_peak: int
     rss_base: int
@@ -137,7 +138,7 @@ def run_rung(preset: str, rung_index: int, steps: int, threads: int) -> RungResu
     from tunesmith.modules.losses import CrossEntropyLoss, LinearCrossEntropyLoss
     from tunesmith.training.activations import apply_activation_checkpointing
     from tunesmith.training.compile import compile_loss, compile_model
-    from tunesmith.training.memory import LiveTensorBytes, storage_bytes
+    from tunesmith.training.memory import AllocatedBytes, storage_bytes
     from tunesmith.training.memory_planner import estimate_memory
     from tunesmith.training.optim_in_backward import OptimizerInBackward
     from tunesmith.training.preflight import longest_batch
@@ -214,13 +215,13 @@ def run_rung(preset: str, rung_index: int, steps: int, threads: int) -> RungResu
         flops += 6 * matmul_params * sum(lengths) + attn * sum(n * n for n in lengths)
 
     resident = storage_bytes([*model.parameters(), *model.buffers(), *_state_tensors(optimizer)])
-    with LiveTensorBytes() as mem:
+    with AllocatedBytes() as mem:
         train_step(peak_batch)
     b, s = peak_batch["input_ids"].shape
     plan = estimate_memory(
         model, batch_size=b, seq_len=s, optimizer="adamw8bit" if on.get("eight_bit") else "adamw",
         activation_checkpointing="full" if on.get("checkpointing") else None,
-        loss="linear" if on.get("linear_ce") else "full",
+        loss=loss_fn if on.get("linear_ce") else "full",
         optimizer_in_backward=bool(on.get("in_backward")), packed=bool(on.get("packed")),
     )  # fmt: skip
     rss_peak = _status_bytes("VmHWM")
@@ -228,9 +229,24 @@ def run_rung(preset: str, rung_index: int, steps: int, threads: int) -> RungResu
         rung=names[-1], tokens_per_s=tokens / seconds, flops_per_s=flops / seconds,
         step_s=seconds / steps, slowest_tokens_per_s=min(rates), fastest_tokens_per_s=max(rates),
         first_step_s=first_step_s, matmul_peak=matmul_peak, live_peak=resident + mem.peak,
+        peak_at=peak_label(mem.peak_op),
         estimate=plan.total, rss_peak=rss_peak, rss_base=rss_base,
         params=sum(p.numel() for p in model.parameters()),
     )  # fmt: skip
+
+
+def peak_label(ops: str) -> str:
+    """A short name for where a peak sits, from :attr:`AllocatedBytes.peak_op`'s op chain:
+    the phase, the autograd node or top-level op, the optimizer, and the allocating op."""
+    parts = ops.split(" > ")
+    engine = "autograd::engine::evaluate_function: "
+    phase = "backward" if parts[0].startswith(engine) else "forward"
+    words = [parts[0].removeprefix(engine).removeprefix("torch::autograd::")]
+    words += [p.split("#")[-1] for p in parts if p.startswith("Optimizer.step#")]
+    if phase == "forward" and words[0].startswith("Optimizer.step#"):
+        phase, words = "step", words[1:]
+    allocating = [p for p in parts[1:] if not p.startswith(("aten::empty", "aten::zeros"))]
+    return f"{phase}: {' / '.join(words + allocating[-1:])}"
 
 
 def _matmul_params(model: torch.nn.Module) -> int:
@@ -300,15 +316,15 @@ def _mib(n: int) -> str:
 def table(results: list[RungResult], peak: float) -> str:
     lines = [
         "| rung | tokens/s | slowest-fastest step | MFU | step s | first step s "
-        "| live peak MiB | planner MiB | peak RSS added MiB | peak RSS MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak MiB | planner MiB | peak RSS added MiB | peak RSS MiB | peak at |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.rung} | {r.tokens_per_s:.0f} | {r.slowest_tokens_per_s:.0f}-"
             f"{r.fastest_tokens_per_s:.0f} | {r.flops_per_s / peak:.1%} | {r.step_s:.2f} | "
             f"{r.first_step_s:.1f} | {_mib(r.live_peak)} | {_mib(r.estimate)} | "
-            f"{_mib(r.rss_peak - r.rss_base)} | {_mib(r.rss_peak)} |"
+            f"{_mib(r.rss_peak - r.rss_base)} | {_mib(r.rss_peak)} | {r.peak_at} |"
         )
     return "\n".join(lines)
 
@@ -340,7 +356,8 @@ def main() -> None:
             results.append(result)
             peak = max(peak, result.matmul_peak)
             print(f"{name}: {result.tokens_per_s:.0f} tokens/s, "
-                  f"MFU {result.flops_per_s / peak:.1%}, live peak {_mib(result.live_peak)} MiB, "
+                  f"MFU {result.flops_per_s / peak:.1%}, peak {_mib(result.live_peak)} MiB "
+                  f"({result.peak_at}), "
                   f"first step {result.first_step_s:.1f} s", flush=True)  # fmt: skip
     minutes = (time.perf_counter() - started) / 60
     # a shared machine: the machine's peak is the best of every measurement (before and after

@@ -87,3 +87,14 @@ def test_cli_nproc_per_node_2_equals_one_process(world, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     _check_same_as_single(model_dir, single, out)
+
+
+def test_fused_adamw_on_two_ranks_equals_one_process(world, tmp_path):
+    """torch's fused AdamW kernel on FSDP2's sharded parameters takes the steps of the
+    single process's for-loop AdamW."""
+    model_dir, data, single = world
+    out = tmp_path / "fused"
+    overrides = sft_overrides(model_dir, data, out, f"batch_size={PER_RANK}",
+                              f"max_steps={STEPS}", "optimizer.fused=true")  # fmt: skip
+    launch_ranks(overrides, tmp_path)
+    _check_same_as_single(model_dir, single, out)

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from tunesmith.config import instantiate
 from tunesmith.data import packed_or_padded
-from tunesmith.modules.losses import IGNORE_INDEX
+from tunesmith.modules.losses import IGNORE_INDEX, LinearCrossEntropyLoss
 from tunesmith.training.activations import apply_activation_checkpointing
 from tunesmith.training.compile import compile_loss, compile_model, compile_options
 from tunesmith.training.distributed import DistributedContext, shard_model
@@ -123,9 +123,7 @@ def _memory_plan_and_preflight(cfg, ctx, model, loss_fn, dataset, collate, log) 
         optimizer=optimizer_kind(cfg.optimizer._component_, cfg.optimizer),
         mixed_precision=cfg.get("mixed_precision"),
         activation_checkpointing=cfg.get("activation_checkpointing"),
-        loss="linear" if getattr(loss_fn, "needs_hidden_states", False) else "full",
-        loss_chunks=getattr(loss_fn, "num_chunks", 8),
-        loss_chunk_size=getattr(loss_fn, "chunk_size", None),
+        loss=loss_fn if isinstance(loss_fn, LinearCrossEntropyLoss) else "full",
         optimizer_in_backward=bool(cfg.get("optimizer_in_backward", False)),
         packed="document_ids" in batch, world_size=ctx.world_size, device=ctx.device,
     )  # fmt: skip

@@ -33,9 +33,10 @@ batch_size * seq_len`` tokens:
 * **logits** ``Lg``: full cross-entropy materialises the ``[T, V]`` logits and, at the start
   of backward, about three float32 copies (saved log-softmax, its gradient, the logits'
   gradient): ``12 * T * V`` bytes (``+ a*T*V`` for 16-bit logits). Linear cross-entropy
-  keeps the trained rows and their log-sum-exp, and at most one chunk of ``c`` rows of
-  logits with its gradient (``8 * c * V``), plus one float32 chunk weight gradient
-  ``4 * V * H``; ``T`` is taken as all tokens trained (an upper bound);
+  keeps the trained rows and their gradient, and one chunk of ``c`` rows of float32 logits
+  that become their own gradient (``4 * c * V``; ``c`` as the loss chunks ``T`` rows, see
+  ``LinearCrossEntropyLoss.rows_per_chunk``), plus a float32 weight-gradient sum for a
+  16-bit head; ``T`` is taken as all tokens trained (an upper bound);
 * **step temporaries** ``S``: the optimizer step's scratch (the ``foreach`` kernels of a
   CUDA optimizer about one copy of the trainable parameters; otherwise two copies of the
   largest one; a low-bit optimizer off CUDA about five float32 copies of the largest one,
@@ -69,6 +70,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from tunesmith.modules.losses import LinearCrossEntropyLoss
 from tunesmith.training.memory import storage_bytes
 
 __all__ = [
@@ -240,9 +242,7 @@ def estimate_memory(
     optimizer: str = "adamw",
     mixed_precision: str | None = None,
     activation_checkpointing: Checkpointing | Mapping[str, Any] = None,
-    loss: Literal["full", "linear"] = "full",
-    loss_chunks: int = 8,
-    loss_chunk_size: int | None = None,
+    loss: Literal["full", "linear"] | LinearCrossEntropyLoss = "full",
     optimizer_in_backward: bool = False,
     packed: bool = False,
     world_size: int = 1,
@@ -256,8 +256,9 @@ def estimate_memory(
         mixed_precision: ``"bf16"``/``"fp16"`` autocast, or None.
         activation_checkpointing: None, ``"full"``, ``"selective"``, or the recipe's mapping
             ``{mode: ..., every_k: k}``.
-        loss: ``"full"`` (logits, then cross-entropy) or ``"linear"`` (chunked linear CE
-            with ``loss_chunks`` chunks or ``loss_chunk_size`` rows per chunk).
+        loss: ``"full"`` (logits, then cross-entropy), ``"linear"`` (linear cross-entropy
+            chunked as by default), or the :class:`LinearCrossEntropyLoss` in use (its
+            chunking).
         packed: rows carry a block-causal mask (packing).
         world_size: ranks sharing weights, gradients and states (FSDP2).
         device: where training runs (the optimizer's ``foreach`` scratch is CUDA's).
@@ -271,8 +272,10 @@ def estimate_memory(
         raise ValueError(f"estimate_memory needs a model with a .spec, got {type(model).__name__}")
     if optimizer not in _STATE_BYTES:
         raise ValueError(f"optimizer must be one of {list(OPTIMIZER_KINDS)}, got {optimizer!r}")
-    if loss not in ("full", "linear"):
-        raise ValueError(f"loss must be 'full' or 'linear', got {loss!r}")
+    if loss == "linear":
+        loss = LinearCrossEntropyLoss()
+    if not (loss == "full" or isinstance(loss, LinearCrossEntropyLoss)):
+        raise ValueError(f"loss must be 'full', 'linear' or a LinearCrossEntropyLoss, got {loss!r}")
     mode, every_k = _checkpointing(activation_checkpointing)
     if mixed_precision not in (None, "bf16", "fp16"):
         raise ValueError(f"mixed_precision must be bf16, fp16 or None, got {mixed_precision!r}")
@@ -330,8 +333,12 @@ def estimate_memory(
     if loss == "full":
         logits = tokens * vocab * (12 + (a if a != 4 else 0))
     else:
-        chunk = loss_chunk_size or math.ceil(tokens / max(1, loss_chunks))
-        logits = tokens * (2 * a * hidden + 4) + 8 * chunk * vocab + 4 * vocab * hidden
+        chunk = min(tokens, loss.rows_per_chunk(tokens, vocab * hidden * a))
+        # the trained rows and their gradient, one chunk of float32 logits (turned into their
+        # gradient in place; a 16-bit matmul's output besides), the float32 weight-gradient
+        # sum where the head's own gradient is narrower
+        logits = tokens * (2 * a * hidden + 4) + chunk * vocab * (4 + (a if a != 4 else 0))
+        logits += (4 - r) * vocab * hidden if r < 4 else 0
     head = getattr(model, "lm_head", None)
     head_trainable = head is not None and head.weight.requires_grad
     head_gradient = vocab * hidden * r if head_trainable else 0
