@@ -1,5 +1,5 @@
-"""The CPU memory counters: AllocatedBytes (the allocator's own reports, via the profiler)
-and LiveTensorBytes (tensor storages seen by a dispatch mode)."""
+"""AllocatedBytes, the CPU allocator's peak read from the profiler: what it counts, where it
+says the peak sits, and that (unlike a dispatch mode) it leaves autograd's behaviour alone."""
 
 from __future__ import annotations
 
