@@ -126,11 +126,12 @@ def report(args, rows) -> str:
 
 `python benchmarks/optim_in_backward.py --preset {args.preset}` — memory only (no timing).
 
-- Model: random Llama-style, hidden {cfg["hidden_size"]}, {cfg["num_hidden_layers"]} layers,
-  {cfg["num_attention_heads"]} heads / {cfg["num_key_value_heads"]} KV heads, MLP
-  {cfg["intermediate_size"]}, vocab {cfg["vocab_size"]}; fp32; the longest packed batch of
-  {setup["batch_size"]} x {setup["seq_len"]} tokens; linear cross-entropy, every layer
-  checkpointed (the ladder's `+activation checkpointing` rung, to which the ladder adds the
+- Model: random Llama-style, hidden {cfg["hidden_size"]}, {cfg["num_hidden_layers"]} layers, \
+{cfg["num_attention_heads"]} heads / {cfg["num_key_value_heads"]} KV heads, MLP \
+{cfg["intermediate_size"]},
+  vocab {cfg["vocab_size"]}; fp32; the longest packed batch of \
+{setup["batch_size"]} x {setup["seq_len"]} tokens; linear cross-entropy, every
+  layer checkpointed (the ladder's `+activation checkpointing` rung, to which the ladder adds the
   optimizer in backward).
 - Peaks: the CPU allocator's peak during one step (forward, backward, optimizer step), above
   the weights and optimizer states, which both runs hold alike (`AllocatedBytes`); "where" is
@@ -140,21 +141,21 @@ def report(args, rows) -> str:
 
 {table}
 
-**Why the cut stays under the gradients' size with the for-loop or fused AdamW.** An
-optimizer step needs its own parameter's whole gradient, so the largest gradient exists in
-full at some moment of either run; an optimizer in backward removes the *other* gradients from
-the peak, not that one. Without it the peak is all gradients plus the step's scratch for the
-largest parameter (the for-loop AdamW allocates `sqrt(v)` and its quotient, two more copies of
-it); with it, the largest parameter's gradient plus that same scratch, or the forward/backward
-working set if larger (here the linear cross-entropy's chunk of logits and its weight
-gradient). So the cut is at most the gradients minus the largest one: for a tied head that
-parameter is the embedding, whose gradient the head starts at the first op of backward and the
-embedding lookup completes at the last, so it spans the whole backward pass under either
-scheme. The cut reaches the gradients' size only where the plain step's scratch scales with all
-parameters, as with `foreach` (torch's default on CUDA), whose kernels hold a temporary copy of
-every gradient at once. The fused kernel has no scratch: there the plain peak sits at the end of
-backward (all gradients plus the embedding's lookup gradient) and the in-backward peak is the
-loss's working set.
+**What the cut is made of.** Without the optimizer in backward the peak holds every gradient
+(G) plus the scratch of the optimizer step (S): the for-loop AdamW allocates `sqrt(v)` and its
+quotient, two copies of the parameter it steps (the 94 MiB embedding here); `foreach` holds a
+temporary copy of every gradient at once; the fused kernel none, and its peak sits in backward
+instead, where the gradients made so far meet the last layers' working set. With the optimizer
+in backward every gradient is freed as soon as its parameter is stepped, and the peak is the
+working set of backward that a plain run also holds at that moment (the checkpointed layer
+inputs, one recomputed layer and its gradients, the loss's chunk of logits) plus the gradients
+not yet stepped: with a tied head, the embedding's, which the head starts at the first op of
+backward and the embedding lookup completes at the last. So the cut is `G + S` minus that
+working set and pending gradient, and it reaches G only where the plain step's scratch S is at
+least as large as they are: with `foreach` (torch's default on CUDA) it is; with
+the for-loop or fused AdamW it cannot be, whatever the optimizer in backward does, since the
+working set belongs to the forward and backward passes. What it removes there is every gradient
+but the pending one, down to the working set.
 """
 
 

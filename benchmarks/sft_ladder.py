@@ -86,6 +86,7 @@ class RungResult:
     rss_peak: int
     rss_base: int
     params: int
+    gradients: int
     matmul_peak: float
 
 
@@ -232,6 +233,7 @@ def run_rung(preset: str, rung_index: int, steps: int, threads: int) -> RungResu
         peak_at=peak_label(mem.peak_op),
         estimate=plan.total, rss_peak=rss_peak, rss_base=rss_base,
         params=sum(p.numel() for p in model.parameters()),
+        gradients=sum(p.numel() * p.element_size() for p in params),
     )  # fmt: skip
 
 
@@ -372,32 +374,68 @@ def main() -> None:
         print(f"wrote {path}")
 
 
+def targets(results: list[RungResult], peak: float) -> str:
+    """The issue's ladder targets, read off this run's rows."""
+    by = {r.rung: r for r in results}
+    lines = []
+    if "baseline" in by and len(results) > 1:
+        first, last = by["baseline"], results[-1]
+        lines.append(f"all switches together ({last.rung} row) take the peak from "
+                     f"{_mib(first.live_peak)} to {_mib(last.live_peak)} MiB "
+                     f"(**{last.live_peak / first.live_peak - 1:+.1%}**; target -60% or more)")  # fmt: skip
+    if "baseline" in by and "+packing" in by:
+        ratio = by["+packing"].tokens_per_s / by["baseline"].tokens_per_s
+        lines.append(f"packing raises real tokens/s **{ratio:.2f}x** (target 2x or more)")
+    names = list(RUNGS)
+    hooked = names.index("+optimizer in backward")
+    if names[hooked] in by and names[hooked - 1] in by:
+        before, after = by[names[hooked - 1]], by[names[hooked]]
+        cut = before.live_peak - after.live_peak
+        lines.append(f"the optimizer in backward cuts {_mib(cut)} MiB against "
+                     f"{_mib(after.gradients)} MiB of gradients "
+                     f"(**{cut / after.gradients:.0%}**; target 100% or more; the "
+                     "bound and the other AdamW implementations: `optim_in_backward.md`)")  # fmt: skip
+    best = max(results, key=lambda r: r.flops_per_s)
+    lines.append(f"best MFU **{best.flops_per_s / peak:.1%}** ({best.rung})")
+    return "".join(f"- {line}\n" for line in lines)
+
+
 def report(args, results: list[RungResult], peak: float, minutes: float) -> str:
     setup = PRESETS[args.preset]
     cfg = setup["config"]
     params = results[0].params / 1e6 if results else 0.0
+    if args.preset == "cpu":
+        size = ("the 100M shape's width and vocabulary with 4 of its 12 layers at seq 512, so "
+                "the whole ladder runs in minutes; the issue's shape is `--preset 100m` "
+                "(`sft_ladder_100m.md`)")  # fmt: skip
+    else:
+        size = "the issue's ladder shape, ~100M parameters at seq 1024"
     return f"""# SFT ablation ladder: throughput, MFU, peak memory
 
-`python benchmarks/sft_ladder.py` — preset `{args.preset}`, {args.steps} timed steps per rung,
-{args.threads} intra-op thread, whole ladder {minutes:.1f} min. Each rung adds one switch to the
-rung above and runs in a fresh subprocess.
+`python benchmarks/sft_ladder.py --preset {args.preset} --threads {args.threads}` —
+{args.steps} timed steps per rung, whole ladder {minutes:.1f} min. Each rung adds one switch to
+the rung above and runs in a fresh subprocess.
 
 - Model: random Llama-style, {params:.1f}M parameters: hidden {cfg["hidden_size"]}, \
 {cfg["num_hidden_layers"]} layers, {cfg["num_attention_heads"]} heads / \
 {cfg["num_key_value_heads"]} KV heads, MLP {cfg["intermediate_size"]}, \
-vocab {cfg["vocab_size"]} (tied head); fp32; batch {setup["batch_size"]} x seq {setup["seq_len"]}.
-- Size: the ~100M shape (`--preset 100m`: 12 layers, seq 1024) needs about 600 MFLOP per token,
-  ~40 s per 2 x 1024-token step on this machine, too slow for a ladder in 10 minutes; the
-  default preset keeps its width and vocabulary with 4 layers at seq 512.
+vocab {cfg["vocab_size"]} (tied head); fp32; batch {setup["batch_size"]} x seq {setup["seq_len"]}:
+  {size}. AdamW is torch's default implementation (the for-loop one on CPU).
 - Data: 200 synthetic samples with log-normal lengths (median ~{setup["seq_len"] // 5} tokens,
   clipped to 16..{setup["seq_len"]}), every token trained. Padded rungs pad each batch to its
-  longest sample; packed rungs fill rows of {setup["seq_len"]} tokens (block-causal mask,
-  SDPA's CPU flash kernel).
+  longest sample; packed rungs fill rows of {setup["seq_len"]} tokens. Eager rungs attend
+  document by document (`document_ids`: causal SDPA per document); compiled ones use the
+  block-causal mask (data-dependent document spans would recompile every batch), which is
+  why `+compile` can be slower than `+packing` here.
 - Machine: {machine()}, shared with other work (timings are noisy; the step range shows it);
-  Python {platform.python_version()}, torch {torch.__version__}; run {datetime.date.today().isoformat()}.
-- Matmul peak: {peak / 1e9:.1f} GFLOP/s, fp32 2048 x 2048 on {args.threads} thread, the best of
-  this script's measurements (before and after the ladder, and in each rung's process).
+  Python {platform.python_version()}, torch {torch.__version__}; run \
+{datetime.date.today().isoformat()}. **GPU: not run** (no device was lent to this task).
+- Matmul peak: {peak / 1e9:.1f} GFLOP/s, fp32 2048 x 2048 on {args.threads} thread(s), the best
+  of this script's measurements (before and after the ladder, and in each rung's process).
 
+Against the issue's targets:
+
+{targets(results, peak)}
 {table(results, peak)}
 
 - **tokens/s**: real (non-padding) tokens per second over the timed steps. **MFU**: useful
@@ -407,17 +445,18 @@ vocab {cfg["vocab_size"]} (tied head); fp32; batch {setup["batch_size"]} x seq {
   (inductor's cache is fresh for each ladder run and shared by its rungs, so a rung whose
   graphs an earlier rung compiled finds them cached); the compile time is roughly first step
   minus step.
-- **live peak**: weights + optimizer states + the most bytes of tensors alive at once during
-  one step on the longest batch, counted op by op (`LiveTensorBytes`). **planner**: the
-  memory planner's estimate for that batch and configuration (`estimate_memory`).
-  **peak RSS added**: the subprocess's peak resident set over the steps after the warm-up
-  (`VmHWM`, reset after it) minus its resident set after imports: it also holds what
-  compilation left resident (generated code, graphs), the synthetic data and the allocator's
-  free pages, so it sits above the live peak. Children run with a fixed glibc mmap threshold
+- **peak**: weights + optimizer states + the CPU allocator's peak during one step on the
+  longest batch (`AllocatedBytes`, read from torch's profiler; **peak at**: the phase, the
+  autograd node or op, and the allocating op at that moment). **planner**: the memory
+  planner's estimate for that batch and configuration (`estimate_memory`). **peak RSS
+  added**: the subprocess's peak resident set over the steps after the warm-up (`VmHWM`,
+  reset after it) minus its resident set after imports: it also holds what compilation left
+  resident (generated code, graphs), the synthetic data and the allocator's free pages, so it
+  sits above the peak. Children run with a fixed glibc mmap threshold
   (`MALLOC_MMAP_THRESHOLD_=131072`) so freed tensors leave the resident set.
 - bitsandbytes' CPU step (8-bit AdamW) allocates about five float32 copies of the parameter
-  it updates outside torch's dispatcher: the live counter cannot see them, the resident set
-  and the planner (step temporaries) include them.
+  it updates, as torch tensors made outside torch's dispatcher: the allocator peak and the
+  planner (step temporaries) count them, a dispatch-mode counter would not.
 """
 
 
