@@ -158,6 +158,13 @@ def test_plan_terms_follow_the_configuration():
     assert sharded.optimizer_states == plan.optimizer_states // 4
     longer = estimate_memory(model, batch_size=2, seq_len=32)
     assert longer.activations == 2 * plan.activations  # linear in tokens (no mask)
+    vocab = model.spec.vocab_size
+    chunked = {rows: estimate_memory(model, batch_size=2, seq_len=32,
+                                     loss=LinearCrossEntropyLoss(chunk_size=rows)).logits
+               for rows in (8, 16, 64)}  # fmt: skip
+    assert chunked[64] - chunked[16] == 4 * vocab * (64 - 16)  # one float32 chunk of logits
+    # the default chunking: 8 chunks of the 64 rows (a small head: no minimum chunk size)
+    assert estimate_memory(model, batch_size=2, seq_len=32, loss="linear").logits == chunked[8]
     for p in model.parameters():  # frozen base (LoRA-like): no gradients or states for it
         p.requires_grad_(False)
     frozen = estimate_memory(model, batch_size=2, seq_len=16)

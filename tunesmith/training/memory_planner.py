@@ -34,7 +34,7 @@ batch_size * seq_len`` tokens:
   of backward, about three float32 copies (saved log-softmax, its gradient, the logits'
   gradient): ``12 * T * V`` bytes (``+ a*T*V`` for 16-bit logits). Linear cross-entropy
   keeps the trained rows and their gradient, and one chunk of ``c`` rows of float32 logits
-  that become their own gradient (``4 * c * V``; ``c`` as the loss chunks ``T`` rows, see
+  that become their own gradient (``4 * c * V``; ``c`` rows as the loss chunks ``T``, see
   ``LinearCrossEntropyLoss.rows_per_chunk``), plus a float32 weight-gradient sum for a
   16-bit head; ``T`` is taken as all tokens trained (an upper bound);
 * **step temporaries** ``S``: the optimizer step's scratch (the ``foreach`` kernels of a
