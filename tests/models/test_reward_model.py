@@ -357,3 +357,42 @@ def test_bad_masks_are_refused(seq_cls_folders) -> None:
     mask[1] = 0
     with pytest.raises(ValueError, match=r"rows \[1\] have no real token"):
         rm(ids, attention_mask=mask)
+
+
+def test_an_moe_body_gives_its_router_logits_to_the_load_balancing_loss() -> None:
+    from tunesmith.models import llama3, qwen3_moe
+    from tunesmith.modules.moe import load_balancing_loss
+    from tunesmith.modules.preference_losses import BradleyTerryLoss
+    from tunesmith.recipes.reward_model import PairwiseRanking
+
+    torch.manual_seed(0)
+    spec = qwen3_moe.spec("qwen3_moe_tiny", pad_token_id=PAD)
+    model = build_reward_model(spec)
+    ids, mask = _batch(vocab=spec.vocab_size)
+    scores, router_logits = model(ids, attention_mask=mask, output_router_logits=True)
+    torch.testing.assert_close(scores, model(ids, attention_mask=mask), rtol=0, atol=0)
+    _, body_router_logits = model.model(ids, attention_mask=mask, output_router_logits=True)
+    assert len(router_logits) == len(body_router_logits) == 2  # layer 1 of 3 is dense
+    for ours, body in zip(router_logits, body_router_logits):
+        torch.testing.assert_close(ours, body, rtol=0, atol=0)
+
+    # the objective adds coef x the load-balancing loss, and it trains the routers
+    half = ids.shape[0] // 2
+    batch = {"input_ids": ids[: 2 * half], "attention_mask": mask[: 2 * half],
+             "position_ids": torch.arange(ids.shape[1]).expand(2 * half, -1)}  # fmt: skip
+    out = PairwiseRanking(BradleyTerryLoss())(model, batch)
+    _, batch_router_logits = model.model(
+        batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True
+    )
+    expected = spec.router_aux_loss_coef * load_balancing_loss(
+        batch_router_logits, spec.num_experts_per_tok, batch["attention_mask"]
+    )
+    assert out.aux_loss is not None and out.aux_loss.item() > 0
+    torch.testing.assert_close(out.aux_loss, expected)
+    out.aux_loss.backward()
+    gate = model.model.layers[0].mlp.gate.weight
+    assert gate.grad is not None and gate.grad.abs().sum() > 0
+
+    dense = build_reward_model(llama3.spec("llama3_tiny", pad_token_id=PAD))
+    assert dense(ids, attention_mask=mask, output_router_logits=True)[1] == ()
+    assert PairwiseRanking(BradleyTerryLoss())(dense, batch).aux_loss is None

@@ -142,7 +142,8 @@ class RewardModel(nn.Module):
         *,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        output_router_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Scores ``[b, num_labels]`` (float32) at the last real token of each row.
 
         Args:
@@ -150,16 +151,23 @@ class RewardModel(nn.Module):
             position_ids: ``[b, s]`` or ``[1, s]``; default ``arange(s)`` (right padding).
             attention_mask: a 2-D ``[b, s]`` 0/1 padding mask; the score is read at the last
                 position where it is 1. Without it, at the last position of every row.
+            output_router_logits: also return the body's per-MoE-layer router logits (for
+                the load-balancing loss; empty for a dense body): ``(scores, router_logits)``.
         """
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError(
                 f"a reward model takes a 2-D 0/1 attention_mask, got {attention_mask.dim()}-D "
                 f"shape {list(attention_mask.shape)}"
             )
-        hidden = self.model(input_ids, position_ids=position_ids, attention_mask=attention_mask)
+        hidden = self.model(
+            input_ids, position_ids=position_ids, attention_mask=attention_mask,
+            output_router_logits=output_router_logits,
+        )  # fmt: skip
+        hidden, router_logits = hidden if output_router_logits else (hidden, ())
         last = last_token_positions(attention_mask, input_ids).to(hidden.device)
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-        return F.linear(pooled.float(), self.score.weight.float())
+        scores = F.linear(pooled.float(), self.score.weight.float())
+        return (scores, router_logits) if output_router_logits else scores
 
     # -- weights -----------------------------------------------------------------------------
 

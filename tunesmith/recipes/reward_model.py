@@ -29,6 +29,7 @@ from tunesmith.config import instantiate
 from tunesmith.data import collate_preference
 from tunesmith.training.activations import apply_activation_checkpointing
 from tunesmith.training.distributed import DistributedContext, shard_model
+from tunesmith.training.forward import router_aux_loss
 from tunesmith.training.loop import (
     LOOP_KEYS,
     LOOP_RUNTIME_ARGS,
@@ -78,7 +79,8 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
 
 
 class PairwiseRanking:
-    """Summed Bradley-Terry loss of a batch of pairs scored by a reward model."""
+    """Summed Bradley-Terry loss of a batch of pairs scored by a reward model, plus the MoE
+    load-balancing loss (a mean per micro-batch) for a reward model with an MoE body."""
 
     unit = "pairs"
 
@@ -89,10 +91,11 @@ class PairwiseRanking:
         return batch["input_ids"].shape[0] // 2
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
-        scores = model(
+        scores, router_logits = model(
             batch["input_ids"], position_ids=batch["position_ids"],
-            attention_mask=batch["attention_mask"],
-        )[:, 0]  # fmt: skip
+            attention_mask=batch["attention_mask"], output_router_logits=True,
+        )  # fmt: skip
+        scores = scores[:, 0]
         half = scores.shape[0] // 2
         chosen, rejected = scores[:half], scores[half:]
         losses = self.loss_fn(chosen, rejected)
@@ -101,7 +104,9 @@ class PairwiseRanking:
             "accuracy": (margin > 0).float().sum(), "margin": margin.sum(),
             "scores/chosen": chosen.detach().sum(), "scores/rejected": rejected.detach().sum(),
         }  # fmt: skip
-        return LossOutput(losses.sum(), metrics)
+        return LossOutput(
+            losses.sum(), metrics, aux_loss=router_aux_loss(model, router_logits, batch)
+        )
 
 
 def _check_pad_not_trained(dataset, pad_id: int) -> None:

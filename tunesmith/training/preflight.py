@@ -79,7 +79,7 @@ class PreflightReport:
     """What the preflight step measured.
 
     ``step_bytes``: the peak bytes allocated during forward and backward above what existed
-    before (the live-tensor counter on CPU, the CUDA allocator's peak on a GPU);
+    before (the CPU allocator's peak, the CUDA allocator's on a GPU);
     ``resident_bytes``: what existed before on the device (weights and buffers).
     """
 
