@@ -216,6 +216,10 @@ def test_longest_batch_takes_the_longest_items():
     assert longest_batch(packs, 1, lambda b: b)[0]["document_ids"] == [0, 1, 1, 1]
     with pytest.raises(ValueError, match="fewer than batch_size 9"):
         longest_batch(items, 9, list)
+    pairs = [{"chosen_input_ids": [1] * c, "chosen_labels": [1] * c,
+              "rejected_input_ids": [1] * r, "rejected_labels": [1] * r, "prompt_len": 1}
+             for c, r in ((2, 9), (6, 6), (3, 3))]  # fmt: skip
+    assert longest_batch(pairs, 1, lambda b: b)[0]["chosen_input_ids"] == [1] * 6  # 12 tokens
 
 
 @pytest.mark.parametrize("free_grads", [False, True])

@@ -4,8 +4,8 @@
     tunesmith run sft --config qwen3_0_6b --nproc-per-node 8  # eight ranks, FSDP2
 
 The recipe: tokenise the dataset (optionally pack it), build the model (activation
-checkpointing, compile, FSDP2 when world > 1), estimate the memory (and preflight the longest
-batch), then :func:`~tunesmith.training.loop.fit` the objective below: cross-entropy summed
+checkpointing, compile, FSDP2 when world > 1), estimate the memory of the longest batch (which
+``preflight: true`` also measures), then :func:`~tunesmith.training.loop.fit` the objective below: cross-entropy summed
 over the trained tokens, divided by the trained tokens of all micro-batches on all ranks, so
 the update equals one big batch's token-mean loss.
 """
@@ -23,7 +23,6 @@ from tunesmith.training.compile import compile_loss, compile_model, compile_opti
 from tunesmith.training.distributed import DistributedContext, shard_model
 from tunesmith.training.forward import forward_batch, router_aux_loss
 from tunesmith.training.loop import (
-    AUTOCAST,
     LOOP_KEYS,
     LOOP_RUNTIME_ARGS,
     LOOP_RUNTIME_KWARGS,
@@ -34,14 +33,14 @@ from tunesmith.training.loop import (
     make_loader,
     run_main,
 )
-from tunesmith.training.memory_planner import estimate_memory, optimizer_kind
-from tunesmith.training.preflight import longest_batch, preflight
+from tunesmith.training.memory_planner import MemoryPlan, estimate_memory, optimizer_kind
+from tunesmith.training.preflight import longest_batch
 
 # Arguments the recipe passes at run time (for `tunesmith validate`).
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
 KEYS = [
-    *LOOP_KEYS, "model", "packed", "loss", "activation_checkpointing", "compile", "preflight",
+    *LOOP_KEYS, "model", "packed", "loss", "activation_checkpointing", "compile",
 ]  # fmt: skip
 
 
@@ -76,12 +75,13 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
                                dynamic=compiling.dynamic)  # fmt: skip
     model = shard_model(model, ctx)
     objective = TokenCrossEntropy(loss_fn)
-    # before the optimizer exists: the preflight step must not update anything
-    _memory_plan_and_preflight(cfg, ctx, model, loss_fn, dataset, collate, log)
+    plan = _memory_plan(cfg, ctx, model, loss_fn, dataset, collate)
+    if plan is not None:
+        log(plan.table())
 
     # -- train: per step, the token-mean loss of all micro-batches on all ranks
     fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,
-        val_dataset=val_dataset, name="sft")  # fmt: skip
+        val_dataset=val_dataset, name="sft", memory_plan=plan)  # fmt: skip
 
 
 class TokenCrossEntropy:
@@ -111,14 +111,12 @@ def _loss(model, loss_fn, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     return loss_fn(logits, batch["labels"]), router_logits
 
 
-def _memory_plan_and_preflight(cfg, ctx, model, loss_fn, dataset, collate, log) -> None:
-    """Print the estimated peak memory for the longest batch of ``dataset``; with
-    ``preflight: true`` also run that batch forward and backward once (no update, same RNG)
-    and print the measured peak next to the estimate."""
+def _memory_plan(cfg, ctx, model, loss_fn, dataset, collate) -> MemoryPlan | None:
+    """The estimated peak memory of a step on the longest batch of ``dataset``."""
     if not hasattr(model, "spec") or not len(dataset):
-        return
+        return None
     batch = longest_batch(dataset, min(cfg.batch_size, len(dataset)), collate)
-    plan = estimate_memory(
+    return estimate_memory(
         model, batch_size=batch["input_ids"].shape[0], seq_len=batch["input_ids"].shape[1],
         optimizer=optimizer_kind(cfg.optimizer._component_, cfg.optimizer),
         mixed_precision=cfg.get("mixed_precision"),
@@ -127,17 +125,3 @@ def _memory_plan_and_preflight(cfg, ctx, model, loss_fn, dataset, collate, log) 
         optimizer_in_backward=bool(cfg.get("optimizer_in_backward", False)),
         packed="document_ids" in batch, world_size=ctx.world_size, device=ctx.device,
     )  # fmt: skip
-    log(plan.table())
-    if not cfg.get("preflight", False):
-        return
-    autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
-
-    def batch_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with torch.autocast(ctx.device.type, autocast_dtype, enabled=bool(autocast_dtype)):
-            return _loss(model, loss_fn, batch)[0]
-
-    report = preflight(
-        model, {k: v.to(ctx.device) for k, v in batch.items()}, batch_loss, device=ctx.device,
-        free_grads_in_backward=bool(cfg.get("optimizer_in_backward", False)),
-    )  # fmt: skip
-    log(report.summary(plan))

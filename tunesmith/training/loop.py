@@ -49,8 +49,10 @@ from tunesmith.training.distributed import (
     peer_failure,
 )
 from tunesmith.training.memory import peak_memory_gb
+from tunesmith.training.memory_planner import MemoryPlan
 from tunesmith.training.metric_logging import MultiLogger, NullLogger
 from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
+from tunesmith.training.preflight import longest_batch, preflight
 
 __all__ = [
     "AUTOCAST",
@@ -74,7 +76,7 @@ LOOP_KEYS = [
     "gradient_accumulation_steps", "epochs", "max_steps", "stop_after_steps", "optimizer",
     "lr_scheduler", "max_grad_norm", "tokenizer", "dataset", "val_dataset", "val_fraction", "metric_loggers", "log_every_n_steps", "eval_every_n_steps",
     "save_every_n_steps", "keep_last", "resume", "on_nonfinite_loss", "progress_bar",
-    "optimizer_in_backward", "activation_offloading", "distributed_timeout_s",
+    "optimizer_in_backward", "activation_offloading", "distributed_timeout_s", "preflight",
 ]  # fmt: skip
 # Arguments fit() passes at run time (for `tunesmith validate`).
 LOOP_RUNTIME_ARGS = {"tokenizer": 0, "dataset": 1, "val_dataset": 1, "optimizer": 1,
@@ -193,11 +195,15 @@ def fit(
     sampler: DistributedSampler,
     val_dataset: Sequence[Any] | None = None,
     name: str = "train",
+    memory_plan: MemoryPlan | None = None,
 ) -> None:
     """Train ``model`` on ``objective`` over ``loader`` as ``cfg`` says (see the module docs).
 
-    Creates the optimizer (``cfg.optimizer``, or one per parameter inside the backward pass
-    with ``optimizer_in_backward``) over the parameters that require grad, the schedule, the
+    With ``preflight: true`` first runs the objective forward and backward once on the
+    longest batch of the data (no update, same RNG) and prints the measured peak, next to
+    ``memory_plan``'s estimate when the recipe gives one. Then creates the optimizer
+    (``cfg.optimizer``, or one per parameter inside the backward pass with
+    ``optimizer_in_backward``) over the parameters that require grad, the schedule, the
     :class:`Checkpointer` (resuming from ``cfg.resume``) and the metric loggers.
     """
     log = print if ctx.is_rank_zero else (lambda *a, **k: None)
@@ -211,6 +217,8 @@ def fit(
         )
     total_steps = cfg.get("max_steps") or steps_per_epoch * int(cfg.get("epochs", 1))
 
+    if cfg.get("preflight", False):  # before the optimizer exists: nothing may step
+        log(_preflight(cfg, ctx, model, objective, loader).summary(memory_plan))
     trainable = [p for p in model.parameters() if p.requires_grad]
     in_backward = bool(cfg.get("optimizer_in_backward", False))
     if in_backward:  # each parameter steps as soon as its gradient is ready
@@ -367,6 +375,24 @@ def evaluate(
     model.train()
     total_units = all_reduce_sum(units, ctx.device)
     return {f"val_{k}": v for k, v in _means(sums, total_units, ctx).items()}
+
+
+def _preflight(cfg: DictConfig, ctx: DistributedContext, model: nn.Module, objective: Objective,
+               loader: StatefulDataLoader):  # fmt: skip
+    """One forward and backward of ``objective`` on the longest batch of the loader's data."""
+    dataset = loader.dataset
+    batch = longest_batch(dataset, min(int(cfg.batch_size), len(dataset)), loader.collate_fn)
+    autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
+
+    def batch_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast(ctx.device.type, autocast_dtype, enabled=bool(autocast_dtype)):
+            out = objective(model, batch)
+        return out.loss if out.aux_loss is None else out.loss + out.aux_loss
+
+    return preflight(
+        model, {k: v.to(ctx.device) for k, v in batch.items()}, batch_loss, device=ctx.device,
+        free_grads_in_backward=bool(cfg.get("optimizer_in_backward", False)),
+    )  # fmt: skip
 
 
 def _add_metrics(sums: dict[str, torch.Tensor], metrics: Mapping[str, torch.Tensor]) -> None:

@@ -36,14 +36,20 @@ Batch = dict[str, torch.Tensor]
 
 
 def _real_length(item: Mapping[str, Sequence[int]]) -> int:
-    """Tokens of a sample, or the non-padding tokens of a pack (``document_ids >= 0``)."""
+    """Tokens of a sample (of both sequences of a preference pair: ``chosen_input_ids`` and
+    ``rejected_input_ids``), or the non-padding tokens of a pack (``document_ids >= 0``)."""
     if "document_ids" in item:
         return sum(1 for d in item["document_ids"] if d >= 0)
-    return len(item["input_ids"])
+    return sum(len(ids) for key, ids in item.items() if key.endswith("input_ids"))
 
 
 def _trained(item: Mapping[str, Sequence[int]]) -> int:
-    return sum(1 for label in item["labels"] if label >= 0)
+    """Trained labels of a sample (of every ``*labels`` sequence of a pair)."""
+    return sum(
+        sum(1 for label in labels if label >= 0)
+        for key, labels in item.items()
+        if key.endswith("labels")
+    )
 
 
 def longest_batch(
