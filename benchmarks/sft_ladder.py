@@ -240,7 +240,7 @@ def run_rung(preset: str, rung_index: int, steps: int, threads: int) -> RungResu
 def peak_label(ops: str) -> str:
     """A short name for where a peak sits, from :attr:`AllocatedBytes.peak_op`'s op chain:
     the phase, the autograd node or top-level op, the optimizer, and the allocating op."""
-    parts = ops.split(" > ")
+    parts = ["compiled graph" if "CompiledFxGraph" in p else p for p in ops.split(" > ")]
     engine = "autograd::engine::evaluate_function: "
     phase = "backward" if parts[0].startswith(engine) else "forward"
     words = [parts[0].removeprefix(engine).removeprefix("torch::autograd::")]
