@@ -4,10 +4,10 @@
     tunesmith run sft --config qwen3_0_6b --nproc-per-node 8  # eight ranks, FSDP2
 
 The recipe: tokenise the dataset (optionally pack it), build the model (activation
-checkpointing, compile, FSDP2 when world > 1), estimate the memory of the longest batch (which
-``preflight: true`` also measures), then :func:`~tunesmith.training.loop.fit` the objective below: cross-entropy summed
-over the trained tokens, divided by the trained tokens of all micro-batches on all ranks, so
-the update equals one big batch's token-mean loss.
+checkpointing, compile, FSDP2 when world > 1), estimate the memory of the longest batch
+(which ``preflight: true`` also measures), then :func:`~tunesmith.training.loop.fit` the
+objective below: cross-entropy summed over the trained tokens, divided by the trained tokens
+of all micro-batches on all ranks, so the update equals one big batch's token-mean loss.
 """
 
 from __future__ import annotations
