@@ -41,6 +41,7 @@ CONFIGS = {
     "linear_ce": {"loss": "linear"},
     "optimizer_in_backward": {"optimizer_in_backward": True},
     "bf16_autocast": {"mixed_precision": "bf16"},
+    "fused_adamw": {"optimizer": "adamw_fused"},
     "all_together": {"activation_checkpointing": "full", "loss": "linear",
                      "optimizer_in_backward": True},
 }  # fmt: skip
@@ -69,11 +70,12 @@ def measured_peak(model, batch_size, seq_len, steps=2, **switches) -> int:
     loss_fn = LinearCrossEntropyLoss() if linear else CrossEntropyLoss()
     params = list(model.parameters())
     dtype = torch.bfloat16 if switches.get("mixed_precision") else None
+    fused = switches.get("optimizer") == "adamw_fused"
     with AllocatedBytes() as mem:
         if switches.get("optimizer_in_backward"):
-            opt = OptimizerInBackward(params, partial(torch.optim.AdamW, lr=1e-3))
+            opt = OptimizerInBackward(params, partial(torch.optim.AdamW, lr=1e-3, fused=fused))
         else:
-            opt = torch.optim.AdamW(params, lr=1e-3)
+            opt = torch.optim.AdamW(params, lr=1e-3, fused=fused)
         for _ in range(steps):
             with torch.autocast("cpu", dtype, enabled=dtype is not None):
                 if linear:
@@ -110,7 +112,7 @@ def activation_heavy(one_thread):
 @pytest.fixture(scope="module")
 def param_heavy(one_thread):
     model = _build(PARAM_HEAVY)
-    names = ["full", "checkpoint_full", "optimizer_in_backward", "all_together"]
+    names = ["full", "checkpoint_full", "optimizer_in_backward", "all_together", "fused_adamw"]
     return {n: (measured_peak(model, 1, 32, **CONFIGS[n]), _estimate(model, 1, 32, **CONFIGS[n]))
             for n in names}  # fmt: skip
 
@@ -134,7 +136,8 @@ def test_estimate_orders_the_switches_like_the_measurement(activation_heavy, par
     assert activation_heavy["checkpoint_full"][0] < 0.7 * activation_heavy["full"][0]
     assert activation_heavy["linear_ce"][0] < activation_heavy["full"][0]
     assert param_heavy["optimizer_in_backward"][0] < 0.95 * param_heavy["full"][0]
-    for name in ("full", "optimizer_in_backward", "all_together"):
+    assert param_heavy["fused_adamw"][0] < param_heavy["full"][0]  # no step scratch
+    for name in ("full", "optimizer_in_backward", "all_together", "fused_adamw"):
         measured, estimated = param_heavy[name]
         assert 0.75 * measured <= estimated <= 1.25 * measured, (name, measured, estimated)
 
@@ -175,6 +178,7 @@ def test_plan_terms_follow_the_configuration():
 
 def test_optimizer_kinds_and_bad_input():
     assert optimizer_kind("torch.optim.AdamW") == "adamw"
+    assert optimizer_kind("torch.optim.AdamW", {"fused": True}) == "adamw_fused"
     assert optimizer_kind("bitsandbytes.optim.AdamW8bit") == "adamw8bit"
     assert optimizer_kind("torchao.optim.AdamW4bit") == "adamw4bit"
     assert optimizer_kind("torch.optim.SGD", {"momentum": 0.9}) == "sgd_momentum"

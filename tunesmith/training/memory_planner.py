@@ -37,9 +37,9 @@ batch_size * seq_len`` tokens:
   that become their own gradient (``4 * c * V``; ``c`` rows as the loss chunks ``T``, see
   ``LinearCrossEntropyLoss.rows_per_chunk``), plus a float32 weight-gradient sum for a
   16-bit head; ``T`` is taken as all tokens trained (an upper bound);
-* **step temporaries** ``S``: the optimizer step's scratch (the ``foreach`` kernels of a
-  CUDA optimizer about one copy of the trainable parameters; otherwise two copies of the
-  largest one; a low-bit optimizer off CUDA about five float32 copies of the largest one,
+* **step temporaries** ``S``: the optimizer step's scratch (none for torch's fused AdamW;
+  the ``foreach`` kernels of a CUDA optimizer about one copy of the trainable parameters;
+  otherwise two copies of the largest one; a low-bit optimizer off CUDA about five float32 copies of the largest one,
   as measured for bitsandbytes' CPU step, which allocates them outside torch's dispatcher).
 
 The peak is ``W + O + max(A + Lg + Hg + C, G + S)``: at the start of backward every
@@ -83,6 +83,7 @@ __all__ = [
 # Optimizer state bytes per trainable parameter, as a function of the parameter's bytes.
 _STATE_BYTES = {
     "adamw": lambda p: 2 * p,
+    "adamw_fused": lambda p: 2 * p,  # torch's fused kernel: no step scratch
     "sgd": lambda p: 0,
     "sgd_momentum": lambda p: p,
     "adamw8bit": lambda p: 2 + 2 * 4 / 256,  # int8 moments + one float32 scale per block
@@ -173,8 +174,12 @@ def optimizer_kind(component: str, options: Mapping[str, Any] | None = None) -> 
 
         >>> optimizer_kind("torchao.optim.AdamW8bit"), optimizer_kind("torch.optim.SGD")
         ('adamw8bit', 'sgd')
+        >>> optimizer_kind("torch.optim.AdamW", {"fused": True})
+        'adamw_fused'
     """
     name = component.rsplit(".", 1)[-1].lower()
+    if name in ("adam", "adamw") and (options or {}).get("fused"):
+        return "adamw_fused"
     if "8bit" in name:
         return "adamw8bit"
     if "4bit" in name:
@@ -300,6 +305,8 @@ def estimate_memory(
     on_cuda = torch.device(device).type == "cuda"
     if optimizer in ("adamw8bit", "adamw4bit") and not on_cuda:
         step_temporaries = 5 * 4 * max((p.numel() for p in trainable), default=0)
+    elif optimizer == "adamw_fused":
+        step_temporaries = 0
     elif on_cuda and optimizer in ("adamw", "sgd_momentum") and not optimizer_in_backward:
         step_temporaries = trainable_bytes // ws  # foreach kernels
     else:
