@@ -149,10 +149,10 @@ instead, where the gradients made so far meet the last layers' working set. With
 in backward every gradient is freed as soon as its parameter is stepped, and the peak is the
 working set of backward that a plain run also holds at that moment (the checkpointed layer
 inputs, one recomputed layer and its gradients, the loss's chunk of logits) plus the gradients
-not yet stepped: with a tied head, the embedding's, which the head starts at the first op of
-backward and the embedding lookup completes at the last. So the cut is `G + S` minus that
-working set and pending gradient, and it reaches G only where the plain step's scratch S is at
-least as large as they are: with `foreach` (torch's default on CUDA) it is; with
+not yet stepped (with a tied head, the embedding's, which the head starts at the first op of
+backward and the embedding lookup completes at the last) and the scratch of a step running at
+that moment. So the cut is `G + S` minus all that, and it reaches G only where the plain
+step's scratch S is at least as large: with `foreach` (torch's default on CUDA) it is; with
 the for-loop or fused AdamW it cannot be, whatever the optimizer in backward does, since the
 working set belongs to the forward and backward passes. What it removes there is every gradient
 but the pending one, down to the working set.
