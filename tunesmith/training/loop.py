@@ -129,6 +129,8 @@ def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictC
         random.seed(int(cfg.get("seed", 0)))
         torch.manual_seed(int(cfg.get("seed", 0)))
         train(cfg, ctx)
+        if ctx.world_size > 1:  # ranks leave together: none tears its group down mid-collective
+            dist.barrier()
     except Exception as error:  # a dead or hung peer: say so instead of gloo/NCCL internals
         failure = peer_failure(error, ctx)
         if failure is None:
