@@ -52,7 +52,7 @@ from tunesmith.training.memory import peak_memory_gb
 from tunesmith.training.memory_planner import MemoryPlan
 from tunesmith.training.metric_logging import MultiLogger, NullLogger
 from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
-from tunesmith.training.preflight import longest_batch, preflight
+from tunesmith.training.preflight import PreflightReport, longest_batch, preflight
 
 __all__ = [
     "AUTOCAST",
@@ -380,7 +380,7 @@ def evaluate(
 
 
 def _preflight(cfg: DictConfig, ctx: DistributedContext, model: nn.Module, objective: Objective,
-               loader: StatefulDataLoader):  # fmt: skip
+               loader: StatefulDataLoader) -> PreflightReport:  # fmt: skip
     """One forward and backward of ``objective`` on the longest batch of the loader's data."""
     dataset = loader.dataset
     batch = longest_batch(dataset, min(int(cfg.batch_size), len(dataset)), loader.collate_fn)
