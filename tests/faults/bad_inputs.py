@@ -11,89 +11,25 @@ can list the catalogue cheaply.
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.faults.kit import (
+    BAD_LINE,
+    BAD_ROW,
+    REFUSED,
+    BadInput,
+    Setup,
+    World,
+)
+from tests.faults.kit import edit_json as _edit_json
+from tests.faults.kit import json_bytes as _json
+from tests.faults.kit import model_copy as _model_copy
+from tests.faults.kit import resume_copy as _resume_copy
+from tests.faults.kit import rows_with as _rows_with
+
 __all__ = ["BAD_INPUTS", "BadInput", "Setup", "World"]
-
-
-@dataclass(frozen=True)
-class World:
-    """What builders start from: a good model folder, good chat data (16 rows), a finished run
-    (checkpoints ``step_000001`` and ``step_000002``), and the case's own empty folder."""
-
-    model_dir: Path
-    data: Path
-    finished: Path
-    tmp: Path
-
-    @property
-    def out(self) -> Path:
-        return self.tmp / "out"
-
-
-@dataclass
-class Setup:
-    """How to run a case and what its error (or skip report) must say."""
-
-    overrides: list[str]
-    words: list[str]
-    config: str = "tiny"
-    skipped: str | None = None  # a bad-row reason: the run succeeds, counting one skip
-    flags: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class BadInput:
-    id: str
-    kind: str
-    what: str
-    expect: str
-    build: Callable[[World], Setup]
-
-
-# ----------------------------------------------------------------------------- helpers
-
-GOOD_ROW = {
-    "messages": [{"role": "user", "content": "add 1 and 2"}, {"role": "assistant", "content": "3"}]
-}
-BAD_ROW, BAD_LINE = 8, 9  # the bad row sits after 8 good ones
-
-
-def _rows_with(world: World, bad: bytes) -> Path:
-    """JSONL: 8 good rows, the ``bad`` line, 8 good rows."""
-    good = (json.dumps(GOOD_ROW) + "\n").encode() * 8
-    path = world.tmp / "data.jsonl"
-    path.write_bytes(good + bad + b"\n" + good)
-    return path
-
-
-def _json(obj: object) -> bytes:
-    return json.dumps(obj).encode()
-
-
-def _model_copy(world: World) -> Path:
-    return Path(shutil.copytree(world.model_dir, world.tmp / "model"))
-
-
-def _edit_json(path: Path, **changes: object) -> None:
-    data = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            data.pop(key, None)
-        else:
-            data[key] = value
-    path.write_text(json.dumps(data))
-
-
-def _resume_copy(world: World) -> Path:
-    """A copy of the finished run holding only ``step_000001``; returns that checkpoint."""
-    shutil.copytree(world.finished, world.out)
-    shutil.rmtree(world.out / "checkpoints" / "step_000002")
-    return world.out / "checkpoints" / "step_000001"
 
 
 # ----------------------------------------------------------------------------- configs
@@ -352,7 +288,7 @@ def _tokenizer_of_another_model(world: World) -> Setup:
 
 # ----------------------------------------------------------------------------- the catalogue
 
-_REFUSED = "exit 1, one line 'tunesmith: error: ...' naming {}; nothing written"
+_REFUSED = REFUSED
 
 BAD_INPUTS: list[BadInput] = [
     # configs
@@ -632,3 +568,8 @@ BAD_INPUTS: list[BadInput] = [
         _tokenizer_of_another_model,
     ),  # fmt: skip
 ]
+
+# Cases that live in their own modules (each area of the suite keeps its builders together).
+from tests.faults import bad_inputs_checkpoints, bad_inputs_errors, bad_inputs_loop  # noqa: E402
+
+BAD_INPUTS += [*bad_inputs_loop.CASES, *bad_inputs_checkpoints.CASES, *bad_inputs_errors.CASES]
