@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from tests.faults.bad_inputs import BAD_INPUTS
 from tests.faults.checkpoint_cases import CHECKPOINT_FAULTS
+from tests.faults.error_cases import ERROR_FAULTS
 from tests.faults.kit import Case
 from tests.faults.safety_cases import SAFETY
 
@@ -153,6 +154,7 @@ DETERMINISM = [
 CASES: list[Case] = [
     *FAULTS,
     *CHECKPOINT_FAULTS,
+    *ERROR_FAULTS,
     *(
         Case(b.id, "bad_input", b.kind, b.what, b.expect, ci=True)
         for b in BAD_INPUTS  # the builders live in tests/faults/bad_inputs.py
