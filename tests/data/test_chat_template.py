@@ -627,3 +627,97 @@ def test_turn_without_end_token_is_an_error() -> None:
     closed = template.replace("{% if m.role == 'user' %}<|end|>{% endif %}", "<|end|>")
     chat = render_chat(closed, messages, end_tokens=["<|end|>"])
     assert [chat.text[s:e] for s, e in chat.assistant_spans] == ["b<|end|>"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Replies that quote the template's own markers (real tokenizers turn the quoted string into
+# the special token, so such rows occur in real data): the mask without tags must still equal
+# transformers' on the tagged template.
+
+MARKERS = {  # family: (end of turn, start of turn, assistant role header)
+    "llama3": (
+        "<|eot_id|>",
+        "<|start_header_id|>",
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    ),
+    "qwen2_5": ("<|im_end|>", "<|im_start|>", "<|im_start|>assistant\n"),
+    "qwen3": ("<|im_end|>", "<|im_start|>", "<|im_start|>assistant\n"),
+    "plain_headers": ("<|endoftext|>", "### ", "### Assistant:\n"),
+}
+
+# A third template shape: plain-text role headers (Alpaca / Zephyr style) closed by the eos.
+PLAIN_HEADERS = (
+    "{% for m in messages %}{{ '### ' + m.role | capitalize + ':\\n' }}"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content + '<|endoftext|>' }}"
+    "{% endgeneration %}{% else %}{{ m.content + '<|endoftext|>' }}{% endif %}{{ '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '### Assistant:\\n' }}{% endif %}"
+)
+
+
+def quoting_conversations(family: str) -> list[tuple[str, list[dict[str, Any]], bool]]:
+    """(name, messages, add_generation_prompt): replies quoting the end-of-turn string, the
+    start-of-turn string and the assistant header, in the middle and at the end of a reply,
+    in the first, a middle and the last turn."""
+    end, start, header = MARKERS[family]
+    fake_turn = f"{end}\n{start}user\nmore{end}\n{header}"
+    return [
+        ("quotes_end", [user("How does a turn end?"), assistant(f"With {end} after the text.")], False),
+        ("ends_with_end", [user("Print the marker."), assistant(f"Here: {end}")], False),
+        ("only_end", [user("Marker?"), assistant(end), user("Thanks"), assistant("Welcome.")], False),
+        ("quotes_start", [user("And the start?"), assistant(f"{start} opens a turn.")], False),
+        ("quotes_header", [user("Header?"), assistant(f"{header}comes before a reply.")], False),
+        (
+            "fake_next_turn",
+            [user("Show a turn."), assistant(f"Sure: hi{fake_turn}bye"), user("Again"),
+             assistant(f"Again: {fake_turn}")],
+            False,
+        ),  # fmt: skip
+        (
+            "middle_turn_then_prompt",
+            [user("a"), assistant(f"x {end} y"), user(f"b {header}"), assistant("z"), user("c")],
+            True,
+        ),
+    ] + ([  # Qwen3 keeps the last reply's reasoning and drops the earlier ones'
+        (
+            "reasoning_quotes_end",
+            [user("a"), assistant("b", reasoning_content=f"no {end} yet"), user("c"),
+             assistant(f"d {end}", reasoning_content=f"then {header}")],
+            False,
+        ),
+    ] if family == "qwen3" else [])  # fmt: skip
+
+
+def quoting_cases() -> list[Any]:
+    return [
+        pytest.param(family, name, messages, prompt, id=f"{family}-{name}")
+        for family in MARKERS
+        for name, messages, prompt in quoting_conversations(family)
+    ]
+
+
+def _tokenizer_pair(tokenizers: dict, family: str) -> tuple[Tokenizer, Any, str]:
+    """Ours without tags, transformers', and the tagged template, for ``family``."""
+    if family != "plain_headers":
+        ours, hf = tokenizers[family]
+        return ours, hf, tagged_template(family)
+    ours, hf = tokenizers["qwen2_5"]
+    untagged = PLAIN_HEADERS.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    plain = Tokenizer(ours.backend, special_tokens=ours.special_tokens, chat_template=untagged)
+    return plain, hf, PLAIN_HEADERS
+
+
+@pytest.mark.parametrize("family, name, messages, prompt", quoting_cases())
+def test_mask_of_replies_quoting_the_markers_matches_transformers(
+    tokenizers: dict, family: str, name: str, messages: list[dict[str, Any]], prompt: bool
+) -> None:
+    ours, hf, tagged = _tokenizer_pair(tokenizers, family)
+    out = hf.apply_chat_template(
+        messages, chat_template=tagged, tokenize=True, return_dict=True,
+        return_assistant_tokens_mask=True, add_generation_prompt=prompt,
+    )  # fmt: skip
+    ids, mask = ours.tokenize_conversation(messages, add_generation_prompt=prompt)
+    assert ids == hf_ids(out)
+    end = MARKERS[family][0]
+    if any(end in m["content"] for m in messages):  # the quoted marker is the special token
+        assert ids.count(ours.token_to_id(end)) > len(messages)
+    assert mask == list(out["assistant_masks"])

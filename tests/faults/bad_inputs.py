@@ -26,6 +26,7 @@ from tests.faults.kit import (
 from tests.faults.kit import edit_json as _edit_json
 from tests.faults.kit import json_bytes as _json
 from tests.faults.kit import model_copy as _model_copy
+from tests.faults.kit import reseal as _reseal
 from tests.faults.kit import resume_copy as _resume_copy
 from tests.faults.kit import rows_with as _rows_with
 
@@ -59,7 +60,9 @@ def _resume_folder_missing(world: World) -> Setup:
 
 def _output_dir_has_checkpoints(world: World) -> Setup:
     shutil.copytree(world.finished, world.out)
-    return Setup([], [str(world.out / "checkpoints"), "already holds checkpoints", "resume=true"])
+    words = [str(world.out / "checkpoints"), "already holds checkpoints", "step_000001",
+             "resume=true", "overwrite=true"]  # fmt: skip
+    return Setup([], words)
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -196,6 +199,7 @@ def _resume_truncated_weights(world: World) -> Setup:
     step = _resume_copy(world)
     path = step / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-500])
+    _reseal(step)
     return Setup([f"resume={step}"], [str(path), "not a valid safetensors file"])
 
 
@@ -204,6 +208,7 @@ def _resume_corrupt_optimizer_metadata(world: World) -> Setup:
     path = step / "training_state" / "optimizer" / ".metadata"
     size = path.stat().st_size
     path.write_bytes((b"\x80\x04junk" * size)[:size])
+    _reseal(step)
     return Setup([f"resume={step}"], [str(path), "not a readable checkpoint metadata file"])
 
 
@@ -211,6 +216,7 @@ def _resume_missing_rank_state(world: World) -> Setup:
     step = _resume_copy(world)
     path = step / "training_state" / "rank0.pt"
     path.unlink()
+    _reseal(step)
     return Setup([f"resume={step}"], [f"{path} is missing", "1-rank run"])
 
 
@@ -218,6 +224,7 @@ def _resume_truncated_rank_state(world: World) -> Setup:
     step = _resume_copy(world)
     path = step / "training_state" / "rank0.pt"
     path.write_bytes(path.read_bytes()[:100])
+    _reseal(step)
     return Setup([f"resume={step}"], [str(path), "truncated or corrupt"])
 
 
@@ -230,8 +237,9 @@ def _resume_other_model_size(world: World) -> Setup:
     spec = qwen2_5.spec("qwen2_5_tiny", vocab_size=vocab, intermediate_size=96)
     model = save_hf_checkpoint(build_model(spec), world.tmp / "wider", source_dir=world.model_dir)
     step = world.finished / "checkpoints" / "step_000001"
-    words = [str(step / "model.safetensors"), "model.layers.0.mlp.down_proj.weight", "[64, 128]",
-             "expects [64, 96]"]  # fmt: skip
+    # the checkpoint records its run's config: the other model_dir is refused before any weight
+    # is read (a checkpoint without a record reaches the shape check of the loader instead)
+    words = [f"resume from {step}", f"model_dir: '{world.model_dir}' -> '{model}'"]
     return Setup([f"model_dir={model}", f"resume={step}"], words)
 
 
@@ -358,7 +366,9 @@ BAD_INPUTS: list[BadInput] = [
         "`distributed_timeout_s=-1`",
         _REFUSED.format("distributed_timeout_s"),
         _override(
-            "distributed_timeout_s=-1", "distributed_timeout_s must be a number of seconds > 0"
+            "distributed_timeout_s=-1",
+            "distributed_timeout_s: expected a number of seconds > 0",
+            "got -1",
         ),
     ),  # fmt: skip
     BadInput(
@@ -386,7 +396,7 @@ BAD_INPUTS: list[BadInput] = [
         "config-output-dir-holds-checkpoints",
         "config",
         "a new run into an output_dir that holds another run's checkpoints",
-        _REFUSED.format("the folder and resume=true; the old checkpoints untouched"),
+        _REFUSED.format("the folder, resume=true and overwrite=true; the old checkpoints untouched"),
         _output_dir_has_checkpoints,
     ),  # fmt: skip
     # datasets: each bad row refused with on_bad_row=error ...
@@ -492,28 +502,28 @@ BAD_INPUTS: list[BadInput] = [
     BadInput(
         "checkpoint-resume-truncated-weights",
         "checkpoint",
-        "resume from a checkpoint whose model.safetensors is cut short",
+        "resume from a checkpoint whose model.safetensors is cut short (its manifest rewritten to match: the loader's own check)",
         _REFUSED.format("the file"),
         _resume_truncated_weights,
     ),  # fmt: skip
     BadInput(
         "checkpoint-resume-corrupt-optimizer-metadata",
         "checkpoint",
-        "resume from a checkpoint whose optimizer .metadata is junk",
+        "resume from a checkpoint whose optimizer .metadata is junk (its manifest rewritten to match: the loader's own check)",
         _REFUSED.format("the file"),
         _resume_corrupt_optimizer_metadata,
     ),  # fmt: skip
     BadInput(
         "checkpoint-resume-missing-rank-state",
         "checkpoint",
-        "resume from a checkpoint without training_state/rank0.pt",
+        "resume from a checkpoint without training_state/rank0.pt (its manifest rewritten to match: the loader's own check)",
         _REFUSED.format("the file"),
         _resume_missing_rank_state,
     ),  # fmt: skip
     BadInput(
         "checkpoint-resume-truncated-rank-state",
         "checkpoint",
-        "resume from a checkpoint whose rank0.pt is cut short",
+        "resume from a checkpoint whose rank0.pt is cut short (its manifest rewritten to match: the loader's own check)",
         _REFUSED.format("the file"),
         _resume_truncated_rank_state,
     ),  # fmt: skip
@@ -521,7 +531,7 @@ BAD_INPUTS: list[BadInput] = [
         "checkpoint-resume-other-model-size",
         "checkpoint",
         "resume a wider model from a checkpoint of the tiny one",
-        _REFUSED.format("the file, the tensor and both shapes"),
+        _REFUSED.format("the checkpoint and the changed model_dir, before any weight is read"),
         _resume_other_model_size,
     ),  # fmt: skip
     BadInput(

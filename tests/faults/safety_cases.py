@@ -1,10 +1,280 @@
-"""The safety cases: code from a config or a file must not run unless the user says so."""
+"""The safety cases: code from a config or a file must not run unless the user says so.
+
+:data:`ROUTES` are config routes to code execution, each one catalogue case (kind
+``component-route``) that ``test_safety.py`` runs through ``tunesmith run sft`` and then
+through ``tunesmith validate``: a ``_component_`` path (placed as ``loss``, a list item, a
+nested component or an interpolation), the arguments that would make the call create the
+case's marker file (or do its harm), and the words of the refusal. The payload builders write
+their files (a pickle, a hub repo, a package that runs code when imported...) inside the case's
+own folder and import nothing heavy, so the report script lists the catalogue cheaply.
+"""
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
 from tests.faults.kit import Case
 
-__all__ = ["SAFETY"]
+__all__ = ["ENV_COMPONENT", "ROUTES", "SAFETY", "Route", "evil_package"]
+
+ENV_COMPONENT = "TUNESMITH_TEST_COMPONENT"  # what the interpolation route reads
+_OS = "is the module 'os', outside the allowed packages"
+_DENIED = "loads pickles, TorchScript or downloaded code, or runs code or commands"
+_PRIVATE = "(names starting with '_' are never resolved)"
+
+Payload = Callable[[Path, Path], dict[str, Any]]  # (case folder, marker) -> call arguments
+
+
+@dataclass(frozen=True)
+class Route:
+    """A route to code execution from a config.
+
+    ``component`` is the dotted path, ``payload`` the arguments the call would get, ``placement``
+    where the node goes (``loss``, ``list``: ``metric_loggers.0``, ``nested``: ``loss.inner``,
+    ``env``: ``loss`` whose path is ``${oc.env:...}``), ``says`` the words of the refusal and
+    ``where`` the config path it names (default: the node's ``_component_``). ``live``: the test
+    shows that calling it (with ``--allow-any-component``) runs the payload. ``never_imported``:
+    a module the refusal must not have imported.
+    """
+
+    id: str
+    what: str
+    component: str
+    says: str
+    payload: Payload
+    placement: str = "loss"
+    where: str | None = None
+    live: bool = True
+    never_imported: str | None = None
+
+    @property
+    def node(self) -> str:
+        return {"loss": "loss", "list": "metric_loggers.0", "nested": "loss.inner"}.get(
+            self.placement, "loss"
+        )
+
+
+# ----------------------------------------------------------------------------- payloads
+
+
+def _shell(tmp: Path, marker: Path) -> dict[str, Any]:
+    return {"command": f"touch {marker}"}
+
+
+def _argv(tmp: Path, marker: Path) -> dict[str, Any]:
+    return {"args": ["touch", str(marker)]}
+
+
+def evil_package(tmp: Path, marker: Path, name: str) -> Path:
+    """A package ``name`` under ``tmp/pkgs`` (which the test puts on ``sys.path``) whose import
+    creates ``marker``; returns the package folder."""
+    package = tmp / "pkgs" / name
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'w').write('imported')\ndef boom(**kwargs):\n    pass\n"
+    )
+    return package
+
+
+def _import_evil(name: str) -> Payload:
+    def payload(tmp: Path, marker: Path) -> dict[str, Any]:
+        evil_package(tmp, marker, name)
+        return {"name": name}
+
+    return payload
+
+
+def _evil_direct(tmp: Path, marker: Path) -> dict[str, Any]:
+    evil_package(tmp, marker, "tsevil_direct")
+    return {}
+
+
+def _evil_pickle(tmp: Path, marker: Path) -> Path:
+    from tests.faults.components import Evil
+
+    path = tmp / "evil.pt"
+    path.write_bytes(pickle.dumps(Evil(f"touch {marker}")))
+    return path
+
+
+def _torch_file(tmp: Path, marker: Path) -> dict[str, Any]:
+    return {"f": str(_evil_pickle(tmp, marker)), "weights_only": False}
+
+
+def _hub_repo(tmp: Path, marker: Path) -> dict[str, Any]:
+    repo = tmp / "hub"
+    repo.mkdir(exist_ok=True)
+    (repo / "hubconf.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\ndef entry():\n    return None\n"
+    )
+    return {"repo_or_dir": str(repo), "model": "entry", "source": "local"}
+
+
+def _dcp_folder(tmp: Path, marker: Path) -> dict[str, Any]:
+    folder = tmp / "dcp"
+    folder.mkdir(exist_ok=True)
+    (folder / ".metadata").write_bytes(_evil_pickle(tmp, marker).read_bytes())
+    return {"state_dict": {}, "checkpoint_id": str(folder)}
+
+
+def _pickled_bytes(tmp: Path, marker: Path) -> dict[str, Any]:
+    return {"data": "pickled bytes (a config cannot hold bytes; the hop is refused first)"}
+
+
+def _flight_dump(tmp: Path, marker: Path) -> dict[str, Any]:
+    dump = tmp / "dumps" / "0"
+    dump.parent.mkdir(exist_ok=True)
+    dump.write_bytes(_evil_pickle(tmp, marker).read_bytes())
+    return {"prefix": "", "filename": str(dump)}
+
+
+def _source_folder(tmp: Path, marker: Path) -> dict[str, Any]:
+    folder = tmp / "source"
+    folder.mkdir(exist_ok=True)
+    (folder / "__init__.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    return {"path": str(folder)}
+
+
+def _torchscript(tmp: Path, marker: Path) -> dict[str, Any]:
+    return {"lang": "def f(x: int) -> int:\n    return x + 1\n"}
+
+
+def _remote_code(tmp: Path, marker: Path) -> dict[str, Any]:
+    folder = tmp / "remote"
+    folder.mkdir(exist_ok=True)
+    (folder / "evil_model.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\nclass Thing:\n    pass\n"
+    )
+    return {"class_reference": "evil_model.Thing", "pretrained_model_name_or_path": str(folder)}
+
+
+def _command_string(tmp: Path, marker: Path) -> dict[str, Any]:
+    return {"command_string": f"touch {marker}"}
+
+
+def _nested_run(tmp: Path, marker: Path) -> dict[str, Any]:
+    inner = f"loss={{_component_: os.system, command: 'touch {marker}'}}"
+    return {"argv": ["--allow-any-component", "run", "sft", "--config", "tiny", inner]}
+
+
+def _shared_library(tmp: Path, marker: Path) -> dict[str, Any]:
+    return {"path": str(tmp / "evil.so")}
+
+
+def _get_exec(tmp: Path, marker: Path) -> dict[str, Any]:
+    return {"key": "exec"}
+
+
+def _bytes(tmp: Path, marker: Path) -> dict[str, Any]:
+    return {"b": "not bytes"}
+
+
+# ----------------------------------------------------------------------------- routes
+
+
+ROUTES = [
+    Route("component-route-torch-os", "`torch.os.system`: a shell through torch's import of os",
+          "torch.os.system", f"'torch.os' {_OS}", _shell),
+    Route("component-route-transformers-os", "`transformers.utils.hub.os.system`",
+          "transformers.utils.hub.os.system", f"'transformers.utils.hub.os' {_OS}", _shell),
+    Route("component-route-datasets-importlib", "`datasets.load.importlib.import_module` of a "
+          "package whose import runs code", "datasets.load.importlib.import_module",
+          "'datasets.load.importlib' is the module 'importlib'", _import_evil("tsevil_importlib"),
+          never_imported="tsevil_importlib"),
+    Route("component-route-peft-os", "`peft.utils.other.os.system`",
+          "peft.utils.other.os.system", f"'peft.utils.other.os' {_OS}", _shell),
+    Route("component-route-torchao-os", "`torchao.os.system`", "torchao.os.system",
+          f"'torchao.os' {_OS}", _shell),
+    Route("component-route-bitsandbytes-subprocess", "`bitsandbytes.cuda_specs.subprocess.run`",
+          "bitsandbytes.cuda_specs.subprocess.run",
+          "'bitsandbytes.cuda_specs.subprocess' is the module 'subprocess'", _argv),
+    Route("component-route-tunesmith-os", "`tunesmith.data.sources.os.system`: tunesmith's own "
+          "import of os", "tunesmith.data.sources.os.system",
+          f"'tunesmith.data.sources.os' {_OS}", _shell),
+    Route("component-route-tunesmith-cli", "`tunesmith.cli.main.main` with argv "
+          "`--allow-any-component run ...`: a nested run that lifts the allow-list",
+          "tunesmith.cli.main.main", f"'tunesmith.cli' {_DENIED}", _nested_run, live=False),
+    Route("component-route-torch-load", "`torch.load` of a pickle that runs a command, "
+          "`weights_only: false`", "torch.load",
+          "'torch.load' is the function 'torch.serialization.load', denied", _torch_file),
+    Route("component-route-torch-load-reexport", "`torch.optim.optimizer.torch.load`: the loader "
+          "through another module", "torch.optim.optimizer.torch.load",
+          "is the function 'torch.serialization.load', denied", _torch_file),
+    Route("component-route-weights-only-false", "an allowed loader "
+          "(`peft.utils.save_and_load.torch_load`) told `weights_only: false`",
+          "peft.utils.save_and_load.torch_load", "weights_only=false would unpickle arbitrary "
+          "objects", _torch_file, where="loss.weights_only"),
+    Route("component-route-torch-hub", "`torch.hub.load` of a local repo whose hubconf.py runs "
+          "code", "torch.hub.load", f"'torch.hub' {_DENIED}", _hub_repo),
+    Route("component-route-dcp-load-reexport", "`tunesmith.training.safe_dcp.dcp.load` (plain "
+          "`dcp.load`) of a folder whose .metadata pickle runs a command",
+          "tunesmith.training.safe_dcp.dcp.load",
+          "'tunesmith.training.safe_dcp.dcp' is the module 'torch.distributed.checkpoint', "
+          "denied", _dcp_folder),
+    Route("component-route-pickle-reexport", "`torch.distributed.distributed_c10d.pickle.loads`",
+          "torch.distributed.distributed_c10d.pickle.loads",
+          "'torch.distributed.distributed_c10d.pickle' is the module 'pickle'", _pickled_bytes,
+          live=False),
+    Route("component-route-pickle-loader", "`torch.distributed.flight_recorder.components.loader."
+          "read_dump`: `pickle.load` of a file", "torch.distributed.flight_recorder.components."
+          "loader.read_dump", f"'torch.distributed.flight_recorder' {_DENIED}", _flight_dump),
+    Route("component-route-exec-source", "`transformers.utils.import_utils."
+          "direct_transformers_import`: runs a folder's __init__.py",
+          "transformers.utils.import_utils.direct_transformers_import",
+          f"'transformers.utils.import_utils' {_DENIED}", _source_folder),
+    Route("component-route-torchscript-source", "`torch.CompilationUnit` (torch.jit's, "
+          "re-exported): compiles source text", "torch.CompilationUnit",
+          "is the class 'torch.jit.CompilationUnit', denied", _torchscript, live=False),
+    Route("component-route-remote-code", "`transformers.dynamic_module_utils."
+          "get_class_from_dynamic_module`: imports a model folder's .py", "transformers."
+          "dynamic_module_utils.get_class_from_dynamic_module",
+          f"'transformers.dynamic_module_utils' {_DENIED}", _remote_code, live=False),
+    Route("component-route-shell-helper", "`torch.utils.collect_env.run`: a shell command",
+          "torch.utils.collect_env.run", f"'torch.utils.collect_env' {_DENIED}", _shell),
+    Route("component-route-command-helper", "`bitsandbytes.utils.execute_and_return`: a "
+          "command string", "bitsandbytes.utils.execute_and_return", f"denied: it {_DENIED}",
+          _command_string),
+    Route("component-route-load-library", "`torch.ops.load_library`: dlopen of a shared "
+          "library", "torch.ops.load_library",
+          "is the function 'torch._ops._Ops.load_library', denied", _shared_library, live=False),
+    Route("component-route-dunder", "`torch.nn.modules.module.__builtins__.get` (key exec): a "
+          "dunder hop to builtins", "torch.nn.modules.module.__builtins__.get",
+          f"names the special attribute '__builtins__' {_PRIVATE}", _get_exec, live=False),
+    Route("component-route-private", "`torch.storage._load_from_bytes`: a private loader",
+          "torch.storage._load_from_bytes",
+          f"names the private attribute '_load_from_bytes' {_PRIVATE}", _bytes, live=False),
+    Route("component-route-outside-package", "`tsevil_direct.boom`: a package outside the "
+          "allow-list whose import runs code", "tsevil_direct.boom",
+          "'tsevil_direct.boom' is outside the allowed packages", _evil_direct,
+          never_imported="tsevil_direct"),
+    Route("component-route-list-item", "`metric_loggers.0` is `transformers.utils.hub.os.system`",
+          "transformers.utils.hub.os.system", f"'transformers.utils.hub.os' {_OS}", _shell,
+          placement="list"),
+    Route("component-route-nested", "`loss.inner`, a component nested in the loss, is "
+          "`torch.os.system`", "torch.os.system", f"'torch.os' {_OS}", _shell,
+          placement="nested"),
+    Route("component-route-interpolation", f"`loss._component_: ${{oc.env:{ENV_COMPONENT}}}`, "
+          "the variable holding `peft.utils.other.os.system`", "peft.utils.other.os.system",
+          f"'peft.utils.other.os' {_OS}", _shell, placement="env"),
+]  # fmt: skip
+
+_ROUTE_CASES = [
+    Case(
+        r.id,
+        "safety",
+        "component-route",
+        r.what,
+        f"refused before anything is imported or called (exit 1, names {r.where or r.node + '._component_'}"
+        f" and --allow-any-component)"
+        + ("; the call is shown to run the payload when allowed" if r.live else "")
+        + (f"; `{r.never_imported}` never imported" if r.never_imported else ""),
+    )
+    for r in ROUTES
+]
 
 SAFETY = [
     Case(
@@ -29,10 +299,18 @@ SAFETY = [
         "config: a harmless test loss outside the allow-list, without the flag",
         "refused (exit 1), the component is never built",
     ),
+    *_ROUTE_CASES,
+    Case(
+        "validate-refuses-every-route",
+        "safety",
+        "validate",
+        f"`tunesmith validate` on the config of each of the {len(ROUTES)} routes above",
+        "exit 1 with the very line `tunesmith run` printed for that route; nothing runs",
+    ),
     Case(
         "component-test-loss-allowed",
         "safety",
-        "component",
+        "opt-in",
         "the same config with `tunesmith --allow-any-component run ...`",
         "the component is built and trains (exit 0, checkpoint written)",
     ),
@@ -52,6 +330,24 @@ SAFETY = [
         "'posix.system' (exit 1); the command never runs",
     ),
     Case(
+        "pickled-training-state-protocol-4",
+        "safety",
+        "pickle",
+        "`training_state/rank0.pt` saved with pickle protocol 4 (STACK_GLOBAL `posix.system`)",
+        "refused, the error names the file and the protocol-4 opcode (exit 1); the command "
+        "never runs",
+    ),
+    Case(
+        "pickled-training-state-safe-globals",
+        "safety",
+        "pickle",
+        "`rank0.pt` pickles `subprocess.call`, which the process allowed with "
+        "`torch.serialization.add_safe_globals` (plain `torch.load(weights_only=True)` runs "
+        "it: checked)",
+        "refused: registered safe globals are set aside while a checkpoint is read (exit 1, "
+        "names the file and subprocess.call); the command never runs",
+    ),
+    Case(
         "pickled-optimizer-metadata",
         "safety",
         "pickle",
@@ -59,6 +355,24 @@ SAFETY = [
         "`dcp.load` runs it: checked)",
         "refused by the allow-list unpickler, the error names the file (exit 1); the command "
         "never runs",
+    ),
+    Case(
+        "pickled-optimizer-metadata-dotted-name",
+        "safety",
+        "pickle",
+        "optimizer `.metadata`, protocol 4: STACK_GLOBAL "
+        "`torch.distributed.checkpoint.metadata` / `os.system` (a dotted name through the "
+        "metadata module's imports; plain `pickle` runs it: checked)",
+        "refused: only listed (module, name) pairs are built, nothing is walked (exit 1, "
+        "names the file); the command never runs",
+    ),
+    Case(
+        "optimizer-metadata-path-outside",
+        "safety",
+        "pickle",
+        "optimizer `.metadata` whose storage entry points at `../../rank0.pt` (outside the "
+        "checkpoint folder)",
+        "refused: the error names the metadata file and the path (exit 1)",
     ),
     Case(
         "pickled-optimizer-entry",
@@ -73,7 +387,7 @@ SAFETY = [
         "safety",
         "static",
         "the package source: every torch.load, pickle, dcp.load, trust_remote_code",
-        "torch.load only with weights_only=True, no pickle/dill loads, dcp.load only through "
-        "tunesmith.training.safe_dcp, no trust_remote_code",
+        "torch.load and dcp.load only in tunesmith.training.safe_dcp (weights_only=True, "
+        "registered safe globals set aside), no pickle/dill loads, no trust_remote_code",
     ),
 ]

@@ -12,6 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.faults.components import Evil
+from tunesmith.config import ConfigError
 from tunesmith.training import safe_dcp
 from tunesmith.training.checkpointer import _write_error
 from tunesmith.training.distributed import (
@@ -50,7 +51,9 @@ def test_peer_failure_leaves_other_errors_alone():
 
 @pytest.mark.parametrize("bad", [0, -1, True, "10"])
 def test_distributed_timeout_must_be_positive_seconds(bad):
-    with pytest.raises(ValueError, match="distributed_timeout_s must be a number of seconds > 0"):
+    with pytest.raises(
+        ConfigError, match="distributed_timeout_s: expected a number of seconds > 0"
+    ):
         init_distributed("cpu", bad)
 
 

@@ -25,6 +25,7 @@ def test_every_case_has_a_passing_recorded_outcome():
     assert counts["checkpoints lost"] == 0
     assert counts["faults injected"] == counts["faults survived"] >= 20 + 3 + 2 + 2
     assert counts["bad inputs tried"] >= 30
+    assert counts["code-execution attempts and unsafe loads refused"] >= 15
 
 
 def test_report_lists_every_case_once_and_counts_failures():

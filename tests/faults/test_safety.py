@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import json
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +21,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
+from tests.faults import safety_cases
 from tests.faults.catalogue import params
 from tests.faults.components import Evil
+from tests.faults.kit import reseal
 from tests.recipes.sft_world import REPO_ROOT, checkpoints
 from tunesmith.cli.main import ALLOW_ANY_ENV, main
 
@@ -97,6 +102,99 @@ def test_allow_any_component_builds_it(case, fault_world, tmp_path, marker, caps
     outcome.update(outcome="built and trained", exit_code=0)
 
 
+# ----------------------------------------------------------------------------- routes
+
+ROUTES = {r.id: r for r in safety_cases.ROUTES}
+SFT_TINY = REPO_ROOT / "tunesmith" / "recipes" / "configs" / "sft" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def allowed_packages_imported() -> None:
+    """Import the allowed packages the routes go through once, up front: their import-time
+    warnings would otherwise come before the one-line error."""
+    import bitsandbytes.cuda_specs  # noqa: F401
+    import datasets.load  # noqa: F401
+    import peft.utils.other  # noqa: F401
+    import torchao  # noqa: F401
+    import transformers.utils.hub  # noqa: F401
+
+
+def _route_overrides(route: safety_cases.Route, folder: Path, marker: Path) -> list[str]:
+    """The CLI overrides that put ``route`` into the tiny sft config."""
+    node = {"_component_": route.component, **route.payload(folder, marker)}
+    if route.placement == "env":
+        node["_component_"] = f"${{oc.env:{safety_cases.ENV_COMPONENT}}}"
+    if route.placement == "list":
+        return [f"metric_loggers=[{json.dumps(node)}]"]
+    if route.placement == "nested":
+        node = {"_component_": "tunesmith.modules.losses.CrossEntropyLoss", "inner": node}
+    return [f"loss={json.dumps(node)}"]
+
+
+def _prepare(route: safety_cases.Route, folder: Path, marker: Path, monkeypatch) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    overrides = _route_overrides(route, folder, marker)
+    monkeypatch.setenv(safety_cases.ENV_COMPONENT, route.component)
+    if (folder / "pkgs").is_dir():
+        monkeypatch.syspath_prepend(str(folder / "pkgs"))
+    return overrides
+
+
+def _show_live(route: safety_cases.Route, folder: Path, marker: Path) -> None:
+    """Called as the config would call it, with the allow-list lifted, the route runs its
+    payload: the refused route is a real one."""
+    from tunesmith.config import resolve_component
+
+    target = resolve_component(route.component, allow_any_component=True)
+
+    def call() -> None:
+        try:
+            target(**route.payload(folder, marker))
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # dcp's CheckpointException is one; the payload ran before it
+            pass
+
+    _assert_live(marker, call)
+    if route.never_imported:
+        sys.modules.pop(route.never_imported, None)
+
+
+@pytest.mark.parametrize("case", params("safety", "component-route"))
+def test_route_to_code_execution_is_refused(case, fault_world, tmp_path, marker, capsys, monkeypatch, allowed_packages_imported, outcome):  # fmt: skip
+    route = ROUTES[case.id]
+    monkeypatch.delenv(ALLOW_ANY_ENV, raising=False)
+    capsys.readouterr()
+    overrides = _prepare(route, tmp_path / "case", marker, monkeypatch)
+    code, err = _run(capsys, fault_world, tmp_path / "out", *overrides)
+    where = route.where or f"{route.node}._component_"
+    line = _refused(code, err, f"{where}: ", route.says, "--allow-any-component")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    if route.never_imported:
+        assert route.never_imported not in sys.modules, f"{route.never_imported} was imported"
+    if route.live:
+        _show_live(route, tmp_path / "case", marker)
+    outcome.update(outcome="refused", error=line.replace(str(tmp_path), "<case>"))
+
+
+@pytest.mark.parametrize("case", [CASES["validate-refuses-every-route"]])
+def test_validate_refuses_what_run_refuses(case, fault_world, tmp_path, marker, capsys, monkeypatch, allowed_packages_imported, outcome):  # fmt: skip
+    monkeypatch.delenv(ALLOW_ANY_ENV, raising=False)
+    capsys.readouterr()
+    for route in safety_cases.ROUTES:
+        folder = tmp_path / route.id
+        overrides = _prepare(route, folder, marker, monkeypatch)
+        common = [f"model_dir={fault_world.model_dir}", f"dataset.source={fault_world.chat}",
+                  f"output_dir={folder / 'out'}", *overrides]  # fmt: skip
+        code = main(["validate", str(SFT_TINY), *common])
+        validated = capsys.readouterr()
+        assert code == 1 and "OK" not in validated.out, (route.id, validated)
+        code, err = _run(capsys, fault_world, folder / "out", *overrides)
+        assert code == 1 and validated.err.splitlines()[0] == err.splitlines()[0], route.id
+        assert not marker.exists() and not (folder / "out").exists(), route.id
+    outcome.update(outcome="refused", routes=len(safety_cases.ROUTES))
+
+
 # ----------------------------------------------------------------------------- pickles
 
 
@@ -137,6 +235,7 @@ def test_pickled_training_state_is_refused(case, fault_world, tmp_path, marker, 
     state = step / "training_state" / "rank0.pt"
     torch.save({"progress": _payload(marker)}, state)
     _assert_live(marker, lambda: torch.load(state, weights_only=False))
+    reseal(step)  # a crafted checkpoint comes with a manifest that matches it
     code, err = _run(capsys, fault_world, tmp_path / "out", f"resume={step}")
     line = _refused(code, err, f"{state}: refused to load the training state", "posix.system")
     assert not marker.exists()
@@ -149,9 +248,94 @@ def test_pickled_optimizer_metadata_is_refused(case, fault_world, tmp_path, mark
     optimizer = step / "training_state" / "optimizer"
     (optimizer / ".metadata").write_bytes(pickle.dumps(_payload(marker)))
     _assert_live(marker, lambda: FileSystemReader(optimizer).read_metadata())
+    reseal(step)  # a crafted checkpoint comes with a manifest that matches it
     code, err = _run(capsys, fault_world, tmp_path / "out", f"resume={step}")
     line = _refused(code, err, f"{optimizer / '.metadata'}: refused to unpickle posix.system")
     assert not marker.exists()
+    outcome.update(outcome="refused", error=line.replace(str(tmp_path), "<case>"))
+
+
+@pytest.mark.parametrize("case", [CASES["pickled-training-state-protocol-4"]])
+def test_protocol_4_training_state_is_refused(case, fault_world, tmp_path, marker, capsys, outcome):  # fmt: skip
+    step = _resume_copy(fault_world, tmp_path)
+    state = step / "training_state" / "rank0.pt"
+    torch.save({"progress": _payload(marker)}, state, pickle_protocol=4)
+    _assert_live(marker, lambda: torch.load(state, weights_only=False))
+    reseal(step)
+    code, err = _run(capsys, fault_world, tmp_path / "out", f"resume={step}")
+    line = _refused(code, err, f"{state}: refused to load the training state", "protocol-4")
+    assert not marker.exists()
+    outcome.update(outcome="refused", error=line.replace(str(tmp_path), "<case>"))
+
+
+class _Call:
+    """Pickles as ``subprocess.call(["touch", marker])``: no module torch blocks by name."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (subprocess.call, (["touch", str(self.marker)],))
+
+
+@pytest.mark.parametrize("case", [CASES["pickled-training-state-safe-globals"]])
+def test_safe_globals_do_not_reach_checkpoints(case, fault_world, tmp_path, marker, capsys, outcome):  # fmt: skip
+    step = _resume_copy(fault_world, tmp_path)
+    state = step / "training_state" / "rank0.pt"
+    torch.save({"progress": _Call(marker)}, state, pickle_protocol=3)  # 2 renames the module
+    reseal(step)
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals([subprocess.call])  # as a careless plugin might
+    try:
+        _assert_live(marker, lambda: torch.load(state, weights_only=True))
+        code, err = _run(capsys, fault_world, tmp_path / "out", f"resume={step}")
+        assert subprocess.call in torch.serialization.get_safe_globals()  # restored after
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+    line = _refused(code, err, f"{state}: refused to load the training state", "subprocess.call")
+    assert not marker.exists()
+    outcome.update(outcome="refused", error=line.replace(str(tmp_path), "<case>"))
+
+
+def _stack_global(module: str, name: str, arg: str) -> bytes:
+    """A protocol-4 pickle of ``module``-then-``name`` (STACK_GLOBAL) called with ``arg``."""
+
+    def text(value: str) -> bytes:
+        data = value.encode()
+        return b"\x8c" + bytes([len(data)]) + data  # SHORT_BINUNICODE
+
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(arg) + b"\x85R."
+
+
+@pytest.mark.parametrize("case", [CASES["pickled-optimizer-metadata-dotted-name"]])
+def test_dotted_name_in_metadata_is_refused(case, fault_world, tmp_path, marker, capsys, outcome):  # fmt: skip
+    step = _resume_copy(fault_world, tmp_path)
+    metadata = step / "training_state" / "optimizer" / ".metadata"
+    module = "torch.distributed.checkpoint.metadata"
+    payload = _stack_global(module, "os.system", f"touch {marker}")
+    _assert_live(marker, lambda: pickle.loads(payload))  # the module's own `os` reaches a shell
+    metadata.write_bytes(payload)
+    reseal(step)
+    code, err = _run(capsys, fault_world, tmp_path / "out", f"resume={step}")
+    line = _refused(code, err, f"{metadata}: refused to unpickle {module}.os.system")
+    assert not marker.exists()
+    outcome.update(outcome="refused", error=line.replace(str(tmp_path), "<case>"))
+
+
+@pytest.mark.parametrize("case", [CASES["optimizer-metadata-path-outside"]])
+def test_metadata_pointing_outside_is_refused(case, fault_world, tmp_path, capsys, outcome):
+    from tunesmith.training.safe_dcp import SafeFileSystemReader
+
+    step = _resume_copy(fault_world, tmp_path)
+    optimizer = step / "training_state" / "optimizer"
+    metadata = SafeFileSystemReader(optimizer).read_metadata()
+    info = next(iter(metadata.storage_data.values()))
+    info.relative_path = "../../rank0.pt"
+    (optimizer / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(step)
+    code, err = _run(capsys, fault_world, tmp_path / "out", f"resume={step}")
+    line = _refused(code, err, f"{optimizer / '.metadata'}: a storage entry names '../../rank0.pt'")
     outcome.update(outcome="refused", error=line.replace(str(tmp_path), "<case>"))
 
 
@@ -190,6 +374,7 @@ def test_pickled_optimizer_entry_is_refused(case, fault_world, tmp_path, marker,
         _assert_live(marker, lambda: dcp.load(clean, checkpoint_id=optimizer))
     finally:
         close_distributed()
+    reseal(step)  # a crafted checkpoint comes with a manifest that matches it
     code, err = _run(capsys, fault_world, tmp_path / "out", f"resume={step}")
     line = _refused(code, err, str(optimizer), "entry 'optimizer.param_groups.0.lr'", "posix.system")  # fmt: skip
     assert not marker.exists()
@@ -223,8 +408,9 @@ def _dotted(node: ast.AST) -> str:
 
 
 def unsafe_loads(source: str, name: str) -> list[str]:
-    """Every unsafe load in ``source``: ``torch.load`` without ``weights_only=True``, calls in
-    :data:`UNSAFE_CALLS` (dcp.load allowed only in safe_dcp.py), ``trust_remote_code=True``."""
+    """Every unsafe load in ``source``: ``torch.load`` outside safe_dcp.py (whose
+    ``load_plain`` sets registered safe globals aside) or without ``weights_only=True``, calls
+    in :data:`UNSAFE_CALLS` (dcp.load allowed only in safe_dcp.py), ``trust_remote_code=True``."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):  # `from pickle import loads` would hide the call
@@ -235,7 +421,9 @@ def unsafe_loads(source: str, name: str) -> list[str]:
             continue
         call = _dotted(node.func)
         keywords = {k.arg: k.value for k in node.keywords}
-        if call == "torch.load":
+        if call == "torch.load" and not name.endswith("safe_dcp.py"):
+            found.append(f"{name}:{node.lineno}: torch.load: use safe_dcp.load_plain")
+        elif call == "torch.load":
             weights_only = keywords.get("weights_only")
             if not (isinstance(weights_only, ast.Constant) and weights_only.value is True):
                 found.append(f"{name}:{node.lineno}: torch.load without weights_only=True")
@@ -256,7 +444,9 @@ def test_package_source_has_no_unsafe_loading(case, outcome):
            "dcp.load(s, checkpoint_id=p)\nAutoModel.from_pretrained(p, trust_remote_code=True)\n"
            "from pickle import loads\n")  # fmt: skip
     assert len(unsafe_loads(bad, "x.py")) == 6
-    assert unsafe_loads("torch.load(f, weights_only=True)\n", "x.py") == []
+    assert len(unsafe_loads("torch.load(f, weights_only=True)\n", "x.py")) == 1
+    assert unsafe_loads("torch.load(f, weights_only=True)\n", "safe_dcp.py") == []
+    assert len(unsafe_loads("torch.load(f)\n", "safe_dcp.py")) == 1
     files = sorted((REPO_ROOT / "tunesmith").rglob("*.py"))
     found = [
         hit for f in files for hit in unsafe_loads(f.read_text(), str(f.relative_to(REPO_ROOT)))

@@ -7,10 +7,12 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 
 import pytest
 
 from tunesmith.training import MARKER, CheckpointDirectory, CheckpointWriteError
+from tunesmith.training.checkpoint_dir import aside_folder
 
 
 def _writer(payload: dict[str, bytes]):
@@ -42,7 +44,7 @@ def _names(root) -> list[str]:
 
 
 def test_write_list_latest_and_manifest(tmp_path):
-    ckpts = CheckpointDirectory(tmp_path / "ckpts", checksum=True)
+    ckpts = CheckpointDirectory(tmp_path / "ckpts", checksum=True, run_id="run-a")
     assert ckpts.latest() is None and ckpts.list() == []
     written = {}
     for step in (5, 100, 20):
@@ -56,9 +58,13 @@ def test_write_list_latest_and_manifest(tmp_path):
         path = ckpts.path_for(step)
         assert _read(path) == payload
         manifest = json.loads((path / MARKER).read_text())
-        assert manifest["step"] == step
+        assert manifest["step"] == step and manifest["run"] == "run-a"
         assert manifest["files"] == {
-            rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            rel: {
+                "size": len(data),
+                "crc32": f"{zlib.crc32(data):08x}",
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
             for rel, data in payload.items()
         }
     assert CheckpointDirectory.step_of(ckpts.latest()) == 100
@@ -273,3 +279,111 @@ def test_sigkill_mid_write_keeps_previous_checkpoint(tmp_path):
     assert ckpts.latest() == root / "step_000001"
     assert CheckpointDirectory.is_complete(ckpts.latest(), verify=True)  # sha256 recorded
     assert _read(ckpts.latest()) == good
+
+
+# ----------------------------------------------------------------------------- content hashes
+
+
+def _flip_one_byte(path) -> None:
+    """Same size, one byte changed (what a size check cannot see)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_same_size_corruption_is_found_and_skipped_naming_the_file(tmp_path):
+    ckpts = CheckpointDirectory(tmp_path)
+    for step in (1, 2):
+        ckpts.write(step, _writer(_payload(step)))
+    damaged = tmp_path / "step_000002" / "train_state" / "optimizer.pt"
+    _flip_one_byte(damaged)
+    problem = CheckpointDirectory.problem(tmp_path / "step_000002")
+    assert problem.startswith(f"{damaged}: content differs from the {MARKER} manifest"), problem
+    assert CheckpointDirectory.problem(tmp_path / "step_000001") is None
+    with pytest.warns(UserWarning, match=str(damaged)):
+        assert ckpts.latest() == tmp_path / "step_000001"
+    assert ckpts.newest_good() == (tmp_path / "step_000001", [(tmp_path / "step_000002", problem)])
+
+
+def test_missing_and_resized_files_are_named(tmp_path):
+    ckpts = CheckpointDirectory(tmp_path)
+    path = ckpts.write(1, _writer(_payload(1)))
+    (path / "model.safetensors").write_bytes(b"short")
+    assert CheckpointDirectory.problem(path) == (
+        f"{path / 'model.safetensors'}: 5 bytes, the {MARKER} manifest records 2049"
+    )
+    (path / "model.safetensors").unlink()
+    assert "missing (listed in the COMPLETE manifest)" in CheckpointDirectory.problem(path)
+    assert "no COMPLETE manifest" in CheckpointDirectory.problem(tmp_path / "nothing")
+
+
+def test_old_manifests_with_sizes_only_still_load(tmp_path):
+    ckpts = CheckpointDirectory(tmp_path)
+    path = ckpts.write(1, _writer({"w": b"1234"}))
+    (path / MARKER).write_text(json.dumps({"step": 1, "files": {"w": {"size": 4}}}))
+    assert CheckpointDirectory.problem(path) is None
+    assert ckpts.latest() == path
+    (path / "w").write_bytes(b"4321")  # not visible to a size-only manifest: accepted as before
+    assert ckpts.latest() == path
+    (path / "w").write_bytes(b"12")
+    with pytest.warns(UserWarning, match="2 bytes"):
+        assert ckpts.latest() is None
+
+
+# ----------------------------------------------------------------------------- never delete
+
+
+def test_prune_removes_only_this_runs_checkpoints(tmp_path):
+    other = CheckpointDirectory(tmp_path, run_id="other")
+    other.write(1, _writer(_payload(1)))
+    (tmp_path / "step_000002").mkdir()  # a user's folder: no manifest
+    (tmp_path / "step_000002" / "notes.txt").write_text("mine")
+    ckpts = CheckpointDirectory(tmp_path, keep_last=1, run_id="this")
+    for step in (3, 4, 5):
+        ckpts.write(step, _writer(_payload(step)))
+    # keep_last counts this run's checkpoints only; the others are never touched
+    assert _names(tmp_path) == ["step_000001", "step_000002", "step_000005"]
+    assert (tmp_path / "step_000002" / "notes.txt").read_text() == "mine"
+
+
+def test_adopt_continues_the_resumed_run(tmp_path):
+    first = CheckpointDirectory(tmp_path, keep_last=2, run_id="first")
+    for step in (1, 2):
+        first.write(step, _writer(_payload(step)))
+    resumed = CheckpointDirectory(tmp_path, keep_last=2)
+    resumed.adopt(tmp_path / "step_000002")
+    assert resumed.run_id == "first"
+    resumed.write(3, _writer(_payload(3)))
+    assert _names(tmp_path) == ["step_000002", "step_000003"]
+    assert CheckpointDirectory.run_of(tmp_path / "step_000003") == "first"
+
+
+def test_adopt_of_an_old_manifest_prunes_old_manifests(tmp_path):
+    ckpts = CheckpointDirectory(tmp_path)
+    for step in (1, 2):
+        path = ckpts.write(step, _writer({"w": b"12"}))
+        (path / MARKER).write_text(json.dumps({"step": step, "files": {"w": {"size": 2}}}))
+    resumed = CheckpointDirectory(tmp_path, keep_last=1)
+    resumed.adopt(tmp_path / "step_000002")
+    assert resumed.run_id != "None" and CheckpointDirectory.run_of(tmp_path / "step_000002") is None
+    resumed.write(3, _writer({"w": b"34"}))
+    assert _names(tmp_path) == ["step_000003"]
+
+
+def test_set_aside_moves_and_is_ignored_by_list_prune_and_clean(tmp_path):
+    ckpts = CheckpointDirectory(tmp_path, keep_last=1)
+    for step in (1, 2, 3):
+        ckpts.write(step, _writer(_payload(step)))
+    assert _names(tmp_path) == ["step_000003"]
+    ckpts = CheckpointDirectory(tmp_path, keep_last=1)
+    for step in (4, 5):
+        ckpts.write(step, _writer(_payload(step)))
+    into = aside_folder(tmp_path, "rolled-back")
+    assert into.name.startswith("rolled-back-") and not into.exists()
+    moved = ckpts.set_aside([tmp_path / "step_000005"], into)
+    assert moved == into and _names(into) == ["step_000005"]
+    assert aside_folder(tmp_path, "rolled-back") != into  # a second one gets its own name
+    assert [p.name for p in ckpts.list()] == ["step_000003"]
+    CheckpointDirectory(tmp_path, keep_last=1).write(6, _writer(_payload(6)))
+    assert CheckpointDirectory.is_complete(into / "step_000005", verify=True)
+    assert sorted(_names(tmp_path)) == sorted(["step_000003", "step_000006", into.name])

@@ -14,8 +14,9 @@ from tunesmith.config.components import (
     ALLOW_ANY_COMPONENT_ENV,
     ALLOWED_COMPONENT_PREFIXES,
     COMPONENT_KEY,
-    DENIED_COMPONENT_PREFIXES,
+    DENIED_COMPONENTS,
     any_component_allowed,
+    component_refusal,
     is_component_allowed,
     resolve_component,
 )
@@ -23,11 +24,12 @@ from tunesmith.config.errors import ConfigError, ConfigIssue
 from tunesmith.config.instantiate import instantiate
 from tunesmith.config.loading import config_to_yaml, load_config
 from tunesmith.config.overrides import apply_overrides, parse_override
+from tunesmith.config.render import plain_config
 from tunesmith.config.validate import check_keys, validate_config
 
 __all__ = [
     "ALLOWED_COMPONENT_PREFIXES",
-    "DENIED_COMPONENT_PREFIXES",
+    "DENIED_COMPONENTS",
     "ALLOW_ANY_COMPONENT_ENV",
     "COMPONENT_KEY",
     "ConfigError",
@@ -35,11 +37,13 @@ __all__ = [
     "any_component_allowed",
     "apply_overrides",
     "check_keys",
+    "component_refusal",
     "config_to_yaml",
     "instantiate",
     "is_component_allowed",
     "load_config",
     "parse_override",
+    "plain_config",
     "resolve_component",
     "validate_config",
 ]

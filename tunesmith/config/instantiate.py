@@ -30,6 +30,7 @@ from tunesmith.config.components import (
     COMPONENT_KEY,
     any_component_allowed,
     resolve_component,
+    unsafe_arguments,
 )
 from tunesmith.config.errors import ConfigError, join_path
 from tunesmith.config.nodes import has_key, node_path, read_child
@@ -100,13 +101,13 @@ def _call_component(
         if key != COMPONENT_KEY and key not in kwargs
     }
     call_kwargs.update(kwargs)
-    if call_kwargs.get("trust_remote_code") and not any_component_allowed(allow_any):
-        raise ConfigError(
-            f"trust_remote_code=true would run Python code downloaded with the model ({spec}); "
-            "refused unless any component is allowed (--allow-any-component, or "
-            f"{ALLOW_ANY_COMPONENT_ENV}=1)",
-            path=join_path(path, "trust_remote_code"),
-        )
+    if not any_component_allowed(allow_any):
+        for arg_path, reason in unsafe_arguments(call_kwargs, path):
+            raise ConfigError(
+                f"{reason} ({spec}); refused unless any component is allowed "
+                f"(--allow-any-component, or {ALLOW_ANY_COMPONENT_ENV}=1)",
+                path=arg_path,
+            )
     try:
         return target(*args, **call_kwargs)
     except ConfigError as exc:

@@ -6,7 +6,10 @@ a parameter of the callable (suggesting the closest parameter) unless it takes `
 that required parameters are present, and that values fit plain ``int``/``float``/``bool``/
 ``str`` annotations (and ``Optional``/unions of those; ``Tensor`` members are ignored since a
 YAML value never is one). Everywhere it reports interpolations that do not resolve (missing
-target, circular reference) and missing ``???`` values.
+target, circular reference) and missing ``???`` values, and (unless any component is allowed)
+``trust_remote_code: true`` / ``weights_only: false``, which ``instantiate`` refuses too. A
+component path is resolved by :func:`resolve_component`, the very check ``instantiate`` makes,
+so ``tunesmith validate`` refuses exactly what ``tunesmith run`` would.
 
 Arguments the recipe supplies itself are declared by dotted node path:
 
@@ -33,7 +36,13 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from tunesmith.config.components import COMPONENT_KEY, resolve_component
+from tunesmith.config.components import (
+    ALLOW_ANY_COMPONENT_ENV,
+    COMPONENT_KEY,
+    any_component_allowed,
+    resolve_component,
+    unsafe_argument,
+)
 from tunesmith.config.errors import ConfigError, ConfigIssue, join_path, suggestion
 from tunesmith.config.nodes import has_key, read_child
 from tunesmith.config.typecheck import type_problem
@@ -132,6 +141,10 @@ class _Walker:
         except ConfigError as exc:
             self.add(child_path, exc.message)
             return False, None
+        reason = unsafe_argument(key, value)
+        if reason is not None and not any_component_allowed(self.allow_any):
+            self.add(child_path, f"{reason}; refused unless any component is allowed "
+                     f"(--allow-any-component, or {ALLOW_ANY_COMPONENT_ENV}=1)")  # fmt: skip
         # An interpolated container is validated where it is defined, not again here.
         if isinstance(value, (DictConfig, ListConfig)) and not OmegaConf.is_interpolation(
             parent, key

@@ -367,8 +367,12 @@ def render_chat(
       ``control_tokens`` (or all of ``g``), that the text repeats there: with Qwen3's
       ``enable_thinking=False`` prompt ``<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n``, a
       turn that has that empty think block excludes it, a turn with real reasoning starts at
-      ``<think>``.
-    * **End.** The reply runs to the end of the first of ``end_tokens`` after the header.
+      ``<think>``. Where the turn is found by search, it is the last header before the
+      message's content, so a user turn quoting the header is not taken for it.
+    * **End.** The reply runs to the end of the first of ``end_tokens`` after the message's
+      content. Where the content is in the text is found by rendering the conversation again
+      with a marker before and after it, so a reply that quotes the end-of-turn string (which
+      a real tokenizer turns into the special token) is not cut there.
 
     So a reply is exactly what the model generates after the generation prompt, including the
     end-of-turn token and excluding what follows it (e.g. the newline after ``<|im_end|>``).
@@ -389,7 +393,9 @@ def render_chat(
         text, spans = renderer.tracked(messages, add_generation_prompt)
         return RenderedChat(text, spans)
     text = renderer(messages, add_generation_prompt)
-    spans = _infer_spans(renderer, messages, text, control_tokens, end_tokens)
+    spans = _infer_spans(
+        renderer, messages, text, add_generation_prompt, control_tokens, end_tokens
+    )
     return RenderedChat(text, spans)
 
 
@@ -397,6 +403,7 @@ def _infer_spans(
     renderer: _Renderer,
     messages: list[dict[str, Any]],
     text: str,
+    add_generation_prompt: bool,
     control_tokens: Collection[str],
     end_tokens: Collection[str],
 ) -> list[tuple[int, int]]:
@@ -425,15 +432,26 @@ def _infer_spans(
         before = prefix(i)
         if before is not None and len(before) >= cursor and text.startswith(before):
             cursor = len(before)  # the turn starts here, unless the header comes a bit later
-        turn = cursor if text.startswith(headers[-1], cursor) else text.find(headers[-1], cursor)
+        content_start, content_end = _content_bounds(
+            renderer, messages, i, text, add_generation_prompt
+        )
+        if text.startswith(headers[-1], cursor):
+            turn = cursor
+        elif content_start is not None:  # the last header before the content, not one quoted
+            turn = text.rfind(headers[-1], cursor, content_start)  # in a user turn before it
+        else:
+            turn = text.find(headers[-1], cursor)
         if turn < 0:
             raise ValueError(
                 f"messages[{i}]: cannot find the assistant header {headers[-1]!r} in the "
                 "rendered conversation; add {% generation %} tags to the chat template"
             )
-        header = next(h for h in headers if text.startswith(h, turn))
+        limit = len(text) if content_start is None else content_start
+        fits = (h for h in headers if text.startswith(h, turn) and turn + len(h) <= limit)
+        header = next(fits, headers[-1])
         start = turn + len(header)
-        end = _end_of_turn(text, start, end_tokens)
+        # The reply's own end-of-turn token comes after its content, which may quote that token.
+        end = _end_of_turn(text, max(start, content_end or 0), end_tokens)
         through = prefix(i + 1) if i + 1 < len(messages) else None
         turn_end = len(through) if through is not None and text.startswith(through) else None
         if end is None or (turn_end is not None and end > turn_end):
@@ -445,6 +463,55 @@ def _infer_spans(
         spans.append((start, end))
         cursor = end
     return spans
+
+
+_MARK = "\ue000tunesmith\ue001"  # private-use characters: no template trims or escapes them
+
+
+def _content_bounds(
+    renderer: _Renderer,
+    messages: list[dict[str, Any]],
+    i: int,
+    text: str,
+    add_generation_prompt: bool,
+) -> tuple[int | None, int | None]:
+    """Where message ``i``'s content starts and ends in ``text`` (None where unknown).
+
+    The conversation is rendered again with a marker before (then after) the content; the
+    first character where that render differs from ``text`` is where the content starts (ends)
+    as the template wrote it, trimmed or not. Unlike a search for the end-of-turn string, this
+    does not stop at an end-of-turn token the reply quotes.
+
+    Example::
+
+        >>> _content_bounds(r, [user("a"), assistant("b<|im_end|>")], 1, text, False)  # doctest: +SKIP
+        (66, 77)
+    """
+    content = messages[i].get("content")
+    if not isinstance(content, str) or not content or _MARK in text:
+        return None, None
+    bounds: list[int | None] = []
+    for marked in (_MARK + content, content + _MARK):
+        changed = [*messages[:i], {**messages[i], "content": marked}, *messages[i + 1 :]]
+        other = renderer.try_render(changed, add_generation_prompt)
+        at = None if other is None else _common_prefix(text, other)
+        # the marker is there, after at most the whitespace a trimming template dropped
+        found = at is not None and other[at : at + len(marked)].lstrip().startswith(_MARK)
+        bounds.append(at if found else None)
+    start, end = bounds
+    return (start, end) if start is None or end is None or start <= end else (None, None)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (``"abc", "abd"`` -> 2)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:  # binary search with C-speed slice comparisons
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def _generation_prompt(

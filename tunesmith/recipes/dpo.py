@@ -56,6 +56,7 @@ from tunesmith.training.loop import (
     make_loader,
     run_main,
 )
+from tunesmith.training.loop_config import LOOP_RULES, flag, integer
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
@@ -63,11 +64,15 @@ KEYS = [
     *LOOP_KEYS, "model", "reference_model", "reference_offload", "loss", "precompute_reference",
     "logprob_chunk_size", "activation_checkpointing",
 ]  # fmt: skip
+RULES = {  # what each top-level value may be, checked up front
+    **LOOP_RULES, "reference_offload": flag(), "precompute_reference": flag(),
+    "logprob_chunk_size": integer(1),
+}  # fmt: skip
 REFERENCE_KEYS = ("reference_chosen", "reference_rejected")
 
 
 def main(cfg: DictConfig) -> None:
-    run_main(train, cfg, KEYS)
+    run_main(train, cfg, KEYS, RULES)
 
 
 def train(cfg: DictConfig, ctx: DistributedContext) -> None:

@@ -44,6 +44,7 @@ from tunesmith.training.loop import (
     make_loader,
     run_main,
 )
+from tunesmith.training.loop_config import LOOP_RULES, flag, number, text
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
@@ -52,10 +53,14 @@ KEYS = [
     "packed",
     "activation_checkpointing",
 ]  # fmt: skip
+RULES = {  # what each top-level value may be, checked up front
+    **LOOP_RULES, "teacher_dir": text(), "teacher_offload": flag(),
+    "kd_ratio": number(at_least=0, at_most=1), "packed": flag(),
+}  # fmt: skip
 
 
 def main(cfg: DictConfig) -> None:
-    run_main(train, cfg, KEYS)
+    run_main(train, cfg, KEYS, RULES)
 
 
 def train(cfg: DictConfig, ctx: DistributedContext) -> None:

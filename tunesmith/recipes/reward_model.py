@@ -41,14 +41,16 @@ from tunesmith.training.loop import (
     make_loader,
     run_main,
 )
+from tunesmith.training.loop_config import LOOP_RULES
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
 KEYS = [*LOOP_KEYS, "model", "loss", "activation_checkpointing"]
+RULES = LOOP_RULES  # what each top-level value may be, checked up front
 
 
 def main(cfg: DictConfig) -> None:
-    run_main(train, cfg, KEYS)
+    run_main(train, cfg, KEYS, RULES)
 
 
 def train(cfg: DictConfig, ctx: DistributedContext) -> None:

@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig
 
 from tunesmith.config import instantiate
+from tunesmith.config.errors import type_name
 from tunesmith.data import packed_or_padded
 from tunesmith.modules.losses import IGNORE_INDEX, LinearCrossEntropyLoss
 from tunesmith.training.activations import apply_activation_checkpointing
@@ -33,6 +34,7 @@ from tunesmith.training.loop import (
     make_loader,
     run_main,
 )
+from tunesmith.training.loop_config import LOOP_RULES, Rule, flag
 from tunesmith.training.memory_planner import MemoryPlan, estimate_memory, optimizer_kind
 from tunesmith.training.preflight import longest_batch
 
@@ -42,10 +44,15 @@ RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
 KEYS = [
     *LOOP_KEYS, "model", "packed", "loss", "activation_checkpointing", "compile",
 ]  # fmt: skip
+RULES = {  # what each top-level value may be, checked up front
+    **LOOP_RULES, "packed": flag(),
+    "compile": Rule("true, false, null or a mapping of compile options",
+                    lambda v: v is None or isinstance(v, bool) or type_name(v) == "mapping"),
+}  # fmt: skip
 
 
 def main(cfg: DictConfig) -> None:
-    run_main(train, cfg, KEYS)
+    run_main(train, cfg, KEYS, RULES)
 
 
 def train(cfg: DictConfig, ctx: DistributedContext) -> None:

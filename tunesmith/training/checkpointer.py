@@ -22,7 +22,7 @@ import os
 import pickle
 import random
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,11 +42,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tunesmith.models.hf import write_hf_checkpoint
+from tunesmith.models.manifest import MARKER, has_manifest
 from tunesmith.models.peft_io import load_peft_adapter, write_peft_adapter
 from tunesmith.models.safetensors_io import CheckpointError, find_weight_files
 from tunesmith.modules.peft import adapter_modules, adapter_state_dict
 from tunesmith.training import safe_dcp
-from tunesmith.training.checkpoint_dir import CheckpointDirectory, CheckpointWriteError
+from tunesmith.training.checkpoint_dir import (
+    CheckpointDirectory,
+    CheckpointWriteError,
+    aside_folder,
+)
 from tunesmith.training.distributed import DistributedContext
 
 __all__ = ["Checkpointer", "rng_state", "set_rng_state"]
@@ -194,6 +199,21 @@ def _chain(err: BaseException) -> list[BaseException]:
     return seen
 
 
+def _names(paths: list[Path], limit: int = 4) -> str:
+    """``step_000002, step_000004`` (``... and 7 more`` past ``limit``)."""
+    names = [p.name for p in paths]
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _is_step_dir(path: Path) -> bool:
+    try:
+        CheckpointDirectory.step_of(path)
+    except ValueError:
+        return False
+    return True
+
+
 class Checkpointer:
     """Save and restore full training checkpoints under ``root`` (keeping the last ``keep_last``).
 
@@ -231,6 +251,104 @@ class Checkpointer:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
         return Path(box[0]) if box[0] is not None else None
+
+    def start(
+        self,
+        resume: bool | str | os.PathLike[str] | None,
+        *,
+        overwrite: bool = False,
+        log: Callable[[str], None] = print,
+    ) -> Path | None:
+        """The checkpoint this run resumes from (None: step 0), once ``root`` is safe to write
+        into; the same answer (or error) on every rank, rank 0 deciding. Nothing is deleted.
+
+        * ``resume=false``: ``root`` must hold no ``step_*`` folder (complete or not): they
+          are another run's. ``overwrite=true`` moves them, with ``metrics.jsonl`` and
+          ``config.yaml`` of the output dir, into ``<output_dir>/overwritten-<time>/``.
+        * ``resume=true``: the newest checkpoint whose files match their manifest (newer
+          damaged ones are skipped with a warning naming the file); with none, step 0 when
+          ``root`` holds no ``step_*`` folder, else an error naming each one's problem.
+        * ``resume=<folder>``: that checkpoint, verified (an error names the file that does
+          not match). From outside ``root``, a ``root`` with ``step_*`` folders is refused
+          as for ``resume=false``.
+
+        Resuming from ``step_N`` of ``root``, every ``step_*`` folder newer than ``N`` is moved
+        to ``root/rolled-back-<time>/`` (the run will write those steps again), and the run
+        continues the resumed run's id, so ``keep_last`` prunes its older checkpoints.
+
+        Example::
+
+            >>> path = ckpt.start(cfg.resume, overwrite=cfg.overwrite)  # doctest: +SKIP
+        """
+        box: list[Any] = [None]
+        if self.directory is not None:
+            try:
+                box = [self._start(resume, overwrite, log)]
+            except (OSError, ValueError) as err:  # CheckpointError is a ValueError
+                box = [err]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def _start(self, resume: Any, overwrite: bool, log: Callable[[str], None]) -> Path | None:
+        directory = self.directory
+        existing = directory.step_dirs()
+        if resume is True:
+            path, skipped = directory.newest_good()
+            for bad, problem in skipped:
+                log(f"warning: skipping damaged checkpoint {bad.name}: {problem}")
+            if path is None and existing:
+                problems = [directory.problem(p) for p in existing]
+                raise FileNotFoundError(
+                    f"resume=true: no usable checkpoint in {directory.root}: "
+                    f"{'; '.join(p for p in problems if p)}. Restarting from step 0 would "
+                    "lose them: move them away, or pass resume=false overwrite=true (they are "
+                    "moved aside, not deleted)"
+                )
+        elif resume is None or resume is False:
+            path = None
+        else:
+            path = Path(resume)
+            if not has_manifest(path):
+                log(f"warning: resume={resume} has no {MARKER} manifest; its files are not "
+                    "verified")  # fmt: skip
+            elif problem := directory.problem(path):
+                raise CheckpointError(f"resume={resume}: {problem}")
+        inside = path is not None and path.parent.resolve() == directory.root.resolve()
+        if inside and _is_step_dir(path):
+            newer = [p for p in existing if directory.step_of(p) > directory.step_of(path)]
+            if newer:
+                into = directory.set_aside(newer, aside_folder(directory.root, "rolled-back"))
+                log(f"resuming from {path.name}: moved the newer {_names(newer)} to {into} "
+                    "(not deleted)")  # fmt: skip
+        elif existing:
+            self._replace(existing, resume, overwrite, log)
+        if path is not None:
+            directory.adopt(path)
+        return path
+
+    def _replace(
+        self, existing: list[Path], resume: Any, overwrite: bool, log: Callable[[str], None]
+    ) -> None:
+        """A run that does not continue the checkpoints in ``root``: refuse, or with
+        ``overwrite`` move them (and the output dir's metrics.jsonl, config.yaml) aside."""
+        root = self.directory.root
+        if not overwrite:
+            start = "resume=false" if resume is None or resume is False else f"resume={resume}"
+            raise FileExistsError(
+                f"{root} already holds checkpoints of another run ({_names(existing)}) and "
+                f"{start} does not continue them: pass resume=true to continue that run, "
+                "overwrite=true to move them aside and start over, or choose another output_dir"
+            )
+        into = aside_folder(root.parent, "overwritten")
+        self.directory.set_aside(existing, into / root.name)
+        logs = [root.parent / n for n in ("metrics.jsonl", "config.yaml")]
+        for file in [f for f in logs if f.is_file()]:
+            os.rename(file, into / file.name)
+        log(f"overwrite=true: moved the previous run's {_names(existing)} (and its "
+            f"metrics.jsonl, config.yaml) to {into} (not deleted)")  # fmt: skip
 
     def save(
         self,
@@ -277,9 +395,23 @@ class Checkpointer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         stateful: Mapping[str, Stateful],
+        *,
+        verify: bool = True,
     ) -> dict[str, Any]:
-        """Restore weights, optimizer, ``stateful`` objects and RNG from ``path``; return progress."""
+        """Restore weights, optimizer, ``stateful`` objects and RNG from ``path``; return progress.
+
+        With ``verify`` rank 0 first checks every file against the checkpoint's manifest (a
+        :class:`CheckpointError` names the first that does not match); :meth:`start` has
+        already done so for the checkpoint it returns.
+        """
         path = Path(path)
+        if verify:
+            checked = self.ctx.is_rank_zero and has_manifest(path)
+            problem = [CheckpointDirectory.problem(path) if checked else None]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast_object_list(problem, src=0)
+            if problem[0] is not None:
+                raise CheckpointError(problem[0])
         rank_file = path / STATE_DIR / f"rank{self.ctx.rank}.pt"
         if not rank_file.is_file():
             raise FileNotFoundError(
@@ -319,8 +451,8 @@ class Checkpointer:
                 f"{optim_dir}: cannot load the optimizer state: {_cause(err)}"
             ) from err
         set_optimizer_state_dict(model, optimizer, optim_state["optimizer"])
-        try:  # weights_only: plain tensors and containers, never arbitrary pickled objects
-            rank_state = torch.load(rank_file, weights_only=True)
+        try:  # weights_only, torch's built-in allow-list: tensors and plain data only
+            rank_state = safe_dcp.load_plain(rank_file)
         except pickle.UnpicklingError as err:
             raise CheckpointError(
                 f"{rank_file}: refused to load the training state: it holds objects other than "

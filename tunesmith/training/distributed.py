@@ -25,7 +25,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from tunesmith.config import ConfigError, ConfigIssue
 from tunesmith.modules.peft.nf4 import is_nf4
+from tunesmith.training.loop_config import LOOP_RULES
 
 __all__ = [
     "DistributedContext",
@@ -70,12 +72,9 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
     bounds every collective: a rank whose peer died or hangs raises an error after that long
     instead of waiting (None: the backend's default, 30 min for gloo, 10 min for NCCL).
     """
-    if timeout_s is not None and (
-        isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0
-    ):
-        raise ValueError(
-            f"distributed_timeout_s must be a number of seconds > 0, got {timeout_s!r}"
-        )
+    problem = LOOP_RULES["distributed_timeout_s"].problem(timeout_s)  # the config key's rule
+    if problem is not None:
+        raise ConfigError.from_issues([ConfigIssue("distributed_timeout_s", problem)])
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=float(timeout_s))}
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -37,7 +37,7 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from tqdm import tqdm
 
-from tunesmith.config import ConfigError, check_keys, instantiate
+from tunesmith.config import ConfigError, check_keys, instantiate, plain_config
 from tunesmith.data import split_train_val
 from tunesmith.training.activations import activation_offloading
 from tunesmith.training.checkpointer import Checkpointer
@@ -48,11 +48,22 @@ from tunesmith.training.distributed import (
     init_distributed,
     peer_failure,
 )
+from tunesmith.training.loop_config import (
+    LOOP_RULES,
+    RECORD_KEY,
+    Rule,
+    RunRecord,
+    check_resume,
+    check_rules,
+    read_record,
+)
+from tunesmith.training.lr_schedules import schedule_params, set_schedule_params
 from tunesmith.training.memory import peak_memory_gb
 from tunesmith.training.memory_planner import MemoryPlan
 from tunesmith.training.metric_logging import MultiLogger, NullLogger
 from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
 from tunesmith.training.preflight import PreflightReport, longest_batch, preflight
+from tunesmith.training.run_lock import hold_run_lock
 
 __all__ = [
     "AUTOCAST",
@@ -75,7 +86,7 @@ LOOP_KEYS = [
     "output_dir", "model_dir", "seed", "device", "mixed_precision", "shuffle", "batch_size",
     "gradient_accumulation_steps", "epochs", "max_steps", "stop_after_steps", "optimizer",
     "lr_scheduler", "max_grad_norm", "tokenizer", "dataset", "val_dataset", "val_fraction", "metric_loggers", "log_every_n_steps", "eval_every_n_steps",
-    "save_every_n_steps", "keep_last", "resume", "on_nonfinite_loss", "progress_bar",
+    "save_every_n_steps", "keep_last", "resume", "overwrite", "on_nonfinite_loss", "progress_bar",
     "optimizer_in_backward", "activation_offloading", "distributed_timeout_s", "preflight",
 ]  # fmt: skip
 # Arguments fit() passes at run time (for `tunesmith validate`).
@@ -114,10 +125,13 @@ class Objective(Protocol):
 
 
 def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictConfig,
-             keys: Sequence[str]) -> None:  # fmt: skip
-    """A recipe's ``main``: check the config's top-level keys, start the process group, run
-    ``train(cfg, ctx)``, and turn a dead or hung peer's collective error into one clear line."""
+             keys: Sequence[str], rules: Mapping[str, Rule] = LOOP_RULES) -> None:  # fmt: skip
+    """A recipe's ``main``: check the config's top-level keys (unknown ones, and each value
+    against ``rules``: see :mod:`~tunesmith.training.loop_config`), start the process group,
+    run ``train(cfg, ctx)``, and turn a dead or hung peer's collective error into one clear
+    line."""
     issues = check_keys(cfg, list(keys))
+    issues += [i for i in check_rules(cfg, rules) if i.path in keys]
     if issues:
         raise ConfigError.from_issues(issues)
     resume = cfg.get("resume", False)
@@ -125,7 +139,9 @@ def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictC
         raise FileNotFoundError(f"resume={resume}: no such checkpoint folder")
     ctx = init_distributed(cfg.get("device", "auto"), cfg.get("distributed_timeout_s"))
     previous_sigterm = signal.getsignal(signal.SIGTERM)
-    try:
+    lock = None
+    try:  # one run per output_dir, taken before anything is written into it
+        lock = hold_run_lock(cfg.output_dir, ctx) if cfg.get("output_dir") else None
         random.seed(int(cfg.get("seed", 0)))
         torch.manual_seed(int(cfg.get("seed", 0)))
         train(cfg, ctx)
@@ -137,6 +153,8 @@ def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictC
             raise
         raise failure from error
     finally:
+        if lock is not None:
+            lock.release()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous_sigterm)  # fit() installed its own
         close_distributed()
@@ -147,7 +165,15 @@ def make_loader(
     ctx: DistributedContext,
 ) -> tuple[StatefulDataLoader, DistributedSampler]:  # fmt: skip
     """This rank's resumable loader over ``dataset`` (a new order every epoch when
-    ``cfg.shuffle``, drawn from ``cfg.seed``); incomplete batches are dropped."""
+    ``cfg.shuffle``, drawn from ``cfg.seed``). Incomplete batches are dropped, and so are the
+    samples past a multiple of the world size: how many each epoch leaves out is logged."""
+    dropped = dropped_per_epoch(len(dataset), ctx.world_size, int(cfg.batch_size))
+    if dropped and ctx.is_rank_zero:
+        which = ("a different draw each epoch" if cfg.get("shuffle", True)
+                 else "always the same ones: shuffle is off")  # fmt: skip
+        print(f"data: {len(dataset)} samples, {ctx.world_size} rank(s) x batch_size "
+              f"{cfg.batch_size}: {dropped} sample(s) left out of each epoch (drop_last; "
+              f"{which})")  # fmt: skip
     sampler = DistributedSampler(
         dataset, num_replicas=ctx.world_size, rank=ctx.rank,
         shuffle=bool(cfg.get("shuffle", True)), seed=int(cfg.get("seed", 0)), drop_last=True,
@@ -156,6 +182,17 @@ def make_loader(
         dataset, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate, drop_last=True
     )
     return loader, sampler
+
+
+def dropped_per_epoch(samples: int, world_size: int, batch_size: int) -> int:
+    """Samples an epoch leaves out: those past a multiple of ``world_size`` (the sampler), then
+    on each rank those past a multiple of ``batch_size`` (the last incomplete batch).
+
+    >>> dropped_per_epoch(17, 1, 4), dropped_per_epoch(17, 2, 4), dropped_per_epoch(16, 1, 4)
+    (1, 1, 0)
+    """
+    per_rank = samples // world_size
+    return samples - per_rank * world_size + world_size * (per_rank % batch_size)
 
 
 def build_datasets(
@@ -230,6 +267,8 @@ def fit(
     else:
         optimizer = instantiate(cfg.optimizer, trainable)
     scheduler = instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
+    schedule = schedule_params(scheduler)  # this run's length: wins over a checkpoint's
+    record = RunRecord(plain_config(cfg), int(total_steps), len(loader.dataset))
     autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
     offload = bool(cfg.get("activation_offloading", False))
 
@@ -238,19 +277,21 @@ def fit(
         source_dir=cfg.get("model_dir"),
     )  # fmt: skip
     stateful = {"scheduler": scheduler, "dataloader": loader}
+    saved_with = {**stateful, RECORD_KEY: record}  # the record is read back before loading
     progress = {"step": 0, "epoch": 0, "tokens_seen": 0}
-    resume_from = _resume_path(cfg.get("resume", False), checkpointer)
-    if resume_from is None and checkpointer.latest() is not None:
-        raise FileExistsError(
-            f"{checkpointer.root} already holds checkpoints (latest: {checkpointer.latest()}); "
-            "pass resume=true to continue that run, or choose another output_dir"
-        )
+    # verified; refuses another run's checkpoints; moves aside what a rollback must rewrite
+    resume_from = checkpointer.start(
+        cfg.get("resume", False), overwrite=bool(cfg.get("overwrite", False)), log=log
+    )
     if resume_from is not None:
-        progress = checkpointer.load(resume_from, model, optimizer, stateful)
+        resized = _check_resume(resume_from, ctx, record, schedule is not None, log)
+        progress = checkpointer.load(resume_from, model, optimizer, stateful, verify=False)
         log(f"resumed from {resume_from} at step {progress['step']}")
+        if resized:  # the new length's schedule from the step resumed at
+            set_schedule_params(scheduler, schedule)
     loggers = [instantiate(c) for c in cfg.get("metric_loggers") or []]
     logger = MultiLogger(loggers) if ctx.is_rank_zero else NullLogger()
-    logger.log_config(cfg)
+    logger.log_config(record.config)  # environment reads as ${oc.env:...}, never values
     stop_requested = _install_sigterm_handler()
 
     stream = _micro_batches(loader, sampler, progress)
@@ -258,7 +299,7 @@ def fit(
         total=total_steps, initial=progress["step"], disable=not (
             ctx.is_rank_zero and cfg.get("progress_bar", True)), desc=name,
     )  # fmt: skip
-    last_checkpoint = checkpointer.latest()
+    last_checkpoint = resume_from
     try:
         step_start = time.perf_counter()
         first_step = progress["step"] + 1  # its time includes compilation and warm-up
@@ -330,7 +371,7 @@ def fit(
             stop_after = cfg.get("stop_after_steps")
             stop_early = stop_after is not None and step == int(stop_after) < total_steps
             if _every(step, cfg.get("save_every_n_steps"), total_steps) or stop or stop_early:
-                last_checkpoint = checkpointer.save(step, model, optimizer, stateful, progress)
+                last_checkpoint = checkpointer.save(step, model, optimizer, saved_with, progress)
                 log(f"checkpoint: {last_checkpoint}")
             if stop or stop_early:
                 reason = "SIGTERM" if stop else f"stop_after_steps={stop_after}"
@@ -439,20 +480,23 @@ def _micro_batches(loader, sampler, progress: dict[str, int]) -> Iterator[Batch]
         progress["epoch"] += 1
 
 
-def _resume_path(resume: bool | str, checkpointer: Checkpointer) -> Path | None:
-    if resume is False or resume is None:
-        return None
-    if resume is True:  # None when nothing was saved yet: start fresh
-        latest = checkpointer.latest()  # skips (with a warning) damaged checkpoints
-        unusable = sorted(p.name for p in checkpointer.root.glob("step_*"))
-        if latest is None and unusable:
-            raise FileNotFoundError(
-                f"resume=true: no usable checkpoint in {checkpointer.root}: {', '.join(unusable)} "
-                "do not match their COMPLETE manifest (damaged or incomplete); restarting from "
-                "step 0 would lose them. Move them away to start fresh, or pass resume=<folder>"
-            )
-        return latest
-    return Path(resume)
+def _check_resume(checkpoint: Path, ctx: DistributedContext, record: RunRecord,
+                  resizable: bool, log: Callable[[str], None]) -> bool:  # fmt: skip
+    """Refuse to resume ``checkpoint`` with changed keys that may not change (see
+    :func:`~tunesmith.training.loop_config.check_resume`), log the changes that apply; returns
+    whether the schedule length changed."""
+    saved = read_record(checkpoint, ctx.rank)
+    if saved is None:  # unreadable: the checkpoint loader says why
+        return False
+    if saved is False:
+        log(
+            f"warning: {checkpoint} does not record its run's config (an older checkpoint): "
+            "changes to the config cannot be checked; the LR schedule continues as saved"
+        )
+        return False
+    for note in check_resume(checkpoint, saved, record, resizable=resizable):
+        log(note)
+    return saved.total_steps != record.total_steps
 
 
 def _install_sigterm_handler() -> Callable[[], bool]:

@@ -14,7 +14,9 @@ Conventions (the same as Hugging Face ``transformers``' ``get_*_schedule_with_wa
 The multiplier is a small callable object rather than a lambda, so ``scheduler.state_dict()``
 records its parameters and a scheduler rebuilt on resume and given ``load_state_dict`` continues
 the exact same learning-rate sequence (with the saved parameters, which win over the rebuilt
-ones). Resume in this order: build the optimizer and the scheduler exactly as at the start,
+ones). To resume with another schedule length instead, take :func:`schedule_params` of the
+rebuilt scheduler before loading and give them back with :func:`set_schedule_params` after: the
+run then follows the new length's schedule from the step it resumed at. Resume in this order: build the optimizer and the scheduler exactly as at the start,
 then ``optimizer.load_state_dict(...)`` and ``scheduler.load_state_dict(...)`` (building the
 scheduler after loading the optimizer would reset the groups' ``lr``). Everything in the state dict is a plain number, so it survives
 ``torch.load(..., weights_only=True)``.
@@ -30,12 +32,21 @@ Example::
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-__all__ = ["constant_with_warmup", "cosine_with_warmup", "linear_with_warmup"]
+__all__ = [
+    "constant_with_warmup",
+    "cosine_with_warmup",
+    "linear_with_warmup",
+    "schedule_params",
+    "set_schedule_params",
+]
 
 
 def _check_args(
@@ -149,3 +160,43 @@ def constant_with_warmup(
     """
     _check_args(num_warmup_steps, num_training_steps)
     return LambdaLR(optimizer, _WarmupDecay("constant", num_warmup_steps), last_epoch=last_epoch)
+
+
+def schedule_params(scheduler: LRScheduler) -> list[dict[str, Any]] | None:
+    """The parameters of each group's multiplier (its length among them), or None when
+    ``scheduler`` keeps them where they cannot be given back (not a ``LambdaLR`` of callable
+    objects, e.g. of plain functions or another scheduler class).
+
+    Example::
+
+        >>> schedule_params(cosine_with_warmup(opt, num_warmup_steps=2, num_training_steps=8))
+        [{'decay': 'cosine', 'num_warmup_steps': 2, 'num_training_steps': 8, ...}]
+    """
+    if not isinstance(scheduler, LambdaLR):
+        return None
+    if any(isinstance(fn, types.FunctionType) for fn in scheduler.lr_lambdas):
+        return None  # LambdaLR saves nothing of a function: its length is in its code
+    return [dict(vars(fn)) for fn in scheduler.lr_lambdas]
+
+
+def set_schedule_params(scheduler: LambdaLR, params: list[dict[str, Any]]) -> None:
+    """Give ``scheduler`` the multiplier ``params`` (from :func:`schedule_params` of a freshly
+    built one) after ``load_state_dict`` restored the saved ones, and set each group's ``lr``
+    to the new schedule's value at the current step, as ``scheduler.step()`` would have.
+
+    Example (resume with a new length)::
+
+        >>> fresh = schedule_params(sched)            # built for the new num_training_steps
+        >>> sched.load_state_dict(saved)              # the old length's parameters come back
+        >>> set_schedule_params(sched, fresh)         # the new length's schedule from here on
+    """
+    for fn, values in zip(scheduler.lr_lambdas, params, strict=True):
+        vars(fn).update(values)
+    lrs = [base * fn(scheduler.last_epoch)
+           for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]  # fmt: skip
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(float(lr))
+        else:
+            group["lr"] = lr
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

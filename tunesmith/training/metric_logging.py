@@ -54,7 +54,8 @@ class MetricLogger(Protocol):
         """Record scalar ``metrics`` at training ``step``."""
 
     def log_config(self, cfg: Mapping[str, Any]) -> None:
-        """Record the run's (resolved) config once, at start."""
+        """Record the run's (resolved) config once, at start: environment reads stay
+        ``${oc.env:NAME}`` (see :func:`~tunesmith.config.plain_config`)."""
 
     def close(self) -> None:
         """Flush and release files/handles. Safe to call twice."""
@@ -93,11 +94,13 @@ def _scalars(step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
 
 
 def _plain(obj: Any) -> Any:
-    """Turn a config (OmegaConf or nested mappings) into plain YAML/JSON-able Python objects."""
+    """Turn a config (OmegaConf or nested mappings) into plain YAML/JSON-able Python objects;
+    an OmegaConf config is rendered by :func:`~tunesmith.config.plain_config`, so values read
+    from the environment stay ``${oc.env:NAME}`` and are never written."""
     if type(obj).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf
+        from tunesmith.config import plain_config
 
-        return _plain(OmegaConf.to_container(obj, resolve=True))
+        return _plain(plain_config(obj))
     if isinstance(obj, Mapping):
         return {str(k): _plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

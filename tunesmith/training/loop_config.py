@@ -1,0 +1,478 @@
+"""The training loop's own config keys: what each allows, and which may change on resume.
+
+**Up-front check.** :data:`LOOP_RULES` gives every top-level key the loop reads a
+:class:`Rule` (type, range or choices); a recipe adds rules for its own keys (its ``RULES``).
+:func:`check_rules` reports every value that breaks its rule, one ``key: expected ..., got ...``
+issue each, before anything is built: ``tunesmith validate`` and
+:func:`~tunesmith.training.loop.run_main` (before the data is tokenised) both run it.
+Booleans must be YAML booleans (``true``/``false``; YAML 1.1's ``yes``/``no``/``on``/``off``
+load as booleans too), never strings such as ``"true"``; integers must be ints (``4``, not
+``4.0``, ``1e3`` or ``true``); numbers may be ints or floats, never booleans.
+
+**Resume.** Each checkpoint stores a :class:`RunRecord`: the run's config as
+:func:`~tunesmith.config.plain_config` renders it (interpolations resolved, environment reads
+kept as ``${oc.env:NAME}``: a changed secret is no change, a changed interpolation is), the
+schedule length and the number of training samples. Before any weight is loaded,
+:func:`check_resume` compares it with the new run's and refuses, listing every changed key as
+``dotted.path: old -> new``, unless each change is to a key of :data:`RESUMABLE_KEYS`:
+
+- ``max_steps``, ``epochs``: the schedule length. The LR schedule is recomputed for the new
+  length from the step the run resumed at (the learning rate at step ``s`` is then the one a
+  run started with the new length has at step ``s``), and the change is logged. A length
+  below the checkpoint's step is refused.
+- ``stop_after_steps``, ``save_every_n_steps``, ``keep_last``, ``log_every_n_steps``,
+  ``eval_every_n_steps``, ``val_dataset`` (not when ``val_fraction`` > 0: then it decides the
+  training split), ``metric_loggers``, ``progress_bar``: when to stop, save, log and evaluate.
+- ``output_dir``, ``resume``, ``overwrite``, ``preflight``, ``distributed_timeout_s``: where
+  and how the run is started.
+- ``activation_checkpointing``, ``activation_offloading``, ``compile``: memory and speed only.
+- ``on_nonfinite_loss``: what to do at a non-finite step (a run stopped at one may go on with
+  ``skip``).
+
+Everything else (``optimizer``, ``lr_scheduler``, ``batch_size``, ``seed``, ``dataset``,
+``model_dir``, a recipe's own keys, ...) must stay as it was; a different number of training
+samples (the data file changed in place) is refused too. Allowed changes are logged.
+
+Example::
+
+    >>> cfg = OmegaConf.create({"max_steps": 0, "shuffle": "yes"})
+    >>> for issue in check_rules(cfg, {k: LOOP_RULES[k] for k in cfg}):
+    ...     print(issue)
+    max_steps: expected an int >= 1, or null (epochs decide), got 0
+    shuffle: expected true or false, got 'yes' (a string: write true or false, unquoted)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from tunesmith.config import COMPONENT_KEY, ConfigError, ConfigIssue
+from tunesmith.config.errors import type_name
+from tunesmith.config.nodes import has_key, read_child
+
+__all__ = [
+    "LOOP_RULES",
+    "RECORD_KEY",
+    "RESUMABLE_KEYS",
+    "Change",
+    "Rule",
+    "RunRecord",
+    "check_resume",
+    "check_rules",
+    "choice",
+    "component",
+    "config_changes",
+    "flag",
+    "integer",
+    "number",
+    "read_record",
+    "text",
+]
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one key allows: ``allowed`` in words, ``fits(value)`` whether a value is one of them,
+    ``extra(value)`` a further problem of a fitting value (e.g. a device this machine lacks).
+
+    >>> integer(1).problem(0)
+    'expected an int >= 1, got 0'
+    """
+
+    allowed: str
+    fits: Callable[[Any], bool]
+    required: bool = False
+    extra: Callable[[Any], str | None] | None = None
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` is not allowed, or None."""
+        if not self.fits(value):
+            return f"expected {self.allowed}, got {_shown(value)}"
+        return self.extra(value) if self.extra is not None else None
+
+
+def _or_null(allowed: str, null: str | None) -> str:
+    return allowed if null is None else f"{allowed}, or null ({null})"
+
+
+def _nullable(fits: Callable[[Any], bool], null: str | None) -> Callable[[Any], bool]:
+    return lambda v: (v is None and null is not None) or (v is not None and fits(v))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def integer(minimum: int, *, null: str | None = None, required: bool = False) -> Rule:
+    """An int >= ``minimum`` (or null, meaning ``null``).
+
+    >>> integer(1, null="no limit").allowed
+    'an int >= 1, or null (no limit)'
+    """
+    fits = _nullable(lambda v: _is_int(v) and v >= minimum, null)
+    return Rule(_or_null(f"an int >= {minimum}", null), fits, required)
+
+
+def number(
+    *, above: float | None = None, at_least: float | None = None, below: float | None = None,
+    at_most: float | None = None, null: str | None = None, unit: str = "a number",
+) -> Rule:  # fmt: skip
+    """An int or float in the given bounds (never NaN or a bool).
+
+    >>> number(at_least=0, below=1).allowed
+    'a number >= 0 and < 1'
+    """
+    bounds = [f"> {above:g}" if above is not None else "",
+              f">= {at_least:g}" if at_least is not None else "",
+              f"< {below:g}" if below is not None else "",
+              f"<= {at_most:g}" if at_most is not None else ""]  # fmt: skip
+    words = f"{unit} {' and '.join(b for b in bounds if b)}".strip()
+
+    def fits(v: Any) -> bool:
+        return (
+            _is_number(v) and not math.isnan(v)
+            and (above is None or v > above) and (at_least is None or v >= at_least)
+            and (below is None or v < below) and (at_most is None or v <= at_most)
+        )  # fmt: skip
+
+    return Rule(_or_null(words, null), _nullable(fits, null))
+
+
+def flag() -> Rule:
+    """``true`` or ``false`` (a YAML boolean, not a string)."""
+    return Rule("true or false", lambda v: isinstance(v, bool))
+
+
+def choice(*values: str, null: str | None = None) -> Rule:
+    """One of ``values`` (exactly, case included).
+
+    >>> choice("stop", "skip").problem("STOP")
+    "expected one of 'stop', 'skip', got 'STOP' (a string)"
+    """
+    words = "one of " + ", ".join(repr(v) for v in values)
+    return Rule(
+        _or_null(words, null), _nullable(lambda v: isinstance(v, str) and v in values, null)
+    )
+
+
+def text(*, null: str | None = None, required: bool = False) -> Rule:
+    """A non-empty string (a path, a name)."""
+    fits = _nullable(lambda v: isinstance(v, str) and v.strip() != "", null)
+    return Rule(_or_null("a non-empty string", null), fits, required)
+
+
+def component(*, null: str | None = None, required: bool = False, many: bool = False) -> Rule:
+    """A mapping with a ``_component_`` (``many``: a list of them); its arguments are checked
+    by :func:`~tunesmith.config.validate_config`."""
+    fits = _all_components if many else _is_component
+    words = "a list of mappings with _component_" if many else "a mapping with _component_"
+    return Rule(_or_null(words, null), _nullable(fits, null), required)
+
+
+def _is_component(value: Any) -> bool:
+    return type_name(value) == "mapping" and COMPONENT_KEY in value.keys()  # noqa: SIM118
+
+
+def _all_components(value: Any) -> bool:
+    return type_name(value) == "list" and all(_is_component(item) for item in value)
+
+
+def _cuda_missing(device: Any) -> str | None:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        return (
+            "got 'cuda', but this machine has no CUDA device (torch.cuda.is_available() is "
+            "false); use auto or cpu"
+        )
+    return None
+
+
+def _bool_text_hint(value: Any) -> str:
+    words = {"true", "false", "yes", "no", "on", "off"}
+    return ": write true or false, unquoted" if str(value).lower() in words else ""
+
+
+def _shown(value: Any) -> str:
+    """A value as the user wrote it: ``0``, ``'abc' (a string)``, ``true (a boolean)``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return f"{value!r} (a string{_bool_text_hint(value)})"
+    return f"a {type_name(value)}"
+
+
+LOOP_RULES: dict[str, Rule] = {
+    "output_dir": text(required=True),
+    "model_dir": text(null="no source model folder"),
+    "seed": integer(0),
+    "device": Rule(
+        "one of 'auto', 'cpu', 'cuda'", lambda v: v in ("auto", "cpu", "cuda"), extra=_cuda_missing
+    ),
+    "mixed_precision": choice("bf16", "fp16", null="full precision"),
+    "shuffle": flag(),
+    "batch_size": integer(1, required=True),
+    "gradient_accumulation_steps": integer(1),
+    "epochs": integer(1),
+    "max_steps": integer(1, null="epochs decide"),
+    "stop_after_steps": integer(1, null="no early stop"),
+    "optimizer": component(required=True),
+    "lr_scheduler": component(required=True),
+    "max_grad_norm": number(above=0, null="no clipping"),
+    "tokenizer": component(required=True),
+    "dataset": component(required=True),
+    "val_dataset": component(null="no validation set"),
+    "val_fraction": number(at_least=0, below=1),
+    "metric_loggers": component(null="no metric logging", many=True),
+    "log_every_n_steps": integer(1),
+    "eval_every_n_steps": integer(1, null="after the last step only"),
+    "save_every_n_steps": integer(1, null="after the last step only"),
+    "keep_last": integer(1, null="keep every checkpoint"),
+    "resume": Rule(
+        "true, false (or null) or a checkpoint folder",
+        lambda v: v is None or isinstance(v, bool) or (isinstance(v, str) and v.strip() != ""),
+    ),
+    "on_nonfinite_loss": choice("stop", "skip"),
+    "progress_bar": flag(),
+    "optimizer_in_backward": flag(),
+    "activation_offloading": flag(),
+    "distributed_timeout_s": number(
+        above=0, null="the backend's default", unit="a number of seconds"
+    ),
+    "preflight": flag(),
+    "overwrite": flag(),
+}
+"""One rule per top-level key the loop reads (``LOOP_KEYS``, plus ``overwrite``)."""
+
+
+def check_rules(cfg: DictConfig, rules: Mapping[str, Rule]) -> list[ConfigIssue]:
+    """One issue per top-level key of ``cfg`` whose value breaks its rule, and per required
+    key that is absent. Keys without a rule are not looked at.
+
+    >>> [str(i) for i in check_rules(OmegaConf.create({"seed": "abc"}), {"seed": integer(0)})]
+    ["seed: expected an int >= 0, got 'abc' (a string)"]
+    """
+    issues: list[ConfigIssue] = []
+    for key, rule in rules.items():
+        if not has_key(cfg, key):
+            if rule.required:
+                issues.append(ConfigIssue(key, f"required key is missing ({rule.allowed})"))
+            continue
+        try:
+            value = read_child(cfg, key, key)
+        except ConfigError as error:  # missing (???) or an interpolation that does not resolve
+            issues.append(ConfigIssue(key, error.message))
+            continue
+        problem = rule.problem(value)
+        if problem is not None:
+            issues.append(ConfigIssue(key, problem))
+    return issues
+
+
+# ----------------------------------------------------------------------------- resume
+
+RESUMABLE_KEYS = frozenset({
+    "max_steps", "epochs",
+    "stop_after_steps", "save_every_n_steps", "keep_last", "log_every_n_steps",
+    "eval_every_n_steps", "val_dataset", "metric_loggers", "progress_bar",
+    "output_dir", "resume", "overwrite", "preflight", "distributed_timeout_s",
+    "activation_checkpointing", "activation_offloading", "compile",
+    "on_nonfinite_loss",
+})  # fmt: skip
+"""Top-level keys whose value may differ from the checkpoint's on resume (see the module docs)."""
+
+SCHEDULE_KEYS = ("max_steps", "epochs")
+RECORD_KEY = "run_config"
+"""The entry of a checkpoint's ``training_state/rank<N>.pt`` that holds the :class:`RunRecord`."""
+_ABSENT = object()
+
+
+@dataclass
+class RunRecord:
+    """What a checkpoint remembers of its run (plain data: ``torch.load(weights_only=True)``
+    reads it back): the rendered config, the schedule length, the number of training samples.
+    A ``Stateful`` for :class:`~tunesmith.training.checkpointer.Checkpointer.save`.
+
+    >>> RunRecord({"seed": 0}, total_steps=8, samples=32).state_dict()["total_steps"]
+    8
+    """
+
+    config: dict[str, Any]
+    total_steps: int
+    samples: int
+    step: int = 0  # the checkpoint's step (set when read back)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "total_steps": self.total_steps, "samples": self.samples}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.config = dict(state["config"])
+        self.total_steps = int(state["total_steps"])
+        self.samples = int(state["samples"])
+
+
+def read_record(checkpoint: Path, rank: int) -> RunRecord | None | bool:
+    """The :class:`RunRecord` in ``checkpoint`` (this rank's training state), without loading
+    anything else; False when the checkpoint predates run records; None when the file cannot be
+    read (the checkpoint loader then says why).
+
+    >>> read_record(Path("out/checkpoints/step_000004"), 0).total_steps  # doctest: +SKIP
+    8
+    """
+    import torch
+
+    file = checkpoint / "training_state" / f"rank{rank}.pt"
+    try:  # plain tensors and containers only, never arbitrary pickled objects
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception:
+        return None
+    if not isinstance(state, dict):
+        return None
+    saved = state.get(RECORD_KEY)
+    if not isinstance(saved, dict):
+        return False
+    try:
+        record = RunRecord({}, 0, 0)
+        record.load_state_dict(saved)
+        record.step = int(state.get("progress", {}).get("step", 0))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    return record
+
+
+@dataclass(frozen=True)
+class Change:
+    """One key whose value differs: ``str(change)`` is ``"optimizer.lr: 0.001 -> 0.002"``."""
+
+    path: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.describe()}"
+
+    def describe(self) -> str:
+        return f"{_value(self.old)} -> {_value(self.new)}"
+
+
+def _value(value: Any) -> str:
+    if value is _ABSENT:
+        return "(absent)"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    text = repr(value)  # a leaf: a scalar, in full unless it is a long text (a prompt)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _leaves(tree: Any, path: str = "") -> dict[str, Any]:
+    """Dotted path -> value of every leaf (list items by index; an empty container is a leaf)."""
+    if isinstance(tree, Mapping) and tree:
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)) and tree:
+        items = enumerate(tree)
+    else:
+        return {path: tree}
+    out: dict[str, Any] = {}
+    for key, value in items:
+        out.update(_leaves(value, f"{path}.{key}" if path else str(key)))
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    return isinstance(a, bool) == isinstance(b, bool) and a == b
+
+
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
+    """Every leaf that differs between two rendered configs, in the new config's order
+    (then the keys it no longer has).
+
+    >>> [str(c) for c in config_changes({"optimizer": {"lr": 1e-3}}, {"optimizer": {"lr": 2e-3}})]
+    ['optimizer.lr: 0.001 -> 0.002']
+    """
+    before, after = _leaves(old), _leaves(new)
+    changes = [Change(p, before.get(p, _ABSENT), v) for p, v in after.items()
+               if p not in before or not _same(before[p], v)]  # fmt: skip
+    changes += [Change(p, v, _ABSENT) for p, v in before.items() if p not in after]
+    return changes
+
+
+def _resumable(change: Change, new: Mapping[str, Any]) -> bool:
+    top = change.path.split(".", 1)[0]
+    if top == "val_dataset" and new.get("val_fraction"):
+        return False  # with a val_fraction, whether val_dataset is set decides the training split
+    return top in RESUMABLE_KEYS
+
+
+def check_resume(
+    checkpoint: Path, saved: RunRecord, current: RunRecord, *, resizable: bool = True
+) -> list[str]:
+    """Refuse (:class:`~tunesmith.config.ConfigError`, one ``path: old -> new`` line per key)
+    to resume ``checkpoint`` with a config that differs from ``saved``'s outside
+    :data:`RESUMABLE_KEYS`, with another number of training samples, with a schedule shorter
+    than the checkpoint's step, or with another length when the LR scheduler cannot be given one
+    (``resizable`` false). Returns the lines to log about the changes that are applied.
+
+    >>> check_resume(path, saved, RunRecord(cfg | {"max_steps": 12}, 12, 32))  # doctest: +SKIP
+    ['max_steps 8 -> 12: the LR schedule now ends at step 12', ...]
+    """
+    changes = config_changes(saved.config, current.config)
+    issues = [
+        ConfigIssue(c.path, c.describe()) for c in changes if not _resumable(c, current.config)
+    ]
+    if saved.samples != current.samples:
+        issues.append(ConfigIssue("dataset", f"{saved.samples} training samples -> "
+                                             f"{current.samples}: the data changed"))  # fmt: skip
+    if issues:
+        raise ConfigError.from_issues(issues, header=(
+            f"resume from {checkpoint}: the config differs from the checkpoint's in keys that "
+            "cannot change on resume (start a new run in another output_dir, or set them back; "
+            f"may change: {', '.join(sorted(RESUMABLE_KEYS))}):"
+        ))  # fmt: skip
+    notes = [f"resume: {c.path} {c.describe()}" for c in changes
+             if c.path.split(".", 1)[0] not in (*SCHEDULE_KEYS, "resume")]  # fmt: skip
+    schedule = [c for c in changes if c.path in SCHEDULE_KEYS]
+    if current.total_steps == saved.total_steps:
+        return notes + [f"resume: {c.path} {c.describe()} (the run stays "
+                        f"{current.total_steps} steps long)" for c in schedule]  # fmt: skip
+    deciding = "max_steps" if current.config.get("max_steps") is not None else "epochs"
+    key = next((c for c in schedule if c.path == deciding), None) or Change(
+        deciding, saved.config.get(deciding), current.config.get(deciding)
+    )
+    _check_length(checkpoint, saved, current, key, resizable)
+    notes.append(f"{key.path} {key.describe()}: the LR schedule now ends at step "
+                 f"{current.total_steps} (was {saved.total_steps})")  # fmt: skip
+    return notes
+
+
+def _check_length(
+    checkpoint: Path, saved: RunRecord, current: RunRecord, key: Change, resizable: bool
+) -> None:
+    if current.total_steps < saved.step:
+        raise ConfigError.from_issues([ConfigIssue(key.path, (
+            f"{key.describe()} makes the run {current.total_steps} steps long, but {checkpoint} "
+            f"is at step {saved.step}"
+        ))])  # fmt: skip
+    if not resizable:
+        raise ConfigError.from_issues([ConfigIssue(key.path, (
+            f"{key.describe()}: the lr_scheduler keeps its length where it cannot be changed "
+            "on resume (use one of tunesmith.training's schedules, or keep the length)"
+        ))])  # fmt: skip
