@@ -220,7 +220,8 @@ Candidates for the content hash, the same {gb:.2f} GB:
 CRC-32 is the fastest check in the standard library here and catches every accidental change
 a size check misses (all bursts up to 32 bits, anything else with probability 1 - 2^-32); it is
 not a defence against deliberate edits, which loading only safetensors and allow-listed pickles
-handles. Timings on a shared 2-vCPU machine vary by about 10-20% between runs.
+handles. Times are the best of {args.repeat}; on a shared 2-vCPU VM other load inflates them
+severalfold.
 """
     print(text)
     if not args.no_write:

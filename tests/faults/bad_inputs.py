@@ -396,7 +396,9 @@ BAD_INPUTS: list[BadInput] = [
         "config-output-dir-holds-checkpoints",
         "config",
         "a new run into an output_dir that holds another run's checkpoints",
-        _REFUSED.format("the folder, resume=true and overwrite=true; the old checkpoints untouched"),
+        _REFUSED.format(
+            "the folder, resume=true and overwrite=true; the old checkpoints untouched"
+        ),
         _output_dir_has_checkpoints,
     ),  # fmt: skip
     # datasets: each bad row refused with on_bad_row=error ...

@@ -127,8 +127,10 @@ FAULTS = [
         "fault",
         "rank_death",
         "`tunesmith run --nproc-per-node 2`, rank 1 dies (SIGKILL) at its third loss",
-        "torchrun stops the other rank, the CLI exits 1 within 120 s with one line "
-        "'tunesmith: error: torchrun exited with code 1'",
+        "torchrun stops the other rank, the CLI exits 1 within 120 s; its first error line is "
+        "'tunesmith: error: rank 1 of 2: killed by SIGKILL (signal 9)...', one line per failed "
+        "rank, no traceback or torchrun output on the console, and the path of the log that "
+        "holds them",
         ci=False,
     ),
 ]

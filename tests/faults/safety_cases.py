@@ -268,8 +268,8 @@ _ROUTE_CASES = [
         "safety",
         "component-route",
         r.what,
-        f"refused before anything is imported or called (exit 1, names {r.where or r.node + '._component_'}"
-        f" and --allow-any-component)"
+        f"refused before any call (exit 1, names {r.where or r.node + '._component_'} and "
+        "--allow-any-component)"
         + ("; the call is shown to run the payload when allowed" if r.live else "")
         + (f"; `{r.never_imported}` never imported" if r.never_imported else ""),
     )

@@ -6,7 +6,11 @@ The disk is a real 2.6 MB tmpfs mounted in a private user and mount namespace (`
 -Urm``), so the write fails with ENOSPC from the kernel; the first checkpoint (1.6 MB) fits, the
 second does not. Where the machine does not permit that mount the case falls back to
 ``RLIMIT_FSIZE`` (which the second case always uses): files may not grow past 100 kB once the
-first checkpoint is written, so writes fail with EFBIG. Each case records its mechanism."""
+first checkpoint is written, so writes fail with EFBIG. Each case records its mechanism.
+
+Two more cases lower the limit inside torch's own writers, just before the second checkpoint's
+optimizer state (``torch.distributed.checkpoint``) or training state (``torch.save``, whose C++
+writer reports EFBIG as 'unexpected pos ... vs ...'): the error must still name the limit."""
 
 from __future__ import annotations
 
@@ -64,9 +68,20 @@ def _run_on_tmpfs(sweep, tmp: Path) -> tuple[int, str, Path, Path]:
     return result.returncode, result.stderr, snapshot / "out", out
 
 
-def _run_with_file_size_limit(sweep, tmp: Path) -> tuple[int, str, Path, Path]:
+def _limit_probes(case_id: str, events: list[str]) -> dict[str, object]:
+    """Where each case lowers RLIMIT_FSIZE, and to what (the child's log stays below it)."""
+    if case_id == "file-size-limit-in-torch-save":  # the step-4 checkpoint's rank0.pt (12 kB)
+        second = events.index("save_begin 4")
+        at = next(i for i in range(second, len(events)) if events[i].startswith("torch_save "))
+        return {"at": at, "file_size_limit": 8_000}
+    if case_id == "file-size-limit-in-optimizer-state":  # its dcp file (1 MB)
+        return {"on": "optimizer_state begin", "nth": 2, "file_size_limit": 100_000}
+    return {"on": "save_end 2", "file_size_limit": 100_000}  # its safetensors file (470 kB)
+
+
+def _run_with_file_size_limit(sweep, tmp: Path, case_id: str) -> tuple[int, str, Path, Path]:
     out = tmp / "run"
-    probes = {"on": "save_end 2", "file_size_limit": 100_000}
+    probes = _limit_probes(case_id, sweep.events)
     done = run_child(sweep.argv(out), tmp / "run.log", probes=probes)
     return done.exitcode, done.output, out, out
 
@@ -74,8 +89,10 @@ def _run_with_file_size_limit(sweep, tmp: Path) -> tuple[int, str, Path, Path]:
 @pytest.mark.parametrize("case", params("fault", "disk_full"))
 def test_full_disk_keeps_the_previous_checkpoint(case, sweep, tmp_path, outcome):
     tmpfs = case.id == "disk-full-during-checkpoint" and tmpfs_permitted(tmp_path)
-    run = _run_on_tmpfs if tmpfs else _run_with_file_size_limit
-    code, output, left, written_to = run(sweep, tmp_path)
+    if tmpfs:
+        code, output, left, written_to = _run_on_tmpfs(sweep, tmp_path)
+    else:
+        code, output, left, written_to = _run_with_file_size_limit(sweep, tmp_path, case.id)
 
     assert code == 1, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
@@ -84,7 +101,13 @@ def test_full_disk_keeps_the_previous_checkpoint(case, sweep, tmp_path, outcome)
     error = errors[0]
     root = written_to / "checkpoints"
     assert f"failed to write checkpoint step 4 in {root}" in error, error
-    assert ("disk full" if tmpfs else "File too large") in error, error
+    if tmpfs:
+        assert "disk full" in error, error
+    else:  # the limit is named, even where torch's writer lost the errno
+        limit = _limit_probes(case.id, sweep.events)["file_size_limit"]
+        assert f"file too large: the process's file size limit (ulimit -f) is {limit} bytes" in (
+            error
+        ), error
     assert f"Older checkpoints in {root} are untouched" in error
 
     # what the failed run left: the first checkpoint, complete; no partial second one

@@ -2,7 +2,8 @@
 forever. It exits 1 with one line naming the failed collective: at once when the peer's
 connection closes (killed), after ``distributed_timeout_s`` when the peer is alive but silent
 (SIGSTOP; without the bound gloo would wait 30 minutes). Through ``tunesmith run
---nproc-per-node 2`` torchrun stops the surviving rank and the CLI reports the failure.
+--nproc-per-node 2`` torchrun stops the surviving rank and the CLI reports the failure: one
+line per failed rank (the killed one first), torchrun's output and the tracebacks in the log.
 
 The ranks are started the way torchrun starts them (the torchrun environment variables), as
 children of the suite's fork server; the victim signals itself at its third forward pass."""
@@ -16,6 +17,7 @@ import pytest
 
 from tests.faults.catalogue import params
 from tests.faults.harness import finish, read_mark, start_child, stop
+from tests.faults.test_error_faults import torchrun_errors
 from tests.recipes.sft_world import free_port, sft_overrides
 
 TIMEOUT_S = 10  # distributed_timeout_s of these runs
@@ -81,7 +83,13 @@ def test_rank_dying_under_torchrun_fails_the_cli(case, fault_world, tmp_path, ou
     started = time.monotonic()
     done = finish(start_child(argv, log), log, timeout=240, started=started)
     assert done.exitcode == 1, done.output[-3000:]
-    lines = [line for line in done.output.splitlines() if line.startswith("tunesmith: error: ")]
-    assert lines[-1].startswith("tunesmith: error: torchrun exited with code 1"), lines
-    assert "exitcode  : -9" in done.output  # torchrun's summary names the killed rank
-    outcome.update(exit_code=1, seconds=round(done.seconds, 1), error=lines[-1])
+    lines, log = torchrun_errors(done.output)
+    assert lines[0] == (
+        "tunesmith: error: rank 1 of 2: killed by SIGKILL (signal 9); out of memory? see `dmesg`"
+    ), lines
+    for line in lines[1:]:  # the survivor's own error, when it wrote one before torchrun's SIGTERM
+        assert line.startswith("tunesmith: error: rank 0 of 2: a collective operation"), lines
+    text = log.read_text()
+    assert "exitcode  : -9" in text  # torchrun's summary names the killed rank, in the log
+    assert "[rank0]: step 2 | loss" in text  # the ranks' output is there too
+    outcome.update(exit_code=1, seconds=round(done.seconds, 1), error=lines[0])

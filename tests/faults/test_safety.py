@@ -1,9 +1,13 @@
 """Nothing from a config or a file runs code unless the user says so, end to end through
 ``tunesmith run``: ``_component_`` paths outside the allow-list are refused (and built with
-``--allow-any-component``), pickled weights are refused, and a checkpoint whose training state,
-optimizer metadata or optimizer entries pickle ``os.system`` is refused when resumed. Each
-payload is first shown to be live (plain ``pickle``/``torch.load``/``dcp.load`` run it); the
-suite then checks that ours never does. A static scan keeps the package free of unsafe loads."""
+``--allow-any-component``); every route of ``safety_cases.ROUTES`` (attribute chains through
+each allowed package, re-exported loaders, code runners, dunder and private hops, list items,
+nested components, interpolations) is refused by ``run`` and by ``validate`` with the same
+line; pickled weights are refused; and a checkpoint whose training state, optimizer metadata or
+optimizer entries pickle a command (protocol 2 or 4, a dotted STACK_GLOBAL name, a global some
+code allowed with ``add_safe_globals``) is refused when resumed. Each payload is shown to be
+live (the unsafe call or plain ``pickle``/``torch.load``/``dcp.load`` runs it); the suite then
+checks that ours never does. A static scan keeps the package free of unsafe loads."""
 
 from __future__ import annotations
 

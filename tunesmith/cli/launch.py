@@ -1,7 +1,13 @@
 """Run a recipe file on a config: in this process, or as one rank under torchrun.
 
 ``python -m tunesmith.cli.launch RECIPE_FILE CONFIG_FILE [OVERRIDES...]`` is what
-``tunesmith run --nproc-per-node N`` hands to torchrun for every rank.
+``tunesmith run --nproc-per-node N`` hands to torchrun for every rank. Started that way (the
+``TUNESMITH_RUN_LOG`` environment variable names the run's log), a rank appends its output to
+the log, each line prefixed ``[rankN]: ``; local rank 0 also keeps writing to the console (its
+progress and metrics, as a single-process run shows them), the other ranks write only to the
+log. A rank that fails writes its traceback to the log and its one-line error to the error file
+torchrun gives it (``TORCHELASTIC_ERROR_FILE``, the format of torch's ``@record``), prints
+nothing, and exits 1; the CLI prints one line per failure (see :mod:`tunesmith.cli.torchrun`).
 
 Example::
 
@@ -11,9 +17,15 @@ Example::
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import re
 import sys
+import time
+import traceback
 from pathlib import Path
 from types import ModuleType
+from typing import Any, TextIO
 
 from omegaconf import DictConfig
 
@@ -39,9 +51,112 @@ def run_recipe(recipe_file: Path, cfg: DictConfig) -> None:
     load_recipe_module(recipe_file).main(cfg)
 
 
-def _main(argv: list[str]) -> None:
+def _run(argv: list[str]) -> None:
     recipe_file, config_file, *overrides = argv
     run_recipe(Path(recipe_file), load_config(config_file, overrides))
+
+
+def _main(argv: list[str]) -> None:
+    log = os.environ.get("TUNESMITH_RUN_LOG")  # tunesmith.cli.torchrun.RUN_LOG_ENV
+    if not log or "RANK" not in os.environ:  # by hand, or under a plain torchrun: as it comes
+        _run(argv)
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    output = _route_output(Path(log), rank, console=os.environ.get("LOCAL_RANK", "0") == "0")
+    try:
+        _run(argv)
+    except Exception as error:
+        _record_failure(error, output, rank, world_size)
+        sys.exit(1)
+
+
+class _Prefixed:
+    """A text stream that writes to ``file`` with ``prefix`` at the start of every line.
+
+    Example::
+
+        >>> out = _Prefixed(sys.stdout, "[rank1]: ")  # doctest: +SKIP
+        >>> out.write("a\nb\n")  # doctest: +SKIP
+        [rank1]: a
+        [rank1]: b
+    """
+
+    def __init__(self, file: TextIO, prefix: str) -> None:
+        self.file, self.prefix, self.at_start = file, prefix, True
+
+    def write(self, text: str) -> int:
+        out = []
+        for piece in re.split(r"(?<=\n)", text):
+            if piece:
+                out.append(self.prefix + piece if self.at_start else piece)
+                self.at_start = piece.endswith("\n")
+        self.file.write("".join(out))
+        self.file.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def __getattr__(self, name: str) -> Any:  # encoding, isatty, fileno, ...
+        return getattr(self.file, name)
+
+
+class _Tee:
+    """Writes to the ``console`` stream and to ``log``; progress-bar redraws (``\r``) only to
+    the console."""
+
+    def __init__(self, console: TextIO, log: _Prefixed) -> None:
+        self.console, self.log = console, log
+
+    def write(self, text: str) -> int:
+        self.console.write(text)
+        if "\r" not in text:
+            self.log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.console.flush()
+        self.log.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.console, name)
+
+
+def _route_output(log: Path, rank: int, *, console: bool) -> _Prefixed:
+    """Send this rank's output to ``log`` (lines prefixed ``[rankN]: ``); with ``console`` to
+    the console as well, else only to the log (C/C++ output too, unprefixed)."""
+    file = open(log, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
+    prefixed = _Prefixed(file, f"[rank{rank}]: ")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if console:
+        sys.stdout, sys.stderr = _Tee(sys.stdout, prefixed), _Tee(sys.stderr, prefixed)
+    else:
+        os.dup2(file.fileno(), 1)
+        os.dup2(file.fileno(), 2)
+        sys.stdout = sys.stderr = prefixed
+    return prefixed
+
+
+def _record_failure(error: Exception, log: _Prefixed, rank: int, world_size: int) -> None:
+    """The traceback to the log; the one-line error to torchrun's error file for this rank.
+
+    Example::
+
+        >>> _record_failure(ValueError("batch_size: expected > 0"), log, 1, 2)  # doctest: +SKIP
+        # error.json: {"message": {"message": "batch_size: expected > 0", "extraInfo": ...}}
+    """
+    trace = "".join(traceback.format_exception(error))
+    log.write(f"rank {rank} of {world_size} failed:\n{trace}")
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    message = str(error).strip() or type(error).__name__
+    data = {"message": {"message": message, "extraInfo": {
+        "py_callstack": trace, "timestamp": str(int(now)), "time": now}}}  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(data, f)
 
 
 if __name__ == "__main__":

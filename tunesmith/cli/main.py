@@ -13,11 +13,15 @@ Example::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -126,16 +130,72 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         run_recipe(recipe_file, cfg)
         return 0
-    command = [sys.executable, "-m", "torch.distributed.run", *_torchrun_args(args)]
+    return _run_torchrun(args, cfg, recipe_file, config_file)
+
+
+def _run_torchrun(args: argparse.Namespace, cfg, recipe_file: Path, config_file: Path) -> int:
+    """Run the recipe on N ranks through torchrun (:mod:`tunesmith.cli.torchrun`): local rank
+    0's output on the console as in a single-process run, one ``tunesmith: error:`` line per
+    failure (ranks with the same error share one), everything else (every rank's output and
+    traceback, torchrun's own) in a log file whose path is printed at the start and the end."""
+    from tunesmith.cli.torchrun import FAILURES_ENV, RUN_LOG_ENV, failure_lines
+
+    command = [sys.executable, "-m", "tunesmith.cli.torchrun", *_torchrun_args(args)]
     command += ["-m", "tunesmith.cli.launch", str(recipe_file), str(config_file), *args.overrides]
-    launcher = subprocess.Popen(command, env=os.environ.copy())
-    # SIGTERM to this process goes to every rank (each then saves a checkpoint and exits 0, so
-    # torchrun, and this command, exit 0); torchrun itself, signalled, would report a failure.
-    signal.signal(signal.SIGTERM, lambda signum, frame: _signal_ranks(launcher, signum))
-    code = launcher.wait()
-    if code != 0:
-        raise CLIError(f"torchrun exited with code {code} (the failing rank's error is above)")
-    return 0
+    log, world_size = _run_log(cfg, args.nnodes), args.nproc_per_node * args.nnodes
+    fd, failures = tempfile.mkstemp(prefix="tunesmith-failures-", suffix=".json")
+    os.close(fd)
+    print(f"tunesmith: {world_size} ranks through torchrun; the full output of every rank and "
+          f"of torchrun goes to {log}", file=sys.stderr)  # fmt: skip
+    try:
+        env = {**os.environ, RUN_LOG_ENV: str(log), FAILURES_ENV: failures}
+        launcher = subprocess.Popen(command, env=env)
+        # SIGTERM to this process goes to every rank (each then saves a checkpoint and exits 0,
+        # so torchrun, and this command, exit 0); torchrun itself, signalled, would fail.
+        signal.signal(signal.SIGTERM, lambda signum, frame: _signal_ranks(launcher, signum))
+        code = launcher.wait()
+        records = _read_failures(Path(failures)) if code != 0 else []
+    finally:
+        os.unlink(failures)
+    if code == 0:
+        return 0
+    for line in failure_lines(records, world_size) or [f"torchrun exited with code {code}"]:
+        print(f"tunesmith: error: {line}", file=sys.stderr)
+    print(f"tunesmith: the full output of every rank and of torchrun is in {log}", file=sys.stderr)
+    return 1
+
+
+def _run_log(cfg, nnodes: int) -> Path:
+    """Where a torchrun run's full output goes: ``<output_dir>/logs/torchrun-<date>-<time>.log``
+    (the host name added on several nodes), or a temp file when there is no output_dir.
+
+    Example::
+
+        >>> _run_log(OmegaConf.create({"output_dir": "out"}), 1)  # doctest: +SKIP
+        PosixPath('out/logs/torchrun-20261130-204637.log')
+    """
+    name = "torchrun-" + time.strftime("%Y%m%d-%H%M%S")
+    name += f"-{socket.gethostname()}" if nnodes > 1 else ""
+    try:
+        output_dir = cfg.get("output_dir")
+        if output_dir:
+            folder = Path(str(output_dir)) / "logs"
+            folder.mkdir(parents=True, exist_ok=True)
+            return folder / f"{name}.log"
+    except Exception:  # no output_dir, or not writable: a temp file instead
+        pass
+    fd, path = tempfile.mkstemp(prefix=f"tunesmith-{name}-", suffix=".log")
+    os.close(fd)
+    return Path(path)
+
+
+def _read_failures(path: Path) -> list[dict]:
+    """The failed ranks torchrun recorded (none when it was killed before it could)."""
+    try:
+        records = json.loads(path.read_text() or "[]")
+    except (OSError, ValueError):
+        return []
+    return records if isinstance(records, list) else []
 
 
 def _signal_ranks(launcher: subprocess.Popen, signum: int) -> None:

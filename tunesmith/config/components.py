@@ -14,8 +14,9 @@ started by torchrun) a path is resolved under these rules:
   by its defining module and qualified name, a bound method by its function and owner, any
   other object by its type. Each must lie in an allowed package and not under
   :data:`DENIED_COMPONENTS` (loaders of pickles/TorchScript/hub code, functions that run code
-  or commands), so ``torch.os.system`` (the module ``os``) or ``transformers.torch.load``
-  (``torch.serialization.load``) are refused wherever they are re-exported.
+  or commands), so ``torch.os.system`` (the module ``os``) or
+  ``torch.optim.optimizer.torch.load`` (``torch.serialization.load``) are refused wherever
+  they are re-exported.
 
 Example::
 
@@ -222,7 +223,8 @@ def any_component_allowed(allow_any_component: bool | None = None) -> bool:
 
 def component_refusal(path: str) -> str | None:
     """Why ``path`` is refused without ``--allow-any-component`` (None when it resolves to
-    allowed objects). Imports only modules of the allowed packages.
+    allowed objects). Imports only modules of the allowed packages; a path that does not
+    resolve raises :class:`ConfigError`.
 
     >>> component_refusal("torch.os.system")
     "'torch.os' is the module 'os', outside the allowed packages (tunesmith, torch, ...)"
@@ -457,8 +459,8 @@ def _origins(obj: object, depth: int = 0) -> list[_Origin]:
         return [_Origin("method", cls.__module__, f"{cls.__qualname__}.{obj.__name__}")]
     if isinstance(obj, types.MethodWrapperType):
         return _owner_origins(obj.__self__)
-    cls = type(obj)
-    own = _Origin("instance of", cls.__module__, cls.__qualname__, _class_origin(cls).verified)
+    cls = _class_origin(type(obj))
+    own = _Origin("instance of", cls.module, cls.qualname, cls.verified)
     return _with_wrapped(own, obj, depth)
 
 
@@ -514,7 +516,7 @@ def _with_wrapped(own: _Origin, obj: object, depth: int) -> list[_Origin]:
     wraps."""
     try:
         wrapped = vars(obj).get("__wrapped__")
-    except TypeError:  # no __dict__
+    except Exception:  # no __dict__
         wrapped = None
     if wrapped is None:
         return [own]

@@ -101,13 +101,14 @@ def _call_component(
         if key != COMPONENT_KEY and key not in kwargs
     }
     call_kwargs.update(kwargs)
-    if not any_component_allowed(allow_any):
-        for arg_path, reason in unsafe_arguments(call_kwargs, path):
-            raise ConfigError(
-                f"{reason} ({spec}); refused unless any component is allowed "
-                f"(--allow-any-component, or {ALLOW_ANY_COMPONENT_ENV}=1)",
-                path=arg_path,
-            )
+    unsafe = next(unsafe_arguments(call_kwargs, path), None)  # trust_remote_code, weights_only
+    if unsafe is not None and not any_component_allowed(allow_any):
+        arg_path, reason = unsafe
+        raise ConfigError(
+            f"{reason} ({spec}); refused unless any component is allowed "
+            f"(--allow-any-component, or {ALLOW_ANY_COMPONENT_ENV}=1)",
+            path=arg_path,
+        )
     try:
         return target(*args, **call_kwargs)
     except ConfigError as exc:

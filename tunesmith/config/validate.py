@@ -143,8 +143,8 @@ class _Walker:
             return False, None
         reason = unsafe_argument(key, value)
         if reason is not None and not any_component_allowed(self.allow_any):
-            self.add(child_path, f"{reason}; refused unless any component is allowed "
-                     f"(--allow-any-component, or {ALLOW_ANY_COMPONENT_ENV}=1)")  # fmt: skip
+            hint = f"(--allow-any-component, or {ALLOW_ANY_COMPONENT_ENV}=1)"
+            self.add(child_path, f"{reason}; refused unless any component is allowed {hint}")
         # An interpolated container is validated where it is defined, not again here.
         if isinstance(value, (DictConfig, ListConfig)) and not OmegaConf.is_interpolation(
             parent, key

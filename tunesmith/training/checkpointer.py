@@ -21,6 +21,7 @@ import errno
 import os
 import pickle
 import random
+import resource
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -155,15 +156,31 @@ def _nbytes(tree: Any) -> int:
 def _write_error(
     step: int, root: Path, err: BaseException, free: int | None, needed: int
 ) -> CheckpointWriteError:
-    """A one-line error for a failed checkpoint write, saying when the disk is full (the
-    underlying errors often do not: torch's writer reports ENOSPC as 'unexpected pos')."""
+    """A one-line error for a failed checkpoint write, saying when the disk is full or a file
+    outgrew the process's file size limit (the underlying errors often do not: torch's writer
+    reports ENOSPC and EFBIG alike as 'unexpected pos 704 vs 598', without an errno).
+
+    Example::
+
+        >>> str(_write_error(4, root, RuntimeError("unexpected pos 704 vs 598"), 10**9, 2**20))
+        ... # with `ulimit -f 100`  # doctest: +SKIP
+        'failed to write checkpoint step 4 in ... (file too large: the process's file size limit (ulimit -f) is 102400 bytes ...'
+    """
     code = next((e.errno for e in _chain(err) if isinstance(e, OSError) and e.errno), None)
+    limit = _file_size_limit()
     if code in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < needed):
         hint = (
             f" (disk full: {_human(free or 0)} free, the checkpoint needs about {_human(needed)})"
         )
+    elif limit is not None and (code == errno.EFBIG or (code is None and limit < needed)):
+        code = errno.EFBIG  # torch's C++ writer lost it; the limit is below what was written
+        hint = (
+            f" (file too large: the process's file size limit (ulimit -f) is {limit} bytes "
+            f"({_human(limit)}), the checkpoint needs about {_human(needed)}; raise it, e.g. "
+            "`ulimit -f unlimited`)"
+        )
     elif code == errno.EFBIG:
-        hint = " (file too large for the filesystem or the process's file size limit)"
+        hint = " (file too large for the filesystem)"
     else:
         hint = ""
     return CheckpointWriteError(
@@ -173,6 +190,18 @@ def _write_error(
         step=step,
         errno=code,
     )
+
+
+def _file_size_limit() -> int | None:
+    """This process's file size limit (``RLIMIT_FSIZE``, ``ulimit -f``) in bytes; None if none.
+
+    Example::
+
+        >>> _file_size_limit()  # doctest: +SKIP
+        None
+    """
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def _human(size: float) -> str:
@@ -257,6 +286,7 @@ class Checkpointer:
         resume: bool | str | os.PathLike[str] | None,
         *,
         overwrite: bool = False,
+        check: Callable[[Path], Any] | None = None,
         log: Callable[[str], None] = print,
     ) -> Path | None:
         """The checkpoint this run resumes from (None: step 0), once ``root`` is safe to write
@@ -275,15 +305,25 @@ class Checkpointer:
         Resuming from ``step_N`` of ``root``, every ``step_*`` folder newer than ``N`` is moved
         to ``root/rolled-back-<time>/`` (the run will write those steps again), and the run
         continues the resumed run's id, so ``keep_last`` prunes its older checkpoints.
+        ``check(path)`` runs on every rank once the checkpoint is chosen and before anything is
+        moved (e.g. to refuse a changed config while the folder is still as the user left it).
 
         Example::
 
             >>> path = ckpt.start(cfg.resume, overwrite=cfg.overwrite)  # doctest: +SKIP
         """
+        path = self._decided_by_rank_zero(lambda: self._choose(resume, log))
+        if path is not None and check is not None:
+            check(path)
+        self._decided_by_rank_zero(lambda: self._prepare(path, resume, overwrite, log))
+        return path
+
+    def _decided_by_rank_zero(self, decide: Callable[[], Any]) -> Any:
+        """``decide()``'s answer (or error) on rank 0, the same on every rank."""
         box: list[Any] = [None]
         if self.directory is not None:
             try:
-                box = [self._start(resume, overwrite, log)]
+                box = [decide()]
             except (OSError, ValueError) as err:  # CheckpointError is a ValueError
                 box = [err]
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -292,7 +332,8 @@ class Checkpointer:
             raise box[0]
         return box[0]
 
-    def _start(self, resume: Any, overwrite: bool, log: Callable[[str], None]) -> Path | None:
+    def _choose(self, resume: Any, log: Callable[[str], None]) -> Path | None:
+        """The checkpoint ``resume`` names, verified (rank 0; nothing moves)."""
         directory = self.directory
         existing = directory.step_dirs()
         if resume is True:
@@ -316,6 +357,15 @@ class Checkpointer:
                     "verified")  # fmt: skip
             elif problem := directory.problem(path):
                 raise CheckpointError(f"resume={resume}: {problem}")
+        return path
+
+    def _prepare(
+        self, path: Path | None, resume: Any, overwrite: bool, log: Callable[[str], None]
+    ) -> None:
+        """Make ``root`` safe to write for a run resuming ``path`` (rank 0): move aside newer
+        checkpoints of a rollback, refuse (or with ``overwrite`` move) another run's."""
+        directory = self.directory
+        existing = directory.step_dirs()
         inside = path is not None and path.parent.resolve() == directory.root.resolve()
         if inside and _is_step_dir(path):
             newer = [p for p in existing if directory.step_of(p) > directory.step_of(path)]
@@ -327,7 +377,6 @@ class Checkpointer:
             self._replace(existing, resume, overwrite, log)
         if path is not None:
             directory.adopt(path)
-        return path
 
     def _replace(
         self, existing: list[Path], resume: Any, overwrite: bool, log: Callable[[str], None]

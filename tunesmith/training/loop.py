@@ -280,11 +280,17 @@ def fit(
     saved_with = {**stateful, RECORD_KEY: record}  # the record is read back before loading
     progress = {"step": 0, "epoch": 0, "tokens_seen": 0}
     # verified; refuses another run's checkpoints; moves aside what a rollback must rewrite
+    resized = False  # whether the resumed run's schedule length changed
+
+    def check_config(path: Path) -> None:  # a changed config is refused before anything moves
+        nonlocal resized
+        resized = _check_resume(path, ctx, record, schedule is not None, log)
+
     resume_from = checkpointer.start(
-        cfg.get("resume", False), overwrite=bool(cfg.get("overwrite", False)), log=log
-    )
+        cfg.get("resume", False), overwrite=bool(cfg.get("overwrite", False)),
+        check=check_config, log=log,
+    )  # fmt: skip
     if resume_from is not None:
-        resized = _check_resume(resume_from, ctx, record, schedule is not None, log)
         progress = checkpointer.load(resume_from, model, optimizer, stateful, verify=False)
         log(f"resumed from {resume_from} at step {progress['step']}")
         if resized:  # the new length's schedule from the step resumed at

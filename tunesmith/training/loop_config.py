@@ -336,11 +336,11 @@ def read_record(checkpoint: Path, rank: int) -> RunRecord | None | bool:
     >>> read_record(Path("out/checkpoints/step_000004"), 0).total_steps  # doctest: +SKIP
     8
     """
-    import torch
+    from tunesmith.training import safe_dcp
 
     file = checkpoint / "training_state" / f"rank{rank}.pt"
     try:  # plain tensors and containers only, never arbitrary pickled objects
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = safe_dcp.load_plain(file, map_location="cpu")
     except Exception:
         return None
     if not isinstance(state, dict):

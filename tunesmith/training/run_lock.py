@@ -162,8 +162,7 @@ class RunLock:
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
             os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-            os.fsync(fd)
+            os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)  # no fsync: only for messages
             return cls(path, fd, took_over, created)
 
     def release(self) -> None:
