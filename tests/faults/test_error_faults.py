@@ -23,7 +23,7 @@ _START = (
     "tunesmith: 2 ranks through torchrun; the full output of every rank and of torchrun goes to "
 )
 _END = "tunesmith: the full output of every rank and of torchrun is in "
-_TORCHRUN_NOISE = ("Traceback", "ChildFailedError", "exitcode", "torch.distributed", "[rank")
+_TORCHRUN_NOISE = ("Traceback", "ChildFailedError", "exitcode", "distributed/elastic", "[rank")
 
 
 def torchrun_errors(output: str) -> tuple[list[str], Path]:

@@ -346,6 +346,22 @@ def test_resume_with_changed_lr_batch_size_seed_and_data_is_refused(world, tmp_p
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_a_refused_rollback_moves_nothing(world, tmp_path):
+    """resume=<older step> with a changed lr: refused before the newer checkpoints move aside."""
+    _, model_dir, data = world
+    out = run_sft(
+        model_dir, data, tmp_path / "run", "max_steps=3", "save_every_n_steps=1", "keep_last=null"
+    )
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    older = out / "checkpoints" / "step_000001"
+    cfg = recipe_config(
+        "sft", "tiny", model_dir, data, out, "max_steps=3", f"resume={older}", "optimizer.lr=0.002"
+    )
+    with pytest.raises(ConfigError, match="optimizer.lr: 0.001 -> 0.002"):
+        run_config("sft", cfg)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+
 def test_secrets_from_the_environment_are_used_but_never_written(world, tmp_path, monkeypatch):
     _, model_dir, data = world
     hidden = Path(shutil.copytree(model_dir, tmp_path / "hidden-model"))

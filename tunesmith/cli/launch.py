@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 from omegaconf import DictConfig
 
+from tunesmith.cli.torchrun import RUN_LOG_ENV
 from tunesmith.config import load_config
 
 
@@ -57,7 +58,7 @@ def _run(argv: list[str]) -> None:
 
 
 def _main(argv: list[str]) -> None:
-    log = os.environ.get("TUNESMITH_RUN_LOG")  # tunesmith.cli.torchrun.RUN_LOG_ENV
+    log = os.environ.get(RUN_LOG_ENV)
     if not log or "RANK" not in os.environ:  # by hand, or under a plain torchrun: as it comes
         _run(argv)
         return
@@ -68,6 +69,9 @@ def _main(argv: list[str]) -> None:
     except Exception as error:
         _record_failure(error, output, rank, world_size)
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: no traceback on the console
+        output.write(f"rank {rank} of {world_size}: interrupted\n")
+        sys.exit(130)
 
 
 class _Prefixed:
@@ -76,7 +80,7 @@ class _Prefixed:
     Example::
 
         >>> out = _Prefixed(sys.stdout, "[rank1]: ")  # doctest: +SKIP
-        >>> out.write("a\nb\n")  # doctest: +SKIP
+        >>> out.write("a\\nb\\n")  # doctest: +SKIP
         [rank1]: a
         [rank1]: b
     """

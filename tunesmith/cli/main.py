@@ -116,6 +116,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a recipe on a config, in this process or on N ranks through torchrun."""
+    for flag, value, what in (("--nproc-per-node", args.nproc_per_node, "processes per node"),
+                              ("--nnodes", args.nnodes, "nodes")):  # fmt: skip
+        if value < 1:
+            raise CLIError(f"{flag} {value}: expected a number of {what} >= 1")
     recipe_file = catalog.recipe_path(args.recipe)
     builtin = recipe_file.stem if recipe_file.parent == catalog.RECIPES_DIR else None
     config_file = catalog.config_path(args.config, builtin)

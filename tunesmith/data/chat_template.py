@@ -432,10 +432,11 @@ def _infer_spans(
         before = prefix(i)
         if before is not None and len(before) >= cursor and text.startswith(before):
             cursor = len(before)  # the turn starts here, unless the header comes a bit later
-        content_start, content_end = _content_bounds(
-            renderer, messages, i, text, add_generation_prompt
+        here = text.startswith(headers[-1], cursor)
+        content_start = (
+            None if here else _content_edge(renderer, messages, i, text, add_generation_prompt)
         )
-        if text.startswith(headers[-1], cursor):
+        if here:
             turn = cursor
         elif content_start is not None:  # the last header before the content, not one quoted
             turn = text.rfind(headers[-1], cursor, content_start)  # in a user turn before it
@@ -451,6 +452,7 @@ def _infer_spans(
         header = next(fits, headers[-1])
         start = turn + len(header)
         # The reply's own end-of-turn token comes after its content, which may quote that token.
+        content_end = _content_edge(renderer, messages, i, text, add_generation_prompt, end=True)
         end = _end_of_turn(text, max(start, content_end or 0), end_tokens)
         through = prefix(i + 1) if i + 1 < len(messages) else None
         turn_end = len(through) if through is not None and text.startswith(through) else None
@@ -468,38 +470,41 @@ def _infer_spans(
 _MARK = "\ue000tunesmith\ue001"  # private-use characters: no template trims or escapes them
 
 
-def _content_bounds(
+def _content_edge(
     renderer: _Renderer,
     messages: list[dict[str, Any]],
     i: int,
     text: str,
     add_generation_prompt: bool,
-) -> tuple[int | None, int | None]:
-    """Where message ``i``'s content starts and ends in ``text`` (None where unknown).
+    *,
+    end: bool = False,
+) -> int | None:
+    """Where message ``i``'s content starts (``end``: ends) in ``text``; None when unknown.
 
-    The conversation is rendered again with a marker before (then after) the content; the
-    first character where that render differs from ``text`` is where the content starts (ends)
-    as the template wrote it, trimmed or not. Unlike a search for the end-of-turn string, this
+    The conversation is rendered again with a marker before (after) the content; the first
+    character where that render differs from ``text`` is where the content starts (ends) as
+    the template wrote it, trimmed or not. Unlike a search for the end-of-turn string, this
     does not stop at an end-of-turn token the reply quotes.
 
     Example::
 
-        >>> _content_bounds(r, [user("a"), assistant("b<|im_end|>")], 1, text, False)  # doctest: +SKIP
-        (66, 77)
+        >>> r = _Renderer(load_template("qwen2_5"), None, {})
+        >>> m = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b<|im_end|>c"}]
+        >>> text = r(m, False)
+        >>> text[_content_edge(r, m, 1, text, False, end=True) :]  # not the quoted one
+        '<|im_end|>\\n'
     """
     content = messages[i].get("content")
     if not isinstance(content, str) or not content or _MARK in text:
-        return None, None
-    bounds: list[int | None] = []
-    for marked in (_MARK + content, content + _MARK):
-        changed = [*messages[:i], {**messages[i], "content": marked}, *messages[i + 1 :]]
-        other = renderer.try_render(changed, add_generation_prompt)
-        at = None if other is None else _common_prefix(text, other)
-        # the marker is there, after at most the whitespace a trimming template dropped
-        found = at is not None and other[at : at + len(marked)].lstrip().startswith(_MARK)
-        bounds.append(at if found else None)
-    start, end = bounds
-    return (start, end) if start is None or end is None or start <= end else (None, None)
+        return None
+    marked = content + _MARK if end else _MARK + content
+    changed = [*messages[:i], {**messages[i], "content": marked}, *messages[i + 1 :]]
+    other = renderer.try_render(changed, add_generation_prompt)
+    if other is None:
+        return None
+    at = _common_prefix(text, other)
+    # the marker is there, after at most the whitespace a trimming template dropped
+    return at if other[at : at + len(marked)].lstrip().startswith(_MARK) else None
 
 
 def _common_prefix(a: str, b: str) -> int:
