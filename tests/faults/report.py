@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.faults.catalogue import CASES, GROUPS, Case
+from tests.faults.catalogue import CASES, CI_SIGKILL_SEEDS, GROUPS, SIGKILL_SEEDS, Case
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "reliability.json"
@@ -149,12 +149,15 @@ def render(cases: Sequence[Case], results: Mapping[str, Mapping[str, Any]]) -> s
         "benchmarks/results/reliability.json (recorded by `make test-faults`). Do not edit: "
         "tests/faults/test_reliability_report.py fails when this file is out of date. -->",
         "",
-        "What tunesmith does when a training process is killed, stopped, starved of disk or "
-        "fed broken input. Every row below is one case of the suite in `tests/faults/` (the "
-        "list is `tests/faults/catalogue.py`), each a real `tunesmith run sft` on a tiny model: "
-        "faults are injected into real processes (signals, a full tmpfs, a dead gloo peer), bad "
-        "inputs go through the command line. `make test-faults` runs them all and regenerates "
-        "this file; CI runs the cases marked *CI* on every change (4 of the 24 SIGKILL seeds).",
+        "What tunesmith does when a training process is killed, stopped, starved of disk, "
+        "given a damaged checkpoint or a second run in its folder, or fed broken input or code "
+        "to run. Every row below is one case of the suite in `tests/faults/` (the list is "
+        "`tests/faults/catalogue.py`), each a real `tunesmith run sft` on a tiny model: faults "
+        "are injected into real processes (signals, a full tmpfs or a file size limit, a dead "
+        "gloo peer, same-size corruption, a concurrent run), bad inputs and code-execution "
+        "routes go through the command line. `make test-faults` runs them all and regenerates "
+        "this file; CI runs the cases marked *CI* on every change (at least one of every kind; "
+        f"{len(CI_SIGKILL_SEEDS)} of the {len(SIGKILL_SEEDS)} SIGKILL seeds).",
         "",
         "## Summary",
         "",

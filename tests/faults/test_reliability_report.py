@@ -23,9 +23,21 @@ def test_every_case_has_a_passing_recorded_outcome():
     assert missing == [] and failed == [], f"not run: {missing}; failed: {failed}"
     counts = summary(CASES, results)
     assert counts["checkpoints lost"] == 0
-    assert counts["faults injected"] == counts["faults survived"] >= 20 + 3 + 2 + 2
-    assert counts["bad inputs tried"] >= 30
+    assert counts["faults injected"] == counts["faults survived"] >= 40
+    refused_or_counted = (
+        counts["bad inputs refused cleanly"]
+        + counts["bad rows skipped and counted (on_bad_row=skip)"]
+    )
+    assert counts["bad inputs tried"] == refused_or_counted >= 70
     assert counts["code-execution attempts and unsafe loads refused"] >= 15
+    assert counts["cases failed"] == counts["cases not run"] == 0
+
+
+def test_ci_runs_a_case_of_every_kind():
+    """``make test`` (CI) exercises every class of fault, bad input and safety case."""
+    kinds = {(c.group, c.kind) for c in CASES}
+    in_ci = {(c.group, c.kind) for c in CASES if c.ci}
+    assert kinds == in_ci, f"no CI case for {sorted(kinds - in_ci)}"
 
 
 def test_report_lists_every_case_once_and_counts_failures():

@@ -79,7 +79,7 @@ from tunesmith.models.manifest import (
     read_manifest,
 )
 
-__all__ = ["MARKER", "CheckpointDirectory", "CheckpointWriteError", "aside_folder"]
+__all__ = ["MARKER", "CheckpointDirectory", "CheckpointWriteError", "aside_folder", "pid_alive"]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _HOUSEKEEPING_RE = re.compile(r"^\.(tmp|del|old)-step_(\d+)-(\d+)$")
@@ -105,8 +105,13 @@ class CheckpointWriteError(RuntimeError):
         self.errno = errno
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
+def pid_alive(pid: Any) -> bool:
+    """Whether process ``pid`` runs on this host (``False`` for anything but a positive int).
+
+    >>> pid_alive(os.getpid())
+    True
+    """
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
         return False
     try:
         os.kill(pid, 0)
@@ -485,7 +490,7 @@ class CheckpointDirectory:
             if m is None or not entry.is_dir() or entry in active:
                 continue
             kind, step, pid = m.group(1), int(m.group(2)), int(m.group(3))
-            if pid != os.getpid() and _pid_alive(pid):
+            if pid != os.getpid() and pid_alive(pid):
                 continue
             final = self.path_for(step)
             if kind == "old" and not final.exists() and self.is_complete(entry):

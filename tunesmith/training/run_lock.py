@@ -39,6 +39,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tunesmith.training.checkpoint_dir import pid_alive
 from tunesmith.training.distributed import DistributedContext
 
 __all__ = ["LOCK_NAME", "OutputDirInUseError", "RunLock", "hold_run_lock"]
@@ -68,16 +69,6 @@ def _read_owner(fd: int) -> dict[str, Any]:
         return {}
     return owner if isinstance(owner, dict) else {}
 
-
-def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
     return True
 
 
@@ -125,7 +116,7 @@ class RunLock:
                 os.close(fd)
                 if err.errno not in (errno.EAGAIN, errno.EACCES):
                     raise
-                if owner.get("host") == host and not _pid_alive(owner.get("pid")):
+                if owner.get("host") == host and not pid_alive(owner.get("pid")):
                     raise OutputDirInUseError(  # a child that inherited the lock outlived it
                         f"{path.parent}: the lock {path} of the dead run ({_owner_text(owner)})"
                         " is still held by a process it started: end that process, then start "
@@ -151,7 +142,7 @@ class RunLock:
                         f"{path.parent} is in use by a run on another host ({_owner_text(owner)}"
                         f"); if that run is dead, delete {path} and start again"
                     )
-                if _pid_alive(owner.get("pid")) and owner.get("pid") != os.getpid():
+                if pid_alive(owner.get("pid")) and owner.get("pid") != os.getpid():
                     # alive but not holding the flock: a pid reused by an unrelated process
                     took_over = f"{_owner_text(owner)}; that pid now belongs to another process"
                 else:
