@@ -24,6 +24,7 @@ from tunesmith.training.checkpointer import Checkpointer
 from tunesmith.training.distributed import (
     DistributedContext,
     close_distributed,
+    full_tensor,
     init_distributed,
 )
 from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
@@ -302,11 +303,11 @@ def _fsdp_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> No
                 else:
                     _train_linear_ce(model, opt, sched, local)
                 assert all(p.grad is None for p in model.parameters())
-            finals[run] = {n: p.full_tensor() for n, p in model.named_parameters()}
+            finals[run] = {n: full_tensor(p) for n, p in model.named_parameters()}
         if rank == 0:
             torch.save(finals, f"{out_dir}/finals.pt")
     finally:
-        dist.destroy_process_group()
+        close_distributed()
 
 
 def test_fsdp2_two_ranks_equals_ordinary_optimizer(tmp_path):

@@ -53,7 +53,7 @@ from tunesmith.training.checkpoint_dir import (
     CheckpointWriteError,
     aside_folder,
 )
-from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.distributed import DistributedContext, full_tensor
 
 __all__ = ["Checkpointer", "rng_state", "set_rng_state"]
 
@@ -98,8 +98,7 @@ def _gather_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     adapters when it has any (the frozen base is never gathered)."""
     if adapter_modules(model):
         return {
-            name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
-            for name, t in adapter_state_dict(model).items()
+            name: full_tensor(t).detach().cpu() for name, t in adapter_state_dict(model).items()
         }
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import warnings
@@ -23,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tunesmith.config import ConfigError, ConfigIssue
@@ -34,6 +36,7 @@ __all__ = [
     "PeerFailureError",
     "all_reduce_sum",
     "close_distributed",
+    "full_tensor",
     "init_distributed",
     "peer_failure",
     "shard_model",
@@ -140,9 +143,30 @@ def peer_failure(error: BaseException, ctx: DistributedContext) -> PeerFailureEr
 
 
 def close_distributed() -> None:
-    """Destroy the process group if one exists."""
+    """Destroy the process group if one exists. Garbage is collected first: collectives whose
+    results were dropped unread still hold the group, and freeing them after it is gone (at
+    interpreter exit) can abort the process ("terminate called without an active exception",
+    seen with gloo on torch 2.13 after FSDP2 gathers)."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of ``tensor`` (a DTensor is gathered from every rank), the gather
+    finished: ``DTensor.full_tensor()`` may hand back a tensor whose gather is still pending,
+    and a rank that never reads it (only rank 0 writes a checkpoint) leaves gloo work behind
+    that can abort the process at exit.
+
+    >>> full_tensor(torch.ones(2))  # a plain tensor is returned as it is
+    tensor([1., 1.])
+    """
+    if not hasattr(tensor, "full_tensor"):
+        return tensor
+    full = tensor.full_tensor()
+    if isinstance(full, AsyncCollectiveTensor):
+        full = full.wait()
+    return full
 
 
 def all_reduce_sum(value: torch.Tensor | float | int, device: torch.device) -> torch.Tensor:
