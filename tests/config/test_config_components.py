@@ -41,6 +41,8 @@ ALLOWED = [
     "tunesmith.data.SFTDataset",
     "tunesmith.data.PreferenceDataset",
     "tunesmith.modules.losses.CrossEntropyLoss",
+    "tunesmith.modules.losses.DPOLoss",
+    "tunesmith.modules.preference_losses.DPOLoss",  # the old path: a re-export
     "tunesmith.modules.peft.apply_lora",
     "tunesmith.training.JSONLLogger",
     "tunesmith.training.cosine_with_warmup",

@@ -151,6 +151,19 @@ CASES: list[BadInput] = [
         _values("max_steps=0", "seed=abc", "on_nonfinite_loss=STOP",
                 words=["seed: expected", "max_steps: expected", "on_nonfinite_loss: expected"]),
     ),
+    BadInput(
+        "loop-parallel-sizes-not-world", "config",
+        "`parallelism: {dp_replicate: 2, dp_shard: 2}` on one process",
+        REFUSED.format("the sizes, their product 4 and the world of 1, before any weight"),
+        _values("parallelism.dp_replicate=2", "parallelism.dp_shard=2",
+                words=["parallelism: dp_replicate 2 x dp_shard 2 x cp 1 x tp 1 = 4 rank(s), "
+                       "but the world has 1"]),
+    ),
+    BadInput(
+        "loop-parallel-zero-size", "config", "`parallelism.tp=0`",
+        _RULE.format("parallelism, tp and 0"),
+        _values("parallelism.tp=0", words=["parallelism: tp: expected an int >= 1, got 0"]),
+    ),
     # resume with a changed config
     BadInput(
         "loop-resume-changed-lr", "config", "resume with `optimizer.lr` changed",
@@ -177,6 +190,11 @@ CASES: list[BadInput] = [
         REFUSED.format("the checkpoint and the warmup key"),
         _resume_changed("lr_scheduler.num_warmup_steps=1",
                         words=["lr_scheduler.num_warmup_steps: 2 -> 1"]),
+    ),
+    BadInput(
+        "loop-resume-changed-parallelism", "config", "resume with a `parallelism` key added",
+        REFUSED.format("the checkpoint and 'parallelism.dp_shard: (absent) -> 1'"),
+        _resume_changed("parallelism.dp_shard=1", words=["parallelism.dp_shard: (absent) -> 1"]),
     ),
     BadInput(
         "loop-resume-true-changed-lr", "config", "`resume=true` with `optimizer.lr` changed",

@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tunesmith.modules.kd_losses import KD_KINDS, KDLoss, divergence
-from tunesmith.modules.losses import IGNORE_INDEX
+from tunesmith.modules.losses import IGNORE_INDEX, KD_KINDS, KDLoss, divergence
 from tunesmith.training.memory import LiveTensorBytes
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tunesmith.modules.preference_losses import (
+from tunesmith.modules.losses import (
     BradleyTerryLoss,
     DPOLoss,
     HingeLoss,

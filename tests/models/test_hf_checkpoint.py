@@ -22,8 +22,8 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tunesmith.models import atomic, safetensors_io
 from tunesmith.models import hf as hf_io
-from tunesmith.models import safetensors_io
 from tunesmith.models.builder import build_model
 from tunesmith.models.hf import (
     CheckpointError,
@@ -634,7 +634,7 @@ def test_failed_save_leaves_previous_checkpoint_intact(
     hf_folders, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
 ) -> None:
     if not exchange:
-        monkeypatch.setattr(safetensors_io, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     model = from_hf(hf_folders["llama"][0])
     out = save_hf_checkpoint(model, tmp_path / "ckpt", max_shard_size="20KB")
     before = _digest(out)

@@ -361,8 +361,8 @@ def test_bad_masks_are_refused(seq_cls_folders) -> None:
 
 def test_an_moe_body_gives_its_router_logits_to_the_load_balancing_loss() -> None:
     from tunesmith.models import llama3, qwen3_moe
+    from tunesmith.modules.losses import BradleyTerryLoss
     from tunesmith.modules.moe import load_balancing_loss
-    from tunesmith.modules.preference_losses import BradleyTerryLoss
     from tunesmith.recipes.reward_model import PairwiseRanking
 
     torch.manual_seed(0)

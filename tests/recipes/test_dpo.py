@@ -40,7 +40,7 @@ from tunesmith.recipes import dpo
 from tunesmith.training.distributed import close_distributed, init_distributed
 from tunesmith.training.forward import sequence_logps
 
-LOSSES = "tunesmith.modules.preference_losses"
+LOSSES = "tunesmith.modules.losses"
 NOT_DPO = ["~loss.label_smoothing", "~loss.reference_free"]  # DPOLoss-only arguments
 ONE_STEP = ["max_steps=1", "lr_scheduler.num_warmup_steps=0", "shuffle=false"]
 

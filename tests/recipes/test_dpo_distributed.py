@@ -49,10 +49,10 @@ def _single(world, name: str, *extra: str):
     )
 
 
-def _check_same_as_single(model_dir, single, distributed) -> None:
+def _check_same_as_single(model_dir, single, distributed, ranks: int = 2) -> None:
     assert [p.name for p in checkpoints(distributed)] == [f"step_{STEPS:06d}"]
     state = checkpoints(distributed)[-1] / "training_state"
-    assert sorted(p.name for p in state.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
+    assert sorted(p.name for p in state.glob("rank*.pt")) == [f"rank{r}.pt" for r in range(ranks)]
     logged_1, logged_2 = read_metrics(single), read_metrics(distributed)
     assert sorted(logged_1) == sorted(logged_2) == list(range(1, STEPS + 1))
     for step in logged_1:
@@ -95,4 +95,23 @@ def test_precomputed_reference_on_two_ranks_equals_one_process(world, tmp_path):
     keys = ("val_loss", "val_rewards/chosen", "val_rewards/margin", "val_rewards/accuracy",
             "val_logps/chosen")  # fmt: skip
     for key in keys:
+        assert val_2[key] == pytest.approx(val_1[key], rel=1e-5, abs=1e-6), key
+
+
+def test_hsdp_precomputed_reference_on_four_ranks_equals_one_process(world, tmp_path):
+    """``parallelism: {dp_replicate: 2, dp_shard: 2}``: the policy and the frozen reference
+    are HSDP-sharded, the reference precompute splits the pairs over the 4 data-parallel
+    ranks (21 and 5 pairs: padded) and gathers them over the dp group."""
+    _, model_dir, data = world
+    single = _single(world, "single_live", VAL)
+    out = tmp_path / "hsdp"
+    overrides = recipe_overrides(
+        model_dir, data, out, f"batch_size={2 * PER_RANK // 4}", *COMMON, *PRECOMPUTE,
+        "parallelism.dp_replicate=2", "parallelism.dp_shard=2",
+    )  # fmt: skip
+    launch_ranks(overrides, tmp_path, recipe="dpo", world_size=4, timeout=240)
+    assert "precomputing the reference" in (tmp_path / "rank0.log").read_text()
+    _check_same_as_single(model_dir, single, out, ranks=4)
+    val_1, val_2 = read_eval_metrics(single)[STEPS], read_eval_metrics(out)[STEPS]
+    for key in ("val_loss", "val_rewards/margin", "val_rewards/accuracy", "val_logps/chosen"):
         assert val_2[key] == pytest.approx(val_1[key], rel=1e-5, abs=1e-6), key

@@ -46,10 +46,10 @@ def world(tmp_path_factory):
     return model_dir, data, single
 
 
-def _check_same_as_single(model_dir, single, distributed) -> None:
+def _check_same_as_single(model_dir, single, distributed, ranks: int = 2) -> None:
     assert [p.name for p in checkpoints(distributed)] == [f"step_{STEPS:06d}"]
     state = checkpoints(distributed)[-1] / "training_state"
-    assert sorted(p.name for p in state.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
+    assert sorted(p.name for p in state.glob("rank*.pt")) == [f"rank{r}.pt" for r in range(ranks)]
     logged_1, logged_2 = read_metrics(single), read_metrics(distributed)
     assert sorted(logged_1) == sorted(logged_2) == list(range(1, STEPS + 1))
     for step in logged_1:
@@ -98,3 +98,75 @@ def test_fused_adamw_on_two_ranks_equals_one_process(world, tmp_path):
                               f"max_steps={STEPS}", "optimizer.fused=true")  # fmt: skip
     launch_ranks(overrides, tmp_path)
     _check_same_as_single(model_dir, single, out)
+
+
+def test_hsdp_on_four_gloo_ranks_equals_one_process(world, tmp_path):
+    """``parallelism: {dp_replicate: 2, dp_shard: 2}``: each parameter sharded over 2 ranks
+    and replicated twice (HSDP on a 2-D mesh); 4 data-parallel ranks of batch 1 take the
+    single process's batch of 4."""
+    model_dir, data, single = world
+    out = tmp_path / "hsdp"
+    overrides = sft_overrides(
+        model_dir, data, out, f"batch_size={2 * PER_RANK // 4}",
+        f"max_steps={STEPS}", "parallelism.dp_replicate=2", "parallelism.dp_shard=2",
+    )  # fmt: skip
+    launch_ranks(overrides, tmp_path, world_size=4, timeout=240)
+    mesh = "parallelism: ('dp_replicate', 'dp_shard') mesh of (2, 2) ranks, 4 data-parallel"
+    assert mesh in (tmp_path / "rank0.log").read_text()
+    _check_same_as_single(model_dir, single, out, ranks=4)
+
+
+@pytest.mark.slow
+def test_cli_hsdp_nproc_per_node_4_equals_one_process(world, tmp_path):
+    model_dir, data, single = world
+    out = tmp_path / "cli_hsdp"
+    overrides = sft_overrides(
+        model_dir, data, out, f"batch_size={2 * PER_RANK // 4}", f"max_steps={STEPS}",
+        "parallelism.dp_replicate=2", "parallelism.dp_shard=auto",
+    )  # fmt: skip
+    result = subprocess.run(
+        cli_command("run", "sft", "--config", "tiny", "--nproc-per-node", "4", *overrides),
+        env=subprocess_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    _check_same_as_single(model_dir, single, out, ranks=4)
+
+
+@pytest.mark.slow
+def test_hsdp_stop_and_resume_equals_uninterrupted(world, tmp_path):
+    """Checkpoints of an HSDP run (2-D DTensors, optimizer state through DCP) resume bitwise."""
+    model_dir, data, _ = world
+    hsdp = ["batch_size=1", f"max_steps={STEPS}", "parallelism.dp_replicate=2",
+            "parallelism.dp_shard=2"]  # fmt: skip
+    runs = [("full", tmp_path / "full", []), ("stop", tmp_path / "part", ["stop_after_steps=2"]),
+            ("resume", tmp_path / "part", ["resume=true"])]  # fmt: skip
+    for name, out, extra in runs:
+        (tmp_path / name).mkdir()
+        overrides = sft_overrides(model_dir, data, out, *hsdp, *extra)
+        launch_ranks(overrides, tmp_path / name, world_size=4, timeout=240)
+    full, resumed = final_weights(tmp_path / "full"), final_weights(tmp_path / "part")
+    assert full.keys() == resumed.keys()
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    full_log, resumed_log = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
+    assert full_log[STEPS]["loss"] == resumed_log[STEPS]["loss"]
+
+
+def test_dp_shard_2_is_exactly_todays_fsdp2(world, tmp_path):
+    """``parallelism: {dp_shard: 2}`` on 2 ranks is the run without the key, bitwise: same
+    logged losses and grad norms, same weights."""
+    model_dir, data, _ = world
+    runs = {}
+    for name, extra in (("plain", []), ("dp_shard", ["parallelism.dp_shard=2"])):
+        runs[name] = tmp_path / name
+        overrides = sft_overrides(model_dir, data, runs[name], f"batch_size={PER_RANK}",
+                                  f"max_steps={STEPS}", *extra)  # fmt: skip
+        (tmp_path / f"logs_{name}").mkdir()
+        launch_ranks(overrides, tmp_path / f"logs_{name}")
+    plain, sharded = read_metrics(runs["plain"]), read_metrics(runs["dp_shard"])
+    for step in plain:
+        for key in ("loss", "grad_norm", "trained_tokens", "tokens_seen"):
+            assert plain[step][key] == sharded[step][key], (step, key)
+    weights_1, weights_2 = final_weights(runs["plain"]), final_weights(runs["dp_shard"])
+    assert weights_1.keys() == weights_2.keys()
+    for name in weights_1:
+        assert torch.equal(weights_1[name], weights_2[name]), name

@@ -192,12 +192,23 @@ def _record(total_steps: int = 8, samples: int = 32, **config) -> RunRecord:
 
 def test_config_changes_are_dotted_paths_old_to_new():
     old = {"a": {"b": [1, 2]}, "flag": True, "gone": 1}
-    new = {"a": {"b": [1, 3, 4]}, "flag": 1, "new": None}
+    new = {"a": {"b": [1, 3, 4]}, "flag": 1, "new": 0}
     assert [str(c) for c in config_changes(old, new)] == [
-        "a.b.1: 2 -> 3", "a.b.2: (absent) -> 4", "flag: true -> 1", "new: (absent) -> null",
+        "a.b.1: 2 -> 3", "a.b.2: (absent) -> 4", "flag: true -> 1", "new: (absent) -> 0",
         "gone: 1 -> (absent)",
     ]  # fmt: skip
     assert config_changes(old, old) == []
+
+
+def test_null_and_absent_and_moved_components_are_no_change():
+    """A key set to null where it was absent (its default) is no change, and neither is a
+    ``_component_`` path that still resolves to the same class (a loss moved into a package);
+    another class is."""
+    old = {"loss": {"_component_": "tunesmith.modules.preference_losses.DPOLoss"}, "x": None}
+    new = {"loss": {"_component_": "tunesmith.modules.losses.DPOLoss"}, "parallelism": None}
+    assert config_changes(old, new) == []
+    other = {"loss": {"_component_": "tunesmith.modules.losses.SimPOLoss"}}
+    assert [c.path for c in config_changes(old, other)] == ["loss._component_"]
 
 
 def test_changed_keys_that_may_not_change_are_refused_all_at_once():
@@ -282,7 +293,7 @@ def test_the_samples_left_out_are_those_no_rank_loads(samples, world, batch, cap
     cfg = OmegaConf.create({"batch_size": batch, "shuffle": True, "seed": 0})
     loaded = 0
     for rank in range(world):
-        ctx = SimpleNamespace(world_size=world, rank=rank, is_rank_zero=rank == 0)
+        ctx = SimpleNamespace(dp_size=world, dp_rank=rank, is_rank_zero=rank == 0)
         loader, _ = make_loader(list(range(samples)), list, cfg, ctx)
         loaded += sum(len(b) for b in loader)
     assert dropped_per_epoch(samples, world, batch) == samples - loaded
@@ -291,11 +302,12 @@ def test_the_samples_left_out_are_those_no_rank_loads(samples, world, batch, cap
 
 
 def test_samples_left_out_of_each_epoch_are_reported(capsys):
-    ctx = SimpleNamespace(world_size=1, rank=0, is_rank_zero=True)
+    ctx = SimpleNamespace(dp_size=1, dp_rank=0, is_rank_zero=True)
     cfg = OmegaConf.create({"batch_size": 4, "shuffle": False, "seed": 0})
     make_loader(list(range(17)), list, cfg, ctx)
     assert capsys.readouterr().out == (
-        "data: 17 samples, 1 rank(s) x batch_size 4: 1 sample(s) left out of each epoch "
+        "data: 17 samples, 1 data-parallel rank(s) x batch_size 4: 1 sample(s) left out of "
+        "each epoch "
         "(drop_last; always the same ones: shuffle is off)\n"
     )
     make_loader(list(range(16)), list, cfg, ctx)

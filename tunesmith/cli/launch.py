@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -24,32 +23,13 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TextIO
-
-from omegaconf import DictConfig
 
 from tunesmith.cli.torchrun import RUN_LOG_ENV
 from tunesmith.config import load_config
+from tunesmith.recipes import load_recipe_module, run_recipe
 
-
-def load_recipe_module(recipe_file: Path) -> ModuleType:
-    """Import a recipe file as a module; it must define ``main(cfg)``."""
-    name = f"tunesmith_recipe_{recipe_file.stem}"
-    spec = importlib.util.spec_from_file_location(name, recipe_file)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import recipe file {recipe_file}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "main", None)):
-        raise AttributeError(f"recipe file {recipe_file} defines no main(cfg) function")
-    return module
-
-
-def run_recipe(recipe_file: Path, cfg: DictConfig) -> None:
-    """Import ``recipe_file`` and call its ``main(cfg)``."""
-    load_recipe_module(recipe_file).main(cfg)
+__all__ = ["load_recipe_module", "run_recipe"]  # defined in tunesmith.recipes
 
 
 def _run(argv: list[str]) -> None:

@@ -77,39 +77,15 @@ def cmd_cat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(cfg, recipe_file: Path | None) -> None:
-    """Validate the whole config tree; raise one error listing every problem."""
-    from tunesmith.config import ConfigError, check_keys, validate_config
-
-    recipe = None
-    if recipe_file is not None:
-        from tunesmith.cli.launch import load_recipe_module
-
-        recipe = load_recipe_module(recipe_file)
-    issues = validate_config(
-        cfg,
-        runtime_args=getattr(recipe, "RUNTIME_ARGS", {}),
-        runtime_kwargs=getattr(recipe, "RUNTIME_KWARGS", {}),
-    )
-    if hasattr(recipe, "KEYS"):  # the recipe's own top-level keys, misspellings suggested
-        issues += check_keys(cfg, recipe.KEYS)
-    if getattr(recipe, "RULES", None):  # each top-level value's type, range or choices
-        from tunesmith.training.loop_config import check_rules
-
-        seen = {issue.path for issue in issues}  # a missing or broken value is reported once
-        issues += [i for i in check_rules(cfg, recipe.RULES) if i.path not in seen]
-    if issues:
-        raise ConfigError.from_issues(issues)
-
-
 def cmd_validate(args: argparse.Namespace) -> int:
     """Check a config against the real signatures of its components."""
     config_file = catalog.config_path(args.config)
     recipe = args.recipe or catalog.recipe_of_config(config_file)
     from tunesmith.config import load_config
+    from tunesmith.recipes import check_config
 
     cfg = load_config(config_file, args.overrides)
-    _check(cfg, catalog.recipe_path(recipe) if recipe else None)
+    check_config(cfg, catalog.recipe_path(recipe) if recipe else None)
     print(f"{config_file.name}: OK")
     return 0
 
@@ -120,20 +96,15 @@ def cmd_run(args: argparse.Namespace) -> int:
                               ("--nnodes", args.nnodes, "nodes")):  # fmt: skip
         if value < 1:
             raise CLIError(f"{flag} {value}: expected a number of {what} >= 1")
-    recipe_file = catalog.recipe_path(args.recipe)
-    builtin = recipe_file.stem if recipe_file.parent == catalog.RECIPES_DIR else None
-    config_file = catalog.config_path(args.config, builtin)
-    from tunesmith.config import load_config
+    from tunesmith.recipes import prepare_run, run
 
     if args.preflight:  # the recipe's `preflight` key: one step on the longest batch first
         args.overrides = [*args.overrides, "preflight=true"]
-    cfg = load_config(config_file, args.overrides)
-    _check(cfg, recipe_file)  # every problem reported before anything is written
     if args.nproc_per_node == 1 and args.nnodes == 1:
-        from tunesmith.cli.launch import run_recipe
-
-        run_recipe(recipe_file, cfg)
+        run(args.recipe, args.config, args.overrides)  # tunesmith.run: checks, then trains
         return 0
+    # every problem reported before anything is written
+    recipe_file, config_file, cfg = prepare_run(args.recipe, args.config, args.overrides)
     return _run_torchrun(args, cfg, recipe_file, config_file)
 
 

@@ -55,8 +55,15 @@ __all__ = [
     "render_chat",
 ]
 
-TEMPLATE_NAMES = ("llama3", "qwen2_5", "qwen3")
-"""Chat templates shipped with tunesmith (``tunesmith/data/templates/<name>.jinja``)."""
+TEMPLATE_NAMES: tuple[str, ...] = tuple(
+    sorted(
+        entry.name.removesuffix(".jinja")
+        for entry in resources.files("tunesmith.data").joinpath("templates").iterdir()
+        if entry.name.endswith(".jinja")
+    )
+)
+"""Chat templates shipped with tunesmith: every ``tunesmith/data/templates/<name>.jinja``
+(a family's ``template`` names one; adding the file is all it takes)."""
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")

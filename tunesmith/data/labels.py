@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tunesmith.modules.losses import IGNORE_INDEX  # defined once, with the losses that use it
+
 __all__ = [
     "IGNORE_INDEX",
     "TRUNCATION_SIDES",
@@ -26,8 +28,6 @@ __all__ = [
     "truncate",
 ]
 
-IGNORE_INDEX = -100
-"""Label of positions that are not trained (the ``ignore_index`` of the loss)."""
 
 TRUNCATION_SIDES = ("right", "left")
 

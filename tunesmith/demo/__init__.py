@@ -2,7 +2,8 @@
 
 Modules: :mod:`~tunesmith.demo.task` (the task's data and scorer), :mod:`~tunesmith.demo.assets`
 (tokenizer and base model, built locally) and :mod:`~tunesmith.demo.run` (the orchestration).
-The demo sits at the top of the layers, beside the CLI: it trains through ``tunesmith run``.
+The demo sits at the top of the layers, beside the CLI (which imports it, never the other
+way round): it trains through :func:`tunesmith.run`, as ``tunesmith run`` does.
 
 Example::
 

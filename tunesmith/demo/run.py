@@ -30,6 +30,7 @@ from tunesmith.demo.assets import AssetSettings, DemoAssets, is_built, make_asse
 from tunesmith.demo.task import COMMAND, MAX_LEN, Example, accuracy, read_jsonl
 from tunesmith.generation import generate
 from tunesmith.models import from_hf
+from tunesmith.recipes import run
 from tunesmith.training import CheckpointDirectory, plot_run
 
 __all__ = ["CONFIG", "RUN_DIR", "DemoResult", "evaluate", "run_demo", "summary", "train"]
@@ -88,28 +89,25 @@ def evaluate(
 
 
 def train(assets: DemoAssets, run_dir: Path, overrides: Sequence[str] = ()) -> Path:
-    """Train with ``tunesmith run sft --config demo`` pointed at ``assets``; return the checkpoint.
+    """Train with ``tunesmith.run("sft", "demo", ...)`` (what ``tunesmith run sft --config demo``
+    does) pointed at ``assets``; return the checkpoint.
 
     ``run_dir`` is emptied first, so the metrics and checkpoints are this run's only. The
     demo sets ``model_dir``, ``dataset.source`` and ``output_dir`` itself; ``overrides`` may
     change anything else.
     """
-    from tunesmith.cli.main import build_parser
-
     _check_overrides(overrides)
     shutil.rmtree(run_dir, ignore_errors=True)
-    args = build_parser().parse_args(["run", "sft", "--config", CONFIG])
-    args.overrides = [
+    own = [
         f"model_dir={assets.model_dir}",
         f"dataset.source={assets.train_file}",
         f"output_dir={run_dir}",
-        *overrides,
     ]
     with warnings.catch_warnings():
         # torchdata's StatefulDataLoader calls a deprecated torch API on construction; the
         # warning says nothing about the run, so the demo keeps it off its output.
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-        args.func(args)  # cmd_run: load the config, validate it, run the recipe in this process
+        run("sft", CONFIG, [*own, *overrides])  # load the config, validate it, run in-process
     checkpoint = CheckpointDirectory(run_dir / "checkpoints").latest()
     if checkpoint is None:
         raise RuntimeError(f"training finished without a checkpoint in {run_dir / 'checkpoints'}")

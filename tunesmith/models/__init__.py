@@ -12,28 +12,29 @@ Example::
 import importlib
 from typing import Any
 
+# Importing a family file registers its Family entry (see tunesmith.models.family).
 from tunesmith.models import llama3, mistral, qwen2_5, qwen3, qwen3_moe
 from tunesmith.models.builder import build_model
-from tunesmith.models.spec import (
-    SUPPORTED_MODEL_TYPES,
-    ModelSpec,
-    UnsupportedModelError,
-    spec_from_hf_config,
-)
+from tunesmith.models.family import Family, families, family_for, register_family
+from tunesmith.models.spec import ModelSpec, UnsupportedModelError, spec_from_hf_config
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
+    "SUPPORTED_MODEL_TYPES",  # noqa: F822 (module __getattr__, follows the family table)
+    "Family",
     "ModelSpec",
     "RewardModel",
     "UnsupportedModelError",
     "build_model",
     "build_reward_model",
+    "families",
+    "family_for",
     "from_hf",
     "llama3",
     "mistral",
     "qwen2_5",
     "qwen3",
     "qwen3_moe",
+    "register_family",
     "reward_model_from_hf",
     "spec_from_hf_config",
 ]
@@ -50,6 +51,8 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "SUPPORTED_MODEL_TYPES":
+        return tuple(sorted(f.model_type for f in families()))
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'tunesmith.models' has no attribute {name!r}")

@@ -37,6 +37,7 @@ from tunesmith.models.safetensors_io import (
 )
 from tunesmith.models.spec import ModelSpec, UnsupportedModelError, spec_from_hf_config
 from tunesmith.modules.decoder import TransformerLM
+from tunesmith.modules.dtypes import dtype_from_name
 
 __all__ = [
     "CONFIG_NAME",
@@ -75,17 +76,6 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "vocab.txt",
 )
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
 
 def resolve_dtype(
     dtype: torch.dtype | str | None, default: torch.dtype = torch.float32
@@ -97,13 +87,7 @@ def resolve_dtype(
     """
     if dtype is None or dtype == "auto":
         return default
-    if isinstance(dtype, torch.dtype):
-        resolved = dtype
-    else:
-        name = str(dtype).removeprefix("torch.").lower()
-        if name not in _DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}")
-        resolved = _DTYPE_NAMES[name]
+    resolved = dtype_from_name(dtype)
     if not resolved.is_floating_point:
         raise ValueError(f"dtype must be floating point, got {resolved}")
     return resolved

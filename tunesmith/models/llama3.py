@@ -19,10 +19,12 @@ from typing import Any
 import torch
 
 from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import ModelSpec
 from tunesmith.modules.decoder import TransformerLM
 
 __all__ = [
+    "FAMILY",
     "SIZES",
     "llama3_1_8b",
     "llama3_1_70b",
@@ -45,8 +47,20 @@ def _rope_scaling(factor: float, original_max_position_embeddings: int = 8192) -
     }
 
 
+# Llama configs carry attention_bias and mlp_bias; transformers' LlamaConfig defaults.
+FAMILY = register_family(
+    Family(
+        name="llama3",
+        model_type="llama",
+        architecture="LlamaForCausalLM",
+        flags=("attention_bias", "mlp_bias"),
+        defaults={"max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
+        template="llama3",
+    )
+)
+
 _COMMON: dict[str, Any] = {
-    "model_type": "llama",
+    "model_type": FAMILY.model_type,
     "vocab_size": 128256,
     "num_key_value_heads": 8,
     "head_dim": 128,

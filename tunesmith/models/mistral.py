@@ -13,18 +13,41 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import ModelSpec
 from tunesmith.modules.decoder import TransformerLM
 
-__all__ = ["SIZES", "mistral_7b_v0_3", "mistral_nemo_12b", "mistral_tiny", "spec"]
+__all__ = ["FAMILY", "SIZES", "mistral_7b_v0_3", "mistral_nemo_12b", "mistral_tiny", "spec"]
+
+
+def _read_sliding_window(config: Mapping[str, Any]) -> dict[str, Any]:
+    # The window applies to every layer; transformers' MistralConfig default is 4096.
+    return {"sliding_window": config.get("sliding_window", 4096)}
+
+
+def _write_sliding_window(spec: ModelSpec) -> dict[str, Any]:
+    return {"sliding_window": spec.sliding_window}
+
+
+FAMILY = register_family(
+    Family(
+        name="mistral",
+        model_type="mistral",
+        architecture="MistralForCausalLM",
+        defaults={"max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": 2},
+        from_hf_config=_read_sliding_window,
+        to_hf_config=_write_sliding_window,
+    )
+)
 
 _COMMON: dict[str, Any] = {
-    "model_type": "mistral",
+    "model_type": FAMILY.model_type,
     "num_key_value_heads": 8,
     "head_dim": 128,
     "rms_norm_eps": 1e-5,

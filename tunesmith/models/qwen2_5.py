@@ -13,15 +13,22 @@ Example::
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
 from tunesmith.models.builder import build_model, family_spec
-from tunesmith.models.spec import ModelSpec
+from tunesmith.models.family import Family, register_family
+from tunesmith.models.spec import (
+    ModelSpec,
+    use_sliding_window_from_config,
+    use_sliding_window_to_config,
+)
 from tunesmith.modules.decoder import TransformerLM
 
 __all__ = [
+    "FAMILY",
     "SIZES",
     "qwen2_5_0_5b",
     "qwen2_5_1_5b",
@@ -34,9 +41,23 @@ __all__ = [
     "spec",
 ]
 
+# A qwen2 config.json always means q/k/v bias (no o/mlp bias, no qk-norm).
+FAMILY = register_family(
+    Family(
+        name="qwen2_5",
+        model_type="qwen2",
+        architecture="Qwen2ForCausalLM",
+        implied={"qkv_bias": True},
+        defaults={"max_position_embeddings": 32768},
+        from_hf_config=partial(use_sliding_window_from_config, per_layer=True),
+        to_hf_config=partial(use_sliding_window_to_config, per_layer=True),
+        template="qwen2_5",
+    )
+)
+
 _COMMON: dict[str, Any] = {
-    "model_type": "qwen2",
-    "qkv_bias": True,
+    "model_type": FAMILY.model_type,
+    **FAMILY.implied,
     "rms_norm_eps": 1e-6,
     "rope_theta": 1000000.0,
     "max_position_embeddings": 32768,

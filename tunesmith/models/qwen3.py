@@ -12,15 +12,22 @@ Example::
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
 from tunesmith.models.builder import build_model, family_spec
-from tunesmith.models.spec import ModelSpec
+from tunesmith.models.family import Family, register_family
+from tunesmith.models.spec import (
+    ModelSpec,
+    use_sliding_window_from_config,
+    use_sliding_window_to_config,
+)
 from tunesmith.modules.decoder import TransformerLM
 
 __all__ = [
+    "FAMILY",
     "SIZES",
     "qwen3_0_6b",
     "qwen3_1_7b",
@@ -32,9 +39,24 @@ __all__ = [
     "spec",
 ]
 
+# A qwen3 config.json always means qk-norm; head_dim defaults to 128 (Qwen3Config).
+FAMILY = register_family(
+    Family(
+        name="qwen3",
+        model_type="qwen3",
+        architecture="Qwen3ForCausalLM",
+        implied={"qk_norm": True},
+        flags=("attention_bias",),
+        defaults={"head_dim": 128, "max_position_embeddings": 32768},
+        from_hf_config=partial(use_sliding_window_from_config, per_layer=True),
+        to_hf_config=partial(use_sliding_window_to_config, per_layer=True),
+        template="qwen3",
+    )
+)
+
 _COMMON: dict[str, Any] = {
-    "model_type": "qwen3",
-    "qk_norm": True,
+    "model_type": FAMILY.model_type,
+    **FAMILY.implied,
     "vocab_size": 151936,
     "head_dim": 128,
     "num_key_value_heads": 8,

@@ -13,19 +13,69 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from tunesmith.models.builder import build_model, family_spec
-from tunesmith.models.spec import ModelSpec
+from tunesmith.models.family import Family, register_family
+from tunesmith.models.spec import (
+    ModelSpec,
+    use_sliding_window_from_config,
+    use_sliding_window_to_config,
+)
 from tunesmith.modules.decoder import TransformerLM
 
-__all__ = ["SIZES", "qwen3_30b_a3b", "qwen3_235b_a22b", "qwen3_moe_tiny", "spec"]
+__all__ = ["FAMILY", "SIZES", "qwen3_30b_a3b", "qwen3_235b_a22b", "qwen3_moe_tiny", "spec"]
+
+
+def _read_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Experts (transformers 5 names ``num_local_experts``) and a window on every layer."""
+    return {
+        **use_sliding_window_from_config(config, per_layer=False),
+        "num_experts": config.get("num_experts", config.get("num_local_experts", 128)),
+        "num_experts_per_tok": config.get("num_experts_per_tok", 8),
+        "moe_intermediate_size": config.get("moe_intermediate_size", 768),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.001),
+        "decoder_sparse_step": config.get("decoder_sparse_step", 1),
+        "mlp_only_layers": tuple(config.get("mlp_only_layers") or ()),
+    }
+
+
+def _write_config(spec: ModelSpec) -> dict[str, Any]:
+    return {
+        **use_sliding_window_to_config(spec, per_layer=False),
+        "num_experts": spec.num_experts,
+        "num_experts_per_tok": spec.num_experts_per_tok,
+        "moe_intermediate_size": spec.moe_intermediate_size,
+        "norm_topk_prob": spec.norm_topk_prob,
+        "router_aux_loss_coef": spec.router_aux_loss_coef,
+        "decoder_sparse_step": spec.decoder_sparse_step,
+        "mlp_only_layers": list(spec.mlp_only_layers),
+        "output_router_logits": False,
+    }
+
+
+# Qwen3 attention (qk-norm) with MoE layers; the chat template is Qwen3's.
+FAMILY = register_family(
+    Family(
+        name="qwen3_moe",
+        model_type="qwen3_moe",
+        architecture="Qwen3MoeForCausalLM",
+        implied={"qk_norm": True},
+        flags=("attention_bias",),
+        defaults={"max_position_embeddings": 32768},
+        from_hf_config=_read_config,
+        to_hf_config=_write_config,
+        template="qwen3",
+    )
+)
 
 _COMMON: dict[str, Any] = {
-    "model_type": "qwen3_moe",
-    "qk_norm": True,
+    "model_type": FAMILY.model_type,
+    **FAMILY.implied,
     "vocab_size": 151936,
     "head_dim": 128,
     "num_key_value_heads": 4,

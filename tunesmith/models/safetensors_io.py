@@ -19,8 +19,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import json
 import os
 import re
@@ -35,6 +33,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
+
+from tunesmith.models.atomic import fsync_path, fsync_tree, replace_directory
 
 __all__ = [
     "SAFE_INDEX_NAME",
@@ -533,56 +533,6 @@ def write_safetensors_shards(
 # ----------------------------------------------------------------------------- atomic folders
 
 
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for file_name in filenames:
-            fd = os.open(os.path.join(dirpath, file_name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms that cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths with Linux ``renameat2(RENAME_EXCHANGE)``; False if unsupported."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False
-    renameat2.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
-    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-        return False
-    raise OSError(err, os.strerror(err), str(a))
-
-
 def _sibling(path: Path, kind: str) -> Path:
     """An unused hidden name next to ``path``: ``.{name}.{kind}-{random}``."""
     while True:
@@ -591,34 +541,14 @@ def _sibling(path: Path, kind: str) -> Path:
             return candidate
 
 
-def _swap_into_place(new: Path, out_dir: Path) -> None:
-    if not out_dir.exists():
-        os.rename(new, out_dir)
-        return
-    if not out_dir.is_dir() or out_dir.is_symlink():
-        raise CheckpointError(f"{out_dir} exists and is not a directory; refusing to replace it")
-    if _exchange(new, out_dir):
-        shutil.rmtree(new)  # now holds the previous contents
-        return
-    # Two renames: a crash between them leaves out_dir absent (never half written) and the
-    # previous checkpoint intact under the ".old" name next to it.
-    old = _sibling(out_dir, "old")
-    os.rename(out_dir, old)
-    try:
-        os.rename(new, out_dir)
-    except BaseException:
-        os.rename(old, out_dir)
-        raise
-    shutil.rmtree(old)
-
-
 @contextlib.contextmanager
 def atomic_directory(out_dir: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling directory that replaces ``out_dir`` only if the block succeeds.
 
     On success every file is fsynced, then the directory is swapped in (Linux: one atomic
     ``renameat2`` exchange; elsewhere: rename the old one away, rename the new one in, delete
-    the old one). On error the temporary directory is deleted and ``out_dir`` is untouched.
+    the old one; see :func:`tunesmith.models.atomic.replace_directory`). On error the temporary
+    directory is deleted and ``out_dir`` is untouched.
 
     Example::
 
@@ -631,9 +561,13 @@ def atomic_directory(out_dir: str | os.PathLike) -> Iterator[Path]:
     tmp.mkdir()  # unlike mkdtemp, honours the umask (the folder is meant to be shared)
     try:
         yield tmp
-        _fsync_tree(tmp)
-        _swap_into_place(tmp, out_dir)
-        _fsync_dir(out_dir.parent)
+        if out_dir.exists() and (not out_dir.is_dir() or out_dir.is_symlink()):
+            raise CheckpointError(
+                f"{out_dir} exists and is not a directory; refusing to replace it"
+            )
+        fsync_tree(tmp)
+        fsync_path(tmp, directory=True)
+        replace_directory(tmp, out_dir, aside=_sibling(out_dir, "old"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -18,33 +18,28 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tunesmith.models.family import (
+    FLAG_FIELDS,
+    OPTIONAL_KEYS,
+    Family,
+    UnsupportedModelError,
+    families,
+    family_for,
+)
+
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
+    "SUPPORTED_MODEL_TYPES",  # noqa: F822 (module __getattr__, follows the family table)
     "ModelSpec",
     "UnsupportedModelError",
     "spec_from_hf_config",
+    "use_sliding_window_from_config",
+    "use_sliding_window_to_config",
 ]
 
-# model_type -> the transformers class that reads the same checkpoint.
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_ARCHITECTURES)
-# The same checkpoint body with a ``score`` head instead of ``lm_head`` (reward models).
-_SEQ_CLS_ARCHITECTURES = {
-    model_type: name.replace("ForCausalLM", "ForSequenceClassification")
-    for model_type, name in _ARCHITECTURES.items()
-}
-
-# Families whose attention always applies a per-head RMSNorm to q and k.
-_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 # RoPE variants implemented by tunesmith.modules.rope.
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _ROPE_KEYS: dict[str, tuple[str, ...]] = {
@@ -55,8 +50,11 @@ _ROPE_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-class UnsupportedModelError(ValueError):
-    """A config asks for a model type or feature tunesmith does not implement."""
+def __getattr__(name: str) -> Any:
+    # SUPPORTED_MODEL_TYPES follows the family table, including families registered later.
+    if name == "SUPPORTED_MODEL_TYPES":
+        return tuple(sorted(f.model_type for f in families()))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -103,11 +101,7 @@ class ModelSpec:
     torch_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model_type {self.model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        family_for(self.model_type)  # an unknown model_type fails here, listing the known
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -170,8 +164,9 @@ class ModelSpec:
             >>> spec.to_hf_config(num_labels=1)["architectures"]
             ['LlamaForSequenceClassification']
         """
+        family = family_for(self.model_type)
         config: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[self.model_type]],
+            "architectures": [family.architecture],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -199,52 +194,18 @@ class ModelSpec:
         }
         if self.torch_dtype is not None:
             config["torch_dtype"] = self.torch_dtype
-        if self.model_type == "qwen2":
-            if self.attention_bias or self.mlp_bias or not self.qkv_bias or self.qk_norm:
-                raise UnsupportedModelError(
-                    "a qwen2 config.json always means q/k/v bias, no o/mlp bias, no qk-norm; "
-                    "this spec differs, so transformers would not rebuild it"
-                )
-        else:
-            if self.qkv_bias:
-                raise UnsupportedModelError(
-                    f"qkv_bias without o_proj bias has no {self.model_type} config.json "
-                    "equivalent (use model_type 'qwen2' or attention_bias)"
-                )
-            if self.qk_norm != (self.model_type in _QK_NORM_TYPES):
-                raise UnsupportedModelError(
-                    f"qk_norm={self.qk_norm} cannot be expressed by model_type {self.model_type!r}"
-                )
-        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
-            config["attention_bias"] = self.attention_bias
-        elif self.attention_bias:
-            raise UnsupportedModelError(f"{self.model_type} configs have no attention_bias flag")
-        if self.model_type == "llama":
-            config["mlp_bias"] = self.mlp_bias
-        elif self.mlp_bias:
-            raise UnsupportedModelError(f"{self.model_type} configs have no mlp_bias flag")
-        if self.model_type == "mistral":
-            config["sliding_window"] = self.sliding_window
-        elif self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
-            config["use_sliding_window"] = self.sliding_window is not None
-            config["sliding_window"] = self.sliding_window
-            if self.model_type != "qwen3_moe":
-                # Qwen2/Qwen3 slide only on layers >= max_window_layers: 0 = all of them.
-                config["max_window_layers"] = 0 if self.sliding_window else self.num_hidden_layers
-        elif self.sliding_window is not None:
+        for name in FLAG_FIELDS:
+            value = getattr(self, name)
+            if name in family.flags:
+                config[name] = value
+            elif value != family.implied.get(name, False):
+                raise UnsupportedModelError(_inexpressible(name, value, family))
+        config.update(family.to_hf_config(self))
+        # What only some families have must come back when the family reads its own config.
+        back = family.from_hf_config(config)
+        if self.sliding_window is not None and back.get("sliding_window") != self.sliding_window:
             raise UnsupportedModelError(f"{self.model_type} configs have no sliding window")
-        if self.model_type == "qwen3_moe":
-            config.update(
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob,
-                router_aux_loss_coef=self.router_aux_loss_coef,
-                decoder_sparse_step=self.decoder_sparse_step,
-                mlp_only_layers=list(self.mlp_only_layers),
-                output_router_logits=False,
-            )
-        elif self.num_experts:
+        if self.num_experts and back.get("num_experts") != self.num_experts:
             raise UnsupportedModelError(f"{self.model_type} has no mixture-of-experts layers")
         if num_labels is not None:
             config.update(self._sequence_classification_fields(num_labels))
@@ -261,7 +222,7 @@ class ModelSpec:
             )
         labels = [f"LABEL_{i}" for i in range(num_labels)]
         return {
-            "architectures": [_SEQ_CLS_ARCHITECTURES[self.model_type]],
+            "architectures": [family_for(self.model_type).classifier_architecture],
             "num_labels": num_labels,
             "id2label": {str(i): label for i, label in enumerate(labels)},
             "label2id": {label: i for i, label in enumerate(labels)},
@@ -314,38 +275,75 @@ def _rope_from_config(config: dict[str, Any]) -> tuple[float, dict[str, Any] | N
     return float(theta), (scaling if rope_type != "default" else None)
 
 
-def _sliding_window_from_config(config: dict[str, Any], model_type: str) -> int | None:
-    """The window applied to every layer, None for full attention; mixed layers are refused."""
-    if model_type == "mistral":
-        return config.get("sliding_window", 4096)  # transformers' MistralConfig default
-    if model_type == "llama":
-        return None
+def _inexpressible(name: str, value: Any, family: Family) -> str:
+    able = [
+        f.model_type for f in families() if name in f.flags or f.implied.get(name, False) == value
+    ]
+    hint = f" (model types that can: {', '.join(able)})" if able else ""
+    return f"{name}={value} cannot be expressed by model_type {family.model_type!r}{hint}"
+
+
+def use_sliding_window_from_config(config: Mapping[str, Any], *, per_layer: bool) -> dict[str, Any]:
+    """``sliding_window`` of a config in the ``use_sliding_window`` convention (Qwen2/Qwen3):
+    the window applied to every layer, None for full attention; mixed layers are refused.
+
+    With ``per_layer`` the config's ``layer_types`` or ``max_window_layers`` (first sliding
+    layer, transformers' default 28) decide which layers slide; without, every layer does.
+    A family's ``from_hf_config`` returns it (or updates its own fields with it).
+
+    Example::
+
+        >>> use_sliding_window_from_config({"use_sliding_window": False}, per_layer=True)
+        {'sliding_window': None}
+    """
+    model_type = config.get("model_type")
     window = config.get("sliding_window", 4096) if config.get("use_sliding_window") else None
     layer_types = config.get("layer_types")
-    if layer_types is not None and window is not None and model_type != "qwen3_moe":
+    if layer_types is not None and window is not None and per_layer:
         kinds = set(layer_types)
-    elif window is None or model_type == "qwen3_moe":
+    elif window is None or not per_layer:
         kinds = {"sliding_attention" if window else "full_attention"}
     else:
         first = config.get("max_window_layers", 28)
         n = config["num_hidden_layers"]
         kinds = {"sliding_attention" if i >= first else "full_attention" for i in range(n)}
     if kinds == {"full_attention"}:
-        return None
+        return {"sliding_window": None}
     if kinds == {"sliding_attention"}:
-        return window
+        return {"sliding_window": window}
     raise UnsupportedModelError(
         f"{model_type}: sliding-window attention on only some layers "
         f"(use_sliding_window with max_window_layers/layer_types) is not supported"
     )
 
 
+def use_sliding_window_to_config(spec: ModelSpec, *, per_layer: bool) -> dict[str, Any]:
+    """The config.json keys of :func:`use_sliding_window_from_config` for ``spec``.
+
+    Example::
+
+        >>> from tunesmith.models import qwen3
+        >>> use_sliding_window_to_config(qwen3.spec("qwen3_tiny"), per_layer=True)
+        {'use_sliding_window': False, 'sliding_window': None, 'max_window_layers': 2}
+    """
+    keys: dict[str, Any] = {
+        "use_sliding_window": spec.sliding_window is not None,
+        "sliding_window": spec.sliding_window,
+    }
+    if per_layer:
+        # Layers >= max_window_layers slide: 0 = all of them.
+        keys["max_window_layers"] = 0 if spec.sliding_window else spec.num_hidden_layers
+    return keys
+
+
 def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     """Translate a Hugging Face ``config.json`` dict into a :class:`ModelSpec`.
 
-    Reads configs written by transformers 4.x and 5.x. Missing optional keys take
-    transformers' defaults for that model type. Raises :class:`UnsupportedModelError`
-    naming the model type or feature that tunesmith cannot build faithfully.
+    Reads configs written by transformers 4.x and 5.x. The ``model_type`` picks the
+    registered :class:`~tunesmith.models.family.Family`, whose ``defaults`` stand in for
+    missing optional keys and whose hooks read what only it has. Raises
+    :class:`UnsupportedModelError` naming the model type or feature that tunesmith cannot
+    build faithfully.
 
     Example::
 
@@ -355,11 +353,8 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict (parsed config.json), got {type(config).__name__}")
     config = dict(config)
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    family = family_for(config.get("model_type"))
+    model_type = family.model_type
     missing = [k for k in _REQUIRED_KEYS if k not in config]
     if missing:
         raise ValueError(f"config.json for {model_type!r} lacks required key(s): {missing}")
@@ -374,51 +369,36 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
 
     heads = config["num_attention_heads"]
-    default_head_dim = 128 if model_type == "qwen3" else config["hidden_size"] // heads
-    head_dim = config.get("head_dim") or default_head_dim
-    rope_theta, rope_scaling = _rope_from_config(config)
-    is_qwen2 = model_type == "qwen2"
-    num_experts = 0
-    moe: dict[str, Any] = {}
-    if model_type == "qwen3_moe":
-        num_experts = config.get("num_experts", config.get("num_local_experts", 128))
-        moe = {
-            "num_experts_per_tok": config.get("num_experts_per_tok", 8),
-            "moe_intermediate_size": config.get("moe_intermediate_size", 768),
-            "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
-            "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.001),
-            "decoder_sparse_step": config.get("decoder_sparse_step", 1),
-            "mlp_only_layers": tuple(config.get("mlp_only_layers") or ()),
-        }
-    default_max_pos = {"llama": 2048, "mistral": 131072}.get(model_type, 32768)
-    default_tokens = {"llama": (1, 2), "mistral": (1, 2)}.get(model_type, (None, None))
-    return ModelSpec(
-        model_type=model_type,
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_hidden_layers=config["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=config.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=config.get("max_position_embeddings", default_max_pos),
-        attention_bias=False if is_qwen2 else bool(config.get("attention_bias", False)),
-        qkv_bias=is_qwen2,
-        mlp_bias=bool(config.get("mlp_bias", False)) if model_type == "llama" else False,
-        qk_norm=model_type in _QK_NORM_TYPES,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        sliding_window=_sliding_window_from_config(config, model_type),
-        num_experts=num_experts,
-        initializer_range=config.get("initializer_range", 0.02),
-        bos_token_id=config.get("bos_token_id", default_tokens[0]),
-        eos_token_id=config.get("eos_token_id", default_tokens[1]),
-        pad_token_id=config.get("pad_token_id"),
-        torch_dtype=_dtype_name(config.get("torch_dtype", config.get("dtype"))),
-        **moe,
+    head_dim = (
+        config.get("head_dim") or family.defaults.get("head_dim") or config["hidden_size"] // heads
     )
+    rope_theta, rope_scaling = _rope_from_config(config)
+    fields: dict[str, Any] = {
+        "model_type": model_type,
+        "vocab_size": config["vocab_size"],
+        "hidden_size": config["hidden_size"],
+        "intermediate_size": config["intermediate_size"],
+        "num_hidden_layers": config["num_hidden_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": config.get("num_key_value_heads") or heads,
+        "head_dim": head_dim,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "torch_dtype": _dtype_name(config.get("torch_dtype", config.get("dtype"))),
+    }
+    for key in OPTIONAL_KEYS:  # present > the family's default > ModelSpec's default
+        if key in config:
+            fields[key] = config[key]
+        elif key in family.defaults:
+            fields[key] = family.defaults[key]
+    for name in FLAG_FIELDS:
+        if name in family.flags:
+            fields[name] = bool(config.get(name, False))
+        elif name in family.implied:
+            fields[name] = family.implied[name]
+    fields.update(family.from_hf_config(config))
+    return ModelSpec(**fields)
 
 
 def _dtype_name(value: Any) -> str | None:

@@ -1,0 +1,194 @@
+"""The recipes: the catalogue (names -> files), config checking, and :func:`run`.
+
+A recipe is a module ``tunesmith/recipes/<name>.py`` defining ``main(cfg)``; its configs are
+``tunesmith/recipes/configs/<name>/*.yaml``. Nothing is registered by hand: the files are the
+catalogue (a file whose name starts with ``_`` is not a recipe). :func:`run` is the library's
+way to train, in this process: the ``tunesmith run`` command (one process) and the demo call it.
+Everything heavy is imported inside the functions, so the catalogue costs no torch import.
+
+Example::
+
+    >>> recipe_path("sft").name
+    'sft.py'
+    >>> run("sft", "demo", ["max_steps=2", "output_dir=out"])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = [
+    "CONFIGS_DIR",
+    "RECIPES_DIR",
+    "CatalogError",
+    "check_config",
+    "config_names",
+    "config_path",
+    "load_recipe_module",
+    "prepare_run",
+    "recipe_names",
+    "recipe_of_config",
+    "recipe_path",
+    "run",
+    "run_recipe",
+]
+
+RECIPES_DIR = Path(__file__).resolve().parent
+CONFIGS_DIR = RECIPES_DIR / "configs"
+
+
+class CatalogError(LookupError):
+    """A recipe or config name that matches no built-in file and no path."""
+
+
+# ----------------------------------------------------------------------------- catalogue
+
+
+def recipe_names() -> list[str]:
+    """Names of the built-in recipes, sorted."""
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def config_names(recipe: str) -> list[str]:
+    """Names of the built-in configs of ``recipe`` (file stems), sorted."""
+    return sorted(p.stem for p in (CONFIGS_DIR / recipe).glob("*.yaml"))
+
+
+def recipe_path(name_or_path: str) -> Path:
+    """The file of a built-in recipe name, or ``name_or_path`` itself if it is a ``.py`` file."""
+    path = Path(name_or_path)
+    if path.suffix == ".py":
+        if not path.is_file():
+            raise CatalogError(f"recipe file not found: {path}")
+        return path.resolve()
+    if name_or_path in recipe_names():
+        return RECIPES_DIR / f"{name_or_path}.py"
+    raise CatalogError(
+        f"unknown recipe {name_or_path!r}; built-in recipes: {', '.join(recipe_names()) or 'none'}"
+        " (or give a path to a .py file)"
+    )
+
+
+def config_path(name_or_path: str, recipe: str | None = None) -> Path:
+    """Resolve a config given as a path, ``recipe/name``, or a bare name of ``recipe``'s configs."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path.resolve()
+    candidates: list[Path] = []
+    if "/" in name_or_path and path.suffix == "":
+        candidates.append(CONFIGS_DIR / f"{name_or_path}.yaml")
+    if recipe is not None:
+        candidates.append(CONFIGS_DIR / recipe / f"{name_or_path}.yaml")
+    else:
+        candidates += [CONFIGS_DIR / r / f"{name_or_path}.yaml" for r in recipe_names()]
+    found = [c for c in candidates if c.is_file()]
+    if len(found) == 1:
+        return found[0]
+    if len(found) > 1:
+        names = ", ".join(f"{c.parent.name}/{c.stem}" for c in found)
+        raise CatalogError(f"config name {name_or_path!r} is ambiguous: {names}")
+    if path.suffix in (".yaml", ".yml"):
+        raise CatalogError(f"config file not found: {path}")
+    where = f" of recipe {recipe!r}" if recipe else ""
+    raise CatalogError(
+        f"unknown config {name_or_path!r}{where}; see `tunesmith ls` (or give a path to a .yaml file)"
+    )
+
+
+def recipe_of_config(config_file: Path) -> str | None:
+    """The built-in recipe a built-in config file belongs to, or None for a user's file."""
+    try:
+        return config_file.resolve().relative_to(CONFIGS_DIR).parts[0]
+    except ValueError:
+        return None
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def load_recipe_module(recipe_file: Path) -> ModuleType:
+    """Import a recipe file as a module; it must define ``main(cfg)``."""
+    name = f"tunesmith_recipe_{recipe_file.stem}"
+    spec = importlib.util.spec_from_file_location(name, recipe_file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import recipe file {recipe_file}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "main", None)):
+        raise AttributeError(f"recipe file {recipe_file} defines no main(cfg) function")
+    return module
+
+
+def run_recipe(recipe_file: Path, cfg: Any) -> None:
+    """Import ``recipe_file`` and call its ``main(cfg)`` (``cfg``: a loaded ``DictConfig``)."""
+    load_recipe_module(recipe_file).main(cfg)
+
+
+def check_config(cfg: Any, recipe_file: Path | None) -> None:
+    """Validate the whole config tree (against ``recipe_file``'s ``KEYS``, ``RULES`` and
+    run-time arguments when given); raise one ``ConfigError`` listing every problem.
+
+    Example::
+
+        >>> check_config(load_config("my.yaml"), recipe_path("sft"))  # doctest: +SKIP
+    """
+    from tunesmith.config import ConfigError, check_keys, validate_config
+
+    recipe = load_recipe_module(recipe_file) if recipe_file is not None else None
+    issues = validate_config(
+        cfg,
+        runtime_args=getattr(recipe, "RUNTIME_ARGS", {}),
+        runtime_kwargs=getattr(recipe, "RUNTIME_KWARGS", {}),
+    )
+    if hasattr(recipe, "KEYS"):  # the recipe's own top-level keys, misspellings suggested
+        issues += check_keys(cfg, recipe.KEYS)
+    if getattr(recipe, "RULES", None):  # each top-level value's type, range or choices
+        from tunesmith.training.loop_config import check_rules
+
+        seen = {issue.path for issue in issues}  # a missing or broken value is reported once
+        issues += [i for i in check_rules(cfg, recipe.RULES) if i.path not in seen]
+    if issues:
+        raise ConfigError.from_issues(issues)
+
+
+def prepare_run(
+    recipe: str | os.PathLike[str], config: str | os.PathLike[str], overrides: Sequence[str] = ()
+) -> tuple[Path, Path, Any]:
+    """The recipe file, the config file and the loaded, checked config of a run; every problem
+    is reported before anything is written.
+
+    Example::
+
+        >>> recipe_file, config_file, cfg = prepare_run("sft", "demo", ["max_steps=2"])  # doctest: +SKIP
+    """
+    from tunesmith.config import load_config
+
+    recipe_file = recipe_path(str(recipe))
+    builtin = recipe_file.stem if recipe_file.parent == RECIPES_DIR else None
+    config_file = config_path(str(config), builtin)
+    cfg = load_config(config_file, list(overrides))
+    check_config(cfg, recipe_file)
+    return recipe_file, config_file, cfg
+
+
+def run(
+    recipe: str | os.PathLike[str], config: str | os.PathLike[str], overrides: Sequence[str] = ()
+) -> None:
+    """Train: load ``config`` (a name of ``recipe``'s configs or a ``.yaml`` path) with
+    ``overrides`` (``key=value``, ``~key``), check it, and run ``recipe`` (a built-in name or a
+    ``.py`` path) in this process. Same as ``tunesmith run RECIPE --config CONFIG OVERRIDES...``.
+
+    Example::
+
+        >>> import tunesmith
+        >>> tunesmith.run("sft", "demo", ["max_steps=10", "output_dir=outputs/try"])  # doctest: +SKIP
+    """
+    recipe_file, _, cfg = prepare_run(recipe, config, overrides)
+    run_recipe(recipe_file, cfg)

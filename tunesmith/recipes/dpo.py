@@ -1,9 +1,9 @@
 """Preference optimisation: DPO and its family, full fine-tuning or LoRA, one device or many.
 
     tunesmith run dpo --config tiny model_dir=... dataset.source=pairs.jsonl
-    tunesmith run dpo --config tiny ... loss._component_=tunesmith.modules.preference_losses.SimPOLoss
+    tunesmith run dpo --config tiny ... loss._component_=tunesmith.modules.losses.SimPOLoss
 
-The loss is a ``_component_`` of :mod:`tunesmith.modules.preference_losses`: DPO (with label
+The loss is a ``_component_`` of :mod:`tunesmith.modules.losses`: DPO (with label
 smoothing = cDPO, or reference-free), IPO, hinge (RSO), SimPO, ORPO. Per micro-batch of ``B``
 pairs (``2B`` rows: chosen then rejected, from
 :func:`~tunesmith.data.collate.collate_preference`):
@@ -40,10 +40,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from tunesmith.config import instantiate
 from tunesmith.data import collate_preference
+from tunesmith.modules.losses import PairLogps
 from tunesmith.modules.peft import adapter_modules, disable_adapters
-from tunesmith.modules.preference_losses import PairLogps
-from tunesmith.training.activations import apply_activation_checkpointing
-from tunesmith.training.distributed import DistributedContext, shard_model
+from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import router_aux_loss, sequence_logps
 from tunesmith.training.loop import (
     LOOP_KEYS,
@@ -57,6 +56,7 @@ from tunesmith.training.loop import (
     run_main,
 )
 from tunesmith.training.loop_config import LOOP_RULES, flag, integer
+from tunesmith.training.parallelize import parallelize
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
@@ -92,10 +92,7 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     reference = None
     if loss_fn.needs_reference:  # before the policy moves: an offloaded copy stays on the host
         reference = reference_logps(cfg, model, ctx, chunk_size, log, tokenizer=tokenizer)
-    model = model.to(ctx.device)
-    if cfg.get("activation_checkpointing"):
-        apply_activation_checkpointing(model, **cfg.activation_checkpointing)
-    model = shard_model(model, ctx)
+    model = parallelize(model.to(ctx.device), ctx, cfg)  # checkpointing, FSDP2
     if reference is not None and cfg.get("precompute_reference", False):
         log("precomputing the reference log-probabilities of every pair")
         dataset = precompute(reference, dataset, collate, ctx, cfg.batch_size)
@@ -177,7 +174,7 @@ def reference_logps(
     reference.requires_grad_(False).eval()
     if not (offload and ctx.device.type == "cuda"):  # offloaded: FSDP2 places the shards
         reference = reference.to(ctx.device)
-    reference = shard_model(reference, ctx, cpu_offload=offload)
+    reference = parallelize(reference, ctx, frozen=True, cpu_offload=offload)
     return partial(_pair_logps, reference, chunk_size=chunk_size)
 
 
@@ -233,9 +230,10 @@ def precompute(
     collate: Callable[[list[Any]], dict[str, torch.Tensor]], ctx: DistributedContext,
     batch_size: int,
 ) -> WithReference:  # fmt: skip
-    """Every pair's reference log-probs, each rank computing its share (every rank runs the
-    same number of batches, as a sharded reference needs) and all ranks gathering all."""
-    sampler = DistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False)
+    """Every pair's reference log-probs, each data-parallel rank computing its share (every
+    rank runs the same number of batches, as a sharded reference needs) and all ranks
+    gathering all over the dp group."""
+    sampler = DistributedSampler(dataset, ctx.dp_size, ctx.dp_rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate)
     mine = []
     for mb in loader:
@@ -243,11 +241,11 @@ def precompute(
         mine.append(torch.stack([logps.chosen, logps.rejected], dim=1).float())
     mine_t = torch.cat(mine).to(ctx.device)
     indices = torch.tensor(list(iter(sampler)), device=ctx.device)
-    if ctx.world_size > 1:
-        every = [torch.empty_like(mine_t) for _ in range(ctx.world_size)]
-        dist.all_gather(every, mine_t)
-        all_indices = [torch.empty_like(indices) for _ in range(ctx.world_size)]
-        dist.all_gather(all_indices, indices)
+    if ctx.dp_size > 1:
+        every = [torch.empty_like(mine_t) for _ in range(ctx.dp_size)]
+        dist.all_gather(every, mine_t, group=ctx.dp_group)
+        all_indices = [torch.empty_like(indices) for _ in range(ctx.dp_size)]
+        dist.all_gather(all_indices, indices, group=ctx.dp_group)
         mine_t, indices = torch.cat(every), torch.cat(all_indices)
     table = torch.empty(len(dataset), 2)
     table[indices.cpu()] = mine_t.cpu()  # padded repeats write the same value twice

@@ -8,7 +8,7 @@ Per micro-batch of SFT samples (any SFT dataset format, optionally packed):
 1. the student's final hidden states (with gradient) and the teacher's (``teacher_model``, in
    eval mode and without gradient, possibly in another dtype such as bf16, and with
    ``teacher_offload: true`` on a GPU kept in CPU memory between its layers' forwards);
-2. ``loss`` (:class:`~tunesmith.modules.kd_losses.KDLoss`: forward KL, reverse KL, symmetric,
+2. ``loss`` (:class:`~tunesmith.modules.losses.KDLoss`: forward KL, reverse KL, symmetric,
    or Jensen-Shannon, at a temperature) projects both through their heads chunk by chunk, so
    the two models' full logits never both exist; it returns the summed divergence and the
    student's summed cross-entropy over the trained tokens;
@@ -30,8 +30,7 @@ from torch import nn
 from tunesmith.config import instantiate
 from tunesmith.data import packed_or_padded
 from tunesmith.modules.losses import IGNORE_INDEX
-from tunesmith.training.activations import apply_activation_checkpointing
-from tunesmith.training.distributed import DistributedContext, shard_model
+from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import forward_batch, router_aux_loss
 from tunesmith.training.loop import (
     LOOP_KEYS,
@@ -45,6 +44,7 @@ from tunesmith.training.loop import (
     run_main,
 )
 from tunesmith.training.loop_config import LOOP_RULES, flag, number, text
+from tunesmith.training.parallelize import parallelize
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
@@ -82,10 +82,8 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     if not (offload and ctx.device.type == "cuda"):  # offloaded: FSDP2 places the shards
         teacher = teacher.to(ctx.device)
     vocab = shared_vocab(model, teacher, tokenizer.vocab_size, log)
-    if cfg.get("activation_checkpointing"):
-        apply_activation_checkpointing(model, **cfg.activation_checkpointing)
-    model = shard_model(model, ctx)
-    teacher = shard_model(teacher, ctx, cpu_offload=offload)
+    model = parallelize(model, ctx, cfg)  # checkpointing, FSDP2
+    teacher = parallelize(teacher, ctx, frozen=True, cpu_offload=offload)
     objective = Distillation(
         teacher, instantiate(cfg.loss), float(cfg.get("kd_ratio", 0.5)), vocab_size=vocab
     )

@@ -27,8 +27,7 @@ from torch.utils.data import Subset
 
 from tunesmith.config import instantiate
 from tunesmith.data import collate_preference
-from tunesmith.training.activations import apply_activation_checkpointing
-from tunesmith.training.distributed import DistributedContext, shard_model
+from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import router_aux_loss
 from tunesmith.training.loop import (
     LOOP_KEYS,
@@ -42,6 +41,7 @@ from tunesmith.training.loop import (
     run_main,
 )
 from tunesmith.training.loop_config import LOOP_RULES
+from tunesmith.training.parallelize import parallelize
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
@@ -70,9 +70,7 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     model = instantiate(cfg.model).to(ctx.device)
     check_vocab(tokenizer, model, cfg)
     model.spec = model.spec.replace(pad_token_id=tokenizer.pad_id)
-    if cfg.get("activation_checkpointing"):
-        apply_activation_checkpointing(model, **cfg.activation_checkpointing)
-    model = shard_model(model, ctx)
+    model = parallelize(model, ctx, cfg)  # checkpointing, FSDP2
     objective = PairwiseRanking(instantiate(cfg.loss))
 
     loader, sampler = make_loader(dataset, collate, cfg, ctx)

@@ -19,9 +19,8 @@ from tunesmith.config import instantiate
 from tunesmith.config.errors import type_name
 from tunesmith.data import packed_or_padded
 from tunesmith.modules.losses import IGNORE_INDEX, LinearCrossEntropyLoss
-from tunesmith.training.activations import apply_activation_checkpointing
-from tunesmith.training.compile import compile_loss, compile_model, compile_options
-from tunesmith.training.distributed import DistributedContext, shard_model
+from tunesmith.training.compile import compile_loss, compile_options
+from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import forward_batch, router_aux_loss
 from tunesmith.training.loop import (
     LOOP_KEYS,
@@ -36,6 +35,7 @@ from tunesmith.training.loop import (
 )
 from tunesmith.training.loop_config import LOOP_RULES, Rule, flag
 from tunesmith.training.memory_planner import MemoryPlan, estimate_memory, optimizer_kind
+from tunesmith.training.parallelize import parallelize
 from tunesmith.training.preflight import longest_batch
 
 # Arguments the recipe passes at run time (for `tunesmith validate`).
@@ -70,17 +70,12 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     # -- model and loss
     model = instantiate(cfg.model).to(ctx.device)
     check_vocab(tokenizer, model, cfg)
-    if cfg.get("activation_checkpointing"):
-        apply_activation_checkpointing(model, **cfg.activation_checkpointing)
     loss_fn = instantiate(cfg.loss)
+    model = parallelize(model, ctx, cfg)  # checkpointing, compiled layers, FSDP2
     compiling = compile_options(cfg.get("compile"))
-    if compiling is not None and compiling.layers:  # each layer, in place: names unchanged
-        compile_model(model, backend=compiling.backend, mode=compiling.mode,
-                      fullgraph=compiling.fullgraph, dynamic=compiling.dynamic)  # fmt: skip
     if compiling is not None and compiling.loss:
         loss_fn = compile_loss(loss_fn, backend=compiling.backend, mode=compiling.mode,
                                dynamic=compiling.dynamic)  # fmt: skip
-    model = shard_model(model, ctx)
     objective = TokenCrossEntropy(loss_fn)
     plan = _memory_plan(cfg, ctx, model, loss_fn, dataset, collate)
     if plan is not None:
@@ -130,5 +125,5 @@ def _memory_plan(cfg, ctx, model, loss_fn, dataset, collate) -> MemoryPlan | Non
         activation_checkpointing=cfg.get("activation_checkpointing"),
         loss=loss_fn if isinstance(loss_fn, LinearCrossEntropyLoss) else "full",
         optimizer_in_backward=bool(cfg.get("optimizer_in_backward", False)),
-        packed="document_ids" in batch, world_size=ctx.world_size, device=ctx.device,
+        packed="document_ids" in batch, world_size=ctx.shard_size, device=ctx.device,
     )  # fmt: skip

@@ -70,6 +70,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from tunesmith.models.atomic import fsync_path, fsync_tree, replace_directory
 from tunesmith.models.manifest import (
     HASH,
     MARKER,
@@ -122,19 +123,6 @@ def pid_alive(pid: Any) -> bool:
     except OSError:
         return False
     return True
-
-
-def _fsync_path(path: Path, directory: bool) -> None:
-    flags = os.O_RDONLY
-    if directory:
-        if not hasattr(os, "O_DIRECTORY"):  # Windows: directories cannot be fsynced
-            return
-        flags |= os.O_DIRECTORY
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_tree(path: Path) -> None:
@@ -326,14 +314,7 @@ class CheckpointDirectory:
 
     def _manifest(self, tmp: Path, step: int) -> str:
         """Fsync every file and dir of ``tmp``; the manifest text (sizes, hashes, run id)."""
-        names = []
-        for dirpath, dirnames, filenames in os.walk(tmp):
-            d = Path(dirpath)
-            for name in sorted(filenames):
-                _fsync_path(d / name, directory=False)
-                names.append((d / name).relative_to(tmp).as_posix())
-            for name in dirnames:
-                _fsync_path(d / name, directory=True)
+        names = fsync_tree(tmp)
         # read back from the page cache, 4 files at a time
         files = file_entries(tmp, names, sha256=self.checksum)
         manifest = {"step": step, "run": self.run_id, "hash": HASH, "files": files}
@@ -363,22 +344,18 @@ class CheckpointDirectory:
             f.write(manifest)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_path(tmp, directory=True)
+        fsync_path(tmp, directory=True)
 
-        old = None
-        if final.exists():
-            old = self._housekeeping("old", step)
-            with _ACTIVE_LOCK:
-                _ACTIVE.add(old)
-            os.rename(final, old)
-        os.rename(tmp, final)
+        old = self._housekeeping("old", step)  # where a replaced step_N waits until deleted
         with _ACTIVE_LOCK:
-            _ACTIVE.discard(tmp)
-        _fsync_path(self.root, directory=True)
-        if old is not None:
-            _remove_tree(old)
+            _ACTIVE.add(old)
+        try:  # two plain renames (no exchange): clean_stale restores an interrupted overwrite
+            replace_directory(tmp, final, aside=old, exchange=False)
+        finally:
             with _ACTIVE_LOCK:
                 _ACTIVE.discard(old)
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(tmp)
         self.prune(keep=final)
         return final
 
@@ -436,7 +413,7 @@ class CheckpointDirectory:
         for path in paths:
             os.rename(path, into / path.name)
         for folder in {into, into.parent, self.root}:
-            _fsync_path(folder, directory=True)
+            fsync_path(folder, directory=True)
         return into
 
     # ----------------------------------------------------------------------------- cleanup
@@ -499,5 +476,5 @@ class CheckpointDirectory:
             _remove_tree(entry)
             removed.append(entry)
         if removed:
-            _fsync_path(self.root, directory=True)
+            fsync_path(self.root, directory=True)
         return removed

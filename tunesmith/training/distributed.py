@@ -4,26 +4,49 @@ A single process gets a gloo group of size 1 (an in-memory store, no ports), so 
 ``all_reduce``/``barrier``/distributed checkpointing the same way on one CPU and on 64 GPUs.
 Under torchrun each rank joins the launcher's group (NCCL on GPUs, gloo on CPUs).
 
+**The mesh.** ``parallelism: {dp_replicate, dp_shard, tp, cp, ep}`` (:class:`ParallelDims`)
+gives the world one named n-D :class:`~torch.distributed.device_mesh.DeviceMesh`, its
+dimensions in the order ``("dp_replicate", "dp_shard", "cp", "tp")`` (outermost first: ``tp``
+neighbours are adjacent ranks). ``dp_shard`` is always a dimension (of size 1 on one process);
+``dp_replicate``, ``cp`` and ``tp`` only when larger than 1, so the default mesh is 1-D over
+every rank (the mesh FSDP2 has always used). ``ep`` is no factor of the world (it will split ``dp_shard x cp`` for the
+experts). tp, cp and ep > 1 are refused until their issues (#15, #16).
+
+**Data-parallel conventions** (every count, sampler and reduction asks the context, never
+assumes world = data parallel):
+
+- ``ctx.dp_rank`` / ``ctx.dp_size`` (``dp_replicate x dp_shard``): who gets which samples (the
+  samplers, evaluation's split, DPO's reference precompute). ``tp`` and ``cp`` ranks of one
+  ``dp_rank`` see the same samples.
+- ``ctx.dp_cp_size`` / ``ctx.dp_cp_group`` (``dp x cp``): the ranks whose tokens together make
+  the global batch: units, metrics and token counts are summed over it, and FSDP2 averages
+  gradients over it, so a summed loss is scaled by ``dp_cp_size / units``.
+- A group is ``None`` (the default group) when it spans the world.
+
 Example::
 
     >>> ctx = init_distributed("cpu")
-    >>> ctx.world_size, ctx.is_rank_zero
-    (1, True)
+    >>> ctx.world_size, ctx.is_rank_zero, ctx.dp_size, ctx.mesh.mesh_dim_names
+    (1, True, 1, ('dp_shard',))
     >>> close_distributed()
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -32,7 +55,9 @@ from tunesmith.modules.peft.nf4 import is_nf4
 from tunesmith.training.loop_config import LOOP_RULES
 
 __all__ = [
+    "MESH_DIMS",
     "DistributedContext",
+    "ParallelDims",
     "PeerFailureError",
     "all_reduce_sum",
     "close_distributed",
@@ -43,9 +68,97 @@ __all__ = [
 ]
 
 
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+"""The mesh's dimension names, outermost first."""
+_LATER = {"tp": "tensor parallel comes with issue #15",
+          "cp": "context parallel comes with issue #16",
+          "ep": "expert parallel comes with issue #16"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The sizes of the parallel dimensions; their product (``ep`` aside) is the world size.
+
+    >>> dims = ParallelDims.resolve({"dp_replicate": 2, "dp_shard": "auto"}, world_size=4)
+    >>> dims.dp_shard, dims.dp, dims.dp_rank(3), dims.mesh_shape()
+    (2, 4, 3, ((2, 2), ('dp_replicate', 'dp_shard')))
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def resolve(cls, section: Mapping[str, Any] | None, world_size: int) -> ParallelDims:
+        """The ``parallelism`` config section on a world of ``world_size`` ranks (None or
+        absent keys: defaults, ``dp_shard`` what is left of the world). Raises
+        :class:`~tunesmith.config.ConfigError` naming the numbers for a product other than
+        the world size, or a dimension not implemented yet."""
+        problem = LOOP_RULES["parallelism"].problem(section)  # the config key's rule
+        if problem is not None:
+            raise ConfigError.from_issues([ConfigIssue("parallelism", problem)])
+        sizes = dict(section or {})
+        shard = sizes.pop("dp_shard", -1)
+        rest = {k: int(sizes.get(k, 1)) for k in ("dp_replicate", "cp", "tp")}
+        others = rest["dp_replicate"] * rest["cp"] * rest["tp"]
+        named = " x ".join(f"{k} {v}" for k, v in rest.items())
+        if shard in (-1, "auto"):
+            if world_size % others:
+                raise _refused(f"{named} = {others} does not divide the world of {world_size} "
+                               "rank(s), so dp_shard: auto has no size")  # fmt: skip
+            shard = world_size // others
+        dims = cls(dp_shard=int(shard), ep=int(sizes.get("ep", 1)), **rest)
+        if dims.world_size != world_size:
+            auto = ", or set dp_shard: auto" if world_size % others == 0 else ""
+            raise _refused(
+                f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} x "
+                f"tp {dims.tp} = {dims.world_size} rank(s), but the world has {world_size}: "
+                f"make the product {world_size}{auto}"
+            )
+        for name, later in _LATER.items():
+            if getattr(dims, name) > 1:
+                raise _refused(f"{name} {getattr(dims, name)}: not implemented yet ({later}); "
+                               f"use {name}: 1")  # fmt: skip
+        return dims
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each a different share of the samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks whose tokens make the global batch (gradients are averaged over them)."""
+        return self.dp * self.cp
+
+    def dp_rank(self, rank: int) -> int:
+        """``rank``'s data-parallel index (ranks differing only in cp or tp share it)."""
+        return rank // (self.cp * self.tp)
+
+    def dp_cp_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+    def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The mesh's sizes and names: ``dp_shard`` always, the others when > 1."""
+        keep = [n for n in MESH_DIMS if n == "dp_shard" or getattr(self, n) > 1]
+        return tuple(getattr(self, n) for n in keep), tuple(keep)
+
+
+def _refused(message: str) -> ConfigError:
+    return ConfigError.from_issues([ConfigIssue("parallelism", message)])
+
+
 @dataclass(frozen=True)
 class DistributedContext:
-    """Where this process stands: its rank, the world, its device and the mesh over all ranks."""
+    """Where this process stands: its rank, the world, its device, the mesh over all ranks and
+    the parallel dimensions (``dims`` None: every rank data-parallel shard). See the module
+    docs for the ``dp_*`` conventions."""
 
     rank: int
     world_size: int
@@ -53,10 +166,57 @@ class DistributedContext:
     device: torch.device
     mesh: DeviceMesh
     timeout_s: float | None = None  # the bound on collectives (None: the backend's default)
+    dims: ParallelDims | None = None
+    dp_group: ProcessGroup | None = None  # None: the default group (dp spans the world)
+    dp_cp_group: ProcessGroup | None = None
 
     @property
     def is_rank_zero(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size if self.dims is None else self.dims.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank if self.dims is None else self.dims.dp_rank(self.rank)
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.world_size if self.dims is None else self.dims.dp_cp
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards over: ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)``
+        for HSDP (replicated over the first dimension, sharded over the second). Context
+        parallel (#16) will shard over ``dp_shard x cp`` flattened, so that gradients are
+        averaged over ``dp_cp_size`` ranks."""
+        if self.dims is None:
+            return self.mesh
+        names = ("dp_replicate", "dp_shard") if self.dims.dp_replicate > 1 else ("dp_shard",)
+        return _submesh(self.mesh, names)
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks each FSDP2 parameter is split over."""
+        return self.world_size if self.dims is None else self.dims.dp_shard
+
+
+def _submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    if tuple(mesh.mesh_dim_names or ()) == names:
+        return mesh
+    return mesh[names[0]] if len(names) == 1 else mesh[names]
+
+
+def _group(mesh: DeviceMesh, names: tuple[str, ...], world_size: int) -> ProcessGroup | None:
+    """The process group of the mesh dimensions ``names`` (present ones) flattened; None (the
+    default group) when it spans the world."""
+    names = tuple(n for n in names if n in (mesh.mesh_dim_names or ()))
+    if math.prod(mesh.size(mesh.mesh_dim_names.index(n)) for n in names) == world_size:
+        return None
+    sub = _submesh(mesh, names)
+    return sub.get_group() if sub.ndim == 1 else sub._flatten().get_group()
 
 
 def _pick_device(device: str, local_rank: int) -> torch.device:
@@ -68,18 +228,26 @@ def _pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device(device)
 
 
-def init_distributed(device: str = "auto", timeout_s: float | None = None) -> DistributedContext:
-    """Join (or create) the process group and build a 1-D device mesh over every rank.
+def init_distributed(
+    device: str = "auto", timeout_s: float | None = None,
+    parallelism: Mapping[str, Any] | None = None,
+) -> DistributedContext:  # fmt: skip
+    """Join (or create) the process group and build the named device mesh of
+    ``parallelism`` (:class:`ParallelDims`; None: every rank data-parallel shard).
 
     ``device`` is ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``. ``timeout_s``
     bounds every collective: a rank whose peer died or hangs raises an error after that long
     instead of waiting (None: the backend's default, 30 min for gloo, 10 min for NCCL).
+    Sizes that do not make the world are refused before any group is started.
     """
     problem = LOOP_RULES["distributed_timeout_s"].problem(timeout_s)  # the config key's rule
     if problem is not None:
         raise ConfigError.from_issues([ConfigIssue("distributed_timeout_s", problem)])
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=float(timeout_s))}
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = (dist.get_world_size() if dist.is_initialized()
+             else int(os.environ["WORLD_SIZE"]) if launched else 1)  # fmt: skip
+    dims = ParallelDims.resolve(parallelism, world)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dev = _pick_device(device, local_rank)
     backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -90,14 +258,19 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, **timeout
             )
-    mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    shape, names = dims.mesh_shape()
+    mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names)
+    world = dist.get_world_size()
     return DistributedContext(
         rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
+        world_size=world,
         local_rank=local_rank,
         device=dev,
         mesh=mesh,
         timeout_s=None if timeout_s is None else float(timeout_s),
+        dims=dims,
+        dp_group=_group(mesh, ("dp_replicate", "dp_shard"), world),
+        dp_cp_group=_group(mesh, ("dp_replicate", "dp_shard", "cp"), world),
     )
 
 
@@ -169,11 +342,14 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def all_reduce_sum(value: torch.Tensor | float | int, device: torch.device) -> torch.Tensor:
-    """Sum of ``value`` over all ranks (a float64 tensor on ``device``)."""
+def all_reduce_sum(
+    value: torch.Tensor | float | int, device: torch.device, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """Sum of ``value`` over the ranks of ``group`` (None: all ranks), a float64 tensor on
+    ``device``; e.g. ``all_reduce_sum(tokens, ctx.device, ctx.dp_cp_group)``."""
     tensor = torch.as_tensor(value, dtype=torch.float64, device=device).clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
     return tensor
 
 
@@ -182,8 +358,10 @@ def shard_model(
 ) -> nn.Module:
     """FSDP2: ``fully_shard`` each decoder layer, then the root; a no-op on a world of one.
 
-    Parameters become DTensors sharded on dim 0 over ``ctx.mesh``; gradients are averaged
-    over ranks (the recipe scales its loss by the world size to get a global token mean).
+    Parameters become DTensors sharded on dim 0 over ``ctx.fsdp_mesh`` (HSDP on its 2-D
+    ``(dp_replicate, dp_shard)`` mesh: sharded over ``dp_shard``, replicated over
+    ``dp_replicate``); gradients are averaged over the ``ctx.dp_cp_size`` ranks (the loop
+    scales its loss by that to get a global token mean).
     With ``cpu_offload`` (a CUDA device; e.g. a frozen DPO reference or KD teacher) the
     shards live in pinned CPU memory and each layer is copied to the GPU for its forward,
     on any world size; on a CPU device there is nothing to offload to: a warning, no-op.
@@ -196,13 +374,14 @@ def shard_model(
         )
     if ctx.world_size == 1 and not offload:
         return model
-    check_nf4_shardable(model, ctx.world_size)
+    check_nf4_shardable(model, ctx.shard_size)
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+    mesh = ctx.fsdp_mesh
     for layer in model.model.layers:
-        fully_shard(layer, mesh=ctx.mesh, **policy)
-    fully_shard(model, mesh=ctx.mesh, **policy)
+        fully_shard(layer, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     return model
 
 

@@ -3,10 +3,11 @@
 An :class:`Objective` says what one micro-batch's loss is: a *sum* over some unit (trained
 tokens for SFT and KD, preference pairs for DPO and reward models), plus summed metrics.
 :func:`fit` does the rest, identically for every method: per optimizer step it takes
-``gradient_accumulation_steps`` micro-batches, counts their units on all ranks, backpropagates
-each summed loss divided by that count (times the world size, since FSDP averages gradients
-over ranks), so the update equals one big batch's mean; then clips, steps (or lets an
-optimizer in backward do it), logs, validates, checkpoints, and stops cleanly on SIGTERM.
+``gradient_accumulation_steps`` micro-batches, counts their units on the data-parallel ranks
+(``ctx.dp_cp_group``), backpropagates each summed loss divided by that count (times
+``ctx.dp_cp_size``, since FSDP averages gradients over those ranks), so the update equals one
+big batch's mean; then clips, steps (or lets an optimizer in backward do it), logs,
+validates, checkpoints, and stops cleanly on SIGTERM.
 
 Example (the core of a recipe)::
 
@@ -31,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -39,6 +40,7 @@ from tqdm import tqdm
 
 from tunesmith.config import ConfigError, check_keys, instantiate, plain_config
 from tunesmith.data import split_train_val
+from tunesmith.modules.dtypes import AUTOCAST
 from tunesmith.training.activations import activation_offloading
 from tunesmith.training.checkpointer import Checkpointer
 from tunesmith.training.distributed import (
@@ -88,12 +90,12 @@ LOOP_KEYS = [
     "lr_scheduler", "max_grad_norm", "tokenizer", "dataset", "val_dataset", "val_fraction", "metric_loggers", "log_every_n_steps", "eval_every_n_steps",
     "save_every_n_steps", "keep_last", "resume", "overwrite", "on_nonfinite_loss", "progress_bar",
     "optimizer_in_backward", "activation_offloading", "distributed_timeout_s", "preflight",
+    "parallelism",
 ]  # fmt: skip
 # Arguments fit() passes at run time (for `tunesmith validate`).
 LOOP_RUNTIME_ARGS = {"tokenizer": 0, "dataset": 1, "val_dataset": 1, "optimizer": 1,
                      "lr_scheduler": 1}  # fmt: skip
 LOOP_RUNTIME_KWARGS = {"lr_scheduler": ["num_training_steps"]}
-AUTOCAST = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -137,7 +139,14 @@ def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictC
     resume = cfg.get("resume", False)
     if isinstance(resume, str) and not Path(resume).is_dir():  # before anything is written
         raise FileNotFoundError(f"resume={resume}: no such checkpoint folder")
-    ctx = init_distributed(cfg.get("device", "auto"), cfg.get("distributed_timeout_s"))
+    parallelism = cfg.get("parallelism")
+    if isinstance(parallelism, DictConfig):
+        parallelism = OmegaConf.to_container(parallelism, resolve=True)
+    ctx = init_distributed(cfg.get("device", "auto"), cfg.get("distributed_timeout_s"),
+                           parallelism)  # fmt: skip
+    if parallelism is not None and ctx.is_rank_zero:
+        print(f"parallelism: {ctx.mesh.mesh_dim_names} mesh of {tuple(ctx.mesh.shape)} ranks, "
+              f"{ctx.dp_size} data-parallel")  # fmt: skip
     previous_sigterm = signal.getsignal(signal.SIGTERM)
     lock = None
     try:  # one run per output_dir, taken before anything is written into it
@@ -165,17 +174,19 @@ def make_loader(
     ctx: DistributedContext,
 ) -> tuple[StatefulDataLoader, DistributedSampler]:  # fmt: skip
     """This rank's resumable loader over ``dataset`` (a new order every epoch when
-    ``cfg.shuffle``, drawn from ``cfg.seed``). Incomplete batches are dropped, and so are the
-    samples past a multiple of the world size: how many each epoch leaves out is logged."""
-    dropped = dropped_per_epoch(len(dataset), ctx.world_size, int(cfg.batch_size))
+    ``cfg.shuffle``, drawn from ``cfg.seed``), its share of the samples that of its
+    data-parallel rank (``ctx.dp_rank`` of ``ctx.dp_size``). Incomplete batches are dropped,
+    and so are the samples past a multiple of the dp size: how many each epoch leaves out is
+    logged."""
+    dropped = dropped_per_epoch(len(dataset), ctx.dp_size, int(cfg.batch_size))
     if dropped and ctx.is_rank_zero:
         which = ("a different draw each epoch" if cfg.get("shuffle", True)
                  else "always the same ones: shuffle is off")  # fmt: skip
-        print(f"data: {len(dataset)} samples, {ctx.world_size} rank(s) x batch_size "
+        print(f"data: {len(dataset)} samples, {ctx.dp_size} data-parallel rank(s) x batch_size "
               f"{cfg.batch_size}: {dropped} sample(s) left out of each epoch (drop_last; "
               f"{which})")  # fmt: skip
     sampler = DistributedSampler(
-        dataset, num_replicas=ctx.world_size, rank=ctx.rank,
+        dataset, num_replicas=ctx.dp_size, rank=ctx.dp_rank,
         shuffle=bool(cfg.get("shuffle", True)), seed=int(cfg.get("seed", 0)), drop_last=True,
     )  # fmt: skip
     loader = StatefulDataLoader(
@@ -252,7 +263,8 @@ def fit(
     if steps_per_epoch == 0:
         raise ValueError(
             f"{len(loader.dataset)} samples make no optimizer step: batch_size {cfg.batch_size} "
-            f"x gradient_accumulation_steps {accum} x {ctx.world_size} ranks is larger"
+            f"x gradient_accumulation_steps {accum} x {ctx.dp_size} data-parallel ranks is "
+            "larger"
         )
     total_steps = cfg.get("max_steps") or steps_per_epoch * int(cfg.get("epochs", 1))
 
@@ -313,7 +325,8 @@ def fit(
         while progress["step"] < total_steps:
             step = progress["step"] + 1
             micro = [next(stream) for _ in range(accum)]
-            units = all_reduce_sum(sum(objective.units(mb) for mb in micro), ctx.device)
+            units = all_reduce_sum(sum(objective.units(mb) for mb in micro), ctx.device,
+                                   ctx.dp_cp_group)  # fmt: skip
             step_loss = torch.zeros((), device=ctx.device)
             sums: dict[str, torch.Tensor] = {}
             for mb in micro:
@@ -323,13 +336,13 @@ def fit(
                     activation_offloading(offload, device=ctx.device),
                 ):
                     out = objective(model, batch)
-                loss = out.loss * ctx.world_size / units.float()
+                loss = out.loss * ctx.dp_cp_size / units.float()  # FSDP2 averages over dp x cp
                 if out.aux_loss is not None:  # already a mean over this micro-batch
                     loss = loss + out.aux_loss / accum
                 loss.backward()
                 step_loss += loss.detach()
                 _add_metrics(sums, out.metrics)
-            step_loss = all_reduce_sum(step_loss, ctx.device) / ctx.world_size
+            step_loss = all_reduce_sum(step_loss, ctx.device, ctx.dp_cp_group) / ctx.dp_cp_size
             # with the optimizer in backward the update is done and no gradient is left
             grad_norm = float("nan") if in_backward else _clip(model, cfg.get("max_grad_norm"))
 
@@ -347,7 +360,8 @@ def fit(
             scheduler.step()
             progress["step"] = step
             real_tokens = sum(_real_tokens(mb) for mb in micro)
-            progress["tokens_seen"] += int(all_reduce_sum(real_tokens, ctx.device).item())
+            seen = all_reduce_sum(real_tokens, ctx.device, ctx.dp_cp_group)
+            progress["tokens_seen"] += int(seen.item())
             bar.update(1)
 
             if step % int(cfg.get("log_every_n_steps", 1)) == 0 or step == total_steps:
@@ -356,7 +370,7 @@ def fit(
                     "loss": step_loss.item(), "lr": scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm, "tokens_seen": progress["tokens_seen"],
                     objective.unit: int(units.item()),
-                    "tokens_per_s": real_tokens * ctx.world_size / elapsed,
+                    "tokens_per_s": real_tokens * ctx.dp_cp_size / elapsed,
                     "peak_memory_gb": peak_memory_gb(ctx.device),
                 }  # fmt: skip
                 metrics |= _means(sums, units, ctx)
@@ -395,10 +409,11 @@ def evaluate(
     autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:  # fmt: skip
     """``val_loss`` and ``val_<metric>``: the objective's sums over ``dataset`` divided by its
-    units, with no gradient. Rank ``r`` takes items ``r, r + world, ...``; every rank runs
-    the same number of batches (a sharded model needs each forward on all ranks), a rank
-    short of items repeating one whose result it then discards, so no item counts twice."""
-    mine = list(range(ctx.rank, len(dataset), ctx.world_size))
+    units, with no gradient. Data-parallel rank ``r`` takes items ``r, r + dp_size, ...``;
+    every rank runs the same number of batches (a sharded model needs each forward on all
+    ranks), a rank short of items repeating one whose result it then discards, so no item
+    counts twice."""
+    mine = list(range(ctx.dp_rank, len(dataset), ctx.dp_size))
     batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
     rounds = len(batches)
     if ctx.world_size > 1:
@@ -422,7 +437,7 @@ def evaluate(
             _add_metrics(sums, metrics)
             units += objective.units(mb) if counted else 0
     model.train()
-    total_units = all_reduce_sum(units, ctx.device)
+    total_units = all_reduce_sum(units, ctx.device, ctx.dp_cp_group)
     return {f"val_{k}": v for k, v in _means(sums, total_units, ctx).items()}
 
 
@@ -453,9 +468,9 @@ def _add_metrics(sums: dict[str, torch.Tensor], metrics: Mapping[str, torch.Tens
 def _means(
     sums: Mapping[str, torch.Tensor], units: torch.Tensor, ctx: DistributedContext
 ) -> dict[str, float]:
-    """Each summed metric over all ranks divided by the global unit count."""
+    """Each summed metric over the dp x cp ranks divided by the global unit count."""
     return {
-        key: (all_reduce_sum(value, ctx.device) / units.to(torch.float64)).item()
+        key: (all_reduce_sum(value, ctx.device, ctx.dp_cp_group) / units.to(torch.float64)).item()
         for key, value in sorted(sums.items())
     }
 

@@ -52,9 +52,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from tunesmith.config import COMPONENT_KEY, ConfigError, ConfigIssue
+from tunesmith.config import COMPONENT_KEY, ConfigError, ConfigIssue, resolve_component
 from tunesmith.config.errors import type_name
 from tunesmith.config.nodes import has_key, read_child
+from tunesmith.modules.dtypes import AUTOCAST
 
 __all__ = [
     "LOOP_RULES",
@@ -219,6 +220,26 @@ def _shown(value: Any) -> str:
     return f"a {type_name(value)}"
 
 
+_PARALLEL_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "ep")
+
+
+def _parallelism_problem(value: Any) -> str | None:
+    """What is wrong inside a ``parallelism`` mapping (its sizes against the world are
+    checked when the process group starts: :class:`~tunesmith.training.distributed.ParallelDims`)."""
+    if value is None:
+        return None
+    for key in value.keys():  # noqa: SIM118 (a DictConfig or a dict)
+        if key not in _PARALLEL_KEYS:
+            return f"unknown key {key!r} (allowed: {', '.join(_PARALLEL_KEYS)})"
+    for key in _PARALLEL_KEYS:
+        size = value.get(key, 1)
+        auto = key == "dp_shard" and ((_is_int(size) and size == -1) or size == "auto")
+        if not auto and not (_is_int(size) and size >= 1):
+            also = " (or -1 / 'auto': what is left of the world)" if key == "dp_shard" else ""
+            return f"{key}: expected an int >= 1{also}, got {_shown(size)}"
+    return None
+
+
 LOOP_RULES: dict[str, Rule] = {
     "output_dir": text(required=True),
     "model_dir": text(null="no source model folder"),
@@ -226,7 +247,7 @@ LOOP_RULES: dict[str, Rule] = {
     "device": Rule(
         "one of 'auto', 'cpu', 'cuda'", lambda v: v in ("auto", "cpu", "cuda"), extra=_cuda_missing
     ),
-    "mixed_precision": choice("bf16", "fp16", null="full precision"),
+    "mixed_precision": choice(*(k for k in AUTOCAST if k), null="full precision"),
     "shuffle": flag(),
     "batch_size": integer(1, required=True),
     "gradient_accumulation_steps": integer(1),
@@ -258,6 +279,12 @@ LOOP_RULES: dict[str, Rule] = {
     ),
     "preflight": flag(),
     "overwrite": flag(),
+    "parallelism": Rule(
+        "a mapping of dp_replicate, dp_shard, tp, cp, ep sizes, or null (every rank "
+        "data-parallel shard)",
+        lambda v: v is None or type_name(v) == "mapping",
+        extra=_parallelism_problem,
+    ),
 }
 """One rule per top-level key the loop reads (``LOOP_KEYS``, plus ``overwrite``)."""
 
@@ -397,21 +424,35 @@ def _leaves(tree: Any, path: str = "") -> dict[str, Any]:
     return out
 
 
-def _same(a: Any, b: Any) -> bool:
-    return isinstance(a, bool) == isinstance(b, bool) and a == b
+def _same(path: str, a: Any, b: Any) -> bool:
+    """Equal values (``True`` is not ``1``); an absent key and ``null`` (both: the default);
+    two ``_component_`` paths that resolve to the same object (a class moved to another module,
+    still importable under its old path)."""
+    if a is _ABSENT or b is _ABSENT:
+        return (b if a is _ABSENT else a) is None
+    if isinstance(a, bool) == isinstance(b, bool) and a == b:
+        return True
+    if path.rsplit(".", 1)[-1] != COMPONENT_KEY or not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    try:
+        return resolve_component(a) is resolve_component(b)
+    except ConfigError:
+        return False
 
 
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
     """Every leaf that differs between two rendered configs, in the new config's order
-    (then the keys it no longer has).
+    (then the keys it no longer has). A key set to null where the other config lacks it is no
+    change, nor is a ``_component_`` path that resolves to the same object as before.
 
     >>> [str(c) for c in config_changes({"optimizer": {"lr": 1e-3}}, {"optimizer": {"lr": 2e-3}})]
     ['optimizer.lr: 0.001 -> 0.002']
     """
     before, after = _leaves(old), _leaves(new)
     changes = [Change(p, before.get(p, _ABSENT), v) for p, v in after.items()
-               if p not in before or not _same(before[p], v)]  # fmt: skip
-    changes += [Change(p, v, _ABSENT) for p, v in before.items() if p not in after]
+               if not _same(p, before.get(p, _ABSENT), v)]  # fmt: skip
+    changes += [Change(p, v, _ABSENT) for p, v in before.items()
+                if p not in after and not _same(p, v, _ABSENT)]  # fmt: skip
     return changes
 
 

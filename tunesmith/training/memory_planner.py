@@ -69,6 +69,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from tunesmith.modules.dtypes import AUTOCAST
 from tunesmith.modules.losses import LinearCrossEntropyLoss
 from tunesmith.training.memory import storage_bytes
 
@@ -281,7 +282,7 @@ def estimate_memory(
     if not (loss == "full" or isinstance(loss, LinearCrossEntropyLoss)):
         raise ValueError(f"loss must be 'full', 'linear' or a LinearCrossEntropyLoss, got {loss!r}")
     mode, every_k = _checkpointing(activation_checkpointing)
-    if mixed_precision not in (None, "bf16", "fp16"):
+    if mixed_precision not in AUTOCAST:
         raise ValueError(f"mixed_precision must be bf16, fp16 or None, got {mixed_precision!r}")
 
     params = list(model.parameters())  # a tied parameter once

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tunesmith.modules.losses import IGNORE_INDEX
+from tunesmith.modules.losses.token import IGNORE_INDEX
 
 __all__ = ["KD_KINDS", "KDLoss", "divergence"]
 

@@ -26,6 +26,8 @@ from torch.autograd.function import once_differentiable
 __all__ = ["IGNORE_INDEX", "CrossEntropyLoss", "LinearCrossEntropyLoss", "token_logprobs"]
 
 IGNORE_INDEX = -100
+"""Label of positions that are not trained (the ``ignore_index`` of every loss); the one
+definition, re-exported by :mod:`tunesmith.data.labels`."""
 
 
 class CrossEntropyLoss(nn.Module):

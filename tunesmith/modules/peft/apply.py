@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from tunesmith.modules.dtypes import dtype_from_name
 from tunesmith.modules.moe import MoE
 from tunesmith.modules.peft.dora import DoRALinear
 from tunesmith.modules.peft.lora import LoRALinear
@@ -58,15 +59,6 @@ ADAPTER_KEY_SUFFIXES: tuple[str, ...] = (
     ".lora_magnitude_vector",
 )
 
-_DTYPE_ALIASES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
-
 
 def is_adapter_key(key: str) -> bool:
     """Whether a state-dict key names an adapter tensor (not a base weight)."""
@@ -74,12 +66,7 @@ def is_adapter_key(key: str) -> bool:
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).removeprefix("torch.").lower()
-    if name not in _DTYPE_ALIASES:
-        raise ValueError(f"adapter_dtype {dtype!r} is not one of {sorted(_DTYPE_ALIASES)}")
-    return _DTYPE_ALIASES[name]
+    return None if dtype is None else dtype_from_name(dtype, what="adapter_dtype")
 
 
 def resolve_quantize_base(quantize_base: bool | str | None) -> str | None:

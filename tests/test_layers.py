@@ -1,0 +1,114 @@
+"""The layers of docs/architecture.md, checked on the source: every import between tunesmith's
+subpackages (function-level and ``TYPE_CHECKING`` imports included) points downwards, so there
+is no import cycle between them.
+
+Example of the check on one edge::
+
+    >>> allowed("training", "models"), allowed("models", "training")
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import tunesmith
+
+PACKAGE = Path(tunesmith.__file__).parent
+
+# Higher imports lower, never the other way; equal ranks are siblings that import neither.
+# "tunesmith" is the package's own __init__ (``tunesmith.run``, imported lazily from recipes).
+RANKS = {
+    "tunesmith": 10,
+    "cli": 9,
+    "demo": 8,  # the demo app, beside the CLI: the CLI runs it, it never imports the CLI
+    "recipes": 7,
+    "rl": 6,
+    "training": 5,
+    "data": 4,
+    "generation": 4,
+    "models": 3,
+    "modules": 2,
+    "config": 1,
+}
+
+# Imports that break the order today, each with the reason it is tolerated: none.
+EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+
+def allowed(source: str, target: str) -> bool:
+    """Whether subpackage ``source`` may import subpackage ``target``."""
+    return source == target or RANKS[source] > RANKS[target]
+
+
+def _layer(dotted: str) -> str:
+    """``tunesmith.models.hf`` -> ``models``; the package itself (and any top-level module
+    file of it) -> ``tunesmith``."""
+    parts = dotted.split(".")
+    if len(parts) > 1 and (PACKAGE / parts[1]).is_dir():
+        return parts[1]
+    return "tunesmith"
+
+
+def _imports(text: str, module: tuple[str, ...]) -> list[tuple[str, int]]:
+    """Every tunesmith module the source ``text`` of ``module`` (its dotted parts, ending in
+    ``__init__`` for a package) imports, anywhere in the file, with its line."""
+    package = list(module[:-1])
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this file's package
+                base = package[: len(package) - node.level + 1]
+                names = [".".join([*base, *([node.module] if node.module else [])])]
+            else:
+                names = [node.module or ""]
+        else:
+            continue
+        found += [(n, node.lineno) for n in names if n == "tunesmith" or n.startswith("tunesmith.")]
+    return found
+
+
+def _edges() -> dict[tuple[str, str], list[str]]:
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = _layer(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        module = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        for name, line in _imports(path.read_text(encoding="utf-8"), module):
+            target = _layer(name)
+            if target != source:
+                edges[(source, target)].append(f"{path.relative_to(PACKAGE.parent)}:{line}")
+    return edges
+
+
+def test_every_subpackage_has_a_layer():
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert packages - RANKS.keys() == set(), "add the new subpackage to RANKS (and the docs)"
+
+
+def test_imports_point_downwards():
+    edges = _edges()
+    assert edges, "no imports found: the walk is broken"
+    bad = [
+        f"{source} -> {target} ({', '.join(where[:3])})"
+        for (source, target), where in sorted(edges.items())
+        if not allowed(source, target) and (source, target) not in EXCEPTIONS
+    ]
+    assert bad == [], "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_the_exceptions_are_still_needed():
+    edges = _edges()
+    assert [e for e in EXCEPTIONS if e not in edges] == []
+
+
+def test_the_walk_sees_function_level_and_relative_imports():
+    """An upward import hidden in a function (the old demo -> cli cycle) is found."""
+    text = "def f():\n    from tunesmith.cli.main import build_parser\nfrom ..models import hf\n"
+    found = _imports(text, ("tunesmith", "demo", "run"))
+    assert sorted(found) == [("tunesmith.cli.main", 2), ("tunesmith.models", 3)]
+    assert [_layer(n) for n, _ in sorted(found)] == ["cli", "models"]
+    assert not allowed("demo", "cli")

@@ -1,0 +1,171 @@
+"""Model families as data: one :class:`Family` entry per HF ``model_type``, in one table.
+
+A family file declares its entry once with :func:`register_family`; ``spec.py`` (config.json
+<-> :class:`~tunesmith.models.spec.ModelSpec`) and ``from_hf`` look families up here by
+``model_type`` and never name one. What every family shares (sizes, heads, RoPE, tokens ...)
+is translated generically; an entry holds only what differs:
+
+- ``implied``: spec fields the ``model_type`` itself means (Qwen3: ``{"qk_norm": True}``);
+- ``flags``: boolean spec fields its config.json carries as keys (Llama: ``attention_bias``);
+- ``defaults``: transformers' values for keys a config.json may omit;
+- ``from_hf_config`` / ``to_hf_config``: code for real differences (sliding window, experts).
+
+Example::
+
+    >>> from tunesmith.models.family import Family, family_for, register_family
+    >>> family_for("qwen3").architecture
+    'Qwen3ForCausalLM'
+    >>> toy = register_family(Family("toy", "toy", "LlamaForCausalLM"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tunesmith.models.spec import ModelSpec
+
+__all__ = [
+    "FLAG_FIELDS",
+    "OPTIONAL_KEYS",
+    "Family",
+    "UnsupportedModelError",
+    "families",
+    "family_for",
+    "register_family",
+    "unregister_family",
+]
+
+FLAG_FIELDS: tuple[str, ...] = ("qkv_bias", "qk_norm", "attention_bias", "mlp_bias")
+"""Boolean spec switches a config.json either carries as a key (``flags``) or means by its
+``model_type`` (``implied``); any other family must leave them False."""
+
+OPTIONAL_KEYS: tuple[str, ...] = (
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+"""config.json keys read as they are when present, else from ``Family.defaults``, else the
+:class:`ModelSpec` default. ``head_dim`` may also be defaulted (else width / heads)."""
+
+
+class UnsupportedModelError(ValueError):
+    """A config asks for a model type or feature tunesmith does not implement."""
+
+
+def _no_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+def _no_keys(spec: ModelSpec) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its HF ``model_type`` and how its config.json differs from the rest.
+
+    Args:
+        name: tunesmith's name for it (the family file, e.g. ``"qwen2_5"``).
+        model_type: the ``model_type`` of its HF ``config.json`` (e.g. ``"qwen2"``).
+        architecture: the transformers causal-LM class (``"Qwen2ForCausalLM"``); the reward
+            model class is the same with ``ForSequenceClassification``.
+        implied: spec fields every config of this type means (``{"qkv_bias": True}``).
+        flags: names in :data:`FLAG_FIELDS` the config.json carries as keys of the same name.
+        defaults: transformers' values for keys in :data:`OPTIONAL_KEYS` (or ``head_dim``)
+            when a config.json omits them.
+        from_hf_config: config.json dict -> further spec fields (sliding window, experts).
+        to_hf_config: spec -> further config.json keys; it may raise
+            :class:`UnsupportedModelError` for what it cannot write. A spec with a sliding
+            window (experts) is refused unless ``from_hf_config`` reads the written config
+            back to the same ``sliding_window`` (``num_experts``).
+        template: its chat template: a shipped name (``tunesmith/data/templates/<name>.jinja``)
+            or the path of a ``.jinja`` file; None when the family ships none.
+
+    Example::
+
+        >>> Family("toy", "toy", "ToyForCausalLM", flags=("attention_bias",),
+        ...        defaults={"max_position_embeddings": 2048}).flags
+        ('attention_bias',)
+    """
+
+    name: str
+    model_type: str
+    architecture: str
+    implied: Mapping[str, Any] = field(default_factory=dict)
+    flags: tuple[str, ...] = ()
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    from_hf_config: Callable[[Mapping[str, Any]], dict[str, Any]] = _no_fields
+    to_hf_config: Callable[[ModelSpec], dict[str, Any]] = _no_keys
+    template: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flags", tuple(self.flags))
+        unknown = [f for f in self.flags if f not in FLAG_FIELDS]
+        if unknown:
+            raise ValueError(f"family {self.name!r}: flags {unknown} not in {FLAG_FIELDS}")
+        both = sorted(set(self.flags) & set(self.implied))
+        if both:
+            raise ValueError(f"family {self.name!r}: {both} both implied and read as flags")
+        bad = [k for k in self.defaults if k not in (*OPTIONAL_KEYS, "head_dim")]
+        if bad:
+            raise ValueError(f"family {self.name!r}: defaults for {bad} are not read")
+
+    @property
+    def classifier_architecture(self) -> str:
+        """The transformers reward-model (``*ForSequenceClassification``) class."""
+        return self.architecture.replace("ForCausalLM", "ForSequenceClassification")
+
+
+# model_type -> Family, in registration order (the order of imports in tunesmith.models).
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add ``family`` to the table and return it; a name or ``model_type`` already there is refused.
+
+    Example::
+
+        >>> FAMILY = register_family(Family("toy", "toy", "LlamaForCausalLM"))  # doctest: +SKIP
+    """
+    if not isinstance(family, Family):
+        raise TypeError(f"register_family expects a Family, got {type(family).__name__}")
+    for other in _FAMILIES.values():
+        if other.model_type == family.model_type or other.name == family.name:
+            raise ValueError(
+                f"family {family.name!r} (model_type {family.model_type!r}) clashes with the "
+                f"registered family {other.name!r} (model_type {other.model_type!r})"
+            )
+    _FAMILIES[family.model_type] = family
+    return family
+
+
+def unregister_family(model_type: str) -> Family:
+    """Remove and return the family of ``model_type`` (tests, or to replace a shipped one)."""
+    return _FAMILIES.pop(family_for(model_type).model_type)
+
+
+def families() -> tuple[Family, ...]:
+    """Every registered family, in registration order."""
+    return tuple(_FAMILIES.values())
+
+
+def family_for(model_type: Any) -> Family:
+    """The family of a config.json ``model_type``; :class:`UnsupportedModelError` lists the known.
+
+    Example::
+
+        >>> family_for("llama").name
+        'llama3'
+    """
+    family = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(_FAMILIES))}"
+        )
+    return family

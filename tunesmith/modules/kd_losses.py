@@ -1,0 +1,9 @@
+"""Old path of :mod:`tunesmith.modules.losses.kd`, kept so that configs written before the
+losses moved into one package (``_component_: tunesmith.modules.kd_losses.KDLoss``, and the
+config each checkpoint stores) still build the same classes. New code and configs use
+``tunesmith.modules.losses``.
+"""
+
+from tunesmith.modules.losses.kd import KD_KINDS, KDLoss, divergence
+
+__all__ = ["KD_KINDS", "KDLoss", "divergence"]

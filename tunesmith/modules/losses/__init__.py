@@ -1,0 +1,68 @@
+"""Every training objective of tunesmith, one file per kind, all re-exported here.
+
+- :mod:`~tunesmith.modules.losses.token`: next-token losses on shifted labels —
+  :class:`CrossEntropyLoss`, :class:`LinearCrossEntropyLoss` (chunked, no full logits),
+  :func:`token_logprobs` (per-token log-probabilities, chunked) and :data:`IGNORE_INDEX`
+  (the label of positions that are not trained; its one definition).
+- :mod:`~tunesmith.modules.losses.preference`: pairwise preference losses on summed response
+  log-probabilities (:class:`PairLogps`): the DPO family (:class:`DPOLoss` (cDPO),
+  :class:`IPOLoss`, :class:`HingeLoss`, :class:`SimPOLoss`, :class:`ORPOLoss`) and the
+  reward model's :class:`BradleyTerryLoss`.
+- :mod:`~tunesmith.modules.losses.kd`: knowledge distillation (:class:`KDLoss`,
+  :func:`divergence`, :data:`KD_KINDS`).
+- RL objectives (PPO's clipped surrogate, GRPO, KL penalties against a reference) go in a
+  new ``rl.py`` here, re-exported below like the others; rollouts, rewards and advantages
+  themselves belong to ``tunesmith.rl``, not to this package.
+
+Conventions every loss here keeps: it is a plain ``nn.Module`` (or function) on tensors that
+knows nothing of models or training; it returns *sums* (or one value per sequence/pair), and
+the recipe divides by the global count of trained tokens or pairs, so gradient accumulation
+and data parallelism give the same update as one big batch; arithmetic is float32 at least.
+
+Configs name a loss by its path here, e.g. ``_component_: tunesmith.modules.losses.DPOLoss``.
+The paths of the modules these files were before (``tunesmith.modules.preference_losses.*``,
+``tunesmith.modules.kd_losses.*``) still resolve to the same classes, so configs written
+before (and the config stored in each checkpoint) keep building.
+
+Example::
+
+    >>> from tunesmith.modules.losses import CrossEntropyLoss, DPOLoss, KDLoss, IGNORE_INDEX
+    >>> IGNORE_INDEX
+    -100
+"""
+
+from tunesmith.modules.losses.kd import KD_KINDS, KDLoss, divergence
+from tunesmith.modules.losses.preference import (
+    BradleyTerryLoss,
+    DPOLoss,
+    HingeLoss,
+    IPOLoss,
+    ORPOLoss,
+    PairLogps,
+    PreferenceLossOutput,
+    SimPOLoss,
+)
+from tunesmith.modules.losses.token import (
+    IGNORE_INDEX,
+    CrossEntropyLoss,
+    LinearCrossEntropyLoss,
+    token_logprobs,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "KD_KINDS",
+    "BradleyTerryLoss",
+    "CrossEntropyLoss",
+    "DPOLoss",
+    "HingeLoss",
+    "IPOLoss",
+    "KDLoss",
+    "LinearCrossEntropyLoss",
+    "ORPOLoss",
+    "PairLogps",
+    "PreferenceLossOutput",
+    "SimPOLoss",
+    "divergence",
+    "token_logprobs",
+]

@@ -1,0 +1,27 @@
+"""Old path of :mod:`tunesmith.modules.losses.preference`, kept so that configs written before
+the losses moved into one package (``_component_: tunesmith.modules.preference_losses.DPOLoss``,
+and the config each checkpoint stores) still build the same classes. New code and configs use
+``tunesmith.modules.losses``.
+"""
+
+from tunesmith.modules.losses.preference import (
+    BradleyTerryLoss,
+    DPOLoss,
+    HingeLoss,
+    IPOLoss,
+    ORPOLoss,
+    PairLogps,
+    PreferenceLossOutput,
+    SimPOLoss,
+)
+
+__all__ = [
+    "BradleyTerryLoss",
+    "DPOLoss",
+    "HingeLoss",
+    "IPOLoss",
+    "ORPOLoss",
+    "PairLogps",
+    "PreferenceLossOutput",
+    "SimPOLoss",
+]

@@ -1,0 +1,80 @@
+"""One ``parallelize(model, ctx, cfg)`` for every recipe: the model's parallel plan, applied in
+one fixed order.
+
+1. **tensor / sequence parallel** over the mesh's ``tp`` dimension: a slot until issue #15
+   (the model's dimensions are checked against the sizes here: :func:`check_model_fits`);
+2. **activation checkpointing** (``cfg.activation_checkpointing``), trained models only;
+3. **compile** of each decoder layer (``cfg.compile``), trained models only;
+4. **FSDP2** over ``ctx.fsdp_mesh`` (:func:`~tunesmith.training.distributed.shard_model`):
+   HSDP on the 2-D ``(dp_replicate, dp_shard)`` mesh, plain FSDP2 on ``dp_shard``; a frozen
+   model (DPO reference, KD teacher) may keep its shards in CPU memory (``cpu_offload``).
+
+The order matters: TP rewrites the layers' parameters into DTensors that FSDP2 then shards on
+the remaining dimensions, checkpointing wraps the (parallel) layer's forward, compile traces
+the checkpointed forward, and FSDP2's hooks go outermost.
+
+Example::
+
+    >>> model = parallelize(instantiate(cfg.model).to(ctx.device), ctx, cfg)   # doctest: +SKIP
+    >>> teacher = parallelize(teacher, ctx, frozen=True, cpu_offload=True)     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from tunesmith.config import ConfigError, ConfigIssue
+from tunesmith.training.activations import apply_activation_checkpointing
+from tunesmith.training.compile import compile_model, compile_options
+from tunesmith.training.distributed import DistributedContext, ParallelDims, shard_model
+
+__all__ = ["check_model_fits", "parallelize"]
+
+
+def parallelize(
+    model: nn.Module, ctx: DistributedContext, cfg: Mapping[str, Any] | None = None, *,
+    frozen: bool = False, cpu_offload: bool = False,
+) -> nn.Module:  # fmt: skip
+    """``model`` with the plan of the module docs applied, as ``cfg``'s
+    ``activation_checkpointing`` and ``compile`` keys say (``frozen``: neither, a model that
+    is never trained); returns the (sharded) model.
+
+    >>> model = parallelize(model, ctx, {"activation_checkpointing": {"mode": "full"}})  # doctest: +SKIP
+    """
+    cfg = cfg or {}
+    if ctx.dims is not None:  # 1. tensor / sequence parallel (#15): the sizes must fit
+        check_model_fits(getattr(model, "spec", None), ctx.dims)
+    if not frozen and cfg.get("activation_checkpointing"):  # 2.
+        apply_activation_checkpointing(model, **cfg["activation_checkpointing"])
+    compiling = None if frozen else compile_options(cfg.get("compile"))
+    if compiling is not None and compiling.layers:  # 3. each layer, in place: names unchanged
+        compile_model(model, backend=compiling.backend, mode=compiling.mode,
+                      fullgraph=compiling.fullgraph, dynamic=compiling.dynamic)  # fmt: skip
+    return shard_model(model, ctx, cpu_offload=cpu_offload)  # 4.
+
+
+def check_model_fits(spec: Any, dims: ParallelDims) -> None:
+    """Refuse (:class:`~tunesmith.config.ConfigError`, the numbers named) a model whose
+    attention heads or kv heads do not divide by ``tp`` or whose experts do not divide by
+    ``ep``; call it on the spec before loading weights. A model without a spec passes.
+
+    >>> check_model_fits(spec, ParallelDims(tp=3))  # doctest: +SKIP
+    ConfigError: parallelism: tp 3 does not divide num_attention_heads 16 ...
+    """
+    if spec is None:
+        return
+    needs = [("tp", dims.tp, "num_attention_heads"), ("tp", dims.tp, "num_key_value_heads"),
+             ("ep", dims.ep, "num_experts")]  # fmt: skip
+    issues = [
+        ConfigIssue(
+            "parallelism",
+            f"{dim} {size} does not divide {field} {getattr(spec, field)} of the model",
+        )  # fmt: skip
+        for dim, size, field in needs
+        if size > 1 and getattr(spec, field, 0) and getattr(spec, field) % size
+    ]
+    if issues:
+        raise ConfigError.from_issues(issues)
