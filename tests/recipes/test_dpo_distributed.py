@@ -43,10 +43,19 @@ def world(tmp_path_factory):
 
 
 def _single(world, name: str, *extra: str):
+    """The single-process run ``name`` (run once per module: two tests compare with it)."""
     root, model_dir, data = world
+    if (root / name / "checkpoints").is_dir():
+        return root / name
     return run_recipe(
         "dpo", "tiny", model_dir, data, root / name, f"batch_size={2 * PER_RANK}", *COMMON, *extra
     )
+
+
+@pytest.fixture(scope="module")
+def single_live(world):
+    """The one-process run (reference log-probs on the fly) that the precompute runs match."""
+    return _single(world, "single_live", VAL)
 
 
 def _check_same_as_single(model_dir, single, distributed, ranks: int = 2) -> None:
@@ -78,12 +87,12 @@ def test_two_gloo_ranks_equal_one_process(world, tmp_path):
     _check_same_as_single(model_dir, single, out)
 
 
-def test_precomputed_reference_on_two_ranks_equals_one_process(world, tmp_path):
+def test_precomputed_reference_on_two_ranks_equals_one_process(world, single_live, tmp_path):
     """21 training pairs do not split evenly over 2 ranks: the precompute pass pads one rank
     with a repeat, and the gathered table must still give every pair its own log-probs. The
     5 validation pairs do not either: evaluation must count each exactly once."""
     _, model_dir, data = world
-    single = _single(world, "single_live", VAL)  # reference on the fly
+    single = single_live
     out = tmp_path / "fsdp"
     overrides = recipe_overrides(
         model_dir, data, out, f"batch_size={PER_RANK}", *COMMON, *PRECOMPUTE
@@ -98,12 +107,12 @@ def test_precomputed_reference_on_two_ranks_equals_one_process(world, tmp_path):
         assert val_2[key] == pytest.approx(val_1[key], rel=1e-5, abs=1e-6), key
 
 
-def test_hsdp_precomputed_reference_on_four_ranks_equals_one_process(world, tmp_path):
+def test_hsdp_precomputed_reference_on_four_ranks_equals_one_process(world, single_live, tmp_path):
     """``parallelism: {dp_replicate: 2, dp_shard: 2}``: the policy and the frozen reference
     are HSDP-sharded, the reference precompute splits the pairs over the 4 data-parallel
     ranks (21 and 5 pairs: padded) and gathers them over the dp group."""
     _, model_dir, data = world
-    single = _single(world, "single_live", VAL)
+    single = single_live
     out = tmp_path / "hsdp"
     overrides = recipe_overrides(
         model_dir, data, out, f"batch_size={2 * PER_RANK // 4}", *COMMON, *PRECOMPUTE,
