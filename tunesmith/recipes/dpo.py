@@ -26,7 +26,6 @@ Logged per step (means over pairs): ``rewards/chosen``, ``rewards/rejected``,
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
@@ -42,6 +41,7 @@ from tunesmith.config import instantiate
 from tunesmith.data import collate_preference
 from tunesmith.modules.losses import PairLogps
 from tunesmith.modules.peft import adapter_modules, disable_adapters
+from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import router_aux_loss, sequence_logps
 from tunesmith.training.loop import (
@@ -49,23 +49,21 @@ from tunesmith.training.loop import (
     LOOP_RUNTIME_ARGS,
     LOOP_RUNTIME_KWARGS,
     LossOutput,
-    build_datasets,
-    check_vocab,
     fit,
     make_loader,
     run_main,
 )
-from tunesmith.training.loop_config import LOOP_RULES, flag, integer
+from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES, flag, integer
 from tunesmith.training.parallelize import parallelize
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
 KEYS = [
-    *LOOP_KEYS, "model", "reference_model", "reference_offload", "loss", "precompute_reference",
-    "logprob_chunk_size", "activation_checkpointing",
+    *LOOP_KEYS, *setup.MODEL_KEYS, "reference_model", "reference_offload", "precompute_reference",
+    "logprob_chunk_size",
 ]  # fmt: skip
 RULES = {  # what each top-level value may be, checked up front
-    **LOOP_RULES, "reference_offload": flag(), "precompute_reference": flag(),
+    **LOOP_RULES, **MODEL_RULES, "reference_offload": flag(), "precompute_reference": flag(),
     "logprob_chunk_size": integer(1),
 }  # fmt: skip
 REFERENCE_KEYS = ("reference_chosen", "reference_rejected")
@@ -76,30 +74,30 @@ def main(cfg: DictConfig) -> None:
 
 
 def train(cfg: DictConfig, ctx: DistributedContext) -> None:
-    log = print if ctx.is_rank_zero else (lambda *a, **k: None)
+    log = setup.rank_zero_log(ctx)
 
     # -- data: pairs rendered through the chat template, trained on the responses
-    tokenizer = instantiate(cfg.tokenizer)
-    dataset, val_dataset = build_datasets(cfg, tokenizer, log)
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    collate = partial(collate_with_reference, pad_id=pad_id)
+    tokenizer = setup.load_tokenizer(cfg)
+    dataset, val_dataset = setup.datasets_for(cfg, tokenizer, log)
+    collate = partial(collate_with_reference, pad_id=setup.pad_id(tokenizer))
 
-    # -- policy, loss, reference
-    model = instantiate(cfg.model)
-    check_vocab(tokenizer, model, cfg)
+    # -- policy, loss, reference (taken before the policy moves: an offloaded copy stays on
+    # the host)
+    model = setup.build_policy(cfg, ctx, tokenizer, on_device=False)
     loss_fn = instantiate(cfg.loss)
     chunk_size = int(cfg.get("logprob_chunk_size", 1024))
     reference = None
-    if loss_fn.needs_reference:  # before the policy moves: an offloaded copy stays on the host
+    if loss_fn.needs_reference:
         reference = reference_logps(cfg, model, ctx, chunk_size, log, tokenizer=tokenizer)
-    model = parallelize(model.to(ctx.device), ctx, cfg)  # checkpointing, FSDP2
+    model = parallelize(model.to(ctx.device), ctx, cfg)  # checkpointing, compile, FSDP2
     if reference is not None and cfg.get("precompute_reference", False):
         log("precomputing the reference log-probabilities of every pair")
         dataset = precompute(reference, dataset, collate, ctx, cfg.batch_size)
         if val_dataset is not None:
             val_dataset = precompute(reference, val_dataset, collate, ctx, cfg.batch_size)
         reference = None  # a separate reference model is freed here
-    objective = PreferenceObjective(loss_fn, reference, chunk_size)
+    objective = PreferenceObjective(setup.compiled_loss(cfg, loss_fn), reference, chunk_size)
+    setup.memory_plan(cfg, ctx, model, dataset, collate, log, objective="preference pairs (dpo)")
 
     loader, sampler = make_loader(dataset, collate, cfg, ctx)
     fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,
@@ -159,22 +157,17 @@ def reference_logps(
     else ``model`` with its adapters disabled, else a frozen copy of ``model`` as it is now
     (before any update; call this before sharding). With ``tokenizer``, a
     ``reference_model`` that cannot embed its token ids is refused."""
-    offload = bool(cfg.get("reference_offload", False))
-    if cfg.get("reference_model"):
-        reference = instantiate(cfg.reference_model)
-        if tokenizer is not None:
-            check_vocab(tokenizer, reference, cfg, key="reference_model")
-        log(f"reference: {cfg.reference_model.get('path', cfg.reference_model._component_)}")
-    elif adapter_modules(model):
+    if not cfg.get("reference_model") and adapter_modules(model):
         log("reference: the policy with its adapters disabled")
         return partial(_pair_logps, model, chunk_size=chunk_size, context=disable_adapters)
+    if cfg.get("reference_model"):
+        log(f"reference: {cfg.reference_model.get('path', cfg.reference_model._component_)}")
     else:
         log("reference: a frozen copy of the initial policy")
-        reference = copy.deepcopy(model)
-    reference.requires_grad_(False).eval()
-    if not (offload and ctx.device.type == "cuda"):  # offloaded: FSDP2 places the shards
-        reference = reference.to(ctx.device)
-    reference = parallelize(reference, ctx, frozen=True, cpu_offload=offload)
+    reference = setup.frozen_model(
+        cfg, ctx, "reference_model", offload=bool(cfg.get("reference_offload", False)),
+        tokenizer=tokenizer, copy_of=model,
+    )  # fmt: skip
     return partial(_pair_logps, reference, chunk_size=chunk_size)
 
 

@@ -28,8 +28,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from tunesmith.config import instantiate
-from tunesmith.data import packed_or_padded
 from tunesmith.modules.losses import IGNORE_INDEX
+from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import forward_batch, router_aux_loss
 from tunesmith.training.loop import (
@@ -37,24 +37,21 @@ from tunesmith.training.loop import (
     LOOP_RUNTIME_ARGS,
     LOOP_RUNTIME_KWARGS,
     LossOutput,
-    build_datasets,
-    check_vocab,
     fit,
     make_loader,
     run_main,
 )
-from tunesmith.training.loop_config import LOOP_RULES, flag, number, text
+from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES, flag, number, text
 from tunesmith.training.parallelize import parallelize
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
 KEYS = [
-    *LOOP_KEYS, "model", "teacher_model", "teacher_dir", "teacher_offload", "loss", "kd_ratio",
+    *LOOP_KEYS, *setup.MODEL_KEYS, "teacher_model", "teacher_dir", "teacher_offload", "kd_ratio",
     "packed",
-    "activation_checkpointing",
 ]  # fmt: skip
 RULES = {  # what each top-level value may be, checked up front
-    **LOOP_RULES, "teacher_dir": text(), "teacher_offload": flag(),
+    **LOOP_RULES, **MODEL_RULES, "teacher_dir": text(), "teacher_offload": flag(),
     "kd_ratio": number(at_least=0, at_most=1), "packed": flag(),
 }  # fmt: skip
 
@@ -64,29 +61,22 @@ def main(cfg: DictConfig) -> None:
 
 
 def train(cfg: DictConfig, ctx: DistributedContext) -> None:
-    log = print if ctx.is_rank_zero else (lambda *a, **k: None)
+    log = setup.rank_zero_log(ctx)
 
     # -- data: SFT samples (the teacher sees exactly the student's tokens)
-    tokenizer = instantiate(cfg.tokenizer)
-    dataset, val_dataset = build_datasets(cfg, tokenizer, log)
-    dataset, collate = packed_or_padded(
-        dataset, packed=bool(cfg.get("packed", False)), max_seq_len=cfg.dataset.get("max_seq_len"),
-        pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0,
-    )  # fmt: skip
+    tokenizer = setup.load_tokenizer(cfg)
+    dataset, val_dataset = setup.datasets_for(cfg, tokenizer, log)
+    dataset, collate = setup.token_batches(cfg, dataset, tokenizer)  # packed: true -> packs
 
     # -- student, frozen teacher
-    model = instantiate(cfg.model).to(ctx.device)
-    check_vocab(tokenizer, model, cfg)
-    teacher = instantiate(cfg.teacher_model).requires_grad_(False).eval()
-    offload = bool(cfg.get("teacher_offload", False))
-    if not (offload and ctx.device.type == "cuda"):  # offloaded: FSDP2 places the shards
-        teacher = teacher.to(ctx.device)
+    model = setup.build_policy(cfg, ctx, tokenizer)
+    teacher = setup.frozen_model(cfg, ctx, "teacher_model",
+                                 offload=bool(cfg.get("teacher_offload", False)))  # fmt: skip
     vocab = shared_vocab(model, teacher, tokenizer.vocab_size, log)
-    model = parallelize(model, ctx, cfg)  # checkpointing, FSDP2
-    teacher = parallelize(teacher, ctx, frozen=True, cpu_offload=offload)
-    objective = Distillation(
-        teacher, instantiate(cfg.loss), float(cfg.get("kd_ratio", 0.5)), vocab_size=vocab
-    )
+    model = parallelize(model, ctx, cfg)  # checkpointing, compile, FSDP2
+    loss_fn = setup.compiled_loss(cfg, instantiate(cfg.loss))
+    objective = Distillation(teacher, loss_fn, float(cfg.get("kd_ratio", 0.5)), vocab_size=vocab)
+    setup.memory_plan(cfg, ctx, model, dataset, collate, log, objective="distillation (kd)")
 
     loader, sampler = make_loader(dataset, collate, cfg, ctx)
     fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,

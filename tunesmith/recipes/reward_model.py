@@ -27,6 +27,7 @@ from torch.utils.data import Subset
 
 from tunesmith.config import instantiate
 from tunesmith.data import collate_preference
+from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import router_aux_loss
 from tunesmith.training.loop import (
@@ -34,19 +35,17 @@ from tunesmith.training.loop import (
     LOOP_RUNTIME_ARGS,
     LOOP_RUNTIME_KWARGS,
     LossOutput,
-    build_datasets,
-    check_vocab,
     fit,
     make_loader,
     run_main,
 )
-from tunesmith.training.loop_config import LOOP_RULES
+from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES
 from tunesmith.training.parallelize import parallelize
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
-KEYS = [*LOOP_KEYS, "model", "loss", "activation_checkpointing"]
-RULES = LOOP_RULES  # what each top-level value may be, checked up front
+KEYS = [*LOOP_KEYS, *setup.MODEL_KEYS]
+RULES = {**LOOP_RULES, **MODEL_RULES}  # what each top-level value may be, checked up front
 
 
 def main(cfg: DictConfig) -> None:
@@ -54,24 +53,20 @@ def main(cfg: DictConfig) -> None:
 
 
 def train(cfg: DictConfig, ctx: DistributedContext) -> None:
-    log = print if ctx.is_rank_zero else (lambda *a, **k: None)
+    log = setup.rank_zero_log(ctx)
 
-    tokenizer = instantiate(cfg.tokenizer)
-    dataset, val_dataset = build_datasets(cfg, tokenizer, log)
-    if tokenizer.pad_id is None:
-        raise ValueError(
-            f"tokenizer {getattr(tokenizer, 'name', '')} has no pad token: a reward model "
-            "checkpoint needs pad_token_id (transformers scores the last non-pad token)"
-        )
-    for data in (dataset, val_dataset or []):
-        _check_pad_not_trained(data, tokenizer.pad_id)
-    collate = partial(collate_preference, pad_id=tokenizer.pad_id)
+    # -- data: pairs; no sequence may end with the pad token (see the module docs)
+    tokenizer = setup.load_tokenizer(cfg)
+    dataset, val_dataset = setup.datasets_for(cfg, tokenizer, log)
+    pad_id = _scoring_pad_id(tokenizer, dataset, val_dataset or [])
+    collate = partial(collate_preference, pad_id=pad_id)
 
-    model = instantiate(cfg.model).to(ctx.device)
-    check_vocab(tokenizer, model, cfg)
-    model.spec = model.spec.replace(pad_token_id=tokenizer.pad_id)
-    model = parallelize(model, ctx, cfg)  # checkpointing, FSDP2
-    objective = PairwiseRanking(instantiate(cfg.loss))
+    # -- the scoring model, saved with the pad token it scores past
+    model = setup.build_policy(cfg, ctx, tokenizer)
+    model.spec = model.spec.replace(pad_token_id=pad_id)
+    model = parallelize(model, ctx, cfg)  # checkpointing, compile, FSDP2
+    objective = PairwiseRanking(setup.compiled_loss(cfg, instantiate(cfg.loss)))
+    setup.memory_plan(cfg, ctx, model, dataset, collate, log, objective="ranking (reward_model)")
 
     loader, sampler = make_loader(dataset, collate, cfg, ctx)
     fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,
@@ -107,6 +102,19 @@ class PairwiseRanking:
         return LossOutput(
             losses.sum(), metrics, aux_loss=router_aux_loss(model, router_logits, batch)
         )
+
+
+def _scoring_pad_id(tokenizer, *datasets) -> int:
+    """The tokenizer's pad id, which the checkpoint records; refused when there is none or
+    when a sequence of ``datasets`` ends with it."""
+    if tokenizer.pad_id is None:
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name', '')} has no pad token: a reward model "
+            "checkpoint needs pad_token_id (transformers scores the last non-pad token)"
+        )
+    for data in datasets:
+        _check_pad_not_trained(data, tokenizer.pad_id)
+    return tokenizer.pad_id
 
 
 def _check_pad_not_trained(dataset, pad_id: int) -> None:

@@ -16,10 +16,8 @@ import torch
 from omegaconf import DictConfig
 
 from tunesmith.config import instantiate
-from tunesmith.config.errors import type_name
-from tunesmith.data import packed_or_padded
-from tunesmith.modules.losses import IGNORE_INDEX, LinearCrossEntropyLoss
-from tunesmith.training.compile import compile_loss, compile_options
+from tunesmith.modules.losses import IGNORE_INDEX
+from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import forward_batch, router_aux_loss
 from tunesmith.training.loop import (
@@ -27,28 +25,18 @@ from tunesmith.training.loop import (
     LOOP_RUNTIME_ARGS,
     LOOP_RUNTIME_KWARGS,
     LossOutput,
-    build_datasets,
-    check_vocab,
     fit,
     make_loader,
     run_main,
 )
-from tunesmith.training.loop_config import LOOP_RULES, Rule, flag
-from tunesmith.training.memory_planner import MemoryPlan, estimate_memory, optimizer_kind
+from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES, flag
 from tunesmith.training.parallelize import parallelize
-from tunesmith.training.preflight import longest_batch
 
 # Arguments the recipe passes at run time (for `tunesmith validate`).
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
-KEYS = [
-    *LOOP_KEYS, "model", "packed", "loss", "activation_checkpointing", "compile",
-]  # fmt: skip
-RULES = {  # what each top-level value may be, checked up front
-    **LOOP_RULES, "packed": flag(),
-    "compile": Rule("true, false, null or a mapping of compile options",
-                    lambda v: v is None or isinstance(v, bool) or type_name(v) == "mapping"),
-}  # fmt: skip
+KEYS = [*LOOP_KEYS, *setup.MODEL_KEYS, "packed"]
+RULES = {**LOOP_RULES, **MODEL_RULES, "packed": flag()}  # each top-level value, checked up front
 
 
 def main(cfg: DictConfig) -> None:
@@ -56,30 +44,21 @@ def main(cfg: DictConfig) -> None:
 
 
 def train(cfg: DictConfig, ctx: DistributedContext) -> None:
-    log = print if ctx.is_rank_zero else (lambda *a, **k: None)
+    log = setup.rank_zero_log(ctx)
 
     # -- data
-    tokenizer = instantiate(cfg.tokenizer)
-    dataset, val_dataset = build_datasets(cfg, tokenizer, log)
-    dataset, collate = packed_or_padded(
-        dataset, packed=bool(cfg.get("packed", False)), max_seq_len=cfg.dataset.get("max_seq_len"),
-        pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else 0,
-    )  # fmt: skip
+    tokenizer = setup.load_tokenizer(cfg)
+    dataset, val_dataset = setup.datasets_for(cfg, tokenizer, log)
+    dataset, collate = setup.token_batches(cfg, dataset, tokenizer)  # packed: true -> packs
     loader, sampler = make_loader(dataset, collate, cfg, ctx)
 
     # -- model and loss
-    model = instantiate(cfg.model).to(ctx.device)
-    check_vocab(tokenizer, model, cfg)
+    model = setup.build_policy(cfg, ctx, tokenizer)
     loss_fn = instantiate(cfg.loss)
     model = parallelize(model, ctx, cfg)  # checkpointing, compiled layers, FSDP2
-    compiling = compile_options(cfg.get("compile"))
-    if compiling is not None and compiling.loss:
-        loss_fn = compile_loss(loss_fn, backend=compiling.backend, mode=compiling.mode,
-                               dynamic=compiling.dynamic)  # fmt: skip
+    loss_fn = setup.compiled_loss(cfg, loss_fn)
     objective = TokenCrossEntropy(loss_fn)
-    plan = _memory_plan(cfg, ctx, model, loss_fn, dataset, collate)
-    if plan is not None:
-        log(plan.table())
+    plan = setup.memory_plan(cfg, ctx, model, dataset, collate, log, loss_fn=loss_fn)
 
     # -- train: per step, the token-mean loss of all micro-batches on all ranks
     fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,
@@ -111,19 +90,3 @@ def _loss(model, loss_fn, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
         return loss_fn(hidden, model.lm_head.weight, batch["labels"]), router_logits
     logits, router_logits = forward_batch(model, batch)
     return loss_fn(logits, batch["labels"]), router_logits
-
-
-def _memory_plan(cfg, ctx, model, loss_fn, dataset, collate) -> MemoryPlan | None:
-    """The estimated peak memory of a step on the longest batch of ``dataset``."""
-    if not hasattr(model, "spec") or not len(dataset):
-        return None
-    batch = longest_batch(dataset, min(cfg.batch_size, len(dataset)), collate)
-    return estimate_memory(
-        model, batch_size=batch["input_ids"].shape[0], seq_len=batch["input_ids"].shape[1],
-        optimizer=optimizer_kind(cfg.optimizer._component_, cfg.optimizer),
-        mixed_precision=cfg.get("mixed_precision"),
-        activation_checkpointing=cfg.get("activation_checkpointing"),
-        loss=loss_fn if isinstance(loss_fn, LinearCrossEntropyLoss) else "full",
-        optimizer_in_backward=bool(cfg.get("optimizer_in_backward", False)),
-        packed="document_ids" in batch, world_size=ctx.shard_size, device=ctx.device,
-    )  # fmt: skip

@@ -59,6 +59,7 @@ from tunesmith.modules.dtypes import AUTOCAST
 
 __all__ = [
     "LOOP_RULES",
+    "MODEL_RULES",
     "RECORD_KEY",
     "RESUMABLE_KEYS",
     "Change",
@@ -287,6 +288,14 @@ LOOP_RULES: dict[str, Rule] = {
     ),
 }
 """One rule per top-level key the loop reads (``LOOP_KEYS``, plus ``overwrite``)."""
+
+MODEL_RULES: dict[str, Rule] = {
+    "compile": Rule(
+        "true, false, null or a mapping of compile options",
+        lambda v: v is None or isinstance(v, bool) or type_name(v) == "mapping",
+    ),
+}
+"""Rules of the keys every recipe's model step reads (``setup.MODEL_KEYS``) that have one."""
 
 
 def check_rules(cfg: DictConfig, rules: Mapping[str, Rule]) -> list[ConfigIssue]:

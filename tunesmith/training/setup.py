@@ -1,0 +1,219 @@
+"""The set-up every recipe shares, one step per function, so a recipe file keeps only its
+objective and what is its own.
+
+* :func:`rank_zero_log`: ``print`` on rank 0, nothing elsewhere;
+* :func:`load_tokenizer`, :func:`pad_id`, :func:`datasets_for` (training and validation
+  sets), :func:`token_batches` (SFT samples packed or padded; the pack length is the
+  dataset's own ``max_seq_len``);
+* :func:`build_policy`: the trained model, checked against the tokenizer;
+* :func:`frozen_model`: a model that is never trained (DPO reference, KD teacher), frozen,
+  placed and sharded like the policy, optionally offloaded;
+* :func:`compiled_loss` and :func:`memory_plan`: ``compile`` and the memory estimate, for
+  every recipe (the layers are compiled by
+  :func:`~tunesmith.training.parallelize.parallelize`).
+
+Example (the prologue of a recipe)::
+
+    >>> log = rank_zero_log(ctx)                                             # doctest: +SKIP
+    >>> tokenizer = load_tokenizer(cfg)                                      # doctest: +SKIP
+    >>> dataset, val_dataset = datasets_for(cfg, tokenizer, log)             # doctest: +SKIP
+    >>> dataset, collate = token_batches(cfg, dataset, tokenizer)            # doctest: +SKIP
+    >>> model = build_policy(cfg, ctx, tokenizer)                            # doctest: +SKIP
+    >>> teacher = frozen_model(cfg, ctx, "teacher_model")                    # doctest: +SKIP
+    >>> model = parallelize(model, ctx, cfg)                                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils.data import Subset
+
+from tunesmith.config import instantiate
+from tunesmith.data import packed_or_padded
+from tunesmith.modules.losses import LinearCrossEntropyLoss
+from tunesmith.training.compile import compile_loss, compile_options
+from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.loop import build_datasets, check_vocab
+from tunesmith.training.memory_planner import MemoryPlan, estimate_memory, optimizer_kind
+from tunesmith.training.parallelize import parallelize
+from tunesmith.training.preflight import longest_batch
+
+__all__ = [
+    "MODEL_KEYS",
+    "build_policy",
+    "compiled_loss",
+    "datasets_for",
+    "frozen_model",
+    "load_tokenizer",
+    "memory_plan",
+    "packing_length",
+    "pad_id",
+    "rank_zero_log",
+    "token_batches",
+]
+
+# The top-level config keys of the model steps here and in parallelize(); rules: MODEL_RULES.
+MODEL_KEYS = ["model", "loss", "activation_checkpointing", "compile"]
+
+Log = Callable[..., None]
+
+
+def rank_zero_log(ctx: DistributedContext) -> Log:
+    """``print`` on rank 0, a no-op on the other ranks.
+
+    >>> log = rank_zero_log(ctx); log("dataset: 100 samples")  # doctest: +SKIP
+    """
+    return print if ctx.is_rank_zero else (lambda *a, **k: None)
+
+
+def load_tokenizer(cfg: DictConfig) -> Any:
+    """The tokenizer of ``cfg.tokenizer``.
+
+    >>> tokenizer = load_tokenizer(cfg)  # doctest: +SKIP
+    """
+    return instantiate(cfg.tokenizer)
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The tokenizer's pad id, 0 when it has none (padding is masked out of every loss).
+
+    >>> pad_id(tokenizer)  # doctest: +SKIP
+    0
+    """
+    return tokenizer.pad_id if tokenizer.pad_id is not None else 0
+
+
+def datasets_for(
+    cfg: DictConfig, tokenizer: Any, log: Log = print
+) -> tuple[Sequence[Any], Sequence[Any] | None]:
+    """The training set and the validation set (or None) of ``cfg``: see
+    :func:`~tunesmith.training.loop.build_datasets`.
+
+    >>> dataset, val_dataset = datasets_for(cfg, tokenizer, log)  # doctest: +SKIP
+    """
+    return build_datasets(cfg, tokenizer, log)
+
+
+def packing_length(dataset: Sequence[Any]) -> int | None:
+    """The length of a pack of ``dataset``: its ``max_seq_len`` (that of the dataset a
+    training/validation split was taken from), None when it sets none.
+
+    >>> packing_length(SFTDataset(tok, source="chat.jsonl", max_seq_len=512))  # doctest: +SKIP
+    512
+    """
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return getattr(dataset, "max_seq_len", None)
+
+
+def token_batches(
+    cfg: DictConfig, dataset: Sequence[Any], tokenizer: Any
+) -> tuple[Sequence[Any], Callable[[list[Any]], dict[str, torch.Tensor]]]:
+    """SFT samples as a loader should draw them, and their collate: with ``packed: true``
+    packs of :func:`packing_length` tokens, else the samples padded per batch.
+
+    >>> dataset, collate = token_batches(cfg, dataset, tokenizer)  # doctest: +SKIP
+    """
+    packed = bool(cfg.get("packed", False))
+    length = packing_length(dataset)
+    if packed and length is None:
+        raise ValueError(
+            f"packed: true needs the dataset's max_seq_len (the length of each pack), and "
+            f"{type(dataset).__name__} sets none: give the dataset a max_seq_len"
+        )
+    return packed_or_padded(dataset, packed=packed, max_seq_len=length, pad_id=pad_id(tokenizer))
+
+
+def build_policy(
+    cfg: DictConfig, ctx: DistributedContext, tokenizer: Any, *, on_device: bool = True
+) -> nn.Module:
+    """The trained model of ``cfg.model`` (on ``ctx.device`` unless ``on_device=False``, e.g.
+    to copy a frozen reference on the host first); a tokenizer whose ids it cannot embed is
+    refused. Parallelize it after the recipe's own changes.
+
+    >>> model = parallelize(build_policy(cfg, ctx, tokenizer), ctx, cfg)  # doctest: +SKIP
+    """
+    model = instantiate(cfg.model)
+    if on_device:
+        model = model.to(ctx.device)
+    check_vocab(tokenizer, model, cfg)
+    return model
+
+
+def frozen_model(
+    cfg: DictConfig, ctx: DistributedContext, key: str, *, offload: bool = False,
+    tokenizer: Any = None, copy_of: nn.Module | None = None,
+) -> nn.Module:  # fmt: skip
+    """A model that is never trained: ``cfg[key]`` (checked against ``tokenizer`` when
+    given), else a deep copy of ``copy_of`` as it is now; without gradients, in eval mode,
+    sharded like the policy, and with ``offload`` on a GPU kept in CPU memory between its
+    layers' forwards.
+
+    >>> teacher = frozen_model(cfg, ctx, "teacher_model", offload=True)        # doctest: +SKIP
+    >>> reference = frozen_model(cfg, ctx, "reference_model", copy_of=policy)  # doctest: +SKIP
+    """
+    if cfg.get(key):
+        model = instantiate(cfg[key])
+        if tokenizer is not None:
+            check_vocab(tokenizer, model, cfg, key=key)
+    elif copy_of is not None:
+        model = copy.deepcopy(copy_of)
+    else:
+        raise ValueError(f"{key} is not set: give a model component")
+    model.requires_grad_(False).eval()
+    if not (offload and ctx.device.type == "cuda"):  # offloaded: FSDP2 places the shards
+        model = model.to(ctx.device)
+    return parallelize(model, ctx, frozen=True, cpu_offload=offload)
+
+
+def compiled_loss(cfg: Mapping[str, Any], loss_fn: nn.Module) -> nn.Module:
+    """``loss_fn``, compiled in place when ``cfg.compile`` asks for the loss (see
+    :func:`~tunesmith.training.compile.compile_options`).
+
+    >>> loss_fn = compiled_loss({"compile": {"backend": "eager"}}, instantiate(cfg.loss))  # doctest: +SKIP
+    """
+    compiling = compile_options(cfg.get("compile"))
+    if compiling is None or not compiling.loss:
+        return loss_fn
+    return compile_loss(loss_fn, backend=compiling.backend, mode=compiling.mode,
+                        dynamic=compiling.dynamic)  # fmt: skip
+
+
+def memory_plan(
+    cfg: DictConfig, ctx: DistributedContext, model: nn.Module, dataset: Sequence[Any],
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]], log: Log, *,
+    loss_fn: nn.Module | None = None, objective: str = "this objective",
+) -> MemoryPlan | None:  # fmt: skip
+    """The estimated peak memory of a step on the longest batch of ``dataset``, logged as a
+    table. The planner prices a decoder trained on token cross-entropy (``loss_fn``: full or
+    linear); for any other ``objective`` (``loss_fn=None``) it logs that it gives no estimate
+    and returns None (``preflight: true`` measures a step instead).
+
+    >>> plan = memory_plan(cfg, ctx, model, dataset, collate, log, loss_fn=loss_fn)  # doctest: +SKIP
+    >>> memory_plan(cfg, ctx, model, dataset, collate, log, objective="dpo")         # doctest: +SKIP
+    memory plan: not estimated for dpo (the planner prices token cross-entropy only; ...)
+    """
+    if loss_fn is None:
+        log(f"memory plan: not estimated for {objective} (the planner prices token "
+            "cross-entropy only; preflight=true measures a step)")  # fmt: skip
+        return None
+    if not hasattr(model, "spec") or not len(dataset):
+        return None
+    batch = longest_batch(dataset, min(cfg.batch_size, len(dataset)), collate)
+    plan = estimate_memory(
+        model, batch_size=batch["input_ids"].shape[0], seq_len=batch["input_ids"].shape[1],
+        optimizer=optimizer_kind(cfg.optimizer._component_, cfg.optimizer),
+        mixed_precision=cfg.get("mixed_precision"),
+        activation_checkpointing=cfg.get("activation_checkpointing"),
+        loss=loss_fn if isinstance(loss_fn, LinearCrossEntropyLoss) else "full",
+        optimizer_in_backward=bool(cfg.get("optimizer_in_backward", False)),
+        packed="document_ids" in batch, world_size=ctx.shard_size, device=ctx.device,
+    )  # fmt: skip
+    log(plan.table())
+    return plan

@@ -1,0 +1,156 @@
+"""Batch sources: what feeds a :class:`~tunesmith.training.trainer.Trainer`, one optimizer
+step at a time, with a state that resumes exactly.
+
+A source has ``next_step() -> list[micro_batch]`` (the micro-batches of one optimizer step on
+this rank), ``state_dict()`` / ``load_state_dict()`` (its position, saved in every checkpoint
+under ``"dataloader"``) and an ``epoch`` counter (logged, and saved in the checkpoint's
+progress; a source that has no epochs keeps it at 0). :class:`DatasetSource` is a dataset read
+by a resumable loader (SFT, DPO, KD, reward models); a rollout generator or a replay buffer
+is another source.
+
+Example::
+
+    >>> source = DatasetSource.build(dataset, collate, cfg, ctx)   # doctest: +SKIP
+    >>> micro_batches = source.next_step()                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from tunesmith.training.distributed import DistributedContext
+
+__all__ = ["BatchSource", "DatasetSource", "dropped_per_epoch", "make_loader"]
+
+Batch = dict[str, torch.Tensor]
+
+
+@runtime_checkable
+class BatchSource(Protocol):
+    """What a :class:`~tunesmith.training.trainer.Trainer` is fed from.
+
+    Optional: ``steps_per_epoch`` (the run's length is then ``epochs`` of them unless
+    ``max_steps`` says), ``samples`` (checked on resume: the data did not change) and
+    ``collate`` (what :meth:`Trainer.evaluate` batches a validation set with).
+    """
+
+    epoch: int
+
+    def next_step(self) -> list[Batch]:
+        """The micro-batches of the next optimizer step (this rank's)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def make_loader(
+    dataset: Sequence[Any], collate: Callable[[list[Any]], Batch], cfg: DictConfig,
+    ctx: DistributedContext,
+) -> tuple[StatefulDataLoader, DistributedSampler]:  # fmt: skip
+    """This rank's resumable loader over ``dataset`` (a new order every epoch when
+    ``cfg.shuffle``, drawn from ``cfg.seed``), its share of the samples that of its
+    data-parallel rank (``ctx.dp_rank`` of ``ctx.dp_size``). Incomplete batches are dropped,
+    and so are the samples past a multiple of the dp size: how many each epoch leaves out is
+    logged."""
+    dropped = dropped_per_epoch(len(dataset), ctx.dp_size, int(cfg.batch_size))
+    if dropped and ctx.is_rank_zero:
+        which = ("a different draw each epoch" if cfg.get("shuffle", True)
+                 else "always the same ones: shuffle is off")  # fmt: skip
+        print(f"data: {len(dataset)} samples, {ctx.dp_size} data-parallel rank(s) x batch_size "
+              f"{cfg.batch_size}: {dropped} sample(s) left out of each epoch (drop_last; "
+              f"{which})")  # fmt: skip
+    sampler = DistributedSampler(
+        dataset, num_replicas=ctx.dp_size, rank=ctx.dp_rank,
+        shuffle=bool(cfg.get("shuffle", True)), seed=int(cfg.get("seed", 0)), drop_last=True,
+    )  # fmt: skip
+    loader = StatefulDataLoader(
+        dataset, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate, drop_last=True
+    )
+    return loader, sampler
+
+
+def dropped_per_epoch(samples: int, world_size: int, batch_size: int) -> int:
+    """Samples an epoch leaves out: those past a multiple of ``world_size`` (the sampler), then
+    on each rank those past a multiple of ``batch_size`` (the last incomplete batch).
+
+    >>> dropped_per_epoch(17, 1, 4), dropped_per_epoch(17, 2, 4), dropped_per_epoch(16, 1, 4)
+    (1, 1, 0)
+    """
+    per_rank = samples // world_size
+    return samples - per_rank * world_size + world_size * (per_rank % batch_size)
+
+
+class DatasetSource:
+    """A dataset as a :class:`BatchSource`: ``accum`` micro-batches per step from ``loader``
+    (see :func:`make_loader`), epoch after epoch, ``sampler`` reshuffled per epoch. Its state
+    is the loader's (``epoch`` is kept by the trainer's progress counters).
+
+    Example::
+
+        >>> loader, sampler = make_loader(dataset, collate, cfg, ctx)   # doctest: +SKIP
+        >>> source = DatasetSource(loader, sampler, accum=2)            # doctest: +SKIP
+        >>> len(source.next_step())                                     # doctest: +SKIP
+        2
+    """
+
+    def __init__(
+        self, loader: StatefulDataLoader, sampler: DistributedSampler, accum: int = 1
+    ) -> None:
+        self.loader, self.sampler, self.accum = loader, sampler, int(accum)
+        self.epoch = 0
+        self.steps_per_epoch = len(loader) // self.accum
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"{len(loader.dataset)} samples make no optimizer step: batch_size "
+                f"{loader.batch_size} x gradient_accumulation_steps {self.accum} x "
+                f"{sampler.num_replicas} data-parallel ranks is larger"
+            )
+        self._stream: Iterator[Batch] | None = None
+
+    @classmethod
+    def build(
+        cls, dataset: Sequence[Any], collate: Callable[[list[Any]], Batch], cfg: DictConfig,
+        ctx: DistributedContext,
+    ) -> DatasetSource:  # fmt: skip
+        """``dataset`` read as ``cfg`` says (``batch_size``, ``shuffle``, ``seed``,
+        ``gradient_accumulation_steps``) on this data-parallel rank."""
+        loader, sampler = make_loader(dataset, collate, cfg, ctx)
+        return cls(loader, sampler, int(cfg.get("gradient_accumulation_steps", 1)))
+
+    @property
+    def dataset(self) -> Sequence[Any]:
+        return self.loader.dataset
+
+    @property
+    def collate(self) -> Callable[[list[Any]], Batch]:
+        return self.loader.collate_fn
+
+    @property
+    def samples(self) -> int:
+        return len(self.loader.dataset)
+
+    def next_step(self) -> list[Batch]:
+        if self._stream is None:  # started lazily: after load_state_dict on resume
+            self._stream = self._micro_batches()
+        return [next(self._stream) for _ in range(self.accum)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def _micro_batches(self) -> Iterator[Batch]:
+        """Endless stream of micro-batches; ``epoch`` advances at each epoch end."""
+        while True:
+            self.sampler.set_epoch(self.epoch)
+            yield from self.loader
+            self.epoch += 1

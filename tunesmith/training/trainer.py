@@ -1,0 +1,359 @@
+"""The Trainer: one optimizer step at a time over the micro-batches a batch source gives it.
+
+An :class:`Objective` says what one micro-batch's loss is: a *sum* over some unit (trained
+tokens for SFT and KD, preference pairs for DPO and reward models), plus summed metrics.
+:meth:`Trainer.step` does the rest, identically for every method: it counts the units of the
+step's micro-batches on the data-parallel ranks (``ctx.dp_cp_group``), backpropagates each
+summed loss divided by that count (times ``ctx.dp_cp_size``, since FSDP averages gradients
+over those ranks), so the update equals one big batch's mean; then clips, applies the
+non-finite policy, steps the optimizer (or lets an optimizer in backward do it) and the LR
+schedule, and calls the ``on_step_end`` hooks. :meth:`save` / :meth:`start` / :meth:`load`
+checkpoint and resume it with its :class:`~tunesmith.training.sources.BatchSource`.
+
+Example (a recipe's loop; :func:`~tunesmith.training.loop.fit` adds logging and stopping)::
+
+    >>> source = DatasetSource.build(dataset, collate, cfg, ctx)                # doctest: +SKIP
+    >>> trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source)  # doctest: +SKIP
+    >>> trainer.start()                                # resume=... picks the checkpoint  # doctest: +SKIP
+    >>> while not trainer.done:                                                 # doctest: +SKIP
+    ...     metrics = trainer.step(source.next_step())
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+
+from tunesmith.config import instantiate, plain_config
+from tunesmith.modules.dtypes import AUTOCAST
+from tunesmith.training.activations import activation_offloading
+from tunesmith.training.checkpointer import Checkpointer
+from tunesmith.training.distributed import DistributedContext, all_reduce_sum
+from tunesmith.training.loop_config import RECORD_KEY, RunRecord, check_resume, read_record
+from tunesmith.training.lr_schedules import schedule_params, set_schedule_params
+from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
+from tunesmith.training.sources import BatchSource
+
+__all__ = ["LossOutput", "Objective", "StepHook", "Trainer", "evaluate"]
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class LossOutput:
+    """What an objective returns for one micro-batch.
+
+    Attributes:
+        loss: the loss *summed* over the batch's units (:meth:`Objective.units`).
+        metrics: other sums over the same units, logged as means (e.g. ``"accuracy"``).
+        aux_loss: a term that is already a mean for this micro-batch (MoE load balancing);
+            added divided by the number of accumulated micro-batches.
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    aux_loss: torch.Tensor | None = None
+
+
+class Objective(Protocol):
+    """A method's loss. ``unit`` names what the loss is summed over (logged per step)."""
+
+    unit: str
+
+    def units(self, batch: Mapping[str, torch.Tensor]) -> int:
+        """How many units (trained tokens, pairs) ``batch`` holds; called before the forward."""
+        ...
+
+    def __call__(self, model: nn.Module, batch: Batch) -> LossOutput: ...
+
+
+StepHook = Callable[["Trainer", int, dict[str, float]], None]
+"""``hook(trainer, step, metrics)``, called after each optimizer step (e.g. sync weights to a
+generator, bump a policy version)."""
+
+
+class Trainer:
+    """Optimizer, LR schedule, checkpoints and progress counters of one run of ``model`` on
+    ``objective``, as ``cfg`` says (``optimizer``, ``lr_scheduler``, ``max_steps``/``epochs``,
+    ``max_grad_norm``, ``on_nonfinite_loss``, ``mixed_precision``, ``optimizer_in_backward``,
+    ``activation_offloading``, ``output_dir``, ``keep_last``, ``resume``, ``overwrite``...).
+
+    ``source`` is checkpointed with the trainer (its state under ``"dataloader"``, its
+    ``epoch`` in the progress counters); without ``steps_per_epoch`` on it, ``cfg.max_steps``
+    sets the run's length.
+
+    Example::
+
+        >>> trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source)  # doctest: +SKIP
+        >>> trainer.on_step_end.append(lambda t, step, metrics: print(step, metrics["loss"]))  # doctest: +SKIP
+        >>> trainer.step(source.next_step())["loss"]                            # doctest: +SKIP
+        2.31
+    """
+
+    def __init__(
+        self, cfg: DictConfig, ctx: DistributedContext, *, model: nn.Module,
+        objective: Objective, source: BatchSource | None = None,
+        on_step_end: Sequence[StepHook] = (),
+    ) -> None:  # fmt: skip
+        self.cfg, self.ctx, self.model, self.objective = cfg, ctx, model, objective
+        self.source = source
+        self.on_step_end: list[StepHook] = list(on_step_end)
+        self.log = print if ctx.is_rank_zero else (lambda *a, **k: None)
+        self.total_steps = int(cfg.get("max_steps") or _steps_per_epoch(source) *
+                               int(cfg.get("epochs", 1)))  # fmt: skip
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.in_backward = bool(cfg.get("optimizer_in_backward", False))
+        if self.in_backward:  # each parameter steps as soon as its gradient is ready
+            check_compatible(int(cfg.get("gradient_accumulation_steps", 1)),
+                             cfg.get("max_grad_norm"),
+                             on_nonfinite_loss=cfg.get("on_nonfinite_loss", "stop"))  # fmt: skip
+            self.optimizer = OptimizerInBackward(trainable, partial(instantiate, cfg.optimizer))
+        else:
+            self.optimizer = instantiate(cfg.optimizer, trainable)
+        self.scheduler = instantiate(cfg.lr_scheduler, self.optimizer,
+                                     num_training_steps=self.total_steps)  # fmt: skip
+        self._schedule = schedule_params(self.scheduler)  # this run's: wins over a checkpoint's
+        self.record = RunRecord(plain_config(cfg), self.total_steps,
+                                int(getattr(source, "samples", 0)))  # fmt: skip
+        self.autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
+        self.offload = bool(cfg.get("activation_offloading", False))
+        self.checkpointer = Checkpointer(
+            Path(cfg.output_dir) / "checkpoints", ctx, keep_last=cfg.get("keep_last"),
+            source_dir=cfg.get("model_dir"),
+        )  # fmt: skip
+        self.progress = {"step": 0, "tokens_seen": 0}
+        self.last_checkpoint: Path | None = None
+        self.rank_tokens = 0  # real (non-padding) tokens of the last step on this rank
+
+    @property
+    def done(self) -> bool:
+        return self.progress["step"] >= self.total_steps
+
+    def step(self, micro_batches: Sequence[Batch]) -> dict[str, float]:
+        """One optimizer step over ``micro_batches`` (in train mode); returns its metrics:
+        ``loss``, ``lr``, ``grad_norm`` (not with an optimizer in backward), ``tokens_seen``,
+        the unit count and the objective's metrics as means over the units."""
+        ctx, objective, accum = self.ctx, self.objective, len(micro_batches)
+        step = self.progress["step"] + 1
+        self.model.train()
+        units = all_reduce_sum(sum(objective.units(mb) for mb in micro_batches), ctx.device,
+                               ctx.dp_cp_group)  # fmt: skip
+        step_loss = torch.zeros((), device=ctx.device)
+        sums: dict[str, torch.Tensor] = {}
+        for mb in micro_batches:
+            batch = {k: v.to(ctx.device) for k, v in mb.items()}
+            with (
+                torch.autocast(ctx.device.type, self.autocast_dtype,
+                               enabled=bool(self.autocast_dtype)),
+                activation_offloading(self.offload, device=ctx.device),
+            ):  # fmt: skip
+                out = objective(self.model, batch)
+            loss = out.loss * ctx.dp_cp_size / units.float()  # FSDP2 averages over dp x cp
+            if out.aux_loss is not None:  # already a mean over this micro-batch
+                loss = loss + out.aux_loss / accum
+            loss.backward()
+            step_loss += loss.detach()
+            _add_metrics(sums, out.metrics)
+        step_loss = all_reduce_sum(step_loss, ctx.device, ctx.dp_cp_group) / ctx.dp_cp_size
+        # with the optimizer in backward the update is done and no gradient is left
+        grad_norm = (
+            float("nan") if self.in_backward else _clip(self.model, self.cfg.get("max_grad_norm"))
+        )
+        if not (math.isfinite(step_loss.item())
+                and (self.in_backward or math.isfinite(grad_norm))):  # fmt: skip
+            message = f"loss {step_loss.item()} / grad norm {grad_norm} at step {step}"
+            if self.cfg.get("on_nonfinite_loss", "stop") == "stop":
+                raise FloatingPointError(
+                    f"{message}; stopping (last good checkpoint: {self.last_checkpoint}). "
+                    "Set on_nonfinite_loss=skip to skip such batches."
+                )
+            self.log(f"skipping the update: {message}")
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.progress["step"] = step
+        self.rank_tokens = sum(_real_tokens(mb) for mb in micro_batches)
+        seen = all_reduce_sum(self.rank_tokens, ctx.device, ctx.dp_cp_group)
+        self.progress["tokens_seen"] += int(seen.item())
+        metrics = {
+            "loss": step_loss.item(), "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm, "tokens_seen": self.progress["tokens_seen"],
+            objective.unit: int(units.item()),
+        }  # fmt: skip
+        if self.in_backward:
+            del metrics["grad_norm"]
+        metrics |= _means(sums, units, ctx)
+        for hook in self.on_step_end:
+            hook(self, step, metrics)
+        return metrics
+
+    def evaluate(
+        self, dataset: Sequence[Any], collate: Callable[[list[Any]], Batch] | None = None
+    ) -> dict[str, float]:
+        """``val_loss`` and ``val_<metric>`` over ``dataset`` (see :func:`evaluate`), batched by
+        ``collate`` (default: the source's) in ``cfg.batch_size``; the model's mode is restored.
+        """
+        collate = collate if collate is not None else self.source.collate
+        return evaluate(self.model, self.objective, dataset, collate, self.ctx,
+                        int(self.cfg.batch_size), self.autocast_dtype)  # fmt: skip
+
+    def save(self) -> Path:
+        """Checkpoint the current step (a collective); returns its folder."""
+        progress = {"step": self.progress["step"], "epoch": getattr(self.source, "epoch", 0),
+                    "tokens_seen": self.progress["tokens_seen"]}  # fmt: skip
+        saved_with = {**self._stateful(), RECORD_KEY: self.record}  # the record is read first
+        self.last_checkpoint = self.checkpointer.save(
+            self.progress["step"], self.model, self.optimizer, saved_with, progress
+        )
+        return self.last_checkpoint
+
+    def start(self) -> Path | None:
+        """Begin the run as ``cfg.resume`` / ``cfg.overwrite`` say (see
+        :meth:`Checkpointer.start`: a changed config is refused before anything moves), loading
+        the checkpoint it picks; returns that checkpoint (None: step 0)."""
+        resized = False
+
+        def check(path: Path) -> None:
+            nonlocal resized
+            resized = self._check_config(path)
+
+        path = self.checkpointer.start(
+            self.cfg.get("resume", False), overwrite=bool(self.cfg.get("overwrite", False)),
+            check=check, log=self.log,
+        )  # fmt: skip
+        if path is not None:
+            self._restore(path, resized, verify=False)  # start() verified it
+        return path
+
+    def load(self, path: str | Path) -> None:
+        """Resume from checkpoint ``path`` (verified; a changed config refused)."""
+        self._restore(Path(path), self._check_config(Path(path)), verify=True)
+
+    def _restore(self, path: Path, resized: bool, verify: bool) -> None:
+        progress = self.checkpointer.load(path, self.model, self.optimizer, self._stateful(),
+                                          verify=verify)  # fmt: skip
+        self.progress = {"step": progress["step"], "tokens_seen": progress["tokens_seen"]}
+        if self.source is not None:
+            self.source.epoch = progress.get("epoch", 0)
+        self.last_checkpoint = path
+        self.log(f"resumed from {path} at step {progress['step']}")
+        if resized:  # the new length's schedule from the step resumed at
+            set_schedule_params(self.scheduler, self._schedule)
+
+    def _stateful(self) -> dict[str, Any]:
+        stateful: dict[str, Any] = {"scheduler": self.scheduler}
+        if self.source is not None:
+            stateful["dataloader"] = self.source  # the name it had before batch sources
+        return stateful
+
+    def _check_config(self, checkpoint: Path) -> bool:
+        """Refuse to resume ``checkpoint`` with changed keys that may not change (see
+        :func:`~tunesmith.training.loop_config.check_resume`), log the changes that apply;
+        returns whether the schedule length changed."""
+        saved = read_record(checkpoint, self.ctx.rank)
+        if saved is None:  # unreadable: the checkpoint loader says why
+            return False
+        if saved is False:
+            self.log(
+                f"warning: {checkpoint} does not record its run's config (an older "
+                "checkpoint): changes to the config cannot be checked; the LR schedule "
+                "continues as saved"
+            )
+            return False
+        for note in check_resume(checkpoint, saved, self.record,
+                                 resizable=self._schedule is not None):  # fmt: skip
+            self.log(note)
+        return saved.total_steps != self.record.total_steps
+
+
+def evaluate(
+    model: nn.Module, objective: Objective, dataset: Sequence[Any],
+    collate: Callable[[list[Any]], Batch], ctx: DistributedContext, batch_size: int,
+    autocast_dtype: torch.dtype | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """``val_loss`` and ``val_<metric>``: the objective's sums over ``dataset`` divided by its
+    units, with no gradient, in eval mode (the model's mode is restored after). Data-parallel
+    rank ``r`` takes items ``r, r + dp_size, ...``; every rank runs the same number of batches
+    (a sharded model needs each forward on all ranks), a rank short of items repeating one
+    whose result it then discards, so no item counts twice."""
+    mine = list(range(ctx.dp_rank, len(dataset), ctx.dp_size))
+    batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+    rounds = len(batches)
+    if ctx.world_size > 1:
+        count = torch.tensor(rounds, device=ctx.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        rounds = int(count.item())
+    sums: dict[str, torch.Tensor] = {}
+    units = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with (
+            torch.no_grad(),
+            torch.autocast(ctx.device.type, autocast_dtype, enabled=bool(autocast_dtype)),
+        ):
+            for i in range(rounds):
+                counted = i < len(batches)
+                mb = collate([dataset[j] for j in (batches[i] if counted else [0])])
+                out = objective(model, {k: v.to(ctx.device) for k, v in mb.items()})
+                metrics = {"loss": out.loss, **out.metrics}
+                if not counted:  # zeros keep every rank's metric names (and all-reduces) equal
+                    metrics = {k: torch.zeros_like(v) for k, v in metrics.items()}
+                _add_metrics(sums, metrics)
+                units += objective.units(mb) if counted else 0
+    finally:
+        model.train(was_training)
+    total_units = all_reduce_sum(units, ctx.device, ctx.dp_cp_group)
+    return {f"val_{k}": v for k, v in _means(sums, total_units, ctx).items()}
+
+
+def _steps_per_epoch(source: BatchSource | None) -> int:
+    steps = getattr(source, "steps_per_epoch", None)
+    if steps is None:
+        raise ValueError("max_steps is needed: the batch source has no epochs to count")
+    return int(steps)
+
+
+def _add_metrics(sums: dict[str, torch.Tensor], metrics: Mapping[str, torch.Tensor]) -> None:
+    for key, value in metrics.items():
+        value = value.detach().to(torch.float64)
+        sums[key] = sums[key] + value if key in sums else value
+
+
+def _means(
+    sums: Mapping[str, torch.Tensor], units: torch.Tensor, ctx: DistributedContext
+) -> dict[str, float]:
+    """Each summed metric over the dp x cp ranks divided by the global unit count (one
+    all-reduce and one host sync for all of them: ``step`` reports them every step)."""
+    if not sums:
+        return {}
+    keys = sorted(sums)
+    stacked = torch.stack([sums[key].reshape(()) for key in keys])
+    totals = all_reduce_sum(stacked, ctx.device, ctx.dp_cp_group) / units.to(torch.float64)
+    return dict(zip(keys, totals.tolist()))
+
+
+def _real_tokens(batch: Mapping[str, torch.Tensor]) -> int:
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    if "document_ids" in batch:
+        return int((batch["document_ids"] >= 0).sum())
+    return int(batch["input_ids"].numel()) if "input_ids" in batch else 0
+
+
+def _clip(model: nn.Module, max_norm: float | None) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)
