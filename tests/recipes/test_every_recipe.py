@@ -1,9 +1,15 @@
-"""Every recipe takes ``compile`` (its layers and its loss, :mod:`tunesmith.training.setup`)
-and gives the eager run's losses and weights; a recipe whose objective the memory planner does
-not price says so in one line instead of printing an estimate; packs take their length from
-the dataset object (a training split of it too), not from the dataset's config node."""
+"""What every recipe gets from the shared loop and set-up, beyond SFT's own tests.
+
+Preflight: one forward and backward of the recipe's own objective on the longest batch before
+training (the policy and its reference for DPO, student and teacher for KD), printed with its
+measured peak, changing nothing: the run's losses and weights are those of the run without it,
+bit for bit. ``compile`` (layers and loss, :mod:`tunesmith.training.setup`) gives the eager
+run's losses and weights; a recipe whose objective the memory planner does not price says so
+in one line. Packs take their length from the dataset object, not the dataset's config node."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -23,19 +29,19 @@ from tunesmith.training.setup import packing_length, token_batches
 
 # recipe -> (its data, extra overrides); {model_dir} is filled in
 RECIPES = {
-    "dpo": ("pairs", []),
+    "dpo": ("pairs", ["optimizer_in_backward=true", "max_grad_norm=null"]),
     "reward_model": ("pairs", []),
     "kd": ("chat", ["teacher_dir={model_dir}"]),
 }
+STEPS = ["max_steps=2", "batch_size=2"]
 # SGD: Adam would magnify rounding-level differences between compiled and eager kernels.
-STEPS = ["max_steps=2", "batch_size=2", "max_grad_norm=null", "optimizer=torch.optim.SGD",
-         "optimizer.lr=0.1"]  # fmt: skip
+SGD = ["max_grad_norm=null", "optimizer=torch.optim.SGD", "optimizer.lr=0.1"]
 COMPILE = "compile={backend: aot_eager}"  # dynamo + AOTAutograd, run eagerly (fast)
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("compile_every")
+    root = tmp_path_factory.mktemp("every_recipe")
     return {
         "model_dir": make_model_dir(root),
         "pairs": make_preference_data(root / "pairs.jsonl", rows=8),
@@ -44,15 +50,44 @@ def world(tmp_path_factory):
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_compiled_run_gives_the_eager_run(world, tmp_path, capsys, recipe):
+def test_preflight_runs_in_every_recipe_and_changes_nothing(world, tmp_path, capsys, recipe):
     data, extra = RECIPES[recipe]
     model_dir = world["model_dir"]
     extra = [e.format(model_dir=model_dir) for e in extra]
     plain = run_recipe(recipe, "tiny", model_dir, world[data], tmp_path / "plain", *STEPS, *extra)
+    assert "preflight:" not in capsys.readouterr().out
+    out = run_recipe(recipe, "tiny", model_dir, world[data], tmp_path / "preflight", *STEPS,
+                     *extra, "preflight=true")  # fmt: skip
+    printed = capsys.readouterr().out
+    match = re.search(r"preflight: forward\+backward on the longest batch \((\d+) x (\d+)\) "
+                      r"in [\d.]+ s, peak ([\d.]+) MiB measured", printed)  # fmt: skip
+    assert match, printed
+    rows = int(match[1])
+    assert rows == (4 if data == "pairs" else 2)  # a pair is two rows: chosen, then rejected
+    assert float(match[3]) > 0
+
+    logged, expected_logged = read_metrics(out), read_metrics(plain)
+    assert sorted(logged) == sorted(expected_logged) == [1, 2]
+    for step, record in expected_logged.items():
+        untimed = {k: v for k, v in record.items() if not k.endswith(("_s", "_gb"))}
+        assert {k: logged[step][k] for k in untimed} == untimed, f"step {step}"
+    expected, got = final_weights(plain), final_weights(out)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_compiled_run_gives_the_eager_run(world, tmp_path, capsys, recipe):
+    data, extra = RECIPES[recipe]
+    model_dir = world["model_dir"]
+    extra = [e.format(model_dir=model_dir) for e in extra if e.startswith("teacher_dir")]
+    plain = run_recipe(recipe, "tiny", model_dir, world[data], tmp_path / "plain", *STEPS, *SGD,
+                       *extra)  # fmt: skip
     printed = capsys.readouterr().out
     assert "memory plan: not estimated for" in printed and f"({recipe})" in printed, printed
     out = run_recipe(recipe, "tiny", model_dir, world[data], tmp_path / "compiled", *STEPS,
-                     *extra, COMPILE)  # fmt: skip
+                     *SGD, *extra, COMPILE)  # fmt: skip
     losses, expected_losses = read_metrics(out), read_metrics(plain)
     for step in (1, 2):
         assert losses[step]["loss"] == pytest.approx(expected_losses[step]["loss"], rel=1e-5)
