@@ -384,7 +384,8 @@ def test_secrets_from_the_environment_are_used_but_never_written(world, tmp_path
     assert f"${{oc.env:{SECRET_ENV}}}" in written and str(hidden) not in written
     record = read_record(out / "checkpoints" / "step_000002", 0)
     assert record.config["tokenizer"]["folder"] == f"${{oc.env:{SECRET_ENV}}}"
-    state = torch.load(out / "checkpoints" / "step_000002" / "training_state" / "rank0.pt")
+    rank_file = out / "checkpoints" / "step_000002" / "training_state" / "rank0.pt"
+    state = torch.load(rank_file, weights_only=True)
     assert str(hidden) not in repr(state[RECORD_KEY])
 
     moved = Path(shutil.copytree(hidden, tmp_path / "moved-model"))

@@ -4,6 +4,5 @@ config each checkpoint stores) still build the same classes. New code and config
 ``tunesmith.modules.losses``.
 """
 
-from tunesmith.modules.losses.kd import KD_KINDS, KDLoss, divergence
-
-__all__ = ["KD_KINDS", "KDLoss", "divergence"]
+from tunesmith.modules.losses.kd import *  # noqa: F403 (the same names, the same objects)
+from tunesmith.modules.losses.kd import __all__  # noqa: F401

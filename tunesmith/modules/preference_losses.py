@@ -4,24 +4,5 @@ and the config each checkpoint stores) still build the same classes. New code an
 ``tunesmith.modules.losses``.
 """
 
-from tunesmith.modules.losses.preference import (
-    BradleyTerryLoss,
-    DPOLoss,
-    HingeLoss,
-    IPOLoss,
-    ORPOLoss,
-    PairLogps,
-    PreferenceLossOutput,
-    SimPOLoss,
-)
-
-__all__ = [
-    "BradleyTerryLoss",
-    "DPOLoss",
-    "HingeLoss",
-    "IPOLoss",
-    "ORPOLoss",
-    "PairLogps",
-    "PreferenceLossOutput",
-    "SimPOLoss",
-]
+from tunesmith.modules.losses.preference import *  # noqa: F403 (the same names, the same objects)
+from tunesmith.modules.losses.preference import __all__  # noqa: F401
