@@ -212,10 +212,11 @@ def test_family_entries_are_checked():
 
 def test_every_family_file_is_registered_once():
     found = {}
-    for info in pkgutil.iter_modules(tunesmith.models.__path__):
-        module = importlib.import_module(f"tunesmith.models.{info.name}")
-        if isinstance(getattr(module, "FAMILY", None), Family):
-            found[info.name] = module.FAMILY
+    for info in pkgutil.iter_modules(tunesmith.models.zoo.__path__):
+        module = importlib.import_module(f"tunesmith.models.zoo.{info.name}")
+        assert isinstance(module.FAMILY, Family), info.name  # the zoo holds family files only
+        assert getattr(tunesmith.models, info.name) is module  # tunesmith.models.<name>
+        found[info.name] = module.FAMILY
     assert sorted(found) == sorted(f.name for f in SHIPPED)
     for name, family in found.items():
         assert family_for(family.model_type) is family, name

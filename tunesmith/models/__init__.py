@@ -12,8 +12,8 @@ Example::
 import importlib
 from typing import Any
 
-# Importing a family file registers its Family entry (see tunesmith.models.family).
-from tunesmith.models import llama3, mistral, qwen2_5, qwen3, qwen3_moe
+# Importing the zoo imports every family file in it, which registers its Family entry.
+from tunesmith.models import zoo
 from tunesmith.models.builder import build_model
 from tunesmith.models.family import Family, families, family_for, register_family
 from tunesmith.models.spec import ModelSpec, UnsupportedModelError, spec_from_hf_config
@@ -29,14 +29,10 @@ __all__ = [
     "families",
     "family_for",
     "from_hf",
-    "llama3",
-    "mistral",
-    "qwen2_5",
-    "qwen3",
-    "qwen3_moe",
     "register_family",
     "reward_model_from_hf",
     "spec_from_hf_config",
+    "zoo",
 ]
 
 
@@ -53,6 +49,8 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     if name == "SUPPORTED_MODEL_TYPES":
         return tuple(sorted(f.model_type for f in families()))
+    if name in zoo.FAMILY_FILES:  # a family file: tunesmith.models.qwen3
+        return zoo.FAMILY_FILES[name]
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'tunesmith.models' has no attribute {name!r}")
