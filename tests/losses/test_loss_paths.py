@@ -13,7 +13,7 @@ import tunesmith.modules.losses as losses
 from tunesmith.config import instantiate
 from tunesmith.config.components import resolve_component
 
-KINDS = ("token", "preference", "kd")
+KINDS = ("token", "preference", "kd", "rl")
 OLD_MODULES = {  # old module -> the file of the package it re-exports
     "tunesmith.modules.preference_losses": "tunesmith.modules.losses.preference",
     "tunesmith.modules.kd_losses": "tunesmith.modules.losses.kd",

@@ -8,6 +8,7 @@ from tunesmith.generation.generate import (
 )
 from tunesmith.generation.sampling import (
     LogitsProcessor,
+    MinP,
     SampleOutput,
     Temperature,
     TopK,
@@ -22,6 +23,7 @@ __all__ = [
     "FinishReason",
     "GenerationOutput",
     "LogitsProcessor",
+    "MinP",
     "SampleOutput",
     "Temperature",
     "TopK",

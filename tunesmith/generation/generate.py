@@ -6,27 +6,42 @@ each row decodes exactly as it would alone. With ``use_cache=True`` the prompt i
 into a KV cache once and each step feeds one token per row; ``use_cache=False`` recomputes
 the whole sequence every step (slow; a reference for tests and benchmarks).
 
+A row ends at its own ``max_new_tokens`` (``"length"``), at a stop token or at a stop string
+(``"stop"``). Under data parallelism with a sharded model (FSDP2: every forward is a
+collective) pass ``sync_ranks=True``: every rank then runs the same number of decode steps.
+
+Generation runs under ``torch.no_grad()``, not ``inference_mode()``: FSDP2 all-gathers into
+parameter buffers it keeps for later forwards, and inference tensors there would break the
+training step that follows. A sharded model is resharded before :func:`generate` returns.
+
 Example::
 
     >>> from tunesmith.models import llama3
     >>> model = llama3.llama3_tiny()
-    >>> out = generate(model, [[1, 5, 7], [1, 9]], max_new_tokens=4, stop_token_ids=[2])
-    >>> [len(s) <= 4 for s in out.sequences], out.prompt_lengths
+    >>> out = generate(model, [[1, 5, 7], [1, 9]], max_new_tokens=[4, 2], stop_token_ids=[2])
+    >>> [len(s) <= n for s, n in zip(out.sequences, [4, 2])], out.prompt_lengths
     ([True, True], [3, 2])
+    >>> out.new_tokens == sum(map(len, out.sequences)), out.seconds > 0
+    (True, True)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from tunesmith.generation.sampling import LogitsProcessor, build_processors, sample
 from tunesmith.modules.decoder import TransformerLM
 from tunesmith.modules.masks import padding_position_ids
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["FinishReason", "GenerationOutput", "generate", "left_pad"]
 
@@ -37,19 +52,37 @@ FinishReason = Literal["stop", "length"]
 class GenerationOutput:
     """Result of :func:`generate`, one entry per prompt, in prompt order.
 
-    ``sequences[i]`` holds only the new tokens (the stop token included when the row stopped,
-    nothing after it). ``logprobs[i][j]`` is the raw policy log-prob of ``sequences[i][j]``
-    (see :func:`tunesmith.generation.sampling.sample`). ``finish_reasons[i]`` is ``"stop"``
-    when a stop token ended the row, else ``"length"``.
+    ``sequences[i]`` holds only the new tokens (the stop token, or the token that completed a
+    stop string, included when the row stopped; nothing after it). ``logprobs[i][j]`` is the
+    raw policy log-prob of ``sequences[i][j]`` (see
+    :func:`tunesmith.generation.sampling.sample`). ``finish_reasons[i]`` is ``"stop"`` when a
+    stop token or stop string ended the row, else ``"length"`` (its ``max_new_tokens``).
+    ``seconds`` is the wall time of the :func:`generate` call, so
+    ``out.new_tokens / out.seconds`` is the generated tokens per second.
+
+    Example::
+
+        >>> out = GenerationOutput([[4, 2], [7]], [[-0.1, -0.2], [-0.3]], [3, 2],
+        ...                        ["stop", "length"], seconds=0.5)
+        >>> out.new_tokens, out.new_tokens / out.seconds
+        (3, 6.0)
     """
 
     sequences: list[list[int]]
     logprobs: list[list[float]]
     prompt_lengths: list[int]
     finish_reasons: list[FinishReason]
+    seconds: float = 0.0
+
+    @property
+    def new_tokens(self) -> int:
+        """Generated tokens over all rows (the sum of the sequences' lengths)."""
+        return sum(len(s) for s in self.sequences)
 
 
-def _as_token_lists(prompts: Sequence[Sequence[int]] | Tensor) -> list[list[int]]:
+def _as_token_lists(
+    prompts: Sequence[Sequence[int]] | Tensor, allow_empty: bool = False
+) -> list[list[int]]:
     if isinstance(prompts, Tensor):
         if prompts.dim() == 1:
             prompts = prompts[None]
@@ -61,7 +94,7 @@ def _as_token_lists(prompts: Sequence[Sequence[int]] | Tensor) -> list[list[int]
             raise ValueError(f"prompts tensor must hold integer token ids, got {prompts.dtype}")
         return prompts.tolist()
     rows = [list(map(int, row)) for row in prompts]
-    if not rows:
+    if not rows and not allow_empty:
         raise ValueError("prompts is empty: give at least one prompt")
     return rows
 
@@ -126,68 +159,222 @@ def _last_logits(model: nn.Module, input_ids: Tensor, **kwargs: object) -> Tenso
     return model(input_ids, **kwargs)[:, -1]
 
 
-@torch.inference_mode()
+def _row_limits(max_new_tokens: int | Sequence[int], batch: int) -> list[int]:
+    """One ``max_new_tokens`` per prompt, each checked to be an int >= 0."""
+
+    def bad(value: object) -> bool:
+        return not isinstance(value, int) or isinstance(value, bool) or value < 0
+
+    if isinstance(max_new_tokens, int):
+        if bad(max_new_tokens):
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        return [max_new_tokens] * batch
+    if isinstance(max_new_tokens, Tensor):
+        max_new_tokens = max_new_tokens.tolist()
+    if isinstance(max_new_tokens, str | bytes) or not isinstance(max_new_tokens, Sequence):
+        raise ValueError(
+            f"max_new_tokens must be an int or one int per prompt, got {max_new_tokens!r}"
+        )
+    limits = list(max_new_tokens)
+    if len(limits) != batch:
+        raise ValueError(
+            f"max_new_tokens has {len(limits)} entries but there are {batch} prompts: "
+            "give one per prompt (or a single int)"
+        )
+    for i, value in enumerate(limits):
+        if bad(value):
+            raise ValueError(f"max_new_tokens[{i}] must be an int >= 0, got {value!r}")
+    return limits
+
+
+class _StopStrings:
+    """Tells whether a completion's decoded text contains any of ``stops``.
+
+    Only the last ``window`` tokens are decoded each step (enough to hold the longest stop
+    string: every token adds at least one byte), and a hit there is confirmed on the whole
+    completion, so decoding stays cheap on long rollouts and a text artefact at the window's
+    start (a multi-byte character cut in half) cannot cause a false stop.
+    """
+
+    def __init__(self, stops: Sequence[str], decode: Callable[[list[int]], str] | None) -> None:
+        self.stops = tuple(stops)
+        for i, stop in enumerate(self.stops):
+            if not isinstance(stop, str) or not stop:
+                raise ValueError(f"stop_strings[{i}] must be a non-empty string, got {stop!r}")
+        if self.stops and decode is None:
+            raise ValueError(
+                "stop_strings need decode= (token ids -> text), e.g. "
+                "decode=tokenizer.decode, to find them in the generated text"
+            )
+        self.decode = decode
+        self.window = max((len(s.encode("utf-8")) for s in self.stops), default=0) + 8
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    def _found(self, ids: list[int]) -> bool:
+        assert self.decode is not None
+        text = self.decode(ids)
+        return any(stop in text for stop in self.stops)
+
+    def __call__(self, completion: list[int]) -> bool:
+        if len(completion) <= self.window:
+            return self._found(completion)
+        return self._found(completion[-self.window :]) and self._found(completion)
+
+
+class _RankSync:
+    """Makes the ranks of ``group`` agree on the number of decode steps (FSDP2: every forward
+    is a collective, so a rank that stops early would leave the others waiting forever).
+    Inactive (every call local) outside a process group of more than one rank."""
+
+    def __init__(self, enabled: bool, group: ProcessGroup | None, device: torch.device) -> None:
+        self.active = (
+            enabled
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size(group) > 1
+        )
+        self.group = group
+        self.device = device
+
+    def max(self, *values: int) -> list[int]:
+        """The element-wise max of ``values`` over the ranks (one all-reduce)."""
+        if not self.active:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.long, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor.tolist()
+
+    def all_finished(self, finished: Tensor) -> bool:
+        """Whether every row on every rank is finished (one all-reduce of a flag)."""
+        if not self.active:
+            return bool(finished.all())
+        busy = (~finished).any().to(torch.long).reshape(1)
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self.group)
+        return not bool(busy.item())
+
+
+def _reshard(model: nn.Module) -> None:
+    """Free the parameters FSDP2 left gathered (a forward without backward keeps the root's
+    unsharded) and register the sharded ones again, as after a training step."""
+    if not dist.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+@torch.no_grad()
 def generate(
     model: nn.Module,
     prompts: Sequence[Sequence[int]] | Tensor,
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     stop_token_ids: Sequence[int] = (),
+    stop_strings: Sequence[str] = (),
+    decode: Callable[[list[int]], str] | None = None,
     pad_id: int = 0,
     generator: torch.Generator | None = None,
+    row_keys: Sequence[int] | Tensor | None = None,
     use_cache: bool = True,
     processors: Sequence[LogitsProcessor] = (),
+    sync_ranks: bool = False,
+    sync_group: ProcessGroup | None = None,
 ) -> GenerationOutput:
     """Decode up to ``max_new_tokens`` tokens for every prompt, batched.
 
     Args:
         model: a ``TransformerLM`` (``forward(input_ids, position_ids=, attention_mask=,
-            kv_cache=)`` and ``init_kv_cache``); it runs on whatever device/dtype it is on.
+            kv_cache=)`` and ``init_kv_cache``); it runs on whatever device/dtype it is on,
+            FSDP2-sharded or not.
         prompts: token lists of any lengths, or an integer tensor ``[b, s]`` / ``[s]`` whose
             entries are all real tokens (no padding).
-        temperature: 0 is greedy; > 0 samples (with ``top_k``/``top_p`` filtering).
+        max_new_tokens: one limit for all rows, or one per prompt; a row that reaches its
+            limit finishes with reason ``"length"``.
+        temperature: 0 is greedy; > 0 samples (with ``top_k``/``top_p``/``min_p`` filtering).
         stop_token_ids: a row ends after it emits any of these (kept in its sequence).
+        stop_strings: a row ends at the first token after which its decoded completion (the
+            new tokens only, through ``decode``) contains any of these; that token is the
+            last of its sequence. Needs ``decode``, e.g. ``tokenizer.decode``.
         pad_id: token fed for finished rows and used as left padding (always masked out).
         generator: ``torch.Generator`` on the model's device, for repeatable sampling.
+        row_keys: one integer key per prompt (in ``[0, 2**32)``) for keyed sampling instead
+            of ``generator``: row ``i``'s completion then depends only on its key, its prompt
+            and the model, not on the rest of the batch (see :mod:`tunesmith.generation.keyed`).
         use_cache: KV cache (prefill, then one token per step) or full recompute per step.
-        processors: extra logits processors applied after temperature/top-k/top-p.
+        processors: extra logits processors applied after temperature/top-k/top-p/min-p.
+        sync_ranks: run as many decode steps as the rank that needs the most, so that every
+            rank of ``sync_group`` makes the same forward calls: needed whenever the forward
+            is a collective (FSDP2). Every rank of the group must call :func:`generate`
+            (``prompts`` may differ in number and length, and may be empty on some ranks).
+            Costs one all-reduce at the start (the largest ``max_new_tokens`` over ranks,
+            which sizes every rank's loop) and one per step when rows can stop early.
+        sync_group: the process group to agree over; ``None`` is the default group (every
+            rank). Giving a group turns ``sync_ranks`` on.
 
     The model's train/eval mode is left as it is (call ``model.eval()`` if it has dropout).
+    Runs under ``torch.no_grad()`` (see the module docs), so the model can be trained right
+    after.
     """
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    build_processors(temperature, top_k, top_p)  # validate the settings before any work
-    rows = _as_token_lists(prompts)
+    started = time.perf_counter()
+    sync_wanted = sync_ranks or sync_group is not None
+    build_processors(temperature, top_k, top_p, min_p)  # validate the settings before any work
+    stop_strings_check = _StopStrings(stop_strings, decode)
+    rows = _as_token_lists(prompts, allow_empty=sync_wanted)
+    limits = _row_limits(max_new_tokens, len(rows))
+    prompt_lengths = [len(r) for r in rows]
+    n_rows = len(rows)
+    keys = None if row_keys is None else torch.as_tensor(row_keys, dtype=torch.int64).flatten()
+    if keys is not None and keys.numel() != len(rows):
+        raise ValueError(f"row_keys has {keys.numel()} keys for {len(rows)} prompts")
+    if not rows:  # a rank with nothing to do still joins every step: one masked dummy row
+        rows, limits = [[pad_id]], [0]
+        keys = None if keys is None else torch.zeros(1, dtype=torch.int64)
     _check_vocab([r for r in rows if r], model)
     device = _model_device(model)
-    input_ids, prompt_mask, prompt_pos = left_pad(rows, pad_id, device)
-    batch, prompt_len = input_ids.shape
-    prompt_lengths = [len(r) for r in rows]
-    if max_new_tokens == 0:
+    sync = _RankSync(sync_wanted, sync_group, device)
+    stop_ids = sorted(set(map(int, stop_token_ids)))
+    # The loop runs ``steps`` times at most on every rank; it can end earlier only if a row
+    # can stop before its limit (a stop token or string on some rank).
+    steps, can_stop = sync.max(max(limits), int(bool(stop_ids) or bool(stop_strings_check)))
+    if steps == 0:
         return GenerationOutput(
-            [[] for _ in rows], [[] for _ in rows], prompt_lengths, ["length"] * batch
+            [[] for _ in range(n_rows)],
+            [[] for _ in range(n_rows)],
+            prompt_lengths,
+            ["length"] * n_rows,
+            seconds=time.perf_counter() - started,
         )
 
+    input_ids, prompt_mask, prompt_pos = left_pad(rows, pad_id, device)
+    batch, prompt_len = input_ids.shape
     padded = not bool(prompt_mask.all())
-    total_len = prompt_len + max_new_tokens
+    total_len = prompt_len + steps
     # The full mask for every step: generated positions are always "real" (finished rows keep
     # decoding pad tokens whose outputs are discarded). ``None`` when there is no padding.
     full_mask = torch.ones((batch, total_len), dtype=torch.long, device=device)
     full_mask[:, :prompt_len] = prompt_mask
     next_pos = prompt_pos[:, -1] + 1
     full_pos = torch.cat(
-        [prompt_pos, next_pos[:, None] + torch.arange(max_new_tokens, device=device)], dim=1
+        [prompt_pos, next_pos[:, None] + torch.arange(steps, device=device)], dim=1
     )
     tokens = torch.full((batch, total_len), pad_id, dtype=torch.long, device=device)
     tokens[:, :prompt_len] = input_ids
 
-    stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    limit = torch.tensor(limits, dtype=torch.long, device=device)
+    finished = limit == 0
+    stopped = torch.zeros(batch, dtype=torch.bool, device=device)
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
-    logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+    logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+    completions: list[list[int]] = [[] for _ in range(batch)]  # host copies, for stop strings
 
     def mask_upto(end: int) -> Tensor | None:
         return full_mask[:, :end] if padded else None
@@ -200,24 +387,39 @@ def generate(
         attention_mask=mask_upto(prompt_len),
         kv_cache=cache,
     )
-    for step in range(max_new_tokens):
+    for step in range(steps):
         out = sample(
             logits,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            min_p=min_p,
             processors=processors,
             generator=generator,
+            keys=keys,
+            step=step,
         )
-        new = torch.where(finished, torch.full_like(out.tokens, pad_id), out.tokens)
+        running = ~finished
+        new = torch.where(running, out.tokens, torch.full_like(out.tokens, pad_id))
         cur = prompt_len + step
         tokens[:, cur] = new
         logprobs[:, step] = out.logprobs
-        lengths += (~finished).long()
+        lengths += running.long()
         if stop.numel():
-            finished |= torch.isin(new, stop)
-        # ``finished.all()`` is the only per-step host sync, and only when rows can stop.
-        if step == max_new_tokens - 1 or (stop.numel() and bool(finished.all())):
+            stopped |= running & torch.isin(new, stop)
+        if stop_strings_check:
+            hits = []
+            for i, (token, live) in enumerate(zip(new.tolist(), running.tolist())):
+                if live:
+                    completions[i].append(token)
+                    if stop_strings_check(completions[i]):
+                        hits.append(i)
+            if hits:
+                stopped[hits] = True
+        finished |= stopped | (lengths >= limit)
+        # The only per-step host sync (an all-reduce under sync_ranks), and only when rows
+        # can stop early.
+        if step == steps - 1 or (can_stop and sync.all_finished(finished)):
             break
         if use_cache:
             logits = _last_logits(
@@ -234,14 +436,16 @@ def generate(
                 position_ids=full_pos[:, : cur + 1],
                 attention_mask=mask_upto(cur + 1),
             )
+    _reshard(model)
 
-    generated = tokens[:, prompt_len:].tolist()
-    lps = logprobs.tolist()
+    generated = tokens[:n_rows, prompt_len:].tolist()
+    lps = logprobs[:n_rows].tolist()
     n_new = lengths.tolist()
-    done = finished.tolist()
+    done = stopped.tolist()
     return GenerationOutput(
-        sequences=[generated[i][: n_new[i]] for i in range(batch)],
-        logprobs=[lps[i][: n_new[i]] for i in range(batch)],
+        sequences=[generated[i][: n_new[i]] for i in range(n_rows)],
+        logprobs=[lps[i][: n_new[i]] for i in range(n_rows)],
         prompt_lengths=prompt_lengths,
-        finish_reasons=["stop" if done[i] else "length" for i in range(batch)],
+        finish_reasons=["stop" if done[i] else "length" for i in range(n_rows)],
+        seconds=time.perf_counter() - started,
     )

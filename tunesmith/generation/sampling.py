@@ -8,7 +8,7 @@ which is what RL trainers compare against their own forward pass.
 Example::
 
     >>> logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
-    >>> out = sample(logits, temperature=0.7, top_k=3, top_p=0.9,
+    >>> out = sample(logits, temperature=0.7, top_k=3, top_p=0.9, min_p=0.05,
     ...              generator=torch.Generator().manual_seed(0))
     >>> out.tokens.shape, out.logprobs.shape
     (torch.Size([1]), torch.Size([1]))
@@ -22,8 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tunesmith.generation.keyed import keyed_sample
+
 __all__ = [
     "LogitsProcessor",
+    "MinP",
     "SampleOutput",
     "Temperature",
     "TopK",
@@ -118,18 +121,52 @@ class TopP:
         return logits.masked_fill(drop, float("-inf"))
 
 
-def build_processors(
-    temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None
-) -> list[LogitsProcessor]:
-    """The processors for the usual settings, in the order they apply:
-    temperature, then top-k, then top-p (top-p sees the temperature-scaled distribution).
+class MinP:
+    """Min-p filtering: keep the tokens whose probability (under ``softmax`` of the incoming
+    logits) is at least ``p`` times that of the most likely token; set the rest to ``-inf``.
 
-    ``temperature == 0`` means greedy decoding and yields no processors at all.
+    The most likely token is always kept; ``p = 0`` removes nothing, ``p = 1`` keeps only
+    the tokens tied with the maximum. Applied after :class:`Temperature`, the threshold is
+    relative to the temperature-scaled distribution.
 
     Example::
 
-        >>> [type(p).__name__ for p in build_processors(0.8, top_k=50, top_p=0.95)]
-        ['Temperature', 'TopK', 'TopP']
+        >>> logits = torch.tensor([[0.5, 0.3, 0.1, 0.1]]).log()
+        >>> MinP(0.5)(logits).isfinite()  # keeps probabilities >= 0.5 * 0.5
+        tensor([[ True,  True, False, False]])
+    """
+
+    def __init__(self, p: float) -> None:
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {p}")
+        self.p = float(p)
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        _check_logits(logits)
+        if self.p <= 0.0:
+            return logits
+        probs = torch.softmax(logits.float(), dim=-1)
+        threshold = self.p * probs.amax(dim=-1, keepdim=True)
+        return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def build_processors(
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> list[LogitsProcessor]:
+    """The processors for the usual settings, in the order they apply:
+    temperature, then top-k, then top-p, then min-p (top-p and min-p see the
+    temperature-scaled distribution).
+
+    ``temperature == 0`` means greedy decoding and yields no processors at all (the settings
+    are still validated). ``top_p = 1`` and ``min_p = 0`` add nothing.
+
+    Example::
+
+        >>> [type(p).__name__ for p in build_processors(0.8, top_k=50, top_p=0.95, min_p=0.1)]
+        ['Temperature', 'TopK', 'TopP', 'MinP']
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -137,6 +174,8 @@ def build_processors(
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1] or None, got {min_p}")
     if temperature == 0:
         return []
     processors: list[LogitsProcessor] = [Temperature(temperature)]
@@ -144,6 +183,8 @@ def build_processors(
         processors.append(TopK(top_k))
     if top_p is not None and top_p < 1.0:
         processors.append(TopP(top_p))
+    if min_p is not None and min_p > 0.0:
+        processors.append(MinP(min_p))
     return processors
 
 
@@ -189,18 +230,24 @@ def sample(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     processors: Sequence[LogitsProcessor] = (),
     generator: torch.Generator | None = None,
+    keys: Tensor | None = None,
+    step: int = 0,
 ) -> SampleOutput:
     """Pick one token per row of ``[b, V]`` logits.
 
-    * ``temperature == 0``: greedy (``argmax``; first index on ties). ``top_k``/``top_p``
-      cannot change the argmax and are ignored.
+    * ``temperature == 0``: greedy (``argmax``; first index on ties). ``top_k``/``top_p``/
+      ``min_p`` cannot change the argmax and are ignored.
     * ``temperature > 0``: draw from ``softmax`` of the processed logits (temperature, top-k,
-      top-p, then any extra ``processors``) with ``torch.multinomial`` and ``generator``
-      (which must live on the logits' device), so a seeded generator gives repeatable draws.
+      top-p, min-p, then any extra ``processors``) with ``torch.multinomial`` and ``generator``
+      (which must live on the logits' device), so a seeded generator gives repeatable draws;
+      or, with ``keys`` (``[b]``), by keyed sampling (:mod:`tunesmith.generation.keyed`): row
+      ``i``'s draw depends only on ``(keys[i], step)``, not on the other rows.
 
-    Returned ``logprobs`` are those of the **raw policy**, not of the filtered distribution:
+    Returned ``logprobs`` are those of the **raw policy**, not of the filtered distribution
+    (top-k, top-p and min-p never change them):
     ``log_softmax(logits.float() / temperature)[token]`` when ``temperature > 0``, else
     ``log_softmax(logits.float())[token]`` (see :func:`policy_logprobs`). Extra
     ``processors`` do not change them either.
@@ -211,7 +258,7 @@ def sample(
         tensor([1])
     """
     _check_logits(logits)
-    built = build_processors(temperature, top_k, top_p)
+    built = build_processors(temperature, top_k, top_p, min_p)
     logprobs_all = policy_logprobs(logits, temperature)
     if temperature == 0:
         processed = apply_processors(logits, processors) if processors else logits
@@ -223,7 +270,10 @@ def sample(
                 "create the generator on the model's device"
             )
         processed = apply_processors(logits, [*built, *processors])
-        probs = torch.softmax(processed.float(), dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if keys is not None:
+            tokens = keyed_sample(processed, keys, step)
+        else:
+            probs = torch.softmax(processed.float(), dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     logprobs = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
     return SampleOutput(tokens=tokens, logprobs=logprobs)

@@ -27,7 +27,6 @@ Logged per step (means over pairs): ``rewards/chosen``, ``rewards/rejected``,
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -40,7 +39,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tunesmith.config import instantiate
 from tunesmith.data import collate_preference
 from tunesmith.modules.losses import PairLogps
-from tunesmith.modules.peft import adapter_modules, disable_adapters
 from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import router_aux_loss, sequence_logps
@@ -50,11 +48,11 @@ from tunesmith.training.loop import (
     LOOP_RUNTIME_KWARGS,
     LossOutput,
     fit,
-    make_loader,
     run_main,
 )
 from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES, flag, integer
 from tunesmith.training.parallelize import parallelize
+from tunesmith.training.sources import DatasetSource
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
@@ -99,8 +97,8 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     objective = PreferenceObjective(setup.compiled_loss(cfg, loss_fn), reference, chunk_size)
     setup.memory_plan(cfg, ctx, model, dataset, collate, log, objective="preference pairs (dpo)")
 
-    loader, sampler = make_loader(dataset, collate, cfg, ctx)
-    fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,
+    source = DatasetSource.build(dataset, collate, cfg, ctx)
+    fit(cfg, ctx, model=model, objective=objective, source=source,
         val_dataset=val_dataset, name="dpo")  # fmt: skip
 
 
@@ -153,29 +151,16 @@ def reference_logps(
     cfg: DictConfig, model: nn.Module, ctx: DistributedContext, chunk_size: int,
     log: Callable[[str], None], tokenizer: Any = None,
 ) -> Callable[[Mapping[str, torch.Tensor]], PairLogps]:  # fmt: skip
-    """The reference policy as a function of a batch (no gradient): ``cfg.reference_model``,
-    else ``model`` with its adapters disabled, else a frozen copy of ``model`` as it is now
-    (before any update; call this before sharding). With ``tokenizer``, a
-    ``reference_model`` that cannot embed its token ids is refused."""
-    if not cfg.get("reference_model") and adapter_modules(model):
-        log("reference: the policy with its adapters disabled")
-        return partial(_pair_logps, model, chunk_size=chunk_size, context=disable_adapters)
-    if cfg.get("reference_model"):
-        log(f"reference: {cfg.reference_model.get('path', cfg.reference_model._component_)}")
-    else:
-        log("reference: a frozen copy of the initial policy")
-    reference = setup.frozen_model(
-        cfg, ctx, "reference_model", offload=bool(cfg.get("reference_offload", False)),
-        tokenizer=tokenizer, copy_of=model,
-    )  # fmt: skip
+    """The reference policy's pair log-probs as a function of a batch (no gradient): see
+    :func:`~tunesmith.training.setup.reference_policy` (call this before sharding)."""
+    reference = setup.reference_policy(cfg, ctx, model, log, tokenizer=tokenizer)
     return partial(_pair_logps, reference, chunk_size=chunk_size)
 
 
 def _pair_logps(
-    model: nn.Module, batch: Mapping[str, torch.Tensor], *, chunk_size: int,
-    context: Callable[[nn.Module], Any] = nullcontext,
-) -> PairLogps:  # fmt: skip
-    with torch.no_grad(), context(model):
+    reference: setup.FrozenPolicy, batch: Mapping[str, torch.Tensor], *, chunk_size: int
+) -> PairLogps:
+    with reference() as model:
         sums, counts, _ = sequence_logps(model, batch, chunk_size=chunk_size)
     return _pairs(sums, counts)
 

@@ -38,11 +38,11 @@ from tunesmith.training.loop import (
     LOOP_RUNTIME_KWARGS,
     LossOutput,
     fit,
-    make_loader,
     run_main,
 )
 from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES, flag, number, text
 from tunesmith.training.parallelize import parallelize
+from tunesmith.training.sources import DatasetSource
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
@@ -78,8 +78,8 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     objective = Distillation(teacher, loss_fn, float(cfg.get("kd_ratio", 0.5)), vocab_size=vocab)
     setup.memory_plan(cfg, ctx, model, dataset, collate, log, objective="distillation (kd)")
 
-    loader, sampler = make_loader(dataset, collate, cfg, ctx)
-    fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,
+    source = DatasetSource.build(dataset, collate, cfg, ctx)
+    fit(cfg, ctx, model=model, objective=objective, source=source,
         val_dataset=val_dataset, name="kd")  # fmt: skip
 
 

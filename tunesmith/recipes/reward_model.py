@@ -36,11 +36,11 @@ from tunesmith.training.loop import (
     LOOP_RUNTIME_KWARGS,
     LossOutput,
     fit,
-    make_loader,
     run_main,
 )
 from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES
 from tunesmith.training.parallelize import parallelize
+from tunesmith.training.sources import DatasetSource
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
@@ -68,8 +68,8 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     objective = PairwiseRanking(setup.compiled_loss(cfg, instantiate(cfg.loss)))
     setup.memory_plan(cfg, ctx, model, dataset, collate, log, objective="ranking (reward_model)")
 
-    loader, sampler = make_loader(dataset, collate, cfg, ctx)
-    fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,
+    source = DatasetSource.build(dataset, collate, cfg, ctx)
+    fit(cfg, ctx, model=model, objective=objective, source=source,
         val_dataset=val_dataset, name="reward_model")  # fmt: skip
 
 

@@ -26,11 +26,11 @@ from tunesmith.training.loop import (
     LOOP_RUNTIME_KWARGS,
     LossOutput,
     fit,
-    make_loader,
     run_main,
 )
 from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES, flag
 from tunesmith.training.parallelize import parallelize
+from tunesmith.training.sources import DatasetSource
 
 # Arguments the recipe passes at run time (for `tunesmith validate`).
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
@@ -50,7 +50,7 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     tokenizer = setup.load_tokenizer(cfg)
     dataset, val_dataset = setup.datasets_for(cfg, tokenizer, log)
     dataset, collate = setup.token_batches(cfg, dataset, tokenizer)  # packed: true -> packs
-    loader, sampler = make_loader(dataset, collate, cfg, ctx)
+    source = DatasetSource.build(dataset, collate, cfg, ctx)
 
     # -- model and loss
     model = setup.build_policy(cfg, ctx, tokenizer)
@@ -61,7 +61,7 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     plan = setup.memory_plan(cfg, ctx, model, dataset, collate, log, loss_fn=loss_fn)
 
     # -- train: per step, the token-mean loss of all micro-batches on all ranks
-    fit(cfg, ctx, model=model, objective=objective, loader=loader, sampler=sampler,
+    fit(cfg, ctx, model=model, objective=objective, source=source,
         val_dataset=val_dataset, name="sft", memory_plan=plan)  # fmt: skip
 
 

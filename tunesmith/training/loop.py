@@ -1,8 +1,9 @@
 """The training loop every recipe shares; a recipe brings its data, its model and its objective.
 
-:func:`fit` is the loop of the dataset recipes (SFT, DPO, KD, reward models) around a
-:class:`~tunesmith.training.trainer.Trainer` fed by a
-:class:`~tunesmith.training.sources.DatasetSource`::
+:func:`fit` is the loop of every recipe around a :class:`~tunesmith.training.trainer.Trainer`
+fed by a :class:`~tunesmith.training.sources.BatchSource` (a
+:class:`~tunesmith.training.sources.DatasetSource` for SFT, DPO, KD and reward models; a
+rollout source for RL)::
 
     trainer.start()                                  # resume=... : the checkpoint to continue
     while not trainer.done:
@@ -12,9 +13,8 @@
 Example (the core of a recipe)::
 
     >>> ctx = init_distributed("cpu")                                        # doctest: +SKIP
-    >>> loader, sampler = make_loader(dataset, collate, cfg, ctx)            # doctest: +SKIP
-    >>> fit(cfg, ctx, model=model, objective=objective, loader=loader,      # doctest: +SKIP
-    ...     sampler=sampler, name="sft")
+    >>> source = DatasetSource.build(dataset, collate, cfg, ctx)             # doctest: +SKIP
+    >>> fit(cfg, ctx, model=model, objective=objective, source=source, name="sft")  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from tqdm import tqdm
 
@@ -51,7 +50,7 @@ from tunesmith.training.memory_planner import MemoryPlan
 from tunesmith.training.metric_logging import MultiLogger, NullLogger
 from tunesmith.training.preflight import PreflightReport, longest_batch, preflight
 from tunesmith.training.run_lock import hold_run_lock
-from tunesmith.training.sources import DatasetSource, dropped_per_epoch, make_loader
+from tunesmith.training.sources import BatchSource, DatasetSource, dropped_per_epoch, make_loader
 from tunesmith.training.trainer import LossOutput, Objective, Trainer, evaluate
 
 __all__ = [
@@ -165,25 +164,30 @@ def fit(
     *,
     model: nn.Module,
     objective: Objective,
-    loader: StatefulDataLoader,
-    sampler: DistributedSampler,
+    source: BatchSource,
     val_dataset: Sequence[Any] | None = None,
     name: str = "train",
     memory_plan: MemoryPlan | None = None,
+    evaluator: Callable[[], Mapping[str, float]] | None = None,
 ) -> None:
-    """Train ``model`` on ``objective`` over ``loader`` as ``cfg`` says (see the module docs).
+    """Train ``model`` on ``objective`` with the micro-batches of ``source`` as ``cfg`` says
+    (see the module docs).
 
-    With ``preflight: true`` first runs the objective forward and backward once on the
-    longest batch of the data (no update, same RNG) and prints the measured peak, next to
-    ``memory_plan``'s estimate when the recipe gives one. Then builds the :class:`Trainer`
-    (optimizer, schedule, checkpoints; resuming from ``cfg.resume``) over a
-    :class:`DatasetSource`, and runs it: step, log, validate, checkpoint, stop on SIGTERM or
-    ``stop_after_steps``.
+    With ``preflight: true`` (a :class:`DatasetSource`) first runs the objective forward and
+    backward once on the longest batch of the data (no update, same RNG) and prints the
+    measured peak, next to ``memory_plan``'s estimate when the recipe gives one. Then builds
+    the :class:`Trainer` (optimizer, schedule, checkpoints; resuming from ``cfg.resume``)
+    and runs it: step, log, validate, checkpoint, stop on SIGTERM or ``stop_after_steps``.
+    A source with a ``step_metrics()`` method (a rollout source: rewards, generation time)
+    has them logged with the trainer's, and the trainer's share of the step as ``train_s``.
+    ``evaluator`` (e.g. held-out rewards) replaces the objective's loss on ``val_dataset``.
     """
     log = print if ctx.is_rank_zero else (lambda *a, **k: None)
-    source = DatasetSource(loader, sampler, int(cfg.get("gradient_accumulation_steps", 1)))
     if cfg.get("preflight", False):  # before the optimizer exists: nothing may step
-        log(_preflight(cfg, ctx, model, objective, loader).summary(memory_plan))
+        if not isinstance(source, DatasetSource):
+            raise ValueError(f"preflight: true measures a dataset's longest batch; this "
+                             f"recipe's batches come from a {type(source).__name__}")  # fmt: skip
+        log(_preflight(cfg, ctx, model, objective, source.loader).summary(memory_plan))
     trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source)
     trainer.start()  # verified; refuses another run's checkpoints or a changed config
     loggers = [instantiate(c) for c in cfg.get("metric_loggers") or []]
@@ -199,7 +203,11 @@ def fit(
         step_start = time.perf_counter()
         first_step = trainer.progress["step"] + 1  # its time includes compilation and warm-up
         while not trainer.done:
-            metrics = trainer.step(source.next_step())
+            micro_batches = source.next_step()
+            train_start = time.perf_counter()
+            metrics = trainer.step(micro_batches)
+            if hasattr(source, "step_metrics"):  # e.g. rewards, generation time
+                metrics |= {"train_s": time.perf_counter() - train_start, **source.step_metrics()}
             step = trainer.progress["step"]
             bar.update(1)
             if step % int(cfg.get("log_every_n_steps", 1)) == 0 or step == total_steps:
@@ -207,8 +215,11 @@ def fit(
                 logger.log(step, _timed(metrics, trainer, elapsed, first=step == first_step))
             elif step == first_step:
                 logger.log(step, {"first_step_s": time.perf_counter() - step_start})
-            if val_dataset is not None and _every(step, cfg.get("eval_every_n_steps"), total_steps):
-                logger.log(step, trainer.evaluate(val_dataset))
+            if _every(step, cfg.get("eval_every_n_steps"), total_steps):
+                if evaluator is not None:
+                    logger.log(step, dict(evaluator()))
+                elif val_dataset is not None:
+                    logger.log(step, trainer.evaluate(val_dataset))
             stop = bool(all_reduce_sum(float(stop_requested()), ctx.device).item())
             stop_early = stop_after is not None and step == int(stop_after) < total_steps
             if _every(step, cfg.get("save_every_n_steps"), total_steps) or stop or stop_early:

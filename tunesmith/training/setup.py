@@ -8,6 +8,8 @@ objective and what is its own.
 * :func:`build_policy`: the trained model, checked against the tokenizer;
 * :func:`frozen_model`: a model that is never trained (DPO reference, KD teacher), frozen,
   placed and sharded like the policy, optionally offloaded;
+* :func:`reference_policy`: the frozen policy a KL or a preference loss compares against
+  (``reference_model``, the policy with its adapters off, or a frozen copy);
 * :func:`compiled_loss` and :func:`memory_plan`: ``compile`` and the memory estimate, for
   every recipe (the layers are compiled by
   :func:`~tunesmith.training.parallelize.parallelize`).
@@ -25,8 +27,10 @@ Example (the prologue of a recipe)::
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +41,7 @@ from torch.utils.data import Subset
 from tunesmith.config import instantiate
 from tunesmith.data import packed_or_padded
 from tunesmith.modules.losses import LinearCrossEntropyLoss
+from tunesmith.modules.peft import adapter_modules, disable_adapters
 from tunesmith.training.compile import compile_loss, compile_options
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.loop import build_datasets, check_vocab
@@ -55,6 +60,8 @@ __all__ = [
     "packing_length",
     "pad_id",
     "rank_zero_log",
+    "FrozenPolicy",
+    "reference_policy",
     "token_batches",
 ]
 
@@ -170,6 +177,52 @@ def frozen_model(
     if not (offload and ctx.device.type == "cuda"):  # offloaded: FSDP2 places the shards
         model = model.to(ctx.device)
     return parallelize(model, ctx, frozen=True, cpu_offload=offload)
+
+
+@dataclass
+class FrozenPolicy:
+    """A model used without gradient, under ``context`` (e.g. its adapters disabled).
+
+    >>> with reference() as model:                      # doctest: +SKIP
+    ...     logits = model(input_ids)
+    """
+
+    model: nn.Module
+    context: Callable[[nn.Module], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    description: str = ""
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[nn.Module]:
+        with torch.no_grad(), self.context(self.model):
+            yield self.model
+
+
+def reference_policy(
+    cfg: DictConfig, ctx: DistributedContext, model: nn.Module, log: Log = print, *,
+    tokenizer: Any = None,
+) -> FrozenPolicy:  # fmt: skip
+    """The reference policy: ``cfg.reference_model`` (sharded like the policy; offloaded with
+    ``reference_offload: true``), else ``model`` with its adapters disabled (LoRA: no second
+    copy in memory), else a frozen copy of ``model`` as it is now (before any update: call
+    this before sharding). With ``tokenizer``, a ``reference_model`` that cannot embed its
+    token ids is refused.
+
+    >>> reference = reference_policy(cfg, ctx, model, log, tokenizer=tokenizer)  # doctest: +SKIP
+    """
+    if not cfg.get("reference_model") and adapter_modules(model):
+        reference = FrozenPolicy(model, disable_adapters, "the policy with its adapters disabled")
+    else:
+        description = (
+            str(cfg.reference_model.get("path", cfg.reference_model._component_))
+            if cfg.get("reference_model") else "a frozen copy of the initial policy"
+        )  # fmt: skip
+        frozen = frozen_model(
+            cfg, ctx, "reference_model", offload=bool(cfg.get("reference_offload", False)),
+            tokenizer=tokenizer, copy_of=model,
+        )  # fmt: skip
+        reference = FrozenPolicy(frozen, description=description)
+    log(f"reference: {reference.description}")
+    return reference
 
 
 def compiled_loss(cfg: Mapping[str, Any], loss_fn: nn.Module) -> nn.Module:

@@ -10,9 +10,10 @@
   reward model's :class:`BradleyTerryLoss`.
 - :mod:`~tunesmith.modules.losses.kd`: knowledge distillation (:class:`KDLoss`,
   :func:`divergence`, :data:`KD_KINDS`).
-- RL objectives (PPO's clipped surrogate, GRPO, KL penalties against a reference) go in a
-  new ``rl.py`` here, re-exported below like the others; rollouts, rewards and advantages
-  themselves belong to ``tunesmith.rl``, not to this package.
+- :mod:`~tunesmith.modules.losses.rl`: RL objectives on per-token log-probs
+  (:class:`PolicyLoss`: PPO-clip, DAPO clip-higher, dual clip, GSPO; :class:`KLPenalty` /
+  :func:`kl_penalty`; :func:`value_loss`) and their :func:`aggregate` / :func:`units`;
+  rollouts, rewards and advantages themselves belong to ``tunesmith.rl``.
 
 Conventions every loss here keeps: it is a plain ``nn.Module`` (or function) on tensors that
 knows nothing of models or training; it returns *sums* (or one value per sequence/pair), and
@@ -42,27 +43,53 @@ from tunesmith.modules.losses.preference import (
     PreferenceLossOutput,
     SimPOLoss,
 )
+from tunesmith.modules.losses.rl import (
+    AGGREGATIONS,
+    KL_KINDS,
+    KLPenalty,
+    PolicyLoss,
+    PolicyLossOutput,
+    ValueLoss,
+    ValueLossOutput,
+    aggregate,
+    kl_penalty,
+    units,
+    value_loss,
+)
 from tunesmith.modules.losses.token import (
     IGNORE_INDEX,
     CrossEntropyLoss,
     LinearCrossEntropyLoss,
+    token_entropy,
     token_logprobs,
 )
 
 __all__ = [
+    "AGGREGATIONS",
     "IGNORE_INDEX",
     "KD_KINDS",
+    "KL_KINDS",
     "BradleyTerryLoss",
     "CrossEntropyLoss",
     "DPOLoss",
     "HingeLoss",
     "IPOLoss",
     "KDLoss",
+    "KLPenalty",
     "LinearCrossEntropyLoss",
     "ORPOLoss",
     "PairLogps",
+    "PolicyLoss",
+    "PolicyLossOutput",
     "PreferenceLossOutput",
     "SimPOLoss",
+    "ValueLoss",
+    "ValueLossOutput",
+    "aggregate",
     "divergence",
+    "kl_penalty",
+    "token_entropy",
     "token_logprobs",
+    "units",
+    "value_loss",
 ]

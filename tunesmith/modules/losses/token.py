@@ -23,7 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["IGNORE_INDEX", "CrossEntropyLoss", "LinearCrossEntropyLoss", "token_logprobs"]
+__all__ = [
+    "IGNORE_INDEX",
+    "CrossEntropyLoss",
+    "LinearCrossEntropyLoss",
+    "token_entropy",
+    "token_logprobs",
+]
 
 IGNORE_INDEX = -100
 """Label of positions that are not trained (the ``ignore_index`` of every loss); the one
@@ -459,3 +465,68 @@ def token_logprobs(
                 pieces.append(_chunk_token_logprobs(*chunk, dtype))
     flat = torch.zeros(flat_labels.shape[0], dtype=out_dtype, device=hidden.device)
     return flat.index_copy(0, keep, torch.cat(pieces)).reshape(labels.shape)
+
+
+# -- per-token entropy -------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def token_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    mask: torch.Tensor,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Entropy of ``softmax(hidden @ weight.T)`` at each position where ``mask`` is true, a
+    metric (computed under ``torch.no_grad``, no gradient), without ever materialising the
+    ``[batch, seq, vocab]`` logits.
+
+    ``hidden`` is ``[..., h]``, ``weight`` the ``lm_head`` weight ``[V, h]``, ``mask``
+    ``[...]`` (bool or 0/1). Returns a tensor shaped like ``mask``: float32 (float64 for
+    float64 inputs), ``0.0`` where ``mask`` is false. Only masked-in rows are projected,
+    ``chunk_size`` rows at a time, in the same compute dtype as :func:`token_logprobs`
+    (autocast's, else the promoted dtype of ``hidden`` and ``weight``); the softmax is float32
+    at least: ``H = -sum(p · log p)`` with ``log p = log_softmax(z)``.
+
+    Example::
+
+        >>> hidden, weight = torch.randn(2, 5, 8), torch.randn(11, 8)
+        >>> mask = torch.tensor([[1, 1, 0, 1, 0]] * 2)
+        >>> entropy = token_entropy(hidden, weight, mask, chunk_size=3)
+        >>> p = torch.softmax(hidden @ weight.T, -1)
+        >>> full = -(p * p.log()).sum(-1) * mask
+        >>> torch.allclose(entropy, full, atol=1e-5)
+        True
+    """
+    if hidden.shape[:-1] != mask.shape:
+        raise ValueError(
+            f"token_entropy: hidden {list(hidden.shape)} and mask {list(mask.shape)} must "
+            "agree on every dimension but the last"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"token_entropy: weight must be [vocab, hidden={hidden.shape[-1]}], got "
+            f"{list(weight.shape)}"
+        )
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"token_entropy: chunk_size must be an int >= 1, got {chunk_size!r}")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    out_dtype = _accumulation_dtype(dtype)
+    keep = mask.reshape(-1).bool().nonzero().squeeze(1)
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
+    flat = torch.zeros(mask.numel(), dtype=out_dtype, device=hidden.device)
+    pieces = []
+    with torch.autocast(device_type, enabled=False):
+        for start in range(0, rows.shape[0], chunk_size):
+            chunk = rows[start : start + chunk_size].to(dtype)
+            logits = (chunk @ weight.to(dtype).t()).to(out_dtype)
+            log_p = torch.log_softmax(logits, dim=-1)
+            pieces.append(-(log_p.exp() * log_p).sum(-1))
+            del logits, log_p
+    if pieces:
+        flat.index_copy_(0, keep, torch.cat(pieces))
+    return flat.reshape(mask.shape)
