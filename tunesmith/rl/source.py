@@ -269,7 +269,8 @@ class RolloutSource:
         return rollout_batch(
             got.prompt_ids, completions, self.pad_id,
             per_token={"sampling_logprobs": logprobs},
-            per_row={"advantages": advantages, "rewards": rewards},
+            per_row={"advantages": advantages, "rewards": rewards,
+                     "stopped": torch.tensor([float(f == "stop") for f in got.finish])},
         )  # fmt: skip
 
     def _trainer_and_reference_logprobs(self, batch: Batch) -> None:
