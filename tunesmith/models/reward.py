@@ -143,6 +143,7 @@ class RewardModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         output_router_logits: bool = False,
+        every_position: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Scores ``[b, num_labels]`` (float32) at the last real token of each row.
 
@@ -153,6 +154,8 @@ class RewardModel(nn.Module):
                 position where it is 1. Without it, at the last position of every row.
             output_router_logits: also return the body's per-MoE-layer router logits (for
                 the load-balancing loss; empty for a dense body): ``(scores, router_logits)``.
+            every_position: scores at every position instead, ``[b, s, num_labels]`` (a
+                critic's values, :mod:`tunesmith.rl.critic`); ``attention_mask`` is optional.
         """
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError(
@@ -164,6 +167,9 @@ class RewardModel(nn.Module):
             output_router_logits=output_router_logits,
         )  # fmt: skip
         hidden, router_logits = hidden if output_router_logits else (hidden, ())
+        if every_position:
+            scores = F.linear(hidden.float(), self.score.weight.float())
+            return (scores, router_logits) if output_router_logits else scores
         last = last_token_positions(attention_mask, input_ids).to(hidden.device)
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
         scores = F.linear(pooled.float(), self.score.weight.float())

@@ -202,8 +202,15 @@ class RolloutSource:
         self._trainer_and_reference_logprobs(batch)
         times["logprobs_s"] = time.perf_counter() - start
         self._metrics = self._reduce_metrics(kept, batch, times, zero_variance, drawn_groups)
+        self._metrics |= self._finish_batch(batch)
         self._maybe_log_samples(kept)
         return batch
+
+    def _finish_batch(self, batch: Batch) -> dict[str, float]:
+        """A subclass's last stage of a collection, after the log-probs (PPO: the critic's
+        values and GAE, :mod:`tunesmith.rl.ppo`); returns its metrics, already reduced over the
+        ranks (they replace the base's of the same name). Nothing here."""
+        return {}
 
     def _generate_and_score(self, times: dict[str, float]) -> _Collected:
         out = _Collected()

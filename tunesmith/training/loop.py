@@ -169,6 +169,7 @@ def fit(
     name: str = "train",
     memory_plan: MemoryPlan | None = None,
     evaluator: Callable[[], Mapping[str, float]] | None = None,
+    make_trainer: Callable[..., Trainer] = Trainer,
 ) -> None:
     """Train ``model`` on ``objective`` with the micro-batches of ``source`` as ``cfg`` says
     (see the module docs).
@@ -181,6 +182,8 @@ def fit(
     A source with a ``step_metrics()`` method (a rollout source: rewards, generation time)
     has them logged with the trainer's, and the trainer's share of the step as ``train_s``.
     ``evaluator`` (e.g. held-out rewards) replaces the objective's loss on ``val_dataset``.
+    ``make_trainer`` builds the trainer from ``(cfg, ctx, model=, objective=, source=)`` (e.g. a
+    ``functools.partial`` of a :class:`Trainer` subclass that also trains PPO's critic).
     """
     log = print if ctx.is_rank_zero else (lambda *a, **k: None)
     if cfg.get("preflight", False):  # before the optimizer exists: nothing may step
@@ -188,7 +191,7 @@ def fit(
             raise ValueError(f"preflight: true measures a dataset's longest batch; this "
                              f"recipe's batches come from a {type(source).__name__}")  # fmt: skip
         log(_preflight(cfg, ctx, model, objective, source.loader).summary(memory_plan))
-    trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source)
+    trainer = make_trainer(cfg, ctx, model=model, objective=objective, source=source)
     trainer.start()  # verified; refuses another run's checkpoints or a changed config
     loggers = [instantiate(c) for c in cfg.get("metric_loggers") or []]
     logger = MultiLogger(loggers) if ctx.is_rank_zero else NullLogger()

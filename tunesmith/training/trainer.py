@@ -89,7 +89,8 @@ class Trainer:
 
     ``source`` is checkpointed with the trainer (its state under ``"dataloader"``, its
     ``epoch`` in the progress counters); without ``steps_per_epoch`` on it, ``cfg.max_steps``
-    sets the run's length.
+    sets the run's length. ``schedule_steps`` is the LR schedule's length when it is not the
+    run's (a subclass whose first steps leave the model alone, e.g. PPO's critic warm-up).
 
     Example::
 
@@ -102,7 +103,7 @@ class Trainer:
     def __init__(
         self, cfg: DictConfig, ctx: DistributedContext, *, model: nn.Module,
         objective: Objective, source: BatchSource | None = None,
-        on_step_end: Sequence[StepHook] = (),
+        on_step_end: Sequence[StepHook] = (), schedule_steps: int | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.ctx, self.model, self.objective = cfg, ctx, model, objective
         self.source = source
@@ -120,7 +121,7 @@ class Trainer:
         else:
             self.optimizer = instantiate(cfg.optimizer, trainable)
         self.scheduler = instantiate(cfg.lr_scheduler, self.optimizer,
-                                     num_training_steps=self.total_steps)  # fmt: skip
+                                     num_training_steps=schedule_steps or self.total_steps)  # fmt: skip
         self._schedule = schedule_params(self.scheduler)  # this run's: wins over a checkpoint's
         self.record = RunRecord(plain_config(cfg), self.total_steps,
                                 int(getattr(source, "samples", 0)))  # fmt: skip

@@ -1,0 +1,383 @@
+"""Where a GRPO step's time goes, through the real ``grpo`` recipe, full fine-tuning and LoRA.
+
+The workload: the random Llama-shaped model of ``sft_mfu.py`` (vocab 32000, hidden 256, 4
+layers, 8 heads / 4 KV heads, untied ``lm_head``) with the tiny llama3-style tokenizer
+(``tests/data/tokenizer_factory.py``), float32; ``--prompts`` arithmetic prompts per step
+("What is 17 + 25?", chat-templated) x ``--group-size`` samples x ``--new-tokens`` new tokens
+(temperature 1, no stop strings or extra stop tokens; the tokenizer's end-of-sequence token
+still ends a row, so the tokens actually generated are counted, not assumed), scored by the
+shipped config's ``ExactAnswer`` reward, GRPO advantages, the PPO-clip loss and a k3 KL term
+(``kl.coef`` > 0, so the reference forward is part of every step: a frozen copy of the initial
+policy for full fine-tuning, the policy with its adapters off for LoRA).
+
+Each configuration runs ``tunesmith.recipes.grpo.main`` on the shipped ``tiny`` config (the
+LoRA one takes the ``model`` node of ``sft/tiny_lora``: rank 8 on q and v) in this process,
+and the per-step split is read back from the recipe's own ``metrics.jsonl``: ``generate_s``,
+``reward_s``, ``logprobs_s`` (the trainer's "old" log-probs and the reference's, one
+no-gradient forward each over every row), ``train_s`` (``Trainer.step``: forward, backward,
+clipping, AdamW) and ``step_time_s`` (the whole step; "other" is the rest: prompt encoding,
+building the batch, metrics). The first ``--warmup`` steps are excluded; the table shows the
+median of the ``--steps`` measured steps.
+
+Generation throughput (``generated_tokens_per_s``: tokens actually generated / ``generate_s``,
+the prompts' prefill included in the time) is set against the same model's forward-only
+throughput, measured in the same process right after the run: a no-gradient, eval-mode,
+prefill-style forward (logits at every position) over ``rows x new_tokens`` random token ids
+in micro-batches of ``--micro-batch`` rows, i.e. over as many tokens as a step generates,
+median of ``--forward-repeats`` timings.
+
+Usage::
+
+    python benchmarks/rl_step.py                     # CPU, writes benchmarks/results/rl_step.md
+    python benchmarks/rl_step.py --device cuda --bf16 --prompts 32 --new-tokens 256 --no-write
+    python benchmarks/rl_step.py --prompts 2 --group-size 4 --new-tokens 8 --steps 1 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "rl_step.md"
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+
+from sft_ladder import machine  # noqa: E402
+from sft_mfu import MODEL  # noqa: E402
+
+CONFIGS = ("full", "lora")
+PHASES = ("generate_s", "reward_s", "logprobs_s", "train_s")
+
+
+# -- the world: tokenizer, model folder, prompts --------------------------------------------------
+
+
+def make_world(root: Path, rows: int, seed: int = 0) -> tuple[Path, Path]:
+    """A tiny llama3-style tokenizer + the random ``MODEL`` folder, and ``rows`` arithmetic
+    prompts with their answers; returns ``(model_dir, prompts_path)``."""
+    from tests.data.tokenizer_factory import make_tokenizer_folder
+    from tunesmith.models import build_model
+    from tunesmith.models.hf import save_hf_checkpoint
+    from tunesmith.models.spec import spec_from_hf_config
+
+    tokenizer_dir = make_tokenizer_folder(root / "tokenizer", "llama3")
+    torch.manual_seed(seed)
+    model = build_model(spec_from_hf_config(dict(MODEL)))
+    model_dir = save_hf_checkpoint(model, root / "model", source_dir=tokenizer_dir)
+    rng = random.Random(seed)
+    prompts = root / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for _ in range(rows):
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            f.write(json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n")
+    return model_dir, prompts
+
+
+# -- one configuration ------------------------------------------------------------------------------
+
+
+def recipe_config(args: argparse.Namespace, name: str, model_dir: Path, prompts: Path,
+                  output_dir: Path) -> Any:  # fmt: skip
+    """The shipped ``grpo/tiny`` config pointed at the world, at this benchmark's sizes."""
+    from omegaconf import OmegaConf
+
+    from tunesmith.config import load_config
+    from tunesmith.recipes import config_path
+
+    overrides = [
+        f"model_dir={model_dir}", f"prompts.source={prompts}", f"output_dir={output_dir}",
+        f"device={args.device}", f"mixed_precision={'bf16' if args.bf16 else 'null'}",
+        f"prompts_per_step={args.prompts}", f"group_size={args.group_size}",
+        f"batch_size={args.micro_batch}", f"generation.max_new_tokens={args.new_tokens}",
+        f"kl.coef={args.kl_coef}", f"max_steps={args.warmup + args.steps}",
+        "log_samples_every=0", "progress_bar=false", "overwrite=true",
+        # bf16: the KV-cache decode and the full forward round differently; the mismatch is
+        # reported, not a reason to stop a timing run
+        f"max_logprob_mismatch={'null' if args.bf16 else '1.0e-3'}",
+    ]  # fmt: skip
+    cfg = load_config(config_path("tiny", "grpo"), overrides)
+    cfg.metric_loggers = [{"_component_": "tunesmith.training.JSONLLogger",
+                           "log_dir": str(output_dir)}]  # fmt: skip
+    if name == "lora":
+        cfg.model = OmegaConf.load(config_path("tiny_lora", "sft")).model  # ${model_dir}: ours
+    return cfg
+
+
+def forward_tokens_per_s(cfg: Any, args: argparse.Namespace, device: torch.device) -> float:
+    """Tokens/s of a no-gradient, eval-mode forward (logits at every position) of the policy
+    ``cfg.model`` builds, over ``rows x new_tokens`` random ids in micro-batches."""
+    from tunesmith.config import instantiate
+    from tunesmith.modules.dtypes import AUTOCAST
+
+    model = instantiate(cfg.model).to(device).eval()
+    rows = args.prompts * args.group_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, MODEL["vocab_size"], (rows, args.new_tokens), generator=gen)
+    parts = [p.to(device) for p in ids.split(args.micro_batch)]
+    dtype = AUTOCAST["bf16" if args.bf16 else None]
+
+    def once() -> float:
+        _sync(device)
+        start = time.perf_counter()
+        with torch.no_grad(), torch.autocast(device.type, dtype, enabled=bool(dtype)):
+            for part in parts:
+                model(part)
+        _sync(device)
+        return time.perf_counter() - start
+
+    once()  # warm-up
+    seconds = statistics.median(once() for _ in range(args.forward_repeats))
+    return rows * args.new_tokens / seconds
+
+
+def run_config(args: argparse.Namespace, name: str, world: Path, model_dir: Path,
+               prompts: Path) -> dict[str, Any]:  # fmt: skip
+    """Run the recipe with configuration ``name``; its measured steps' metrics and the
+    forward-only throughput of the same policy."""
+    from tunesmith.recipes import grpo
+
+    output_dir = world / name
+    cfg = recipe_config(args, name, model_dir, prompts, output_dir)
+    started = time.perf_counter()
+    grpo.main(cfg)
+    wall = time.perf_counter() - started
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in records if "step" in r}
+    measured = [steps[s] for s in sorted(steps) if s > args.warmup]
+    if len(measured) != args.steps or any("step_time_s" not in r for r in measured):
+        raise RuntimeError(f"{name}: expected {args.steps} measured steps in {output_dir}")
+    forward = forward_tokens_per_s(cfg, args, torch.device(args.device))
+    return {"name": name, "steps": measured, "forward_tokens_per_s": forward, "wall_s": wall}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- summary and report ---------------------------------------------------------------------------
+
+
+def summarize(run: dict[str, Any]) -> dict[str, float]:
+    """Medians over the measured steps (each quantity its own median; "other" and the shares
+    from the medians), samples/s and the generation / forward-only ratio."""
+    steps = run["steps"]
+
+    def median(key: str) -> float:
+        return statistics.median(float(r[key]) for r in steps)
+
+    out = {key: median(key) for key in (*PHASES, "step_time_s", "generated_tokens_per_s",
+                                         "completion_length", "stopped_fraction", "reward",
+                                         "logprob_mismatch_max", "rollout_samples")}  # fmt: skip
+    out["other_s"] = out["step_time_s"] - sum(out[p] for p in PHASES)
+    out["samples_per_s"] = statistics.median(
+        r["rollout_samples"] / r["step_time_s"] for r in steps
+    )
+    out["generated_tokens"] = statistics.median(
+        r["completion_length"] * r["rollout_samples"] for r in steps
+    )
+    out["forward_tokens_per_s"] = run["forward_tokens_per_s"]
+    out["generation_vs_forward"] = out["generated_tokens_per_s"] / run["forward_tokens_per_s"]
+    out["step_times"] = [r["step_time_s"] for r in steps]
+    return out
+
+
+def split_table(summary: dict[str, dict[str, float]]) -> str:
+    lines = ["| policy | step s | generate s | reward s | old + ref log-probs s | train s "
+             "| other s | samples/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name, s in summary.items():
+        step = s["step_time_s"]
+        cells = [f"{s[k]:.2f} ({s[k] / step:.0%})" for k in (*PHASES, "other_s")]
+        lines.append(f"| {LABELS[name]} | {step:.2f} | {' | '.join(cells)} | "
+                     f"{s['samples_per_s']:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def throughput_table(summary: dict[str, dict[str, float]]) -> str:
+    lines = ["| policy | tokens generated / step | mean completion | stopped early "
+             "| generation tokens/s | forward-only tokens/s | generation / forward |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name, s in summary.items():
+        lines.append(
+            f"| {LABELS[name]} | {s['generated_tokens']:.0f} | {s['completion_length']:.1f} | "
+            f"{s['stopped_fraction']:.1%} | {s['generated_tokens_per_s']:.0f} | "
+            f"{s['forward_tokens_per_s']:.0f} | {s['generation_vs_forward']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+LABELS = {"full": "full fine-tuning", "lora": "LoRA (rank 8, q + v)"}
+
+
+def comparisons(summary: dict[str, dict[str, float]]) -> str:
+    lines = []
+    for name, s in summary.items():
+        rollout = s["generate_s"] + s["reward_s"] + s["logprobs_s"]
+        lines.append(
+            f"- {LABELS[name]}: generation is {s['generate_s'] / s['step_time_s']:.0%} of the "
+            f"step, the whole rollout (generate + reward + log-probs) "
+            f"{rollout / s['step_time_s']:.0%}, the update {s['train_s'] / s['step_time_s']:.0%}; "
+            f"generating a token costs {1 / s['generation_vs_forward']:.0f}x a token of the "
+            f"forward-only pass."
+        )
+    if {"full", "lora"} <= summary.keys():
+        full, lora = summary["full"], summary["lora"]
+        lines.append(
+            f"- LoRA / full fine-tuning: step {lora['step_time_s'] / full['step_time_s']:.2f}x, "
+            f"generate {lora['generate_s'] / full['generate_s']:.2f}x, log-probs "
+            f"{lora['logprobs_s'] / full['logprobs_s']:.2f}x, train "
+            f"{lora['train_s'] / full['train_s']:.2f}x."
+        )
+    return "\n".join(lines)
+
+
+def command(args: argparse.Namespace) -> str:
+    parts = ["python benchmarks/rl_step.py"]
+    for flag, default in DEFAULTS.items():
+        value = getattr(args, flag)
+        if value != default:
+            key = "--" + flag.replace("_", "-")
+            if isinstance(value, bool):
+                parts.append(key)
+            elif isinstance(value, list):
+                parts.append(f"{key} {' '.join(map(str, value))}")
+            else:
+                parts.append(f"{key} {value}")
+    return " ".join(parts)
+
+
+def device_text(args: argparse.Namespace) -> str:
+    if args.device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(args.device))}, CUDA {torch.version.cuda}"
+    return f"CPU, {torch.get_num_threads()} threads"
+
+
+def report(args: argparse.Namespace, summary: dict[str, dict[str, float]],
+           load: tuple[float, float], minutes: float) -> str:  # fmt: skip
+    rows = args.prompts * args.group_size
+    times = "; ".join(
+        f"{LABELS[n]} {', '.join(f'{t:.2f}' for t in s['step_times'])}" for n, s in summary.items()
+    )
+    mismatch = ", ".join(f"{LABELS[n]} {s['logprob_mismatch_max']:.1e}" for n, s in summary.items())
+    rewards = ", ".join(f"{LABELS[n]} {s['reward']:.3f}" for n, s in summary.items())
+    return f"""# RL step: where a GRPO step's time goes
+
+`{command(args)}` ({minutes:.1f} min)
+
+- Model: the random Llama-shaped model of `sft_mfu.py` (vocab {MODEL["vocab_size"]}, hidden \
+{MODEL["hidden_size"]}, intermediate {MODEL["intermediate_size"]},
+  {MODEL["num_hidden_layers"]} layers, {MODEL["num_attention_heads"]} heads / \
+{MODEL["num_key_value_heads"]} KV heads, untied `lm_head`), float32 weights, \
+{"bf16 autocast" if args.bf16 else "no autocast"};
+  the tiny llama3-style tokenizer of the tests (651 ids: most sampled ids decode to nothing).
+- Recipe: `tunesmith.recipes.grpo.main` on the shipped `grpo/tiny` config (LoRA: the `model`
+  node of `sft/tiny_lora`, rank 8 on q and v): {args.prompts} prompts x {args.group_size} \
+samples = {rows} completions per step,
+  at most {args.new_tokens} new tokens (temperature 1, KV cache), `ExactAnswer` reward on
+  "What is A + B?" prompts, GRPO advantages, PPO-clip loss, k3 KL with `kl.coef` {args.kl_coef}
+  (reference: a frozen copy for full fine-tuning, the adapters off for LoRA), micro-batches of
+  {args.micro_batch} rows, AdamW; {args.warmup} warm-up step(s) excluded, median of \
+{args.steps} measured steps.
+- The split comes from the recipe's `metrics.jsonl` (`generate_s`, `reward_s`, `logprobs_s`:
+  the trainer's old log-probs and the reference's, `train_s`: `Trainer.step`, and
+  `step_time_s`); "other" = step - the four (prompt encoding, batch building, metrics).
+- Generation tokens/s: tokens actually generated / `generate_s` (the prompts' prefill inside
+  the time). Forward-only tokens/s: a no-gradient, eval-mode, prefill-style forward (logits at
+  every position) of the same policy over {rows} x {args.new_tokens} random ids in \
+micro-batches of {args.micro_batch} rows
+  (as many tokens as a step generates), median of {args.forward_repeats}, same process, right \
+after the run.
+- Machine: {machine()}; {device_text(args)}; Python {platform.python_version()}, torch \
+{torch.__version__}; run {datetime.date.today().isoformat()}.
+  1-minute load average {load[0]:.1f} at the start and {load[1]:.1f} at the end \
+({os.cpu_count()} cores): {SHARED if args.shared else "quiet"}.
+
+## Per-step time (median; share of the step)
+
+{split_table(summary)}
+
+Measured step times (s): {times}.
+
+## Generation vs forward-only
+
+{throughput_table(summary)}
+
+{comparisons(summary)}
+
+Rewards are those of a random policy (mean {rewards}): the timing does not depend on them, but
+the advantages are all zero here, so the policy loss's gradient is zero and the KL term alone
+moves the weights (the backward runs in full either way). Log-prob parity (max |trainer -
+sampler| per token): {mismatch}.
+"""
+
+
+SHARED = ("shared with other jobs while this ran, so absolute times are noisy; the shares and "
+          "ratios come from the same run")  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--new-tokens", type=int, default=64, help="max new tokens per sample")
+    parser.add_argument("--micro-batch", type=int, default=16, help="rows per micro-batch")
+    parser.add_argument("--kl-coef", type=float, default=0.05)
+    parser.add_argument("--warmup", type=int, default=1, help="steps excluded (at least 1)")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps")
+    parser.add_argument("--forward-repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (mixed_precision)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--shared", action="store_true",
+                        help="say in the report that other jobs shared the machine")  # fmt: skip
+    parser.add_argument("--no-write", action="store_true", help=f"do not write {RESULTS.name}")
+    return parser
+
+
+DEFAULTS = {a.dest: a.default for a in build_parser()._actions if a.dest != "help"}
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    if args.warmup < 1:
+        raise SystemExit("--warmup must be >= 1: the recipe logs the first step as first_step_s")
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    summary: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="rl_step_") as tmp:
+        world = Path(tmp)
+        rows = args.prompts * (args.warmup + args.steps)
+        model_dir, prompts = make_world(world, rows)
+        for name in args.configs:
+            run = run_config(args, name, world, model_dir, prompts)
+            summary[name] = s = summarize(run)
+            print(f"{name}: step {s['step_time_s']:.2f} s (generate {s['generate_s']:.2f}, "
+                  f"reward {s['reward_s']:.3f}, log-probs {s['logprobs_s']:.2f}, train "
+                  f"{s['train_s']:.2f}); {s['generated_tokens_per_s']:.0f} generated tokens/s vs "
+                  f"{s['forward_tokens_per_s']:.0f} forward-only; run {run['wall_s']:.0f} s",
+                  flush=True)  # fmt: skip
+    minutes = (time.perf_counter() - started) / 60
+    text = report(args, summary, (load_start, os.getloadavg()[0]), minutes)
+    print(text)
+    if not args.no_write:
+        RESULTS.write_text(text)
+        print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
