@@ -59,6 +59,10 @@ from sft_mfu import MODEL  # noqa: E402
 
 CONFIGS = ("full", "lora")
 PHASES = ("generate_s", "reward_s", "logprobs_s", "train_s")
+ROLLOUT = ("generate_s", "reward_s", "logprobs_s")  # everything of a step before the update
+LOGGED = ("step_time_s", "generated_tokens_per_s", "completion_length", "stopped_fraction",
+          "reward", "logprob_mismatch_max", "rollout_samples")  # fmt: skip
+LABELS = {"full": "full fine-tuning", "lora": "LoRA (rank 8, q + v)"}
 
 
 # -- the world: tokenizer, model folder, prompts --------------------------------------------------
@@ -170,27 +174,25 @@ def _sync(device: torch.device) -> None:
 # -- summary and report ---------------------------------------------------------------------------
 
 
-def summarize(run: dict[str, Any]) -> dict[str, float]:
-    """Medians over the measured steps (each quantity its own median; "other" and the shares
-    from the medians), samples/s and the generation / forward-only ratio."""
+def summarize(run: dict[str, Any]) -> dict[str, Any]:
+    """Medians over the measured steps, each of its own per-step quantity: the phases, "other"
+    (the step minus the phases), each one's share of its step, samples/s and tokens generated;
+    and the generation / forward-only throughput ratio."""
     steps = run["steps"]
-
-    def median(key: str) -> float:
-        return statistics.median(float(r[key]) for r in steps)
-
-    out = {key: median(key) for key in (*PHASES, "step_time_s", "generated_tokens_per_s",
-                                         "completion_length", "stopped_fraction", "reward",
-                                         "logprob_mismatch_max", "rollout_samples")}  # fmt: skip
-    out["other_s"] = out["step_time_s"] - sum(out[p] for p in PHASES)
-    out["samples_per_s"] = statistics.median(
-        r["rollout_samples"] / r["step_time_s"] for r in steps
-    )
-    out["generated_tokens"] = statistics.median(
-        r["completion_length"] * r["rollout_samples"] for r in steps
-    )
+    per_step: dict[str, list[float]] = {}
+    for r in steps:
+        other = r["step_time_s"] - sum(r[p] for p in PHASES)
+        values = {key: float(r[key]) for key in (*PHASES, *LOGGED)}
+        values |= {"other_s": other, "samples_per_s": r["rollout_samples"] / r["step_time_s"],
+                   "generated_tokens": r["completion_length"] * r["rollout_samples"]}  # fmt: skip
+        values |= {f"share/{p}": values[p] / r["step_time_s"] for p in (*PHASES, "other_s")}
+        values["share/rollout"] = sum(r[p] for p in ROLLOUT) / r["step_time_s"]
+        for key, value in values.items():
+            per_step.setdefault(key, []).append(value)
+    out: dict[str, Any] = {key: statistics.median(v) for key, v in per_step.items()}
     out["forward_tokens_per_s"] = run["forward_tokens_per_s"]
     out["generation_vs_forward"] = out["generated_tokens_per_s"] / run["forward_tokens_per_s"]
-    out["step_times"] = [r["step_time_s"] for r in steps]
+    out["step_times"] = per_step["step_time_s"]
     return out
 
 
@@ -200,7 +202,7 @@ def split_table(summary: dict[str, dict[str, float]]) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for name, s in summary.items():
         step = s["step_time_s"]
-        cells = [f"{s[k]:.2f} ({s[k] / step:.0%})" for k in (*PHASES, "other_s")]
+        cells = [f"{s[k]:.2f} ({s['share/' + k]:.0%})" for k in (*PHASES, "other_s")]
         lines.append(f"| {LABELS[name]} | {step:.2f} | {' | '.join(cells)} | "
                      f"{s['samples_per_s']:.2f} |")  # fmt: skip
     return "\n".join(lines)
@@ -219,28 +221,21 @@ def throughput_table(summary: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-LABELS = {"full": "full fine-tuning", "lora": "LoRA (rank 8, q + v)"}
-
-
-def comparisons(summary: dict[str, dict[str, float]]) -> str:
+def comparisons(summary: dict[str, dict[str, Any]]) -> str:
     lines = []
     for name, s in summary.items():
-        rollout = s["generate_s"] + s["reward_s"] + s["logprobs_s"]
         lines.append(
-            f"- {LABELS[name]}: generation is {s['generate_s'] / s['step_time_s']:.0%} of the "
-            f"step, the whole rollout (generate + reward + log-probs) "
-            f"{rollout / s['step_time_s']:.0%}, the update {s['train_s'] / s['step_time_s']:.0%}; "
-            f"generating a token costs {1 / s['generation_vs_forward']:.0f}x a token of the "
-            f"forward-only pass."
+            f"- {LABELS[name]}: generation takes {s['share/generate_s']:.0%} of a step, the "
+            f"whole rollout (generate, reward, log-probs) {s['share/rollout']:.0%}, the update "
+            f"{s['share/train_s']:.0%};\n  a generated token costs "
+            f"{1 / s['generation_vs_forward']:.1f}x the time of a token of the forward-only pass."
         )
     if {"full", "lora"} <= summary.keys():
         full, lora = summary["full"], summary["lora"]
-        lines.append(
-            f"- LoRA / full fine-tuning: step {lora['step_time_s'] / full['step_time_s']:.2f}x, "
-            f"generate {lora['generate_s'] / full['generate_s']:.2f}x, log-probs "
-            f"{lora['logprobs_s'] / full['logprobs_s']:.2f}x, train "
-            f"{lora['train_s'] / full['train_s']:.2f}x."
-        )
+        ratios = ", ".join(f"{label} {lora[key] / full[key]:.2f}x" for label, key in (
+            ("step", "step_time_s"), ("generate", "generate_s"),
+            ("log-probs", "logprobs_s"), ("train", "train_s")))  # fmt: skip
+        lines.append(f"- LoRA / full fine-tuning (medians): {ratios}.")
     return "\n".join(lines)
 
 
@@ -262,7 +257,7 @@ def command(args: argparse.Namespace) -> str:
 def device_text(args: argparse.Namespace) -> str:
     if args.device.startswith("cuda"):
         return f"{torch.cuda.get_device_name(torch.device(args.device))}, CUDA {torch.version.cuda}"
-    return f"CPU, {torch.get_num_threads()} threads"
+    return f"CPU, {torch.get_num_threads()} thread(s)"
 
 
 def report(args: argparse.Namespace, summary: dict[str, dict[str, float]],
@@ -341,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--forward-repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (mixed_precision)")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: steadier on a shared machine)")  # fmt: skip
     parser.add_argument("--shared", action="store_true",
                         help="say in the report that other jobs shared the machine")  # fmt: skip
     parser.add_argument("--no-write", action="store_true", help=f"do not write {RESULTS.name}")

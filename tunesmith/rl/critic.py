@@ -16,7 +16,7 @@ step_N`` (:func:`critic_checkpoint`, :func:`critic_config`).
 Example::
 
     >>> critic = build_critic(cfg, ctx, policy, tokenizer)           # doctest: +SKIP
-    >>> values = critic_values(critic, batch)                         # [b, L] float32
+    >>> values, _ = critic_values(critic, batch)  # [b, L] float32    # doctest: +SKIP
     >>> trainer = Trainer(critic_config(cfg), ctx, model=critic,
     ...                   objective=ValueObjective(ValueLoss(clip=0.2)))  # doctest: +SKIP
 """
