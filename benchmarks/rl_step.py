@@ -260,51 +260,60 @@ def device_text(args: argparse.Namespace) -> str:
     return f"CPU, {torch.get_num_threads()} thread(s)"
 
 
-def report(args: argparse.Namespace, summary: dict[str, dict[str, float]],
+def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]],
            load: tuple[float, float], minutes: float) -> str:  # fmt: skip
     rows = args.prompts * args.group_size
-    times = "; ".join(
-        f"{LABELS[n]} {', '.join(f'{t:.2f}' for t in s['step_times'])}" for n, s in summary.items()
+    times = "\n".join(f"- {LABELS[n]}: {', '.join(f'{t:.2f}' for t in s['step_times'])}"
+                      for n, s in summary.items())  # fmt: skip
+    checks = "\n".join(
+        f"- {LABELS[n]}: mean reward {s['reward']:.3f}, largest |trainer - sampler| log-prob "
+        f"{s['logprob_mismatch_max']:.1e}"
+        for n, s in summary.items()
     )
-    mismatch = ", ".join(f"{LABELS[n]} {s['logprob_mismatch_max']:.1e}" for n, s in summary.items())
-    rewards = ", ".join(f"{LABELS[n]} {s['reward']:.3f}" for n, s in summary.items())
+    precision = "bf16 autocast" if args.bf16 else "no autocast"
+    sharing = SHARED if args.shared else "no other job is known to have shared the machine"
     return f"""# RL step: where a GRPO step's time goes
 
 `{command(args)}` ({minutes:.1f} min)
 
-- Model: the random Llama-shaped model of `sft_mfu.py` (vocab {MODEL["vocab_size"]}, hidden \
-{MODEL["hidden_size"]}, intermediate {MODEL["intermediate_size"]},
-  {MODEL["num_hidden_layers"]} layers, {MODEL["num_attention_heads"]} heads / \
-{MODEL["num_key_value_heads"]} KV heads, untied `lm_head`), float32 weights, \
-{"bf16 autocast" if args.bf16 else "no autocast"};
-  the tiny llama3-style tokenizer of the tests (651 ids: most sampled ids decode to nothing).
+- Model: the random Llama-shaped model of `sft_mfu.py`: vocab {MODEL["vocab_size"]}, hidden \
+{MODEL["hidden_size"]}, intermediate {MODEL["intermediate_size"]}, {MODEL["num_hidden_layers"]} \
+layers,
+  {MODEL["num_attention_heads"]} heads / {MODEL["num_key_value_heads"]} KV heads, untied \
+`lm_head`; float32 weights, {precision}. Tokenizer: the tests' tiny llama3-style
+  one (651 ids; most ids the model samples decode to nothing).
 - Recipe: `tunesmith.recipes.grpo.main` on the shipped `grpo/tiny` config (LoRA: the `model`
-  node of `sft/tiny_lora`, rank 8 on q and v): {args.prompts} prompts x {args.group_size} \
-samples = {rows} completions per step,
-  at most {args.new_tokens} new tokens (temperature 1, KV cache), `ExactAnswer` reward on
-  "What is A + B?" prompts, GRPO advantages, PPO-clip loss, k3 KL with `kl.coef` {args.kl_coef}
-  (reference: a frozen copy for full fine-tuning, the adapters off for LoRA), micro-batches of
-  {args.micro_batch} rows, AdamW; {args.warmup} warm-up step(s) excluded, median of \
-{args.steps} measured steps.
-- The split comes from the recipe's `metrics.jsonl` (`generate_s`, `reward_s`, `logprobs_s`:
-  the trainer's old log-probs and the reference's, `train_s`: `Trainer.step`, and
-  `step_time_s`); "other" = step - the four (prompt encoding, batch building, metrics).
-- Generation tokens/s: tokens actually generated / `generate_s` (the prompts' prefill inside
-  the time). Forward-only tokens/s: a no-gradient, eval-mode, prefill-style forward (logits at
-  every position) of the same policy over {rows} x {args.new_tokens} random ids in \
-micro-batches of {args.micro_batch} rows
-  (as many tokens as a step generates), median of {args.forward_repeats}, same process, right \
-after the run.
-- Machine: {machine()}; {device_text(args)}; Python {platform.python_version()}, torch \
-{torch.__version__}; run {datetime.date.today().isoformat()}.
-  1-minute load average {load[0]:.1f} at the start and {load[1]:.1f} at the end \
-({os.cpu_count()} cores): {SHARED if args.shared else "quiet"}.
+  node of `sft/tiny_lora`, rank 8 on q and v). Per step {args.prompts} prompts x \
+{args.group_size} samples = {rows} completions of at most
+  {args.new_tokens} new tokens (temperature 1, KV cache), scored by `ExactAnswer` on
+  "What is A + B?" prompts; GRPO advantages, PPO-clip loss, k3 KL with `kl.coef` = \
+{args.kl_coef}
+  (reference: a frozen copy for full fine-tuning, the policy with its adapters off for LoRA);
+  micro-batches of {args.micro_batch} rows, AdamW. {args.warmup} warm-up step(s) excluded; \
+medians of {args.steps} measured steps.
+- The split is the recipe's own `metrics.jsonl`: `generate_s`, `reward_s`, `logprobs_s` (the
+  trainer's old log-probs and the reference's: two no-gradient forwards over every row),
+  `train_s` (`Trainer.step`: forward, backward, clipping, AdamW) and `step_time_s`; "other" is
+  the step minus those four (prompt encoding, building the batch, metrics). Each cell is the
+  median over the measured steps of that quantity (the shares too, so they need not add up).
+- Generation tokens/s: tokens actually generated / `generate_s` (the prompts' prefill is in
+  that time). Forward-only tokens/s: a no-gradient, eval-mode, prefill-style forward (logits
+  at every position) of the same policy over {rows} x {args.new_tokens} random token ids \
+(as many tokens as a step
+  generates) in micro-batches of {args.micro_batch} rows; median of {args.forward_repeats} \
+timings, in the same process right after the run.
+- Machine: {machine()}; {device_text(args)}; Python {platform.python_version()},
+  torch {torch.__version__}; run {datetime.date.today().isoformat()}. 1-minute load average \
+{load[0]:.1f} at the start, {load[1]:.1f} at the end
+  ({os.cpu_count()} cores): {sharing}.
 
-## Per-step time (median; share of the step)
+## Per-step time (median, and share of the step)
 
 {split_table(summary)}
 
-Measured step times (s): {times}.
+Measured step times (s):
+
+{times}
 
 ## Generation vs forward-only
 
@@ -312,10 +321,13 @@ Measured step times (s): {times}.
 
 {comparisons(summary)}
 
-Rewards are those of a random policy (mean {rewards}): the timing does not depend on them, but
-the advantages are all zero here, so the policy loss's gradient is zero and the KL term alone
-moves the weights (the backward runs in full either way). Log-prob parity (max |trainer -
-sampler| per token): {mismatch}.
+## Checks
+
+{checks}
+
+A random policy scores (almost) nothing, so its advantages are all zero: the policy loss has
+no gradient and the KL term alone moves the weights. The backward runs in full either way, so
+the timing is that of a learning run.
 """
 
 

@@ -1,0 +1,171 @@
+"""The set-up the RL recipes (``grpo``, ``ppo``) share, one step per function, so a recipe file
+keeps only its algorithm:
+
+* :data:`RL_RULES` and :func:`rl_keys`: the config keys of an RL recipe (the loop's, less the
+  dataset's, plus prompts, rewards, generation, ...) and what each may be;
+* :func:`generation_config`, :func:`prompt_stream`: the ``generation:`` section and this
+  rank's share of the ``prompts``;
+* :func:`source_options`: the :class:`~tunesmith.rl.source.RolloutSource` arguments that come
+  straight from the config;
+* :func:`reward_evaluator`: held-out rewards of greedy answers on ``val_prompts`` (or None);
+* :func:`check_one_update_per_backward`: the optimizer in backward needs one micro-batch.
+
+Example (the prologue of an RL recipe)::
+
+    >>> KEYS, RULES = rl_keys(extra={"advantage": component(required=True)})  # doctest: +SKIP
+    >>> stream = prompt_stream(cfg, ctx, prompts)                             # doctest: +SKIP
+    >>> source = RolloutSource(model=model, ..., **source_options(cfg))       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from tunesmith.config import instantiate
+from tunesmith.rl.evaluate import evaluate_rewards
+from tunesmith.rl.prompts import Prompt, PromptStream
+from tunesmith.rl.rewards import RewardSet
+from tunesmith.rl.source import GenerationConfig, RolloutSource
+from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.loop import LOOP_KEYS
+from tunesmith.training.loop_config import (
+    LOOP_RULES,
+    MODEL_RULES,
+    Rule,
+    component,
+    flag,
+    integer,
+    number,
+    type_name,
+)
+from tunesmith.training.setup import MODEL_KEYS, Log
+
+__all__ = [
+    "RL_RULES",
+    "check_one_update_per_backward",
+    "generation_config",
+    "mapping",
+    "plain",
+    "prompt_stream",
+    "reward_evaluator",
+    "rl_keys",
+    "source_options",
+]
+
+_DATASET_KEYS = ("dataset", "val_dataset", "val_fraction", "gradient_accumulation_steps")
+
+
+def mapping(what: str) -> Rule:
+    """The rule of a section that is a mapping or null (``what`` says what it holds)."""
+    return Rule(what, lambda v: v is None or type_name(v) == "mapping")
+
+
+RL_RULES: dict[str, Rule] = {  # the keys every RL recipe reads besides the loop's
+    "prompts": component(required=True), "val_prompts": component(null="no held-out rewards"),
+    "rewards": component(required=True), "policy_loss": component(required=True),
+    "reference_model": component(null="the policy with its adapters off, or a frozen copy"),
+    "reference_offload": flag(), "group_size": integer(1, required=True),
+    "prompts_per_step": integer(1, required=True), "updates_per_batch": integer(1),
+    "generation": mapping("a mapping of generation settings"), "overlong_filter": flag(),
+    "max_logprob_mismatch": number(above=0, null="no limit"),
+    "importance_cap": number(at_least=1, null="no importance correction"),
+    "chat_template": flag(), "log_samples_every": integer(0), "eval_batch_size": integer(1),
+}  # fmt: skip
+
+
+def rl_keys(extra: Mapping[str, Rule]) -> tuple[list[str], dict[str, Rule]]:
+    """An RL recipe's ``KEYS`` and ``RULES``: the loop's (less the dataset's), the model
+    step's, :data:`RL_RULES` and the recipe's own ``extra``.
+
+    >>> keys, rules = rl_keys({"gamma": number(at_least=0, at_most=1)})
+    >>> "dataset" in keys, "prompts" in keys, "gamma" in rules
+    (False, True, True)
+    """
+    own = {**RL_RULES, **extra}
+    keys = [k for k in LOOP_KEYS if k not in _DATASET_KEYS] + [*MODEL_KEYS, *own]
+    rules = {k: v for k, v in LOOP_RULES.items() if k not in _DATASET_KEYS}
+    return keys, {**rules, **MODEL_RULES, **own}
+
+
+def plain(node: DictConfig | None) -> dict[str, Any]:
+    """A config section as a plain dict (``{}`` for null).
+
+    >>> plain(OmegaConf.create({"coef": 0.1}))
+    {'coef': 0.1}
+    """
+    return {} if node is None else dict(OmegaConf.to_container(node, resolve=True))
+
+
+def generation_config(cfg: DictConfig) -> GenerationConfig:
+    """The ``generation:`` section (defaults for what it leaves out)."""
+    return GenerationConfig(**plain(cfg.get("generation")))
+
+
+def prompt_stream(
+    cfg: DictConfig, ctx: DistributedContext, prompts: Sequence[Prompt], log: Log = print
+) -> PromptStream:
+    """This data-parallel rank's share of ``cfg.prompts_per_step`` prompts per step, a new
+    order every epoch drawn from ``cfg.seed`` (``shuffle``)."""
+    log(f"prompts: {len(prompts)}, {cfg.prompts_per_step} per step x group_size "
+        f"{cfg.group_size} = {int(cfg.prompts_per_step) * int(cfg.group_size)} completions")  # fmt: skip
+    return PromptStream(prompts, int(cfg.prompts_per_step), dp_rank=ctx.dp_rank,
+                        dp_size=ctx.dp_size, shuffle=bool(cfg.get("shuffle", True)),
+                        seed=int(cfg.get("seed", 0)))  # fmt: skip
+
+
+def source_options(cfg: DictConfig) -> dict[str, Any]:
+    """The :class:`~tunesmith.rl.source.RolloutSource` keyword arguments read from ``cfg``
+    as they are (the recipe adds the model, tokenizer, prompts, rewards and reference)."""
+    return {
+        "group_size": int(cfg.group_size), "generation": generation_config(cfg),
+        "micro_batch_size": int(cfg.batch_size),
+        "updates_per_batch": int(cfg.get("updates_per_batch", 1)),
+        "overlong_filter": bool(cfg.get("overlong_filter", False)),
+        "max_logprob_mismatch": cfg.get("max_logprob_mismatch"),
+        "mixed_precision": cfg.get("mixed_precision"),
+        "chat_template": bool(cfg.get("chat_template", True)), "seed": int(cfg.get("seed", 0)),
+        "samples_file": Path(cfg.output_dir) / "samples.jsonl",
+        "log_samples_every": int(cfg.get("log_samples_every", 0)),
+    }  # fmt: skip
+
+
+def reward_evaluator(
+    cfg: DictConfig, ctx: DistributedContext, model: nn.Module, tokenizer: Any,
+    rewards: RewardSet, source: RolloutSource,
+) -> Callable[[], dict[str, float]] | None:  # fmt: skip
+    """Held-out rewards of ``model``'s greedy answers to ``cfg.val_prompts`` (decoded as the
+    source decodes), or None without ``val_prompts``."""
+    if not cfg.get("val_prompts"):
+        return None
+    val_prompts = instantiate(cfg.val_prompts)
+    generation = source.generation
+
+    def evaluator() -> dict[str, float]:
+        return evaluate_rewards(
+            model, tokenizer, val_prompts, rewards, ctx,
+            max_new_tokens=generation.max_new_tokens,
+            batch_size=int(cfg.get("eval_batch_size", 16)),
+            stop_token_ids=source.stop_token_ids, stop_strings=generation.stop_strings,
+            chat_template=source.chat_template,
+        )  # fmt: skip
+
+    return evaluator
+
+
+def check_one_update_per_backward(cfg: DictConfig, ctx: DistributedContext) -> None:
+    """An optimizer in backward steps at each backward: the step must be one micro-batch."""
+    if not cfg.get("optimizer_in_backward", False):
+        return
+    rows = int(cfg.prompts_per_step) // ctx.dp_size * int(cfg.group_size)
+    if rows > int(cfg.batch_size):
+        raise ValueError(
+            f"optimizer_in_backward: true needs one micro-batch per step, but a step has "
+            f"{rows} rows per data-parallel rank (prompts_per_step {cfg.prompts_per_step} / "
+            f"{ctx.dp_size} ranks x group_size {cfg.group_size}) and batch_size is "
+            f"{cfg.batch_size}: set batch_size to {rows}"
+        )
