@@ -104,6 +104,7 @@ def test_two_fsdp2_ranks_equal_one_process(world, uninterrupted, tmp_path):
             assert two[step][key] == pytest.approx(one[step][key], abs=1e-6), key
         for key in ("loss", "grad_norm", "entropy"):
             assert two[step][key] == pytest.approx(one[step][key], rel=1e-5), key
+        assert two[step]["logprob_mismatch_max"] < 1e-5  # sharded sampler == sharded trainer
     weights = final_weights(single)
     assert_same_weights(final_weights(tmp_path / "two"), weights, 1e-5)
     assert largest_change(weights, checkpoint_weights(model_dir)) > 1e-3
