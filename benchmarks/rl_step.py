@@ -24,12 +24,16 @@ the prompts' prefill included in the time) is set against the same model's forwa
 throughput, measured in the same process right after the run: a no-gradient, eval-mode,
 prefill-style forward (logits at every position) over ``rows x new_tokens`` random token ids
 in micro-batches of ``--micro-batch`` rows, i.e. over as many tokens as a step generates,
-median of ``--forward-repeats`` timings.
+median of ``--forward-repeats`` timings. The log-prob forwards' tokens/s (prompt + completion
+tokens, from the recipe's ``tokens_seen``) is shown next to them. Unless
+``--no-sampling-check``, ``generate`` alone is then timed on a step's rows of the first
+configuration twice: with the recipe's keyed sampling and with a ``torch.Generator`` stream.
 
 Usage::
 
     python benchmarks/rl_step.py                     # CPU, writes benchmarks/results/rl_step.md
-    python benchmarks/rl_step.py --device cuda --bf16 --prompts 32 --new-tokens 256 --no-write
+    python benchmarks/rl_step.py --device cuda --bf16   # writes benchmarks/results/rl_step_cuda.md
+    python benchmarks/rl_step.py --device cuda --prompts 32 --new-tokens 256 --no-write
     python benchmarks/rl_step.py --prompts 2 --group-size 4 --new-tokens 8 --steps 1 --no-write
 """
 
@@ -54,8 +58,20 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "rl_step.md"
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
+from omegaconf import OmegaConf  # noqa: E402
 from sft_ladder import machine  # noqa: E402
 from sft_mfu import MODEL  # noqa: E402
+
+from tests.data.tokenizer_factory import make_tokenizer_folder  # noqa: E402
+from tunesmith.config import instantiate, load_config  # noqa: E402
+from tunesmith.generation import generate  # noqa: E402
+from tunesmith.generation.keyed import row_key  # noqa: E402
+from tunesmith.models import build_model  # noqa: E402
+from tunesmith.models.hf import save_hf_checkpoint  # noqa: E402
+from tunesmith.models.spec import spec_from_hf_config  # noqa: E402
+from tunesmith.modules.dtypes import AUTOCAST  # noqa: E402
+from tunesmith.recipes import config_path, grpo  # noqa: E402
+from tunesmith.rl.prompts import encode_prompt  # noqa: E402
 
 CONFIGS = ("full", "lora")
 PHASES = ("generate_s", "reward_s", "logprobs_s", "train_s")
@@ -71,11 +87,6 @@ LABELS = {"full": "full fine-tuning", "lora": "LoRA (rank 8, q + v)"}
 def make_world(root: Path, rows: int, seed: int = 0) -> tuple[Path, Path]:
     """A tiny llama3-style tokenizer + the random ``MODEL`` folder, and ``rows`` arithmetic
     prompts with their answers; returns ``(model_dir, prompts_path)``."""
-    from tests.data.tokenizer_factory import make_tokenizer_folder
-    from tunesmith.models import build_model
-    from tunesmith.models.hf import save_hf_checkpoint
-    from tunesmith.models.spec import spec_from_hf_config
-
     tokenizer_dir = make_tokenizer_folder(root / "tokenizer", "llama3")
     torch.manual_seed(seed)
     model = build_model(spec_from_hf_config(dict(MODEL)))
@@ -95,11 +106,6 @@ def make_world(root: Path, rows: int, seed: int = 0) -> tuple[Path, Path]:
 def recipe_config(args: argparse.Namespace, name: str, model_dir: Path, prompts: Path,
                   output_dir: Path) -> Any:  # fmt: skip
     """The shipped ``grpo/tiny`` config pointed at the world, at this benchmark's sizes."""
-    from omegaconf import OmegaConf
-
-    from tunesmith.config import load_config
-    from tunesmith.recipes import config_path
-
     overrides = [
         f"model_dir={model_dir}", f"prompts.source={prompts}", f"output_dir={output_dir}",
         f"device={args.device}", f"mixed_precision={'bf16' if args.bf16 else 'null'}",
@@ -119,38 +125,64 @@ def recipe_config(args: argparse.Namespace, name: str, model_dir: Path, prompts:
     return cfg
 
 
-def forward_tokens_per_s(cfg: Any, args: argparse.Namespace, device: torch.device) -> float:
-    """Tokens/s of a no-gradient, eval-mode forward (logits at every position) of the policy
-    ``cfg.model`` builds, over ``rows x new_tokens`` random ids in micro-batches."""
-    from tunesmith.config import instantiate
-    from tunesmith.modules.dtypes import AUTOCAST
-
-    model = instantiate(cfg.model).to(device).eval()
+def forward_tokens_per_s(model: torch.nn.Module, args: argparse.Namespace,
+                         device: torch.device) -> float:  # fmt: skip
+    """Tokens/s of a no-gradient, eval-mode forward (logits at every position) of ``model``
+    over ``rows x new_tokens`` random ids in micro-batches; median of ``forward_repeats``."""
     rows = args.prompts * args.group_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, MODEL["vocab_size"], (rows, args.new_tokens), generator=gen)
     parts = [p.to(device) for p in ids.split(args.micro_batch)]
-    dtype = AUTOCAST["bf16" if args.bf16 else None]
 
     def once() -> float:
         _sync(device)
         start = time.perf_counter()
-        with torch.no_grad(), torch.autocast(device.type, dtype, enabled=bool(dtype)):
+        with torch.no_grad(), _autocast(args, device):
             for part in parts:
                 model(part)
         _sync(device)
         return time.perf_counter() - start
 
     once()  # warm-up
-    seconds = statistics.median(once() for _ in range(args.forward_repeats))
-    return rows * args.new_tokens / seconds
+    return rows * args.new_tokens / statistics.median(once() for _ in range(args.forward_repeats))
+
+
+def sampling_tokens_per_s(model: torch.nn.Module, cfg: Any, args: argparse.Namespace,
+                          device: torch.device) -> dict[str, float]:  # fmt: skip
+    """Generated tokens/s of :func:`~tunesmith.generation.generate` alone on one step's rows
+    (the first ``prompts`` prompts, chat-templated, ``group_size`` times each; temperature 1,
+    the tokenizer's end-of-sequence token stops a row), with the recipe's keyed sampling and
+    with a ``torch.Generator`` stream instead."""
+
+    tokenizer = instantiate(cfg.tokenizer)
+    dataset = instantiate(cfg.prompts)
+    rows, keys = [], []
+    for prompt in [dataset[i] for i in range(args.prompts)]:
+        ids, _ = encode_prompt(tokenizer, prompt, chat_template=True)
+        for j in range(args.group_size):
+            rows.append(ids)
+            keys.append(row_key(0, 0, prompt.index, j))
+    common = {"max_new_tokens": args.new_tokens, "temperature": 1.0,
+              "pad_id": 0 if tokenizer.pad_id is None else tokenizer.pad_id,
+              "stop_token_ids": [] if tokenizer.eos_id is None else [tokenizer.eos_id]}  # fmt: skip
+    ways = {"keyed": {"row_keys": torch.tensor(keys)},
+            "generator": {"generator": torch.Generator(device).manual_seed(0)}}  # fmt: skip
+    out = {}
+    with _autocast(args, device):
+        generate(model, rows[:2], **{**common, "max_new_tokens": 2})  # warm-up
+        for name, how in ways.items():
+            _sync(device)
+            start = time.perf_counter()
+            result = generate(model, rows, **common, **how)
+            _sync(device)
+            out[name] = result.new_tokens / (time.perf_counter() - start)
+    return out
 
 
 def run_config(args: argparse.Namespace, name: str, world: Path, model_dir: Path,
-               prompts: Path) -> dict[str, Any]:  # fmt: skip
-    """Run the recipe with configuration ``name``; its measured steps' metrics and the
-    forward-only throughput of the same policy."""
-    from tunesmith.recipes import grpo
+               prompts: Path, sampling: bool) -> dict[str, Any]:  # fmt: skip
+    """Run the recipe with configuration ``name``; its measured steps' metrics, the
+    forward-only throughput of the same policy and, with ``sampling``, the sampling check."""
 
     output_dir = world / name
     cfg = recipe_config(args, name, model_dir, prompts, output_dir)
@@ -162,8 +194,20 @@ def run_config(args: argparse.Namespace, name: str, world: Path, model_dir: Path
     measured = [steps[s] for s in sorted(steps) if s > args.warmup]
     if len(measured) != args.steps or any("step_time_s" not in r for r in measured):
         raise RuntimeError(f"{name}: expected {args.steps} measured steps in {output_dir}")
-    forward = forward_tokens_per_s(cfg, args, torch.device(args.device))
-    return {"name": name, "steps": measured, "forward_tokens_per_s": forward, "wall_s": wall}
+    for r in measured:  # prompt + completion tokens of the step's rows
+        r["row_tokens"] = r["tokens_seen"] - steps[r["step"] - 1]["tokens_seen"]
+    device = torch.device(args.device)
+    model = instantiate(cfg.model).to(device).eval()  # the policy as the run started it
+    out = {"name": name, "steps": measured, "wall_s": wall,
+           "forward_tokens_per_s": forward_tokens_per_s(model, args, device)}  # fmt: skip
+    if sampling:
+        out["sampling"] = sampling_tokens_per_s(model, cfg, args, device)
+    return out
+
+
+def _autocast(args: argparse.Namespace, device: torch.device) -> Any:
+    dtype = AUTOCAST["bf16" if args.bf16 else None]
+    return torch.autocast(device.type, dtype, enabled=bool(dtype))
 
 
 def _sync(device: torch.device) -> None:
@@ -174,17 +218,21 @@ def _sync(device: torch.device) -> None:
 # -- summary and report ---------------------------------------------------------------------------
 
 
-def summarize(run: dict[str, Any]) -> dict[str, Any]:
+def summarize(run: dict[str, Any], forwards: int) -> dict[str, Any]:
     """Medians over the measured steps, each of its own per-step quantity: the phases, "other"
-    (the step minus the phases), each one's share of its step, samples/s and tokens generated;
-    and the generation / forward-only throughput ratio."""
+    (the step minus the phases), each one's share of its step, samples/s, tokens generated,
+    prompt tokens and the tokens/s of the ``forwards`` log-prob forwards; and the generation /
+    forward-only throughput ratio."""
     steps = run["steps"]
     per_step: dict[str, list[float]] = {}
     for r in steps:
         other = r["step_time_s"] - sum(r[p] for p in PHASES)
         values = {key: float(r[key]) for key in (*PHASES, *LOGGED)}
+        generated = r["completion_length"] * r["rollout_samples"]
         values |= {"other_s": other, "samples_per_s": r["rollout_samples"] / r["step_time_s"],
-                   "generated_tokens": r["completion_length"] * r["rollout_samples"]}  # fmt: skip
+                   "generated_tokens": generated,
+                   "prompt_tokens": (r["row_tokens"] - generated) / r["rollout_samples"],
+                   "logprob_tokens_per_s": forwards * r["row_tokens"] / r["logprobs_s"]}  # fmt: skip
         values |= {f"share/{p}": values[p] / r["step_time_s"] for p in (*PHASES, "other_s")}
         values["share/rollout"] = sum(r[p] for p in ROLLOUT) / r["step_time_s"]
         for key, value in values.items():
@@ -193,6 +241,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     out["forward_tokens_per_s"] = run["forward_tokens_per_s"]
     out["generation_vs_forward"] = out["generated_tokens_per_s"] / run["forward_tokens_per_s"]
     out["step_times"] = per_step["step_time_s"]
+    out["sampling"] = run.get("sampling")
     return out
 
 
@@ -208,17 +257,47 @@ def split_table(summary: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def throughput_table(summary: dict[str, dict[str, float]]) -> str:
-    lines = ["| policy | tokens generated / step | mean completion | stopped early "
-             "| generation tokens/s | forward-only tokens/s | generation / forward |",
-             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+def throughput_table(summary: dict[str, dict[str, Any]]) -> str:
+    lines = ["| policy | tokens generated / step | mean prompt | mean completion | stopped early "
+             "| generation tokens/s | forward-only tokens/s | generation / forward "
+             "| log-prob forwards tokens/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for name, s in summary.items():
         lines.append(
-            f"| {LABELS[name]} | {s['generated_tokens']:.0f} | {s['completion_length']:.1f} | "
-            f"{s['stopped_fraction']:.1%} | {s['generated_tokens_per_s']:.0f} | "
-            f"{s['forward_tokens_per_s']:.0f} | {s['generation_vs_forward']:.3f} |"
+            f"| {LABELS[name]} | {s['generated_tokens']:.0f} | {s['prompt_tokens']:.1f} | "
+            f"{s['completion_length']:.1f} | {s['stopped_fraction']:.1%} | "
+            f"{s['generated_tokens_per_s']:.0f} | {s['forward_tokens_per_s']:.0f} | "
+            f"{s['generation_vs_forward']:.3f} | {s['logprob_tokens_per_s']:.0f} |"
         )
     return "\n".join(lines)
+
+
+def sampling_section(args: argparse.Namespace, summary: dict[str, dict[str, Any]]) -> str:
+    """The sampling check's paragraph (empty without one)."""
+    name = next((n for n, s in summary.items() if s["sampling"]), None)
+    if name is None:
+        return ""
+    s = summary[name]
+    keyed, plain = s["sampling"]["keyed"], s["sampling"]["generator"]
+    forward = s["forward_tokens_per_s"]
+    return f"""
+## What a generated token costs ({LABELS[name]})
+
+`generate` alone, after the run, once each way, on a step's worth of rows: the first \
+{args.prompts} prompts,
+chat-templated, {args.group_size} times each; temperature 1, at most {args.new_tokens} new \
+tokens, KV cache, as in the recipe.
+
+| sampling | generated tokens/s | / forward-only |
+|---|---:|---:|
+| keyed, as the recipe samples (a counter-based hash per row, step and vocabulary entry) \
+| {keyed:.0f} | {keyed / forward:.3f} |
+| one `torch.Generator` stream | {plain:.0f} | {plain / forward:.3f} |
+
+Keyed sampling keeps a rollout independent of its batch and of the number of ranks; here a
+token generated with it takes {plain / keyed:.2f}x the time of one sampled from a
+`torch.Generator` stream (its hash runs over every vocabulary entry of every row at every step).
+"""
 
 
 def comparisons(summary: dict[str, dict[str, Any]]) -> str:
@@ -297,7 +376,8 @@ medians of {args.steps} measured steps.
   the step minus those four (prompt encoding, building the batch, metrics). Each cell is the
   median over the measured steps of that quantity (the shares too, so they need not add up).
 - Generation tokens/s: tokens actually generated / `generate_s` (the prompts' prefill is in
-  that time). Forward-only tokens/s: a no-gradient, eval-mode, prefill-style forward (logits
+  that time); log-prob forwards tokens/s: the rows' prompt + completion tokens x the forwards
+  ({"old and reference" if args.kl_coef > 0 else "old only"}) / `logprobs_s`. Forward-only tokens/s: a no-gradient, eval-mode, prefill-style forward (logits
   at every position) of the same policy over {rows} x {args.new_tokens} random token ids \
 (as many tokens as a step
   generates) in micro-batches of {args.micro_batch} rows; median of {args.forward_repeats} \
@@ -320,7 +400,7 @@ Measured step times (s):
 {throughput_table(summary)}
 
 {comparisons(summary)}
-
+{sampling_section(args, summary)}
 ## Checks
 
 {checks}
@@ -346,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=1, help="steps excluded (at least 1)")
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--forward-repeats", type=int, default=3)
+    parser.add_argument("--no-sampling-check", dest="sampling_check", action="store_false",
+                        help="skip timing generate alone, keyed vs generator sampling")  # fmt: skip
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (mixed_precision)")
     parser.add_argument("--threads", type=int, default=1,
@@ -372,8 +454,9 @@ def main() -> None:
         rows = args.prompts * (args.warmup + args.steps)
         model_dir, prompts = make_world(world, rows)
         for name in args.configs:
-            run = run_config(args, name, world, model_dir, prompts)
-            summary[name] = s = summarize(run)
+            sampling = args.sampling_check and name == args.configs[0]
+            run = run_config(args, name, world, model_dir, prompts, sampling)
+            summary[name] = s = summarize(run, 2 if args.kl_coef > 0 else 1)
             print(f"{name}: step {s['step_time_s']:.2f} s (generate {s['generate_s']:.2f}, "
                   f"reward {s['reward_s']:.3f}, log-probs {s['logprobs_s']:.2f}, train "
                   f"{s['train_s']:.2f}); {s['generated_tokens_per_s']:.0f} generated tokens/s vs "
@@ -383,8 +466,9 @@ def main() -> None:
     text = report(args, summary, (load_start, os.getloadavg()[0]), minutes)
     print(text)
     if not args.no_write:
-        RESULTS.write_text(text)
-        print(f"wrote {RESULTS}")
+        path = RESULTS if args.device == "cpu" else RESULTS.with_name("rl_step_cuda.md")
+        path.write_text(text)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -85,14 +85,13 @@ def world(tmp_path_factory):
 
 
 class EvenAnswersFlat:
-    """0.5 for every completion of a prompt whose answer is even (no signal), the digit
-    fraction otherwise."""
+    """0.5 for every completion of a prompt whose answer is even (no signal), the length of the
+    completion's text otherwise (random tokens: a different length for each completion)."""
 
     name = "even_flat"
 
     def __call__(self, samples: list[Sample]) -> list[float]:
-        digits = DigitFraction()(samples)
-        return [0.5 if int(s.answer) % 2 == 0 else d for s, d in zip(samples, digits)]
+        return [0.5 if int(s.answer) % 2 == 0 else len(s.completion) / 100 for s in samples]
 
 
 def make_source(world, ctx, reward, **kwargs) -> RolloutSource:

@@ -3,18 +3,20 @@ which other rows share its batch, which rank it runs on, or what ran before.
 
 Sampling with a ``torch.Generator`` consumes one stream for the whole batch, so the same
 prompt decodes differently in a batch of 8 than in a batch of 4, and a run on 2 ranks differs
-from one on 1. Here each row gets Gumbel noise from a counter-based hash of ``(key, step,
-token id)`` and picks ``argmax(logits + noise)`` (the Gumbel-max trick: exactly a draw from
-``softmax(logits)``). RL uses it so that rollouts are the same on any number of data-parallel
-ranks and after a resume. The hash is murmur3's 32-bit finaliser, computed in int64 without
-overflow, so CPU and GPU give the same bits.
+from one on 1. Here each row draws one uniform number from a counter-based hash of ``(key,
+step)`` and takes the token where it falls in the row's cumulative distribution (inverse-CDF
+sampling: exactly a draw from ``softmax(logits)``). RL uses it so that rollouts are the same
+on any number of data-parallel ranks and after a resume. The hash is murmur3's 32-bit
+finaliser, computed in int64 without overflow, so CPU and GPU give the same bits; one hash
+per row and a cumulative sum make it cheaper than ``torch.multinomial``
+(``benchmarks/results/rl_step.md``).
 
 Example::
 
     >>> keys = torch.tensor([row_key(0, 7), row_key(0, 8)])
-    >>> noise = keyed_gumbel(keys, step=0, vocab_size=5)
-    >>> noise.shape, torch.equal(noise[0], keyed_gumbel(keys[:1], 0, 5)[0])
-    (torch.Size([2, 5]), True)
+    >>> u = keyed_uniform(keys, step=0)
+    >>> u.shape, bool(((0 < u) & (u < 1)).all()), torch.equal(u[:1], keyed_uniform(keys[:1], 0))
+    (torch.Size([2]), True, True)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["keyed_gumbel", "keyed_sample", "row_key"]
+__all__ = ["keyed_sample", "keyed_uniform", "row_key"]
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
@@ -58,27 +60,27 @@ def row_key(*parts: int) -> int:
     return int(h)
 
 
-def keyed_gumbel(keys: Tensor, step: int, vocab_size: int, device: torch.device | None = None
-                 ) -> Tensor:  # fmt: skip
-    """``[b, vocab_size]`` float32 standard Gumbel noise; row ``i`` depends only on
+def keyed_uniform(keys: Tensor, step: int) -> Tensor:
+    """``[b]`` float64 uniform numbers in ``(0, 1)``; row ``i``'s depends only on
     ``(keys[i], step)`` (keys: ``[b]`` integers in ``[0, 2**32)``)."""
-    device = device if device is not None else keys.device
-    keys = keys.to(device=device, dtype=torch.int64) & _MASK32
-    step_mix = _fmix32(torch.tensor((step * _GOLDEN) & _MASK32, dtype=torch.int64, device=device))
-    rows = _fmix32(keys ^ step_mix)[:, None]
-    tokens = _mul32(torch.arange(vocab_size, device=device, dtype=torch.int64), 0x27D4EB2F)
-    bits = _fmix32(_fmix32(rows ^ tokens[None, :]) + _GOLDEN & _MASK32)
-    uniform = (bits.to(torch.float64) + 0.5) / 2.0**32  # in (0, 1), never 0 or 1
-    return (-torch.log(-torch.log(uniform))).to(torch.float32)
+    keys = keys.to(torch.int64) & _MASK32
+    step_mix = _fmix32(torch.tensor((step * _GOLDEN) & _MASK32, dtype=torch.int64,
+                                    device=keys.device))  # fmt: skip
+    bits = _fmix32(_fmix32(keys ^ step_mix) + _GOLDEN & _MASK32)
+    return (bits.to(torch.float64) + 0.5) / 2.0**32
 
 
 def keyed_sample(logits: Tensor, keys: Tensor, step: int) -> Tensor:
-    """``[b]`` tokens drawn from ``softmax(logits)`` (``[b, V]``, ``-inf`` = excluded) with the
-    rows' keyed noise at ``step``.
+    """``[b]`` tokens drawn from ``softmax(logits)`` (``[b, V]``, ``-inf`` = excluded): row
+    ``i`` takes the first token whose cumulative probability exceeds its keyed uniform
+    number at ``step``. A token of probability 0 is never drawn.
 
     >>> logits = torch.tensor([[0.0, float("-inf"), 0.0]])
     >>> int(keyed_sample(logits, torch.tensor([3]), step=0)) in (0, 2)
     True
     """
-    noise = keyed_gumbel(keys, step, logits.shape[-1], device=logits.device)
-    return torch.argmax(logits.float() + noise, dim=-1)
+    probs = torch.softmax(logits.float(), dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    u = keyed_uniform(keys.to(logits.device), step).to(cdf.dtype)[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    return tokens.clamp(max=logits.shape[-1] - 1)
