@@ -290,13 +290,13 @@ tokens, KV cache, as in the recipe.
 
 | sampling | generated tokens/s | / forward-only |
 |---|---:|---:|
-| keyed, as the recipe samples (a counter-based hash per row, step and vocabulary entry) \
+| keyed, as the recipe samples (one counter-based hash per row and step, inverse CDF) \
 | {keyed:.0f} | {keyed / forward:.3f} |
 | one `torch.Generator` stream | {plain:.0f} | {plain / forward:.3f} |
 
 Keyed sampling keeps a rollout independent of its batch and of the number of ranks; here a
 token generated with it takes {plain / keyed:.2f}x the time of one sampled from a
-`torch.Generator` stream (its hash runs over every vocabulary entry of every row at every step).
+`torch.Generator` stream (below 1: faster).
 """
 
 
