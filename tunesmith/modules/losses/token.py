@@ -379,6 +379,29 @@ def _chunk_token_logprobs(
     return target_logits - torch.logsumexp(logits, dim=-1)
 
 
+def _head_dtype(
+    name: str, hidden: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
+    positions_name: str, chunk_size: int,
+) -> torch.dtype:  # fmt: skip
+    """Check the arguments of a chunked head projection; return its compute dtype (autocast's,
+    else the promoted dtype of ``hidden`` and ``weight``)."""
+    if hidden.shape[:-1] != positions.shape:
+        raise ValueError(
+            f"{name}: hidden {list(hidden.shape)} and {positions_name} "
+            f"{list(positions.shape)} must agree on every dimension but the last"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"{name}: weight must be [vocab, hidden={hidden.shape[-1]}], got {list(weight.shape)}"
+        )
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{name}: chunk_size must be an int >= 1, got {chunk_size!r}")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
 def token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -413,24 +436,8 @@ def token_logprobs(
         >>> torch.allclose(logps, full * (labels != -100), atol=1e-6)
         True
     """
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"token_logprobs: hidden {list(hidden.shape)} and labels {list(labels.shape)} must "
-            "agree on every dimension but the last"
-        )
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"token_logprobs: weight must be [vocab, hidden={hidden.shape[-1]}], got "
-            f"{list(weight.shape)}"
-        )
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"token_logprobs: chunk_size must be an int >= 1, got {chunk_size!r}")
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-    else:
-        dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    out_dtype = _accumulation_dtype(dtype)
+    dtype = _head_dtype("token_logprobs", hidden, weight, labels, "labels", chunk_size)
+    device_type, out_dtype = hidden.device.type, _accumulation_dtype(dtype)
 
     flat_labels = labels.reshape(-1)
     keep = (flat_labels != ignore_index).nonzero().squeeze(1)
@@ -498,24 +505,8 @@ def token_entropy(
         >>> torch.allclose(entropy, full, atol=1e-5)
         True
     """
-    if hidden.shape[:-1] != mask.shape:
-        raise ValueError(
-            f"token_entropy: hidden {list(hidden.shape)} and mask {list(mask.shape)} must "
-            "agree on every dimension but the last"
-        )
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"token_entropy: weight must be [vocab, hidden={hidden.shape[-1]}], got "
-            f"{list(weight.shape)}"
-        )
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"token_entropy: chunk_size must be an int >= 1, got {chunk_size!r}")
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-    else:
-        dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    out_dtype = _accumulation_dtype(dtype)
+    dtype = _head_dtype("token_entropy", hidden, weight, mask, "mask", chunk_size)
+    device_type, out_dtype = hidden.device.type, _accumulation_dtype(dtype)
     keep = mask.reshape(-1).bool().nonzero().squeeze(1)
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
     flat = torch.zeros(mask.numel(), dtype=out_dtype, device=hidden.device)
