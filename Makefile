@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv demo test test-slow test-faults lint format clean
+.PHONY: venv demo demo-rl test test-slow test-faults lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ venv: $(VENV)/.installed
 
 demo: venv
 	$(VENV)/bin/tunesmith demo
+
+demo-rl: venv
+	$(VENV)/bin/tunesmith demo rl
 
 lint: venv
 	$(VENV)/bin/ruff check .

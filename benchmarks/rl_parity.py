@@ -75,7 +75,7 @@ def main() -> None:
             rows.append(f"| {size} | {name} | {tokens} | {mean:.2e} | {worst:.2e} |")
             print(rows[-1], flush=True)
         del model
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda" else machine())
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()
     suffix = "_cuda" if device.type == "cuda" else ""
     output = Path(args.output or Path(__file__).parent / "results" / f"rl_parity{suffix}.md")
     output.write_text(

@@ -288,14 +288,27 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Fine-tune a tiny model on a generated task; print held-out accuracy before and after."""
+    """Fine-tune a tiny model on a generated task; print held-out accuracy before and after.
+    `demo` (or `demo sft`): SFT; `demo rl`: SFT on few demonstrations, then GRPO."""
+    overrides = list(args.overrides)
+    kind = overrides.pop(0) if overrides and overrides[0] in ("sft", "rl") else "sft"
+    if kind == "rl":
+        from tunesmith.demo.rl import RLDemoSettings, run_rl_demo
+
+        run_rl_demo(
+            args.output_dir or "outputs/demo_rl",
+            settings=RLDemoSettings(seed=args.seed),
+            overrides=overrides,
+            threads=args.threads,
+        )
+        return 0
     from tunesmith.demo.assets import AssetSettings
     from tunesmith.demo.run import run_demo
 
     run_demo(
-        args.output_dir,
+        args.output_dir or "outputs/demo",
         settings=AssetSettings(seed=args.seed),
-        overrides=[f"seed={args.seed}", *args.overrides],
+        overrides=[f"seed={args.seed}", *overrides],
         threads=args.threads,
     )
     return 0
@@ -352,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
 
     p = add("demo", cmd_demo)
-    p.add_argument("--output-dir", default="outputs/demo", help="assets, checkpoint and plot")
+    p.add_argument("--output-dir", help="assets, checkpoints and plot (default: outputs/demo, "
+                   "outputs/demo_rl for `demo rl`)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the task data, model and run")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny: 1 is fastest)")
     _add_config_args(p)

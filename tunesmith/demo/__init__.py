@@ -1,7 +1,8 @@
 """``tunesmith demo``: a generated task, a tiny local model, SFT, and accuracy before/after.
 
 Modules: :mod:`~tunesmith.demo.task` (the task's data and scorer), :mod:`~tunesmith.demo.assets`
-(tokenizer and base model, built locally) and :mod:`~tunesmith.demo.run` (the orchestration).
+(tokenizer and base model, built locally) and :mod:`~tunesmith.demo.run` (the orchestration);
+:mod:`~tunesmith.demo.rl` is ``tunesmith demo rl`` (SFT on a few demonstrations, then GRPO).
 The demo sits at the top of the layers, beside the CLI (which imports it, never the other
 way round): it trains through :func:`tunesmith.run`, as ``tunesmith run`` does.
 
@@ -12,6 +13,7 @@ Example::
 """
 
 from tunesmith.demo.assets import AssetSettings, DemoAssets, make_assets
+from tunesmith.demo.rl import RLDemoResult, RLDemoSettings, run_rl_demo
 from tunesmith.demo.run import DemoResult, evaluate, run_demo
 from tunesmith.demo.task import Example, accuracy, make_splits, score
 
@@ -20,10 +22,13 @@ __all__ = [
     "DemoAssets",
     "DemoResult",
     "Example",
+    "RLDemoResult",
+    "RLDemoSettings",
     "accuracy",
     "evaluate",
     "make_assets",
     "make_splits",
     "run_demo",
+    "run_rl_demo",
     "score",
 ]

@@ -43,10 +43,12 @@ from tunesmith.rl.rewards.sandbox import (
     run_sandboxed,
     user_namespaces_available,
 )
+from tunesmith.rl.rewards.strings import CharacterMatch, StringMatch, character_match
 
 __all__ = [
     "EXTRACT_MODES",
     "THINK_ANSWER_PATTERN",
+    "CharacterMatch",
     "CodeTests",
     "ExactAnswer",
     "MathAnswer",
@@ -58,7 +60,9 @@ __all__ = [
     "RewardSet",
     "Sample",
     "SandboxResult",
+    "StringMatch",
     "ThinkAnswerFormat",
+    "character_match",
     "extract_answer",
     "extract_code",
     "network_isolation",
