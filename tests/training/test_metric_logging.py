@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 
 import pytest
@@ -43,7 +44,7 @@ def test_stdout_log_config(capsys):
 
 
 def test_jsonl_round_trip(tmp_path):
-    logger = JSONLLogger(tmp_path / "run")
+    logger = JSONLLogger(tmp_path / "run", timestamps=False)
     logger.log(1, {"loss": 2.5, "lr": 1e-4})
     # flushed per line: readable before close
     assert (
@@ -188,7 +189,7 @@ def test_optional_backends_not_imported_at_module_import(tmp_path):
 
 
 def test_multi_logger_fans_out_and_null_logger(tmp_path, capsys):
-    jsonl = JSONLLogger(tmp_path)
+    jsonl = JSONLLogger(tmp_path, timestamps=False)
     multi = MultiLogger([StdoutLogger(), jsonl, NullLogger()])
     multi.log(1, {"loss": 0.5})
     multi.log_config({"a": 1})
@@ -214,3 +215,23 @@ def test_multi_logger_close_closes_all_then_raises(tmp_path):
         MultiLogger([Broken(), jsonl]).close()
     with pytest.raises(RuntimeError, match="closed"):
         jsonl.log(2, {"loss": 0.1})
+
+
+def test_jsonl_records_carry_wall_time_and_elapsed_training_time(tmp_path, monkeypatch):
+    clock = {"wall": 1_000_000.0, "mono": 50.0}
+    monkeypatch.setattr(time, "time", lambda: clock["wall"])
+    monkeypatch.setattr(time, "monotonic", lambda: clock["mono"])
+    with JSONLLogger(tmp_path) as logger:
+        clock["wall"] += 2.0
+        clock["mono"] += 2.0
+        logger.log(1, {"loss": 0.5})
+    clock["wall"] += 3600.0  # the run is down for an hour, then resumed
+    clock["mono"] = 7.0  # another process: another monotonic clock
+    with JSONLLogger(tmp_path) as logger:
+        clock["wall"] += 1.5
+        clock["mono"] += 1.5
+        logger.log(2, {"loss": 0.4})
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0] == {"step": 1, "loss": 0.5, "time": 1_000_002.0, "elapsed_s": 2.0}
+    # the clock goes on from the last record: 2 s before the stop + 1.5 s after the resume
+    assert lines[1] == {"step": 2, "loss": 0.4, "time": 1_003_603.5, "elapsed_s": 3.5}

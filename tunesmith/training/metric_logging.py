@@ -29,6 +29,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
@@ -162,29 +163,42 @@ class StdoutLogger(_ContextManager):
 class JSONLLogger(_ContextManager):
     """Append one JSON object per ``log`` call to ``log_dir/metrics.jsonl``.
 
-    Each line is ``{"step": step, **metrics}``, flushed as soon as it is written, so a crashed
-    run keeps every logged step. The file is opened in append mode: a resumed run continues the
-    same file (readers such as :func:`tunesmith.training.plot_run` keep the last value logged for
-    a step). ``log_config`` writes ``log_dir/config.yaml``.
+    Each line is ``{"step": step, **metrics, "time": ..., "elapsed_s": ...}``, flushed as soon
+    as it is written, so a crashed run keeps every logged step. ``time`` is the wall clock
+    (Unix seconds), ``elapsed_s`` the run's training time so far: it counts from when the
+    logger opened and, in a file that already holds records (a resumed run), continues from the
+    last one's ``elapsed_s`` (the time the run was down is not counted), so runs compare
+    against time. ``timestamps=False`` leaves both out. The file is opened in append mode: a
+    resumed run continues the same file (readers such as :func:`tunesmith.training.plot_run`
+    keep the last value logged for a step). ``log_config`` writes ``log_dir/config.yaml``.
 
     Example::
 
-        >>> with JSONLLogger("runs/exp1") as logger:
+        >>> with JSONLLogger("runs/exp1", timestamps=False) as logger:
         ...     logger.log(1, {"loss": 2.5})
         >>> open("runs/exp1/metrics.jsonl").read()
         '{"step": 1, "loss": 2.5}\\n'
     """
 
-    def __init__(self, log_dir: str | os.PathLike[str], filename: str = "metrics.jsonl") -> None:
+    def __init__(
+        self, log_dir: str | os.PathLike[str], filename: str = "metrics.jsonl",
+        timestamps: bool = True,
+    ) -> None:  # fmt: skip
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.log_dir / filename
+        self.timestamps = bool(timestamps)
+        self._elapsed_before = _last_elapsed(self.path) if self.timestamps else 0.0
+        self._opened = time.monotonic()
         self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if self._file is None:
             raise RuntimeError(f"JSONLLogger for {self.path} is closed")
         record = {"step": step, **_scalars(step, metrics)}
+        if self.timestamps:
+            elapsed = self._elapsed_before + time.monotonic() - self._opened
+            record |= {"time": round(time.time(), 3), "elapsed_s": round(elapsed, 3)}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
@@ -196,6 +210,20 @@ class JSONLLogger(_ContextManager):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _last_elapsed(path: Path) -> float:
+    """The ``elapsed_s`` of the last record of ``path`` that has one (0 for none)."""
+    if not path.is_file():
+        return 0.0
+    for line in reversed(path.read_text(encoding="utf-8", errors="replace").splitlines()):
+        try:
+            value = json.loads(line).get("elapsed_s")
+        except (json.JSONDecodeError, AttributeError):
+            continue  # a line cut short by a crash
+        if isinstance(value, (int, float)):
+            return float(value)
+    return 0.0
 
 
 class TensorBoardLogger(_ContextManager):
