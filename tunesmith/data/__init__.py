@@ -29,7 +29,7 @@ from tunesmith.data.collate import (  # noqa: E402
 from tunesmith.data.formats import FORMATS, convert_row  # noqa: E402
 from tunesmith.data.labels import IGNORE_INDEX, make_labels  # noqa: E402
 from tunesmith.data.packing import PackedDataset, pack_greedy, packed_or_padded  # noqa: E402
-from tunesmith.data.preference_dataset import PreferenceDataset  # noqa: E402
+from tunesmith.data.preference_dataset import PreferenceDataset, RawPreferencePair  # noqa: E402
 from tunesmith.data.report import BadRowError, DataError, DataReport  # noqa: E402
 from tunesmith.data.sft_dataset import SFTDataset  # noqa: E402
 from tunesmith.data.validation import split_train_val  # noqa: E402
@@ -44,6 +44,7 @@ __all__ += [
     "PackedDataset",
     "packed_or_padded",
     "PreferenceDataset",
+    "RawPreferencePair",
     "SFTDataset",
     "collate_packed",
     "collate_padded",

@@ -12,6 +12,14 @@ format                 required fields                              optional fie
 ``text``               ``text``                                     --
 =====================  ===========================================  ========================
 
+``alpaca`` rows follow ``prompt_style`` (:data:`PROMPT_STYLES`): ``"chat_template"`` (the
+default here) makes a user/assistant :class:`Conversation` (instruction, a blank line, then
+the input); ``"alpaca"`` and ``"instruction_response"`` render the prompt as text
+(:func:`render_prompt`) and give a :class:`PromptCompletion` of that prompt and the output,
+tokenised raw (no chat template), so a base model needs no template. A system text (the
+row's ``system`` column, else ``system_prompt``) has no slot in these text styles: it is
+prepended, followed by a blank line, before the prompt.
+
 Conversations are checked by :func:`check_messages`; any problem raises
 :class:`~tunesmith.data.report.BadRow` with a reason code (see ``report.py``), which the
 dataset turns into an error or a counted skip.
@@ -53,6 +61,7 @@ from tunesmith.data.report import (
 __all__ = [
     "FORMATS",
     "FORMAT_FIELDS",
+    "PROMPT_STYLES",
     "SHAREGPT_ROLES",
     "Conversation",
     "PlainText",
@@ -60,6 +69,7 @@ __all__ = [
     "check_columns",
     "check_messages",
     "convert_row",
+    "render_prompt",
     "resolve_columns",
 ]
 
@@ -99,6 +109,26 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 FORMATS = tuple(FORMAT_FIELDS)
 
+PROMPT_STYLES = ("chat_template", "alpaca", "instruction_response")
+"""How ``alpaca`` rows become a prompt: through the chat template, or as text."""
+
+# The Stanford Alpaca prompts (https://github.com/tatsu-lab/stanford_alpaca, README and
+# ``PROMPT_DICT`` in train.py): a data convention, quoted word for word. train.py's strings
+# stop at "### Response:" (the output follows it directly); the README shows the response
+# on the next line, as most tools that train and serve Alpaca-style models do, so these end
+# with "### Response:\n".
+_ALPACA_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides "
+    "further context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+_ALPACA_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+_PLAIN_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+_PLAIN_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
+
 
 @dataclass
 class Conversation:
@@ -121,6 +151,36 @@ class PlainText:
     """A text trained on in full (continued pre-training style)."""
 
     text: str
+
+
+def render_prompt(
+    style: str, instruction: str, input: str | None = None, system: str | None = None
+) -> str:
+    """The text prompt of a text ``style`` (``"alpaca"`` or ``"instruction_response"``).
+
+    ``input`` that is None, empty or only whitespace selects the no-input variant (as the
+    Stanford Alpaca code does for an empty input). ``system``, when not empty, comes first,
+    followed by a blank line.
+
+    Example::
+
+        >>> render_prompt("instruction_response", "Name a colour.")
+        '### Instruction:\\nName a colour.\\n\\n### Response:\\n'
+        >>> render_prompt("alpaca", "Add.", "2 and 3").startswith("Below is an instruction")
+        True
+    """
+    templates = {
+        "alpaca": (_ALPACA_WITH_INPUT, _ALPACA_NO_INPUT),
+        "instruction_response": (_PLAIN_WITH_INPUT, _PLAIN_NO_INPUT),
+    }
+    if style not in templates:
+        raise ValueError(f"render_prompt: style must be one of {tuple(templates)}, got {style!r}")
+    with_input, no_input = templates[style]
+    if input is not None and input.strip():
+        text = with_input.format(instruction=instruction, input=input)
+    else:
+        text = no_input.format(instruction=instruction)
+    return f"{system}\n\n{text}" if system else text
 
 
 def resolve_columns(
@@ -290,20 +350,33 @@ def convert_row(
     *,
     system_prompt: str | None = None,
     use_chat_template: bool = True,
+    prompt_style: str = "chat_template",
 ) -> Conversation | PromptCompletion | PlainText:
     """Convert one row to a :class:`Conversation` (or raw text), raising :class:`BadRow`.
 
     ``system_prompt`` is added as the first message of conversations that have no system
     message of their own (a row's own system message wins). ``prompt_completion`` rows
     become a user/assistant conversation when ``use_chat_template`` is true, else a
-    :class:`PromptCompletion`; ``text`` rows become :class:`PlainText`.
+    :class:`PromptCompletion`; ``text`` rows become :class:`PlainText`. ``prompt_style``
+    (:data:`PROMPT_STYLES`) applies to ``alpaca`` rows only (see the module docs); another
+    format with a style other than ``"chat_template"`` is a ``ValueError``.
 
     Example::
 
         >>> convert_row({"prompt": "1+1=", "completion": "2"}, "prompt_completion",
         ...             use_chat_template=False)
         PromptCompletion(prompt='1+1=', completion='2')
+        >>> convert_row({"instruction": "Say hi.", "output": "Hi."}, "alpaca",
+        ...             prompt_style="instruction_response")
+        PromptCompletion(prompt='### Instruction:\\nSay hi.\\n\\n### Response:\\n', completion='Hi.')
     """
+    if prompt_style not in PROMPT_STYLES:
+        raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, got {prompt_style!r}")
+    if prompt_style != "chat_template" and format != "alpaca":
+        raise ValueError(
+            f"prompt_style={prompt_style!r} applies to format 'alpaca' only, not {format!r}; "
+            "use prompt_style='chat_template' (or leave it unset)"
+        )
     columns = resolve_columns(format, column_map)
     if not isinstance(row, Mapping):
         raise BadRow(WRONG_TYPE, f"row is {_type_name(row)}, expected an object")
@@ -329,8 +402,12 @@ def convert_row(
         instruction = _string(row, columns["instruction"])
         extra = _string(row, columns["input"], required=False)
         output = _string(row, columns["output"])
-        prompt = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
         system = _string(row, columns["system"], required=False) or system_prompt
+        if prompt_style != "chat_template":
+            if not output.strip():
+                raise BadRow(EMPTY_ASSISTANT_TURN, f"column {columns['output']!r} is empty")
+            return PromptCompletion(render_prompt(prompt_style, instruction, extra, system), output)
+        prompt = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
         return Conversation(check_messages(_with_system(messages, system)))
     if format == "sharegpt":

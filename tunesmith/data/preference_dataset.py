@@ -24,7 +24,16 @@ continuation only: a list of messages or a string (one assistant message), as in
 conversational "prompt/chosen/rejected" data. A ``chosen``/``rejected`` list that starts
 with a system or user message is a whole conversation and the ``prompt`` column is then
 not read (UltraFeedback-style data repeats the prompt there).
-``prompt_chosen_rejected``: plain strings, rendered as a user turn and an assistant turn.
+``prompt_chosen_rejected``: plain strings, rendered as a user turn and an assistant turn;
+with ``use_chat_template=False`` (base models, no chat template) they are raw text instead
+(see below; no ``system`` column or ``system_prompt`` then).
+
+Raw text (``use_chat_template=False``): ``prompt + chosen`` and ``prompt + rejected`` are each
+tokenised as one text with the tokenizer's special tokens (BOS) and EOS appended, the prompt
+boundary taken from the character offsets
+(:meth:`~tunesmith.data.tokenizer.Tokenizer.encode_split`: a token straddling the boundary
+belongs to the response), exactly like SFT's raw ``prompt_completion``. The prompt tokens of
+both sides must be identical (else ``prompt_mismatch``); the responses and EOS are trained.
 
 Tokenisation: the prompt (the shared messages plus the template's generation prompt) is
 tokenised once; each full conversation is tokenised with
@@ -82,6 +91,7 @@ Example (YAML)::
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -117,6 +127,7 @@ __all__ = [
     "PREFERENCE_TRUNCATION",
     "PreferenceDataset",
     "PreferencePair",
+    "RawPreferencePair",
     "convert_preference_row",
     "resolve_preference_columns",
     "tokenize_pair",
@@ -133,6 +144,15 @@ PREFERENCE_TRUNCATION = ("keep_end", "keep_start", "drop")
 BAD_ROW_POLICIES = ("error", "skip")
 
 _SIDES = ("chosen", "rejected")
+
+
+@dataclass
+class RawPreferencePair:
+    """A checked raw-text pair (no chat template): the prompt and the two continuations."""
+
+    prompt: str
+    chosen: str
+    rejected: str
 
 
 @dataclass
@@ -269,10 +289,13 @@ def convert_preference_row(
     column_map: Mapping[str, str] | None = None,
     *,
     system_prompt: str | None = None,
-) -> PreferencePair:
+    use_chat_template: bool = True,
+) -> PreferencePair | RawPreferencePair:
     """Check one row and split it into the shared prompt and the two replies; raise ``BadRow``.
 
-    ``system_prompt`` is added to conversations that have no system message.
+    ``system_prompt`` is added to conversations that have no system message. With
+    ``use_chat_template=False`` (``prompt_chosen_rejected`` only) the row's strings are kept
+    as raw text in a :class:`RawPreferencePair`.
 
     Example::
 
@@ -284,6 +307,8 @@ def convert_preference_row(
     columns = resolve_preference_columns(format, column_map)
     if not isinstance(row, Mapping):
         raise BadRow(WRONG_TYPE, f"row is {type(row).__name__}, expected an object")
+    if not use_chat_template:
+        return _raw_pair(row, format, columns)
     chosen, rejected, chosen_name, rejected_name = _conversations(row, format, columns)
     sides = []
     for messages, name in ((chosen, chosen_name), (rejected, rejected_name)):
@@ -308,7 +333,52 @@ def convert_preference_row(
     return PreferencePair(chosen[:-1], chosen[-1], rejected[-1])
 
 
+def _raw_pair(row: Mapping[str, Any], format: str, columns: Mapping[str, str]) -> RawPreferencePair:
+    if format != "prompt_chosen_rejected":
+        raise ValueError(
+            f"use_chat_template=False needs format 'prompt_chosen_rejected' (raw strings), "
+            f"got {format!r}"
+        )
+    if _text(row, columns["system"], required=False) is not None:
+        raise BadRow(
+            WRONG_TYPE,
+            f"column {columns['system']!r} is set, but raw text (use_chat_template=False) has "
+            "no system turn; put it in the prompt text",
+        )
+    prompt = _text(row, columns["prompt"])
+    chosen = _assistant(_text(row, columns["chosen"]), columns["chosen"])["content"]
+    rejected = _assistant(_text(row, columns["rejected"]), columns["rejected"])["content"]
+    if chosen == rejected:
+        raise BadRow(
+            IDENTICAL_RESPONSES, f"{columns['chosen']} and {columns['rejected']} are the same text"
+        )
+    return RawPreferencePair(prompt, chosen, rejected)
+
+
 # ----------------------------------------------------------------------------- tokens
+
+
+def _raw_sequences(
+    tokenizer: Tokenizer, pair: RawPreferencePair
+) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+    """Prompt ids and (response ids, mask) per side of a raw pair, each side one text."""
+    eos = tokenizer.eos_id
+    sides = []
+    for reply in (pair.chosen, pair.rejected):
+        ids, n = tokenizer.encode_split(pair.prompt, reply)
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids = [*ids, eos]
+        sides.append((ids[:n], ids[n:]))
+    (prompt, chosen), (other_prompt, rejected) = sides
+    if prompt != other_prompt:
+        at = _first_difference(prompt, other_prompt)
+        raise BadRow(
+            PROMPT_MISMATCH,
+            f"the prompt's tokens differ with the chosen and the rejected continuation (first "
+            f"at token {at}; {len(prompt)} vs {len(other_prompt)} tokens): the prompt's end "
+            "merges differently with each reply's start",
+        )
+    return prompt, [(chosen, [1] * len(chosen)), (rejected, [1] * len(rejected))]
 
 
 def _tokenize(
@@ -379,9 +449,23 @@ def _fit(
     return prompt, [(ids[:budget], mask[:budget]) for ids, mask in responses], True
 
 
+def _templated_sequences(
+    tokenizer: Tokenizer, pair: PreferencePair, kwargs: Mapping[str, Any]
+) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+    """Prompt ids and (response ids, mask) per side of a chat pair (see the module docs)."""
+    prompt_ids, _, _ = _tokenize(tokenizer, pair.prompt, kwargs, "prompt", True)
+    full: list[tuple[list[int], list[int], int]] = []
+    for side, reply in zip(_SIDES, (pair.chosen, pair.rejected), strict=True):
+        ids, _, spans = _tokenize(tokenizer, [*pair.prompt, reply], kwargs, f"{side} conversation")
+        mask, start = _last_reply_mask(len(ids), spans, side)
+        full.append((ids, mask, start))
+    n = _prompt_length(prompt_ids, [(ids, start) for ids, _, start in full])
+    return full[0][0][:n], [(ids[n:], mask[n:]) for ids, mask, _ in full]
+
+
 def tokenize_pair(
     tokenizer: Tokenizer,
-    pair: PreferencePair,
+    pair: PreferencePair | RawPreferencePair,
     *,
     max_seq_len: int | None = None,
     max_prompt_len: int | None = None,
@@ -399,16 +483,10 @@ def tokenize_pair(
         ...     sample["rejected_input_ids"][: sample["prompt_len"]])
         True
     """
-    kwargs = dict(template_kwargs or {})
-    prompt_ids, _, _ = _tokenize(tokenizer, pair.prompt, kwargs, "prompt", True)
-    full: list[tuple[list[int], list[int], int]] = []
-    for side, reply in zip(_SIDES, (pair.chosen, pair.rejected), strict=True):
-        ids, _, spans = _tokenize(tokenizer, [*pair.prompt, reply], kwargs, f"{side} conversation")
-        mask, start = _last_reply_mask(len(ids), spans, side)
-        full.append((ids, mask, start))
-    n = _prompt_length(prompt_ids, [(ids, start) for ids, _, start in full])
-    prompt = full[0][0][:n]
-    responses = [(ids[n:], mask[n:]) for ids, mask, _ in full]
+    if isinstance(pair, RawPreferencePair):
+        prompt, responses = _raw_sequences(tokenizer, pair)
+    else:
+        prompt, responses = _templated_sequences(tokenizer, pair, dict(template_kwargs or {}))
     prompt, responses, cut = _fit(prompt, responses, max_seq_len, max_prompt_len, truncation)
     if responses[0][0] == responses[1][0]:
         after = f" after truncation to max_seq_len={max_seq_len}" if cut else ""
@@ -432,7 +510,8 @@ class PreferenceDataset(Dataset):
     """Preference pairs (chosen / rejected replies to one prompt) from a file or Hub dataset.
 
     Args:
-        tokenizer: a :class:`~tunesmith.data.tokenizer.Tokenizer` with a chat template.
+        tokenizer: a :class:`~tunesmith.data.tokenizer.Tokenizer` (with a chat template
+            unless ``use_chat_template=False``).
         source: local ``.jsonl``/``.json``/``.parquet``/``.csv``/``.tsv`` file, local
             folder, or ``datasets.load_dataset`` name.
         format: ``"messages"`` or ``"prompt_chosen_rejected"`` (see the module docs).
@@ -445,6 +524,8 @@ class PreferenceDataset(Dataset):
         on_bad_row: ``"error"`` (raise at the first bad row) or ``"skip"`` (count it).
         system_prompt: system message for conversations that have none.
         template_kwargs: extra chat template variables (e.g. ``{"enable_thinking": False}``).
+        use_chat_template: ``False`` tokenises ``prompt_chosen_rejected`` rows as raw text
+            (base models; see the module docs).
 
     Attributes:
         samples: the sample dicts (see the module docs), in source order.
@@ -474,9 +555,20 @@ class PreferenceDataset(Dataset):
         on_bad_row: str = "error",
         system_prompt: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        use_chat_template: bool = True,
     ) -> None:
         _check_arguments(max_seq_len, max_prompt_len, truncation, on_bad_row)
-        if not tokenizer.chat_templates:
+        if not use_chat_template:
+            if format != "prompt_chosen_rejected":
+                raise ValueError(
+                    "use_chat_template=False needs format 'prompt_chosen_rejected' (raw "
+                    f"strings), got {format!r}"
+                )
+            if system_prompt is not None:
+                raise ValueError("system_prompt needs the chat template (use_chat_template=False)")
+        elif warning := tokenizer.bos_spacing_warning(**(template_kwargs or {})):
+            warnings.warn(warning, stacklevel=2)
+        if use_chat_template and not tokenizer.chat_templates:
             raise ValueError(
                 f"PreferenceDataset renders conversations with the chat template, but the "
                 f"tokenizer {getattr(tokenizer, 'name', '')} has none; load it with "
@@ -494,7 +586,10 @@ class PreferenceDataset(Dataset):
         self.report = DataReport(source=rows.name)
 
         def make_sample(row: Any) -> tuple[dict[str, Any], bool]:
-            pair = convert_preference_row(row, format, column_map, system_prompt=system_prompt)
+            pair = convert_preference_row(
+                row, format, column_map, system_prompt=system_prompt,
+                use_chat_template=use_chat_template,
+            )  # fmt: skip
             return tokenize_pair(
                 tokenizer, pair, max_seq_len=max_seq_len, max_prompt_len=max_prompt_len,
                 truncation=truncation, template_kwargs=template_kwargs,

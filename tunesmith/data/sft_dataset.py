@@ -16,10 +16,13 @@ What is trained (``train_on``):
   final assistant message, not the calls before it);
 - ``"all"``: every token of the rendered conversation.
 
-``prompt_completion`` rows with ``use_chat_template=False`` are tokenised raw:
-``encode(prompt)`` (with the tokenizer's special tokens, e.g. BOS) followed by
-``encode(completion, add_special_tokens=False)`` and EOS; the completion and EOS are
-trained (everything with ``train_on="all"``). ``text`` rows are ``encode(text)`` + EOS,
+``prompt_completion`` rows with ``use_chat_template=False`` are tokenised raw, as one text:
+``encode(prompt + completion)`` (with the tokenizer's special tokens, e.g. BOS) and EOS,
+the prompt/completion boundary found from the character offsets
+(:meth:`~tunesmith.data.tokenizer.Tokenizer.encode_split`; a token straddling it is the
+completion's); the completion and EOS are trained (everything with ``train_on="all"``).
+Tokenising the completion on its own would give other ids: a SentencePiece-style tokenizer
+puts its "▁" prefix space before it. ``text`` rows are ``encode(text)`` + EOS,
 all trained whatever ``train_on`` says.
 
 Truncation to ``max_seq_len``: ``"right"`` keeps the start, ``"left"`` keeps the end,
@@ -43,12 +46,14 @@ Example (YAML)::
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Dataset
 
 from tunesmith.data.formats import (
+    PROMPT_STYLES,
     Conversation,
     PlainText,
     PromptCompletion,
@@ -94,12 +99,10 @@ def _encode(
         ids = _with_eos(tokenizer.encode(example.text, add_special_tokens=True), tokenizer.eos_id)
         return ids, [1] * len(ids)
     if isinstance(example, PromptCompletion):
-        prompt = tokenizer.encode(example.prompt, add_special_tokens=True)
-        completion = _with_eos(
-            tokenizer.encode(example.completion, add_special_tokens=False), tokenizer.eos_id
-        )
-        prompt_mask = [1 if train_on == "all" else 0] * len(prompt)
-        return prompt + completion, prompt_mask + [1] * len(completion)
+        ids, n_prompt = tokenizer.encode_split(example.prompt, example.completion)
+        ids = _with_eos(ids, tokenizer.eos_id)
+        prompt_mask = [1 if train_on == "all" else 0] * n_prompt
+        return ids, prompt_mask + [1] * (len(ids) - n_prompt)
     try:
         ids, mask, spans = tokenizer.tokenize_conversation(
             example.messages, tools=example.tools, return_spans=True, **template_kwargs
@@ -165,6 +168,10 @@ class SFTDataset(Dataset):
         use_chat_template: render ``prompt_completion`` rows through the chat template
             (``True``) or concatenate them raw (``False``).
         system_prompt: system message for conversations that have none.
+        prompt_style: for ``format="alpaca"``: ``"chat_template"``, ``"alpaca"`` (the
+            Stanford Alpaca prompt) or ``"instruction_response"``; the text styles are
+            tokenised raw (see ``formats.py``). ``None`` (default): ``"chat_template"`` when
+            the tokenizer has one, else ``"alpaca"`` for alpaca rows.
         template_kwargs: extra chat template variables (e.g. ``{"enable_thinking": False}``).
 
     Attributes:
@@ -195,6 +202,7 @@ class SFTDataset(Dataset):
         use_chat_template: bool = True,
         system_prompt: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        prompt_style: str | None = None,
     ) -> None:
         if train_on not in TRAIN_ON:
             raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
@@ -204,19 +212,29 @@ class SFTDataset(Dataset):
             raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {on_bad_row!r}")
         if max_seq_len is not None and max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2 (or None), got {max_seq_len}")
+        if prompt_style is None:
+            no_template = format == "alpaca" and not tokenizer.chat_templates
+            prompt_style = "alpaca" if no_template else "chat_template"
+        if prompt_style not in PROMPT_STYLES:
+            raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, got {prompt_style!r}")
+        if prompt_style != "chat_template" and format != "alpaca":
+            raise ValueError(f"prompt_style={prompt_style!r} applies to format 'alpaca' only")
         raw = format == "text" or (format == "prompt_completion" and not use_chat_template)
         if raw and system_prompt is not None:
             raise ValueError(
                 f"system_prompt needs the chat template; format {format!r} with "
                 f"use_chat_template={use_chat_template} is tokenised raw"
             )
-        if not raw and not tokenizer.chat_templates:
+        if not raw and prompt_style == "chat_template" and not tokenizer.chat_templates:
             raise ValueError(
                 f"format {format!r} renders conversations with the chat template, but the "
                 f"tokenizer {getattr(tokenizer, 'name', '')} has none (tokenizer_config.json has "
                 "no chat_template and there is no chat_template.jinja); load it with "
                 "Tokenizer.from_pretrained(..., chat_template=...)"
             )
+        templated = not raw and prompt_style == "chat_template"
+        if templated and (warning := tokenizer.bos_spacing_warning(**(template_kwargs or {}))):
+            warnings.warn(warning, stacklevel=2)
         columns = resolve_columns(format, column_map)
         rows = load_rows(source, split=split, data_files=data_files)
         check_columns(format, columns, rows.columns, rows.name)
@@ -232,7 +250,7 @@ class SFTDataset(Dataset):
         def make_sample(row: Any) -> tuple[dict[str, list[int]], bool]:
             example = convert_row(
                 row, format, column_map, system_prompt=system_prompt,
-                use_chat_template=use_chat_template,
+                use_chat_template=use_chat_template, prompt_style=prompt_style,
             )  # fmt: skip
             return tokenize_example(
                 tokenizer, example, train_on=train_on, max_seq_len=max_seq_len,

@@ -11,6 +11,27 @@ Chat data is rendered with the model's own template and tokenized as one text, l
 ``tokenizer.apply_chat_template(..., tokenize=True)``; :meth:`Tokenizer.tokenize_conversation`
 also says which tokens are the assistant's replies (the loss mask).
 
+Raw prompt/completion text (base models, no chat template) is tokenised as one text too:
+:meth:`Tokenizer.encode_split` encodes ``prompt + completion`` and finds the boundary from the
+character offsets, so the ids are exactly the concatenated text's, as the model would see that
+text anywhere else. Encoding the completion on its own would not be: a SentencePiece-style
+tokenizer (Llama 2, Mistral) prepends its "▁" prefix space to the start of every input, and
+would train the model on a space the data does not have.
+
+Prefix spaces and ``{{ bos_token }}`` in templates. :attr:`Tokenizer.prefix_space` says which
+part of the pipeline adds a prefix space (a ``Metaspace`` pre-tokenizer with
+``prepend_scheme="first"`` or ``"always"``, a ``Prepend("▁")`` normalizer, a ``ByteLevel``
+pre-tokenizer with ``add_prefix_space``). Special tokens written in the text split it, and the
+kinds differ on the text after them: ``"first"`` adds "▁" only at the very start of the input,
+so ``"<s>Hello"`` gives ``<s> H ello`` where a text starting with "Hello" gives ``▁Hello``
+(the template author must write ``{{ bos_token }} Hello`` to get the usual first word);
+``"always"`` adds "▁" after every special token unless the text there starts with a space, so
+both ``"<s>Hello"`` and ``"<s> Hello"`` give ``<s> ▁Hello``; a ``Prepend("▁")`` normalizer adds
+it after every special token whatever follows, so ``"<s>Hello"`` gives ``<s> ▁Hello`` but
+``"<s> Hello"`` gives a doubled ``▁▁``. :meth:`bos_spacing_warning`
+renders the chat template once and says when the first word after BOS does not get the
+tokens it gets at the start of a text; the datasets warn with it when they build.
+
 Example::
 
     >>> tok = Tokenizer.from_pretrained("path/to/Qwen2.5-0.5B-Instruct")  # doctest: +SKIP
@@ -332,9 +353,118 @@ class Tokenizer:
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_split(
+        self, prompt: str, completion: str, *, add_special_tokens: bool = True
+    ) -> tuple[list[int], int]:
+        """Token ids of ``prompt + completion`` as one text, and how many belong to the prompt.
+
+        ``ids`` equals ``encode(prompt + completion)``: the completion is not tokenised on its
+        own, so a tokenizer with a prefix space (:attr:`prefix_space`) does not put "▁" before
+        it, and tokens that merge across the boundary are those of the whole text. The prompt
+        is the first ``n_prompt`` tokens, found from the backend's character offsets:
+
+        - the tokens the post-processor adds before the text (BOS) are the prompt's; those it
+          adds after it (an EOS, BERT's ``[SEP]``) are the completion's;
+        - a text token is the prompt's when it ends at or before ``len(prompt)``;
+        - a token that straddles the boundary (starts in the prompt, ends in the completion,
+          e.g. ``" 42"`` after a prompt ending in a space, or a word split by the boundary) is
+          the completion's, so it is trained: the model has to produce it for the text to
+          read as the data says. The prompt tokens then cover the prompt's text less its last
+          characters and differ from ``encode(prompt)`` at the end.
+
+        Example::
+
+            >>> ids, n = tok.encode_split("Q: 2+2=", "4")  # doctest: +SKIP
+            >>> ids == tok.encode("Q: 2+2=4"), tok.decode(ids[n:])  # doctest: +SKIP
+            (True, '4')
+        """
+        for name, value in (("prompt", prompt), ("completion", completion)):
+            if not isinstance(value, str):
+                raise TypeError(f"encode_split() {name} must be a str, got {type(value).__name__}")
+        encoding = self._backend.encode(prompt + completion, add_special_tokens=add_special_tokens)
+        boundary = len(prompt)
+        n_prompt = 0
+        in_text = False
+        for sequence_id, (_, end) in zip(encoding.sequence_ids, encoding.offsets, strict=True):
+            if sequence_id is None:  # added by the post-processor: BOS before, EOS/SEP after
+                if in_text:
+                    break
+            elif end > boundary:
+                break
+            else:
+                in_text = True
+            n_prompt += 1
+        return list(encoding.ids), n_prompt
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of token ids (no clean-up of spaces, like transformers for BPE tokenizers)."""
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    @property
+    def prefix_space(self) -> str | None:
+        """The part of the pipeline that puts a space before the input's first word, or None.
+
+        ``"Metaspace(prepend_scheme='first')"`` / ``'always'`` (Llama 2 and Mistral converted
+        by recent transformers), ``"Prepend('▁')"`` (a normalizer; older Llama 2 conversions)
+        or ``"ByteLevel(add_prefix_space=True)"``; None for Llama 3, Qwen, GPT-2 and BERT.
+        See the module docs for what it means for text after special tokens.
+
+        Example::
+
+            >>> tok.prefix_space  # doctest: +SKIP
+            "Metaspace(prepend_scheme='first')"
+        """
+        data = json.loads(self._backend.to_str())
+        for component in (data.get("normalizer"), data.get("pre_tokenizer")):
+            found = _prefix_space(component)
+            if found is not None:
+                return found
+        return None
+
+    def bos_spacing_warning(self, **template_kwargs: Any) -> str | None:
+        """A warning when the chat template writes BOS right before text whose first word then
+        gets other tokens than at the start of a text, or None.
+
+        Only tokenizers with a :attr:`prefix_space` are checked. The template is rendered once
+        on a short conversation; the first word after BOS is compared with the same text
+        encoded on its own (leading spaces removed). A template that fails to render on that
+        conversation is not judged (None).
+
+        Example::
+
+            >>> tok.bos_spacing_warning()  # doctest: +SKIP
+            "...: the chat template writes '<s>' directly before 'Hello'..."
+        """
+        bos = self.special_tokens.get("bos_token")
+        kind = self.prefix_space
+        if bos is None or kind is None or not self.chat_templates:
+            return None
+        probe = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Yes"}]
+        try:
+            text = self.apply_chat_template(probe, **template_kwargs)
+        except Exception:  # a template with its own demands: nothing to judge here
+            return None
+        at = text.find(bos)
+        if at < 0:
+            return None
+        rest = text[at + len(bos) :]
+        word = rest.lstrip(" ")
+        if not word or any(word.startswith(t) for t in self.added_tokens if t):
+            return None
+        first_word = word.split()[0]
+        start = at + len(bos)
+        end = start + len(rest) - len(word) + len(first_word)
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        after = [t for t, (a, _) in zip(encoding.tokens, encoding.offsets) if start <= a < end]
+        expected = self._backend.encode(first_word, add_special_tokens=False).tokens
+        if after == expected:
+            return None
+        return (
+            f"{self.name}: the chat template writes {bos!r} directly before {rest[:12]!r}; with "
+            f"this tokenizer's {kind} the first word after it is tokenised as {after[:3]} but "
+            f"as {expected[:3]} at the start of a text. Check the template's spacing after "
+            "{{ bos_token }} (see tunesmith.data.tokenizer's docs on prefix spaces)"
+        )
 
     # -----------------------------------------------------------------------------------------
     # Chat
@@ -461,6 +591,27 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
+
+
+def _prefix_space(component: Any) -> str | None:
+    """The prefix-space step of a normalizer / pre-tokenizer JSON object, or None."""
+    if not isinstance(component, dict):
+        return None
+    for child in component.get("normalizers") or component.get("pretokenizers") or ():
+        found = _prefix_space(child)
+        if found is not None:
+            return found
+    kind = component.get("type")
+    if kind == "Metaspace":
+        scheme = component.get("prepend_scheme")
+        if scheme is None:  # tokenizers < 0.14 wrote add_prefix_space
+            scheme = "always" if component.get("add_prefix_space", True) else "never"
+        return None if scheme == "never" else f"Metaspace(prepend_scheme={scheme!r})"
+    if kind == "Prepend" and component.get("prepend"):
+        return f"Prepend({component['prepend']!r})"
+    if kind == "ByteLevel" and component.get("add_prefix_space"):
+        return "ByteLevel(add_prefix_space=True)"
+    return None
 
 
 def _folder_templates(folder: Path, config: dict[str, Any], config_file: Path) -> dict[str, str]:
