@@ -136,3 +136,15 @@ def test_the_parity_check_stops_a_run_whose_sampler_and_trainer_disagree(world):
     # bf16 autocast: the KV-cache decode and the full forward round differently
     with pytest.raises(LogprobMismatchError, match=r"max_logprob_mismatch=1e-06"):
         run_grpo(world, "mismatch", "mixed_precision=bf16", "max_logprob_mismatch=1e-6")
+
+
+def test_a_step_with_nothing_to_train_on_is_skipped_not_fatal(world, capsys):
+    # one new token each and no stop: every completion is cut, and overlong_filter trains none
+    out = run_grpo(world, "all_cut", "overlong_filter=true", "generation.max_new_tokens=1",
+                   "max_steps=2")  # fmt: skip
+    logged = read_metrics(out)
+    _, model_dir, _ = world
+    assert [logged[s]["skipped_update"] for s in (1, 2)] == [1.0, 1.0]
+    assert logged[1]["stopped_fraction"] == 0.0 and logged[1]["completion_tokens"] == 0
+    assert "no completion_tokens to train on" in capsys.readouterr().out
+    assert largest_change(final_weights(out), checkpoint_weights(model_dir)) == 0.0

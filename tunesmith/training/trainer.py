@@ -22,6 +22,7 @@ Example (a recipe's loop; :func:`~tunesmith.training.loop.fit` adds logging and 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -148,6 +149,8 @@ class Trainer:
         self.model.train()
         units = all_reduce_sum(sum(objective.units(mb) for mb in micro_batches), ctx.device,
                                ctx.dp_cp_group)  # fmt: skip
+        if int(units.item()) == 0:  # on every rank: the count is global
+            return self._empty_step(step, micro_batches)
         step_loss = torch.zeros((), device=ctx.device)
         sums: dict[str, torch.Tensor] = {}
         for mb in micro_batches:
@@ -194,6 +197,26 @@ class Trainer:
         if self.in_backward:
             del metrics["grad_norm"]
         metrics |= _means(sums, units, ctx)
+        for hook in self.on_step_end:
+            hook(self, step, metrics)
+        return metrics
+
+    def _empty_step(self, step: int, micro_batches: Sequence[Batch]) -> dict[str, float]:
+        """A step whose micro-batches hold no unit to train on anywhere (e.g. an RL batch whose
+        completions were all cut with ``overlong_filter``): no forward and no update, but the
+        step counts (schedule, progress, hooks) and says so (``skipped_update``)."""
+        self.log(f"step {step}: no {self.objective.unit} to train on in this step's batches; "
+                 "the update is skipped")  # fmt: skip
+        with warnings.catch_warnings():  # torch warns of a schedule stepped without an update
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
+        self.progress["step"] = step
+        self.rank_tokens = sum(_real_tokens(mb) for mb in micro_batches)
+        seen = all_reduce_sum(self.rank_tokens, self.ctx.device, self.ctx.dp_cp_group)
+        self.progress["tokens_seen"] += int(seen.item())
+        metrics = {"loss": 0.0, "lr": self.scheduler.get_last_lr()[0],
+                   "tokens_seen": self.progress["tokens_seen"], self.objective.unit: 0,
+                   "skipped_update": 1.0}  # fmt: skip
         for hook in self.on_step_end:
             hook(self, step, metrics)
         return metrics
