@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,13 +39,13 @@ from torch import nn
 from tunesmith.config import instantiate
 from tunesmith.data import Tokenizer
 from tunesmith.demo.assets import DEFAULT_MODEL, AssetSettings, DemoAssets, is_built, make_assets
+from tunesmith.demo.run import run_to_checkpoint
 from tunesmith.demo.task import Example, read_jsonl, write_jsonl
 from tunesmith.generation import generate
 from tunesmith.models import from_hf
-from tunesmith.recipes import prepare_run, run
+from tunesmith.recipes import prepare_run
 from tunesmith.rl.prompts import Prompt, encode_prompt
 from tunesmith.rl.rewards import RewardSet, Sample
-from tunesmith.training import CheckpointDirectory
 from tunesmith.training.plot import read_metrics
 
 __all__ = [
@@ -274,18 +272,6 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
     return sft, grpo
 
 
-def _train(recipe: str, config: str, overrides: list[str], run_dir: Path) -> Path:
-    shutil.rmtree(run_dir, ignore_errors=True)  # this run's metrics and checkpoints only
-    with warnings.catch_warnings():
-        # torchdata's StatefulDataLoader calls a deprecated torch API on construction
-        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-        run(recipe, config, overrides)
-    checkpoint = CheckpointDirectory(run_dir / "checkpoints").latest()
-    if checkpoint is None:
-        raise RuntimeError(f"training finished without a checkpoint in {run_dir / 'checkpoints'}")
-    return checkpoint
-
-
 def run_rl_demo(
     output_dir: str | os.PathLike[str] = "outputs/demo_rl",
     *,
@@ -350,7 +336,7 @@ def _run(
     )
 
     say(f"[2/5] SFT warm-up on the demonstrations: tunesmith run sft --config {WARMUP_CONFIG}")
-    warmup = _train("sft", WARMUP_CONFIG, sft, sft_dir)
+    warmup = run_to_checkpoint("sft", WARMUP_CONFIG, sft, sft_dir)
 
     # The GRPO config names the rewards and the held-out decoding settings.
     grpo = [f"model_dir={warmup}", *grpo]
@@ -373,7 +359,7 @@ def _run(
         f"on {len(held_out_prompts)} held-out prompts: {before:.1%}")  # fmt: skip
 
     say(f"[4/5] GRPO from the SFT checkpoint: tunesmith run grpo --config {CONFIG}")
-    checkpoint = _train("grpo", CONFIG, grpo, grpo_dir)
+    checkpoint = run_to_checkpoint("grpo", CONFIG, grpo, grpo_dir)
 
     say("[5/5] held-out accuracy of the GRPO checkpoint, reward curve")
     after, replies_after = greedy_accuracy(from_hf(checkpoint), tokenizer, held_out_prompts,

@@ -97,17 +97,26 @@ def train(assets: DemoAssets, run_dir: Path, overrides: Sequence[str] = ()) -> P
     change anything else.
     """
     _check_overrides(overrides)
-    shutil.rmtree(run_dir, ignore_errors=True)
     own = [
         f"model_dir={assets.model_dir}",
         f"dataset.source={assets.train_file}",
         f"output_dir={run_dir}",
     ]
+    return run_to_checkpoint("sft", CONFIG, [*own, *overrides], run_dir)
+
+
+def run_to_checkpoint(recipe: str, config: str, overrides: Sequence[str], run_dir: Path) -> Path:
+    """``tunesmith.run(recipe, config, overrides)`` in this process into ``run_dir`` (emptied
+    first, so its metrics and checkpoints are this run's only); returns the last checkpoint.
+
+    >>> run_to_checkpoint("sft", "demo", [f"output_dir={out}"], out)  # doctest: +SKIP
+    """
+    shutil.rmtree(run_dir, ignore_errors=True)
     with warnings.catch_warnings():
         # torchdata's StatefulDataLoader calls a deprecated torch API on construction; the
         # warning says nothing about the run, so the demo keeps it off its output.
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-        run("sft", CONFIG, [*own, *overrides])  # load the config, validate it, run in-process
+        run(recipe, config, list(overrides))  # load the config, validate it, run in-process
     checkpoint = CheckpointDirectory(run_dir / "checkpoints").latest()
     if checkpoint is None:
         raise RuntimeError(f"training finished without a checkpoint in {run_dir / 'checkpoints'}")

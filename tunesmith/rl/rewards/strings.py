@@ -57,7 +57,27 @@ def character_match(text: str, reference: str) -> float:
     return sum(a == b for a, b in zip(text, reference)) / longest
 
 
-class StringMatch:
+class _StrippedText:
+    """A reward scored sample by sample on the completion (whitespace around it stripped
+    unless ``strip=False``)."""
+
+    name = "text"
+
+    def __init__(self, strip: bool = True, name: str | None = None) -> None:
+        self.strip = bool(strip)
+        self.name = name or type(self).name
+
+    def __call__(self, samples: Sequence[Sample]) -> list[float]:
+        return [self.score(s) for s in samples]
+
+    def text(self, sample: Sample) -> str:
+        return sample.completion.strip() if self.strip else sample.completion
+
+    def score(self, sample: Sample) -> float:
+        raise NotImplementedError
+
+
+class StringMatch(_StrippedText):
     """1.0 when the completion is exactly the reference string, else 0.0.
 
     Args:
@@ -71,20 +91,12 @@ class StringMatch:
 
     name = "string_match"
 
-    def __init__(self, strip: bool = True, name: str = "string_match") -> None:
-        self.strip = bool(strip)
-        self.name = name
-
-    def __call__(self, samples: Sequence[Sample]) -> list[float]:
-        return [self.score(s) for s in samples]
-
     def score(self, sample: Sample) -> float:
         """The score of one sample."""
-        text = sample.completion.strip() if self.strip else sample.completion
-        return 1.0 if text in _references(sample.answer) else 0.0
+        return 1.0 if self.text(sample) in _references(sample.answer) else 0.0
 
 
-class CharacterMatch:
+class CharacterMatch(_StrippedText):
     """Partial credit: :func:`character_match` of the completion and the reference (the best
     over a list of references), in [0, 1], 1.0 only for an exact match.
 
@@ -104,14 +116,7 @@ class CharacterMatch:
 
     name = "character_match"
 
-    def __init__(self, strip: bool = True, name: str = "character_match") -> None:
-        self.strip = bool(strip)
-        self.name = name
-
-    def __call__(self, samples: Sequence[Sample]) -> list[float]:
-        return [self.score(s) for s in samples]
-
     def score(self, sample: Sample) -> float:
         """The score of one sample."""
-        text = sample.completion.strip() if self.strip else sample.completion
+        text = self.text(sample)
         return max(character_match(text, ref) for ref in _references(sample.answer))
