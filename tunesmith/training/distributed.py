@@ -10,7 +10,9 @@ dimensions in the order ``("dp_replicate", "dp_shard", "cp", "tp")`` (outermost 
 neighbours are adjacent ranks). ``dp_shard`` is always a dimension (of size 1 on one process);
 ``dp_replicate``, ``cp`` and ``tp`` only when larger than 1, so the default mesh is 1-D over
 every rank (the mesh FSDP2 has always used). ``ep`` is no factor of the world (it will split ``dp_shard x cp`` for the
-experts). tp, cp and ep > 1 are refused until their issues (#15, #16).
+experts). ``tp`` > 1 shards each layer over the ``tp`` ranks
+(:mod:`~tunesmith.training.tensor_parallel`; ``sequence_parallel``, on by default, also shards
+the residual stream on the sequence); cp and ep > 1 are refused until issue #16.
 
 **Data-parallel conventions** (every count, sampler and reduction asks the context, never
 assumes world = data parallel):
@@ -70,8 +72,7 @@ __all__ = [
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimension names, outermost first."""
-_LATER = {"tp": "tensor parallel comes with issue #15",
-          "cp": "context parallel comes with issue #16",
+_LATER = {"cp": "context parallel comes with issue #16",
           "ep": "expert parallel comes with issue #16"}  # fmt: skip
 
 
@@ -89,6 +90,7 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    sequence_parallel: bool = True  # with tp > 1: the residual stream sharded on the sequence
 
     @classmethod
     def resolve(cls, section: Mapping[str, Any] | None, world_size: int) -> ParallelDims:
@@ -100,6 +102,7 @@ class ParallelDims:
         if problem is not None:
             raise ConfigError.from_issues([ConfigIssue("parallelism", problem)])
         sizes = dict(section or {})
+        sequence_parallel = bool(sizes.pop("sequence_parallel", True))
         shard = sizes.pop("dp_shard", -1)
         rest = {k: int(sizes.get(k, 1)) for k in ("dp_replicate", "cp", "tp")}
         others = rest["dp_replicate"] * rest["cp"] * rest["tp"]
@@ -109,7 +112,8 @@ class ParallelDims:
                 raise _refused(f"{named} = {others} does not divide the world of {world_size} "
                                "rank(s), so dp_shard: auto has no size")  # fmt: skip
             shard = world_size // others
-        dims = cls(dp_shard=int(shard), ep=int(sizes.get("ep", 1)), **rest)
+        dims = cls(dp_shard=int(shard), ep=int(sizes.get("ep", 1)),
+                   sequence_parallel=sequence_parallel, **rest)  # fmt: skip
         if dims.world_size != world_size:
             auto = ", or set dp_shard: auto" if world_size % others == 0 else ""
             raise _refused(
@@ -196,6 +200,13 @@ class DistributedContext:
             return self.mesh
         names = ("dp_replicate", "dp_shard") if self.dims.dp_replicate > 1 else ("dp_shard",)
         return _submesh(self.mesh, names)
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The 1-D mesh of this rank's tensor-parallel group (None without tensor parallel)."""
+        if self.dims is None or self.dims.tp == 1:
+            return None
+        return self.mesh["tp"]
 
     @property
     def shard_size(self) -> int:
@@ -372,7 +383,7 @@ def shard_model(
             f"cpu_offload needs a CUDA device; on {ctx.device} the model stays where it is",
             stacklevel=2,
         )
-    if ctx.world_size == 1 and not offload:
+    if ctx.dp_size == 1 and not offload:  # no data parallel (one process, or tensor parallel only)
         return model
     check_nf4_shardable(model, ctx.shard_size)
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard

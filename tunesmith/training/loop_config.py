@@ -230,8 +230,13 @@ def _parallelism_problem(value: Any) -> str | None:
     if value is None:
         return None
     for key in value.keys():  # noqa: SIM118 (a DictConfig or a dict)
-        if key not in _PARALLEL_KEYS:
-            return f"unknown key {key!r} (allowed: {', '.join(_PARALLEL_KEYS)})"
+        if key not in (*_PARALLEL_KEYS, "sequence_parallel"):
+            allowed = ", ".join((*_PARALLEL_KEYS, "sequence_parallel"))
+            return f"unknown key {key!r} (allowed: {allowed})"
+    if not isinstance(value.get("sequence_parallel", True), bool):
+        return (
+            f"sequence_parallel: expected true or false, got {_shown(value['sequence_parallel'])}"
+        )
     for key in _PARALLEL_KEYS:
         size = value.get(key, 1)
         auto = key == "dp_shard" and ((_is_int(size) and size == -1) or size == "auto")
@@ -281,8 +286,8 @@ LOOP_RULES: dict[str, Rule] = {
     "preflight": flag(),
     "overwrite": flag(),
     "parallelism": Rule(
-        "a mapping of dp_replicate, dp_shard, tp, cp, ep sizes, or null (every rank "
-        "data-parallel shard)",
+        "a mapping of dp_replicate, dp_shard, tp, cp, ep sizes (and sequence_parallel: "
+        "true/false), or null (every rank data-parallel shard)",
         lambda v: v is None or type_name(v) == "mapping",
         extra=_parallelism_problem,
     ),

@@ -1,8 +1,10 @@
 """One ``parallelize(model, ctx, cfg)`` for every recipe: the model's parallel plan, applied in
 one fixed order.
 
-1. **tensor / sequence parallel** over the mesh's ``tp`` dimension: a slot until issue #15
-   (the model's dimensions are checked against the sizes here: :func:`check_model_fits`);
+1. **tensor / sequence parallel** over the mesh's ``tp`` dimension
+   (:func:`~tunesmith.training.tensor_parallel.apply_tensor_parallel`; the model's head counts
+   are checked against the sizes first: :func:`check_model_fits`), frozen models too, so a
+   reference or teacher is laid out like the policy;
 2. **activation checkpointing** (``cfg.activation_checkpointing``), trained models only;
 3. **compile** of each decoder layer (``cfg.compile``), trained models only;
 4. **FSDP2** over ``ctx.fsdp_mesh`` (:func:`~tunesmith.training.distributed.shard_model`):
@@ -30,6 +32,7 @@ from tunesmith.config import ConfigError, ConfigIssue
 from tunesmith.training.activations import apply_activation_checkpointing
 from tunesmith.training.compile import compile_model, compile_options
 from tunesmith.training.distributed import DistributedContext, ParallelDims, shard_model
+from tunesmith.training.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["check_model_fits", "parallelize"]
 
@@ -45,8 +48,10 @@ def parallelize(
     >>> model = parallelize(model, ctx, {"activation_checkpointing": {"mode": "full"}})  # doctest: +SKIP
     """
     cfg = cfg or {}
-    if ctx.dims is not None:  # 1. tensor / sequence parallel (#15): the sizes must fit
+    if ctx.dims is not None:  # 1. tensor / sequence parallel: the sizes must fit
         check_model_fits(getattr(model, "spec", None), ctx.dims)
+    if ctx.tp_mesh is not None:
+        apply_tensor_parallel(model, ctx.tp_mesh, sequence_parallel=ctx.dims.sequence_parallel)
     if not frozen and cfg.get("activation_checkpointing"):  # 2.
         apply_activation_checkpointing(model, **cfg["activation_checkpointing"])
     compiling = None if frozen else compile_options(cfg.get("compile"))

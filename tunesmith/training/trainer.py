@@ -33,12 +33,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tunesmith.config import instantiate, plain_config
 from tunesmith.modules.dtypes import AUTOCAST
 from tunesmith.training.activations import activation_offloading
 from tunesmith.training.checkpointer import Checkpointer
-from tunesmith.training.distributed import DistributedContext, all_reduce_sum
+from tunesmith.training.distributed import DistributedContext, all_reduce_sum, full_tensor
 from tunesmith.training.loop_config import RECORD_KEY, RunRecord, check_resume, read_record
 from tunesmith.training.lr_schedules import schedule_params, set_schedule_params
 from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
@@ -376,8 +377,24 @@ def _real_tokens(batch: Mapping[str, torch.Tensor]) -> int:
 
 
 def _clip(model: nn.Module, max_norm: float | None) -> float:
+    """The global gradient norm (clipped to ``max_norm`` when set). Gradients on different
+    meshes (tensor parallel with FSDP2: 2-D DTensors next to data-parallel-only or plain
+    replicated ones) are normed per mesh and layout, and the parts combined."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
-        norm = norm.full_tensor()
-    return float(norm)
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        grad = p.grad
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    if len(groups) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+        return float(full_tensor(norm))
+    parts = [
+        full_tensor(torch.nn.utils.get_total_norm([p.grad for p in group])).double()
+        for group in groups.values()
+    ]
+    norm = float(torch.linalg.vector_norm(torch.stack(parts)))
+    if max_norm and norm > max_norm:
+        for group in groups.values():
+            torch._foreach_mul_([p.grad for p in group], max_norm / (norm + 1e-6))
+    return norm

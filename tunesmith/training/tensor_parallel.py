@@ -1,0 +1,272 @@
+"""Tensor parallel (TP) and sequence parallel (SP) for the generic decoder: one plan, every family.
+
+The plan is written against Hugging Face parameter names, so it serves every family:
+
+* ``self_attn.{q,k,v}_proj`` and ``mlp.{gate,up}_proj`` column-wise (each rank computes its
+  own heads / its own slice of the intermediate width), ``self_attn.o_proj`` and
+  ``mlp.down_proj`` row-wise (each rank's partial sums are reduced); attention then runs on
+  ``num_heads / tp`` query and ``num_kv_heads / tp`` key/value heads per rank (GQA groups stay
+  whole; the per-head qk-norm weights are replicated and their gradients summed over the
+  ranks; attention biases are sharded with their projection);
+* ``model.embed_tokens`` row-wise over the vocabulary (uneven shards allowed: any vocabulary),
+  ``lm_head`` column-wise over the vocabulary; a tied head *is* the embedding's sharded
+  parameter. Calling ``lm_head`` gathers the logits (generation, full-logits losses); the
+  chunked losses (:mod:`tunesmith.modules.losses`) instead read its local vocabulary shard and
+  combine max / sum-exp / target logit over the ranks (loss parallel): full logits never exist;
+* with ``sequence_parallel`` the residual stream between blocks and the RMSNorms are sharded
+  on the sequence dimension (each rank holds ``seq / tp`` positions, so the activations saved
+  for backward shrink by ``tp``); attention and MLP inputs are all-gathered, their outputs
+  reduce-scattered. A sequence whose length ``tp`` does not divide is right-padded for the
+  forward and cut back after it (padding is never attended by a real position). Forwards with
+  a KV cache (generation: one new token per step) run with a replicated stream. Without SP
+  the stream is replicated and the row-wise outputs are all-reduced;
+* MoE layers keep their router and experts replicated (every rank routes every token; expert
+  parallel comes with issue #16);
+* the body's output (after the final norm) is a plain tensor, the same on every ``tp`` rank,
+  so any head (``lm_head``, a reward ``score``, a critic's value head) and any loss sees the
+  full hidden states.
+
+Example::
+
+    >>> apply_tensor_parallel(model, ctx.mesh["tp"], sequence_parallel=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from tunesmith.modules.attention import Attention
+from tunesmith.modules.moe import MoE
+from tunesmith.modules.peft.nf4 import is_nf4
+
+__all__ = ["apply_tensor_parallel", "check_tp_shardable"]
+
+
+class _Stream:
+    """How the residual stream is laid out in the current forward: sharded on the sequence
+    (``active``, SP) or replicated (no SP, or a forward with a KV cache)."""
+
+    def __init__(self, sequence_parallel: bool) -> None:
+        self.sequence_parallel = sequence_parallel
+        self.active = sequence_parallel
+
+    @property
+    def placement(self) -> Shard | Replicate:
+        return Shard(1) if self.active else Replicate()
+
+
+def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist = distribute_tensor(param.data, mesh, [Replicate()])
+        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+class _StreamNorm(ParallelStyle):
+    """An RMSNorm on the residual stream: replicated weight, input/output laid out as the
+    stream (its weight gradient is summed over the sequence shards)."""
+
+    def __init__(self, stream: _Stream) -> None:
+        self.stream = stream
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_stream(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple:
+            x = DTensor.from_local(inputs[0], mesh, (self.stream.placement,), run_check=False)
+            return (x, *inputs[1:])
+
+        return distribute_module(
+            module, device_mesh, lambda name, mod, mesh: _replicate_params(mod, mesh), to_stream
+        )
+
+
+class _HeadNorm(ParallelStyle):
+    """A per-head norm (qk-norm) on this rank's heads ``[b, s, heads, d]``: replicated weight
+    whose gradient is summed over the ranks' heads."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard_heads(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple:
+            return (DTensor.from_local(inputs[0], mesh, (Shard(2),), run_check=False),)
+
+        return distribute_module(
+            module, device_mesh, lambda name, mod, mesh: _replicate_params(mod, mesh),
+            shard_heads, lambda mod, out, mesh: out.to_local(),
+        )  # fmt: skip
+
+
+class _Gathered(ParallelStyle):
+    """A block (attention, MLP, MoE) whose first input is gathered to the whole sequence; with
+    ``local`` the block sees plain tensors (MoE: replicated experts) and its first output is
+    cut back to the stream's layout."""
+
+    def __init__(self, stream: _Stream, *, local: bool = False) -> None:
+        self.stream, self.local = stream, local
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple:
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, (self.stream.placement,), run_check=False)
+            x = x.redistribute(placements=(Replicate(),))
+            return (x.to_local() if self.local else x, *inputs[1:])
+
+        def scatter(mod: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+            first, rest = (
+                (outputs[0], outputs[1:]) if isinstance(outputs, tuple) else (outputs, None)
+            )
+            if self.stream.active:
+                first = DTensor.from_local(first, mesh, (Replicate(),), run_check=False)
+                first = first.redistribute(placements=(Shard(1),)).to_local()
+            return first if rest is None else (first, *rest)
+
+        # hooks only: the parameters are left to their own styles (MoE's stay plain)
+        module.register_forward_pre_hook(lambda mod, inputs: gather(mod, inputs, device_mesh))
+        if self.local:
+            module.register_forward_hook(lambda mod, i, out: scatter(mod, out, device_mesh))
+        return module
+
+
+class _RowwiseToStream(RowwiseParallel):
+    """Row-wise linear (or vocabulary-sharded embedding) whose reduced output takes the
+    stream's layout: reduce-scattered on the sequence under SP, else all-reduced."""
+
+    def __init__(self, stream: _Stream) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        embedding = isinstance(module, nn.Embedding)
+        partition = self._partition_embedding_fn if embedding else self._partition_linear_fn
+        self.desired_input_layouts = (Replicate(),) if embedding else (Shard(-1),)
+        input_layouts = (Replicate(),) if embedding else (Shard(-1),)
+
+        def to_stream(mod: nn.Module, outputs: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+            return outputs.redistribute(placements=(self.stream.placement,)).to_local()
+
+        return distribute_module(
+            module, device_mesh, partition,
+            partial(self._prepare_input_fn, input_layouts, self.desired_input_layouts), to_stream,
+        )  # fmt: skip
+
+
+def apply_tensor_parallel(
+    model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = True
+) -> nn.Module:
+    """Shard ``model`` (a :class:`~tunesmith.modules.decoder.TransformerLM`, or any model with
+    a ``.model`` decoder body and optional ``lm_head``) over the 1-D ``mesh`` in place, as the
+    module docs say; returns it. Head counts must divide by the mesh size (checked before:
+    :func:`~tunesmith.training.parallelize.check_model_fits`)."""
+    tp = mesh.size()
+    check_tp_shardable(model)
+    body = model.model
+    stream = _Stream(sequence_parallel)
+    parallelize_module(body, mesh, {"embed_tokens": _RowwiseToStream(stream)})
+    for layer in body.layers:
+        attn = layer.self_attn
+        if not isinstance(attn, Attention):
+            raise TypeError(f"tensor parallel needs tunesmith's Attention, got {type(attn)}")
+        plan: dict[str, ParallelStyle] = {
+            "self_attn": _Gathered(stream),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": _RowwiseToStream(stream),
+            "input_layernorm": _StreamNorm(stream),
+            "post_attention_layernorm": _StreamNorm(stream),
+        }
+        if attn.q_norm is not None:
+            plan["self_attn.q_norm"] = plan["self_attn.k_norm"] = _HeadNorm()
+        if isinstance(layer.mlp, MoE):
+            plan["mlp"] = _Gathered(stream, local=True)
+        else:
+            plan["mlp"] = _Gathered(stream)
+            plan["mlp.gate_proj"] = ColwiseParallel()
+            plan["mlp.up_proj"] = ColwiseParallel()
+            plan["mlp.down_proj"] = _RowwiseToStream(stream)
+        parallelize_module(layer, mesh, plan)
+        attn.num_heads //= tp
+        attn.num_kv_heads //= tp
+    parallelize_module(body, mesh, {"norm": _StreamNorm(stream)})
+    body.norm.register_forward_hook(
+        lambda mod, inputs, out: out.redistribute(placements=(Replicate(),)).to_local()
+    )
+    body.register_forward_pre_hook(partial(_pad_sequence, stream, tp), with_kwargs=True)
+    body.register_forward_hook(_cut_padding, with_kwargs=True)
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Module):
+        _shard_head(model, head, mesh)
+    return model
+
+
+def _pad_sequence(
+    stream: _Stream, tp: int, body: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Forward pre-hook of the body: pick the stream's layout for this forward and, under SP,
+    right-pad a sequence ``tp`` does not divide (padding attends, and is attended by, nothing
+    that is kept)."""
+    stream.active = stream.sequence_parallel and kwargs.get("kv_cache") is None
+    input_ids = args[0] if args else kwargs["input_ids"]
+    s = input_ids.shape[-1]
+    pad = (-s) % tp if stream.active else 0
+    body._tp_cut = s if pad else None
+    if not pad:
+        return args, kwargs
+    kwargs = dict(kwargs)
+    ids = F.pad(input_ids, (0, pad))
+    args = (ids, *args[1:]) if args else args
+    if not args:
+        kwargs["input_ids"] = ids
+    if kwargs.get("position_ids") is not None:
+        kwargs["position_ids"] = F.pad(kwargs["position_ids"], (0, pad), mode="replicate")
+    if kwargs.get("document_ids") is not None:
+        kwargs["document_ids"] = F.pad(kwargs["document_ids"], (0, pad), value=-1)
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        kwargs["attention_mask"] = F.pad(mask, (0, pad), value=0)
+    elif mask is not None:  # [b, 1, s, s] bool: a padded query attends to itself only
+        padded = F.pad(mask, (0, pad, 0, pad), value=False)
+        eye = torch.eye(s + pad, dtype=torch.bool, device=mask.device)
+        eye[:s] = False
+        kwargs["attention_mask"] = padded | eye
+    return args, kwargs
+
+
+def _cut_padding(body: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
+    """Forward hook of the body: drop the positions :func:`_pad_sequence` added."""
+    s = body._tp_cut
+    if s is None:
+        return out
+    if isinstance(out, tuple):  # (hidden, router logits [b * s_padded, experts] per layer)
+        hidden, router_logits = out
+        b, padded = hidden.shape[:2]
+        cut = tuple(r.view(b, padded, -1)[:, :s].reshape(b * s, -1) for r in router_logits)
+        return hidden[:, :s], cut
+    return out[:, :s]
+
+
+def _shard_head(model: nn.Module, head: nn.Module, mesh: DeviceMesh) -> None:
+    """``lm_head`` column-wise over the vocabulary, its logits gathered when called; a tied
+    head takes the embedding's (already sharded) parameter."""
+    style = ColwiseParallel(output_layouts=Replicate())
+    if getattr(model, "tie_word_embeddings", False):
+        head.weight = model.model.embed_tokens.weight
+        style._partition_linear_fn = lambda *args: None  # the parameter is already sharded
+    parallelize_module(head, mesh, style)
+
+
+def check_tp_shardable(model: nn.Module) -> None:
+    """Refuse, naming the weight, an NF4 (QLoRA) base weight: torchao's NF4 tensors cannot be
+    split into tensor-parallel shards (use data parallel, ``dp_shard``, for QLoRA)."""
+    for name, param in model.named_parameters():
+        if is_nf4(param.data if isinstance(param, nn.Parameter) else param):
+            raise ValueError(
+                f"{name}: an NF4 (QLoRA) weight cannot be tensor-parallel sharded; train QLoRA "
+                "with tp: 1 (shard it with dp_shard instead) or without quantize_base"
+            )
