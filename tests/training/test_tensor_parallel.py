@@ -1,0 +1,123 @@
+"""The tensor-parallel plan == one device, for every family, with and without sequence parallel.
+
+Two gloo ranks shard a model with :func:`apply_tensor_parallel` and compare, against the same
+model unsharded on each rank, the logits and every parameter's gradient (gathered from its
+DTensor) for: odd vocabularies (uneven vocabulary shards), GQA, qk-norm (Qwen3), attention
+biases (Qwen2.5), a sliding window (Mistral), a MoE body (replicated experts), tied and untied
+heads; sequences that 2 does not divide (padded under SP and cut back), padded rows with a 2-D
+attention mask, and packed rows (``document_ids``). The refusals (heads that do not divide,
+NF4 weights) are checked in this process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tunesmith.config import ConfigError
+from tunesmith.models import build_model
+from tunesmith.models.zoo import llama3, mistral, qwen2_5, qwen3, qwen3_moe
+from tunesmith.modules.peft.apply import apply_lora
+from tunesmith.training.distributed import ParallelDims
+from tunesmith.training.parallelize import check_model_fits
+from tunesmith.training.tensor_parallel import apply_tensor_parallel, check_tp_shardable
+
+VOCAB = 259
+SPECS = {
+    "qwen3_tied_qk_norm": lambda: qwen3.spec("qwen3_tiny", vocab_size=VOCAB),
+    "qwen2_5_bias": lambda: qwen2_5.spec("qwen2_5_tiny", vocab_size=VOCAB),
+    "llama3_untied": lambda: llama3.spec("llama3_tiny", vocab_size=VOCAB),
+    "mistral_window": lambda: mistral.spec("mistral_tiny", vocab_size=VOCAB, sliding_window=4),
+    "qwen3_moe": lambda: qwen3_moe.spec("qwen3_moe_tiny", vocab_size=VOCAB),
+}
+
+
+def _inputs(kind: str, seq: int) -> tuple[torch.Tensor, dict]:
+    ids = torch.randint(0, VOCAB, (2, seq))
+    if kind == "plain":
+        return ids, {}
+    if kind == "padded":  # the second row ends with 3 padding positions
+        mask = torch.ones(2, seq, dtype=torch.long)
+        mask[1, -3:] = 0
+        return ids, {"attention_mask": mask}
+    # packed: two documents in row 0, one and trailing padding in row 1
+    docs = torch.tensor([[0] * 4 + [1] * (seq - 4), [0] * (seq - 2) + [-1, -1]])
+    positions = torch.cat([torch.arange(4), torch.arange(seq - 4)])[None].repeat(2, 1)
+    positions[1] = torch.arange(seq)
+    return ids, {"document_ids": docs, "position_ids": positions}
+
+
+def _compare(name: str, sequence_parallel: bool, kind: str, seq: int) -> tuple[float, float]:
+    """(max logits difference, max relative gradient difference) of the TP model vs one device."""
+    spec = SPECS[name]()
+    torch.manual_seed(0)
+    reference = build_model(spec)
+    torch.manual_seed(0)
+    sharded = build_model(spec)
+    mesh = dist.device_mesh.init_device_mesh("cpu", (2,))
+    apply_tensor_parallel(sharded, mesh, sequence_parallel=sequence_parallel)
+    torch.manual_seed(1)
+    ids, kwargs = _inputs(kind, seq)
+    expected, actual = reference(ids, **kwargs), sharded(ids, **kwargs)
+    keep = kwargs.get("attention_mask", torch.ones_like(ids)).bool()
+    if "document_ids" in kwargs:
+        keep = kwargs["document_ids"] >= 0
+    logits_error = (expected - actual)[keep].abs().max().item()
+    (expected[keep].square().mean()).backward()
+    (actual[keep].square().mean()).backward()
+    grad_error = 0.0
+    pairs = zip(reference.named_parameters(), sharded.named_parameters(), strict=True)
+    for (name_1, p), (name_2, q) in pairs:
+        assert name_1 == name_2
+        if p.grad is None:  # an expert no token was routed to
+            assert q.grad is None, name_1
+            continue
+        grad = q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad
+        scale = p.grad.abs().max().clamp(min=1e-12)
+        grad_error = max(grad_error, ((p.grad - grad).abs().max() / scale).item())
+    return logits_error, grad_error
+
+
+def _worker(rank: int, init_file: str, out_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    results = {}
+    for name in SPECS:
+        for sp in (False, True):
+            for kind, seq in (("plain", 12), ("plain", 11), ("padded", 9), ("packed", 10)):
+                results[(name, sp, kind, seq)] = _compare(name, sp, kind, seq)
+    if rank == 0:
+        torch.save(results, out_file)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp")
+    out = tmp / "results.pt"
+    mp.spawn(_worker, args=(str(tmp / "pg"), str(out)), nprocs=2, join=True)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_tensor_parallel_equals_one_device(tp_results, name):
+    cases = {k: v for k, v in tp_results.items() if k[0] == name}
+    assert len(cases) == 8
+    for (_, sp, kind, seq), (logits_error, grad_error) in cases.items():
+        where = f"{name} sequence_parallel={sp} {kind} seq={seq}"
+        assert logits_error < 2e-6, f"{where}: logits differ by {logits_error}"
+        assert grad_error < 2e-5, f"{where}: gradients differ by {grad_error} (relative)"
+
+
+def test_heads_that_do_not_divide_are_refused():
+    spec = qwen2_5.spec("qwen2_5_tiny", num_key_value_heads=1)
+    with pytest.raises(ConfigError, match="tp 2 does not divide num_key_value_heads 1"):
+        check_model_fits(spec, ParallelDims(tp=2))
+
+
+def test_nf4_weights_are_refused_by_name():
+    model = build_model(qwen3.spec("qwen3_tiny"))
+    apply_lora(model, rank=2, alpha=4, target_modules=["q_proj"], quantize_base=True)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight: an NF4"):
+        check_tp_shardable(model)
