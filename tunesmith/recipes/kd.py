@@ -107,11 +107,11 @@ class Distillation:
         hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
         with torch.no_grad():
             teacher_hidden, _ = forward_batch(self.teacher, batch, return_hidden_states=True)
-        rows = slice(self.vocab_size)
-        kd, ce = self.loss_fn(
-            hidden, model.lm_head.weight[rows], teacher_hidden,
-            self.teacher.lm_head.weight[rows], batch["labels"],
-        )  # fmt: skip
+        student_head, teacher_head = model.lm_head.weight, self.teacher.lm_head.weight
+        if self.vocab_size is not None:  # padded differently: the shared rows only (under
+            rows = slice(self.vocab_size)  # tensor parallel the slice is gathered whole)
+            student_head, teacher_head = student_head[rows], teacher_head[rows]
+        kd, ce = self.loss_fn(hidden, student_head, teacher_hidden, teacher_head, batch["labels"])
         loss = self.kd_ratio * kd + (1.0 - self.kd_ratio) * ce
         metrics = {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return LossOutput(loss, metrics, aux_loss=router_aux_loss(model, router_logits, batch))

@@ -17,11 +17,13 @@ Example::
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tunesmith.modules.losses import vocab_parallel as vp
 from tunesmith.modules.losses.token import IGNORE_INDEX
 
 __all__ = ["KD_KINDS", "KDLoss", "divergence"]
@@ -70,16 +72,23 @@ def divergence(
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
     log_s = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
     log_t = torch.log_softmax(teacher_logits.to(dtype) / temperature, dim=-1)
+    return _divergence_sum(log_s, log_t, kind, js_beta) * temperature**2
+
+
+def _divergence_sum(
+    log_s: torch.Tensor, log_t: torch.Tensor, kind: str, js_beta: float
+) -> torch.Tensor:
+    """The divergence ``kind`` from the student's and the teacher's log-probabilities, summed
+    over the last dimension (not yet times ``T²``). Every kind is a sum of per-token terms, so
+    on vocabulary shards the local sums add up to the whole."""
     if kind == "forward":
-        value = _kl(log_t, log_s)
-    elif kind == "reverse":
-        value = _kl(log_s, log_t)
-    elif kind == "symmetric":
-        value = 0.5 * (_kl(log_t, log_s) + _kl(log_s, log_t))
-    else:
-        log_m = torch.logaddexp(log_t + math.log(js_beta), log_s + math.log(1 - js_beta))
-        value = js_beta * _kl(log_t, log_m) + (1 - js_beta) * _kl(log_s, log_m)
-    return value * temperature**2
+        return _kl(log_t, log_s)
+    if kind == "reverse":
+        return _kl(log_s, log_t)
+    if kind == "symmetric":
+        return 0.5 * (_kl(log_t, log_s) + _kl(log_s, log_t))
+    log_m = torch.logaddexp(log_t + math.log(js_beta), log_s + math.log(1 - js_beta))
+    return js_beta * _kl(log_t, log_m) + (1 - js_beta) * _kl(log_s, log_m)
 
 
 def _check_kind(kind: str, temperature: float, js_beta: float) -> None:
@@ -118,6 +127,17 @@ class KDLoss(nn.Module):
     detached (the teacher never gets gradients) and may be in another dtype than the student
     (e.g. a bf16 teacher for a float32 student): each model's projection runs in its own
     dtype (autocast's when autocast is on), the divergence in float32.
+
+    Loss parallel: when ``student_weight`` is a ``DTensor`` sharded over the vocabulary
+    (``Shard(0)`` on a 1-D mesh, tensor parallel's ``lm_head``), ``teacher_weight`` sharded the
+    same way (or a whole plain tensor, of which each rank takes the student's rows), each rank
+    projects both models on its own vocabulary rows: the log-sum-exps (softened, and the
+    student's at temperature 1) and the target logit are combined over the ranks, each rank's
+    log-softmax covers its rows, and the divergence summed over them is summed over the ranks
+    (see :mod:`~tunesmith.modules.losses.vocab_parallel`). Hidden states and labels are the
+    same on every rank; both sums are then the same on every rank and equal the unsharded
+    ones, the student weight gets its shard's gradient and ``student_hidden`` its full
+    gradient on every rank.
 
     Example::
 
@@ -172,6 +192,10 @@ class KDLoss(nn.Module):
         labels: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         _check_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight, labels)
+        vocab = student_weight.shape[0]
+        student_weight, teacher_weight, shard = _local_heads(student_weight, teacher_weight)
+        student_hidden = vp.local_hidden(student_hidden)
+        teacher_hidden = vp.local_hidden(teacher_hidden)
         out_dtype = torch.promote_types(
             _projection_dtype(student_hidden, student_weight), torch.float32
         )
@@ -183,9 +207,9 @@ class KDLoss(nn.Module):
         if s_rows.shape[0] == 0:  # nothing trained: zeros that still reach the student
             zero = (student_hidden.sum() + student_weight.sum()).to(out_dtype) * 0
             return zero, zero.clone()
-        if ((targets < 0) | (targets >= student_weight.shape[0])).any():
+        if ((targets < 0) | (targets >= vocab)).any():
             raise ValueError(
-                f"KDLoss: labels must be in [0, {student_weight.shape[0]}) or "
+                f"KDLoss: labels must be in [0, {vocab}) or "
                 f"{self.ignore_index}, got values in [{int(targets.min())}, {int(targets.max())}]"
             )
         s_dtype = _projection_dtype(s_rows, student_weight)
@@ -195,6 +219,10 @@ class KDLoss(nn.Module):
         checkpointed = torch.is_grad_enabled() and (
             s_rows.requires_grad or student_weight.requires_grad
         )
+        chunk_fn = self._chunk
+        if shard is not None:
+            chunk_fn = partial(self._sharded_chunk, shard=shard)
+            s_rows = vp.copy_to_ranks(s_rows, shard)  # each rank's d hidden is a partial sum
         kd_total = torch.zeros((), dtype=out_dtype, device=s_rows.device)
         ce_total = torch.zeros((), dtype=out_dtype, device=s_rows.device)
         with torch.autocast(s_rows.device.type, enabled=False):
@@ -204,10 +232,10 @@ class KDLoss(nn.Module):
                 dtypes = (s_dtype, t_dtype, out_dtype)
                 if checkpointed:
                     kd, ce = checkpoint(
-                        self._chunk, *args, *dtypes, use_reentrant=False, preserve_rng_state=False
+                        chunk_fn, *args, *dtypes, use_reentrant=False, preserve_rng_state=False
                     )
                 else:
-                    kd, ce = self._chunk(*args, *dtypes)
+                    kd, ce = chunk_fn(*args, *dtypes)
                 kd_total = kd_total + kd
                 ce_total = ce_total + ce
         return kd_total, ce_total
@@ -230,6 +258,65 @@ class KDLoss(nn.Module):
         target_logits = s_logits.gather(1, targets[:, None]).squeeze(1)
         ce = (torch.logsumexp(s_logits, dim=-1) - target_logits).sum()
         return kd, ce
+
+    def _sharded_chunk(
+        self,
+        s_rows: torch.Tensor,
+        s_weight: torch.Tensor,
+        t_rows: torch.Tensor,
+        t_weight: torch.Tensor,
+        targets: torch.Tensor,
+        s_dtype: torch.dtype,
+        t_dtype: torch.dtype,
+        out_dtype: torch.dtype,
+        shard: vp.VocabShard,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_chunk` on this rank's vocabulary rows (loss parallel): the log-sum-exps
+        (softened student and teacher, student at temperature 1) and the target logit are
+        combined over the ranks, the divergence is summed over the local rows, then over the
+        ranks."""
+        s_logits = (s_rows.to(s_dtype) @ s_weight.to(s_dtype).t()).to(out_dtype)
+        t_logits = (t_rows.to(t_dtype) @ t_weight.to(t_dtype).t()).to(out_dtype)
+        soft = [s_logits / self.temperature, t_logits / self.temperature]
+        plain = [s_logits] if self.temperature != 1 else []  # the CE's log-sum-exp
+        lses, (target_logits,) = vp.logsumexp_over_ranks(
+            soft + plain, shard, [shard.target_logits(s_logits, targets)]
+        )
+        log_s = soft[0] - vp.copy_to_ranks(lses[0], shard)[:, None]  # used rank-locally
+        log_t = soft[1] - lses[1][:, None]
+        local = _divergence_sum(log_s, log_t, self.kind, self.js_beta)
+        kd = vp.sum_over_ranks(local, shard).sum() * self.temperature**2
+        ce = (lses[-1 if plain else 0] - target_logits).sum()
+        return kd, ce
+
+
+def _local_heads(
+    student_weight: torch.Tensor, teacher_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, vp.VocabShard | None]:
+    """Both heads as plain tensors and the student's vocabulary shard (loss parallel), see
+    :func:`~tunesmith.modules.losses.vocab_parallel.local_head`. A whole teacher head beside a
+    sharded student is cut to the student's rows; a sharded teacher needs a student sharded
+    the same way."""
+    student_weight, shard = vp.local_head(student_weight)
+    teacher_weight, teacher_shard = vp.local_head(teacher_weight)
+    if shard is None and teacher_shard is None:
+        return student_weight, teacher_weight, None
+    if shard is None or (
+        teacher_shard is not None
+        and (teacher_shard.offset, teacher_shard.size) != (shard.offset, shard.size)
+    ):
+        raise ValueError(
+            f"KDLoss: the teacher's lm_head weight is sharded over the vocabulary "
+            f"({_rows(teacher_shard)} here) but the student's is not sharded the same way "
+            f"({_rows(shard)}): shard both heads on the same tensor-parallel mesh"
+        )
+    if teacher_shard is None:
+        teacher_weight = teacher_weight[shard.offset : shard.offset + shard.size]
+    return student_weight, teacher_weight, shard
+
+
+def _rows(shard: vp.VocabShard | None) -> str:
+    return "whole" if shard is None else f"rows [{shard.offset}, {shard.offset + shard.size})"
 
 
 def _check_shapes(

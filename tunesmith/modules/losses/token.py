@@ -16,12 +16,15 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+
+from tunesmith.modules.losses import vocab_parallel as vp
 
 __all__ = [
     "IGNORE_INDEX",
@@ -99,6 +102,26 @@ def _softmax_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor) -> torc
     lse = best - logits.amax(dim=1).log()
     logits.scatter_add_(1, targets[:, None], torch.full_like(target_logits[:, None], -1.0))
     return (lse - target_logits).sum()
+
+
+def _sharded_softmax_cross_entropy_(
+    logits: torch.Tensor, targets: torch.Tensor, shard: vp.VocabShard
+) -> torch.Tensor:
+    """:func:`_softmax_cross_entropy_` on this rank's vocabulary rows (loss parallel):
+    ``logits`` ``[rows, shard.size]``, ``targets`` global token ids. The global max comes
+    from an all-reduce ``MAX``, the sum of ``exp(logit - max)`` and the target logit from one
+    all-reduce ``SUM`` (a target on another rank adds 0). Returns the summed CE (the same on
+    every rank); ``logits`` becomes this rank's columns of ``softmax - one_hot``."""
+    best = vp.max_over_ranks(logits.amax(dim=1), shard)
+    index, inside = shard.local_targets(targets)
+    target_logits = torch.where(inside, logits.gather(1, index[:, None]).squeeze(1), 0.0)
+    logits.sub_(best[:, None]).exp_()
+    sum_exp, target_logits = vp.sum_over_ranks(
+        torch.stack([logits.sum(dim=1), target_logits]), shard
+    )
+    logits.div_(sum_exp[:, None])
+    logits.scatter_add_(1, index[:, None], -inside[:, None].to(logits.dtype))
+    return (best + sum_exp.log() - target_logits).sum()
 
 
 def _add_chunk_grads(
@@ -240,6 +263,18 @@ class LinearCrossEntropyLoss(nn.Module):
     parallelism stay exact). ``weight`` is the ``lm_head`` weight ``[vocab, hidden]``, which
     may be the tied embedding matrix: its gradient flows to whichever parameter it is.
 
+    Loss parallel: when ``weight`` is a ``DTensor`` sharded over the vocabulary (``Shard(0)``
+    on a 1-D mesh, as tensor parallel leaves ``lm_head``; uneven shards allowed), each rank
+    projects every chunk on its own vocabulary rows only and combines the max, the sum of
+    exponentials and the target logit over the ranks (two small all-reduces per chunk; see
+    :mod:`~tunesmith.modules.losses.vocab_parallel`), so neither the full logits nor a
+    gathered weight exist. ``hidden`` (a plain tensor, or a ``Replicate()`` ``DTensor``) and
+    ``labels`` are the same on every rank. The loss is then the same on every rank and equals
+    the unsharded one; the weight gets its shard's gradient (a ``Shard(0)`` gradient) and
+    ``hidden`` the full gradient on every rank (its partial sums are all-reduced in
+    backward). ``compile`` only applies to unsharded weights. Any other ``DTensor`` weight
+    (replicated, sharded on the hidden dimension) is gathered whole first.
+
     Recipes tell the two interfaces apart by the class attribute ``needs_hidden_states``:
     ``True`` here (call ``loss(hidden, weight, labels)``), absent/``False`` on losses that
     take logits (``loss(logits, labels)``).
@@ -334,15 +369,18 @@ class LinearCrossEntropyLoss(nn.Module):
             raise ValueError(
                 f"weight must be [vocab, hidden={hidden.shape[-1]}], got {list(weight.shape)}"
             )
+        vocab = weight.shape[0]
+        weight, shard = vp.local_head(weight)  # a vocabulary shard: loss parallel
+        hidden = vp.local_hidden(hidden)
         flat_labels = labels.reshape(-1)
         keep = (flat_labels != self.ignore_index).nonzero().squeeze(1)
         rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
         targets = flat_labels.index_select(0, keep)
         if rows.shape[0] == 0:  # nothing trained: a zero that still reaches both inputs
             return (rows.sum() + weight.sum() * 0).to(_accumulation_dtype(rows.dtype))
-        if ((targets < 0) | (targets >= weight.shape[0])).any():
+        if ((targets < 0) | (targets >= vocab)).any():
             raise ValueError(
-                f"labels must be in [0, {weight.shape[0]}) or {self.ignore_index}, got values "
+                f"labels must be in [0, {vocab}) or {self.ignore_index}, got values "
                 f"in [{int(targets.min())}, {int(targets.max())}]"
             )
         # One compute dtype for both operands: autocast's (as the lm_head matmul would run
@@ -353,14 +391,20 @@ class LinearCrossEntropyLoss(nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
         else:
             dtype = torch.promote_types(rows.dtype, weight.dtype)
-        chunk = self.rows_per_chunk(rows.shape[0], weight.numel() * weight.element_size())
+        weight_bytes = weight.numel() * weight.element_size()
+        ce_fn = self._ce_fn
+        if shard is not None:  # the largest shard's size: every rank picks the same chunks
+            weight_bytes = shard.max_size * weight.shape[1] * weight.element_size()
+            ce_fn = partial(_sharded_softmax_cross_entropy_, shard=shard)
+            rows = vp.copy_to_ranks(rows, shard)  # each rank's d hidden is a partial sum
+        chunk = self.rows_per_chunk(rows.shape[0], weight_bytes)
         rows, weight = rows.to(dtype), weight.to(dtype)
         with torch.autocast(device_type, enabled=False):
             if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
                 return _LinearCrossEntropy.apply(
-                    rows, weight, targets, chunk, self._ce_fn, self.grad_in_forward
+                    rows, weight, targets, chunk, ce_fn, self.grad_in_forward
                 )
-            return _chunked_cross_entropy(rows, weight, targets, chunk, self._ce_fn)[0]
+            return _chunked_cross_entropy(rows, weight, targets, chunk, ce_fn)[0]
 
 
 # -- per-token log-probabilities -------------------------------------------------------------
@@ -377,6 +421,22 @@ def _chunk_token_logprobs(
     logits = (hidden.to(dtype) @ weight.to(dtype).t()).to(_accumulation_dtype(dtype))
     target_logits = logits.gather(1, targets[:, None]).squeeze(1)
     return target_logits - torch.logsumexp(logits, dim=-1)
+
+
+def _sharded_chunk_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    dtype: torch.dtype,
+    shard: vp.VocabShard,
+) -> torch.Tensor:
+    """:func:`_chunk_token_logprobs` on this rank's vocabulary rows (loss parallel): the
+    log-sum-exp and the target logit are combined over the ranks."""
+    logits = (hidden.to(dtype) @ weight.to(dtype).t()).to(_accumulation_dtype(dtype))
+    (lse,), (target_logits,) = vp.logsumexp_over_ranks(
+        [logits], shard, [shard.target_logits(logits, targets)]
+    )
+    return target_logits - lse
 
 
 def _head_dtype(
@@ -426,6 +486,12 @@ def token_logprobs(
     promoted dtype of ``hidden`` and ``weight``; log-softmax is float32 at least. Under
     ``torch.no_grad`` (a reference model) no checkpointing is done.
 
+    A ``weight`` sharded over the vocabulary (a ``Shard(0)`` ``DTensor`` on a 1-D mesh: tensor
+    parallel's ``lm_head``) is used shard by shard as in :class:`LinearCrossEntropyLoss`
+    (loss parallel): each chunk's log-sum-exp and target logits are combined over the ranks,
+    the result is the same on every rank, the weight gets its shard's gradient and ``hidden``
+    (the same on every rank) its full gradient.
+
     Example::
 
         >>> hidden, weight = torch.randn(2, 5, 8), torch.randn(11, 8)
@@ -436,6 +502,9 @@ def token_logprobs(
         >>> torch.allclose(logps, full * (labels != -100), atol=1e-6)
         True
     """
+    vocab = weight.shape[0]
+    weight, shard = vp.local_head(weight)  # a vocabulary shard: loss parallel
+    hidden = vp.local_hidden(hidden)
     dtype = _head_dtype("token_logprobs", hidden, weight, labels, "labels", chunk_size)
     device_type, out_dtype = hidden.device.type, _accumulation_dtype(dtype)
 
@@ -446,12 +515,17 @@ def token_logprobs(
     if rows.shape[0] == 0:  # nothing trained: zeros that still reach both inputs
         anchor = (hidden.sum() + weight.sum()).to(out_dtype) * 0
         return torch.zeros(labels.shape, dtype=out_dtype, device=hidden.device) + anchor
-    if ((targets < 0) | (targets >= weight.shape[0])).any():
+    if ((targets < 0) | (targets >= vocab)).any():
         raise ValueError(
-            f"token_logprobs: labels must be in [0, {weight.shape[0]}) or {ignore_index}, got "
+            f"token_logprobs: labels must be in [0, {vocab}) or {ignore_index}, got "
             f"values in [{int(targets.min())}, {int(targets.max())}]"
         )
     from torch.utils.checkpoint import checkpoint
+
+    chunk_fn: Callable[..., torch.Tensor] = _chunk_token_logprobs
+    if shard is not None:
+        chunk_fn = partial(_sharded_chunk_token_logprobs, shard=shard)
+        rows = vp.copy_to_ranks(rows, shard)  # each rank's d hidden is a partial sum
 
     checkpointed = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
     pieces = []
@@ -461,7 +535,7 @@ def token_logprobs(
             if checkpointed:
                 pieces.append(
                     checkpoint(
-                        _chunk_token_logprobs,
+                        chunk_fn,
                         *chunk,
                         dtype,
                         use_reentrant=False,
@@ -469,7 +543,7 @@ def token_logprobs(
                     )
                 )
             else:
-                pieces.append(_chunk_token_logprobs(*chunk, dtype))
+                pieces.append(chunk_fn(*chunk, dtype))
     flat = torch.zeros(flat_labels.shape[0], dtype=out_dtype, device=hidden.device)
     return flat.index_copy(0, keep, torch.cat(pieces)).reshape(labels.shape)
 
@@ -495,6 +569,11 @@ def token_entropy(
     (autocast's, else the promoted dtype of ``hidden`` and ``weight``); the softmax is float32
     at least: ``H = -sum(p · log p)`` with ``log p = log_softmax(z)``.
 
+    A ``weight`` sharded over the vocabulary (a ``Shard(0)`` ``DTensor`` on a 1-D mesh: tensor
+    parallel's ``lm_head``) is used shard by shard (loss parallel): with the global max ``m``,
+    ``S = Σ exp(z - m)`` and ``E = Σ exp(z - m)·(z - m)`` summed over the ranks,
+    ``H = log S - E / S``, the same on every rank.
+
     Example::
 
         >>> hidden, weight = torch.randn(2, 5, 8), torch.randn(11, 8)
@@ -505,6 +584,8 @@ def token_entropy(
         >>> torch.allclose(entropy, full, atol=1e-5)
         True
     """
+    weight, shard = vp.local_head(weight)  # a vocabulary shard: loss parallel
+    hidden = vp.local_hidden(hidden)
     dtype = _head_dtype("token_entropy", hidden, weight, mask, "mask", chunk_size)
     device_type, out_dtype = hidden.device.type, _accumulation_dtype(dtype)
     keep = mask.reshape(-1).bool().nonzero().squeeze(1)
@@ -515,9 +596,25 @@ def token_entropy(
         for start in range(0, rows.shape[0], chunk_size):
             chunk = rows[start : start + chunk_size].to(dtype)
             logits = (chunk @ weight.to(dtype).t()).to(out_dtype)
+            if shard is not None:
+                pieces.append(_sharded_entropy(logits, shard))
+                continue
             log_p = torch.log_softmax(logits, dim=-1)
             pieces.append(-(log_p.exp() * log_p).sum(-1))
             del logits, log_p
     if pieces:
         flat.index_copy_(0, keep, torch.cat(pieces))
     return flat.reshape(mask.shape)
+
+
+def _sharded_entropy(logits: torch.Tensor, shard: vp.VocabShard) -> torch.Tensor:
+    """Entropy of each row of the softmax over the whole vocabulary, from this rank's
+    columns ``logits`` ``[rows, shard.size]`` (loss parallel): with ``m`` the global max,
+    ``S = Σ exp(z - m)`` and ``E = Σ exp(z - m)·(z - m)`` (both summed over the ranks),
+    ``H = log S - E / S``."""
+    shifted = logits - vp.max_over_ranks(logits.amax(dim=-1), shard)[:, None]
+    weights = shifted.exp()
+    sum_exp, weighted = vp.sum_over_ranks(
+        torch.stack([weights.sum(-1), (weights * shifted).sum(-1)]), shard
+    )
+    return sum_exp.log() - weighted / sum_exp
