@@ -10,6 +10,13 @@ A row ends at its own ``max_new_tokens`` (``"length"``), at a stop token or at a
 (``"stop"``). Under data parallelism with a sharded model (FSDP2: every forward is a
 collective) pass ``sync_ranks=True``: every rank then runs the same number of decode steps.
 
+A tensor-parallel model (its parameters DTensors on a mesh with a ``tp`` dimension, as
+:func:`~tunesmith.training.parallelize.parallelize` makes; or pass ``tp_group``) decodes one
+batch on all the ranks of its ``tp`` group: they must pass the same prompts and settings
+(checked once, one all-reduce), and each step every rank takes the tokens and log-probs
+sampled on the group's first rank (one broadcast of ``[2, b]`` numbers), so the group's ranks
+hold the same tokens whatever their random generators, and stop at the same step.
+
 Generation runs under ``torch.no_grad()``, not ``inference_mode()``: FSDP2 all-gathers into
 parameter buffers it keeps for later forwards, and inference tensors there would break the
 training step that follows. A sharded model is resharded before :func:`generate` returns.
@@ -27,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -223,6 +231,53 @@ class _StopStrings:
         return self._found(completion[-self.window :]) and self._found(completion)
 
 
+def _find_tp_group(model: nn.Module) -> ProcessGroup | None:
+    """The ``tp`` group of a model whose parameters are DTensors on a mesh with a ``tp``
+    dimension (tensor parallel, with or without FSDP2 on top); None for any other model."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed.tensor import DTensor
+
+    for param in model.parameters():
+        if isinstance(param, DTensor) and "tp" in (param.device_mesh.mesh_dim_names or ()):
+            return param.device_mesh.get_group("tp")
+    return None
+
+
+class _SharedTokens:
+    """Keeps the ranks of a tensor-parallel group on one batch: they decode the same rows, so
+    each step they take the tokens (and log-probs) sampled on the group's first rank. Inactive
+    (every call local) without a group of more than one rank."""
+
+    def __init__(self, group: ProcessGroup | None, device: torch.device) -> None:
+        self.active = group is not None and dist.get_world_size(group) > 1
+        self.group, self.device = group, device
+
+    def check_same(self, what: object) -> None:
+        """Raise on every rank unless ``what`` (prompts, limits, settings) is equal on every
+        rank of the group (one all-reduce of a hash and its negation)."""
+        if not self.active:
+            return
+        h = int.from_bytes(hashlib.blake2b(repr(what).encode(), digest_size=7).digest(), "big")
+        both = torch.tensor([h, -h], dtype=torch.long, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        if int(both[0]) != -int(both[1]):
+            raise ValueError(
+                "generate on a tensor-parallel model: the ranks of a tp group decode one batch "
+                "together and must pass the same prompts, max_new_tokens, row_keys, stop "
+                f"tokens/strings and sampling settings, but rank {dist.get_rank()}'s differ "
+                "from another tp rank's (split prompts over ctx.dp_rank, not the global rank)"
+            )
+
+    def __call__(self, tokens: Tensor, logprobs: Tensor) -> tuple[Tensor, Tensor]:
+        """The group's first rank's ``tokens`` and ``logprobs`` (``[b]`` each)."""
+        if not self.active:
+            return tokens, logprobs
+        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        dist.broadcast(both, group=self.group, group_src=0)
+        return both[0].to(tokens.dtype), both[1].to(logprobs.dtype)
+
+
 class _RankSync:
     """Makes the ranks of ``group`` agree on the number of decode steps (FSDP2: every forward
     is a collective, so a rank that stops early would leave the others waiting forever).
@@ -287,6 +342,7 @@ def generate(
     processors: Sequence[LogitsProcessor] = (),
     sync_ranks: bool = False,
     sync_group: ProcessGroup | None = None,
+    tp_group: ProcessGroup | None = None,
 ) -> GenerationOutput:
     """Decode up to ``max_new_tokens`` tokens for every prompt, batched.
 
@@ -318,6 +374,11 @@ def generate(
             which sizes every rank's loop) and one per step when rows can stop early.
         sync_group: the process group to agree over; ``None`` is the default group (every
             rank). Giving a group turns ``sync_ranks`` on.
+        tp_group: the tensor-parallel group of a TP-sharded model, whose ranks decode one
+            batch (same prompts and settings on each; every step they take the first rank's
+            tokens). ``None`` finds it from the model: the ``tp`` dimension of its DTensor
+            parameters' mesh (what ``parallelize`` builds); give it for a mesh of other names.
+            Under data parallelism too (FSDP2 on top), ``sync_ranks`` is still needed.
 
     The model's train/eval mode is left as it is (call ``model.eval()`` if it has dropout).
     Runs under ``torch.no_grad()`` (see the module docs), so the model can be trained right
@@ -334,13 +395,18 @@ def generate(
     keys = None if row_keys is None else torch.as_tensor(row_keys, dtype=torch.int64).flatten()
     if keys is not None and keys.numel() != len(rows):
         raise ValueError(f"row_keys has {keys.numel()} keys for {len(rows)} prompts")
+    _check_vocab([r for r in rows if r], model)
+    device = _model_device(model)
+    stop_ids = sorted(set(map(int, stop_token_ids)))
+    shared = _SharedTokens(tp_group if tp_group is not None else _find_tp_group(model), device)
+    shared.check_same(
+        (rows, limits, None if keys is None else keys.tolist(), stop_ids, tuple(stop_strings),
+         temperature, top_k, top_p, min_p, pad_id, use_cache)
+    )  # fmt: skip
     if not rows:  # a rank with nothing to do still joins every step: one masked dummy row
         rows, limits = [[pad_id]], [0]
         keys = None if keys is None else torch.zeros(1, dtype=torch.int64)
-    _check_vocab([r for r in rows if r], model)
-    device = _model_device(model)
     sync = _RankSync(sync_wanted, sync_group, device)
-    stop_ids = sorted(set(map(int, stop_token_ids)))
     # The loop runs ``steps`` times at most on every rank; it can end earlier only if a row
     # can stop before its limit (a stop token or string on some rank).
     steps, can_stop = sync.max(max(limits), int(bool(stop_ids) or bool(stop_strings_check)))
@@ -399,11 +465,12 @@ def generate(
             keys=keys,
             step=step,
         )
+        sampled, sampled_logprobs = shared(out.tokens, out.logprobs)  # tp: the first rank's
         running = ~finished
-        new = torch.where(running, out.tokens, torch.full_like(out.tokens, pad_id))
+        new = torch.where(running, sampled, torch.full_like(sampled, pad_id))
         cur = prompt_len + step
         tokens[:, cur] = new
-        logprobs[:, step] = out.logprobs
+        logprobs[:, step] = sampled_logprobs
         lengths += running.long()
         if stop.numel():
             stopped |= running & torch.isin(new, stop)
