@@ -96,6 +96,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                               ("--nnodes", args.nnodes, "nodes")):  # fmt: skip
         if value < 1:
             raise CLIError(f"{flag} {value}: expected a number of {what} >= 1")
+    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
+        raise CLIError(f"--node-rank {args.node_rank}: expected a node rank >= 0 and < "
+                       f"--nnodes {args.nnodes}")  # fmt: skip
     from tunesmith.recipes import prepare_run, run
 
     if args.preflight:  # the recipe's `preflight` key: one step on the longest batch first
@@ -190,13 +193,28 @@ def _signal_ranks(launcher: subprocess.Popen, signum: int) -> None:
 
 
 def _torchrun_args(args: argparse.Namespace) -> list[str]:
+    """torchrun's arguments: one node standalone; several through the rendezvous at
+    ``--rdzv-endpoint``: c10d (node ranks in the order the nodes join), or with ``--node-rank``
+    torchrun's static rendezvous (node R runs global ranks ``R * nproc .. R * nproc + nproc -
+    1``; node 0 hosts it, so the endpoint must be node 0's address), the only one that reads
+    a node rank (c10d would ignore it).
+
+    Example::
+
+        >>> out = _torchrun_args(build_parser().parse_args(["run", "sft", "--config", "tiny",
+        ...     "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "head:29500"]))
+        >>> out[4:6], out[-2:]
+        (['--rdzv-backend', 'static'], ['--node-rank', '1'])
+    """
     out = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes)]
     if args.nnodes == 1 and args.rdzv_endpoint is None:
         return [*out, "--standalone"]
     if args.rdzv_endpoint is None:
         raise CLIError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
-    return [*out, "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
+    backend = "c10d" if args.node_rank is None else "static"
+    out += ["--rdzv-backend", backend, "--rdzv-endpoint", args.rdzv_endpoint,
             "--rdzv-id", args.rdzv_id]  # fmt: skip
+    return out if args.node_rank is None else [*out, "--node-rank", str(args.node_rank)]
 
 
 def cmd_download(args: argparse.Namespace) -> int:
@@ -356,10 +374,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("run", cmd_run)
     p.add_argument("recipe", help="recipe name (see `tunesmith ls`) or path to a .py file")
     p.add_argument("--config", required=True, help="config name or path to a .yaml file")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="processes (ranks) per node")
+    # torchrun's spellings (--nproc_per_node, ...) are accepted too
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                   help="processes (ranks) per node")  # fmt: skip
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes")
-    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous for multi-node runs")
-    p.add_argument("--rdzv-id", default="tunesmith", help="job id shared by all nodes")
+    p.add_argument("--node-rank", "--node_rank", type=int,
+                   help="this node's index, 0 .. nnodes-1 (node 0 hosts the rendezvous; "
+                   "without it nodes are numbered as they join)")  # fmt: skip
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint",
+                   help="HOST:PORT of the rendezvous for multi-node runs")  # fmt: skip
+    p.add_argument("--rdzv-id", "--rdzv_id", default="tunesmith",
+                   help="job id shared by all nodes")  # fmt: skip
     p.add_argument("--preflight", action="store_true",
                    help="run one step on the longest batch first (same as preflight=true)")  # fmt: skip
     _add_config_args(p)
