@@ -192,9 +192,13 @@ CASES: list[BadInput] = [
                         words=["lr_scheduler.num_warmup_steps: 2 -> 1"]),
     ),
     BadInput(
-        "loop-resume-changed-parallelism", "config", "resume with a `parallelism` key added",
+        "loop-resume-changed-parallelism", "config",
+        "resume with a `parallelism` key added and the global batch doubled "
+        "(`gradient_accumulation_steps=2`; the same global batch on another mesh resumes)",
         REFUSED.format("the checkpoint and 'parallelism.dp_shard: (absent) -> 1'"),
-        _resume_changed("parallelism.dp_shard=1", words=["parallelism.dp_shard: (absent) -> 1"]),
+        _resume_changed("parallelism.dp_shard=1", "gradient_accumulation_steps=2",
+                        words=["parallelism.dp_shard: (absent) -> 1",
+                               "gradient_accumulation_steps: 1 -> 2"]),
     ),
     BadInput(
         "loop-resume-true-changed-lr", "config", "`resume=true` with `optimizer.lr` changed",

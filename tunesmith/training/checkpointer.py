@@ -4,8 +4,10 @@ A checkpoint ``<root>/step_000100/`` is a Hugging Face model folder (safetensors
 tokenizer files: ``transformers`` loads it as is) — or, for a LoRA/DoRA model, a PEFT adapter
 folder (``peft.PeftModel.from_pretrained`` loads it onto the base) — plus ``training_state/``: the optimizer
 (torch.distributed.checkpoint, sharded by rank), and one ``rank<N>.pt`` per rank with the LR
-schedule, data-loader position, RNG states and progress counters. The folder appears under
-its final name only once every file is written and fsynced (see :class:`CheckpointDirectory`).
+schedule, data-loader position, RNG states, progress counters and the mesh that wrote it
+(:func:`saved_layout`): a checkpoint resumes on another mesh too (:meth:`Checkpointer.load`).
+The folder appears under its final name only once every file is written and fsynced (see
+:class:`CheckpointDirectory`).
 
 Example::
 
@@ -55,14 +57,101 @@ from tunesmith.training.checkpoint_dir import (
 )
 from tunesmith.training.distributed import DistributedContext, full_tensor
 
-__all__ = ["Checkpointer", "rng_state", "set_rng_state"]
+__all__ = ["Checkpointer", "layout", "rng_state", "saved_layout", "set_rng_state"]
 
 STATE_DIR = "training_state"
+LAYOUT_KEY = "layout"
+"""The entry of each ``rank<N>.pt`` that says which mesh wrote the checkpoint (:func:`layout`)."""
 
 
 class Stateful(Protocol):
+    """What is saved in each ``rank<N>.pt``; may also have ``reshard_state_dict(state,
+    saved_dp_size)`` to resume on another data-parallel size (:meth:`Checkpointer.load`)."""
+
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def layout(ctx: DistributedContext) -> dict[str, Any]:
+    """The mesh a checkpoint is written by, as plain data (saved in every ``rank<N>.pt``): the
+    world size, the data-parallel size, each rank's data-parallel index and the mesh's sizes.
+
+    Example::
+
+        >>> layout(ctx)  # 4 ranks of tp 2 x dp_shard 2  # doctest: +SKIP
+        {'world_size': 4, 'dp_size': 2, 'dp_ranks': [0, 0, 1, 1], 'mesh': {'dp_shard': 2, 'tp': 2}}
+    """
+    dims, names = ctx.dims, getattr(ctx.mesh, "mesh_dim_names", None) or ()
+    return {
+        "world_size": ctx.world_size,
+        "dp_size": ctx.dp_size,
+        "dp_ranks": [r if dims is None else dims.dp_rank(r) for r in range(ctx.world_size)],
+        "mesh": {name: ctx.mesh.size(i) for i, name in enumerate(names)},
+    }
+
+
+def saved_layout(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The :func:`layout` of the run that wrote checkpoint ``path`` (None: a checkpoint from
+    before layouts were saved).
+
+    Example::
+
+        >>> saved_layout("out/checkpoints/step_000002")["mesh"]  # doctest: +SKIP
+        {'dp_shard': 2, 'tp': 2}
+    """
+    file = Path(path) / STATE_DIR / "rank0.pt"
+    found = _read_rank_file(file).get(LAYOUT_KEY)
+    if found is None:
+        return None
+    try:
+        world, dp = int(found["world_size"]), int(found["dp_size"])
+        dp_ranks = [int(r) for r in found["dp_ranks"]]
+        mesh = {str(k): int(v) for k, v in dict(found.get("mesh", {})).items()}
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{file}: '{LAYOUT_KEY}' is not a mesh layout: {found!r}") from err
+    if len(dp_ranks) != world or sorted(set(dp_ranks)) != list(range(dp)):
+        raise CheckpointError(
+            f"{file}: '{LAYOUT_KEY}' gives {world} rank(s) the data-parallel indices {dp_ranks}, "
+            f"not each of 0..{dp - 1}"
+        )
+    return {"world_size": world, "dp_size": dp, "dp_ranks": dp_ranks, "mesh": mesh}
+
+
+def _read_rank_file(file: Path) -> dict[str, Any]:
+    """A ``rank<N>.pt`` (tensors and plain data only); a :class:`CheckpointError` names it."""
+    try:  # weights_only, torch's built-in allow-list: tensors and plain data only
+        state = safe_dcp.load_plain(file)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{file}: refused to load the training state: it holds objects other than "
+            f"tensors and plain data ({safe_dcp.refusal_reason(err)})"
+        ) from err
+    except Exception as err:
+        raise CheckpointError(
+            f"{file}: cannot load the training state (truncated or corrupt?): {_cause(err)}"
+        ) from err
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file}: holds a {type(state).__name__}, not a training state")
+    return state
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Equal nested states: same keys, lengths, types and values; tensors of the same dtype,
+    shape and elements (a NaN anywhere counts as a difference)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))  # fmt: skip
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_state, a, b))
+    return type(a) is type(b) and a == b
+
+
+def _mesh_words(saved: Mapping[str, Any]) -> str:
+    """``4 rank(s) (dp_shard 2 x tp 2)``."""
+    mesh = " x ".join(f"{name} {size}" for name, size in dict(saved.get("mesh", {})).items())
+    return f"{saved['world_size']} rank(s) ({mesh or 'data parallel'})"
 
 
 def rng_state() -> dict[str, Any]:
@@ -422,7 +511,8 @@ class Checkpointer:
                 )  # fmt: skip
             dcp.save({"optimizer": optim_state}, checkpoint_id=tmp / STATE_DIR / "optimizer")
             rank_state = {name: obj.state_dict() for name, obj in stateful.items()}
-            rank_state |= {"rng": rng_state(), "progress": dict(progress)}
+            rank_state |= {"rng": rng_state(), "progress": dict(progress),
+                           LAYOUT_KEY: layout(self.ctx)}  # fmt: skip
             torch.save(rank_state, tmp / STATE_DIR / f"rank{self.ctx.rank}.pt")
             _barrier()
             final = self.directory.commit(tmp) if self.directory else None
@@ -445,12 +535,21 @@ class Checkpointer:
         stateful: Mapping[str, Stateful],
         *,
         verify: bool = True,
+        log: Callable[[str], None] = print,
     ) -> dict[str, Any]:
         """Restore weights, optimizer, ``stateful`` objects and RNG from ``path``; return progress.
 
         With ``verify`` rank 0 first checks every file against the checkpoint's manifest (a
         :class:`CheckpointError` names the first that does not match); :meth:`start` has
         already done so for the checkpoint it returns.
+
+        The checkpoint may come from another mesh (other world, tensor- or data-parallel
+        sizes; rank 0 logs the two): the weights are a full HF folder, dcp reshards the
+        optimizer state, and each rank reads the ``rank<N>.pt`` of the first saved rank with
+        its data-parallel index (modulo the saved data-parallel size). A ``stateful`` object
+        with ``reshard_state_dict(state, saved_dp_size)`` maps that state to this rank (the
+        data position); one without it gets the state as saved, which is refused when the
+        data-parallel size changed and the state differs between the saved ranks.
         """
         path = Path(path)
         if verify:
@@ -460,12 +559,8 @@ class Checkpointer:
                 dist.broadcast_object_list(problem, src=0)
             if problem[0] is not None:
                 raise CheckpointError(problem[0])
-        rank_file = path / STATE_DIR / f"rank{self.ctx.rank}.pt"
-        if not rank_file.is_file():
-            raise FileNotFoundError(
-                f"{rank_file} is missing: {path} is not a training checkpoint of a "
-                f"{self.ctx.world_size}-rank run (resume needs the same number of ranks)"
-            )
+        plan = self._decided_by_rank_zero(lambda: self._mesh_change(path, stateful))
+        rank_state = self._rank_state(path, plan, stateful, log)
         if adapter_modules(model):
             load_peft_adapter(model, path)  # each rank takes its shard of each tensor
         else:
@@ -492,26 +587,92 @@ class Checkpointer:
             )
         optim_state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
         optim_dir = path / STATE_DIR / "optimizer"
-        try:  # no pickle: allow-listed metadata, weights_only entries
+        try:  # no pickle: allow-listed metadata, weights_only entries; any saved mesh
             safe_dcp.load(optim_state, optim_dir)
         except (Exception, CheckpointException) as err:  # dcp's is a BaseException
             raise CheckpointError(
                 f"{optim_dir}: cannot load the optimizer state: {_cause(err)}"
             ) from err
         set_optimizer_state_dict(model, optimizer, optim_state["optimizer"])
-        try:  # weights_only, torch's built-in allow-list: tensors and plain data only
-            rank_state = safe_dcp.load_plain(rank_file)
-        except pickle.UnpicklingError as err:
-            raise CheckpointError(
-                f"{rank_file}: refused to load the training state: it holds objects other than "
-                f"tensors and plain data ({safe_dcp.refusal_reason(err)})"
-            ) from err
-        except Exception as err:
-            raise CheckpointError(
-                f"{rank_file}: cannot load the training state (truncated or corrupt?): "
-                f"{_cause(err)}"
-            ) from err
         for name, obj in stateful.items():
             obj.load_state_dict(rank_state[name])
         set_rng_state(rank_state["rng"])
         return rank_state["progress"]
+
+    def _mesh_change(self, path: Path, stateful: Mapping[str, Stateful]) -> dict[str, Any] | None:
+        """(Rank 0.) None when ``path`` was written by this very layout (each rank reads its own
+        ``rank<N>.pt``); else the saved :func:`layout` and, when the data-parallel size changed,
+        the ``stateful`` names without ``reshard_state_dict`` whose state differs between the
+        saved ranks."""
+        state_dir = path / STATE_DIR
+        first = state_dir / "rank0.pt"
+        if not first.is_file():
+            raise FileNotFoundError(
+                f"{first} is missing: {path} is not a training checkpoint (of a "
+                f"{self.ctx.world_size}-rank run, or of any other)"
+            )
+        saved, current = saved_layout(path), layout(self.ctx)
+        if saved is None:  # written before checkpoints recorded their mesh
+            count = len(list(state_dir.glob("rank*.pt")))
+            if count == self.ctx.world_size:
+                return None
+            raise FileNotFoundError(
+                f"{path} was written by {count} rank(s) before checkpoints recorded their mesh: "
+                f"resume it on {count} rank(s), not {self.ctx.world_size}"
+            )
+        if saved["world_size"] == current["world_size"] and (
+            list(saved["dp_ranks"]) == current["dp_ranks"]
+        ):
+            return None
+        differing: list[str] = []
+        if saved["dp_size"] != current["dp_size"]:
+            states = [
+                _read_rank_file(state_dir / f"rank{r}.pt") for r in range(saved["world_size"])
+            ]
+            differing = [
+                name for name, obj in stateful.items()
+                if not hasattr(obj, "reshard_state_dict")
+                and not all(_same_state(s.get(name), states[0].get(name)) for s in states[1:])
+            ]  # fmt: skip
+        return {"layout": saved, "differing": differing}
+
+    def _rank_state(
+        self, path: Path, plan: dict[str, Any] | None, stateful: Mapping[str, Stateful],
+        log: Callable[[str], None],
+    ) -> dict[str, Any]:  # fmt: skip
+        """This rank's saved training state, the ``stateful`` entries mapped to this mesh when
+        ``plan`` (:meth:`_mesh_change`) says it is another; read before any weight moves."""
+        if plan is None:
+            rank_file = path / STATE_DIR / f"rank{self.ctx.rank}.pt"
+            if not rank_file.is_file():
+                raise FileNotFoundError(
+                    f"{rank_file} is missing: {path} is not a training checkpoint of a "
+                    f"{self.ctx.world_size}-rank run"
+                )
+            return _read_rank_file(rank_file)
+        saved, here = plan["layout"], layout(self.ctx)
+        saved_dp = int(saved["dp_size"])
+        for name in plan["differing"]:  # the same list on every rank: all refuse together
+            raise CheckpointError(
+                f"{path}: the '{name}' state differs between the saved ranks and "
+                f"{type(stateful[name]).__name__} cannot map it from {saved_dp} to "
+                f"{self.ctx.dp_size} data-parallel ranks (no reshard_state_dict): resume with "
+                f"{saved_dp} data-parallel ranks"
+            )
+        if self.ctx.is_rank_zero:
+            log(f"resuming {path.name}, written by {_mesh_words(saved)}, on {_mesh_words(here)}: "
+                "the optimizer state is resharded, the data position mapped")  # fmt: skip
+        source = list(saved["dp_ranks"]).index(self.ctx.dp_rank % saved_dp)
+        rank_file = path / STATE_DIR / f"rank{source}.pt"
+        state = _read_rank_file(rank_file)
+        for name, obj in stateful.items():
+            reshard = getattr(obj, "reshard_state_dict", None)
+            if reshard is None or name not in state:
+                continue
+            try:
+                state[name] = reshard(state[name], saved_dp)
+            except ValueError as err:
+                raise CheckpointError(
+                    f"{rank_file}: cannot resume the '{name}' state on {_mesh_words(here)}: {err}"
+                ) from err
+        return state

@@ -28,8 +28,13 @@ schedule length and the number of training samples. Before any weight is loaded,
 - ``activation_checkpointing``, ``activation_offloading``, ``compile``: memory and speed only.
 - ``on_nonfinite_loss``: what to do at a non-finite step (a run stopped at one may go on with
   ``skip``).
+- ``parallelism``, ``batch_size``, ``gradient_accumulation_steps`` (:data:`BATCH_KEYS`), and the
+  number of ranks: when the global batch (``batch_size x gradient_accumulation_steps x``
+  data-parallel ranks) stays the same, e.g. 4 ranks of ``tp: 2`` with ``batch_size: 2`` resumed
+  on one process with ``batch_size: 4``: the same samples make each step (the checkpointer
+  maps the data position). A changed global batch is refused with the numbers.
 
-Everything else (``optimizer``, ``lr_scheduler``, ``batch_size``, ``seed``, ``dataset``,
+Everything else (``optimizer``, ``lr_scheduler``, ``seed``, ``shuffle``, ``dataset``,
 ``model_dir``, a recipe's own keys, ...) must stay as it was; a different number of training
 samples (the data file changed in place) is refused too. Allowed changes are logged.
 
@@ -58,6 +63,7 @@ from tunesmith.config.nodes import has_key, read_child
 from tunesmith.modules.dtypes import AUTOCAST
 
 __all__ = [
+    "BATCH_KEYS",
     "LOOP_RULES",
     "MODEL_RULES",
     "RECORD_KEY",
@@ -340,6 +346,10 @@ RESUMABLE_KEYS = frozenset({
 """Top-level keys whose value may differ from the checkpoint's on resume (see the module docs)."""
 
 SCHEDULE_KEYS = ("max_steps", "epochs")
+BATCH_KEYS = ("batch_size", "gradient_accumulation_steps", "parallelism")
+"""Keys that may change on resume as long as the global batch (``batch_size x
+gradient_accumulation_steps x`` data-parallel ranks) stays the same: another mesh, or another
+split of the same batch into micro-batches, trains on the same samples in the same steps."""
 RECORD_KEY = "run_config"
 """The entry of a checkpoint's ``training_state/rank<N>.pt`` that holds the :class:`RunRecord`."""
 _ABSENT = object()
@@ -359,20 +369,25 @@ class RunRecord:
     total_steps: int
     samples: int
     step: int = 0  # the checkpoint's step (set when read back)
+    data_parallel: int | None = None  # data-parallel ranks of the run (None: not recorded)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"config": self.config, "total_steps": self.total_steps, "samples": self.samples}
+        return {"config": self.config, "total_steps": self.total_steps, "samples": self.samples,
+                "data_parallel": self.data_parallel}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.config = dict(state["config"])
         self.total_steps = int(state["total_steps"])
         self.samples = int(state["samples"])
+        dp = state.get("data_parallel")  # absent from checkpoints older than the key
+        self.data_parallel = None if dp is None else int(dp)
 
 
 def read_record(checkpoint: Path, rank: int) -> RunRecord | None | bool:
-    """The :class:`RunRecord` in ``checkpoint`` (this rank's training state), without loading
-    anything else; False when the checkpoint predates run records; None when the file cannot be
-    read (the checkpoint loader then says why).
+    """The :class:`RunRecord` in ``checkpoint`` (this rank's training state, or rank 0's when
+    the checkpoint was written by fewer ranks: the record is the same on every rank), without
+    loading anything else; False when the checkpoint predates run records; None when the file
+    cannot be read (the checkpoint loader then says why).
 
     >>> read_record(Path("out/checkpoints/step_000004"), 0).total_steps  # doctest: +SKIP
     8
@@ -380,6 +395,8 @@ def read_record(checkpoint: Path, rank: int) -> RunRecord | None | bool:
     from tunesmith.training import safe_dcp
 
     file = checkpoint / "training_state" / f"rank{rank}.pt"
+    if not file.is_file():  # saved by fewer ranks (a resume on another mesh)
+        file = file.with_name("rank0.pt")
     try:  # plain tensors and containers only, never arbitrary pickled objects
         state = safe_dcp.load_plain(file, map_location="cpu")
     except Exception:
@@ -484,15 +501,22 @@ def check_resume(
     to resume ``checkpoint`` with a config that differs from ``saved``'s outside
     :data:`RESUMABLE_KEYS`, with another number of training samples, with a schedule shorter
     than the checkpoint's step, or with another length when the LR scheduler cannot be given one
-    (``resizable`` false). Returns the lines to log about the changes that are applied.
+    (``resizable`` false). :data:`BATCH_KEYS` and the number of data-parallel ranks (the
+    records' ``data_parallel``, when both have one) may change if the global batch stays the
+    same. Returns the lines to log about the changes that are applied.
 
     >>> check_resume(path, saved, RunRecord(cfg | {"max_steps": 12}, 12, 32))  # doctest: +SKIP
     ['max_steps 8 -> 12: the LR schedule now ends at step 12', ...]
     """
     changes = config_changes(saved.config, current.config)
+    same_batch = _global_batch(saved) is not None and _global_batch(saved) == _global_batch(current)
     issues = [
-        ConfigIssue(c.path, c.describe()) for c in changes if not _resumable(c, current.config)
-    ]
+        ConfigIssue(c.path, c.describe()) for c in changes
+        if not (_resumable(c, current.config) or (same_batch and _top(c) in BATCH_KEYS))
+    ]  # fmt: skip
+    dp_sizes = (saved.data_parallel, current.data_parallel)
+    if not same_batch and None not in dp_sizes and dp_sizes[0] != dp_sizes[1]:
+        issues.append(_batch_issue(saved, current))
     if saved.samples != current.samples:
         issues.append(ConfigIssue("dataset", f"{saved.samples} training samples -> "
                                              f"{current.samples}: the data changed"))  # fmt: skip
@@ -500,7 +524,8 @@ def check_resume(
         raise ConfigError.from_issues(issues, header=(
             f"resume from {checkpoint}: the config differs from the checkpoint's in keys that "
             "cannot change on resume (start a new run in another output_dir, or set them back; "
-            f"may change: {', '.join(sorted(RESUMABLE_KEYS))}):"
+            f"may change: {', '.join(sorted(RESUMABLE_KEYS))}; and {', '.join(BATCH_KEYS)} "
+            "with the same global batch):"
         ))  # fmt: skip
     notes = [f"resume: {c.path} {c.describe()}" for c in changes
              if c.path.split(".", 1)[0] not in (*SCHEDULE_KEYS, "resume")]  # fmt: skip
@@ -516,6 +541,41 @@ def check_resume(
     notes.append(f"{key.path} {key.describe()}: the LR schedule now ends at step "
                  f"{current.total_steps} (was {saved.total_steps})")  # fmt: skip
     return notes
+
+
+def _top(change: Change) -> str:
+    return change.path.split(".", 1)[0]
+
+
+def _global_batch(record: RunRecord) -> int | None:
+    """``batch_size x gradient_accumulation_steps x`` data-parallel ranks of ``record`` (None:
+    not known: no data-parallel size recorded, or no integer ``batch_size``)."""
+    batch = record.config.get("batch_size")
+    accum = record.config.get("gradient_accumulation_steps")
+    accum = 1 if accum is None else accum
+    if record.data_parallel is None or not (_is_int(batch) and _is_int(accum)):
+        return None
+    return batch * accum * record.data_parallel
+
+
+def _batch_issue(saved: RunRecord, current: RunRecord) -> ConfigIssue:
+    """The global batch changed with the number of data-parallel ranks: the numbers, and the
+    ``batch_size`` that would keep it when one does."""
+
+    def product(record: RunRecord) -> str:
+        accum = record.config.get("gradient_accumulation_steps") or 1
+        return (f"{record.config.get('batch_size')} x {accum} x {record.data_parallel} = "
+                f"{_global_batch(record)}")  # fmt: skip
+
+    message = (
+        f"{saved.data_parallel} -> {current.data_parallel} ranks changes the global batch "
+        f"(batch_size x gradient_accumulation_steps x data-parallel ranks) from {product(saved)} "
+        f"to {product(current)}"
+    )
+    old, accum = _global_batch(saved), current.config.get("gradient_accumulation_steps") or 1
+    if old is not None and _is_int(accum) and old % (accum * current.data_parallel) == 0:
+        message += f": keep it {old} with batch_size={old // (accum * current.data_parallel)}"
+    return ConfigIssue("data_parallel", message)
 
 
 def _check_length(

@@ -36,8 +36,10 @@ class BatchSource(Protocol):
     """What a :class:`~tunesmith.training.trainer.Trainer` is fed from.
 
     Optional: ``steps_per_epoch`` (the run's length is then ``epochs`` of them unless
-    ``max_steps`` says), ``samples`` (checked on resume: the data did not change) and
-    ``collate`` (what :meth:`Trainer.evaluate` batches a validation set with).
+    ``max_steps`` says), ``samples`` (checked on resume: the data did not change),
+    ``collate`` (what :meth:`Trainer.evaluate` batches a validation set with) and
+    ``reshard_state_dict`` (a state saved on another data-parallel size as this rank's; see
+    :meth:`DatasetSource.reshard_state_dict`).
     """
 
     epoch: int
@@ -147,6 +149,44 @@ class DatasetSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
+
+    def reshard_state_dict(self, state: dict[str, Any], saved_dp_size: int) -> dict[str, Any]:
+        """``state``, saved by a rank of a run with ``saved_dp_size`` data-parallel ranks, as
+        this rank's (another mesh, or another ``batch_size`` for the same global batch).
+
+        The position is the samples each rank took from the epoch's order: ``n`` on each of
+        ``saved_dp_size`` ranks are ``n x saved_dp_size`` of the global order (the first global
+        steps, whatever the split), so each of this run's ranks has taken that many over its
+        own ``dp_size``. Raises ValueError when that is not a whole number of this run's steps.
+
+        Example::
+
+            >>> source.reshard_state_dict(saved, saved_dp_size=2)  # doctest: +SKIP
+        """
+        position = state.get("_sampler_iter_state")
+        if position is None:  # nothing read yet in this epoch
+            return state
+        extra = {k: state.get(k) for k in ("_index_sampler_state", "fetcher_state",
+                                           "dataset_state")}  # fmt: skip
+        if set(position) != {"samples_yielded"} or any(v is not None for v in extra.values()):
+            raise ValueError(
+                f"the data loader state holds more than a sample count ({sorted(position)}, "
+                f"{[k for k, v in extra.items() if v is not None]}): it cannot be mapped from "
+                f"{saved_dp_size} to {self.sampler.num_replicas} data-parallel ranks"
+            )
+        taken = int(position["samples_yielded"]) * int(saved_dp_size)  # of the global order
+        dp, batch = self.sampler.num_replicas, int(self.loader.batch_size)
+        step = dp * batch * self.accum
+        if taken % step:
+            raise ValueError(
+                f"the checkpoint is {taken} samples into its epoch ({saved_dp_size} "
+                f"data-parallel rank(s)), not a whole number of this run's steps of {step} "
+                f"samples (batch_size {batch} x gradient_accumulation_steps {self.accum} x "
+                f"{dp} data-parallel rank(s)): resume with the checkpoint's global batch"
+            )
+        batches = taken // dp // batch
+        return {**state, "_sampler_iter_state": {"samples_yielded": taken // dp},
+                "_sampler_iter_yielded": batches, "_num_yielded": batches}  # fmt: skip
 
     def _micro_batches(self) -> Iterator[Batch]:
         """Endless stream of micro-batches; ``epoch`` advances at each epoch end."""

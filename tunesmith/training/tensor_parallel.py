@@ -20,6 +20,8 @@ The plan is written against Hugging Face parameter names, so it serves every fam
   forward and cut back after it (padding is never attended by a real position). Forwards with
   a KV cache (generation: one new token per step) run with a replicated stream. Without SP
   the stream is replicated and the row-wise outputs are all-reduced;
+* LoRA/DoRA layers (``apply_lora`` runs before this) keep their adapters sharded like their
+  base layer (:mod:`~tunesmith.training.tp_adapters`); NF4 (QLoRA) bases are refused;
 * MoE layers keep their router and experts replicated (every rank routes every token; expert
   parallel comes with issue #16);
 * the body's output (after the final norm) is a plain tensor, the same on every ``tp`` rank,
@@ -46,6 +48,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from tunesmith.modules.attention import Attention
 from tunesmith.modules.moe import MoE
+from tunesmith.modules.peft.lora import LoRALinear
 from tunesmith.modules.peft.nf4 import is_nf4
 
 __all__ = ["apply_tensor_parallel", "check_tp_shardable"]
@@ -156,6 +159,25 @@ class _RowwiseToStream(RowwiseParallel):
         )  # fmt: skip
 
 
+def _colwise(linear: nn.Module, **kwargs: Any) -> ParallelStyle:
+    """``ColwiseParallel(**kwargs)``, for a LoRA/DoRA layer its adapter form (the adapters
+    follow the base's sharding: :mod:`~tunesmith.training.tp_adapters`)."""
+    from tunesmith.training.tp_adapters import AdapterColwise  # it builds on this module
+
+    return AdapterColwise(**kwargs) if isinstance(linear, LoRALinear) else ColwiseParallel(**kwargs)
+
+
+def _rowwise(linear: nn.Module, stream: _Stream) -> ParallelStyle:
+    """``_RowwiseToStream(stream)``, for a LoRA/DoRA layer its adapter form."""
+    from tunesmith.training.tp_adapters import AdapterRowwiseToStream
+
+    return (
+        AdapterRowwiseToStream(stream)
+        if isinstance(linear, LoRALinear)
+        else _RowwiseToStream(stream)
+    )
+
+
 def apply_tensor_parallel(
     model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = True
 ) -> nn.Module:
@@ -174,10 +196,10 @@ def apply_tensor_parallel(
             raise TypeError(f"tensor parallel needs tunesmith's Attention, got {type(attn)}")
         plan: dict[str, ParallelStyle] = {
             "self_attn": _Gathered(stream),
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": _RowwiseToStream(stream),
+            "self_attn.q_proj": _colwise(attn.q_proj),
+            "self_attn.k_proj": _colwise(attn.k_proj),
+            "self_attn.v_proj": _colwise(attn.v_proj),
+            "self_attn.o_proj": _rowwise(attn.o_proj, stream),
             "input_layernorm": _StreamNorm(stream),
             "post_attention_layernorm": _StreamNorm(stream),
         }
@@ -187,9 +209,9 @@ def apply_tensor_parallel(
             plan["mlp"] = _Gathered(stream, local=True)
         else:
             plan["mlp"] = _Gathered(stream)
-            plan["mlp.gate_proj"] = ColwiseParallel()
-            plan["mlp.up_proj"] = ColwiseParallel()
-            plan["mlp.down_proj"] = _RowwiseToStream(stream)
+            plan["mlp.gate_proj"] = _colwise(layer.mlp.gate_proj)
+            plan["mlp.up_proj"] = _colwise(layer.mlp.up_proj)
+            plan["mlp.down_proj"] = _rowwise(layer.mlp.down_proj, stream)
         parallelize_module(layer, mesh, plan)
         attn.num_heads //= tp
         attn.num_kv_heads //= tp
@@ -254,7 +276,7 @@ def _cut_padding(body: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
 def _shard_head(model: nn.Module, head: nn.Module, mesh: DeviceMesh) -> None:
     """``lm_head`` column-wise over the vocabulary, its logits gathered when called; a tied
     head takes the embedding's (already sharded) parameter."""
-    style = ColwiseParallel(output_layouts=Replicate())
+    style = _colwise(head, output_layouts=Replicate())
     if getattr(model, "tie_word_embeddings", False):
         head.weight = model.model.embed_tokens.weight
         style._partition_linear_fn = lambda *args: None  # the parameter is already sharded

@@ -126,7 +126,8 @@ class Trainer:
                                      num_training_steps=schedule_steps or self.total_steps)  # fmt: skip
         self._schedule = schedule_params(self.scheduler)  # this run's: wins over a checkpoint's
         self.record = RunRecord(plain_config(cfg), self.total_steps,
-                                int(getattr(source, "samples", 0)))  # fmt: skip
+                                int(getattr(source, "samples", 0)),
+                                data_parallel=ctx.dp_size)  # fmt: skip
         self.autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
         self.offload = bool(cfg.get("activation_offloading", False))
         self.checkpointer = Checkpointer(

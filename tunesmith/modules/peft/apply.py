@@ -308,7 +308,8 @@ def merge_adapters(model: nn.Module) -> nn.Module:
 
     In place; returns ``model``, whose state dict is then a plain (Hugging Face) one. NF4
     bases are dequantised; the merged weight has the base's (original) dtype and the update
-    is computed in float32. Merged weights do not require grad.
+    is computed in float32. Merged weights do not require grad. A tensor-parallel model stays
+    one: the merged weight keeps the base's sharding and the layer its input/output hooks.
     """
     for name, module in adapter_modules(model).items():
         if not name:
@@ -320,6 +321,23 @@ def merge_adapters(model: nn.Module) -> nn.Module:
         linear.weight = nn.Parameter(weight, requires_grad=False)
         if module.bias is not None:
             linear.bias = module.bias
+        _take_forward_hooks(linear, module)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, linear)
     return model
+
+
+_FORWARD_HOOK_TABLES = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _take_forward_hooks(linear: nn.Linear, layer: LoRALinear) -> None:
+    """Give ``linear`` the forward hooks of the adapter ``layer`` it replaces (those a parallel
+    plan put there: tensor parallel's input and output layouts)."""
+    for table in _FORWARD_HOOK_TABLES:
+        getattr(linear, table).update(getattr(layer, table))
