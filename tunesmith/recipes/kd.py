@@ -31,7 +31,7 @@ from tunesmith.config import instantiate
 from tunesmith.modules.losses import IGNORE_INDEX
 from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
-from tunesmith.training.forward import forward_batch, router_aux_loss
+from tunesmith.training.forward import forward_batch, head_weight, router_aux_loss
 from tunesmith.training.loop import (
     LOOP_KEYS,
     LOOP_RUNTIME_ARGS,
@@ -107,7 +107,7 @@ class Distillation:
         hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
         with torch.no_grad():
             teacher_hidden, _ = forward_batch(self.teacher, batch, return_hidden_states=True)
-        student_head, teacher_head = model.lm_head.weight, self.teacher.lm_head.weight
+        student_head, teacher_head = head_weight(model), head_weight(self.teacher)
         if self.vocab_size is not None:  # padded differently: the shared rows only (under
             rows = slice(self.vocab_size)  # tensor parallel the slice is gathered whole)
             student_head, teacher_head = student_head[rows], teacher_head[rows]

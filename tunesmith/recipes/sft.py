@@ -19,7 +19,7 @@ from tunesmith.config import instantiate
 from tunesmith.modules.losses import IGNORE_INDEX
 from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
-from tunesmith.training.forward import forward_batch, router_aux_loss
+from tunesmith.training.forward import forward_batch, head_weight, router_aux_loss
 from tunesmith.training.loop import (
     LOOP_KEYS,
     LOOP_RUNTIME_ARGS,
@@ -87,6 +87,6 @@ def _loss(model, loss_fn, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     the output projection (``needs_hidden_states``) gets hidden states and the head's weight."""
     if getattr(loss_fn, "needs_hidden_states", False):
         hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
-        return loss_fn(hidden, model.lm_head.weight, batch["labels"]), router_logits
+        return loss_fn(hidden, head_weight(model), batch["labels"]), router_logits
     logits, router_logits = forward_batch(model, batch)
     return loss_fn(logits, batch["labels"]), router_logits

@@ -27,7 +27,7 @@ from torch import nn
 from tunesmith.modules.losses import token_entropy, token_logprobs
 from tunesmith.modules.losses.rl import KLPenalty, PolicyLoss, aggregate
 from tunesmith.rl.rollout import completion_mask, tempered_hidden
-from tunesmith.training.forward import router_aux_loss
+from tunesmith.training.forward import head_weight, router_aux_loss
 from tunesmith.training.trainer import LossOutput
 
 __all__ = ["PolicyGradient"]
@@ -68,7 +68,7 @@ class PolicyGradient:
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         mask = completion_mask(batch)
         hidden, router_logits = tempered_hidden(model, batch, self.temperature)
-        weight = model.lm_head.weight
+        weight = head_weight(model)
         logprobs = token_logprobs(hidden, weight, batch["labels"], chunk_size=self.chunk_size)
         weights = None
         if self.importance_cap is not None:

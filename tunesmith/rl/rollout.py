@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tunesmith.modules.losses import IGNORE_INDEX, token_logprobs
-from tunesmith.training.forward import forward_batch
+from tunesmith.training.forward import forward_batch, head_weight
 
 __all__ = [
     "completion_logprobs",
@@ -103,7 +103,7 @@ def completion_logprobs(
     other positions. Gradients flow unless called under ``torch.no_grad``; the head is applied
     ``chunk_size`` completion tokens at a time, so the ``[b, L, vocab]`` logits never exist."""
     hidden, _ = tempered_hidden(model, batch, temperature)
-    return token_logprobs(hidden, model.lm_head.weight, batch["labels"], chunk_size=chunk_size)
+    return token_logprobs(hidden, head_weight(model), batch["labels"], chunk_size=chunk_size)
 
 
 def tempered_hidden(

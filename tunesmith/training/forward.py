@@ -20,7 +20,7 @@ from torch import nn
 from tunesmith.modules.losses import IGNORE_INDEX, token_logprobs
 from tunesmith.modules.moe import load_balancing_loss
 
-__all__ = ["forward_batch", "model_inputs", "router_aux_loss", "sequence_logps"]
+__all__ = ["forward_batch", "head_weight", "model_inputs", "router_aux_loss", "sequence_logps"]
 
 
 def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -39,6 +39,18 @@ def forward_batch(
     if not getattr(getattr(model, "spec", None), "is_moe", False):
         return model(batch["input_ids"], **model_inputs(batch), **kwargs), ()
     return model(batch["input_ids"], **model_inputs(batch), **kwargs, output_router_logits=True)
+
+
+def head_weight(model: nn.Module) -> torch.Tensor:
+    """The output projection's weight ``[vocab, hidden]`` for a loss that owns the head: the
+    ``lm_head`` weight, or, for an adapted head (LoRA/DoRA on ``lm_head``), the weight it
+    effectively multiplies by (differentiable in the adapters).
+
+    >>> loss = loss_fn(hidden, head_weight(model), batch["labels"])  # doctest: +SKIP
+    """
+    head = model.lm_head
+    effective = getattr(head, "effective_weight", None)
+    return head.weight if effective is None else effective()
 
 
 def router_aux_loss(
@@ -62,5 +74,5 @@ def sequence_logps(
     ``[b, s, vocab]`` logits never exist."""
     hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
     labels = batch["labels"]
-    logps = token_logprobs(hidden, model.lm_head.weight, labels, chunk_size=chunk_size)
+    logps = token_logprobs(hidden, head_weight(model), labels, chunk_size=chunk_size)
     return logps.sum(-1), (labels != IGNORE_INDEX).sum(-1), router_logits

@@ -66,6 +66,16 @@ class DoRALinear(LoRALinear):
             weight = weight + self.scaling * lora_weight
         return torch.linalg.vector_norm(weight, dim=1).to(weight.dtype)
 
+    def effective_weight(self) -> torch.Tensor:
+        """``g[:, None] * (W + s·B A)`` with ``g = m / ||W + s B A||`` (detached norm, as in
+        ``forward``), differentiable in the adapters and the magnitude."""
+        lora = super().effective_weight()
+        if self.adapters_disabled:
+            return lora
+        norm = torch.linalg.vector_norm(lora.detach(), dim=1)
+        gain = (self.lora_magnitude_vector / norm).to(lora.dtype)
+        return gain[:, None] * lora
+
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         base = self.dense_weight()

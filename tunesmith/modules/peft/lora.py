@@ -155,6 +155,27 @@ class LoRALinear(nn.Module):
         """``scaling * B @ A`` in float32, shape ``[out, in]``."""
         return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
 
+    def effective_weight(self) -> torch.Tensor:
+        """The weight this layer multiplies by, differentiable in the adapters: ``W + s·B A``
+        (``W`` dequantised if NF4), in ``W``'s dtype; for a loss that owns the projection
+        (an adapted ``lm_head`` under linear cross-entropy). Adapter dropout in training has
+        no such weight: refused.
+
+        >>> layer = LoRALinear.from_linear(nn.Linear(4, 3), rank=2, alpha=2)
+        >>> torch.equal(layer.effective_weight(), layer.weight)  # B starts at zero
+        True
+        """
+        base = self.dense_weight()
+        if self.adapters_disabled:
+            return base
+        if self.training and not isinstance(self.lora_dropout, nn.Identity):
+            raise ValueError(
+                f"an adapter with dropout {self.dropout} has no single weight to hand to a loss "
+                "that owns the projection (e.g. on lm_head with linear cross-entropy): set its "
+                "dropout to 0 or leave the layer out of target_modules"
+            )
+        return base + (self.scaling * (self.lora_B.weight @ self.lora_A.weight)).to(base.dtype)
+
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """The dense weight that makes a plain linear layer equal to this one (eval mode)."""
