@@ -45,10 +45,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_model_dir(root: Path, seed: int = 0, **spec_overrides) -> Path:
-    """A HF folder with a tiny Qwen2.5-style model and tokenizer; returns its path."""
+    """A HF folder with a tiny Qwen2.5-style model and tokenizer; returns its path. The model's
+    vocabulary is the tokenizer's unless ``spec_overrides`` sets ``vocab_size`` (more rows than
+    ids: padding rows no token reaches)."""
     tok_dir = make_tokenizer_folder(root / "tokenizer", "qwen2_5")
     vocab = Tokenizer.from_pretrained(tok_dir).vocab_size
-    spec = qwen2_5.spec("qwen2_5_tiny", vocab_size=vocab, **spec_overrides)
+    spec = qwen2_5.spec("qwen2_5_tiny", **{"vocab_size": vocab, **spec_overrides})
     torch.manual_seed(seed)
     model = build_model(spec)
     return save_hf_checkpoint(model, root / "model", source_dir=tok_dir)
