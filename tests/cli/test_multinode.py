@@ -26,17 +26,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from tests.recipes.sft_world import (
-    checkpoint_weights,
+    assert_same_as_single,
     cli_command,
-    final_weights,
     free_port,
     make_counting_data,
     make_model_dir,
-    read_metrics,
     run_sft,
     sft_overrides,
     subprocess_env,
@@ -112,7 +109,7 @@ def test_two_nodes_on_loopback_equal_one_process(world, tmp_path):
     outputs = [(tmp_path / f"node{n}.out").read_text() for n in range(2)]
     assert codes == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
     assert "tunesmith: 2 ranks through torchrun" in outputs[0]
-    _check_same_as_single(model_dir, single, out, ranks=2)
+    assert_same_as_single(model_dir, single, out, steps=STEPS, ranks=2)
 
 
 @pytest.mark.slow
@@ -130,30 +127,7 @@ def test_tp_inside_nodes_and_hsdp_across_them_equal_one_process(world, tmp_path)
     assert codes == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
     logs = "".join(log.read_text() for log in (out / "logs").glob("torchrun-*.log"))
     assert "mesh of (2, 1, 2) ranks, 2 data-parallel" in logs
-    _check_same_as_single(model_dir, single, out, ranks=4)
-
-
-def _check_same_as_single(model_dir, single, out, ranks: int) -> None:
-    """``out`` is one world of ``ranks`` ranks (not several smaller worlds) that logged the
-    single process's losses and grad norms and ended with its weights."""
-    state = sorted(p.name for p in (out / "checkpoints").glob("step_*/training_state/rank*.pt"))
-    assert state == [f"rank{r}.pt" for r in range(ranks)]
-
-    logged_1, logged_2 = read_metrics(single), read_metrics(out)
-    assert sorted(logged_1) == sorted(logged_2) == list(range(1, STEPS + 1))
-    for step in logged_1:
-        one, two = logged_1[step], logged_2[step]
-        assert one["trained_tokens"] == two["trained_tokens"], f"step {step}"
-        assert one["loss"] == pytest.approx(two["loss"], rel=1e-5), f"loss at step {step}"
-        assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-5), f"step {step}"
-    weights_1, weights_2 = final_weights(single), final_weights(out)
-    assert weights_1.keys() == weights_2.keys()
-    for name in weights_1:
-        torch.testing.assert_close(
-            weights_2[name], weights_1[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
-        )
-    initial = checkpoint_weights(model_dir)
-    assert max((weights_1[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
+    assert_same_as_single(model_dir, single, out, steps=STEPS, ranks=4)
 
 
 def test_rank_dying_on_the_other_node_ends_both_launchers(world, tmp_path):

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
@@ -399,3 +400,30 @@ def launch_ranks(
     for r, (p, log) in enumerate(zip(ranks, logs)):
         if p.returncode != 0:
             raise AssertionError(f"rank {r} failed ({p.returncode}):\n{log.read_text()[-3000:]}")
+
+
+def assert_same_as_single(
+    model_dir: Path, single: Path, distributed: Path, *, steps: int, ranks: int = 2
+) -> None:
+    """``distributed`` is one world of ``ranks`` ranks that logged the single process's
+    losses, grad norms and token counts at each of ``steps`` steps and ended with its weights
+    (which moved from ``model_dir``'s)."""
+    assert [p.name for p in checkpoints(distributed)] == [f"step_{steps:06d}"]
+    state = checkpoints(distributed)[-1] / "training_state"
+    assert sorted(p.name for p in state.glob("rank*.pt")) == [f"rank{r}.pt" for r in range(ranks)]
+    logged_1, logged_2 = read_metrics(single), read_metrics(distributed)
+    assert sorted(logged_1) == sorted(logged_2) == list(range(1, steps + 1))
+    for step in logged_1:
+        one, two = logged_1[step], logged_2[step]
+        assert one["trained_tokens"] == two["trained_tokens"]
+        assert one["tokens_seen"] == two["tokens_seen"]
+        assert one["loss"] == pytest.approx(two["loss"], rel=1e-5), f"loss at step {step}"
+        assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-5), f"step {step}"
+    weights_1, weights_2 = final_weights(single), final_weights(distributed)
+    assert weights_1.keys() == weights_2.keys()
+    for name in weights_1:
+        torch.testing.assert_close(
+            weights_2[name], weights_1[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    initial = checkpoint_weights(model_dir)
+    assert max((weights_1[k] - initial[k]).abs().max().item() for k in initial) > 1e-3

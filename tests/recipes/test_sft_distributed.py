@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from tests.recipes.sft_world import (
-    checkpoint_weights,
-    checkpoints,
+    assert_same_as_single,
     cli_command,
     final_weights,
     launch_ranks,
@@ -46,34 +45,12 @@ def world(tmp_path_factory):
     return model_dir, data, single
 
 
-def _check_same_as_single(model_dir, single, distributed, ranks: int = 2) -> None:
-    assert [p.name for p in checkpoints(distributed)] == [f"step_{STEPS:06d}"]
-    state = checkpoints(distributed)[-1] / "training_state"
-    assert sorted(p.name for p in state.glob("rank*.pt")) == [f"rank{r}.pt" for r in range(ranks)]
-    logged_1, logged_2 = read_metrics(single), read_metrics(distributed)
-    assert sorted(logged_1) == sorted(logged_2) == list(range(1, STEPS + 1))
-    for step in logged_1:
-        one, two = logged_1[step], logged_2[step]
-        assert one["trained_tokens"] == two["trained_tokens"]
-        assert one["tokens_seen"] == two["tokens_seen"]
-        assert one["loss"] == pytest.approx(two["loss"], rel=1e-5), f"loss at step {step}"
-        assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-5), f"step {step}"
-    weights_1, weights_2 = final_weights(single), final_weights(distributed)
-    assert weights_1.keys() == weights_2.keys()
-    for name in weights_1:
-        torch.testing.assert_close(
-            weights_2[name], weights_1[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
-        )
-    initial = checkpoint_weights(model_dir)
-    assert max((weights_1[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
-
-
 def test_two_gloo_ranks_equal_one_process(world, tmp_path):
     model_dir, data, single = world
     out = tmp_path / "fsdp"
     overrides = sft_overrides(model_dir, data, out, f"batch_size={PER_RANK}", f"max_steps={STEPS}")
     launch_ranks(overrides, tmp_path)  # what torchrun would start, without torchrun
-    _check_same_as_single(model_dir, single, out)
+    assert_same_as_single(model_dir, single, out, steps=STEPS)
 
 
 @pytest.mark.slow
@@ -86,7 +63,7 @@ def test_cli_nproc_per_node_2_equals_one_process(world, tmp_path):
         env=subprocess_env(), capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    _check_same_as_single(model_dir, single, out)
+    assert_same_as_single(model_dir, single, out, steps=STEPS)
 
 
 def test_fused_adamw_on_two_ranks_equals_one_process(world, tmp_path):
@@ -97,7 +74,7 @@ def test_fused_adamw_on_two_ranks_equals_one_process(world, tmp_path):
     overrides = sft_overrides(model_dir, data, out, f"batch_size={PER_RANK}",
                               f"max_steps={STEPS}", "optimizer.fused=true")  # fmt: skip
     launch_ranks(overrides, tmp_path)
-    _check_same_as_single(model_dir, single, out)
+    assert_same_as_single(model_dir, single, out, steps=STEPS)
 
 
 def test_hsdp_on_four_gloo_ranks_equals_one_process(world, tmp_path):
@@ -113,7 +90,7 @@ def test_hsdp_on_four_gloo_ranks_equals_one_process(world, tmp_path):
     launch_ranks(overrides, tmp_path, world_size=4, timeout=240)
     mesh = "parallelism: ('dp_replicate', 'dp_shard') mesh of (2, 2) ranks, 4 data-parallel"
     assert mesh in (tmp_path / "rank0.log").read_text()
-    _check_same_as_single(model_dir, single, out, ranks=4)
+    assert_same_as_single(model_dir, single, out, steps=STEPS, ranks=4)
 
 
 @pytest.mark.slow
@@ -129,7 +106,7 @@ def test_cli_hsdp_nproc_per_node_4_equals_one_process(world, tmp_path):
         env=subprocess_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    _check_same_as_single(model_dir, single, out, ranks=4)
+    assert_same_as_single(model_dir, single, out, steps=STEPS, ranks=4)
 
 
 @pytest.mark.slow
