@@ -134,9 +134,11 @@ Checkpointing = Literal["full", "selective"] | None
 
 # The tensor-parallel plan by parameter name (tunesmith.training.tensor_parallel): column-wise
 # projections and the vocabulary-sharded embedding and head split dim 0, row-wise ones dim 1;
-# a LoRA adapter follows its base layer (B column-wise, A row-wise); the rest is replicated.
+# an adapter follows its base layer (tunesmith.training.tp_adapters: LoRA's B and DoRA's
+# magnitude column-wise, A row-wise); the rest is replicated.
 _TP_DIM0 = re.compile(
-    r"(?:^|\.)(?:self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.(?:weight|bias|lora_B\.weight)$"
+    r"(?:^|\.)(?:self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)"
+    r"\.(?:weight|bias|lora_B\.weight|lora_magnitude_vector)$"
     r"|(?:^|\.)(?:embed_tokens|lm_head)\.weight$"
 )
 _TP_DIM1 = re.compile(r"(?:^|\.)(?:self_attn\.o_proj|mlp\.down_proj)\.(?:weight|lora_A\.weight)$")
@@ -150,11 +152,9 @@ class MemoryPlan:
     Terms as in the module docstring: ``weights`` W, ``gradients`` G, ``optimizer_states``
     O, ``activations`` A, ``logits`` Lg, ``head_gradient`` Hg, ``recompute`` R,
     ``autocast_weights`` C, ``gathered_root`` Ur, ``gathered_layers`` Ul,
-    ``step_temporaries`` S.
-    ``activations_per_token_layer`` is the
-    bytes one un-checkpointed layer keeps per token; ``tokens`` the tokens of the batch
-    (``batch_size * seq_len``); ``world_size`` the ranks of ``parallel`` (the layout; None:
-    one device).
+    ``step_temporaries`` S. ``activations_per_token_layer`` is the bytes one un-checkpointed
+    layer keeps per token; ``tokens`` the tokens of the batch (``batch_size * seq_len``);
+    ``world_size`` the ranks of ``parallel`` (the layout; None: one device).
     """
 
     weights: int

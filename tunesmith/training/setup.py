@@ -266,7 +266,8 @@ def memory_plan(
         activation_checkpointing=cfg.get("activation_checkpointing"),
         loss=loss_fn if isinstance(loss_fn, LinearCrossEntropyLoss) else "full",
         optimizer_in_backward=bool(cfg.get("optimizer_in_backward", False)),
-        packed="document_ids" in batch, world_size=ctx.shard_size, device=ctx.device,
+        packed="document_ids" in batch, world_size=ctx.shard_size, parallel=ctx.dims,
+        device=ctx.device,
     )  # fmt: skip
     log(plan.table())
     return plan
