@@ -232,9 +232,9 @@ def test_moe_matches_per_token_reference(norm_topk_prob):
         top = probs.topk(2)
         weights = top.values / top.values.sum() if norm_topk_prob else top.values
         for w, e in zip(weights, top.indices):
-            expert = moe.experts[int(e)]
-            h = F.silu(expert.gate_proj(tokens[t])) * expert.up_proj(tokens[t])
-            expected[t] += w * expert.down_proj(h)
+            ex, e = moe.experts, int(e)  # expert e's weights: slice e of the stacked tensors
+            h = F.silu(ex.gate_proj[e] @ tokens[t]) * (ex.up_proj[e] @ tokens[t])
+            expected[t] += w * (ex.down_proj[e] @ h)
     assert torch.allclose(out.reshape(-1, 16), expected, atol=1e-5, rtol=0)
 
 

@@ -49,7 +49,10 @@ def test_dp_rank_and_size_skip_the_tp_and_cp_neighbours():
     assert [dims.dp_cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert dims.mesh_shape() == ((2, 2, 2, 2), ("dp_replicate", "dp_shard", "cp", "tp"))
     ctx = DistributedContext(5, 16, 5, torch.device("cpu"), None, dims=dims)
-    assert (ctx.dp_rank, ctx.dp_size, ctx.dp_cp_size, ctx.shard_size) == (1, 4, 8, 2)
+    # FSDP2 shards over dp_shard x cp (context parallel, #16); rank 5 is cp rank 0 of its pair
+    assert (ctx.dp_rank, ctx.dp_size, ctx.dp_cp_size, ctx.shard_size) == (1, 4, 8, 4)
+    assert [DistributedContext(r, 16, r, torch.device("cpu"), None, dims=dims).cp_rank
+            for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # fmt: skip
     plain = DistributedContext(1, 2, 1, torch.device("cpu"), None)  # no dims: world = dp
     assert (plain.dp_rank, plain.dp_size, plain.dp_cp_size, plain.shard_size) == (1, 2, 2, 2)
 
@@ -72,8 +75,7 @@ def test_sampler_takes_the_dp_rank_and_size():
          ["dp_replicate 3 x cp 1 x tp 1 = 3 does not divide the world of 4 rank(s)"]),
         ({"tp": 2, "sequence_parallel": "yes"}, 2,
          ["sequence_parallel: expected true or false", "'yes'"]),
-        ({"cp": 2}, 2, ["cp 2: not implemented yet", "#16"]),
-        ({"ep": 2}, 2, ["ep 2: not implemented yet", "#16"]),
+        ({"ep": 3, "dp_shard": 4}, 4, ["ep 3 does not divide dp_shard 4"]),
         ({"dp_shard": 0}, 1, ["dp_shard: expected an int >= 1", "got 0"]),
         ({"tp": "2"}, 1, ["tp: expected an int >= 1, got '2' (a string)"]),
         ({"dp": 2}, 1, ["unknown key 'dp'"]),

@@ -40,6 +40,7 @@ from tunesmith.models.hf import (
 from tunesmith.models.safetensors_io import CheckpointError, read_tensor_index
 from tunesmith.models.spec import ModelSpec
 from tunesmith.modules.decoder import DecoderModel
+from tunesmith.modules.moe import GroupedExperts
 from tunesmith.modules.norms import RMSNorm
 from tunesmith.modules.rope import RotaryEmbedding
 
@@ -201,6 +202,8 @@ class RewardModel(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
+            elif isinstance(module, GroupedExperts):
+                module.init_weights(std)
         self.init_score(std)
         self.init_buffers()
 

@@ -1,11 +1,12 @@
-"""Grouped-query self-attention on ``torch.nn.functional.scaled_dot_product_attention``."""
+"""Grouped-query self-attention; the attention itself is one of
+:mod:`tunesmith.modules.attention_backends` (SDPA, varlen, flex)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tunesmith.modules.attention_backends import ATTENTION_BACKENDS, AttentionBatch
 from tunesmith.modules.kv_cache import KVCache
 from tunesmith.modules.norms import RMSNorm
 from tunesmith.modules.rope import apply_rotary
@@ -79,17 +80,18 @@ class Attention(nn.Module):
         kv_cache: KVCache | None = None,
         layer_idx: int = 0,
         spans: list[list[tuple[int, int]]] | None = None,
+        batch: AttentionBatch | None = None,
     ) -> torch.Tensor:
         """Attend ``x`` ``[b, s, hidden]`` (plus cached keys) and return ``[b, s, hidden]``.
 
-        ``mask`` is a bool ``[b|1, 1, s, kv_len]`` mask (True = attend). When it is None
-        the attention is causal for a fresh sequence, or unrestricted for a single
-        new token after a cache (see :func:`tunesmith.modules.masks.build_attention_mask`).
-        ``spans`` (packed rows, see :func:`tunesmith.modules.masks.document_spans`) says the
-        same as a block-causal ``mask`` more cheaply: each document attends causally to
-        itself alone, so the cost is the sum of the squared document lengths instead of the
-        squared row length; padding positions get zeros. Under ``torch.compile`` the mask
-        is used instead (data-dependent spans would recompile each batch).
+        ``batch`` (an :class:`~tunesmith.modules.attention_backends.AttentionBatch`, built once
+        per forward by :class:`~tunesmith.modules.decoder.DecoderModel`) names the backend and
+        says what may attend to what: a dense mask, packed ``document_ids``, a sliding window.
+        Without it, ``mask`` is a bool ``[b|1, 1, s, kv_len]`` mask (True = attend), or None:
+        causal for a fresh sequence, unrestricted for a single new token after a cache (see
+        :func:`tunesmith.modules.masks.build_attention_mask`); ``spans`` (packed rows, see
+        :func:`tunesmith.modules.masks.document_spans`) attends document by document, padding
+        positions getting zeros.
         """
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
@@ -102,49 +104,12 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)
 
-        groups = self.num_heads // self.num_kv_heads
-        if spans is not None and not torch.compiler.is_compiling():
-            out = _attend_by_document(q, k, v, spans, enable_gqa=groups > 1)
-        elif mask is None:
-            # Causal fast path: flash/efficient kernels handle grouped heads themselves.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=groups > 1)
-        else:
-            # With an explicit mask, repeat kv heads so every SDPA backend accepts it.
-            if groups > 1:
-                k = k.repeat_interleave(groups, dim=1)
-                v = v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if batch is None:
+            batch = AttentionBatch("sdpa", mask=mask)
+            if spans is not None:
+                batch.backend, batch.prepared["loop"] = "loop", spans
+        out = ATTENTION_BACKENDS[batch.backend](q, k, v, batch)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
-
-
-def _attend_by_document(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    spans: list[list[tuple[int, int]]],
-    *,
-    enable_gqa: bool,
-) -> torch.Tensor:
-    """Causal SDPA over each document of each row (``[b, heads, s, d]`` in and out); the
-    positions of no document (padding) are zeros."""
-    b, heads, s, d = q.shape
-    rows = []
-    for row, row_spans in enumerate(spans):
-        pieces, pos = [], 0
-        for start, end in row_spans:
-            if start > pos:
-                pieces.append(q.new_zeros(1, heads, start - pos, d))
-            pieces.append(
-                F.scaled_dot_product_attention(
-                    q[row : row + 1, :, start:end], k[row : row + 1, :, start:end],
-                    v[row : row + 1, :, start:end], is_causal=True, enable_gqa=enable_gqa,
-                )
-            )  # fmt: skip
-            pos = end
-        if pos < s:
-            pieces.append(q.new_zeros(1, heads, s - pos, d))
-        rows.append(torch.cat(pieces, dim=2))
-    return torch.cat(rows, dim=0)

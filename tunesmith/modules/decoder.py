@@ -14,9 +14,12 @@ import torch
 from torch import nn
 
 from tunesmith.modules.attention import Attention
+from tunesmith.modules.attention_backends import AttentionBatch, resolve_attention_backend
 from tunesmith.modules.kv_cache import KVCache
-from tunesmith.modules.masks import build_attention_mask, document_causal_mask, document_spans
+from tunesmith.modules.masks import build_attention_mask, document_causal_mask
+from tunesmith.modules.moe import GroupedExperts
 from tunesmith.modules.norms import RMSNorm
+from tunesmith.modules.ring_attention import RingShard, ring_batch
 from tunesmith.modules.rope import RotaryEmbedding
 
 __all__ = ["DecoderLayer", "DecoderModel", "TransformerLM"]
@@ -58,10 +61,11 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache | None = None,
         layer_idx: int = 0,
         spans: list[list[tuple[int, int]]] | None = None,
+        batch: AttentionBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = x + self.self_attn(
             self.input_layernorm(x), cos, sin, mask=mask, kv_cache=kv_cache,
-            layer_idx=layer_idx, spans=spans,
+            layer_idx=layer_idx, spans=spans, batch=batch,
         )  # fmt: skip
         out = self.mlp(self.post_attention_layernorm(h))
         router_logits = None
@@ -76,6 +80,11 @@ class DecoderModel(nn.Module):
     ``forward`` returns the final normed hidden states ``[b, s, hidden]``, plus a
     tuple of per-MoE-layer router logits when ``output_router_logits=True``.
     Arguments are those of :meth:`TransformerLM.forward`.
+
+    ``attention_backend`` (``auto``, ``sdpa``, ``varlen``, ``flex``, ``loop``; settable) picks
+    the :mod:`~tunesmith.modules.attention_backends` backend for each forward through
+    :func:`~tunesmith.modules.attention_backends.resolve_attention_backend`: ``auto`` is
+    ``varlen`` for packed rows (``flex`` on CUDA), ``sdpa`` otherwise; a KV cache is ``sdpa``.
     """
 
     def __init__(
@@ -86,6 +95,7 @@ class DecoderModel(nn.Module):
         rotary_emb: RotaryEmbedding,
         *,
         sliding_window: int | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
@@ -93,6 +103,17 @@ class DecoderModel(nn.Module):
         self.norm = norm
         self.rotary_emb = rotary_emb
         self.sliding_window = sliding_window
+        self.attention_backend = attention_backend
+
+    @property
+    def attention_backend(self) -> str:
+        """The backend knob (``auto`` or a name in ``ATTENTION_BACKENDS``)."""
+        return self._attention_backend
+
+    @attention_backend.setter
+    def attention_backend(self, name: str) -> None:
+        resolve_attention_backend(name, device="cpu", packed=False, cached=False)  # validates
+        self._attention_backend = name
 
     def forward(
         self,
@@ -103,6 +124,7 @@ class DecoderModel(nn.Module):
         document_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         output_router_logits: bool = False,
+        cp_index: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
@@ -123,8 +145,7 @@ class DecoderModel(nn.Module):
                 f"position_ids must be [batch, seq] = {[b, s]} (or [1, seq]), "
                 f"got {list(position_ids.shape)}"
             )
-        spans = None
-        if document_ids is not None:
+        if document_ids is not None and cp_index is None:
             if attention_mask is not None or kv_cache is not None:
                 raise ValueError("document_ids (packed rows) takes no attention_mask or kv_cache")
             if document_ids.shape != input_ids.shape:
@@ -133,10 +154,6 @@ class DecoderModel(nn.Module):
                     f"got {list(document_ids.shape)}"
                 )
             attention_mask = document_causal_mask(document_ids)
-            spans = document_spans(document_ids)
-            if spans is not None and self.sliding_window is not None:
-                longest = max((end - start for row in spans for start, end in row), default=0)
-                spans = None if longest > self.sliding_window else spans
         mask = build_attention_mask(
             attention_mask,
             batch_size=b,
@@ -145,12 +162,27 @@ class DecoderModel(nn.Module):
             sliding_window=self.sliding_window,
             device=input_ids.device,
         )
+        backend = resolve_attention_backend(
+            self.attention_backend,
+            device=input_ids.device,
+            packed=document_ids is not None,
+            cached=kv_cache is not None,
+        )
+        batch = AttentionBatch(
+            backend, mask=mask, document_ids=document_ids, sliding_window=self.sliding_window
+        )
+        if cp_index is not None:  # context parallel: rows split over a ring of ranks
+            shard = RingShard(getattr(self, "context_parallel_group", None), cp_index)
+            mask, batch = None, ring_batch(shard, document_ids=document_ids,
+                                           sliding_window=self.sliding_window)  # fmt: skip
+        if not torch.compiler.is_compiling():
+            batch.prepare()  # index tensors / block masks, once for every layer
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, dtype=h.dtype)
         router_logits = []
         for i, layer in enumerate(self.layers):
             h, layer_router_logits = layer(
-                h, cos, sin, mask=mask, kv_cache=kv_cache, layer_idx=i, spans=spans
+                h, cos, sin, mask=mask, kv_cache=kv_cache, layer_idx=i, batch=batch
             )
             if layer_router_logits is not None:
                 router_logits.append(layer_router_logits)
@@ -236,6 +268,7 @@ class TransformerLM(nn.Module):
         output_router_logits: bool = False,
         return_hidden_states: bool = False,
         logits_to_keep: int = 0,
+        cp_index: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Logits ``[b, s, vocab]`` for ``input_ids`` ``[b, s]``.
 
@@ -246,9 +279,9 @@ class TransformerLM(nn.Module):
                 explicit 4-D bool ``[b, 1, s, cached + s]`` mask (True = may attend),
                 e.g. :func:`~tunesmith.modules.masks.document_causal_mask` for packing.
             document_ids: ``[b, s]`` packed rows (equal ids = one document, negative =
-                padding): each document attends causally to itself only, computed document
-                by document (no ``[s, s]`` work across documents); instead of
-                ``attention_mask``.
+                padding): each document attends causally to itself only, by the model's
+                ``attention_backend`` (``varlen`` by default on CPU: no ``[s, s]`` work across
+                documents); instead of ``attention_mask``.
             kv_cache: a :class:`KVCache` from :meth:`init_kv_cache`; new keys/values
                 are appended and its ``seq_len`` advances by ``s``.
             output_router_logits: also return the tuple of per-MoE-layer router
@@ -260,6 +293,12 @@ class TransformerLM(nn.Module):
             logits_to_keep: when > 0, project only the last ``logits_to_keep`` positions
                 (``[b, logits_to_keep, vocab]``): a prefill that needs only the next token's
                 logits never builds ``[b, s, vocab]``. 0 keeps every position.
+            cp_index: context parallel (``[b, s]``): the rows are split over the ranks of
+                ``model.context_parallel_group`` (see
+                :func:`~tunesmith.training.context_parallel.shard_batch`), these are this
+                rank's positions and ``cp_index`` their indices in the full rows; attention is
+                :func:`~tunesmith.modules.ring_attention.ring_attention` (causal by index,
+                within ``document_ids``).
         """
         if logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
@@ -270,6 +309,7 @@ class TransformerLM(nn.Module):
             document_ids=document_ids,
             kv_cache=kv_cache,
             output_router_logits=output_router_logits,
+            cp_index=cp_index,
         )
         if return_hidden_states:
             head = lambda h: h  # noqa: E731
@@ -327,6 +367,8 @@ class TransformerLM(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
+            elif isinstance(module, GroupedExperts):
+                module.init_weights(std)
         self.init_buffers()
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:

@@ -1,26 +1,309 @@
-"""Token-choice mixture of experts (Qwen3-MoE) and its load-balancing loss."""
+"""Token-choice mixture of experts (Qwen3-MoE): stacked experts, grouped matmuls, and the
+load-balancing loss.
+
+The experts of a layer live in three stacked tensors (:class:`GroupedExperts`) and run as
+grouped matrix products over tokens sorted by expert, with no loop over experts and no
+host sync (the per-expert token counts stay a tensor). On disk the Hugging Face names are
+kept: a state-dict hook pair splits the stacked tensors into ``experts.{i}.gate_proj.weight``
+etc. when saving and stacks them again when loading, the one exception to identity
+conversion between our parameter names and a checkpoint's.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tunesmith.modules.feed_forward import FeedForward
+__all__ = [
+    "GroupedExperts",
+    "MoE",
+    "grouped_mm_supported",
+    "load_balancing_loss",
+    "split_expert_keys",
+    "stack_expert_keys",
+    "stacked_state",
+]
 
-__all__ = ["MoE", "load_balancing_loss"]
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm_supported(*tensors: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: this torch has it, every row stride
+    is a multiple of 16 bytes, and the dtype is bfloat16 (any device, also under
+    ``torch.compile``) or, in eager mode on CPU, float32/float16 too.
+
+    Example::
+
+        >>> grouped_mm_supported(torch.zeros(3, 64), torch.zeros(2, 32, 64))
+        True
+        >>> grouped_mm_supported(torch.zeros(3, 6, dtype=torch.float64))
+        False
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    eager_cpu = not torch.compiler.is_compiling() and all(t.device.type == "cpu" for t in tensors)
+    dtypes = _GROUPED_DTYPES if eager_cpu else (torch.bfloat16,)
+    return all(t.dtype in dtypes and (t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors)
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts stacked in ``[E, ...]`` tensors.
+
+    Parameters: ``gate_proj`` and ``up_proj`` ``[E, intermediate, hidden]``, ``down_proj``
+    ``[E, hidden, intermediate]`` (expert ``i``'s ``nn.Linear`` weights stacked on dim 0).
+    :meth:`forward` takes tokens already sorted by expert and the number of tokens of each
+    expert, and computes ``down(silu(gate(x)) * up(x))`` per expert on its contiguous slice
+    with ``torch._grouped_mm`` (one kernel per projection, no host sync). Where the grouped
+    kernel does not take the operands (see :func:`grouped_mm_supported`: e.g. float32 on
+    CUDA, float64, a row not a multiple of 16 bytes) it loops over experts instead, which
+    reads ``counts`` on the host.
+
+    ``state_dict()`` holds the Hugging Face keys ``{i}.gate_proj.weight`` ... (views of the
+    stacked tensors); ``load_state_dict`` takes those keys (stacked back, also when a
+    streaming loader passes an expert's tensors over several calls) or the stacked names.
+
+    Example::
+
+        >>> experts = GroupedExperts(4, hidden_size=32, intermediate_size=16)
+        >>> tokens = torch.randn(5, 32)               # sorted by expert: 2, 0, 3, 0 tokens
+        >>> experts(tokens, torch.tensor([2, 0, 3, 0])).shape
+        torch.Size([5, 32])
+        >>> sorted(experts.state_dict())[:2]
+        ['0.down_proj.weight', '0.gate_proj.weight']
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        if num_experts <= 0:
+            raise ValueError(f"num_experts must be positive, got {num_experts}")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self._pending: dict[str, dict[int, torch.Tensor]] = {}  # see _stack_experts
+        self._prefix = ""
+        self.split_state_dict = True  # state_dict() with HF per-expert keys (see stacked_state)
+        self.register_state_dict_post_hook(_split_experts)
+        self.register_load_state_dict_pre_hook(_stack_experts)
+        self.register_load_state_dict_post_hook(_report_missing_experts)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default: uniform in ``+-1/sqrt(fan_in)`` for every expert."""
+        for weight in (self.gate_proj, self.up_proj, self.down_proj):
+            bound = 1 / math.sqrt(weight.shape[-1])
+            nn.init.uniform_(weight, -bound, bound)
+
+    def init_weights(self, std: float) -> None:
+        """Every expert weight ~ ``N(0, std)``, as transformers initialises its linears."""
+        for weight in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(weight, mean=0.0, std=std)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}"
+        )
+
+    def forward(self, tokens_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Tokens ``[n, hidden]`` sorted by expert, ``counts`` ``[E]`` (sum ``n``) -> ``[n, hidden]``."""
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if grouped_mm_supported(tokens_sorted, gate, down):
+            offs = counts.cumsum(0).to(torch.int32)
+            g = torch._grouped_mm(tokens_sorted, gate.transpose(-2, -1), offs=offs)
+            u = torch._grouped_mm(tokens_sorted, up.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)
+        # unbind, not gate[e]: the backward of one select per expert would build E full-size
+        # gradients; unbind's is one stack.
+        outputs = []
+        chunks = tokens_sorted.split(counts.tolist())
+        for chunk, g, u, d in zip(chunks, gate.unbind(), up.unbind(), down.unbind(), strict=True):
+            if chunk.shape[0]:
+                outputs.append((F.silu(chunk @ g.T) * (chunk @ u.T)) @ d.T)
+        if not outputs:
+            return tokens_sorted.new_zeros(tokens_sorted.shape)
+        return torch.cat(outputs)
+
+
+def _split_experts(
+    module: GroupedExperts, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """State-dict post-hook: stacked ``gate_proj`` -> ``{i}.gate_proj.weight`` (HF keys)."""
+    if not module.split_state_dict:
+        return
+    stacked = {name: state_dict.pop(prefix + name) for name in PROJECTIONS}
+    for i in range(module.num_experts):
+        for name in PROJECTIONS:
+            state_dict[f"{prefix}{i}.{name}.weight"] = stacked[name][i]
+
+
+def _stack_experts(
+    module: GroupedExperts,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Load pre-hook: ``{i}.gate_proj.weight`` keys -> one stacked ``gate_proj``.
+
+    A streaming loader (``load_state_dict(..., strict=False)`` once per file) may pass an
+    expert's tensors in several calls: the pieces wait on the module until all
+    ``num_experts`` have come, then load as one tensor (:func:`_report_missing_experts` names
+    the absent ones meanwhile).
+    """
+    module._prefix = prefix
+    for name in PROJECTIONS:
+        pending = module._pending.setdefault(name, {})
+        for i in range(module.num_experts):
+            key = f"{prefix}{i}.{name}.weight"
+            if key in state_dict:
+                pending[i] = state_dict.pop(key)
+        if not pending:
+            del module._pending[name]
+        elif prefix + name in state_dict:
+            error_msgs.append(
+                f"{prefix}{name}: the state dict holds both the stacked tensor and per-expert "
+                f"keys {prefix}{{i}}.{name}.weight"
+            )
+            del module._pending[name]
+        elif len(pending) == module.num_experts:
+            state_dict[prefix + name] = torch.stack([pending[i] for i in range(len(pending))])
+            del module._pending[name]
+
+
+def _report_missing_experts(module: GroupedExperts, incompatible_keys: Any) -> None:
+    """Load post-hook: a stacked tensor still waiting for experts is reported missing by the
+    Hugging Face keys of the absent experts (``{i}.gate_proj.weight``), not by its own name."""
+    prefix = module._prefix
+    for name, pending in module._pending.items():
+        if prefix + name in incompatible_keys.missing_keys:
+            incompatible_keys.missing_keys.remove(prefix + name)
+            incompatible_keys.missing_keys.extend(
+                f"{prefix}{i}.{name}.weight" for i in range(module.num_experts) if i not in pending
+            )
+
+
+_EXPERT_KEY = re.compile(
+    r"^(?P<prefix>(?:.*\.)?experts\.)(?P<i>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+_STACKED_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?experts\.)(?P<proj>gate_proj|up_proj|down_proj)$")
+
+
+def stack_expert_keys(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A state dict with HF per-expert keys (``...experts.{i}.gate_proj.weight``) stacked into
+    the in-memory names (``...experts.gate_proj`` ``[E, ...]``); other keys pass through.
+
+    For loaders that bypass ``load_state_dict``'s hooks, e.g.
+    ``torch.distributed.checkpoint.state_dict.set_model_state_dict``. A ``ValueError`` names
+    a stacked tensor whose experts are not numbered ``0..E-1``.
+
+    Example::
+
+        >>> state = {f"mlp.experts.{i}.up_proj.weight": torch.zeros(3, 4) for i in range(2)}
+        >>> {k: list(v.shape) for k, v in stack_expert_keys(state).items()}
+        {'mlp.experts.up_proj': [2, 3, 4]}
+    """
+    out: dict[str, Any] = {}
+    groups: dict[str, dict[int, Any]] = {}
+    for key, value in state.items():
+        match = _EXPERT_KEY.match(key)
+        if match is None:
+            out[key] = value
+            continue
+        stacked = match["prefix"] + match["proj"]
+        if stacked not in groups:
+            groups[stacked] = {}
+            out[stacked] = None  # keeps the first expert's position in the order
+        groups[stacked][int(match["i"])] = value
+    for stacked, pieces in groups.items():
+        if sorted(pieces) != list(range(len(pieces))):
+            absent = sorted(set(range(max(pieces) + 1)) - set(pieces))
+            raise ValueError(f"{stacked}: experts {absent[:20]} are missing from the state dict")
+        out[stacked] = torch.stack([pieces[i] for i in range(len(pieces))])
+    return out
+
+
+def split_expert_keys(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`stack_expert_keys`: stacked ``...experts.gate_proj`` ``[E, ...]``
+    -> ``...experts.{i}.gate_proj.weight`` (views), in expert-major order like a checkpoint.
+
+    Example::
+
+        >>> list(split_expert_keys({"experts.down_proj": torch.zeros(2, 4, 3)}))
+        ['experts.0.down_proj.weight', 'experts.1.down_proj.weight']
+    """
+    out: dict[str, Any] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        match = _STACKED_KEY.match(key)
+        if match is None or not isinstance(value, torch.Tensor) or value.dim() != 3:
+            out[key] = value
+            continue
+        if match["prefix"] not in groups:
+            groups[match["prefix"]] = {}
+            out[match["prefix"]] = None  # placeholder for the group's position
+        groups[match["prefix"]][match["proj"]] = value
+    result: dict[str, Any] = {}
+    for key, value in out.items():
+        if key not in groups:
+            result[key] = value
+            continue
+        tensors = groups[key]
+        for i in range(next(iter(tensors.values())).shape[0]):
+            for proj in PROJECTIONS:
+                if proj in tensors:
+                    result[f"{key}{i}.{proj}.weight"] = tensors[proj][i]
+    return result
+
+
+@contextlib.contextmanager
+def stacked_state(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block, ``model.state_dict()`` keeps the stacked expert tensors under their
+    parameter names (``...experts.gate_proj``) instead of the HF per-expert keys, as
+    ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` needs (its names must be
+    the parameters'); convert with :func:`split_expert_keys` afterwards.
+
+    Example::
+
+        >>> moe = MoE(8, 4, num_experts=2, top_k=1)
+        >>> with stacked_state(moe):
+        ...     sorted(moe.state_dict())
+        ['experts.down_proj', 'experts.gate_proj', 'experts.up_proj', 'gate.weight']
+    """
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    saved = [m.split_state_dict for m in experts]
+    for m in experts:
+        m.split_state_dict = False
+    try:
+        yield model
+    finally:
+        for m, flag in zip(experts, saved, strict=True):
+            m.split_state_dict = flag
 
 
 class MoE(nn.Module):
     """Softmax top-k routing over SwiGLU experts.
 
-    Parameters carry the names of Hugging Face checkpoints on disk: the router is
-    ``gate`` (a bias-free linear) and expert ``i`` is ``experts.{i}.gate_proj`` /
-    ``up_proj`` / ``down_proj``. Routing follows Qwen3-MoE: probabilities are a
-    float32 softmax of the router logits, the top ``top_k`` experts are kept and,
-    with ``norm_topk_prob``, their weights are renormalised to sum to one.
+    The router is ``gate`` (a bias-free linear); the experts are a :class:`GroupedExperts`
+    ``experts`` whose state dict carries the Hugging Face names ``experts.{i}.gate_proj.weight``
+    / ``up_proj`` / ``down_proj``. Routing follows Qwen3-MoE: probabilities are a float32
+    softmax of the router logits, the top ``top_k`` experts are kept and, with
+    ``norm_topk_prob``, their weights are renormalised to sum to one. The ``(token, slot)``
+    assignments are sorted by expert, run through the experts in one grouped call, weighted
+    and added back to their tokens.
 
     ``forward`` returns the output and the router logits ``[b * s, num_experts]``
     (for :func:`load_balancing_loss` and parity checks).
@@ -47,9 +330,7 @@ class MoE(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            FeedForward(hidden_size, intermediate_size) for _ in range(num_experts)
-        )
+        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens ``[n, hidden]`` -> (router logits ``[n, E]``, weights ``[n, k]``, experts ``[n, k]``)."""
@@ -70,12 +351,11 @@ class MoE(nn.Module):
         flat_experts = experts.flatten()
         order = flat_experts.argsort(stable=True)
         token_idx = order // self.top_k
-        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
-        outputs = []
-        for expert, chunk in zip(self.experts, tokens[token_idx].split(counts), strict=True):
-            if chunk.shape[0]:
-                outputs.append(expert(chunk))
-        expert_out = torch.cat(outputs) * weights.flatten()[order, None]
+        # Tokens per expert as a tensor of static shape (no host sync, traceable).
+        counts = flat_experts.new_zeros(self.num_experts).scatter_add_(
+            0, flat_experts, torch.ones_like(flat_experts)
+        )
+        expert_out = self.experts(tokens[token_idx], counts) * weights.flatten()[order, None]
         out = torch.zeros_like(tokens).index_add_(0, token_idx, expert_out)
         return out.reshape(shape), logits
 

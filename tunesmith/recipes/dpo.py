@@ -106,6 +106,7 @@ class PreferenceObjective:
     """Summed preference loss of a batch of pairs, and the logged rewards and log-probs."""
 
     unit = "pairs"
+    context_parallel = "rows"  # sequence_logps adds the cp ranks' shares: all hold each pair
 
     def __init__(
         self,

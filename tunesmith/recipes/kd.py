@@ -88,6 +88,7 @@ class Distillation:
     first ``vocab_size`` rows of both heads (None: all of them)."""
 
     unit = "trained_tokens"
+    context_parallel = "tokens"  # sums over tokens: each cp rank sums its share
 
     def __init__(
         self, teacher: nn.Module, loss_fn: nn.Module, kd_ratio: float,

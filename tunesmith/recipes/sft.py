@@ -70,6 +70,7 @@ class TokenCrossEntropy:
     the MoE load-balancing loss (a mean per micro-batch) for MoE models."""
 
     unit = "trained_tokens"
+    context_parallel = "tokens"  # a sum over tokens: each cp rank sums its share
 
     def __init__(self, loss_fn: torch.nn.Module) -> None:
         self.loss_fn = loss_fn

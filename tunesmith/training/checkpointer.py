@@ -48,6 +48,7 @@ from tunesmith.models.hf import write_hf_checkpoint
 from tunesmith.models.manifest import MARKER, has_manifest
 from tunesmith.models.peft_io import load_peft_adapter, write_peft_adapter
 from tunesmith.models.safetensors_io import CheckpointError, find_weight_files
+from tunesmith.modules.moe import split_expert_keys, stack_expert_keys, stacked_state
 from tunesmith.modules.peft import adapter_modules, adapter_state_dict
 from tunesmith.training import safe_dcp
 from tunesmith.training.checkpoint_dir import (
@@ -190,7 +191,8 @@ def _gather_weights(model: nn.Module) -> dict[str, torch.Tensor]:
             name: full_tensor(t).detach().cpu() for name, t in adapter_state_dict(model).items()
         }
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    with stacked_state(model):  # DCP needs parameter names; HF keys for MoE experts after
+        return split_expert_keys(get_model_state_dict(model, options=options))
 
 
 def _check_shapes(
@@ -580,7 +582,7 @@ class Checkpointer:
                 _check_shapes(model, weights, origin)
             set_model_state_dict(
                 model,
-                weights,
+                stack_expert_keys(weights),  # HF per-expert keys -> stacked MoE parameters
                 options=StateDictOptions(
                     full_state_dict=True, broadcast_from_rank0=self.ctx.world_size > 1
                 ),

@@ -9,10 +9,14 @@ gives the world one named n-D :class:`~torch.distributed.device_mesh.DeviceMesh`
 dimensions in the order ``("dp_replicate", "dp_shard", "cp", "tp")`` (outermost first: ``tp``
 neighbours are adjacent ranks). ``dp_shard`` is always a dimension (of size 1 on one process);
 ``dp_replicate``, ``cp`` and ``tp`` only when larger than 1, so the default mesh is 1-D over
-every rank (the mesh FSDP2 has always used). ``ep`` is no factor of the world (it will split ``dp_shard x cp`` for the
-experts). ``tp`` > 1 shards each layer over the ``tp`` ranks
+every rank (the mesh FSDP2 has always used). ``ep`` is no factor of the world: it splits each
+``dp_shard`` group into groups of ``ep`` contiguous ranks that share their experts
+(``ctx.expert_mesh``, :mod:`~tunesmith.training.expert_parallel`). ``tp`` > 1 shards each
+layer over the ``tp`` ranks
 (:mod:`~tunesmith.training.tensor_parallel`; ``sequence_parallel``, on by default, also shards
-the residual stream on the sequence); cp and ep > 1 are refused until issue #16.
+the residual stream on the sequence). ``cp`` > 1 splits every row over the ``cp`` ranks
+(:mod:`~tunesmith.training.context_parallel`: zigzag halves, ring attention); FSDP2 then shards
+over ``dp_shard x cp`` flattened (``ctx.fsdp_mesh``).
 
 **Data-parallel conventions** (every count, sampler and reduction asks the context, never
 assumes world = data parallel):
@@ -63,6 +67,7 @@ __all__ = [
     "PeerFailureError",
     "all_reduce_sum",
     "close_distributed",
+    "expert_mesh_of",
     "full_tensor",
     "init_distributed",
     "peer_failure",
@@ -72,8 +77,7 @@ __all__ = [
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimension names, outermost first."""
-_LATER = {"cp": "context parallel comes with issue #16",
-          "ep": "expert parallel comes with issue #16"}  # fmt: skip
+_LATER: dict[str, str] = {}  # dimensions refused until implemented (none now)
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,10 @@ class ParallelDims:
                 f"tp {dims.tp} = {dims.world_size} rank(s), but the world has {world_size}: "
                 f"make the product {world_size}{auto}"
             )
+        if dims.ep > 1 and dims.dp_shard % dims.ep:
+            raise _refused(f"ep {dims.ep} does not divide dp_shard {dims.dp_shard}: the experts "
+                           "are split over data-parallel shard ranks; use an ep dividing "
+                           f"{dims.dp_shard}")  # fmt: skip
         for name, later in _LATER.items():
             if getattr(dims, name) > 1:
                 raise _refused(f"{name} {getattr(dims, name)}: not implemented yet ({later}); "
@@ -173,6 +181,8 @@ class DistributedContext:
     dims: ParallelDims | None = None
     dp_group: ProcessGroup | None = None  # None: the default group (dp spans the world)
     dp_cp_group: ProcessGroup | None = None
+    expert_mesh: DeviceMesh | None = None  # ("expert_dp", "ep") with ep > 1: expert_mesh_of()
+    cp_group: ProcessGroup | None = None  # with cp > 1 (None: the default group, or no cp)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -191,15 +201,38 @@ class DistributedContext:
         return self.world_size if self.dims is None else self.dims.dp_cp
 
     @property
+    def cp_size(self) -> int:
+        """Ranks each row is split over (context parallel; 1 without)."""
+        return 1 if self.dims is None else self.dims.cp
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in its context-parallel group."""
+        return 0 if self.dims is None else (self.rank // self.dims.tp) % self.dims.cp
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The 1-D mesh of this rank's context-parallel group (None without context parallel)."""
+        if self.dims is None or self.dims.cp == 1:
+            return None
+        return self.mesh["cp"]
+
+    @property
     def fsdp_mesh(self) -> DeviceMesh:
         """The mesh FSDP2 shards over: ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)``
-        for HSDP (replicated over the first dimension, sharded over the second). Context
-        parallel (#16) will shard over ``dp_shard x cp`` flattened, so that gradients are
-        averaged over ``dp_cp_size`` ranks."""
+        for HSDP (replicated over the first dimension, sharded over the second). With context
+        parallel, ``dp_shard x cp`` flattened (``dp_shard_cp``) takes ``dp_shard``'s place, so
+        that gradients are averaged over the ``dp_cp_size`` ranks."""
         if self.dims is None:
             return self.mesh
-        names = ("dp_replicate", "dp_shard") if self.dims.dp_replicate > 1 else ("dp_shard",)
-        return _submesh(self.mesh, names)
+        shard = "dp_shard"
+        if self.dims.cp > 1:
+            shard = "dp_shard_cp"
+            self.mesh[("dp_shard", "cp")]._flatten(shard)  # cached after the first call
+        names = ("dp_replicate", shard) if self.dims.dp_replicate > 1 else (shard,)
+        with warnings.catch_warnings():  # torch's note on slicing a flattened dimension
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return _submesh(self.mesh, names)
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -211,7 +244,7 @@ class DistributedContext:
     @property
     def shard_size(self) -> int:
         """Ranks each FSDP2 parameter is split over."""
-        return self.world_size if self.dims is None else self.dims.dp_shard
+        return self.world_size if self.dims is None else self.dims.dp_shard * self.dims.cp
 
 
 def _submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
@@ -272,6 +305,7 @@ def init_distributed(
     shape, names = dims.mesh_shape()
     mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names)
     world = dist.get_world_size()
+    expert_mesh = expert_mesh_of(dims, dev.type) if dims.ep > 1 else None
     return DistributedContext(
         rank=dist.get_rank(),
         world_size=world,
@@ -282,7 +316,25 @@ def init_distributed(
         dims=dims,
         dp_group=_group(mesh, ("dp_replicate", "dp_shard"), world),
         dp_cp_group=_group(mesh, ("dp_replicate", "dp_shard", "cp"), world),
+        cp_group=_group(mesh, ("cp",), world) if dims.cp > 1 else None,
+        expert_mesh=expert_mesh,
     )
+
+
+def expert_mesh_of(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The 2-D ``("expert_dp", "ep")`` mesh of expert parallel: ``ep`` groups are ``ep``
+    contiguous ranks of one ``dp_shard`` group (same ``dp_replicate``, ``cp`` and ``tp``
+    coordinates); ``expert_dp`` are the ``dp / ep x cp`` ranks that hold the same experts
+    (their gradients are summed). Every rank must call it (it creates process groups).
+
+    >>> expert_mesh_of(ParallelDims(dp_shard=4, ep=2), "cpu").mesh.tolist()  # doctest: +SKIP
+    [[0, 1], [2, 3]]
+    """
+    d = dims
+    ranks = torch.arange(d.world_size).view(d.dp_replicate, d.dp_shard // d.ep, d.ep, d.cp, d.tp)
+    ranks = ranks.permute(4, 0, 1, 3, 2).reshape(d.tp, -1, d.ep)  # [tp, expert_dp, ep]
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("ep_tp", "expert_dp", "ep"))
+    return mesh[("expert_dp", "ep")]
 
 
 class PeerFailureError(RuntimeError):
@@ -383,13 +435,16 @@ def shard_model(
             f"cpu_offload needs a CUDA device; on {ctx.device} the model stays where it is",
             stacklevel=2,
         )
-    if ctx.dp_size == 1 and not offload:  # no data parallel (one process, or tensor parallel only)
+    if ctx.dp_cp_size == 1 and not offload:  # one process, or tensor parallel only
         return model
     check_nf4_shardable(model, ctx.shard_size)
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
     mesh = ctx.fsdp_mesh
+    # expert-parallel experts are already split (expert_parallel.py): FSDP2 leaves them alone
+    experts = {p for p in model.parameters() if getattr(p, "expert_parallel", False)}
+    policy = {**policy, "ignored_params": experts} if experts else policy
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, **policy)
     fully_shard(model, mesh=mesh, **policy)

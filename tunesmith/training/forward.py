@@ -19,6 +19,7 @@ from torch import nn
 
 from tunesmith.modules.losses import IGNORE_INDEX, token_logprobs
 from tunesmith.modules.moe import load_balancing_loss
+from tunesmith.training.context_parallel import CP_INDEX, context_parallel_group, cp_sum
 
 __all__ = ["forward_batch", "head_weight", "model_inputs", "router_aux_loss", "sequence_logps"]
 
@@ -28,6 +29,8 @@ def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     inputs: dict[str, Any] = {"position_ids": batch["position_ids"]}
     if "document_ids" in batch:
         inputs["document_ids"] = batch["document_ids"]
+    if CP_INDEX in batch:  # context parallel: this rank's share of each row
+        inputs["cp_index"] = batch[CP_INDEX]
     return inputs
 
 
@@ -71,8 +74,14 @@ def sequence_logps(
     """Per row: the summed log-probability of its trained labels (float32, ``[b]``), their
     number (``[b]``), and the MoE router logits. The head is applied ``chunk_size`` trained
     positions at a time (:func:`~tunesmith.modules.losses.token_logprobs`), so the
-    ``[b, s, vocab]`` logits never exist."""
+    ``[b, s, vocab]`` logits never exist. A context-parallel batch's (``cp_index``) partial
+    sums are added over the cp group (:func:`~tunesmith.training.context_parallel.cp_sum`),
+    so every rank of it gets the whole rows' values."""
     hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
     labels = batch["labels"]
     logps = token_logprobs(hidden, head_weight(model), labels, chunk_size=chunk_size)
-    return logps.sum(-1), (labels != IGNORE_INDEX).sum(-1), router_logits
+    sums, counts = logps.sum(-1), (labels != IGNORE_INDEX).sum(-1)
+    if CP_INDEX in batch:
+        group = context_parallel_group(model)
+        sums, counts = cp_sum(sums, group), cp_sum(counts, group)
+    return sums, counts, router_logits

@@ -272,7 +272,7 @@ def optimizer_kind(component: str, options: Mapping[str, Any] | None = None) -> 
 def tp_shard_dim(name: str) -> int | None:
     """The dimension tensor parallel splits the parameter called ``name`` on (HF names, as
     :mod:`~tunesmith.training.tensor_parallel` does), or None for a replicated one (norms,
-    MoE router and experts, heads other than ``lm_head``).
+    MoE router and stacked experts, heads other than ``lm_head``).
 
     Example::
 
@@ -280,7 +280,7 @@ def tp_shard_dim(name: str) -> int | None:
         0
         >>> tp_shard_dim("model.layers.0.mlp.down_proj.weight")
         1
-        >>> tp_shard_dim("model.layers.0.mlp.experts.3.gate_proj.weight") is None
+        >>> tp_shard_dim("model.layers.0.mlp.experts.gate_proj") is None  # stacked [E, I, H]
         True
     """
     if _TP_DIM0.search(name):

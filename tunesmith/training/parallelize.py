@@ -5,6 +5,13 @@ one fixed order.
    (:func:`~tunesmith.training.tensor_parallel.apply_tensor_parallel`; the model's head counts
    are checked against the sizes first: :func:`check_model_fits`), frozen models too, so a
    reference or teacher is laid out like the policy;
+1b. **expert parallel** over ``ctx.expert_mesh`` (``ep`` > 1): each MoE layer's experts split
+   over the ``ep`` ranks, tokens dispatched by all-to-all
+   (:func:`~tunesmith.training.expert_parallel.apply_expert_parallel`), frozen models too;
+   FSDP2 then shards only the other parameters;
+1c. **context parallel** (``cp`` > 1): each decoder gets the ring's group
+   (:func:`~tunesmith.training.context_parallel.install_context_parallel`; the Trainer splits
+   the rows), frozen models too;
 2. **activation checkpointing** (``cfg.activation_checkpointing``), trained models only;
 3. **compile** of each decoder layer (``cfg.compile``), trained models only;
 4. **FSDP2** over ``ctx.fsdp_mesh`` (:func:`~tunesmith.training.distributed.shard_model`):
@@ -31,7 +38,9 @@ from torch import nn
 from tunesmith.config import ConfigError, ConfigIssue
 from tunesmith.training.activations import apply_activation_checkpointing
 from tunesmith.training.compile import compile_model, compile_options
+from tunesmith.training.context_parallel import install_context_parallel
 from tunesmith.training.distributed import DistributedContext, ParallelDims, shard_model
+from tunesmith.training.expert_parallel import apply_expert_parallel
 from tunesmith.training.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["check_model_fits", "parallelize"]
@@ -52,6 +61,10 @@ def parallelize(
         check_model_fits(getattr(model, "spec", None), ctx.dims)
     if ctx.tp_mesh is not None:
         apply_tensor_parallel(model, ctx.tp_mesh, sequence_parallel=ctx.dims.sequence_parallel)
+    if ctx.expert_mesh is not None:  # 1b. expert parallel
+        apply_expert_parallel(model, ctx.expert_mesh)
+    if ctx.cp_size > 1:  # 1c. context parallel: the decoders attend over the cp ring
+        install_context_parallel(model, ctx.cp_group)
     if not frozen and cfg.get("activation_checkpointing"):  # 2.
         apply_activation_checkpointing(model, **cfg["activation_checkpointing"])
     compiling = None if frozen else compile_options(cfg.get("compile"))

@@ -39,6 +39,7 @@ from tunesmith.config import instantiate, plain_config
 from tunesmith.modules.dtypes import AUTOCAST
 from tunesmith.training.activations import activation_offloading
 from tunesmith.training.checkpointer import Checkpointer
+from tunesmith.training.context_parallel import check_objective, shard_batch
 from tunesmith.training.distributed import DistributedContext, all_reduce_sum, full_tensor
 from tunesmith.training.loop_config import RECORD_KEY, RunRecord, check_resume, read_record
 from tunesmith.training.lr_schedules import schedule_params, set_schedule_params
@@ -108,6 +109,7 @@ class Trainer:
         on_step_end: Sequence[StepHook] = (), schedule_steps: int | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.ctx, self.model, self.objective = cfg, ctx, model, objective
+        check_objective(objective, ctx.cp_size)  # context parallel: refused where not exact
         self.source = source
         self.on_step_end: list[StepHook] = list(on_step_end)
         self.log = print if ctx.is_rank_zero else (lambda *a, **k: None)
@@ -148,6 +150,7 @@ class Trainer:
         the unit count and the objective's metrics as means over the units."""
         ctx, objective, accum = self.ctx, self.objective, len(micro_batches)
         step = self.progress["step"] + 1
+        micro_batches = [_cp_share(mb, ctx) for mb in micro_batches]  # context parallel
         self.model.train()
         units = all_reduce_sum(sum(objective.units(mb) for mb in micro_batches), ctx.device,
                                ctx.dp_cp_group)  # fmt: skip
@@ -194,7 +197,7 @@ class Trainer:
         metrics = {
             "loss": step_loss.item(), "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": grad_norm, "tokens_seen": self.progress["tokens_seen"],
-            objective.unit: int(units.item()),
+            objective.unit: int(units.item()) // _unit_copies(objective, ctx),
         }  # fmt: skip
         if self.in_backward:
             del metrics["grad_norm"]
@@ -330,7 +333,8 @@ def evaluate(
         ):
             for i in range(rounds):
                 counted = i < len(batches)
-                mb = collate([dataset[j] for j in (batches[i] if counted else [0])])
+                mb = _cp_share(collate([dataset[j] for j in (batches[i] if counted else [0])]),
+                               ctx)  # fmt: skip
                 out = objective(model, {k: v.to(ctx.device) for k, v in mb.items()})
                 metrics = {"loss": out.loss, **out.metrics}
                 if not counted:  # zeros keep every rank's metric names (and all-reduces) equal
@@ -341,6 +345,19 @@ def evaluate(
         model.train(was_training)
     total_units = all_reduce_sum(units, ctx.device, ctx.dp_cp_group)
     return {f"val_{k}": v for k, v in _means(sums, total_units, ctx).items()}
+
+
+def _cp_share(batch: Batch, ctx: DistributedContext) -> Batch:
+    """This rank's share of each row under context parallel (the batch as is without)."""
+    if ctx.cp_size == 1:
+        return batch
+    multiple = ctx.dims.tp if ctx.dims.sequence_parallel else 1  # whole tp shards
+    return shard_batch(batch, cp_rank=ctx.cp_rank, cp_size=ctx.cp_size, multiple=multiple)
+
+
+def _unit_copies(objective: Objective, ctx: DistributedContext) -> int:
+    """How many ranks count each unit: the cp ranks of a row-level objective all do."""
+    return ctx.cp_size if getattr(objective, "context_parallel", None) == "rows" else 1
 
 
 def _steps_per_epoch(source: BatchSource | None) -> int:

@@ -5,6 +5,11 @@ equals it or ends with ``"." + entry`` (``q_proj``, ``self_attn.o_proj``, ``lm_h
 single string other than ``"all-linear"`` is a regular expression the whole name must match;
 ``"all-linear"`` is every linear layer except ``lm_head`` and MoE routers.
 
+Stacked MoE experts (:class:`~tunesmith.modules.moe.GroupedExperts`, ``[E, ...]`` tensors)
+are not linear layers: ``"all-linear"`` leaves them frozen and without adapters (as PEFT does
+with transformers 5's fused experts), and a list entry or regex that names them
+(``gate_proj`` on a MoE model, ``experts``) is refused: LoRA on experts is not supported yet.
+
 Adapted layers keep their base parameters under the original names, so the base part of
 ``model.state_dict()`` still has the Hugging Face keys; adapter tensors add
 ``<layer>.lora_A.weight``, ``<layer>.lora_B.weight`` and, for DoRA,
@@ -31,7 +36,7 @@ import torch
 from torch import nn
 
 from tunesmith.modules.dtypes import dtype_from_name
-from tunesmith.modules.moe import MoE
+from tunesmith.modules.moe import PROJECTIONS, GroupedExperts, MoE
 from tunesmith.modules.peft.dora import DoRALinear
 from tunesmith.modules.peft.lora import LoRALinear
 from tunesmith.modules.peft.nf4 import quantize_nf4
@@ -93,12 +98,41 @@ def _matches(name: str, targets: Sequence[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
+def _refuse_stacked_experts(model: nn.Module, target_modules: str | Sequence[str]) -> None:
+    """A ``ValueError`` when ``target_modules`` names stacked MoE experts (``all-linear`` skips
+    them): LoRA on experts is not supported yet."""
+    stacked = [
+        (f"{name}.{proj}", name)
+        for name, module in model.named_modules()
+        if isinstance(module, GroupedExperts)
+        for proj in PROJECTIONS
+    ]
+    if not stacked or target_modules == "all-linear":
+        return
+    if isinstance(target_modules, str):
+        pattern = re.compile(target_modules)
+        named = [
+            t for t in (target_modules,) if any(pattern.fullmatch(n) for s in stacked for n in s)
+        ]
+    else:
+        entries = [t for t in target_modules if isinstance(t, str) and t]
+        named = [t for t in entries if any(_matches(n, [t]) for s in stacked for n in s)]
+    if named:
+        raise ValueError(
+            f"target_modules {named} name stacked MoE experts (e.g. {stacked[0][0]}): LoRA on "
+            f"MoE experts is not supported yet; adapt attention (and dense MLP layers by full "
+            f"name) instead, e.g. target_modules=[q_proj, k_proj, v_proj, o_proj]"
+        )
+
+
 def find_linear_targets(model: nn.Module, target_modules: str | Sequence[str]) -> list[str]:
     """Names of the ``nn.Linear`` layers of ``model`` that ``target_modules`` selects.
 
     Raises ``ValueError`` when an entry matches no linear layer (listing the available layer
-    names) and when a selected layer already carries an adapter.
+    names), when it names stacked MoE experts (not supported yet) and when a selected layer
+    already carries an adapter.
     """
+    _refuse_stacked_experts(model, target_modules)
     adapted = adapter_modules(model)
     inside = tuple(f"{name}." for name in adapted)  # lora_A/lora_B are linears too
     linears = {

@@ -1,0 +1,96 @@
+"""Expert parallel through the SFT recipe == one process, for a tiny Qwen3-MoE model: the
+logged losses (cross-entropy plus the load-balancing loss, its coefficient raised to 0.1 so it
+weighs), grad norms, token counts and the exported weights after 3 steps.
+
+Why the runs match: every rank takes one sample per step (batch 1, so no padding) and the
+single process takes the same samples as ``gradient_accumulation_steps`` micro-batches of
+one (the sampler hands rank ``r`` the samples ``perm[r::world]``). The load-balancing loss is
+a mean per micro-batch, weighted ``1 / accumulation`` in one process and averaged over the
+data-parallel ranks under EP: the same sum. ep 2 on 2 ranks holds 4 of the 8 experts per
+rank; ep 2 on 4 ranks (``dp_shard`` 4) has two holders of each expert, whose gradients are
+summed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.data.tokenizer_factory import make_tokenizer_folder
+from tests.recipes.sft_world import (
+    assert_same_as_single,
+    final_weights,
+    launch_ranks,
+    make_counting_data,
+    read_metrics,
+    run_sft,
+    sft_overrides,
+)
+from tunesmith.data import Tokenizer
+from tunesmith.models import build_model
+from tunesmith.models.hf import save_hf_checkpoint
+from tunesmith.models.zoo import qwen3_moe
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep")
+    tok_dir = make_tokenizer_folder(root / "tokenizer", "qwen2_5")
+    vocab = Tokenizer.from_pretrained(tok_dir).vocab_size
+    spec = qwen3_moe.spec("qwen3_moe_tiny", vocab_size=vocab, router_aux_loss_coef=0.1)
+    torch.manual_seed(0)
+    model_dir = save_hf_checkpoint(build_model(spec), root / "model", source_dir=tok_dir)
+    data = make_counting_data(root / "count.jsonl", rows=24)
+    return root, model_dir, data
+
+
+def _single(root, model_dir, data, accumulation: int, config: str = "tiny"):
+    return run_sft(
+        model_dir, data, root / f"single{accumulation}_{config}", "batch_size=1",
+        f"gradient_accumulation_steps={accumulation}", f"max_steps={STEPS}", config=config,
+    )  # fmt: skip
+
+
+def _expert_parallel(model_dir, data, tmp_path, world_size: int, timeout: float,
+                     config: str = "tiny"):  # fmt: skip
+    out = tmp_path / "ep"
+    overrides = sft_overrides(
+        model_dir, data, out, "batch_size=1", f"max_steps={STEPS}",
+        f"parallelism.dp_shard={world_size}", "parallelism.ep=2",
+    )  # fmt: skip
+    launch_ranks(overrides, tmp_path, config=config, world_size=world_size, timeout=timeout)
+    return out
+
+
+def test_ep2_on_two_ranks_equals_one_process(world, tmp_path):
+    root, model_dir, data = world
+    single = _single(root, model_dir, data, accumulation=2)
+    out = _expert_parallel(model_dir, data, tmp_path, world_size=2, timeout=240)
+    assert_same_as_single(model_dir, single, out, steps=STEPS, ranks=2)
+
+
+def test_ep2_with_dp4_on_four_ranks_equals_one_process(world, tmp_path):
+    root, model_dir, data = world
+    single = _single(root, model_dir, data, accumulation=4)
+    out = _expert_parallel(model_dir, data, tmp_path, world_size=4, timeout=400)
+    assert_same_as_single(model_dir, single, out, steps=STEPS, ranks=4)
+
+
+def test_ep2_with_lora_on_attention_equals_one_process(world, tmp_path):
+    """LoRA adapters (attention; the experts frozen, split over ep) train as in one process."""
+    root, model_dir, data = world
+    single = _single(root, model_dir, data, accumulation=2, config="tiny_lora")
+    out = _expert_parallel(model_dir, data, tmp_path, world_size=2, timeout=240,
+                           config="tiny_lora")  # fmt: skip
+    logged_1, logged_2 = read_metrics(single), read_metrics(out)
+    assert sorted(logged_1) == sorted(logged_2) == list(range(1, STEPS + 1))
+    for step in logged_1:
+        assert logged_2[step]["loss"] == pytest.approx(logged_1[step]["loss"], rel=1e-5)
+        assert logged_2[step]["grad_norm"] == pytest.approx(logged_1[step]["grad_norm"], rel=1e-5)
+    adapters_1, adapters_2 = final_weights(single), final_weights(out)
+    assert adapters_1 and adapters_1.keys() == adapters_2.keys()
+    assert all("lora" in name for name in adapters_1)
+    for name in adapters_1:
+        torch.testing.assert_close(adapters_2[name], adapters_1[name], atol=1e-5, rtol=0)
