@@ -40,6 +40,7 @@ from tunesmith.rl.rollout import completion_mask
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import forward_batch, router_aux_loss
 from tunesmith.training.loop import check_vocab
+from tunesmith.training.setup import apply_attention_backend
 from tunesmith.training.trainer import LossOutput
 
 __all__ = [
@@ -104,6 +105,7 @@ def build_critic(
                 f"{type(critic).__name__} with {getattr(critic, 'num_labels', '?')} output(s)"
             )
         check_vocab(tokenizer, critic, cfg, key="critic_model")
+        apply_attention_backend(critic, cfg.get("attention_backend"))
         if critic.spec.pad_token_id is None:
             critic.spec = critic.spec.replace(pad_token_id=pad)
         log(f"critic: {cfg.critic_model.get('path', cfg.critic_model._component_)}")

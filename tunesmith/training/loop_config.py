@@ -25,7 +25,8 @@ schedule length and the number of training samples. Before any weight is loaded,
   training split), ``metric_loggers``, ``progress_bar``: when to stop, save, log and evaluate.
 - ``output_dir``, ``resume``, ``overwrite``, ``preflight``, ``distributed_timeout_s``: where
   and how the run is started.
-- ``activation_checkpointing``, ``activation_offloading``, ``compile``: memory and speed only.
+- ``activation_checkpointing``, ``activation_offloading``, ``compile``, ``attention_backend``:
+  memory and speed only.
 - ``on_nonfinite_loss``: what to do at a non-finite step (a run stopped at one may go on with
   ``skip``).
 - ``parallelism``, ``batch_size``, ``gradient_accumulation_steps`` (:data:`BATCH_KEYS`), and the
@@ -305,6 +306,9 @@ MODEL_RULES: dict[str, Rule] = {
         "true, false, null or a mapping of compile options",
         lambda v: v is None or isinstance(v, bool) or type_name(v) == "mapping",
     ),
+    "attention_backend": choice(
+        "auto", "sdpa", "varlen", "flex", "loop", null="each model's own setting: auto"
+    ),
 }
 """Rules of the keys every recipe's model step reads (``setup.MODEL_KEYS``) that have one."""
 
@@ -340,7 +344,7 @@ RESUMABLE_KEYS = frozenset({
     "stop_after_steps", "save_every_n_steps", "keep_last", "log_every_n_steps",
     "eval_every_n_steps", "val_dataset", "metric_loggers", "progress_bar",
     "output_dir", "resume", "overwrite", "preflight", "distributed_timeout_s",
-    "activation_checkpointing", "activation_offloading", "compile",
+    "activation_checkpointing", "activation_offloading", "compile", "attention_backend",
     "on_nonfinite_loss",
 })  # fmt: skip
 """Top-level keys whose value may differ from the checkpoint's on resume (see the module docs)."""

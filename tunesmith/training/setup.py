@@ -6,6 +6,8 @@ objective and what is its own.
   sets), :func:`token_batches` (SFT samples packed or padded; the pack length is the
   dataset's own ``max_seq_len``);
 * :func:`build_policy`: the trained model, checked against the tokenizer;
+* :func:`apply_attention_backend`: the ``attention_backend`` key set on every decoder of a
+  model (``build_policy`` and ``frozen_model`` call it);
 * :func:`frozen_model`: a model that is never trained (DPO reference, KD teacher), frozen,
   placed and sharded like the policy, optionally offloaded;
 * :func:`reference_policy`: the frozen policy a KL or a preference loss compares against
@@ -40,6 +42,7 @@ from torch.utils.data import Subset
 
 from tunesmith.config import instantiate
 from tunesmith.data import packed_or_padded
+from tunesmith.modules.decoder import DecoderModel
 from tunesmith.modules.losses import LinearCrossEntropyLoss
 from tunesmith.modules.peft import adapter_modules, disable_adapters
 from tunesmith.training.compile import compile_loss, compile_options
@@ -51,6 +54,7 @@ from tunesmith.training.preflight import longest_batch
 
 __all__ = [
     "MODEL_KEYS",
+    "apply_attention_backend",
     "build_policy",
     "compiled_loss",
     "datasets_for",
@@ -66,7 +70,7 @@ __all__ = [
 ]
 
 # The top-level config keys of the model steps here and in parallelize(); rules: MODEL_RULES.
-MODEL_KEYS = ["model", "loss", "activation_checkpointing", "compile"]
+MODEL_KEYS = ["model", "loss", "activation_checkpointing", "compile", "attention_backend"]
 
 Log = Callable[..., None]
 
@@ -147,9 +151,33 @@ def build_policy(
     >>> model = parallelize(build_policy(cfg, ctx, tokenizer), ctx, cfg)  # doctest: +SKIP
     """
     model = instantiate(cfg.model)
+    apply_attention_backend(model, cfg.get("attention_backend"))
     if on_device:
         model = model.to(ctx.device)
     check_vocab(tokenizer, model, cfg)
+    return model
+
+
+def apply_attention_backend(model: nn.Module, name: str | None) -> nn.Module:
+    """Set ``name`` (``auto``, ``sdpa``, ``varlen``, ``flex``, ``loop``; the config's
+    ``attention_backend``) on every :class:`~tunesmith.modules.decoder.DecoderModel` inside
+    ``model``; None leaves the models as they are (``auto`` unless built otherwise). A name
+    that is no backend, or a model without a decoder to set it on, is refused.
+
+    >>> model = apply_attention_backend(llama3.llama3_tiny(), "sdpa")  # doctest: +SKIP
+    >>> model.model.attention_backend                                   # doctest: +SKIP
+    'sdpa'
+    """
+    if name is None:
+        return model
+    decoders = [m for m in model.modules() if isinstance(m, DecoderModel)]
+    if not decoders:
+        raise ValueError(
+            f"attention_backend: {name!r} is set, but {type(model).__name__} has no "
+            "DecoderModel to apply it to; remove the key for this model"
+        )
+    for decoder in decoders:
+        decoder.attention_backend = name  # validates the name
     return model
 
 
@@ -173,6 +201,7 @@ def frozen_model(
         model = copy.deepcopy(copy_of)
     else:
         raise ValueError(f"{key} is not set: give a model component")
+    apply_attention_backend(model, cfg.get("attention_backend"))
     model.requires_grad_(False).eval()
     if not (offload and ctx.device.type == "cuda"):  # offloaded: FSDP2 places the shards
         model = model.to(ctx.device)
