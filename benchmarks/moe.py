@@ -1,13 +1,26 @@
-"""MoE layer forward + backward on CPU: the old per-expert Python loop vs the grouped path.
+"""MoE layer forward + backward on CPU: the old per-expert Python loop vs the grouped path
+and the other exact ways to run the experts.
 
-Both run the same routing (``MoE.route``, sort by expert, weighted ``index_add``) on the
+All run the same routing (``MoE.route``, sort by expert, weighted ``index_add``) on the
 same weights; they differ only in the experts:
 
 - **loop** (the layer before issue #16, kept here only as the baseline): one
   ``FeedForward`` (three ``nn.Linear``) per expert in a ``ModuleList``, a Python loop over the
   experts on ``split(counts.tolist())`` slices (a host sync per layer), outputs concatenated.
 - **grouped**: :class:`~tunesmith.modules.moe.GroupedExperts`, stacked ``[E, ...]`` weights,
-  three ``torch._grouped_mm`` calls over the sorted tokens (``counts`` stays a tensor).
+  three ``torch._grouped_mm`` calls over the sorted tokens (``counts`` stays a tensor). The
+  default wherever the kernel takes the operands (float32/bfloat16 rows of 16-byte multiples).
+- **stacked loop**: ``GroupedExperts``' fallback, a loop over ``unbind``-ed stacked weights on
+  ``split(counts.tolist())`` slices (on CPU reading ``counts`` costs no device sync).
+- **manual loop**: the same loop in one ``autograd.Function`` whose backward writes each
+  expert's gradients straight into ``[E, ...]`` buffers (no per-expert autograd nodes, no
+  ``cat``/``stack`` copies); gate and up activations are kept from the forward.
+- **padded bmm**: tokens scattered into a zero-padded ``[E, max_count, hidden]`` buffer,
+  three ``bmm`` calls, rows gathered back (the padding is wasted FLOPs).
+
+``FLOP bound`` is the experts' FLOPs (3 matmuls forward, 6 backward) at the rate of one dense
+float32 matmul of the same total size, measured on the spot: no exact way beats it, so
+``old loop / FLOP bound`` is the most any expert path could gain.
 
 The step is ``out, _ = moe(x); (out * g).sum().backward()`` with ``x`` and all weights
 requiring grad (full fine-tuning). The two ways take turns in every round (after a warm-up
@@ -25,11 +38,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import statistics
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from sft_ladder import machine
 from torch import nn
 
@@ -38,6 +53,7 @@ from tunesmith.modules.moe import MoE
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ((8, 2), (8, 8), (64, 2), (64, 8))  # (experts, top-k)
+WAYS = ("old loop", "grouped", "stacked loop", "manual loop", "padded bmm")
 
 
 class LoopMoE(nn.Module):
@@ -74,6 +90,90 @@ class LoopMoE(nn.Module):
         return out.reshape(shape), logits
 
 
+def stacked_loop(x, counts, gate, up, down):
+    """``GroupedExperts``' fallback: a loop over ``unbind``-ed stacked weights."""
+    outputs = []
+    chunks = x.split(counts.tolist())
+    for chunk, g, u, d in zip(chunks, gate.unbind(), up.unbind(), down.unbind(), strict=True):
+        if chunk.shape[0]:
+            outputs.append((F.silu(chunk @ g.T) * (chunk @ u.T)) @ d.T)
+    return torch.cat(outputs) if outputs else x.new_zeros(x.shape)
+
+
+class _ManualLoop(torch.autograd.Function):
+    """The per-expert loop with a hand-written backward into ``[E, ...]`` gradient buffers."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, gate, up, down):
+        out = x.new_empty(x.shape)
+        kept = []
+        for chunk, o, g, u, d in zip(x.split(sizes), out.split(sizes), gate, up, down):
+            if chunk.shape[0]:
+                a, b = chunk @ g.T, chunk @ u.T
+                torch.mm(F.silu(a) * b, d.T, out=o)
+                kept.append((a, b))
+            else:
+                kept.append(None)
+        ctx.save_for_backward(x, gate, up, down)
+        ctx.kept, ctx.sizes = kept, sizes
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gate, up, down = ctx.saved_tensors
+        sizes = ctx.sizes
+        dx = torch.empty_like(x)
+        dgate, dup, ddown = torch.zeros_like(gate), torch.zeros_like(up), torch.zeros_like(down)
+        parts = zip(x.split(sizes), dy.split(sizes), dx.split(sizes), ctx.kept, strict=True)
+        for e, (chunk, dyc, dxc, kept) in enumerate(parts):
+            if kept is None:
+                continue
+            a, b = kept
+            sig = torch.sigmoid(a)
+            act = a * sig
+            torch.mm(dyc.T, act * b, out=ddown[e])
+            dh = dyc @ down[e]
+            db = dh * act
+            da = dh * b * (sig * (1 + a * (1 - sig)))
+            torch.mm(da.T, chunk, out=dgate[e])
+            torch.mm(db.T, chunk, out=dup[e])
+            torch.mm(da, gate[e], out=dxc)
+            dxc.addmm_(db, up[e])
+        return dx, None, dgate, dup, ddown
+
+
+def manual_loop(x, counts, gate, up, down):
+    return _ManualLoop.apply(x, counts.tolist(), gate, up, down)
+
+
+def padded_bmm(x, counts, gate, up, down):
+    """Tokens into a zero-padded ``[E, max_count, hidden]`` buffer, three ``bmm`` calls."""
+    experts, longest = counts.shape[0], int(counts.max())
+    steps = torch.arange(longest)
+    real = steps[None] < counts[:, None]
+    rows = (torch.arange(experts)[:, None] * longest + steps[None]).masked_select(real)
+    padded = x.new_zeros(experts * longest, x.shape[1]).index_copy(0, rows, x)
+    padded = padded.view(experts, longest, -1)
+    h = F.silu(padded @ gate.transpose(1, 2)) * (padded @ up.transpose(1, 2))
+    return (h @ down.transpose(1, 2)).reshape(experts * longest, -1).index_select(0, rows)
+
+
+class Variant(nn.Module):
+    """``base`` (a :class:`MoE`) with its experts run by ``way(x, counts, gate, up, down)``."""
+
+    def __init__(self, base: MoE, way) -> None:
+        super().__init__()
+        self.base, self.way = base, way
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ex = self.base.experts
+        ex.forward = lambda t, c: self.way(t, c, ex.gate_proj, ex.up_proj, ex.down_proj)
+        try:
+            return self.base(x)
+        finally:
+            del ex.forward
+
+
 def step(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[float, float]:
     x.grad = None
     for p in layer.parameters():
@@ -88,16 +188,27 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p) if p.grad is None else p.grad  # an expert with no token
 
 
-def grads(layer: nn.Module, grouped: bool) -> torch.Tensor:
-    if grouped:
-        ex = layer.experts
-        parts = [ex.gate_proj.grad, ex.up_proj.grad, ex.down_proj.grad]
-    else:
+def grads(layer: nn.Module) -> torch.Tensor:
+    if isinstance(layer, LoopMoE):
         parts = [
             torch.stack([_grad(getattr(e, n).weight) for e in layer.experts])
             for n in ("gate_proj", "up_proj", "down_proj")
         ]
+    else:
+        ex = layer.base.experts if isinstance(layer, Variant) else layer.experts
+        parts = [_grad(ex.gate_proj), _grad(ex.up_proj), _grad(ex.down_proj)]
     return torch.cat([p.flatten() for p in parts])
+
+
+def flop_bound(tokens: int, hidden: int, intermediate: int, top_k: int) -> float:
+    """Seconds for the experts' 9 matmuls at the rate of one dense matmul of the same size."""
+    a, b = torch.randn(tokens * top_k, hidden), torch.randn(hidden, 3 * intermediate)
+    best = math.inf
+    for _ in range(3):
+        start = time.process_time()
+        a @ b
+        best = min(best, time.process_time() - start)
+    return 3 * best  # forward: a @ b; backward: twice the forward's FLOPs
 
 
 def run_case(
@@ -106,65 +217,72 @@ def run_case(
     tokens, hidden, intermediate = size
     torch.manual_seed(0)
     grouped = MoE(hidden, intermediate, num_experts=experts, top_k=top_k)
-    loop = LoopMoE(grouped)
+    layers = {
+        "old loop": LoopMoE(grouped),
+        "grouped": grouped,
+        "stacked loop": Variant(grouped, stacked_loop),
+        "manual loop": Variant(grouped, manual_loop),
+        "padded bmm": Variant(grouped, padded_bmm),
+    }
     x = torch.randn(1, tokens, hidden, requires_grad=True)
     g = torch.randn(1, tokens, hidden)
-    # Check: same outputs and gradients (the loop's router is the grouped layer's own).
-    out_l, _ = loop(x)
-    out_g, _ = grouped(x)
-    (out_l * g).sum().backward()
-    gl, xl = grads(loop, False), x.grad.clone()
-    x.grad = None
-    grouped.gate.weight.grad = None
-    (out_g * g).sum().backward()
-    gg, xg = grads(grouped, True), x.grad.clone()
-    diff = max(
-        (out_l - out_g).abs().max().item(),
-        (gl - gg).abs().max().item(),
-        (xl - xg).abs().max().item(),
-    )
-    times: dict[str, list[tuple[float, float]]] = {"loop": [], "grouped": []}
+    # Check: same outputs and gradients as the old loop (whose router is the grouped layer's).
+    reference: list[torch.Tensor] = []
+    diffs: dict[str, float] = {}
+    for name, layer in layers.items():
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        out, _ = layer(x)
+        (out * g).sum().backward()
+        mine = [out.detach(), x.grad.clone(), grads(layer)]
+        reference = reference or mine
+        diffs[name] = max((a - b).abs().max().item() for a, b in zip(mine, reference))
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in layers}
     for _ in range(rounds):
-        for name, layer in (("loop", loop), ("grouped", grouped)):
+        for name, layer in layers.items():
             times[name].append(step(layer, x, g))
     threads = torch.get_num_threads()
-    row: dict[str, object] = {"size": size, "experts": experts, "top_k": top_k, "diff": diff}
+    row: dict[str, object] = {"size": size, "experts": experts, "top_k": top_k}
+    row["bound"] = flop_bound(tokens, hidden, intermediate, top_k) / threads
     for name, ts in times.items():
         row[f"{name}_wall"] = statistics.median(t[0] for t in ts)
         row[f"{name}_cpu"] = statistics.median(t[1] for t in ts) / threads
-        row[f"{name}_rounds"] = ", ".join(f"{t[0]:.3f}" for t in ts)
+        row[f"{name}_diff"] = diffs[name]
     return row
 
 
-def _size(text: str) -> tuple[int, int, int]:
-    tokens, hidden, intermediate = (int(v) for v in text.split("x"))
-    return tokens, hidden, intermediate
+def _size(text: str) -> tuple[tuple[int, int, int], tuple[tuple[int, int], ...]]:
+    """``TxHxI`` (the four default cases) or ``TxHxI:E/k`` (that case only)."""
+    shape, _, case = text.partition(":")
+    tokens, hidden, intermediate = (int(v) for v in shape.split("x"))
+    cases = CASES if not case else ((int(case.split("/")[0]), int(case.split("/")[1])),)
+    return (tokens, hidden, intermediate), cases
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--sizes",
-        default="2048x1024x384,256x128x64",
-        help="comma-separated TOKENSxHIDDENxINTERMEDIATE (intermediate per expert)",
+        default="2048x1024x384,1024x512x192:128/8,256x128x64",
+        help="comma-separated TOKENSxHIDDENxINTERMEDIATE[:EXPERTS/TOPK] (intermediate per "
+        "expert); without :E/k the cases are " + ", ".join(f"{e}/{k}" for e, k in CASES),
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    sizes = [_size(s) for s in args.sizes.split(",")]
     start = time.perf_counter()
     rows = []
-    for size in sizes:
-        for experts, top_k in CASES:
+    for text in args.sizes.split(","):
+        size, cases = _size(text)
+        for experts, top_k in cases:
             row = run_case(experts, top_k, size, args.rounds)
             rows.append(row)
             print(
-                f"{size} E={experts} k={top_k}: loop {row['loop_wall']:.3f}s grouped "
-                f"{row['grouped_wall']:.3f}s ({row['loop_wall'] / row['grouped_wall']:.2f}x) "
-                f"cpu/thread {row['loop_cpu']:.3f} vs {row['grouped_cpu']:.3f} "
-                f"diff {row['diff']:.1e}",
+                f"{size} E={experts} k={top_k} CPU s/thread: bound {row['bound']:.3f} "
+                + " ".join(f"{w} {row[f'{w}_cpu']:.3f}" for w in WAYS),
                 flush=True,
             )
     minutes = (time.perf_counter() - start) / 60
@@ -173,35 +291,42 @@ def main() -> None:
         f"--threads {args.threads}"
     )
     lines = [
-        "# MoE layer forward + backward: per-expert loop vs grouped experts (CPU)",
+        "# MoE layer forward + backward on CPU: the old per-expert loop vs the exact ways to "
+        "run stacked experts",
         "",
         f"`{command}` ({minutes:.1f} min)",
         "",
         "- One MoE layer, float32; sizes are tokens x hidden x expert intermediate; step = "
         "forward + backward of `(out * g).sum()` with the input and every weight requiring "
-        "grad. Same router, routing and combine both ways.",
-        "- **loop**: the layer before issue #16 (a `ModuleList` of `FeedForward` experts run in "
-        "a Python loop on `split(counts.tolist())`). **grouped**: `GroupedExperts` "
-        "(stacked `[E, ...]` weights, `torch._grouped_mm`, no host sync).",
+        "grad. Same router, routing and combine every way. 1024x512x192 with 128 experts "
+        "top-8 is Qwen3-30B-A3B's routing with its per-expert shape (2048x768) scaled by 1/4.",
+        "- **old loop**: the layer before issue #16 (a `ModuleList` of `FeedForward` experts "
+        "run in a Python loop on `split(counts.tolist())`). **grouped**: `GroupedExperts`' "
+        "default (`torch._grouped_mm`, no host sync). **stacked loop**: its fallback (loop "
+        "over `unbind`-ed stacked weights). **manual loop**: the loop in one "
+        "`autograd.Function` writing gradients into `[E, ...]` buffers. **padded bmm**: "
+        "zero-padded `[E, max_count, hidden]` and `bmm`. See the module docstring.",
+        "- **FLOP bound**: the experts' FLOPs at the rate of one dense matmul of the same total "
+        "size (no exact way can beat it); **max gain** = old loop / FLOP bound.",
         f"- Machine: {machine()}; {args.threads} intra-op thread(s); torch {torch.__version__}; "
-        f"run {datetime.date.today()}. The machine was shared with other jobs: the per-round "
-        "times show the noise; CPU time per thread is the steadier number.",
-        "- **max diff**: the largest absolute difference between the two ways over the output, "
-        "the input gradient and the expert weight gradients (float32 rounding only).",
+        f"run {datetime.date.today()}. The machine was shared with other jobs, so the table "
+        "gives the median CPU time of this process per thread (steadier than wall time).",
+        "- **max diff**: the largest absolute difference to the old loop over the output, the "
+        "input gradient and the expert weight gradients (float32 rounding only).",
         "",
-        "| tokens x hidden x inter | experts | top-k | loop step s | grouped step s | speed-up "
-        "| loop CPU s/thread | grouped CPU s/thread | CPU speed-up | max diff | loop s per round "
-        "| grouped s per round |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| tokens x hidden x inter | experts | top-k | FLOP bound s | "
+        + " | ".join(f"{w} s" for w in WAYS)
+        + " | grouped vs old loop | max gain | max diff |",
+        "|---|---:|---:|---:|" + "---:|" * len(WAYS) + "---:|---:|---:|",
     ]
     for r in rows:
         size = "x".join(str(v) for v in r["size"])
+        diff = max(r[f"{w}_diff"] for w in WAYS)
         lines.append(
-            f"| {size} | {r['experts']} | {r['top_k']} | {r['loop_wall']:.3f} "
-            f"| {r['grouped_wall']:.3f} | {r['loop_wall'] / r['grouped_wall']:.2f}x "
-            f"| {r['loop_cpu']:.3f} | {r['grouped_cpu']:.3f} "
-            f"| {r['loop_cpu'] / r['grouped_cpu']:.2f}x | {r['diff']:.1e} "
-            f"| {r['loop_rounds']} | {r['grouped_rounds']} |"
+            f"| {size} | {r['experts']} | {r['top_k']} | {r['bound']:.3f} | "
+            + " | ".join(f"{r[f'{w}_cpu']:.3f}" for w in WAYS)
+            + f" | {r['old loop_cpu'] / r['grouped_cpu']:.2f}x "
+            f"| {r['old loop_cpu'] / r['bound']:.2f}x | {diff:.1e} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -176,8 +176,82 @@ def test_one_device_and_world_size_shorthand_are_unchanged():
     assert _plan(model, world_size=2, parallel=ParallelDims(dp_shard=2)).world_size == 2
     with pytest.raises(ValueError, match="world_size 4 and parallel"):
         _plan(model, world_size=4, parallel=ParallelDims(tp=2, dp_shard=2))
-    with pytest.raises(ValueError, match="context or expert parallel"):
-        _plan(model, parallel=ParallelDims(cp=2))
+    # under context parallel FSDP2 spans dp_shard x cp: world_size may name those ranks
+    cp = ParallelDims(dp_shard=2, cp=2)
+    assert _plan(model, world_size=4, parallel=cp) == _plan(model, parallel=cp)
+    with pytest.raises(ValueError, match=r"world_size 8 and parallel \(dp_shard 2 x cp 2\)"):
+        _plan(model, world_size=8, parallel=cp)
+
+
+def _fsdp_bytes(model, shard, skip=lambda name: False):
+    """float32 bytes of every parameter (but ``skip``'s) with dim 0 split over ``shard``."""
+    return 4 * sum(_ceil(p.shape[0], shard) * p[0].numel()
+                   for n, p in model.named_parameters() if not skip(n))  # fmt: skip
+
+
+def test_context_parallel_divides_the_sequence_and_fsdp2_spans_dp_shard_x_cp():
+    model = _model()
+    per_token = 1032 + 512 + 784 + 2048  # a layer, float32 (test above)
+    final_norm = 4 * H + 8 * H
+    rope = 2 * 16 * 4
+    for cp, seq_len, local in ((2, 16, 8), (4, 16, 4), (2, 13, 8), (2, 7, 4)):
+        # each rank keeps 2 of the 2cp zigzag chunks of every row, padded: ceil(s / 2cp) * 2
+        plan = _plan(model, batch_size=2, seq_len=seq_len, parallel=ParallelDims(cp=cp))
+        tokens = 2 * local
+        assert plan.tokens == tokens, (cp, seq_len)
+        assert plan.activations == tokens * (2 * per_token + rope + final_norm), (cp, seq_len)
+        assert plan.logits == 12 * tokens * VOCAB  # full cross-entropy over this rank's rows
+        # FSDP2 over the cp ranks (dp_shard 1 x cp): weights, gradients, states split cp ways
+        assert plan.weights == plan.gradients == _fsdp_bytes(model, cp)
+        assert plan.optimizer_states == 2 * _fsdp_bytes(model, cp)
+        root = 2 * VOCAB * H + H
+        assert plan.gathered_root == 4 * root
+    # packed rows: the mask terms are the rank's share too (per layer a float mask row of
+    # s_local = 8 and k, v repeated to 4 heads: 4 * (4 * 4 - 2 * 4 - 2 * 2) * 16 more; a bool
+    # mask row of 8 shared by the layers)
+    packed = _plan(model, seq_len=16, packed=True, parallel=ParallelDims(cp=2))
+    unpacked = _plan(model, seq_len=16, parallel=ParallelDims(cp=2))
+    per_layer = 4 * 8 + 4 * (16 - 12) * 16
+    assert packed.activations - unpacked.activations == 2 * 8 * (2 * per_layer + 2 * 8)
+    # cp x dp_shard: FSDP2 over 4 ranks; the per-rank tokens are those of cp alone
+    both = _plan(model, parallel=ParallelDims(dp_shard=2, cp=2))
+    assert both.weights == _fsdp_bytes(model, 4) and both.activations == unpacked.activations
+    assert "per rank of 4 (dp_shard 2 x cp 2)" in both.table()
+
+
+def _is_expert(name):
+    return name.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj"))
+
+
+def test_expert_parallel_keeps_e_over_ep_experts_per_rank_outside_fsdp2():
+    model = build_model(qwen3_moe.spec("qwen3_moe_tiny"))  # layers 0 and 2 MoE, 8 experts
+    spec = model.spec
+    experts = {n: p for n, p in model.named_parameters() if _is_expert(n)}
+    assert len(experts) == 6 and all(p.shape[0] == 8 for p in experts.values())
+    # ep 2 over dp_shard 4: 4 of the 8 experts per rank (not split 4 ways by FSDP2), the rest
+    # FSDP2-sharded over the 4 ranks
+    dims = ParallelDims(dp_shard=4, ep=2)
+    plan = _plan(model, parallel=dims)
+    local_experts = 4 * sum(p.numel() // 2 for p in experts.values())
+    expected = local_experts + _fsdp_bytes(model, 4, skip=_is_expert)
+    assert plan.weights == plan.gradients == expected
+    assert plan.optimizer_states == 2 * expected
+    no_ep = _plan(model, parallel=ParallelDims(dp_shard=4))
+    assert no_ep.weights == _fsdp_bytes(model, 4)  # experts split 2 of 8 per rank by FSDP2
+    # FSDP2 gathers no expert: two of the largest layer without its experts
+    layers = [sum(4 * p.numel() for n, p in layer.named_parameters() if not _is_expert(n))
+              for layer in model.model.layers]  # fmt: skip
+    assert plan.gathered_layers == 2 * max(layers)
+    # the all-to-all buffers: 2 * top_k * a * H per token in each MoE layer (received rows and
+    # the rows returned); the dense layer is unchanged
+    k, a = spec.num_experts_per_tok, 4
+    for layer_idx, extra in ((0, 2 * k * a * H), (1, 0), (2, 2 * k * a * H)):
+        per_token = {ep: activation_bytes_per_token(spec, act_bytes=4, residual_bytes=4,
+                                                    seq_len=16, layer_idx=layer_idx, ep=ep)
+                     for ep in (1, 2)}  # fmt: skip
+        assert per_token[2] - per_token[1] == extra, layer_idx
+    assert plan.activations - no_ep.activations == 2 * 16 * 2 * (2 * k * a * H)
+    assert "per rank of 4 (dp_shard 4 x ep 2)" in plan.table()
 
 
 # -- measured: 2 gloo ranks ------------------------------------------------------------------------

@@ -6,6 +6,7 @@ the single process's loss, grad norm and other metrics at each of :data:`STEPS` 
 
 - ``sft`` cp2, right-padded rows (odd lengths: padded to a multiple of 4 by the split) and
   packed rows (documents crossing the split);
+- ``sft`` cp4 on 4 ranks (each row in eight zigzag chunks; ~12 s);
 - ``sft`` cp2 x dp_shard2 and cp2 x tp2 on 4 ranks (slow);
 - ``dpo`` cp2: the per-row log-probabilities summed over the cp ranks;
 - ``kd`` cp2 (a wider teacher, split like the student; slow);
@@ -101,6 +102,12 @@ def test_sft_cp2_packed_equals_one_process(world, tmp_path):
 def test_dpo_cp2_equals_one_process(world, tmp_path):
     single = _single(world, "dpo", "optimizer.lr=1e-3")
     out = _parallel(world, tmp_path, "dpo", 2, BATCH, *CP2, "optimizer.lr=1e-3")
+    _assert_same(single, out, world["model_dir"])
+
+
+def test_sft_cp4_equals_one_process(world, tmp_path):
+    single = _single(world, "sft")
+    out = _parallel(world, tmp_path, "sft", 4, BATCH, "parallelism.cp=4", "parallelism.dp_shard=1")
     _assert_same(single, out, world["model_dir"])
 
 

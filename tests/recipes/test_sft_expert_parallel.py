@@ -8,7 +8,8 @@ one (the sampler hands rank ``r`` the samples ``perm[r::world]``). The load-bala
 a mean per micro-batch, weighted ``1 / accumulation`` in one process and averaged over the
 data-parallel ranks under EP: the same sum. ep 2 on 2 ranks holds 4 of the 8 experts per
 rank; ep 2 on 4 ranks (``dp_shard`` 4) has two holders of each expert, whose gradients are
-summed.
+summed. A run of ep2 stopped at step 2 and resumed ends as the uninterrupted one (the experts'
+DTensor weights and AdamW moments round-trip through the checkpoint).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 from tests.data.tokenizer_factory import make_tokenizer_folder
 from tests.recipes.sft_world import (
     assert_same_as_single,
+    checkpoint_weights,
+    checkpoints,
     final_weights,
     launch_ranks,
     make_counting_data,
@@ -94,3 +97,43 @@ def test_ep2_with_lora_on_attention_equals_one_process(world, tmp_path):
     assert all("lora" in name for name in adapters_1)
     for name in adapters_1:
         torch.testing.assert_close(adapters_2[name], adapters_1[name], atol=1e-5, rtol=0)
+
+
+def test_ep2_stopped_and_resumed_equals_uninterrupted(world, tmp_path):
+    """ep2 on 2 ranks stopped with a checkpoint at step 2 and resumed to step 4 ends with the
+    uninterrupted run's weights and logs its losses: the experts' DTensor weights and their
+    AdamW moments (sharded over ep) round-trip through the checkpoint."""
+    root, model_dir, data = world
+    steps, stop = 4, 2
+
+    def launch(out, *extra):
+        overrides = sft_overrides(
+            model_dir, data, out, "batch_size=1", f"max_steps={steps}",
+            "parallelism.dp_shard=2", "parallelism.ep=2", *extra,
+        )  # fmt: skip
+        logs = out.parent / f"{out.name}-logs"
+        logs.mkdir(exist_ok=True)
+        launch_ranks(overrides, logs, world_size=2, timeout=240)
+
+    reference, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    launch(reference)
+    launch(resumed, f"stop_after_steps={stop}")
+    assert [p.name for p in checkpoints(resumed)] == [f"step_{stop:06d}"]
+    launch(resumed, "resume=true")
+    assert checkpoints(resumed)[-1].name == f"step_{steps:06d}"
+
+    logged, logged_ref = read_metrics(resumed), read_metrics(reference)
+    assert sorted(logged) == sorted(logged_ref) == list(range(1, steps + 1))
+    for step in range(stop + 1, steps + 1):
+        for key in ("loss", "grad_norm", "trained_tokens"):
+            assert logged[step][key] == pytest.approx(logged_ref[step][key], rel=1e-6), (
+                f"{key} at step {step}"
+            )
+    weights, expected = final_weights(resumed), final_weights(reference)
+    assert weights.keys() == expected.keys()
+    assert any(".experts." in name for name in weights)
+    for name in weights:
+        torch.testing.assert_close(weights[name], expected[name], atol=1e-6, rtol=0,
+                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+    at_stop = checkpoint_weights(checkpoints(resumed)[0])
+    assert max((expected[k] - at_stop[k]).abs().max().item() for k in at_stop) > 1e-4

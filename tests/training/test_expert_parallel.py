@@ -29,9 +29,11 @@ def _layer(dtype: torch.dtype) -> MoE:
     return MoE(HIDDEN, INTER, num_experts=EXPERTS, top_k=TOP_K, norm_topk_prob=True).to(dtype)
 
 
-def _tokens(rank: int, routing: str, dtype: torch.dtype) -> torch.Tensor:
+def _tokens(rank: int, world: int, routing: str, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's tokens; with ``routing == "empty"`` the last rank has none."""
     torch.manual_seed(100 + rank)
-    return torch.randn(5 + 3 * rank, HIDDEN, dtype=dtype)
+    rows = 0 if routing == "empty" and rank == world - 1 else 5 + 3 * rank
+    return torch.randn(rows, HIDDEN, dtype=dtype)
 
 
 def _skew_router(layer: MoE) -> None:
@@ -41,13 +43,18 @@ def _skew_router(layer: MoE) -> None:
         layer.gate.weight[0, 0], layer.gate.weight[1, 0] = 50.0, 49.0
 
 
+def _largest(diff: torch.Tensor) -> float:
+    """Largest absolute entry; 0 for an empty tensor (the rank with no token)."""
+    return diff.abs().max().item() if diff.numel() else 0.0
+
+
 def _case(world: int, ep: int, routing: str, dtype: torch.dtype) -> dict[str, float]:
     """Largest differences, EP vs the reference, on this rank."""
     rank = dist.get_rank()
     reference, split = _layer(dtype), _layer(dtype)
     if routing == "skewed":
         _skew_router(reference), _skew_router(split)
-    inputs = [_tokens(r, routing, dtype) for r in range(world)]
+    inputs = [_tokens(r, world, routing, dtype) for r in range(world)]
     # biased tokens so that skewed routing is decided by the first feature
     if routing == "skewed":
         inputs = [x.abs() + 0.5 for x in inputs]
@@ -68,10 +75,11 @@ def _case(world: int, ep: int, routing: str, dtype: torch.dtype) -> dict[str, fl
     if routing == "skewed":
         _skew_router(router)
     (router(inputs[rank][None])[0][0] * weights[rank]).sum().backward()
+    assert out[0].shape == ref_out[rank].shape and x.grad.shape == x.shape
     diffs = {
-        "out": (out[0] - ref_out[rank]).abs().max().item(),
-        "input_grad": (x.grad - ref_inputs[rank].grad).abs().max().item(),
-        "router_grad": (split.gate.weight.grad - router.gate.weight.grad).abs().max().item(),
+        "out": _largest(out[0] - ref_out[rank]),
+        "input_grad": _largest(x.grad - ref_inputs[rank].grad),
+        "router_grad": _largest(split.gate.weight.grad - router.gate.weight.grad),
     }
     for name in ("gate_proj", "up_proj", "down_proj"):
         param = getattr(split.experts, name)
@@ -82,10 +90,10 @@ def _case(world: int, ep: int, routing: str, dtype: torch.dtype) -> dict[str, fl
     return diffs
 
 
-CASES_2 = [(2, 2, r, d) for r in ("random", "skewed")
+CASES_2 = [(2, 2, r, d) for r in ("random", "skewed", "empty")
            for d in (torch.float32, torch.float64)]  # fmt: skip
 CASES_4 = [(4, 2, "random", torch.float32), (4, 4, "random", torch.float32),
-           (4, 2, "skewed", torch.float64)]  # fmt: skip
+           (4, 2, "skewed", torch.float64), (4, 4, "empty", torch.float32)]  # fmt: skip
 
 
 def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:

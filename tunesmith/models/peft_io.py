@@ -5,7 +5,9 @@ An adapter folder is what ``peft`` writes with ``save_pretrained``: ``adapter_co
 ``adapter_model.safetensors`` whose keys are the adapted model's keys with the prefix
 ``base_model.model.``, e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
 and, for DoRA, ``...q_proj.lora_magnitude_vector``. Our adapter keys are the same without the
-prefix, so the mapping is only that prefix. ``peft.PeftModel.from_pretrained(hf_model, folder)``
+prefix, so the mapping is only that prefix (stacked MoE expert adapters excepted: they are
+written as PEFT writes them for transformers 5's fused Qwen3-MoE experts, see "MoE experts"
+below). ``peft.PeftModel.from_pretrained(hf_model, folder)``
 loads what :func:`save_peft_adapter` writes, and :func:`load_peft_adapter` reads adapters
 trained with ``peft``.
 
@@ -38,6 +40,7 @@ from tunesmith.models.safetensors_io import (
     atomic_directory,
     read_json_object,
 )
+from tunesmith.modules.moe import ExpertLoRA, GroupedExperts
 from tunesmith.modules.peft import (
     DoRALinear,
     LoRALinear,
@@ -72,7 +75,6 @@ _UNSUPPORTED_FIELDS = {
     "modules_to_save": "fully trained extra modules",
     "trainable_token_indices": "trainable token embeddings",
     "layer_replication": "layer replication",
-    "target_parameters": "adapters on raw parameters (e.g. fused MoE experts)",
     "lora_bias": "LoRA biases",
     "fan_in_fan_out": "Conv1D-style (fan_in_fan_out) weights",
     "use_qalora": "QALoRA",
@@ -87,6 +89,118 @@ _UNSUPPORTED_FIELDS = {
 # init_lora_weights values that leave the base weights alone (PiSSA, OLoRA, LoftQ, EVA,
 # CorDA... rewrite the base when the adapter is loaded into peft).
 _PLAIN_INITS = (True, False, "gaussian", "orthogonal")
+
+
+# ----------------------------------------------------------------------------- MoE experts
+#
+# PEFT (with transformers 5, whose Qwen3-MoE experts are fused ``gate_up_proj`` ``[E, 2I, H]``
+# and ``down_proj`` ``[E, H, I]`` parameters) saves expert LoRA as ``target_parameters``
+# adapters on ``<layer>.mlp.experts``: ``lora_A.weight`` ``[E * r, in]`` (expert-major) and
+# ``lora_B.weight`` ``[out, r * E]`` (expert-minor). With both targeted, ``gate_up_proj`` is the
+# inner wrapper (``experts.base_layer.lora_*``) and ``down_proj`` the outer (``experts.lora_*``).
+# Our separate gate/up adapters are written fused: ``A = [A_gate; A_up]`` (rank 2r) and
+# ``B = blockdiag(B_gate, B_up)``, with ``rank_pattern``/``alpha_pattern`` keeping the scaling;
+# reading takes that form back (a dense fused ``B`` is refused).
+
+_FUSED_KEY = r".*\.gate_up_proj"
+
+
+def _expert_file_layers(experts_name: str, fused: bool, down: bool) -> dict[str, str]:
+    """PEFT layer name (without prefix) of each fused parameter adapted on ``experts_name``."""
+    if fused and down:
+        return {"gate_up_proj": f"{experts_name}.base_layer", "down_proj": experts_name}
+    return {("gate_up_proj" if fused else "down_proj"): experts_name}
+
+
+def _to_peft_expert_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our stacked expert adapter keys (``<experts>.lora.<proj>.lora_A``) -> PEFT's keys and
+    layouts (without prefix); other keys pass through."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+    for key, value in state.items():
+        match = re.fullmatch(r"(.*)\.lora\.(gate_proj|up_proj|down_proj)\.(lora_[AB])", key)
+        if match is None:
+            out[key] = value
+            continue
+        groups.setdefault(match[1], {}).setdefault(match[2], {})[match[3]] = value
+    for experts_name, projs in groups.items():
+        fused, down = "gate_proj" in projs, "down_proj" in projs
+        if fused != ("up_proj" in projs):
+            raise CheckpointError(
+                f"{experts_name}: gate_proj and up_proj adapters must come together (PEFT fuses "
+                f"them into gate_up_proj), got {sorted(projs)}"
+            )
+        layers = _expert_file_layers(experts_name, fused, down)
+        if fused:
+            g, u = projs["gate_proj"], projs["up_proj"]
+            a = torch.cat([g["lora_A"], u["lora_A"]], dim=1)
+            b = torch.stack(
+                [torch.block_diag(bg, bu) for bg, bu in zip(g["lora_B"], u["lora_B"], strict=True)]
+            )
+            out[f"{layers['gate_up_proj']}.lora_A.weight"] = a.flatten(0, 1)
+            out[f"{layers['gate_up_proj']}.lora_B.weight"] = b.permute(1, 2, 0).flatten(1, 2)
+        if down:
+            d = projs["down_proj"]
+            out[f"{layers['down_proj']}.lora_A.weight"] = d["lora_A"].flatten(0, 1)
+            out[f"{layers['down_proj']}.lora_B.weight"] = d["lora_B"].permute(1, 2, 0).flatten(1, 2)
+    return out
+
+
+def _expert_adapters(
+    model: nn.Module, adapter: PeftAdapter
+) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Take the expert layers out of ``adapter.layers``: experts name -> projection ->
+    (``A`` ``[E, r, in]``, ``B`` ``[E, out, r]``), unfused and checked against the model."""
+    params = set(adapter.config.get("target_parameters") or [])
+    file = adapter.weights_file
+    unknown = params - {"gate_up_proj", "down_proj"}
+    if unknown:
+        raise CheckpointError(
+            f"{file}: target_parameters {sorted(unknown)} (only MoE experts' gate_up_proj and "
+            f"down_proj are supported)"
+        )
+    out: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    if not params:
+        return out
+    fused, down = "gate_up_proj" in params, "down_proj" in params
+    stacked = {n: m for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
+    for experts_name, module in stacked.items():
+        layers = _expert_file_layers(experts_name, fused, down)
+        if not any(layer in adapter.layers for layer in layers.values()):
+            continue
+        e = module.num_experts
+        for param, layer in layers.items():
+            parts = adapter.layers.pop(layer, None)
+            if parts is None or set(parts) != {"lora_A.weight", "lora_B.weight"}:
+                raise CheckpointError(
+                    f"{file}: expert adapter '{layer}' ({param}) needs exactly lora_A.weight and "
+                    f"lora_B.weight, got {sorted(parts or [])}"
+                )
+            a, b = parts["lora_A.weight"], parts["lora_B.weight"]
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] % e or a.shape[0] != b.shape[1]:
+                raise CheckpointError(
+                    f"{file}: expert adapter '{layer}': lora_A {list(a.shape)} and lora_B "
+                    f"{list(b.shape)} are not [E*r, in] and [out, r*E] for E={e}"
+                )
+            a3 = a.reshape(e, -1, a.shape[-1])
+            b3 = b.reshape(b.shape[0], -1, e).permute(2, 0, 1)
+            if param == "down_proj":
+                out.setdefault(experts_name, {})["down_proj"] = (a3, b3)
+                continue
+            r2, i2 = a3.shape[1], b3.shape[1]
+            if r2 % 2 or i2 % 2:
+                raise CheckpointError(f"{file}: '{layer}' (gate_up_proj) has odd rank or width")
+            r, i = r2 // 2, i2 // 2
+            off = torch.cat([b3[:, :i, r:].flatten(), b3[:, i:, :r].flatten()])
+            if off.abs().max() > 0:
+                raise CheckpointError(
+                    f"{file}: '{layer}' is a dense fused gate_up_proj adapter (lora_B is not "
+                    f"block-diagonal in gate/up); only separate gate_proj/up_proj adapters "
+                    f"(as tunesmith writes them) can be loaded onto stacked experts"
+                )
+            out.setdefault(experts_name, {})["gate_proj"] = (a3[:, :r], b3[:, :i, :r])
+            out[experts_name]["up_proj"] = (a3[:, r:], b3[:, i:, r:])
+    return out
 
 
 # ----------------------------------------------------------------------------- config
@@ -138,15 +252,35 @@ def peft_adapter_config(
     layer become ``rank_pattern``/``alpha_pattern`` entries; DoRA, rsLoRA and dropout must be
     the same on every layer, as the PEFT format has one value for each.
     """
-    modules = adapter_modules(model)
-    if not modules:
+    every = adapter_modules(model)
+    if not every:
         raise ValueError(f"{type(model).__name__} has no adapters (apply_lora first)")
+    modules = {n: m for n, m in every.items() if not isinstance(m, ExpertLoRA)}
+    experts = {n: m for n, m in every.items() if isinstance(m, ExpertLoRA)}
     names = list(modules)
-    use_dora = _one_value({n: isinstance(m, DoRALinear) for n, m in modules.items()}, "use_dora")
-    use_rslora = _one_value({n: m.use_rslora for n, m in modules.items()}, "use_rslora")
-    dropout = _one_value({n: m.dropout for n, m in modules.items()}, "lora_dropout")
-    r, rank_pattern = _most_common_and_pattern({n: m.rank for n, m in modules.items()})
-    alpha, alpha_pattern = _most_common_and_pattern({n: m.alpha for n, m in modules.items()})
+    use_dora = _one_value({n: isinstance(m, DoRALinear) for n, m in every.items()}, "use_dora")
+    use_rslora = _one_value({n: m.use_rslora for n, m in every.items()}, "use_rslora")
+    dropout = _one_value({n: m.dropout for n, m in every.items()}, "lora_dropout")
+    r, rank_pattern = _most_common_and_pattern({n: m.rank for n, m in every.items()})
+    alpha, alpha_pattern = _most_common_and_pattern({n: m.alpha for n, m in every.items()})
+    rank_pattern = {n: v for n, v in rank_pattern.items() if n in modules}
+    alpha_pattern = {n: v for n, v in alpha_pattern.items() if n in modules}
+    target_parameters: list[str] = []
+    if experts:
+        e_rank = _one_value({n: m.rank for n, m in experts.items()}, "expert rank")
+        e_alpha = _one_value({n: m.alpha for n, m in experts.items()}, "expert alpha")
+        if (e_rank, e_alpha) != (r, alpha):
+            raise ValueError(
+                f"expert adapters have rank {e_rank}, alpha {e_alpha} but the other layers "
+                f"rank {r}, alpha {alpha}: the PEFT format needs the same for both"
+            )
+        projs = {n.rpartition(".")[2] for n in experts}
+        if "gate_proj" in projs:
+            target_parameters.append("gate_up_proj")
+            rank_pattern[_FUSED_KEY] = 2 * r  # gate and up fused: rank 2r, same scaling
+            alpha_pattern[_FUSED_KEY] = alpha * (2**0.5 if use_rslora else 2)
+        if "down_proj" in projs:
+            target_parameters.append("down_proj")
     base = None if base_model_name_or_path is None else str(base_model_name_or_path)
     return {
         "peft_type": "LORA",
@@ -156,7 +290,8 @@ def peft_adapter_config(
         "r": r,
         "lora_alpha": alpha,
         "lora_dropout": dropout,
-        "target_modules": _target_modules(model, names),
+        "target_modules": _target_modules(model, names) if names else [],
+        "target_parameters": target_parameters or None,
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
         "use_rslora": use_rslora,
@@ -247,7 +382,10 @@ def write_peft_adapter(
             f"unexpected {extra[:10]}"
         )
     out_dtype = None if dtype is None else resolve_dtype(dtype)
-    tensors = {PEFT_KEY_PREFIX + k: _plain_cpu(k, v, out_dtype) for k, v in expected.items()}
+    plain = {k: _plain_cpu(k, v, out_dtype) for k, v in expected.items()}
+    tensors = {
+        PEFT_KEY_PREFIX + k: v.contiguous() for k, v in _to_peft_expert_tensors(plain).items()
+    }
     folder.mkdir(parents=True, exist_ok=True)
     weights = folder / ADAPTER_WEIGHTS_NAME
     save_file(tensors, str(weights), metadata={"format": "pt"})
@@ -368,7 +506,10 @@ def read_peft_adapter(folder: str | os.PathLike) -> PeftAdapter:
         raise CheckpointError(f"{weights}: holds no lora_A/lora_B tensors")
     use_dora = bool(config.get("use_dora", False))
     rank_pattern = config.get("rank_pattern") or {}
+    expert_layer = re.compile(r"(.*\.)?experts(\.base_layer)?")
     for layer, parts in adapter.layers.items():
+        if config.get("target_parameters") and expert_layer.fullmatch(layer):
+            continue  # fused MoE expert adapters: checked against the model when loading
         for kind in ("lora_A.weight", "lora_B.weight"):
             if kind not in parts:
                 raise CheckpointError(f"{weights}: layer '{layer}' has no {kind} tensor")
@@ -448,10 +589,28 @@ def load_peft_adapter(
     adapter = read_peft_adapter(folder)
     file = adapter.weights_file
     config = adapter.config
-    existing = adapter_modules(model)
+    every = adapter_modules(model)
+    existing = {n: m for n, m in every.items() if not isinstance(m, ExpertLoRA)}
+    existing_experts = {n: m for n, m in every.items() if isinstance(m, ExpertLoRA)}
     use_dora = bool(config.get("use_dora", False))
     use_rslora = bool(config.get("use_rslora", False))
-    if existing and set(existing) != set(adapter.layers):
+    expert_parts = {
+        f"{name}.lora.{proj}": ab
+        for name, projs in _expert_adapters(model, adapter).items()
+        for proj, ab in projs.items()
+    }
+    if expert_parts and use_dora:
+        raise CheckpointError(f"{file}: DoRA on MoE experts is not supported")
+    if expert_parts and resolve_quantize_base(quantize_base) == "nf4":
+        raise CheckpointError(f"{file}: QLoRA (quantize_base) on MoE experts is not supported")
+    if every and set(existing_experts) != set(expert_parts):
+        raise CheckpointError(
+            f"{file}: the model's expert adapters differ from the file's: file "
+            f"{sorted(expert_parts)[:6]}, model {sorted(existing_experts)[:6]}"
+        )
+    if not adapter.layers and not expert_parts:
+        raise CheckpointError(f"{file}: holds no adapter for this model's layers")
+    if every and set(existing) != set(adapter.layers):
         missing = sorted(set(adapter.layers) - set(existing))
         extra = sorted(set(existing) - set(adapter.layers))
         raise CheckpointError(
@@ -520,6 +679,39 @@ def load_peft_adapter(
             )
         except ValueError as e:
             raise CheckpointError(f"{file}: cannot adapt '{layer}': {e}") from e
+    alpha = config["lora_alpha"]
+    for name, (a, b) in expert_parts.items():
+        experts_name, _, proj = name.rpartition(".lora.")
+        experts = model.get_submodule(experts_name)
+        weight = getattr(experts, proj)
+        if (a.shape[0], b.shape[1], a.shape[2]) != (
+            weight.shape[0],
+            weight.shape[1],
+            weight.shape[2],
+        ):
+            raise CheckpointError(
+                f"{file}: expert adapter for '{experts_name}.{proj}' has A {list(a.shape)}, "
+                f"B {list(b.shape)}; the model's stacked weight is {list(weight.shape)}"
+            )
+        module = existing_experts.get(name)
+        if module is None:
+            module = experts.add_lora(
+                proj,
+                rank=a.shape[1],
+                alpha=alpha,
+                dropout=float(config.get("lora_dropout", 0.0)),
+                use_rslora=use_rslora,
+                dtype=None if adapter_dtype is None else resolve_dtype(adapter_dtype),
+            )
+        elif (module.rank, module.alpha, module.use_rslora) != (a.shape[1], alpha, use_rslora):
+            raise CheckpointError(
+                f"{file}: '{name}' is rank={a.shape[1]}, alpha={alpha}, use_rslora={use_rslora} "
+                f"in the file but rank={module.rank}, alpha={module.alpha}, "
+                f"use_rslora={module.use_rslora} in the model"
+            )
+        with torch.no_grad():
+            _copy_into(module.lora_A, a)
+            _copy_into(module.lora_B, b)
     modules = adapter_modules(model)
     with torch.no_grad():
         for layer, parts in adapter.layers.items():
@@ -527,6 +719,8 @@ def load_peft_adapter(
                 _copy_into(modules[layer].get_parameter(kind), tensor)
     if resolve_quantize_base(quantize_base) == "nf4":
         for module in modules.values():
+            if isinstance(module, ExpertLoRA):
+                continue
             module.quantize_base()
     mark_adapters_trainable(model)
     return model

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "ExpertLoRA",
     "GroupedExperts",
     "MoE",
     "grouped_mm_supported",
@@ -96,7 +97,40 @@ class GroupedExperts(nn.Module):
         self.register_state_dict_post_hook(_split_experts)
         self.register_load_state_dict_pre_hook(_stack_experts)
         self.register_load_state_dict_post_hook(_report_missing_experts)
+        # Per-projection stacked LoRA adapters (see ExpertLoRA / add_lora); empty = none.
+        self.lora = nn.ModuleDict()
         self.reset_parameters()
+
+    def add_lora(
+        self,
+        projection: str,
+        *,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_rslora: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> ExpertLoRA:
+        """Give ``projection`` (``gate_proj``/``up_proj``/``down_proj``) one LoRA adapter per
+        expert (:class:`ExpertLoRA`, an exact no-op at first); returns it."""
+        if projection not in PROJECTIONS:
+            raise ValueError(f"projection {projection!r} is not one of {PROJECTIONS}")
+        if projection in self.lora:
+            raise ValueError(f"{projection} already has an adapter; apply LoRA once")
+        weight = getattr(self, projection)
+        adapter = ExpertLoRA(
+            self.num_experts,
+            weight.shape[2],
+            weight.shape[1],
+            rank=rank,
+            alpha=alpha,
+            dropout=dropout,
+            use_rslora=use_rslora,
+            device=weight.device,
+            dtype=dtype or weight.dtype,
+        )
+        self.lora[projection] = adapter
+        return adapter
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s default: uniform in ``+-1/sqrt(fan_in)`` for every expert."""
@@ -118,21 +152,129 @@ class GroupedExperts(nn.Module):
     def forward(self, tokens_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Tokens ``[n, hidden]`` sorted by expert, ``counts`` ``[E]`` (sum ``n``) -> ``[n, hidden]``."""
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        if grouped_mm_supported(tokens_sorted, gate, down):
+        adapters = {name: a for name, a in self.lora.items() if not a.adapters_disabled}
+        operands = [t for a in adapters.values() for t in (a.lora_A, a.lora_B)]
+        if operands and operands[0].shape[0] != gate.shape[0]:
+            raise ValueError(
+                f"expert LoRA adapters hold {operands[0].shape[0]} experts but this rank runs "
+                f"{gate.shape[0]}: LoRA on experts is not supported with expert parallel (ep > 1)"
+            )
+        if grouped_mm_supported(tokens_sorted, gate, down, *operands):
             offs = counts.cumsum(0).to(torch.int32)
-            g = torch._grouped_mm(tokens_sorted, gate.transpose(-2, -1), offs=offs)
-            u = torch._grouped_mm(tokens_sorted, up.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)
+
+            def project(x: torch.Tensor, name: str, weight: torch.Tensor) -> torch.Tensor:
+                y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+                if name in adapters:
+                    y = y + adapters[name].grouped(x, offs).to(y.dtype)
+                return y
+
+            g = project(tokens_sorted, "gate_proj", gate)
+            u = project(tokens_sorted, "up_proj", up)
+            return project(F.silu(g) * u, "down_proj", down)
         # unbind, not gate[e]: the backward of one select per expert would build E full-size
         # gradients; unbind's is one stack.
         outputs = []
         chunks = tokens_sorted.split(counts.tolist())
-        for chunk, g, u, d in zip(chunks, gate.unbind(), up.unbind(), down.unbind(), strict=True):
+        per_expert = {
+            name: list(zip(a.lora_A.unbind(), a.lora_B.unbind(), strict=True))
+            for name, a in adapters.items()
+        }
+
+        def one(x: torch.Tensor, name: str, weight: torch.Tensor, e: int) -> torch.Tensor:
+            y = x @ weight.T
+            if name in adapters:
+                a, b = per_expert[name][e]
+                lora = adapters[name]
+                h = lora.dropout_layer(x).to(a.dtype)
+                y = y + ((h @ a.T) @ b.T * lora.scaling).to(y.dtype)
+            return y
+
+        weights = zip(gate.unbind(), up.unbind(), down.unbind(), strict=True)
+        for e, (chunk, (g, u, d)) in enumerate(zip(chunks, weights, strict=True)):
             if chunk.shape[0]:
-                outputs.append((F.silu(chunk @ g.T) * (chunk @ u.T)) @ d.T)
+                hidden = F.silu(one(chunk, "gate_proj", g, e)) * one(chunk, "up_proj", u, e)
+                outputs.append(one(hidden, "down_proj", d, e))
         if not outputs:
             return tokens_sorted.new_zeros(tokens_sorted.shape)
         return torch.cat(outputs)
+
+    @torch.no_grad()
+    def merge_lora(self) -> None:
+        """Fold every adapter into its stacked weight (``W_e += scaling * B_e @ A_e``, computed in
+        float32) and drop the adapters."""
+        for name, adapter in list(self.lora.items()):
+            weight = getattr(self, name)
+            delta = torch.bmm(adapter.lora_B.float(), adapter.lora_A.float()) * adapter.scaling
+            weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
+            del self.lora[name]
+
+
+class ExpertLoRA(nn.Module):
+    """LoRA on one stacked expert projection: per expert ``e`` the update
+    ``scaling * B_e @ A_e`` with ``lora_A`` ``[E, rank, in]`` and ``lora_B`` ``[E, out, rank]``.
+
+    Lives in ``GroupedExperts.lora[projection]``; :meth:`GroupedExperts.forward` adds
+    ``dropout(x) @ A_e^T @ B_e^T * scaling`` to the projection of expert ``e``'s tokens with
+    two more grouped matmuls. ``A`` starts Kaiming-uniform per expert (``a=sqrt(5)``, as
+    ``nn.Linear`` and PEFT), ``B`` at zero. Has the attributes the adapter tools read
+    (``rank``, ``alpha``, ``use_rslora``, ``dropout``, ``adapters_disabled``).
+
+    Example::
+
+        >>> experts = GroupedExperts(4, hidden_size=32, intermediate_size=16)
+        >>> adapter = experts.add_lora("down_proj", rank=4, alpha=8)
+        >>> adapter.lora_A.shape, adapter.lora_B.shape
+        (torch.Size([4, 4, 16]), torch.Size([4, 32, 4]))
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        *,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_rslora: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if rank <= 0:
+            raise ValueError(f"rank must be positive, got {rank}")
+        self.num_experts = num_experts
+        self.in_features, self.out_features = in_features, out_features
+        self.rank, self.alpha, self.use_rslora, self.dropout = rank, alpha, use_rslora, dropout
+        self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+        self.adapters_disabled = False
+        self.dropout_layer = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        factory = {"device": device, "dtype": dtype}
+        self.lora_A = nn.Parameter(torch.empty(num_experts, rank, in_features, **factory))
+        self.lora_B = nn.Parameter(torch.empty(num_experts, out_features, rank, **factory))
+        self.reset_adapter_parameters()
+
+    def adapter_parameter_names(self) -> list[str]:
+        return ["lora_A", "lora_B"]
+
+    @torch.no_grad()
+    def reset_adapter_parameters(self) -> None:
+        """``A`` Kaiming-uniform (``a=sqrt(5)``) per expert, ``B`` zero."""
+        for a in self.lora_A.unbind():
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B)
+
+    def grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """The update for tokens ``x`` sorted by expert (group ends ``offs``)."""
+        h = self.dropout_layer(x).to(self.lora_A.dtype)
+        h = torch._grouped_mm(h, self.lora_A.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, self.lora_B.transpose(-2, -1), offs=offs) * self.scaling
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, in={self.in_features}, out={self.out_features}, "
+            f"rank={self.rank}, alpha={self.alpha}"
+        )
 
 
 def _split_experts(
@@ -345,8 +487,8 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         logits, weights, experts = self.route(tokens)
-        if tokens.shape[0] == 0:
-            return x.clone(), logits
+        # No early return for zero tokens: the empty path is exact and cheap, and an
+        # expert-parallel experts module must join its all-to-alls on every rank.
         # Sort the (token, slot) assignments by expert so each expert sees one contiguous slice.
         flat_experts = experts.flatten()
         order = flat_experts.argsort(stable=True)

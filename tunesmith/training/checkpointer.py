@@ -199,7 +199,12 @@ def _check_shapes(
     model: nn.Module, weights: Mapping[str, torch.Tensor], files: Mapping[str, Path]
 ) -> None:
     """One clear error for a checkpoint of another architecture (instead of a list of them)."""
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    with stacked_state(model):  # no collective: split on meta tensors (expert-parallel
+        # experts are DTensors, whose per-expert views would redistribute on rank 0 alone)
+        stacked = {
+            name: torch.empty(t.shape, device="meta") for name, t in model.state_dict().items()
+        }
+    expected = {name: tuple(t.shape) for name, t in split_expert_keys(stacked).items()}
     for name, tensor in weights.items():
         if name in expected and tuple(tensor.shape) != expected[name]:
             raise CheckpointError(

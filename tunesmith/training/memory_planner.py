@@ -71,8 +71,16 @@ first layers' backward (``R``: the layer recomputed under checkpointing) comes o
 logits are freed; by the optimizer step the activations are gone and every gradient
 exists. In between, gradients grow as activations are freed. LoRA is accounted for through
 ``requires_grad``: only trainable parameters get gradients and states (activations are
-estimated as for full fine-tuning, an upper bound). Not modelled: context and expert
-parallel; and the very end of backward, where the embedding's gradient is built while every
+estimated as for full fine-tuning, an upper bound).
+**Context parallel** (``cp``): each rank keeps ``ceil(seq_len / 2cp) * 2`` positions of every
+row (its zigzag share, padding included), so every per-token term above (attention and the
+other sequence-sharded activations, the loss rows, the RoPE tables and masks) is that of the
+rank's share; FSDP2 shards over ``dp_shard x cp`` ranks (``d = dp_shard * cp``).
+**Expert parallel** (``ep``): the stacked experts keep ``E / ep`` experts per rank, not split by
+FSDP2 (nor gathered), and so do their gradients and optimizer states; each MoE layer adds its
+all-to-all buffers, ``2 * top_k * a * H`` per token (the rows received by this rank's experts
+and the rows sent back; routing taken as balanced, so the experts see ``top_k`` rows per local
+token as without EP). Not modelled: the very end of backward, where the embedding's gradient is built while every
 other gradient exists (from a buffer of the whole vocabulary, even under TP; with a tied
 head, plus its sum with the head's gradient), which sets the peak only when the activations
 are small next to the embedding (one short sequence through one or two layers), not at the
@@ -142,6 +150,8 @@ _TP_DIM0 = re.compile(
     r"|(?:^|\.)(?:embed_tokens|lm_head)\.weight$"
 )
 _TP_DIM1 = re.compile(r"(?:^|\.)(?:self_attn\.o_proj|mlp\.down_proj)\.(?:weight|lora_A\.weight)$")
+# The stacked experts ([E, ...]) that expert parallel splits over the ep ranks.
+_EXPERTS = re.compile(r"(?:^|\.)experts\.(?:gate_proj|up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
@@ -153,7 +163,8 @@ class MemoryPlan:
     O, ``activations`` A, ``logits`` Lg, ``head_gradient`` Hg, ``recompute`` R,
     ``autocast_weights`` C, ``gathered_root`` Ur, ``gathered_layers`` Ul,
     ``step_temporaries`` S. ``activations_per_token_layer`` is the bytes one un-checkpointed
-    layer keeps per token; ``tokens`` the tokens of the batch (``batch_size * seq_len``);
+    layer keeps per token; ``tokens`` the tokens of the batch on this rank (``batch_size *
+    seq_len``; under context parallel ``seq_len`` is the rank's share of each row);
     ``world_size`` the ranks of ``parallel`` (the layout; None: one device).
     """
 
@@ -230,8 +241,10 @@ def _layout_name(dims: ParallelDims) -> str:
         >>> _layout_name(ParallelDims(dp_replicate=2, dp_shard=2))
         'dp_replicate 2 x dp_shard 2'
     """
-    sizes = [f"{name} {getattr(dims, name)}" for name in ("dp_replicate", "dp_shard", "tp")
+    sizes = [f"{name} {getattr(dims, name)}" for name in ("dp_replicate", "dp_shard", "cp", "tp")
              if getattr(dims, name) > 1]  # fmt: skip
+    if dims.ep > 1:
+        sizes.append(f"ep {dims.ep}")
     name = " x ".join(sizes) or "one device"
     if dims.tp > 1:
         name += ", sequence parallel" if dims.sequence_parallel else ", no sequence parallel"
@@ -301,10 +314,13 @@ def activation_bytes_per_token(
     layer_idx: int = 0,
     tp: int = 1,
     sequence_parallel: bool = False,
+    ep: int = 1,
 ) -> int:
     """Bytes one un-checkpointed decoder layer keeps for backward on one rank per token of
     the sequence (see the module docstring), for a ``spec`` with the fields of
-    :class:`~tunesmith.models.ModelSpec`, over ``tp`` tensor-parallel ranks.
+    :class:`~tunesmith.models.ModelSpec`, over ``tp`` tensor-parallel ranks; with ``ep`` > 1
+    an MoE layer adds its all-to-all buffers, ``2 * top_k * a * H`` (the rows received and
+    the rows sent back). ``seq_len`` is this rank's (under context parallel: its share).
 
     Example::
 
@@ -328,6 +344,8 @@ def activation_bytes_per_token(
     if is_moe is not None and is_moe(layer_idx):  # replicated experts: every token, whole
         k, experts = spec.num_experts_per_tok, spec.num_experts
         total += k * (4 * a * spec.moe_intermediate_size + a * h) + 8 * experts
+        if ep > 1:  # the all-to-all buffers: rows received, rows returned
+            total += 2 * k * a * h
     else:
         sharded += 4 * a * spec.intermediate_size
     if autocast:
@@ -387,13 +405,14 @@ def estimate_memory(
         world_size: FSDP2 ranks sharing weights, gradients and states; shorthand for
             ``parallel=ParallelDims(dp_shard=world_size)``.
         parallel: the parallel layout (``tp``, ``sequence_parallel``, ``dp_shard``,
-            ``dp_replicate``; e.g. ``ctx.dims``); None: ``world_size`` FSDP2 ranks.
+            ``dp_replicate``, ``cp``, ``ep``; e.g. ``ctx.dims``); None: ``world_size`` FSDP2
+            ranks.
         device: where training runs (the optimizer's ``foreach`` scratch is CUDA's).
 
     Raises:
         ValueError: an unknown optimizer, checkpointing mode or loss kind, a model without a
-            ``spec``, a ``world_size`` other than ``parallel``'s ``dp_shard``, or context /
-            expert parallel (not modelled).
+            ``spec``, or a ``world_size`` other than ``parallel``'s ``dp_shard`` (or
+            ``dp_shard x cp``, the FSDP2 ranks under context parallel).
     """
     spec = getattr(model, "spec", None)
     if spec is None:
@@ -408,13 +427,14 @@ def estimate_memory(
     if mixed_precision not in AUTOCAST:
         raise ValueError(f"mixed_precision must be bf16, fp16 or None, got {mixed_precision!r}")
     dims = _layout(parallel, world_size)
-    tp, sp = dims.tp, dims.tp > 1 and dims.sequence_parallel
-    fsdp = dims.dp > 1  # FSDP2 (HSDP) is applied when there is data parallelism
-    shard = dims.dp_shard
+    tp, sp, cp, ep = dims.tp, dims.tp > 1 and dims.sequence_parallel, dims.cp, dims.ep
+    fsdp = dims.dp_cp > 1  # FSDP2 (HSDP) is applied when there is data or context parallelism
+    shard = dims.dp_shard * cp  # FSDP2 shards over dp_shard x cp
+    seq_len = _ceil(seq_len, 2 * cp) * 2 if cp > 1 else seq_len  # this rank's zigzag share
 
     named = list(model.named_parameters())  # a tied parameter once
     # (bytes of the whole parameter over the tp ranks, of its shard on this rank), per name
-    sizes = {name: _rank_bytes(name, p, tp, shard) for name, p in named}
+    sizes = {name: _rank_bytes(name, p, tp, shard, ep) for name, p in named}
     weight_bytes = sum(local for _, local in sizes.values())
     trainable = [(name, p) for name, p in named if p.requires_grad]
     trainable_bytes = sum(sizes[name][1] for name, _ in trainable)
@@ -430,12 +450,12 @@ def estimate_memory(
     gradients = largest if optimizer_in_backward else trainable_bytes
     states = int(
         sum(
-            _STATE_BYTES[optimizer](p.element_size()) * _rank_numel(name, p, tp, shard)
+            _STATE_BYTES[optimizer](p.element_size()) * _rank_numel(name, p, tp, shard, ep)
             for name, p in trainable
         )
     )
     on_cuda = torch.device(device).type == "cuda"
-    largest_numel = max((_rank_numel(name, p, tp, shard) for name, p in trainable), default=0)
+    largest_numel = max((_rank_numel(name, p, tp, shard, ep) for name, p in trainable), default=0)
     if optimizer in ("adamw8bit", "adamw4bit") and not on_cuda:
         step_temporaries = 5 * 4 * largest_numel
     elif optimizer == "adamw_fused":
@@ -450,7 +470,7 @@ def estimate_memory(
     stream = tp if sp else 1
     layer_bytes = partial(
         activation_bytes_per_token, spec, act_bytes=a, residual_bytes=r, seq_len=seq_len,
-        masked=packed, autocast=autocast and r > 2, tp=tp, sequence_parallel=sp,
+        masked=packed, autocast=autocast and r > 2, tp=tp, sequence_parallel=sp, ep=ep,
     )  # fmt: skip
     per_layer = [layer_bytes(layer_idx=i) for i in range(num_layers)]
     checkpointed = set(range(0, num_layers, every_k)) if mode else set()
@@ -516,15 +536,10 @@ def spec_dtype_bytes(model: nn.Module) -> int:
 def _layout(parallel: ParallelDims | None, world_size: int) -> ParallelDims:
     if parallel is None:
         return ParallelDims(dp_shard=max(1, world_size))
-    if world_size not in (1, parallel.dp_shard):
+    if world_size not in (1, parallel.dp_shard, parallel.dp_shard * parallel.cp):
         raise ValueError(
-            f"world_size {world_size} and parallel (dp_shard {parallel.dp_shard}) disagree: "
-            "give parallel alone"
-        )
-    if parallel.cp > 1 or parallel.ep > 1:
-        raise ValueError(
-            f"the memory plan does not model context or expert parallel, got cp {parallel.cp}, "
-            f"ep {parallel.ep}"
+            f"world_size {world_size} and parallel (dp_shard {parallel.dp_shard} x cp "
+            f"{parallel.cp}) disagree: give parallel alone"
         )
     return parallel
 
@@ -550,10 +565,13 @@ def _bytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
 
-def _rank_numel(name: str, p: torch.Tensor, tp: int, shard: int) -> int:
+def _rank_numel(name: str, p: torch.Tensor, tp: int, shard: int, ep: int = 1) -> int:
     """Elements of ``p``'s shard on the heaviest rank: its tensor-parallel shard (rounded
-    up), then dim 0 of that split over ``shard`` FSDP2 ranks (rounded up: the padded shard)."""
+    up), then dim 0 of that split over ``shard`` FSDP2 ranks (rounded up: the padded shard).
+    With ``ep`` > 1 the stacked experts keep ``E / ep`` experts, not split by FSDP2."""
     shape = list(p.shape)
+    if ep > 1 and _EXPERTS.search(name):
+        return _ceil(shape[0], ep) * math.prod(shape[1:])
     dim = tp_shard_dim(name) if tp > 1 else None
     if dim is not None and dim < len(shape):
         shape[dim] = _ceil(shape[dim], tp)
@@ -562,14 +580,17 @@ def _rank_numel(name: str, p: torch.Tensor, tp: int, shard: int) -> int:
     return math.prod(shape)
 
 
-def _rank_bytes(name: str, p: torch.Tensor, tp: int, shard: int) -> tuple[int, int]:
-    """(bytes of ``p`` over the tp ranks alone, bytes of its shard on this rank)."""
+def _rank_bytes(name: str, p: torch.Tensor, tp: int, shard: int, ep: int = 1) -> tuple[int, int]:
+    """(bytes FSDP2 gathers of ``p``: over the tp ranks alone, none for expert-parallel
+    experts, which FSDP2 leaves alone; bytes of its shard on this rank)."""
     numel = p.numel()
     if numel == 0:
         return 0, 0
     whole = _bytes(p)
-    return (whole * _rank_numel(name, p, tp, 1) // numel,
-            whole * _rank_numel(name, p, tp, shard) // numel)  # fmt: skip
+    local = whole * _rank_numel(name, p, tp, shard, ep) // numel
+    if ep > 1 and _EXPERTS.search(name):
+        return 0, local
+    return whole * _rank_numel(name, p, tp, 1) // numel, local
 
 
 def _gathered_bytes(model: nn.Module, sizes: Mapping[str, tuple[int, int]]) -> tuple[int, int]:

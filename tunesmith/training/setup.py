@@ -285,14 +285,6 @@ def memory_plan(
         log(f"memory plan: not estimated for {objective} (the planner prices token "
             "cross-entropy only; preflight=true measures a step)")  # fmt: skip
         return None
-    if ctx.cp_size > 1:
-        log(f"memory plan: not estimated under context parallel (cp {ctx.cp_size}); "
-            "preflight=true measures a step")  # fmt: skip
-        return None
-    if getattr(ctx, "expert_mesh", None) is not None:
-        log(f"memory plan: not estimated under expert parallel (ep {ctx.dims.ep}); "
-            "preflight=true measures a step")  # fmt: skip
-        return None
     if not hasattr(model, "spec") or not len(dataset):
         return None
     batch = longest_batch(dataset, min(cfg.batch_size, len(dataset)), collate)

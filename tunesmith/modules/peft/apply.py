@@ -6,9 +6,12 @@ single string other than ``"all-linear"`` is a regular expression the whole name
 ``"all-linear"`` is every linear layer except ``lm_head`` and MoE routers.
 
 Stacked MoE experts (:class:`~tunesmith.modules.moe.GroupedExperts`, ``[E, ...]`` tensors)
-are not linear layers: ``"all-linear"`` leaves them frozen and without adapters (as PEFT does
-with transformers 5's fused experts), and a list entry or regex that names them
-(``gate_proj`` on a MoE model, ``experts``) is refused: LoRA on experts is not supported yet.
+are not linear layers: ``"all-linear"`` leaves them frozen and without adapters, while a list
+entry or regex naming their projections (``gate_proj``, ``up_proj``, ``down_proj``; the
+stacked name or an expert's ``experts.{i}.gate_proj``) gives every expert its own LoRA
+adapter, stacked (:class:`~tunesmith.modules.moe.ExpertLoRA`, computed with grouped matmuls).
+``gate_proj`` and ``up_proj`` go together (the PEFT format fuses them); DoRA and QLoRA on
+experts are refused.
 
 Adapted layers keep their base parameters under the original names, so the base part of
 ``model.state_dict()`` still has the Hugging Face keys; adapter tensors add
@@ -36,7 +39,7 @@ import torch
 from torch import nn
 
 from tunesmith.modules.dtypes import dtype_from_name
-from tunesmith.modules.moe import PROJECTIONS, GroupedExperts, MoE
+from tunesmith.modules.moe import PROJECTIONS, ExpertLoRA, GroupedExperts, MoE
 from tunesmith.modules.peft.dora import DoRALinear
 from tunesmith.modules.peft.lora import LoRALinear
 from tunesmith.modules.peft.nf4 import quantize_nf4
@@ -48,6 +51,7 @@ __all__ = [
     "add_adapter",
     "apply_lora",
     "disable_adapters",
+    "find_expert_targets",
     "find_linear_targets",
     "init_adapters",
     "is_adapter_key",
@@ -62,6 +66,8 @@ ADAPTER_KEY_SUFFIXES: tuple[str, ...] = (
     ".lora_A.weight",
     ".lora_B.weight",
     ".lora_magnitude_vector",
+    ".lora_A",  # stacked MoE expert adapters (ExpertLoRA): [E, r, in] / [E, out, r]
+    ".lora_B",
 )
 
 
@@ -98,41 +104,100 @@ def _matches(name: str, targets: Sequence[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
-def _refuse_stacked_experts(model: nn.Module, target_modules: str | Sequence[str]) -> None:
-    """A ``ValueError`` when ``target_modules`` names stacked MoE experts (``all-linear`` skips
-    them): LoRA on experts is not supported yet."""
-    stacked = [
-        (f"{name}.{proj}", name)
+def _stacked_projections(model: nn.Module) -> dict[str, tuple[str, GroupedExperts, str]]:
+    """``"<experts>.<proj>"`` -> (experts name, module, projection) for every stacked expert."""
+    return {
+        f"{name}.{proj}": (name, module, proj)
         for name, module in model.named_modules()
         if isinstance(module, GroupedExperts)
         for proj in PROJECTIONS
-    ]
+    }
+
+
+def _names_expert(target: str, stacked: str, experts: str, proj: str, n: int) -> bool:
+    """Whether a ``target_modules`` list entry selects a stacked projection: by the projection
+    name (``gate_proj``), the stacked name or one expert's Hugging Face name
+    (``experts.0.gate_proj``)."""
+    return _matches(stacked, [target]) or any(
+        _matches(f"{experts}.{i}.{proj}", [target]) for i in range(n)
+    )
+
+
+def find_expert_targets(model: nn.Module, target_modules: str | Sequence[str]) -> list[str]:
+    """Names ``<experts>.<proj>`` (e.g. ``model.layers.0.mlp.experts.gate_proj``) of the stacked
+    MoE expert projections that ``target_modules`` selects (``"all-linear"``: none).
+
+    A regex must select all experts of a projection or none (it is matched against the stacked
+    name and each expert's Hugging Face name ``...experts.{i}.gate_proj``). ``ValueError`` for
+    an entry naming the experts container itself, for a projection already adapted and for
+    ``gate_proj`` without ``up_proj`` or the reverse (the PEFT format fuses them).
+
+    Example::
+
+        >>> from tunesmith.modules.moe import MoE
+        >>> find_expert_targets(nn.ModuleDict({"mlp": MoE(8, 4, num_experts=2, top_k=1)}), ["down_proj"])
+        ['mlp.experts.down_proj']
+    """
+    stacked = _stacked_projections(model)
     if not stacked or target_modules == "all-linear":
-        return
+        return []
+    containers = sorted({experts for experts, _, _ in stacked.values()})
     if isinstance(target_modules, str):
         pattern = re.compile(target_modules)
-        named = [
-            t for t in (target_modules,) if any(pattern.fullmatch(n) for s in stacked for n in s)
-        ]
+        if any(pattern.fullmatch(c) for c in containers):
+            raise ValueError(
+                f"target_modules regex {target_modules!r} names the MoE experts container "
+                f"{containers[0]}; name its projections (gate_proj, up_proj, down_proj)"
+            )
+        chosen = []
+        for name, (experts, module, proj) in stacked.items():
+            hits = [
+                bool(pattern.fullmatch(name) or pattern.fullmatch(f"{experts}.{i}.{proj}"))
+                for i in range(module.num_experts)
+            ]
+            if any(hits) and not all(hits) and not pattern.fullmatch(name):
+                raise ValueError(
+                    f"target_modules regex {target_modules!r} selects only some experts of "
+                    f"{name}; LoRA goes on all experts of a projection or none"
+                )
+            if any(hits):
+                chosen.append(name)
     else:
         entries = [t for t in target_modules if isinstance(t, str) and t]
-        named = [t for t in entries if any(_matches(n, [t]) for s in stacked for n in s)]
-    if named:
-        raise ValueError(
-            f"target_modules {named} name stacked MoE experts (e.g. {stacked[0][0]}): LoRA on "
-            f"MoE experts is not supported yet; adapt attention (and dense MLP layers by full "
-            f"name) instead, e.g. target_modules=[q_proj, k_proj, v_proj, o_proj]"
-        )
+        bad = [t for t in entries for c in containers if _matches(c, [t])]
+        if bad:
+            raise ValueError(
+                f"target_modules {sorted(set(bad))} name the MoE experts container (e.g. "
+                f"{containers[0]}); name its projections (gate_proj, up_proj, down_proj)"
+            )
+        chosen = [
+            name
+            for name, (experts, module, proj) in stacked.items()
+            if any(_names_expert(t, name, experts, proj, module.num_experts) for t in entries)
+        ]
+    chosen_set = set(chosen)
+    for name, (experts, module, proj) in stacked.items():
+        if name not in chosen_set:
+            continue
+        if proj in module.lora:
+            raise ValueError(f"{name} already has an adapter; apply LoRA once")
+        pair = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(proj)
+        if pair is not None and f"{experts}.{pair}" not in chosen_set:
+            raise ValueError(
+                f"target_modules select {name} without {experts}.{pair}: adapt gate_proj and "
+                f"up_proj of the experts together (the PEFT format fuses them into gate_up_proj)"
+            )
+    return chosen
 
 
 def find_linear_targets(model: nn.Module, target_modules: str | Sequence[str]) -> list[str]:
     """Names of the ``nn.Linear`` layers of ``model`` that ``target_modules`` selects.
 
-    Raises ``ValueError`` when an entry matches no linear layer (listing the available layer
-    names), when it names stacked MoE experts (not supported yet) and when a selected layer
-    already carries an adapter.
+    Raises ``ValueError`` when an entry matches no linear layer and no stacked MoE expert
+    projection (listing the available layer names), and when a selected layer already carries
+    an adapter. Stacked experts are not linear layers: :func:`find_expert_targets` finds them.
     """
-    _refuse_stacked_experts(model, target_modules)
+    experts = find_expert_targets(model, target_modules)
     adapted = adapter_modules(model)
     inside = tuple(f"{name}." for name in adapted)  # lora_A/lora_B are linears too
     linears = {
@@ -151,7 +216,7 @@ def find_linear_targets(model: nn.Module, target_modules: str | Sequence[str]) -
         else:
             pattern = re.compile(target_modules)
             chosen = [n for n in linears if pattern.fullmatch(n)]
-            if not chosen:
+            if not chosen and not experts:
                 raise ValueError(
                     f"target_modules regex {target_modules!r} matches no linear layer; "
                     f"layer names look like {sorted(linears)[:5]}"
@@ -160,7 +225,16 @@ def find_linear_targets(model: nn.Module, target_modules: str | Sequence[str]) -
         targets = list(target_modules)
         if not targets or not all(isinstance(t, str) and t for t in targets):
             raise ValueError(f"target_modules must be non-empty layer names, got {targets!r}")
-        unmatched = [t for t in targets if not any(_matches(n, [t]) for n in linears)]
+        stacked = _stacked_projections(model)
+        unmatched = [
+            t
+            for t in targets
+            if not any(_matches(n, [t]) for n in linears)
+            and not any(
+                _names_expert(t, n, experts_name, proj, module.num_experts)
+                for n, (experts_name, module, proj) in stacked.items()
+            )
+        ]
         if unmatched:
             leaves = sorted({n.rpartition(".")[2] for n in linears})
             raise ValueError(
@@ -256,6 +330,25 @@ def apply_lora(
     :func:`trainable_parameters`. Adapters start as an exact no-op.
     """
     names = find_linear_targets(model, target_modules)
+    expert_targets = find_expert_targets(model, target_modules)
+    if expert_targets and (use_dora or resolve_quantize_base(quantize_base)):
+        raise ValueError(
+            f"target_modules select MoE expert projections ({expert_targets[0]}, ...): "
+            f"{'DoRA' if use_dora else 'QLoRA (quantize_base)'} on experts is not supported; "
+            f"use plain LoRA on them or leave gate_proj/up_proj/down_proj out"
+        )
+    for name in expert_targets:
+        experts_name, _, proj = name.rpartition(".")
+        experts = model.get_submodule(experts_name)
+        assert isinstance(experts, GroupedExperts)
+        experts.add_lora(
+            proj,
+            rank=rank,
+            alpha=alpha,
+            dropout=dropout,
+            use_rslora=use_rslora,
+            dtype=_resolve_dtype(adapter_dtype),
+        )
     for name in names:
         add_adapter(
             model,
@@ -275,9 +368,10 @@ def apply_lora(
 # ----------------------------------------------------------------------------- inspecting
 
 
-def adapter_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    """Name -> adapter layer for every LoRA/DoRA layer of ``model``."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+def adapter_modules(model: nn.Module) -> dict[str, LoRALinear | ExpertLoRA]:
+    """Name -> adapter layer for every LoRA/DoRA layer of ``model`` and every stacked MoE
+    expert adapter (``<experts>.lora.<proj>``, an :class:`ExpertLoRA`)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, (LoRALinear, ExpertLoRA))}
 
 
 def mark_adapters_trainable(model: nn.Module) -> None:
@@ -345,6 +439,9 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     is computed in float32. Merged weights do not require grad. A tensor-parallel model stays
     one: the merged weight keeps the base's sharding and the layer its input/output hooks.
     """
+    for experts in model.modules():
+        if isinstance(experts, GroupedExperts):
+            experts.merge_lora()
     for name, module in adapter_modules(model).items():
         if not name:
             raise ValueError("merge_adapters takes a model that contains adapter layers")
