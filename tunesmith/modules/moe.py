@@ -157,7 +157,8 @@ class GroupedExperts(nn.Module):
         if operands and operands[0].shape[0] != gate.shape[0]:
             raise ValueError(
                 f"expert LoRA adapters hold {operands[0].shape[0]} experts but this rank runs "
-                f"{gate.shape[0]}: LoRA on experts is not supported with expert parallel (ep > 1)"
+                f"{gate.shape[0]}: add expert LoRA (apply_lora) before expert parallel splits "
+                f"the experts (apply_expert_parallel), which splits the adapters with them"
             )
         if grouped_mm_supported(tokens_sorted, gate, down, *operands):
             offs = counts.cumsum(0).to(torch.int32)

@@ -10,9 +10,9 @@ dimensions in the order ``("dp_replicate", "dp_shard", "cp", "tp")`` (outermost 
 neighbours are adjacent ranks). ``dp_shard`` is always a dimension (of size 1 on one process);
 ``dp_replicate``, ``cp`` and ``tp`` only when larger than 1, so the default mesh is 1-D over
 every rank (the mesh FSDP2 has always used). ``ep`` is no factor of the world: it splits each
-``dp_shard`` group into groups of ``ep`` contiguous ranks that share their experts
-(``ctx.expert_mesh``, :mod:`~tunesmith.training.expert_parallel`). ``tp`` > 1 shards each
-layer over the ``tp`` ranks
+``dp_shard`` group into groups of ``ep`` neighbouring ``dp_shard`` ranks (one ``tp`` coordinate)
+that share their experts (``ctx.expert_mesh``, :mod:`~tunesmith.training.expert_parallel`).
+``tp`` > 1 shards each layer over the ``tp`` ranks
 (:mod:`~tunesmith.training.tensor_parallel`; ``sequence_parallel``, on by default, also shards
 the residual stream on the sequence). ``cp`` > 1 splits every row over the ``cp`` ranks
 (:mod:`~tunesmith.training.context_parallel`: zigzag halves, ring attention); FSDP2 then shards
@@ -68,6 +68,7 @@ __all__ = [
     "all_reduce_sum",
     "close_distributed",
     "expert_mesh_of",
+    "expert_rank_layout",
     "full_tensor",
     "init_distributed",
     "peer_failure",
@@ -330,11 +331,23 @@ def expert_mesh_of(dims: ParallelDims, device_type: str) -> DeviceMesh:
     >>> expert_mesh_of(ParallelDims(dp_shard=4, ep=2), "cpu").mesh.tolist()  # doctest: +SKIP
     [[0, 1], [2, 3]]
     """
-    d = dims
-    ranks = torch.arange(d.world_size).view(d.dp_replicate, d.dp_shard // d.ep, d.ep, d.cp, d.tp)
-    ranks = ranks.permute(4, 0, 1, 3, 2).reshape(d.tp, -1, d.ep)  # [tp, expert_dp, ep]
+    ranks = expert_rank_layout(dims)
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("ep_tp", "expert_dp", "ep"))
     return mesh[("expert_dp", "ep")]
+
+
+def expert_rank_layout(dims: ParallelDims) -> torch.Tensor:
+    """The global ranks of :func:`expert_mesh_of`, ``[tp, expert_dp, ep]``: ``[t, i]`` is one
+    ``ep`` group, ranks that differ only in their ``dp_shard`` coordinate (so they share the
+    ``tp`` coordinate ``t``: under tensor parallel each tp rank exchanges tokens only with its
+    own tp coordinate's ranks). Creates no process group.
+
+    >>> expert_rank_layout(ParallelDims(dp_shard=4, tp=2, ep=2)).tolist()
+    [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
+    """
+    d = dims
+    ranks = torch.arange(d.world_size).view(d.dp_replicate, d.dp_shard // d.ep, d.ep, d.cp, d.tp)
+    return ranks.permute(4, 0, 1, 3, 2).reshape(d.tp, -1, d.ep)
 
 
 class PeerFailureError(RuntimeError):

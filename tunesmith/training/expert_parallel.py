@@ -17,6 +17,11 @@ model on a 2-D expert mesh ``("expert_dp", "ep")`` (``DistributedContext.expert_
   no token dropped), runs its local experts on what it received (regrouped by expert), and
   returns each row to the rank it came from by the reverse all-to-all. Both all-to-alls are
   differentiable (their backward is the opposite all-to-all).
+- **LoRA on the experts.** The stacked adapters of ``GroupedExperts.lora`` (``lora_A``
+  ``[E, r, in]``, ``lora_B`` ``[E, out, r]``) follow their experts: the same ``(Replicate(),
+  Shard(0))`` placements, so each rank keeps the adapters of its own experts, applied by the
+  local expert compute; their gradients are averaged like the experts' (below). A PEFT folder
+  gathers them with ``full_tensor`` into the one-process tensors.
 - **Gradients.** A local expert's gradient holds the contributions of every token of its
   ``ep`` group. FSDP2 averages the other gradients over the data-parallel ranks; the experts'
   are summed over the ``expert_dp`` ranks (the other holders of the same experts) and divided
@@ -43,10 +48,19 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tunesmith.modules.moe import MoE
 
-__all__ = ["EXPERT_PARAMS", "ExpertParallel", "all_to_all", "apply_expert_parallel"]
+__all__ = [
+    "ADAPTER_PARAMS",
+    "EXPERT_PARAMS",
+    "ExpertParallel",
+    "all_to_all",
+    "apply_expert_parallel",
+]
 
 EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")
 """The stacked expert parameters (dim 0: the expert) that are split over the ``ep`` ranks."""
+
+ADAPTER_PARAMS = ("lora_A", "lora_B")
+"""The stacked parameters of each expert LoRA adapter, split over the ``ep`` ranks as well."""
 
 
 @dataclass(frozen=True)
@@ -144,22 +158,38 @@ class ExpertParallel:
         return all_to_all(back, recv, send, plan.ep_group)
 
     def _local_forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The wrapped module's own forward on this rank's experts (plain local tensors in
-        place of the DTensors while it runs)."""
-        params = {name: self._parameters[name] for name in EXPERT_PARAMS}
-        local = tuple(p.to_local() for p in params.values())
-        trained = torch.is_grad_enabled() and any(p.requires_grad for p in params.values())
-        if trained:
-            local = _AverageExpertGrads.apply(self._ep_plan, *local)
+        """The wrapped module's own forward on this rank's experts and their LoRA adapters
+        (plain local tensors in place of the DTensors while it runs)."""
+        owners = _sharded_params(self)  # (module, name, DTensor parameter)
+        local = [p.to_local() for _, _, p in owners]
+        trained = [i for i, (_, _, p) in enumerate(owners) if p.requires_grad]
+        if not torch.is_grad_enabled():
+            trained = []
+        if trained:  # one all-reduce for the trained tensors' gradients
+            averaged = _AverageExpertGrads.apply(self._ep_plan, *(local[i] for i in trained))
+            for i, tensor in zip(trained, averaged, strict=True):
+                local[i] = tensor
         if tokens.shape[0] == 0:  # no row here: an empty output that still links the rows'
-            # gradients (the all-to-alls' backward) and the experts' (their all-reduce)
-            return tokens + sum(t.sum() for t in local) * 0
+            # gradients (the all-to-alls' backward) and the trained tensors' (their all-reduce)
+            return tokens + sum(local[i].sum() for i in trained) * 0
         try:
-            for name, tensor in zip(params, local, strict=True):
-                self._parameters[name] = tensor  # type: ignore[assignment]
+            for (module, name, _), tensor in zip(owners, local, strict=True):
+                module._parameters[name] = tensor  # type: ignore[assignment]
             return super().forward(tokens, counts)  # type: ignore[misc]
         finally:
-            self._parameters.update(params)
+            for module, name, param in owners:
+                module._parameters[name] = param
+
+
+def _sharded_params(experts: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """The experts module's split parameters, in a fixed order: the stacked experts, then each
+    LoRA adapter's ``lora_A``/``lora_B`` (by projection name)."""
+    owners = [(experts, name, experts._parameters[name]) for name in EXPERT_PARAMS]
+    adapters = getattr(experts, "lora", {})
+    for proj in sorted(adapters):
+        adapter = adapters[proj]
+        owners += [(adapter, name, adapter._parameters[name]) for name in ADAPTER_PARAMS]
+    return owners  # type: ignore[return-value]
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -189,17 +219,18 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
                 f"that divides {module.num_experts}"
             )
         per_rank = module.num_experts // ep
-        for pname in EXPERT_PARAMS:
-            full = getattr(experts, pname)
+        for owner, pname, full in _sharded_params(experts):
+            if isinstance(full, DTensor):  # already split (applied twice)
+                continue
             if full.shape[0] != module.num_experts:
-                raise ValueError(f"{name}.experts.{pname}: {list(full.shape)} is not stacked "
+                raise ValueError(f"{name}.experts: {pname} {list(full.shape)} is not stacked "
                                  f"on {module.num_experts} experts")  # fmt: skip
             local = full.detach()[index * per_rank : (index + 1) * per_rank].clone()
             shard = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
                                        shape=full.shape, stride=full.stride())  # fmt: skip
             param = nn.Parameter(shard, requires_grad=full.requires_grad)
             param.expert_parallel = True  # FSDP2 ignores it (shard_model)
-            experts.register_parameter(pname, param)
+            owner.register_parameter(pname, param)
         if not isinstance(experts, ExpertParallel):
             cls = type(experts)
             experts.__class__ = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
