@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import machine_info  # benchmarks/machine_info.py, next to this script
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -259,17 +260,7 @@ def _gib(n: float) -> str:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f", {mem_kb / 2**20:.0f} GiB RAM"
-    except OSError:
-        mem = ""
-    return f"{os.cpu_count()} x {cpu} ({platform.machine()}){mem}, no GPU"
+    return machine_info.machine() + ", no GPU"
 
 
 def measured_table(rows: dict[str, list[dict[str, Any]]], plans: dict[str, Any]) -> str:

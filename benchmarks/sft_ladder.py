@@ -45,6 +45,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from machine_info import machine
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"  # sft_ladder.md (cpu preset), sft_ladder_100m.md
@@ -280,20 +281,6 @@ def matmul_peak_flops(threads: int, n: int = 2048, repeats: int = 7) -> float:
         best = min(best, time.perf_counter() - start)
     torch.set_num_threads(previous)
     return 2 * n**3 / best
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f", {mem_kb / 2**20:.0f} GiB RAM"
-    except OSError:
-        mem = ""
-    return f"{os.cpu_count()} x {cpu} ({platform.machine()}){mem}"
 
 
 def run_child(preset: str, index: int, steps: int, threads: int, cache_dir: str) -> RungResult:
