@@ -22,8 +22,9 @@ The plan is written against Hugging Face parameter names, so it serves every fam
   the stream is replicated and the row-wise outputs are all-reduced;
 * LoRA/DoRA layers (``apply_lora`` runs before this) keep their adapters sharded like their
   base layer (:mod:`~tunesmith.training.tp_adapters`); NF4 (QLoRA) bases are refused;
-* MoE layers keep their router and experts replicated (every rank routes every token; expert
-  parallel comes with issue #16);
+* MoE layers keep their router and experts replicated over ``tp`` (every rank routes every
+  token); ``ep`` splits the experts over data-parallel ranks instead
+  (:mod:`~tunesmith.training.expert_parallel`);
 * the body's output (after the final norm) is a plain tensor, the same on every ``tp`` rank,
   so any head (``lm_head``, a reward ``score``, a critic's value head) and any loss sees the
   full hidden states.
