@@ -81,7 +81,7 @@ def _run(world: int, args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
         mp.spawn(_rank_main, args=(world, os.path.join(tmp, "pg"), args, out), nprocs=world)
-        return torch.load(out)
+        return torch.load(out, weights_only=True)
 
 
 def main() -> None:

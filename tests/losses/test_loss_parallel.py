@@ -172,7 +172,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
 def ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("loss_parallel")
     mp.spawn(_worker, args=(2, str(tmp)), nprocs=2, join=True)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
 
 
 def _expected(name: str):

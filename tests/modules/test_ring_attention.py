@@ -154,7 +154,7 @@ def ring_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ring")
     out = tmp / "results.pt"
     mp.spawn(_worker, args=(str(tmp / "pg"), str(out)), nprocs=CP, join=True)
-    return torch.load(out)
+    return torch.load(out, weights_only=True)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -112,7 +112,7 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
 def _run(tmp, world: int) -> list[dict]:
     out = tmp / f"results{world}.pt"
     mp.spawn(_worker, args=(world, str(tmp / f"pg{world}"), str(out)), nprocs=world, join=True)
-    return torch.load(out)
+    return torch.load(out, weights_only=True)
 
 
 def _check(per_rank: list[dict]) -> None:

@@ -97,7 +97,7 @@ def tp_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     out = tmp / "results.pt"
     mp.spawn(_worker, args=(str(tmp / "pg"), str(out)), nprocs=2, join=True)
-    return torch.load(out)
+    return torch.load(out, weights_only=True)
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -221,7 +221,7 @@ def _worker(rank: int, tmp: str) -> None:
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp_adapters")
     mp.spawn(_worker, args=(str(tmp),), nprocs=2, join=True)
-    return torch.load(tmp / "results.pt", weights_only=False), tmp
+    return torch.load(tmp / "results.pt", weights_only=True), tmp
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{'dora' if c[1] else 'lora'}-sp{int(c[2])}"
