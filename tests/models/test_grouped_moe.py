@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 
+from tests.models.hf_moe import tiny_hf_qwen3_moe
 from tunesmith.models import build_model, from_hf, qwen3_moe
 from tunesmith.models.hf import save_hf_checkpoint
 from tunesmith.modules.moe import (
@@ -187,22 +188,7 @@ def test_streaming_load_over_several_calls_and_clear_errors():
 
 
 def _hf_model(seed: int = 0) -> transformers.PreTrainedModel:
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
-        max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager", dtype=torch.float32
-    )
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.1 * noise)
-    return model.eval()
+    return tiny_hf_qwen3_moe(seed, layers=3, experts=8, mlp_only_layers=(1,))
 
 
 IDS = torch.tensor([[3, 17, 99, 5, 64, 8, 2, 41], [7, 7, 120, 33, 1, 90, 12, 6]])

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file
 
+from tests.models.hf_moe import tiny_hf_qwen3_moe
 from tunesmith.models import from_hf, qwen3_moe
 from tunesmith.models.peft_io import load_peft_adapter, save_peft_adapter
 from tunesmith.models.safetensors_io import CheckpointError
@@ -118,22 +119,7 @@ def test_new_adapters_follow_peft_init_and_are_a_no_op():
 
 
 def _hf_model(seed: int, mlp_only_layers: tuple[int, ...] = ()) -> transformers.PreTrainedModel:
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=list(mlp_only_layers),
-        max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager", dtype=torch.float32
-    )
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.1 * noise)
-    return model.eval()
+    return tiny_hf_qwen3_moe(seed, mlp_only_layers=mlp_only_layers)
 
 
 IDS = torch.tensor([[3, 17, 99, 5, 64, 8, 2, 41], [7, 7, 120, 33, 1, 90, 12, 6]])
