@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv demo demo-rl test test-slow test-faults lint format clean
+.PHONY: venv demo demo-rl test test-slow test-faults test-gpu lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ test: lint
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow
+
+# Tests that need CUDA and vllm (the vLLM rollout engine); each skips with the reason without.
+test-gpu: venv
+	$(PY) -m pytest -q -rs -m gpu
 
 # The whole reliability suite (24 SIGKILL seeds, torchrun cases...), its outcomes recorded in
 # benchmarks/results/reliability.json, then RELIABILITY.md regenerated from them.

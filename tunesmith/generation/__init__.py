@@ -1,5 +1,7 @@
-"""Token-level generation: batched KV-cache decoding and sampling."""
+"""Token-level generation: batched KV-cache decoding and sampling, and the rollout engines
+(the project's own, and the optional vLLM adapter) an RL rollout worker decodes through."""
 
+from tunesmith.generation.engine import LocalEngine, RolloutEngine
 from tunesmith.generation.generate import (
     FinishReason,
     GenerationOutput,
@@ -18,16 +20,20 @@ from tunesmith.generation.sampling import (
     policy_logprobs,
     sample,
 )
+from tunesmith.generation.vllm_engine import VLLMEngine
 
 __all__ = [
     "FinishReason",
     "GenerationOutput",
+    "LocalEngine",
     "LogitsProcessor",
     "MinP",
+    "RolloutEngine",
     "SampleOutput",
     "Temperature",
     "TopK",
     "TopP",
+    "VLLMEngine",
     "apply_processors",
     "build_processors",
     "generate",

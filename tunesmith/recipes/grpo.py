@@ -28,6 +28,8 @@ of greedy answers every ``eval_every_n_steps``; a group of sample completions ev
 
 from __future__ import annotations
 
+from functools import partial
+
 from omegaconf import DictConfig
 
 from tunesmith.config import instantiate
@@ -40,13 +42,14 @@ from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit, run_main
 from tunesmith.training.loop_config import component, flag, integer
 from tunesmith.training.parallelize import parallelize
+from tunesmith.training.trainer import Trainer
 
 RUNTIME_ARGS = {"tokenizer": 0, "optimizer": 1, "lr_scheduler": 1}
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
 KEYS, RULES = rl.rl_keys({  # what each top-level value may be, checked up front
     "advantage": component(required=True),
     "kl": rl.mapping("a mapping with coef (>= 0) and kind (k1, k2, k3), or null (no KL term)"),
-    "dynamic_sampling": flag(), "max_refills": integer(0),
+    "dynamic_sampling": flag(), "max_refills": integer(0), **rl.ASYNC_RULES,
 })  # fmt: skip
 
 
@@ -58,27 +61,44 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     log = setup.rank_zero_log(ctx)
     kl_cfg = rl.plain(cfg.get("kl"))
 
+    asynchronous = cfg.get("async_mode") is not None  # rollouts from Ray workers
+
     # -- prompts and rewards
     tokenizer = setup.load_tokenizer(cfg)
-    stream = rl.prompt_stream(cfg, ctx, instantiate(cfg.prompts), log)
+    prompts = instantiate(cfg.prompts)
+    stream = rl.prompt_stream(cfg, ctx, prompts, log)
     rewards = instantiate(cfg.rewards)
     advantage = instantiate(cfg.advantage, **_dp_group_for(cfg.advantage, ctx))
 
     # -- policy, reference (taken before the policy is sharded), loss
     model = setup.build_policy(cfg, ctx, tokenizer)
     reference = None
-    if kl_cfg.get("coef", 0.0) > 0:
+    if kl_cfg.get("coef", 0.0) > 0 and not asynchronous:  # async: the reward workers' own
         reference = setup.reference_policy(cfg, ctx, model, log, tokenizer=tokenizer)
     model = parallelize(model, ctx, cfg)  # checkpointing, compiled layers, FSDP2 (in place)
     loss = instantiate(cfg.policy_loss)
     kl = KLPenalty(float(kl_cfg["coef"]), kl_cfg.get("kind", "k3"), loss.aggregation,
-                   loss.max_tokens) if reference is not None else None  # fmt: skip
+                   loss.max_tokens) if kl_cfg.get("coef", 0.0) > 0 else None  # fmt: skip
     options = rl.source_options(cfg)
     objective = PolicyGradient(loss, kl=kl, temperature=options["generation"].temperature,
                                importance_cap=cfg.get("importance_cap"))  # fmt: skip
     rl.check_one_update_per_backward(cfg, ctx)
 
     # -- rollouts as the trainer's batch source
+    if asynchronous:
+        source, pipeline = rl.asynchronous_source(
+            cfg, ctx, model=model, tokenizer=tokenizer, prompts=prompts, rewards=rewards,
+            advantage=advantage,
+        )  # fmt: skip
+        try:
+            evaluator = rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source)
+            fit(cfg, ctx, model=model, objective=objective, source=source, name="grpo",
+                evaluator=evaluator,
+                make_trainer=partial(Trainer, on_step_end=[source.on_step_end]))  # fmt: skip
+        finally:
+            if pipeline is not None:
+                pipeline.close()
+        return
     source = RolloutSource(
         model=model, tokenizer=tokenizer, prompts=stream, rewards=rewards, advantage=advantage,
         ctx=ctx, reference=reference, dynamic_sampling=bool(cfg.get("dynamic_sampling", False)),

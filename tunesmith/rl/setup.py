@@ -27,7 +27,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from tunesmith.config import instantiate
+from tunesmith.rl.async_source import AsyncRolloutSource
 from tunesmith.rl.evaluate import evaluate_rewards
+from tunesmith.rl.pipeline import RolloutPipeline
 from tunesmith.rl.prompts import Prompt, PromptStream
 from tunesmith.rl.rewards import RewardSet
 from tunesmith.rl.source import GenerationConfig, RolloutSource
@@ -37,6 +39,7 @@ from tunesmith.training.loop_config import (
     LOOP_RULES,
     MODEL_RULES,
     Rule,
+    choice,
     component,
     flag,
     integer,
@@ -46,7 +49,9 @@ from tunesmith.training.loop_config import (
 from tunesmith.training.setup import MODEL_KEYS, Log
 
 __all__ = [
+    "ASYNC_RULES",
     "RL_RULES",
+    "asynchronous_source",
     "check_one_update_per_backward",
     "generation_config",
     "mapping",
@@ -75,6 +80,16 @@ RL_RULES: dict[str, Rule] = {  # the keys every RL recipe reads besides the loop
     "max_logprob_mismatch": number(above=0, null="no limit"),
     "importance_cap": number(at_least=1, null="no importance correction"),
     "chat_template": flag(), "log_samples_every": integer(0), "eval_batch_size": integer(1),
+}  # fmt: skip
+
+
+ASYNC_RULES: dict[str, Rule] = {  # asynchronous GRPO (grpo_async): the rollout pipeline
+    "async_mode": choice("sync", "overlap", "off_policy", null="generate in the trainer"),
+    "max_staleness": integer(0), "buffer_size": integer(1, null="enough for the mode"),
+    "max_worker_restarts": integer(0),
+    "rollout": mapping("workers, num_cpus, num_gpus, engine (local or vllm), vllm"),
+    "reward_workers": mapping("workers, num_cpus"),
+    "ray": mapping("address (null: a local instance), num_cpus, temp_dir, log_to_driver"),
 }  # fmt: skip
 
 
@@ -169,3 +184,37 @@ def check_one_update_per_backward(cfg: DictConfig, ctx: DistributedContext) -> N
             f"{ctx.dp_size} ranks x group_size {cfg.group_size}) and batch_size is "
             f"{cfg.batch_size}: set batch_size to {rows}"
         )
+
+
+def asynchronous_source(
+    cfg: DictConfig, ctx: DistributedContext, *, model: nn.Module, tokenizer: Any,
+    prompts: Sequence[Prompt], rewards: RewardSet, advantage: Any,
+) -> tuple[AsyncRolloutSource, RolloutPipeline | None]:  # fmt: skip
+    """The batch source of asynchronous GRPO (``cfg.async_mode`` set) and, on rank 0, its
+    started rollout pipeline (close it when the run ends). The whole prompt stream is rank
+    0's: it draws every step's prompts and shares the groups out."""
+    stream = PromptStream(prompts, int(cfg.prompts_per_step), shuffle=bool(cfg.get("shuffle", True)),
+                          seed=int(cfg.get("seed", 0)))  # fmt: skip
+    updates = int(cfg.get("updates_per_batch", 1))
+    total_steps = int(cfg.max_steps)
+    pipeline = None
+    if ctx.is_rank_zero:
+        config = OmegaConf.to_container(cfg, resolve=True)
+        pipeline = RolloutPipeline(
+            config, stream, mode=str(cfg.async_mode), max_staleness=int(cfg.get("max_staleness", 0)),
+            updates_per_batch=updates, total_batches=-(-total_steps // updates),
+            capacity=cfg.get("buffer_size"), max_restarts=int(cfg.get("max_worker_restarts", 3)),
+        )  # fmt: skip
+        pipeline.start()
+    try:
+        source = AsyncRolloutSource(
+            pipeline=pipeline, total_steps=total_steps, model=model, tokenizer=tokenizer,
+            prompts=stream, rewards=rewards, advantage=advantage, ctx=ctx,
+            dynamic_sampling=bool(cfg.get("dynamic_sampling", False)),
+            rollout_log=Path(cfg.output_dir) / "rollouts.jsonl", **source_options(cfg),
+        )  # fmt: skip
+    except BaseException:
+        if pipeline is not None:
+            pipeline.close()
+        raise
+    return source, pipeline

@@ -1,0 +1,108 @@
+"""Asynchronous GRPO end to end on a tiny policy, with real Ray workers (one local instance
+for the module, in a temp dir of its own):
+
+* ``sync`` mode == the synchronous ``grpo`` recipe: the same rollouts (keyed sampling in
+  another process) and bitwise-equal weights after N updates, with and without a KL term
+  (reference log-probs from the reward worker);
+* ``overlap`` and ``off_policy`` use every batch's groups once, in order, never staler than
+  the mode allows (read back from ``rollouts.jsonl``); ``off_policy`` with ``max_staleness: 0``
+  is ``sync``;
+* a resumed ``overlap`` run (the buffer drained into the checkpoint) == the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import tempfile
+
+import pytest
+import ray
+import torch
+
+from tests.recipes.sft_world import (
+    _any_component_allowed,
+    assert_same_weights,
+    final_weights,
+    make_model_dir,
+    read_metrics,
+)
+from tests.rl.rl_world import grpo_overrides, make_prompts
+from tunesmith.config import load_config
+from tunesmith.recipes import config_path
+
+STEPS = 4
+FAST = [f"max_steps={STEPS}", "optimizer.lr=1e-2", "generation.max_new_tokens=8"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_async")
+    return root, make_model_dir(root), make_prompts(root / "prompts.jsonl", rows=24)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    """One local Ray instance for the module (the runs join it instead of starting their own)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
+    with _any_component_allowed():  # the workers start with the test reward allowed
+        ray.init(num_cpus=4, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def run(world, recipe: str, config: str, name: str, *extra: str):
+    """Run ``recipe`` on its ``config`` in this process (one torch thread, as the workers)."""
+    root, model_dir, prompts = world
+    out = root / name
+    cfg = load_config(config_path(config, recipe),
+                      grpo_overrides(model_dir, prompts, out, *FAST, *extra))  # fmt: skip
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _any_component_allowed():  # the test reward lives in tests/
+            importlib.import_module(f"tunesmith.recipes.{recipe}").main(cfg)
+    finally:
+        torch.set_num_threads(previous)
+    return out
+
+
+def rollouts(out):
+    return [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("kl", ["0.0", "0.05"])
+def test_sync_mode_equals_the_synchronous_recipe(world, kl):
+    plain = run(world, "grpo", "tiny", f"grpo-kl{kl}", f"kl.coef={kl}")
+    remote = run(world, "grpo_async", "tiny", f"sync-kl{kl}", f"kl.coef={kl}", "async_mode=sync")
+    assert_same_weights(final_weights(remote), final_weights(plain), atol=0.0)
+    ours, theirs = read_metrics(remote), read_metrics(plain)
+    for step in range(1, STEPS + 1):
+        for key in ("reward", "completion_length", "loss"):
+            assert ours[step][key] == theirs[step][key], (step, key)
+        assert ours[step]["staleness_max"] == 0.0
+    used = [tuple(g[:2]) for r in rollouts(remote) for g in r["groups"]]
+    assert len(used) == len(set(used)) == STEPS * 4  # prompts_per_step 4, each once
+
+
+@pytest.mark.parametrize(("mode", "allowed"), [("overlap", 1), ("off_policy", 2)])
+def test_async_modes_use_each_group_once_and_never_too_stale(world, mode, allowed):
+    out = run(world, "grpo_async", "tiny", mode, f"async_mode={mode}", "max_staleness=2")
+    records = rollouts(out)
+    assert [r["batch"] for r in records] == list(range(STEPS))
+    used = [tuple(g[:2]) for r in records for g in r["groups"]]
+    assert len(used) == len(set(used)) == STEPS * 4
+    lags = [r["version"] - g[2] for r in records for g in r["groups"]]
+    assert min(lags) >= 0 and max(lags) <= allowed
+    assert max(lags) == allowed or mode == "off_policy"  # overlap: batch k+1 sampled by v(k)
+    assert all(r["groups"][0][0] == r["batch"] for r in records)  # batch k is round k
+
+
+def test_off_policy_with_no_staleness_is_sync(world):
+    sync = run(world, "grpo_async", "tiny", "sync0", "async_mode=sync")
+    off = run(world, "grpo_async", "tiny", "off0", "async_mode=off_policy", "max_staleness=0")
+    assert_same_weights(final_weights(off), final_weights(sync), atol=0.0)

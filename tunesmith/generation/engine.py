@@ -1,0 +1,200 @@
+"""Rollout engines: the narrow interface an RL rollout worker generates through.
+
+A rollout worker needs two things from whatever decodes for it: completions with the sampling
+log-prob of every token (:meth:`RolloutEngine.generate`), and new policy weights by Hugging
+Face name after each update (:meth:`RolloutEngine.load_weights`). :class:`LocalEngine` is the
+project's own engine (:func:`~tunesmith.generation.generate`, CPU or GPU, the default);
+:class:`~tunesmith.generation.vllm_engine.VLLMEngine` is the same interface over vLLM.
+
+Example::
+
+    >>> from tunesmith.models import llama3
+    >>> engine = LocalEngine(llama3.llama3_tiny(), tokenizer=None, pad_id=0)
+    >>> out = engine.generate([[1, 5, 7]], row_keys=[3], max_new_tokens=4, temperature=1.0,
+    ...                       top_p=None, top_k=None, min_p=None, stop_token_ids=[],
+    ...                       stop_strings=[])
+    >>> len(out.sequences[0]), len(out.logprobs[0])
+    (4, 4)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from tunesmith.generation.generate import GenerationOutput, generate
+
+__all__ = ["LocalEngine", "RolloutEngine", "check_named_weights"]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What a rollout worker calls: :class:`LocalEngine` and ``VLLMEngine`` implement it.
+
+    ``generate`` answers each prompt (token ids) once; ``row_keys`` (one int in
+    ``[0, 2**32)`` per row, or None) make each row's sampling reproducible on its own.
+    ``GenerationOutput.logprobs`` are the sampled tokens' log-probs under the tempered
+    distribution ``log_softmax(logits / T)`` (``log_softmax(logits)`` when greedy), the numbers
+    the trainer recomputes. ``load_weights`` copies tensors into the running policy by Hugging
+    Face name; a partial update (e.g. only a LoRA policy's adapter weights) is allowed, but
+    every name must exist with the sent shape.
+
+    Example::
+
+        >>> from tunesmith.models import llama3
+        >>> isinstance(LocalEngine(llama3.llama3_tiny(), None, pad_id=0), RolloutEngine)
+        True
+    """
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        row_keys: Sequence[int] | None,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float | None,
+        top_k: int | None,
+        min_p: float | None,
+        stop_token_ids: Sequence[int],
+        stop_strings: Sequence[str],
+    ) -> GenerationOutput: ...
+
+    def load_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None: ...
+
+
+def check_named_weights(
+    named_tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]], where: str
+) -> None:
+    """Raise unless every name of ``named_tensors`` is in ``shapes`` with the same shape.
+
+    The error names the first bad key (and both shapes, or up to five known names that look
+    alike); ``where`` says whose names these are. Nothing is copied, so a caller that checks
+    first updates all tensors or none.
+
+    Example::
+
+        >>> check_named_weights({"w": torch.zeros(2, 3)}, {"w": (2, 3)}, "the model")
+        >>> check_named_weights({"v": torch.zeros(1)}, {"w": (2, 3)}, "the model")
+        Traceback (most recent call last):
+        ...
+        KeyError: "load_weights: 'v' is not a parameter of the model (it has 1 names, e.g. ['w'])"
+    """
+    for name, tensor in named_tensors.items():
+        if name not in shapes:
+            tail = name.rsplit(".", 1)[-1]
+            alike = [n for n in shapes if n.endswith(tail)][:5] or list(shapes)[:5]
+            raise KeyError(
+                f"load_weights: {name!r} is not a parameter of {where} "
+                f"(it has {len(shapes)} names, e.g. {alike})"
+            )
+        sent, have = tuple(tensor.shape), tuple(shapes[name])
+        if sent != have:
+            raise ValueError(
+                f"load_weights: {name!r} has shape {list(sent)} but {where} holds {list(have)}"
+            )
+
+
+class LocalEngine:
+    """The project's own rollout engine: :func:`~tunesmith.generation.generate` on ``model``.
+
+    ``generate`` runs the model in eval mode (its previous mode restored after) under
+    ``torch.no_grad()``, with keyed sampling when ``row_keys`` are given, ``tokenizer.decode``
+    to find stop strings, and ``torch.autocast`` to ``autocast_dtype`` when set.
+    ``load_weights`` copies tensors into the model's parameters by name (HF names: the
+    identity map), cast to each parameter's dtype and device; every name and shape is checked
+    before anything is copied.
+
+    Args:
+        model: a ``TransformerLM`` (plain, not sharded: a rollout worker holds a whole copy).
+        tokenizer: anything with ``decode(ids) -> str``; may be None when no stop strings
+            are used.
+        pad_id: token fed for padding and finished rows (always masked out).
+        autocast_dtype: e.g. ``torch.bfloat16`` to decode a float32 model under autocast.
+
+    Example::
+
+        >>> from tunesmith.models import llama3
+        >>> model = llama3.llama3_tiny()
+        >>> engine = LocalEngine(model, None, pad_id=0)
+        >>> engine.load_weights({"model.norm.weight": torch.full((64,), 2.0)})
+        >>> float(model.model.norm.weight.detach()[0])
+        2.0
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        *,
+        pad_id: int,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pad_id = int(pad_id)
+        self.autocast_dtype = autocast_dtype
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        device = next(iter(self.model.parameters())).device
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        row_keys: Sequence[int] | None,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float | None,
+        top_k: int | None,
+        min_p: float | None,
+        stop_token_ids: Sequence[int],
+        stop_strings: Sequence[str],
+    ) -> GenerationOutput:
+        """Answer each prompt once; see :class:`RolloutEngine`."""
+        decode = None
+        if stop_strings:
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"LocalEngine: stop_strings {list(stop_strings)} need a tokenizer to decode "
+                    "completions, but the engine was built with tokenizer=None"
+                )
+            decode = self.tokenizer.decode
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self._autocast():
+                return generate(
+                    self.model,
+                    prompt_ids,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    min_p=min_p,
+                    stop_token_ids=stop_token_ids,
+                    stop_strings=stop_strings,
+                    decode=decode,
+                    pad_id=self.pad_id,
+                    row_keys=row_keys,
+                )
+        finally:
+            self.model.train(was_training)
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``named_tensors`` into the model's parameters of the same names (all or none:
+        an unknown name or a shape mismatch raises before any copy)."""
+        params = dict(self.model.named_parameters())
+        check_named_weights(
+            named_tensors, {n: p.shape for n, p in params.items()}, "the rollout model"
+        )
+        for name, tensor in named_tensors.items():
+            params[name].copy_(tensor.detach())

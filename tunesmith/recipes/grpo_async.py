@@ -1,0 +1,40 @@
+"""Asynchronous GRPO: the ``grpo`` recipe with its rollouts sampled and scored by Ray workers
+while the trainer trains (see :mod:`tunesmith.rl.pipeline`).
+
+    tunesmith run grpo_async --config tiny model_dir=path/to/model prompts.source=prompts.jsonl
+    tunesmith run grpo_async --config tiny ... async_mode=off_policy max_staleness=2
+
+Ray starts in this process (nothing to start by hand), or the run joins a cluster with
+``ray.address=auto``. Each step:
+
+1. the rollout workers sample ``group_size`` answers to the step's prompts with a policy at
+   most ``lead`` updates old (``async_mode``: ``sync`` 0, ``overlap`` one batch,
+   ``off_policy`` ``max_staleness``), tagged with its version; reward workers score them and
+   add the reference's log-probs; groups wait in the replay buffer;
+2. the trainer takes the step's groups (staler ones are sampled again), computes its own
+   log-probs of the sampled tokens and makes GRPO's update (``updates_per_batch`` of them);
+3. the new weights go to the rollout workers (Ray's object store), with the new version.
+
+The trainer's ranks are this process's (``--nproc-per-node`` for FSDP2/TP, as in ``grpo``).
+Logged besides ``grpo``'s: ``staleness_mean``/``_max``, ``wait_s`` (trainer idle),
+``weight_sync_s``, ``buffer_groups``, ``dropped_stale``, ``requeued_groups``,
+``worker_restarts``, ``samples_per_s``; ``<output_dir>/rollouts.jsonl`` lists the groups of
+every batch with the policy version that sampled each.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from tunesmith.recipes import grpo
+from tunesmith.training.loop import run_main
+from tunesmith.training.loop_config import choice
+
+RUNTIME_ARGS = grpo.RUNTIME_ARGS
+RUNTIME_KWARGS = grpo.RUNTIME_KWARGS
+KEYS = grpo.KEYS
+RULES = {**grpo.RULES, "async_mode": choice("sync", "overlap", "off_policy")}
+
+
+def main(cfg: DictConfig) -> None:
+    run_main(grpo.train, cfg, KEYS, RULES)

@@ -1,0 +1,121 @@
+"""Groups: one prompt answered ``group_size`` times, the unit RL rollouts are sampled, scored,
+buffered and trained in (a group is never split: its advantages are relative to each other).
+
+:func:`sample_groups` answers prompts with any generation function (the policy in this
+process, a rollout worker's engine) under keyed sampling: completion ``j`` of a prompt in
+collection ``round`` depends only on ``seed``, ``round``, the prompt's index and ``j``, so the
+same prompts give the same groups whichever process, batch or worker samples them.
+:func:`score_groups` adds the rewards of every completion (one :class:`RewardSet` call for all
+the groups, as the synchronous recipe scores a collection).
+
+Example::
+
+    >>> groups = sample_groups(generate_fn, tokenizer, prompts, round=0, group_size=4,
+    ...                        seed=0)                                   # doctest: +SKIP
+    >>> failures = score_groups(rewards, groups)                         # doctest: +SKIP
+    >>> groups[0].rewards                                                # doctest: +SKIP
+    tensor([1., 0., 0., 1.])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tunesmith.generation.generate import GenerationOutput
+from tunesmith.generation.keyed import row_key
+from tunesmith.rl.prompts import Prompt, encode_prompt
+from tunesmith.rl.rewards import RewardSet, Sample
+
+__all__ = ["GenerateFn", "Group", "sample_groups", "score_groups"]
+
+GenerateFn = Callable[[list[list[int]], list[int]], GenerationOutput]
+"""``generate_fn(prompt_rows, row_keys)``: one completion per row, keyed sampling."""
+
+
+@dataclass
+class Group:
+    """One prompt's ``group_size`` completions and what is known of them.
+
+    Attributes:
+        prompt: the prompt answered.
+        round: the collection round that drew it (with the prompt's index, its id).
+        prompt_ids / prompt_text: the prompt as the policy saw it.
+        completions / logprobs / finish / texts: per completion: the sampled token ids, their
+            sampling log-probs, ``"stop"`` or ``"length"``, and the decoded text.
+        version: the policy version (optimizer updates done) that sampled it.
+        rewards / per_reward: ``[group_size]`` totals and each named reward (after scoring).
+        ref_logprobs: per completion, the reference policy's log-probs of its tokens (when
+            scored with a reference).
+    """
+
+    prompt: Prompt
+    round: int
+    prompt_ids: list[int]
+    prompt_text: str
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    finish: list[str]
+    texts: list[str]
+    version: int = 0
+    rewards: torch.Tensor | None = None
+    per_reward: dict[str, torch.Tensor] = field(default_factory=dict)
+    ref_logprobs: list[list[float]] | None = None
+
+    @property
+    def id(self) -> tuple[int, int]:
+        """``(round, prompt index)``: which draw of which prompt this group answers."""
+        return (self.round, self.prompt.index)
+
+    @property
+    def size(self) -> int:
+        return len(self.completions)
+
+
+def sample_groups(
+    generate_fn: GenerateFn, tokenizer: Any, prompts: Sequence[Prompt], *, round: int,
+    group_size: int, seed: int, chat_template: bool = True, version: int = 0,
+) -> list[Group]:  # fmt: skip
+    """``group_size`` completions of each prompt, sampled by ``generate_fn`` in one call with
+    the keys ``row_key(seed, round, prompt.index, j)``."""
+    rows, keys, encoded = [], [], []
+    for prompt in prompts:
+        ids, text = encode_prompt(tokenizer, prompt, chat_template=chat_template)
+        encoded.append((ids, text))
+        for j in range(group_size):
+            rows.append(ids)
+            keys.append(row_key(seed, round, prompt.index, j))
+    result = generate_fn(rows, keys)
+    groups = []
+    for g, prompt in enumerate(prompts):
+        part = slice(g * group_size, (g + 1) * group_size)
+        sequences = [list(s) for s in result.sequences[part]]
+        groups.append(Group(
+            prompt=prompt, round=round, prompt_ids=encoded[g][0], prompt_text=encoded[g][1],
+            completions=sequences, logprobs=[list(lp) for lp in result.logprobs[part]],
+            finish=list(result.finish_reasons[part]),
+            texts=[tokenizer.decode(s, skip_special_tokens=True) for s in sequences],
+            version=version,
+        ))  # fmt: skip
+    return groups
+
+
+def score_groups(rewards: RewardSet, groups: Sequence[Group]) -> dict[str, int]:
+    """Score every completion of ``groups`` (one ``rewards`` call) into ``group.rewards`` and
+    ``group.per_reward``; returns the reward functions' failure counts."""
+    samples = [
+        Sample(prompt=g.prompt_text, completion=text, answer=g.prompt.answer,
+               metadata=g.prompt.metadata, completion_tokens=len(tokens), finish_reason=finish)
+        for g in groups for text, tokens, finish in zip(g.texts, g.completions, g.finish)
+    ]  # fmt: skip
+    scored = rewards(samples)
+    start = 0
+    for g in groups:
+        part = slice(start, start + g.size)
+        g.rewards = scored.total[part]
+        g.per_reward = {name: values[part] for name, values in scored.per_reward.items()}
+        start += g.size
+    return dict(scored.failures)

@@ -1,0 +1,345 @@
+"""The rollout pipeline of asynchronous GRPO: rank 0 of the trainer drives rollout and reward
+workers (Ray actors, :mod:`tunesmith.rl.workers`) and keeps the replay buffer.
+
+Batch ``k`` (the prompts of step ``k`` of the prompt stream, collection round ``k``) is first
+trained on at policy version ``k * updates_per_batch`` (versions count optimizer updates). Its
+prompts may be sent to a rollout worker once the workers have been sent a policy at most
+``lead`` versions older than that:
+
+* ``sync``: ``lead = 0``, every batch is sampled by the policy that trains on it (the
+  synchronous recipe, with the generation in another process);
+* ``overlap``: ``lead = updates_per_batch``, batch ``k + 1`` is sampled while the trainer
+  trains on batch ``k`` (on-policy up to one batch);
+* ``off_policy``: ``lead = max_staleness``, the workers run up to that many versions ahead.
+
+A worker is sent its prompts in chunks (one per rollout worker per batch) and each result goes
+on to a reward worker; both run in order on their actor, so weights sent after a chunk reach
+the worker before the next one: a group's ``version`` is the policy that really sampled it.
+Groups wait in the :class:`~tunesmith.rl.replay.ReplayBuffer` (at most ``capacity`` groups
+sampled or in flight: backpressure) until their batch is due. A worker that dies is restarted by
+Ray; its chunks are sent again (same keys: same completions for the same policy), so no
+prompt is lost or trained twice, and a run in ``sync`` mode ends with the weights it would have
+had without the failure. :meth:`RolloutPipeline.state_dict` first waits for the chunks in
+flight (drain), so a resumed run continues with exactly the groups it would have used.
+
+Example::
+
+    >>> pipeline = RolloutPipeline(config, stream, mode="overlap", total_batches=10)  # doctest: +SKIP
+    >>> pipeline.start()                                                             # doctest: +SKIP
+    >>> groups, metrics = pipeline.next_batch(0, version=0)                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import defaultdict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
+from tunesmith.rl.groups import Group
+from tunesmith.rl.prompts import Prompt, PromptStream
+from tunesmith.rl.replay import ReplayBuffer
+from tunesmith.rl.workers import RewardWorker, RolloutWorker
+
+__all__ = ["MODES", "RolloutPipeline", "lead_versions", "require_ray"]
+
+MODES = ("sync", "overlap", "off_policy")
+
+
+def require_ray() -> Any:
+    """The ``ray`` module, or one line naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError(
+            "asynchronous GRPO needs Ray, which is not installed: pip install 'tunesmith[rl]'"
+        ) from None
+    return ray
+
+
+def lead_versions(mode: str, max_staleness: int, updates_per_batch: int) -> int:
+    """How many policy versions a batch's rollouts may lag the first update that trains on
+    them (see the module docs).
+
+    >>> lead_versions("sync", 3, 1), lead_versions("overlap", 3, 2), lead_versions("off_policy", 3, 1)
+    (0, 2, 3)
+    """
+    if mode not in MODES:
+        raise ValueError(f"async_mode must be one of {list(MODES)}, got {mode!r}")
+    return {"sync": 0, "overlap": updates_per_batch, "off_policy": max_staleness}[mode]
+
+
+def _worker_env() -> dict[str, str]:
+    """What a worker needs of this process's environment: the component allow-list decision
+    (so the workers build exactly what the trainer's config check allowed) and the import path
+    of this directory (a project's own reward functions import there as here)."""
+    env = {
+        "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)
+    }
+    if os.environ.get(ALLOW_ANY_COMPONENT_ENV):
+        env[ALLOW_ANY_COMPONENT_ENV] = os.environ[ALLOW_ANY_COMPONENT_ENV]
+    return env
+
+
+@dataclass
+class _Chunk:
+    """Prompts of batch ``batch`` on their way through a rollout and a reward worker."""
+
+    batch: int
+    prompts: list[Prompt]
+    worker: int = -1
+    sent_s: float = 0.0
+
+
+class RolloutPipeline:
+    """Rollout and reward workers feeding a replay buffer (see the module docs).
+
+    ``config`` is the run's config as a plain dict (the workers build the policy, tokenizer,
+    rewards and reference from it); ``prompts`` the whole prompt stream (every data-parallel
+    rank's share). Worker counts and resources come from ``config["rollout"]``,
+    ``config["reward_workers"]`` and ``config["ray"]``.
+    """
+
+    def __init__(
+        self, config: Mapping[str, Any], prompts: PromptStream, *, mode: str = "sync",
+        max_staleness: int = 0, updates_per_batch: int = 1, total_batches: int,
+        capacity: int | None = None, max_restarts: int = 3, initial_version: int = 0,
+    ) -> None:  # fmt: skip
+        self.config = dict(config)
+        self.stream, self.mode = prompts, mode
+        self.updates_per_batch = int(updates_per_batch)
+        self.lead = lead_versions(mode, int(max_staleness), self.updates_per_batch)
+        self.total_batches = int(total_batches)
+        self.group_size = int(config["group_size"])
+        per_step = prompts.prompts_per_step
+        depth = max(1, math.ceil(self.lead / self.updates_per_batch))  # batches sampled ahead
+        self.capacity = int(capacity) if capacity else per_step * (depth + 1)
+        if self.capacity < per_step:
+            raise ValueError(
+                f"buffer_size={self.capacity} groups cannot hold one step's "
+                f"{per_step} groups (prompts_per_step): set buffer_size >= {per_step}"
+            )
+        self.buffer = ReplayBuffer(max_staleness=self.lead, capacity=self.capacity)
+        rollout = dict(config.get("rollout") or {})
+        reward = dict(config.get("reward_workers") or {})
+        self.n_rollout, self.n_reward = (
+            int(rollout.get("workers", 1)),
+            int(reward.get("workers", 1)),
+        )
+        self.depth, self.max_restarts = depth, int(max_restarts)
+        self.published = int(initial_version)  # the policy version the workers were sent last
+        self.next_draw = 0  # the next batch to draw prompts for
+        self.batch_ids: dict[int, list[tuple[int, int]]] = {}
+        self.todo: deque[_Chunk] = deque()
+        self.inflight: dict[Any, _Chunk] = {}
+        self.load = [0] * self.n_rollout
+        self.restarts = self.requeued = 0
+        self.batch_stats: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.failures: dict[str, int] = {}
+        self.busy = {"rollout_s": 0.0, "reward_s": 0.0}
+        self._weights: Any = None
+        self._next_reward = 0
+        self._ray: Any = None
+        self._owns_ray = False
+        self.rollout_workers: list[Any] = []
+        self.reward_workers: list[Any] = []
+
+    # -- workers
+
+    def start(self) -> None:
+        """Start Ray (in this process, or join ``ray.address``) and the workers."""
+        ray = self._ray = require_ray()
+        options = dict(self.config.get("ray") or {})
+        if not ray.is_initialized():
+            address = options.get("address")
+            kwargs: dict[str, Any] = {"include_dashboard": False, "namespace": "tunesmith",
+                                      "log_to_driver": bool(options.get("log_to_driver", False))}  # fmt: skip
+            if address:
+                kwargs["address"] = address
+            else:  # a local instance of this run's own
+                kwargs["num_cpus"] = options.get("num_cpus")
+                if options.get("temp_dir"):
+                    kwargs["_temp_dir"] = str(options["temp_dir"])
+            ray.init(**kwargs)
+            self._owns_ray = True
+        rollout = dict(self.config.get("rollout") or {})
+        reward = dict(self.config.get("reward_workers") or {})
+        self.rollout_workers = [self._actor(RolloutWorker, rollout) for _ in range(self.n_rollout)]
+        self.reward_workers = [self._actor(RewardWorker, reward) for _ in range(self.n_reward)]
+        ray.get([w.pid.remote() for w in self.rollout_workers + self.reward_workers])  # built
+
+    def _actor(self, role: type, resources: Mapping[str, Any]) -> Any:
+        cpus = float(resources.get("num_cpus", 1))
+        actor = self._ray.remote(
+            num_cpus=cpus, num_gpus=float(resources.get("num_gpus", 0)),
+            max_restarts=-1, max_task_retries=0, runtime_env={"env_vars": _worker_env()},
+        )(role)  # fmt: skip
+        return actor.remote(self.config, threads=max(1, int(cpus)))
+
+    def worker_pids(self) -> dict[str, list[int]]:
+        """The process ids of the rollout and reward workers."""
+        ray = self._ray
+        return {"rollout": ray.get([w.pid.remote() for w in self.rollout_workers]),
+                "reward": ray.get([w.pid.remote() for w in self.reward_workers])}  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the workers (and Ray, when this pipeline started it)."""
+        if self._ray is None:
+            return
+        for worker in self.rollout_workers + self.reward_workers:
+            self._ray.kill(worker)
+        self.rollout_workers, self.reward_workers = [], []
+        if self._owns_ray:
+            self._ray.shutdown()
+        self._ray = None
+
+    def publish(self, named: Mapping[str, torch.Tensor], version: int) -> None:
+        """Send the policy of ``version`` (its trainable tensors by name) to every rollout
+        worker; each takes it after the chunks it was sent before."""
+        self._weights = self._ray.put(dict(named))
+        self.published = int(version)
+        for worker in self.rollout_workers:
+            worker.load_weights.remote(self._weights, self.published)
+
+    # -- batches
+
+    def next_batch(self, batch: int, version: int) -> tuple[list[Group], dict[str, float]]:
+        """The groups of ``batch`` for the update at policy ``version`` (waiting for them,
+        sampling again the ones that came too stale), and the pipeline's metrics."""
+        if batch >= self.total_batches:
+            raise ValueError(f"batch {batch}: the run has {self.total_batches} batches")
+        start = time.perf_counter()
+        while True:
+            self._launch()
+            for group in self.buffer.drop_stale(version):  # sample again with a newer policy
+                self._requeue(_Chunk(group.round, [group.prompt]))
+            ids = self.batch_ids.get(batch)
+            if ids is not None and self.buffer.has(ids):
+                groups = self.buffer.take(ids, version)
+                break
+            if not self.inflight:
+                raise RuntimeError(
+                    f"rollout pipeline stalled before batch {batch}: nothing in flight, "
+                    f"{len(self.todo)} chunk(s) waiting, workers at version {self.published}, "
+                    f"trainer at {version}, {len(self.buffer)} group(s) buffered"
+                )
+            self._harvest()
+        del self.batch_ids[batch]
+        self._launch()  # sample ahead while the trainer trains on this batch
+        stats = self.batch_stats.pop(batch, {})
+        behind = [version - g.version for g in groups]
+        metrics = {
+            "wait_s": time.perf_counter() - start,
+            "staleness_mean": sum(behind) / len(behind), "staleness_max": float(max(behind)),
+            "buffer_groups": float(len(self.buffer)), "dropped_stale": float(self.buffer.dropped),
+            "requeued_groups": float(self.requeued), "worker_restarts": float(self.restarts),
+            "rollout_busy_s": self.busy["rollout_s"], "reward_busy_s": self.busy["reward_s"],
+            **{k: float(v) for k, v in stats.items()},
+        }  # fmt: skip
+        return groups, metrics
+
+    def _draw(self) -> bool:
+        """Draw the prompts of the next batch when its policy is out and there is room."""
+        k, per_step = self.next_draw, self.stream.prompts_per_step
+        if k >= self.total_batches or self.published < k * self.updates_per_batch - self.lead:
+            return False
+        if len(self.buffer) + self._inflight_groups() + per_step > self.capacity:
+            return False
+        prompts = self.stream.next_prompts()
+        self.batch_ids[k] = [(k, p.index) for p in prompts]
+        size = math.ceil(len(prompts) / self.n_rollout)
+        for begin in range(0, len(prompts), size):
+            self.todo.append(_Chunk(k, prompts[begin : begin + size]))
+        self.next_draw += 1
+        return True
+
+    def _launch(self) -> None:
+        while self.todo or self._draw():
+            chunk = self.todo[0]
+            free = [w for w in range(self.n_rollout) if self.load[w] < self.depth]
+            if not free:
+                return
+            worker = min(free, key=lambda w: (self.load[w], w))
+            self.todo.popleft()
+            chunk.worker, chunk.sent_s = worker, time.perf_counter()
+            rolled = self.rollout_workers[worker].rollout.remote(chunk.prompts, chunk.batch)
+            scorer = self.reward_workers[self._next_reward % self.n_reward]
+            self._next_reward += 1
+            self.inflight[scorer.score.remote(rolled)] = chunk
+            self.load[worker] += 1
+
+    def _harvest(self, timeout: float | None = None) -> None:
+        """Wait for one chunk and put its groups in the buffer (or send it again when a
+        worker died on it)."""
+        ray = self._ray
+        ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=timeout)
+        for ref in ready:
+            chunk = self.inflight.pop(ref)
+            self.load[chunk.worker] -= 1
+            try:
+                groups, failures, stats = ray.get(ref)
+            except ray.exceptions.RayActorError as error:  # a worker died: sample it again
+                self._worker_died(chunk, error)
+                continue
+            for group in groups:
+                self.buffer.put(group)
+            for key, count in failures.items():
+                self.failures[key] = self.failures.get(key, 0) + count
+            for key, value in stats.items():
+                self.batch_stats[chunk.batch][key] += value
+            self.busy["rollout_s"] += stats.get("generate_s", 0.0)
+            self.busy["reward_s"] += stats.get("reward_s", 0.0) + stats.get("reference_s", 0.0)
+
+    def _worker_died(self, chunk: _Chunk, error: BaseException) -> None:
+        self.restarts += 1
+        if self.restarts > self.max_restarts * (self.n_rollout + self.n_reward):
+            raise RuntimeError(
+                f"rollout pipeline: workers died {self.restarts} times (max_worker_restarts="
+                f"{self.max_restarts} per worker); last: {error}"
+            ) from error
+        if self._weights is not None:  # a restarted rollout worker starts from the config
+            self.rollout_workers[chunk.worker].load_weights.remote(self._weights, self.published)
+        self._requeue(chunk)
+
+    def _requeue(self, chunk: _Chunk) -> None:
+        self.requeued += len(chunk.prompts)
+        self.todo = deque(sorted([*self.todo, chunk], key=lambda c: c.batch))
+
+    def _inflight_groups(self) -> int:
+        return sum(len(c.prompts) for c in [*self.inflight.values(), *self.todo])
+
+    # -- checkpoints
+
+    def drain(self) -> None:
+        """Wait until no chunk is in flight (their groups are then in the buffer)."""
+        while self.inflight:
+            self._harvest()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data after a :meth:`drain`: the prompt stream, the batches drawn and not yet
+        trained on, the buffer, and the chunks still to send."""
+        self.drain()
+        return {
+            "stream": self.stream.state_dict(), "next_draw": self.next_draw,
+            "batch_ids": {str(k): [list(i) for i in ids] for k, ids in self.batch_ids.items()},
+            "todo": [[c.batch, [p.index for p in c.prompts]] for c in self.todo],
+            "buffer": self.buffer.state_dict(), "restarts": self.restarts,
+            "requeued": self.requeued,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        prompts = {p.index: p for p in self.stream.dataset}
+        self.stream.load_state_dict(state["stream"])
+        self.next_draw = int(state["next_draw"])
+        self.batch_ids = {int(k): [(int(r), int(i)) for r, i in ids]
+                          for k, ids in state["batch_ids"].items()}  # fmt: skip
+        self.todo = deque(_Chunk(int(k), [prompts[int(i)] for i in indices])
+                          for k, indices in state["todo"])  # fmt: skip
+        self.buffer.load_state_dict(state["buffer"], prompts)
+        self.restarts, self.requeued = int(state["restarts"]), int(state["requeued"])

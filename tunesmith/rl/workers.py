@@ -1,0 +1,179 @@
+"""The remote roles of asynchronous GRPO, each run in its own Ray actor process:
+
+* :class:`RolloutWorker`: a copy of the policy behind a rollout engine
+  (:class:`~tunesmith.generation.engine.LocalEngine`, or vLLM's with ``rollout.engine: vllm``)
+  that samples groups for the prompts it is sent, tagged with its policy version, and takes new
+  weights by Hugging Face name;
+* :class:`RewardWorker`: scores groups (the config's ``rewards``) and, with a KL term, adds the
+  reference policy's log-probs of the sampled tokens.
+
+Both are plain classes built from the run's config (as a plain dict); :func:`start_actor`
+makes a Ray actor of one. Neither imports Ray: the pipeline that drives them does.
+
+Example::
+
+    >>> worker = RolloutWorker(config, threads=1)                     # doctest: +SKIP
+    >>> groups, stats = worker.rollout(prompts, round=0)              # doctest: +SKIP
+    >>> groups, failures, stats = RewardWorker(config).score((groups, stats))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from tunesmith.config import instantiate
+from tunesmith.generation.engine import LocalEngine
+from tunesmith.modules.dtypes import AUTOCAST
+from tunesmith.rl.groups import Group, sample_groups, score_groups
+from tunesmith.rl.prompts import Prompt
+from tunesmith.rl.rollout import completion_logprobs, rollout_batch
+from tunesmith.rl.source import GenerationConfig, stop_token_ids
+from tunesmith.training import setup
+from tunesmith.training.distributed import DistributedContext
+
+__all__ = ["RewardWorker", "RolloutWorker", "local_context"]
+
+
+def local_context(device: str = "cpu") -> DistributedContext:
+    """The context of a process that trains nothing and joins no process group."""
+    return DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device(device),
+                              mesh=None)  # type: ignore[arg-type]  # fmt: skip
+
+
+class _Role:
+    """What both roles share: the config, threads, tokenizer and busy time."""
+
+    def __init__(self, config: Mapping[str, Any], threads: int = 1) -> None:
+        torch.set_num_threads(max(1, int(threads)))
+        self.cfg: DictConfig = OmegaConf.create(dict(config))
+        self.tokenizer = setup.load_tokenizer(self.cfg)
+        self.device = "cuda" if torch.cuda.is_available() and self.cfg.get("device") != "cpu" \
+            else "cpu"  # fmt: skip
+        self.ctx = local_context(self.device)
+        self.busy_s = 0.0
+
+    def pid(self) -> int:
+        """This process (a test kills it to check that nothing is lost)."""
+        return os.getpid()
+
+
+class RolloutWorker(_Role):
+    """Samples groups with its copy of the policy (see the module docs)."""
+
+    def __init__(self, config: Mapping[str, Any], threads: int = 1) -> None:
+        super().__init__(config, threads)
+        cfg = self.cfg
+        self.generation = GenerationConfig(**dict(cfg.get("generation") or {}))
+        self.stop_token_ids = stop_token_ids(self.tokenizer, self.generation.stop_tokens)
+        self.pad_id = setup.pad_id(self.tokenizer)
+        rollout = cfg.get("rollout") or {}
+        if rollout.get("engine", "local") == "vllm":
+            from tunesmith.generation.vllm_engine import VLLMEngine
+
+            self.engine: Any = VLLMEngine(cfg.model_dir, seed=int(cfg.get("seed", 0)),
+                                          **dict(rollout.get("vllm") or {}))  # fmt: skip
+        else:
+            model = setup.build_policy(cfg, self.ctx, self.tokenizer)
+            self.engine = LocalEngine(model, self.tokenizer, pad_id=self.pad_id,
+                                      autocast_dtype=AUTOCAST[cfg.get("mixed_precision")])  # fmt: skip
+        self.version = 0
+
+    def load_weights(self, named: Mapping[str, torch.Tensor], version: int) -> int:
+        """Take the policy of ``version`` (every trainable tensor, by name)."""
+        start = time.perf_counter()
+        self.engine.load_weights(named)
+        self.version = int(version)
+        self.busy_s += time.perf_counter() - start
+        return self.version
+
+    def rollout(
+        self, prompts: Sequence[Prompt], round: int
+    ) -> tuple[list[Group], dict[str, float]]:
+        """``group_size`` completions of each prompt (keys of collection ``round``), tagged
+        with this worker's policy version; and the time and tokens it took."""
+        cfg, g = self.cfg, self.generation
+        start = time.perf_counter()
+
+        def generate(rows: list[list[int]], keys: list[int]) -> Any:
+            return self.engine.generate(
+                rows, row_keys=keys, max_new_tokens=g.max_new_tokens,
+                temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, min_p=g.min_p,
+                stop_token_ids=self.stop_token_ids, stop_strings=list(g.stop_strings),
+            )  # fmt: skip
+
+        groups = sample_groups(
+            generate, self.tokenizer, prompts, round=round, group_size=int(cfg.group_size),
+            seed=int(cfg.get("seed", 0)), chat_template=bool(cfg.get("chat_template", True)),
+            version=self.version,
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+        self.busy_s += seconds
+        tokens = sum(len(c) for group in groups for c in group.completions)
+        return groups, {"generate_s": seconds, "generated_tokens": float(tokens)}
+
+
+class RewardWorker(_Role):
+    """Scores groups and adds the reference's log-probs (see the module docs)."""
+
+    def __init__(self, config: Mapping[str, Any], threads: int = 1) -> None:
+        super().__init__(config, threads)
+        cfg = self.cfg
+        self.rewards = instantiate(cfg.rewards)
+        kl = cfg.get("kl") or {}
+        self.reference = None
+        if float(kl.get("coef", 0.0)) > 0:
+            policy = setup.build_policy(cfg, self.ctx, self.tokenizer)
+            self.reference = setup.reference_policy(cfg, self.ctx, policy, lambda *a: None,
+                                                    tokenizer=self.tokenizer)  # fmt: skip
+        self.temperature = GenerationConfig(**dict(cfg.get("generation") or {})).temperature
+        self.micro_batch_size = int(cfg.batch_size)
+        self.overlong_filter = bool(cfg.get("overlong_filter", False))
+        self.autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
+
+    def score(
+        self, rolled: tuple[list[Group], dict[str, float]]
+    ) -> tuple[list[Group], dict[str, int], dict[str, float]]:
+        """A rollout's ``(groups, stats)`` scored: the groups with their rewards (and
+        reference log-probs), the reward failures, and the stats with the time it took."""
+        groups, stats = rolled
+        start = time.perf_counter()
+        failures = score_groups(self.rewards, groups)
+        reward_s = time.perf_counter() - start
+        if self.reference is not None:
+            self._reference_logprobs(groups)
+        seconds = time.perf_counter() - start
+        self.busy_s += seconds
+        return groups, failures, {**stats, "reward_s": reward_s, "reference_s": seconds - reward_s}
+
+    @torch.no_grad()
+    def _reference_logprobs(self, groups: list[Group]) -> None:
+        """Each completion's tokens' log-probs under the reference, computed on the groups'
+        rows padded together and cut in micro-batches as the synchronous recipe does."""
+        prompts = [g.prompt_ids for g in groups for _ in range(g.size)]
+        completions = [c if f == "stop" or not self.overlong_filter else []
+                       for g in groups for c, f in zip(g.completions, g.finish)]  # fmt: skip
+        batch = rollout_batch(prompts, completions, setup.pad_id(self.tokenizer))
+        parts = []
+        for begin in range(0, batch["input_ids"].shape[0], self.micro_batch_size):
+            part = {k: v[begin : begin + self.micro_batch_size].to(self.ctx.device)
+                    for k, v in batch.items()}  # fmt: skip
+            with (
+                self.reference() as model,
+                torch.autocast(self.ctx.device.type, self.autocast_dtype,
+                               enabled=bool(self.autocast_dtype)),
+            ):  # fmt: skip
+                parts.append(completion_logprobs(model, part, temperature=self.temperature).cpu())
+        values = torch.cat(parts)
+        row = 0
+        for g in groups:
+            g.ref_logprobs = []
+            for completion in completions[row : row + g.size]:
+                start = len(prompts[row]) - 1
+                g.ref_logprobs.append(values[row, start : start + len(completion)].tolist())
+                row += 1
