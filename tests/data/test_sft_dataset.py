@@ -282,7 +282,7 @@ def test_file_level_errors_name_the_file(tok, tmp_path):
         "array.json": (b'[{"text": "a"},\n {"text": }]', "line 2 column 11: malformed JSON"),
         "object.json": (b'{\n "text": "a"\n}\n', "one JSON object spread over several lines"),
         "empty.parquet": (b"", "could not load the dataset"),
-        "rows.txt": (b"hello\n", "unsupported file type '.txt'"),
+        "rows.xml": (b"hello\n", "unsupported file type '.xml'"),
         "none.json": (b"[]", "has no rows"),
     }
     for name, (data, message) in cases.items():

@@ -7,7 +7,8 @@ for the module, in a temp dir of its own):
 * ``overlap`` and ``off_policy`` use every batch's groups once, in order, never staler than
   the mode allows (read back from ``rollouts.jsonl``); ``off_policy`` with ``max_staleness: 0``
   is ``sync``;
-* a resumed ``overlap`` run (the buffer drained into the checkpoint) == the uninterrupted one.
+* a resumed ``overlap`` run (the buffer drained into the checkpoint) == the uninterrupted one;
+* a rollout worker killed (SIGKILL) while it samples loses and duplicates nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import ray
@@ -30,9 +36,10 @@ from tests.recipes.sft_world import (
     read_metrics,
 )
 from tests.rl.rl_world import grpo_overrides, make_prompts
-from tunesmith.config import load_config
+from tunesmith.config import ALLOW_ANY_COMPONENT_ENV, load_config
 from tunesmith.recipes import config_path
 
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 FAST = [f"max_steps={STEPS}", "optimizer.lr=1e-2", "generation.max_new_tokens=8"]
 
@@ -106,3 +113,52 @@ def test_off_policy_with_no_staleness_is_sync(world):
     sync = run(world, "grpo_async", "tiny", "sync0", "async_mode=sync")
     off = run(world, "grpo_async", "tiny", "off0", "async_mode=off_policy", "max_staleness=0")
     assert_same_weights(final_weights(off), final_weights(sync), atol=0.0)
+
+
+def test_a_resumed_overlap_run_equals_the_uninterrupted_one(world):
+    whole = run(world, "grpo_async", "tiny", "overlap-whole", "async_mode=overlap")
+    out = run(world, "grpo_async", "tiny", "overlap-resumed", "async_mode=overlap",
+              "stop_after_steps=2")  # fmt: skip
+    run(world, "grpo_async", "tiny", "overlap-resumed", "async_mode=overlap", "resume=true")
+    assert_same_weights(final_weights(out), final_weights(whole), atol=0.0)
+    assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in rollouts(whole)]
+
+
+def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path):
+    """SIGKILL the rollout worker while it samples: Ray restarts it, its prompts are sampled
+    again with the same keys and policy, and the run ends with the weights of a run where
+    nothing died (sync mode: every batch sampled by the policy that trains on it)."""
+    root, model_dir, prompts = world
+    slow = ["generation.max_new_tokens=48", f"max_steps={STEPS}", "optimizer.lr=1e-2"]
+    quiet = run(world, "grpo_async", "tiny", "nokill", "async_mode=sync", *slow)
+    out = tmp_path / "killed"
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    overrides = [*grpo_overrides(model_dir, prompts, out, *FAST), *slow, "async_mode=sync",
+                 f"ray.temp_dir={temp}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", ALLOW_ANY_COMPONENT_ENV: "1",
+           "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}  # fmt: skip
+    command = [sys.executable, "-m", "tunesmith.cli.main", "run", "grpo_async", "--config",
+               "tiny", *overrides]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines, killed = [], None
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            found = re.search(r"rollout workers \(pids \[(\d+)", line)
+            if found:
+                pid = int(found.group(1))
+            if line.startswith("step 1/") and killed is None:  # batch 2 is being sampled
+                os.kill(pid, signal.SIGKILL)
+                killed = pid
+        assert process.wait(timeout=300) == 0, "".join(lines)
+    finally:
+        process.kill()
+        shutil.rmtree(temp, ignore_errors=True)
+    assert killed is not None, "".join(lines)
+    metrics = read_metrics(out)
+    assert sorted(metrics) == list(range(1, STEPS + 1))  # every update made
+    assert metrics[STEPS]["worker_restarts"] >= 1 and metrics[STEPS]["requeued_groups"] >= 1
+    used = [tuple(g[:2]) for r in rollouts(out) for g in r["groups"]]
+    assert used == [tuple(g[:2]) for r in rollouts(quiet) for g in r["groups"]]  # once each
+    assert_same_weights(final_weights(out), final_weights(quiet), atol=0.0)

@@ -206,6 +206,9 @@ def asynchronous_source(
             capacity=cfg.get("buffer_size"), max_restarts=int(cfg.get("max_worker_restarts", 3)),
         )  # fmt: skip
         pipeline.start()
+        pids = pipeline.worker_pids()
+        print(f"async_mode {cfg.async_mode}: rollout workers (pids {pids['rollout']}), reward "
+              f"workers (pids {pids['reward']}), buffer of {pipeline.capacity} groups")  # fmt: skip
     try:
         source = AsyncRolloutSource(
             pipeline=pipeline, total_steps=total_steps, model=model, tokenizer=tokenizer,
