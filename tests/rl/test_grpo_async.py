@@ -27,11 +27,13 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from omegaconf import OmegaConf
 
 from tests.recipes.sft_world import (
     _any_component_allowed,
     assert_same_weights,
     final_weights,
+    launch_ranks,
     make_model_dir,
     read_metrics,
 )
@@ -62,12 +64,15 @@ def ray_instance():
     shutil.rmtree(temp, ignore_errors=True)
 
 
-def run(world, recipe: str, config: str, name: str, *extra: str):
-    """Run ``recipe`` on its ``config`` in this process (one torch thread, as the workers)."""
+def run(world, recipe: str, config: str, name: str, *extra: str, model=None):
+    """Run ``recipe`` on its ``config`` in this process (one torch thread, as the workers;
+    ``model``: another model node)."""
     root, model_dir, prompts = world
     out = root / name
     cfg = load_config(config_path(config, recipe),
                       grpo_overrides(model_dir, prompts, out, *FAST, *extra))  # fmt: skip
+    if model is not None:
+        cfg.model = model
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -162,3 +167,62 @@ def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path):
     used = [tuple(g[:2]) for r in rollouts(out) for g in r["groups"]]
     assert used == [tuple(g[:2]) for r in rollouts(quiet) for g in r["groups"]]  # once each
     assert_same_weights(final_weights(out), final_weights(quiet), atol=0.0)
+
+
+def test_a_lora_policy_sends_its_adapters_and_equals_the_synchronous_recipe(world):
+    lora = OmegaConf.load(config_path("tiny_lora", "sft")).model  # ${model_dir}: the run's
+    plain = run(world, "grpo", "tiny", "grpo-lora", "kl.coef=0.1", model=lora)
+    remote = run(world, "grpo_async", "tiny", "sync-lora", "kl.coef=0.1", "async_mode=sync",
+                 model=lora)  # fmt: skip
+    assert (remote / "checkpoints" / f"step_{STEPS:06d}" / "adapter_config.json").is_file()
+    assert_same_weights(final_weights(remote), final_weights(plain), atol=0.0)
+    assert read_metrics(remote)[STEPS]["kl"] > 0.0
+
+
+def test_two_rollout_and_reward_workers_share_the_batches(world):
+    one = run(world, "grpo_async", "tiny", "one-worker", "async_mode=overlap")
+    two = run(world, "grpo_async", "tiny", "two-workers", "async_mode=overlap",
+              "rollout.workers=2", "reward_workers.workers=2")  # fmt: skip
+    assert [r["groups"] for r in rollouts(two)] == [r["groups"] for r in rollouts(one)]
+    ours, theirs = read_metrics(two), read_metrics(one)
+    for step in range(1, STEPS + 1):  # the same completions, sampled in two halves
+        assert ours[step]["reward"] == pytest.approx(theirs[step]["reward"], abs=1e-6)
+        assert ours[step]["completion_length"] == theirs[step]["completion_length"]
+    assert {"rollout0_tokens_per_s", "rollout1_tokens_per_s"} <= set(ours[STEPS])
+    assert_same_weights(final_weights(two), final_weights(one), atol=1e-5)
+
+
+def test_two_trainer_ranks_equal_one_process(world, tmp_path):
+    root, model_dir, prompts = world
+    single = run(world, "grpo_async", "tiny", "single-trainer", "async_mode=sync")
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    try:
+        with _any_component_allowed():  # inherited by the ranks and their workers
+            launch_ranks([*grpo_overrides(model_dir, prompts, tmp_path / "two", *FAST),
+                          "async_mode=sync", f"ray.temp_dir={temp}"], tmp_path,
+                         recipe="grpo_async", timeout=300)  # fmt: skip
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    one, two = read_metrics(single), read_metrics(tmp_path / "two")
+    for step in range(1, STEPS + 1):
+        assert two[step]["rollout_samples"] == one[step]["rollout_samples"] == 16
+        for key in ("reward", "completion_length"):  # the same rollouts, shared out
+            assert two[step][key] == pytest.approx(one[step][key], abs=1e-6), key
+        for key in ("loss", "grad_norm"):
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-5), key
+    assert_same_weights(final_weights(tmp_path / "two"), final_weights(single), 1e-5)
+
+
+def test_a_missing_ray_is_one_line_naming_the_extra(world, tmp_path):
+    root, model_dir, prompts = world
+    hide_ray = ("import sys; sys.modules['ray'] = None; from tunesmith.cli.main import main; "
+                "sys.exit(main(sys.argv[1:]))")  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", hide_ray, "run", "grpo_async", "--config", "tiny",
+         *grpo_overrides(model_dir, prompts, tmp_path / "out", *FAST), "async_mode=sync"],
+        cwd=REPO, env={**os.environ, ALLOW_ANY_COMPONENT_ENV: "1"}, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert errors == [errors[0]] and "pip install 'tunesmith[rl]'" in errors[0], result.stderr

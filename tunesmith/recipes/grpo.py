@@ -36,6 +36,7 @@ from tunesmith.config import instantiate
 from tunesmith.modules.losses.rl import KLPenalty
 from tunesmith.rl import setup as rl
 from tunesmith.rl.objective import PolicyGradient
+from tunesmith.rl.pipeline import require_ray
 from tunesmith.rl.source import RolloutSource
 from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
@@ -62,6 +63,8 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     kl_cfg = rl.plain(cfg.get("kl"))
 
     asynchronous = cfg.get("async_mode") is not None  # rollouts from Ray workers
+    if asynchronous:
+        require_ray()  # before anything is built: a missing Ray is one line
 
     # -- prompts and rewards
     tokenizer = setup.load_tokenizer(cfg)

@@ -61,6 +61,7 @@ class AsyncRolloutSource(RolloutSource):
         self.version = 0  # optimizer updates done: the policy being trained
         self._synced: int | None = 0  # the version the workers have (they start from it)
         self._last_collect: float | None = None
+        self._last_busy = (0.0, 0.0)
 
     # -- weights
 
@@ -87,7 +88,6 @@ class AsyncRolloutSource(RolloutSource):
     def _collect(self) -> Batch:
         if self._synced != self.version:  # after a resume: the workers start from the config
             self.publish()
-        now = time.perf_counter()
         shared: list[Any] = [None]
         if self.pipeline is not None:
             groups, metrics = self.pipeline.next_batch(self.batches, self.version)
@@ -96,6 +96,7 @@ class AsyncRolloutSource(RolloutSource):
         if self.ctx.world_size > 1:
             dist.broadcast_object_list(shared, src=0)
         shares, metrics, self.epoch = shared[0]
+        now = time.perf_counter()  # the end of this wait: a step's wall time is from wait to wait
         mine: list[Group] = shares[self.ctx.dp_rank]
         failures = {"reward": int(metrics.get("reward_failures", 0))} if self.pipeline else {}
         kept = _Collected.of(mine, failures)
@@ -117,11 +118,20 @@ class AsyncRolloutSource(RolloutSource):
         flat = sum(bool((g.rewards == g.rewards[0]).all()) for g in mine)
         self._metrics = self._reduce_metrics(kept, batch, times, flat, len(mine))
         self._metrics |= {k: metrics[k] for k in _PIPELINE_METRICS if k in metrics}
-        if self._last_collect is not None:
-            self._metrics["samples_per_s"] = self._metrics["rollout_samples"] / (
-                now - self._last_collect
-            )
+        self._metrics |= {k: v for k, v in metrics.items() if k.startswith("rollout") and
+                          k.endswith("_tokens_per_s")}  # fmt: skip
+        if self._last_collect is not None:  # shares of the wall time since the last batch
+            wall, (rollout_s, reward_s) = now - self._last_collect, self._last_busy
+            self._metrics |= {
+                "samples_per_s": self._metrics["rollout_samples"] / wall,
+                "trainer_idle_fraction": metrics["wait_s"] / wall,
+                "rollout_busy_fraction": (metrics["rollout_busy_s"] - rollout_s)
+                / (wall * metrics["rollout_workers"]),
+                "reward_busy_fraction": (metrics["reward_busy_s"] - reward_s)
+                / (wall * metrics["reward_workers"]),
+            }  # fmt: skip
         self._last_collect = now
+        self._last_busy = (metrics["rollout_busy_s"], metrics["reward_busy_s"])
         self._metrics |= self._finish_batch(batch)
         self._maybe_log_samples(kept)
         return batch

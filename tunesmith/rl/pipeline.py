@@ -143,6 +143,7 @@ class RolloutPipeline:
         self.batch_stats: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.failures: dict[str, int] = {}
         self.busy = {"rollout_s": 0.0, "reward_s": 0.0}
+        self.worker_tokens = [[0.0, 0.0] for _ in range(self.n_rollout)]  # tokens, seconds
         self._weights: Any = None
         self._next_reward = 0
         self._ray: Any = None
@@ -240,7 +241,10 @@ class RolloutPipeline:
             "buffer_groups": float(len(self.buffer)), "dropped_stale": float(self.buffer.dropped),
             "requeued_groups": float(self.requeued), "worker_restarts": float(self.restarts),
             "rollout_busy_s": self.busy["rollout_s"], "reward_busy_s": self.busy["reward_s"],
+            "rollout_workers": float(self.n_rollout), "reward_workers": float(self.n_reward),
             **{k: float(v) for k, v in stats.items()},
+            **{f"rollout{w}_tokens_per_s": tokens / max(seconds, 1e-9)
+               for w, (tokens, seconds) in enumerate(self.worker_tokens)},
         }  # fmt: skip
         return groups, metrics
 
@@ -293,6 +297,9 @@ class RolloutPipeline:
                 self.failures[key] = self.failures.get(key, 0) + count
             for key, value in stats.items():
                 self.batch_stats[chunk.batch][key] += value
+            per_worker = self.worker_tokens[chunk.worker]
+            per_worker[0] += stats.get("generated_tokens", 0.0)
+            per_worker[1] += stats.get("generate_s", 0.0)
             self.busy["rollout_s"] += stats.get("generate_s", 0.0)
             self.busy["reward_s"] += stats.get("reward_s", 0.0) + stats.get("reference_s", 0.0)
 

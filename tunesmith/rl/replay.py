@@ -87,7 +87,12 @@ class ReplayBuffer:
         groups = []
         for i in ids:
             behind = version - self.groups[i].version
-            if not 0 <= behind <= self.max_staleness:
+            if behind < 0:
+                raise ValueError(
+                    f"replay buffer: group {i} was sampled by policy version "
+                    f"{self.groups[i].version}, newer than the trainer's {version}"
+                )
+            if behind > self.max_staleness:
                 raise ValueError(
                     f"replay buffer: group {i} was sampled by policy version "
                     f"{self.groups[i].version}; an update at version {version} may use versions "
