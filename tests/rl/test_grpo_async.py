@@ -226,3 +226,16 @@ def test_a_missing_ray_is_one_line_naming_the_extra(world, tmp_path):
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert errors == [errors[0]] and "pip install 'tunesmith[rl]'" in errors[0], result.stderr
+
+
+def test_lora_workers_with_a_merged_copy_sample_what_the_adapters_would(world):
+    lora = OmegaConf.load(config_path("tiny_lora", "sft")).model
+    adapters = run(world, "grpo_async", "tiny", "lora-adapters", "async_mode=sync", model=lora)
+    merged = run(world, "grpo_async", "tiny", "lora-merged", "async_mode=sync",
+                 "rollout.merge_adapters=true", model=lora)  # fmt: skip
+    ours, theirs = read_metrics(merged), read_metrics(adapters)
+    for step in range(1, STEPS + 1):  # the same completions from the merged dense weights
+        assert ours[step]["reward"] == theirs[step]["reward"]
+        assert ours[step]["completion_length"] == theirs[step]["completion_length"]
+        assert ours[step]["logprob_mismatch_max"] < 1e-5
+    assert_same_weights(final_weights(merged), final_weights(adapters), atol=1e-6)

@@ -28,23 +28,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from tunesmith.modules.peft.apply import adapter_modules
+from tunesmith.modules.peft.lora import LoRALinear
 from tunesmith.rl.groups import Group
 from tunesmith.rl.pipeline import RolloutPipeline
 from tunesmith.rl.source import Batch, RolloutSource, _Collected
 from tunesmith.training.distributed import full_tensor
 
-__all__ = ["AsyncRolloutSource"]
+__all__ = ["AsyncRolloutSource", "merged_adapter_weights"]
 
 
 class AsyncRolloutSource(RolloutSource):
     """A :class:`~tunesmith.rl.source.RolloutSource` whose groups come from ``pipeline``
     (given on rank 0 only; see the module docs). ``total_steps``: the run's updates (no
-    weights are sent after the last)."""
+    weights are sent after the last). ``merged_adapters``: a LoRA policy sends its adapted
+    layers' merged dense weights (workers that hold a merged copy, e.g. vLLM), not the
+    adapters."""
 
     def __init__(
         self, *, pipeline: RolloutPipeline | None, total_steps: int,
-        rollout_log: str | Path | None = None, **kwargs: Any,
+        rollout_log: str | Path | None = None, merged_adapters: bool = False, **kwargs: Any,
     ) -> None:  # fmt: skip
         if kwargs.get("dynamic_sampling"):
             raise ValueError(
@@ -57,6 +62,7 @@ class AsyncRolloutSource(RolloutSource):
         if (pipeline is None) == kwargs["ctx"].is_rank_zero:
             raise ValueError("AsyncRolloutSource: rank 0, and only rank 0, drives the pipeline")
         self.pipeline, self.total_steps = pipeline, int(total_steps)
+        self.merged_adapters = bool(merged_adapters) and bool(adapter_modules(self.model))
         self.rollout_log = Path(rollout_log) if rollout_log else None
         self.version = 0  # optimizer updates done: the policy being trained
         self._synced: int | None = 0  # the version the workers have (they start from it)
@@ -69,8 +75,9 @@ class AsyncRolloutSource(RolloutSource):
         """Send the trainable weights to the rollout workers (a collective: every rank
         gathers its shards); returns the seconds it took."""
         start = time.perf_counter()
-        named = {name: full_tensor(p.detach()).cpu()
-                 for name, p in self.model.named_parameters() if p.requires_grad}  # fmt: skip
+        named = (merged_adapter_weights(self.model) if self.merged_adapters
+                 else {name: full_tensor(p.detach()).cpu()
+                       for name, p in self.model.named_parameters() if p.requires_grad})  # fmt: skip
         if self.pipeline is not None:
             self.pipeline.publish(named, self.version)
         self._synced = self.version
@@ -160,6 +167,26 @@ class AsyncRolloutSource(RolloutSource):
         self._synced = None  # the workers restarted from the config's weights
         if self.pipeline is not None:
             self.pipeline.load_state_dict(state["pipeline"])
+
+
+def merged_adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every adapted linear layer's merged weight (``W + s·B A``) at its Hugging Face key.
+
+    >>> from tunesmith.models import llama3
+    >>> from tunesmith.modules.peft import apply_lora
+    >>> model = apply_lora(llama3.llama3_tiny(), target_modules=["q_proj"], rank=2, alpha=4)
+    >>> sorted(merged_adapter_weights(model))[0]
+    'model.layers.0.self_attn.q_proj.weight'
+    """
+    named = {}
+    for name, module in adapter_modules(model).items():
+        if not isinstance(module, LoRALinear):
+            raise ValueError(
+                f"{name}: adapters on stacked experts cannot be sent merged to the rollout "
+                "workers (rollout.merge_adapters / the vllm engine): use the local engine"
+            )
+        named[f"{name}.weight"] = full_tensor(module.merged_weight()).cpu()
+    return named
 
 
 _PIPELINE_METRICS = (

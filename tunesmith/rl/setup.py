@@ -87,7 +87,7 @@ ASYNC_RULES: dict[str, Rule] = {  # asynchronous GRPO (grpo_async): the rollout 
     "async_mode": choice("sync", "overlap", "off_policy", null="generate in the trainer"),
     "max_staleness": integer(0), "buffer_size": integer(1, null="enough for the mode"),
     "max_worker_restarts": integer(0),
-    "rollout": mapping("workers, num_cpus, num_gpus, engine (local or vllm), vllm"),
+    "rollout": mapping("workers, num_cpus, num_gpus, engine (local or vllm), vllm, merge_adapters"),
     "reward_workers": mapping("workers, num_cpus"),
     "ray": mapping("address (null: a local instance), num_cpus, temp_dir, log_to_driver"),
 }  # fmt: skip
@@ -197,6 +197,7 @@ def asynchronous_source(
                           seed=int(cfg.get("seed", 0)))  # fmt: skip
     updates = int(cfg.get("updates_per_batch", 1))
     total_steps = int(cfg.max_steps)
+    rollout = plain(cfg.get("rollout"))
     pipeline = None
     if ctx.is_rank_zero:
         config = OmegaConf.to_container(cfg, resolve=True)
@@ -215,6 +216,8 @@ def asynchronous_source(
             prompts=stream, rewards=rewards, advantage=advantage, ctx=ctx,
             dynamic_sampling=bool(cfg.get("dynamic_sampling", False)),
             rollout_log=Path(cfg.output_dir) / "rollouts.jsonl", **source_options(cfg),
+            merged_adapters=rollout.get("engine", "local") == "vllm"
+            or bool(rollout.get("merge_adapters", False)),
         )  # fmt: skip
     except BaseException:
         if pipeline is not None:

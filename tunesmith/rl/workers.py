@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from tunesmith.config import instantiate
 from tunesmith.generation.engine import LocalEngine
 from tunesmith.modules.dtypes import AUTOCAST
+from tunesmith.modules.peft.apply import adapter_modules, merge_adapters
 from tunesmith.rl.groups import Group, sample_groups, score_groups
 from tunesmith.rl.prompts import Prompt
 from tunesmith.rl.rollout import completion_logprobs, rollout_batch
@@ -80,6 +81,8 @@ class RolloutWorker(_Role):
                                           **dict(rollout.get("vllm") or {}))  # fmt: skip
         else:
             model = setup.build_policy(cfg, self.ctx, self.tokenizer)
+            if rollout.get("merge_adapters", False) and adapter_modules(model):
+                merge_adapters(model)  # a dense copy: the trainer sends merged weights
             self.engine = LocalEngine(model, self.tokenizer, pad_id=self.pad_id,
                                       autocast_dtype=AUTOCAST[cfg.get("mixed_precision")])  # fmt: skip
         self.version = 0

@@ -1,0 +1,131 @@
+"""``tunesmith chat CKPT``: a multi-turn conversation with a model in the terminal.
+
+Each line read is a user message; the whole conversation so far goes through the chat template
+(with the generation prompt) and the model's reply is printed and kept for the next turn.
+``/reset`` starts a new conversation (the system prompt stays), ``/exit`` (or end of input)
+ends. It reads any stream, so a pipe works: ``printf 'hi\\n/exit\\n' | tunesmith chat CKPT``.
+On a terminal a ``> `` prompt is shown; on a pipe only the replies are written, one per turn.
+
+Example::
+
+    >>> session = ChatSession(model, tokenizer, max_new_tokens=64)  # doctest: +SKIP
+    >>> session.reply("add 2 and 3")  # doctest: +SKIP
+    '5'
+    >>> chat_loop(session, io.StringIO("hi\\n/exit\\n"), sys.stdout)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import IO, Any
+
+import torch
+from torch import nn
+
+from tunesmith.data import Tokenizer
+from tunesmith.generation import generate
+
+__all__ = ["EXIT", "RESET", "ChatSession", "chat_loop"]
+
+EXIT = "/exit"
+RESET = "/reset"
+
+
+class ChatSession:
+    """A conversation with ``model``: :meth:`reply` adds the user's message and the model's
+    answer to :attr:`messages`; :meth:`reset` forgets them (``system`` stays first).
+
+    Sampling (``temperature`` > 0, ``top_k``, ``top_p``) draws from a generator seeded with
+    ``seed``, so a scripted session repeats exactly.
+
+    Example::
+
+        >>> session = ChatSession(model, tok, system="Be brief.", temperature=0.7, seed=0)  # doctest: +SKIP
+        >>> session.reply("Hi")  # doctest: +SKIP
+        'Hello!'
+        >>> len(session.messages)  # doctest: +SKIP
+        3
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Tokenizer,
+        *,
+        system: str | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if tokenizer.chat_template is None:
+            raise ValueError(f"{tokenizer.name}: has no chat template; give --chat-template "
+                             f"(llama3, qwen2_5, qwen3 or a .jinja file)")  # fmt: skip
+        self.model = model
+        self.tokenizer = tokenizer
+        self.system = system
+        self.settings: dict[str, Any] = {"max_new_tokens": max_new_tokens,
+                                         "temperature": temperature, "top_k": top_k,
+                                         "top_p": top_p}  # fmt: skip
+        device = next(model.parameters()).device
+        self.generator = torch.Generator(device)
+        self.generator.manual_seed(0 if seed is None else seed)
+        self.messages: list[dict[str, str]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new conversation (only the system prompt, if any)."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def reply(self, text: str) -> str:
+        """Add ``text`` as the user's turn, generate the assistant's, keep both; returns it."""
+        self.messages.append({"role": "user", "content": text})
+        ids, _ = self.tokenizer.tokenize_conversation(self.messages, add_generation_prompt=True)
+        out = generate(
+            self.model,
+            [ids],
+            stop_token_ids=self.tokenizer.stop_token_ids,
+            pad_id=self.tokenizer.pad_id or 0,
+            generator=self.generator,
+            **self.settings,
+        )
+        tokens = out.sequences[0]
+        if tokens and tokens[-1] in self.tokenizer.stop_token_ids:
+            tokens = tokens[:-1]
+        answer = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": answer})
+        return answer
+
+
+def chat_loop(session: ChatSession, stdin: IO[str], stdout: IO[str]) -> int:
+    """Read user lines from ``stdin`` and write the replies to ``stdout`` until ``/exit`` or
+    end of input (see the module docs); returns the number of replies.
+
+    Example::
+
+        >>> chat_loop(session, io.StringIO("hi\\n/reset\\nhello\\n"), sys.stdout)  # doctest: +SKIP
+        2
+    """
+    interactive = stdin.isatty()
+    replies = 0
+    while True:
+        if interactive:
+            stdout.write("> ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line:  # end of input
+            break
+        text = line.rstrip("\r\n")
+        if text.strip() == EXIT:
+            break
+        if text.strip() == RESET:
+            session.reset()
+            if interactive:
+                stdout.write("(new conversation)\n")
+            continue
+        if not text.strip():
+            continue
+        stdout.write(session.reply(text) + "\n")
+        stdout.flush()
+        replies += 1
+    return replies
