@@ -26,9 +26,19 @@ under TP), for FSDP2 over 8, TP 8, TP 2 x FSDP2 4, TP 4 x FSDP2 2 and HSDP 2 x 4
 without activation checkpointing, and AdamW with float32 or bf16 moments, 8-bit AdamW, each
 with and without the optimizer in backward: which fit.
 
+Part 3, ``--part cp_ep`` (its own file, ``results/parallel_memory_cp_ep.md``; parts 1-2 are
+not rerun): the same measurement and comparison for context parallel and expert parallel.
+Context parallel (``cp`` 2) on the dense model: each rank's batch is its zigzag share
+(``shard_batch``) and the model is called with ``cp_index`` (ring attention), as the Trainer
+does. Expert parallel (``ep`` 2, with FSDP2 over the same 2 ranks) on a Qwen3-MoE of the same
+width (:data:`QWEN3_MOE`: 8 experts of 768 x 512, top 2, every layer MoE), next to the MoE
+model on one process and under FSDP2 alone; the loss is the cross-entropy only (no
+load-balancing term, which adds no memory worth naming).
+
 Usage::
 
     python benchmarks/parallel_memory.py          # writes benchmarks/results/parallel_memory.md
+    python benchmarks/parallel_memory.py --part cp_ep  # writes results/parallel_memory_cp_ep.md
     python benchmarks/parallel_memory.py --layers 2 --seq 256 --output /tmp/quick.md
     python benchmarks/parallel_memory.py --layouts tp2_sp fsdp2 --output /tmp/two.md
 """
@@ -52,12 +62,20 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "parallel_memory.md"
+RESULTS_CP_EP = REPO / "benchmarks" / "results" / "parallel_memory_cp_ep.md"
 
 LLAMA_100M = {
     "model_type": "llama", "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048,
     "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4,
     "head_dim": 64, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0, "tie_word_embeddings": True, "attention_bias": False,
+}  # fmt: skip
+
+# Part 3's MoE model: LLAMA_100M's attention, embedding and depth; every layer 8 experts, top 2
+QWEN3_MOE = {
+    **LLAMA_100M, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "use_sliding_window": False,
 }  # fmt: skip
 
 # name: (ranks, the `parallelism` config section, what the row is called)
@@ -72,7 +90,17 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], str]] = {
     "tp4_sp": (4, {"tp": 4}, "TP 4 + SP"),
     "hsdp4": (4, {"dp_replicate": 2, "dp_shard": 2}, "HSDP: dp_replicate 2 x dp_shard 2"),
     "tp2_fsdp2": (4, {"tp": 2, "dp_shard": 2}, "TP 2 + SP x FSDP2 dp_shard 2"),
+    # part 3 (--part cp_ep); "moe_*": the QWEN3_MOE model
+    "cp2": (2, {"cp": 2, "dp_shard": 1}, "CP 2 (ring attention), FSDP2 over the 2 cp ranks"),
+    "moe_single": (1, {}, "MoE: one process"),
+    "moe_fsdp2": (2, {"dp_shard": 2}, "MoE: FSDP2 dp_shard 2 (experts sharded by FSDP2)"),
+    "moe_ep2": (2, {"dp_shard": 2, "ep": 2}, "MoE: EP 2 x FSDP2 dp_shard 2 (4 experts per rank)"),
 }
+PARTS = {
+    "tp": ["single", "fsdp2", "tp2", "tp2_sp", "hsdp2", "fsdp4", "tp4", "tp4_sp", "hsdp4",
+           "tp2_fsdp2"],
+    "cp_ep": ["single", "cp2", "moe_single", "moe_fsdp2", "moe_ep2"],
+}  # fmt: skip
 
 # Part 2: the GPU machine the model is applied to
 GPU_COUNT = 8
@@ -116,6 +144,7 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
     from tunesmith.models import build_model
     from tunesmith.models.spec import spec_from_hf_config
     from tunesmith.modules.losses import CrossEntropyLoss
+    from tunesmith.training.context_parallel import shard_batch
     from tunesmith.training.distributed import close_distributed, init_distributed
     from tunesmith.training.memory import AllocatedBytes, storage_bytes
     from tunesmith.training.parallelize import parallelize
@@ -124,7 +153,7 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
     _, parallelism, _ = LAYOUTS[args.layout]
     ctx = init_distributed(device="cpu", parallelism=parallelism)
     try:
-        spec = spec_from_hf_config(_shape(args))
+        spec = spec_from_hf_config(_shape(args, args.layout))
         torch.manual_seed(0)
         model = parallelize(build_model(spec), ctx, {})
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -133,10 +162,18 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(1000 + ctx.dp_rank)
         ids = torch.randint(0, spec.vocab_size, (args.batch, args.seq + 1), generator=gen)
         inputs, labels = ids[:, :-1], ids[:, 1:]
+        kwargs: dict[str, torch.Tensor] = {}
+        if ctx.cp_size > 1:  # this rank's zigzag share of the row, attended by ring attention
+            positions = torch.arange(args.seq)[None].expand(args.batch, -1)
+            local = shard_batch({"input_ids": inputs, "labels": labels, "position_ids": positions},
+                                cp_rank=ctx.cp_rank, cp_size=ctx.cp_size)  # fmt: skip
+            inputs, labels = local["input_ids"], local["labels"]
+            kwargs = {"position_ids": local["position_ids"], "cp_index": local["cp_index"]}
+        trained = args.batch * args.seq
 
         def step() -> None:
-            logits = model(inputs)
-            loss = loss_fn(logits, labels) / labels.numel()
+            logits = model(inputs, **kwargs)
+            loss = loss_fn(logits, labels) / trained
             del logits  # as a training loop's objective returns the loss alone
             loss.backward()
             del loss
@@ -164,8 +201,9 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _shape(args: argparse.Namespace) -> dict[str, Any]:
-    return {**LLAMA_100M, "num_hidden_layers": args.layers}
+def _shape(args: argparse.Namespace, layout: str = "single") -> dict[str, Any]:
+    base = QWEN3_MOE if layout.startswith("moe_") else LLAMA_100M
+    return {**base, "num_hidden_layers": args.layers}
 
 
 def _free_port() -> int:
@@ -215,7 +253,7 @@ def predict(name: str, args: argparse.Namespace) -> Any:
     from tunesmith.training.memory_planner import estimate_memory
 
     world, parallelism, _ = LAYOUTS[name]
-    model = build_model(spec_from_hf_config(_shape(args)), device="meta")
+    model = build_model(spec_from_hf_config(_shape(args, name)), device="meta")
     return estimate_memory(
         model, batch_size=args.batch, seq_len=args.seq, optimizer="adamw", loss="full",
         parallel=ParallelDims.resolve(parallelism, world),
@@ -474,11 +512,96 @@ cross-entropy whose logits chunk is as `LinearCrossEntropyLoss` chunks by defaul
 """
 
 
-def _meta_model(args: argparse.Namespace) -> torch.nn.Module:
+def _meta_model(args: argparse.Namespace, layout: str = "single") -> torch.nn.Module:
     from tunesmith.models import build_model
     from tunesmith.models.spec import spec_from_hf_config
 
-    return build_model(spec_from_hf_config(_shape(args)), device="meta")
+    return build_model(spec_from_hf_config(_shape(args, layout)), device="meta")
+
+
+def reading_cp_ep(rows: dict[str, list[dict[str, Any]]], plans: dict[str, Any]) -> str:
+    """Part 3's sentences, read off this run's numbers (only for the layouts that ran)."""
+    peak = {name: max(r["peak"] for r in ranks) for name, ranks in rows.items()}
+    lines = []
+    if "single" in peak and "cp2" in peak:
+        one, two = plans["single"], plans["cp2"]
+        lines.append(
+            f"- Context parallel 2: the heaviest rank peaks at {peak['cp2'] / peak['single']:.2f}"
+            f" x one process's (model: {two.total / one.total:.2f} x). Per rank the model "
+            f"halves the per-token terms (activations {_mib(one.activations)} -> "
+            f"{_mib(two.activations)} MiB, logits {_mib(one.logits)} -> {_mib(two.logits)} MiB: "
+            "each rank keeps its zigzag half of the row) and shards weights, gradients and "
+            "AdamW states over the 2 cp ranks (FSDP2 over dp_shard x cp)."
+        )
+    if "moe_fsdp2" in peak and "moe_ep2" in peak:
+        fsdp, ep = plans["moe_fsdp2"], plans["moe_ep2"]
+        lines.append(
+            f"- Expert parallel 2 next to FSDP2 over the same 2 ranks: measured "
+            f"{_mib(peak['moe_ep2'] - peak['moe_fsdp2'])} MiB apart (model: "
+            f"{_mib(ep.total - fsdp.total)}). Both keep half of every expert's weights, "
+            "gradients and states per rank; EP keeps whole experts and never gathers them "
+            f"(FSDP2's gathered layers Ul: {_mib(fsdp.gathered_layers)} MiB without EP, "
+            f"{_mib(ep.gathered_layers)} MiB with it) and adds the all-to-all buffers to the "
+            f"activations ({_mib(fsdp.activations)} -> {_mib(ep.activations)} MiB)."
+        )
+    ratios = {name: plans[name].total / peak[name] for name in peak}
+    low, high = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
+    lines.append(
+        f"- model / measured ranges from {ratios[low]:.3f} ({LAYOUTS[low][2]}) to "
+        f"{ratios[high]:.3f} ({LAYOUTS[high][2]})."
+    )
+    return "\n".join(lines)
+
+
+def report_cp_ep(
+    args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]], plans: dict[str, Any],
+    command: str, minutes: float,
+) -> str:  # fmt: skip
+    dense, moe = _shape(args), _shape(args, "moe_single")
+    params = {name: sum(p.numel() for p in _meta_model(args, name).parameters()) / 1e6
+              for name in ("single", "moe_single")}  # fmt: skip
+    ratios = [plans[n].total / max(r["peak"] for r in rows[n]) for n in rows]
+    worst = max(ratios, key=lambda x: abs(x - 1)) if ratios else 1.0
+    within = all(abs(x - 1) <= 0.15 for x in ratios)
+    return f"""# Parallel memory, part 3: per-rank peaks under context and expert parallel vs the memory model
+
+`python benchmarks/parallel_memory.py{command}` ({minutes:.1f} min). Machine: {machine()},
+shared with other work (timings are noisy); Python {platform.python_version()}, torch \
+{torch.__version__}; run {datetime.date.today().isoformat()}. CPU ranks (gloo) only: no GPU
+was measured. Parts 1 and 2 (FSDP2, TP, HSDP; the 8B/70B model): `parallel_memory.md`.
+
+- Models: the dense one of part 1, random Llama-style, {params["single"]:.1f}M parameters \
+(hidden {dense["hidden_size"]}, {dense["num_hidden_layers"]} layers, \
+{dense["num_attention_heads"]} heads / {dense["num_key_value_heads"]} KV heads, MLP \
+{dense["intermediate_size"]}, vocab {dense["vocab_size"]}, tied head); and "MoE", a random \
+Qwen3-MoE of the same attention, embedding and depth, {params["moe_single"]:.1f}M parameters \
+({moe["num_experts"]} experts of MLP {moe["moe_intermediate_size"]} per layer, top \
+{moe["num_experts_per_tok"]}, qk-norm). float32, batch {args.batch} x seq {args.seq} per \
+data-parallel rank (under CP: the row split over the cp ranks); full logits + cross-entropy
+  (no load-balancing term); torch's AdamW (for-loop, CPU); no activation checkpointing.
+  {args.threads} intra-op thread(s) per rank; ranks started as torchrun starts them, each
+  running `init_distributed(device="cpu", parallelism=...)` and `parallelize(model, ctx, cfg)`
+  (expert parallel, context parallel's ring group, then FSDP2). Under CP each rank trains its
+  zigzag share (`shard_batch`) with `cp_index` (ring attention), as the Trainer does.
+- **measured peak**, **model**, **peak at**, **tokens/s per rank**, **step s**: as in part 1
+  (`parallel_memory.md`): parameters, buffers and AdamW states of the rank plus the CPU
+  allocator's peak over one step after a warm-up step, against `estimate_memory(model,
+  batch_size={args.batch}, seq_len={args.seq}, parallel=ParallelDims(...))`; the heaviest rank.
+  Both ranks share the 2 cores: compare memory, not speed.
+
+| ranks | layout | measured peak MiB (heaviest rank) | ranks' range MiB | model MiB | model / measured | weights + states MiB | step allocator peak MiB | peak at | tokens/s per rank | step s |
+{measured_table(rows, plans).split(chr(10), 1)[1]}
+
+Every row within 15%: **{"yes" if within else "no"}** (largest deviation: model / measured =
+{worst:.3f}).
+
+{reading_cp_ep(rows, plans)}
+
+The model's terms per layout (MiB; heaviest rank; the letters and the peak formula as in
+part 1; under EP the all-to-all buffers are in A):
+
+{terms_table(plans)}
+"""
 
 
 def _argv_note(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
@@ -495,19 +618,25 @@ def _argv_note(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rank-of", choices=list(LAYOUTS), help=argparse.SUPPRESS)
-    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--part", choices=list(PARTS), default="tp",
+                        help="tp: parts 1-2 (FSDP2/TP/HSDP); cp_ep: part 3")  # fmt: skip
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS),
+                        help="default: the part's layouts")  # fmt: skip
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=1, help="rows per data-parallel rank")
     parser.add_argument("--steps", type=int, default=1, help="timed steps after the measured one")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per layout")
-    parser.add_argument("--output", type=Path, default=RESULTS, help="markdown file to write")
+    parser.add_argument("--output", type=Path, help="markdown file to write (default: the part's)")
     args = parser.parse_args()
     if args.rank_of:
         args.layout = args.rank_of
         print(json.dumps(run_rank(args)))
         return
+    command = _argv_note(args, parser)
+    args.layouts = args.layouts or PARTS[args.part]
+    args.output = args.output or (RESULTS if args.part == "tp" else RESULTS_CP_EP)
     start = time.perf_counter()
     rows, plans = {}, {}
     for name in args.layouts:
@@ -518,9 +647,13 @@ def main() -> None:
               f"({plans[name].total / heaviest:.3f}), "
               f"{rows[name][0]['tokens_per_s_per_rank']:.0f} tokens/s per rank, "
               f"{time.perf_counter() - start:.0f} s so far", flush=True)  # fmt: skip
-    gpu = gpu_plans()
-    minutes = (time.perf_counter() - start) / 60
-    text = report(args, rows, plans, gpu, _argv_note(args, parser), minutes)
+    if args.part == "cp_ep":
+        minutes = (time.perf_counter() - start) / 60
+        text = report_cp_ep(args, rows, plans, command, minutes)
+    else:
+        gpu = gpu_plans()
+        minutes = (time.perf_counter() - start) / 60
+        text = report(args, rows, plans, gpu, command, minutes)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
     print("\n" + text)

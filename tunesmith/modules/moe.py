@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -507,6 +507,7 @@ def load_balancing_loss(
     router_logits: Sequence[torch.Tensor],
     top_k: int,
     attention_mask: torch.Tensor | None = None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Switch-Transformer auxiliary loss over all MoE layers, as transformers computes it.
 
@@ -514,6 +515,10 @@ def load_balancing_loss(
     assignments that went to expert ``e`` and ``P_e`` its mean router probability,
     both pooled over layers and over the real (``attention_mask == 1``) tokens.
     ``router_logits`` holds one ``[b * s, num_experts]`` tensor per MoE layer.
+    ``reduce`` (optional) gets this process's token sums (``[2 * E + 1]``: assignments and
+    probabilities per expert, the token count) before the means are taken: a differentiable
+    sum over the ranks that split the rows (context parallel) makes the loss that of the whole
+    rows on every rank, the same as one process's.
 
     Example::
 
@@ -532,7 +537,9 @@ def load_balancing_loss(
         weight = torch.ones(logits.shape[0], device=logits.device)
     else:
         weight = attention_mask.reshape(-1).float().to(logits.device).repeat(len(router_logits))
-    total = weight.sum()
-    tokens_per_expert = (assignments * weight[:, None]).sum(0) / total
-    prob_per_expert = (probs * weight[:, None]).sum(0) / total
-    return num_experts * (tokens_per_expert * prob_per_expert).sum()
+    sums = torch.cat([(assignments * weight[:, None]).sum(0), (probs * weight[:, None]).sum(0),
+                      weight.sum()[None]])  # fmt: skip
+    if reduce is not None:
+        sums = reduce(sums)
+    tokens, prob, total = sums.split([num_experts, num_experts, 1])
+    return num_experts * ((tokens / total) * (prob / total)).sum()

@@ -59,11 +59,15 @@ def head_weight(model: nn.Module) -> torch.Tensor:
 def router_aux_loss(
     model: nn.Module, router_logits: tuple[torch.Tensor, ...], batch: Mapping[str, torch.Tensor]
 ) -> torch.Tensor | None:
-    """The MoE load-balancing loss times the model's coefficient (None for dense models)."""
+    """The MoE load-balancing loss times the model's coefficient (None for dense models). A
+    context-parallel batch's (``cp_index``) token statistics are summed over the cp group
+    first, so every rank of it gets the whole rows' loss (each counting ``1 / cp`` of it)."""
     if not router_logits:
         return None
+    group = context_parallel_group(model)
+    reduce = (lambda sums: cp_sum(sums, group)) if CP_INDEX in batch else None
     aux = load_balancing_loss(
-        router_logits, model.spec.num_experts_per_tok, batch.get("attention_mask")
+        router_logits, model.spec.num_experts_per_tok, batch.get("attention_mask"), reduce
     )
     return model.spec.router_aux_loss_coef * aux
 

@@ -80,7 +80,8 @@ rank's share; FSDP2 shards over ``dp_shard x cp`` ranks (``d = dp_shard * cp``).
 FSDP2 (nor gathered), and so do their gradients and optimizer states; each MoE layer adds its
 all-to-all buffers, ``2 * top_k * a * H`` per token (the rows received by this rank's experts
 and the rows sent back; routing taken as balanced, so the experts see ``top_k`` rows per local
-token as without EP). Not modelled: the very end of backward, where the embedding's gradient is built while every
+token as without EP). Both checked against measured per-rank peaks (cp 2 on a dense model,
+ep 2 on a Qwen3-MoE, within 6%): ``benchmarks/results/parallel_memory_cp_ep.md``. Not modelled: the very end of backward, where the embedding's gradient is built while every
 other gradient exists (from a buffer of the whole vocabulary, even under TP; with a tied
 head, plus its sum with the head's gradient), which sets the peak only when the activations
 are small next to the embedding (one short sequence through one or two layers), not at the
