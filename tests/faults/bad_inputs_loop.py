@@ -137,8 +137,8 @@ CASES: list[BadInput] = [
     ),
     BadInput(
         "loop-empty-resume", "config", "`resume=` (an empty path)", _RULE.format("resume"),
-        _values("resume=", words=["resume: expected true, false (or null) or a checkpoint "
-                                  "folder, got ''"]),
+        _values("resume=", words=["resume: expected true, false (or null), auto (resume when "
+                                  "there is a checkpoint) or a checkpoint folder, got ''"]),
     ),
     BadInput(
         "loop-missing-lr-scheduler", "config", "`~lr_scheduler` (no schedule at all)",

@@ -24,11 +24,12 @@ _ISSUE_LINE = re.compile(r"^[\w.\[\]<>-]+: \S")
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file under ``folder`` with its size and modification time (an empty folder made
     on the way, e.g. the checkpoint root before a failed resume, holds nothing and is not
-    counted)."""
+    counted; nor is the tokenised-rows cache, whose entries are keyed by their content: it
+    changes no run)."""
     return {
         str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
         for p in folder.rglob("*")
-        if not p.is_dir()
+        if not p.is_dir() and ".tunesmith_cache" not in p.parts
     }
 
 

@@ -138,7 +138,6 @@ def test_state_dict_restores_schedule_parameters():
     "kwargs,name",
     [
         ({"num_warmup_steps": -1, "num_training_steps": 10}, "num_warmup_steps"),
-        ({"num_warmup_steps": 11, "num_training_steps": 10}, "num_warmup_steps"),
         ({"num_warmup_steps": 0, "num_training_steps": 0}, "num_training_steps"),
         ({"num_warmup_steps": 0, "num_training_steps": 10, "min_lr_ratio": 1.5}, "min_lr_ratio"),
     ],
@@ -154,7 +153,21 @@ def test_bad_args_other():
         cosine_with_warmup(_opt(), num_warmup_steps=0, num_training_steps=10, num_cycles=0)
     with pytest.raises(ValueError, match="num_warmup_steps"):
         constant_with_warmup(_opt(), num_warmup_steps=-3)
-    with pytest.raises(ValueError, match="exceed num_training_steps"):
-        constant_with_warmup(_opt(), num_warmup_steps=20, num_training_steps=10)
+    with pytest.raises(ValueError, match="num_training_steps must be >= 1"):
+        constant_with_warmup(_opt(), num_warmup_steps=2, num_training_steps=0)
     with pytest.raises(TypeError, match="num_warmup_steps"):
         linear_with_warmup(_opt(), num_warmup_steps=2.5, num_training_steps=10)
+
+
+def test_warmup_longer_than_the_run_is_all_warmup():
+    """max_steps=1 on a config with 2 warmup steps runs: the multiplier is s / warmup at every
+    step of the run (0, then 1/4, 2/4, 3/4 for a 3-step run with warmup 4)."""
+    for make in (cosine_with_warmup, linear_with_warmup):
+        opt = _opt()
+        sched = make(opt, num_warmup_steps=4, num_training_steps=3)
+        seen = []
+        for _ in range(4):
+            seen.append(opt.param_groups[0]["lr"] / PEAK)
+            opt.step()
+            sched.step()
+        assert seen == [0.0, 0.25, 0.5, 0.75]

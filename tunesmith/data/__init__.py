@@ -28,6 +28,7 @@ from tunesmith.data.collate import (  # noqa: E402
 )
 from tunesmith.data.formats import FORMATS, convert_row  # noqa: E402
 from tunesmith.data.labels import IGNORE_INDEX, make_labels  # noqa: E402
+from tunesmith.data.mix import DatasetMix, MixReport  # noqa: E402
 from tunesmith.data.packing import PackedDataset, pack_greedy, packed_or_padded  # noqa: E402
 from tunesmith.data.preference_dataset import PreferenceDataset, RawPreferencePair  # noqa: E402
 from tunesmith.data.report import BadRowError, DataError, DataReport  # noqa: E402
@@ -41,6 +42,8 @@ __all__ += [
     "BadRowError",
     "DataError",
     "DataReport",
+    "DatasetMix",
+    "MixReport",
     "PackedDataset",
     "packed_or_padded",
     "PreferenceDataset",

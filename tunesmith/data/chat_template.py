@@ -46,6 +46,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = [
     "TEMPLATE_NAMES",
+    "control_tokens",
     "RenderedChat",
     "compile_template",
     "has_generation_tags",
@@ -98,6 +99,22 @@ def load_template(name_or_path: str | PathLike[str]) -> str:
             f"({', '.join(TEMPLATE_NAMES)}) nor an existing .jinja file"
         )
     return path.read_text(encoding="utf-8")
+
+
+_CONTROL_TOKEN = re.compile(r"<\|[^\s<>|]+\|>|<(?:start|end)_of_turn>")
+
+
+def control_tokens(template: str) -> list[str]:
+    """The control tokens a template writes literally (``<|im_start|>``, ``<|eot_id|>``,
+    ``<start_of_turn>``...), in order of first use: a vocabulary that lacks one of them
+    belongs to another family (the template would render it as plain text pieces).
+
+    Example::
+
+        >>> control_tokens(load_template("qwen2_5"))
+        ['<|im_start|>', '<|im_end|>']
+    """
+    return list(dict.fromkeys(_CONTROL_TOKEN.findall(template)))
 
 
 def has_generation_tags(template: str) -> bool:

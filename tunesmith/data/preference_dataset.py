@@ -94,6 +94,7 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Dataset
@@ -116,6 +117,7 @@ from tunesmith.data.report import (
     read_samples,
 )
 from tunesmith.data.sources import load_rows
+from tunesmith.data.token_cache import CachedRows, tokenize_with_cache, with_progress
 
 if TYPE_CHECKING:
     from tunesmith.data.tokenizer import Tokenizer
@@ -526,12 +528,16 @@ class PreferenceDataset(Dataset):
         template_kwargs: extra chat template variables (e.g. ``{"enable_thinking": False}``).
         use_chat_template: ``False`` tokenises ``prompt_chosen_rejected`` rows as raw text
             (base models; see the module docs).
+        cache_dir: folder of the tokenised-rows cache (:mod:`~tunesmith.data.token_cache`:
+            keyed by the data file's bytes, the tokenizer and these settings); None: no cache.
 
     Attributes:
         samples: the sample dicts (see the module docs), in source order.
         row_indices: the source row of each sample.
         report: a :class:`~tunesmith.data.report.DataReport`; its ``tokens`` and
             ``trained_tokens`` count both sequences of every kept pair.
+        cache_note: the line to log about the cache (a hit, or where the rows were cached),
+            None without one.
 
     Example::
 
@@ -556,6 +562,7 @@ class PreferenceDataset(Dataset):
         system_prompt: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         use_chat_template: bool = True,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         _check_arguments(max_seq_len, max_prompt_len, truncation, on_bad_row)
         if not use_chat_template:
@@ -575,15 +582,8 @@ class PreferenceDataset(Dataset):
                 "Tokenizer.from_pretrained(..., chat_template=...)"
             )
         columns = resolve_preference_columns(format, column_map)
-        rows = load_rows(source, split=split, data_files=data_files)
-        check_columns(format, columns, rows.columns, rows.name, PREFERENCE_FORMAT_FIELDS)
-
-        self.source = rows.name
         self.format = format
         self.max_seq_len = max_seq_len
-        self.samples: list[dict[str, Any]] = []
-        self.row_indices: list[int] = []
-        self.report = DataReport(source=rows.name)
 
         def make_sample(row: Any) -> tuple[dict[str, Any], bool]:
             pair = convert_preference_row(
@@ -595,24 +595,46 @@ class PreferenceDataset(Dataset):
                 truncation=truncation, template_kwargs=template_kwargs,
             )  # fmt: skip
 
-        for index, sample, cut in read_samples(rows, make_sample, on_bad_row, self.report):
-            self._keep(sample, index, cut)
-        raise_if_empty(self.report, "pairs")
+        def build() -> CachedRows:
+            rows = load_rows(source, split=split, data_files=data_files)
+            check_columns(format, columns, rows.columns, rows.name, PREFERENCE_FORMAT_FIELDS)
+            built = CachedRows([], [], DataReport(source=rows.name))
+            progress = with_progress(rows, f"tokenizing {Path(rows.name).name}")
+            for index, sample, cut in read_samples(progress, make_sample, on_bad_row,
+                                                   built.report):  # fmt: skip
+                _keep(built, sample, index, cut)
+            raise_if_empty(built.report, "pairs")
+            return built
 
-    def _keep(self, sample: dict[str, Any], index: int, cut: bool) -> None:
-        self.samples.append(sample)
-        self.row_indices.append(index)
-        self.report.samples += 1
-        self.report.truncated += int(cut)
-        for side in _SIDES:
-            self.report.tokens += len(sample[f"{side}_input_ids"])
-            self.report.trained_tokens += count_trained(sample[f"{side}_labels"])
+        settings = {
+            "dataset": "PreferenceDataset", "format": format, "column_map": column_map,
+            "split": split, "data_files": data_files, "max_seq_len": max_seq_len,
+            "max_prompt_len": max_prompt_len, "truncation": truncation,
+            "on_bad_row": on_bad_row, "system_prompt": system_prompt,
+            "template_kwargs": template_kwargs, "use_chat_template": use_chat_template,
+        }  # fmt: skip
+        built, self.cache_note = tokenize_with_cache(cache_dir, source, tokenizer, settings,
+                                                     build)  # fmt: skip
+        self.samples: list[dict[str, Any]] = built.samples
+        self.row_indices: list[int] = built.row_indices
+        self.report = built.report
+        self.source = built.report.source
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.samples[index]
+
+
+def _keep(built: CachedRows, sample: dict[str, Any], index: int, cut: bool) -> None:
+    built.samples.append(sample)
+    built.row_indices.append(index)
+    built.report.samples += 1
+    built.report.truncated += int(cut)
+    for side in _SIDES:
+        built.report.tokens += len(sample[f"{side}_input_ids"])
+        built.report.trained_tokens += count_trained(sample[f"{side}_labels"])
 
 
 def _check_arguments(

@@ -32,6 +32,12 @@ trained tokens were all cut off is ``no_trained_tokens``.
 A sample is ``{"input_ids": list[int], "labels": list[int]}`` with shifted labels
 (``labels[i]`` is the target of position ``i``; see ``labels.py``).
 
+Tokenising shows a progress bar on a terminal. With ``cache_dir`` (the shipped configs:
+``${output_dir}/../.tunesmith_cache``) the tokenised rows of a local data file are cached
+there, keyed by the file's bytes, the tokenizer and every setting above
+(:mod:`~tunesmith.data.token_cache`): a re-run reads them back (``cache_note`` says
+``tokenized data: cache hit <path>``) and trains on the very same samples.
+
 Example (YAML)::
 
     dataset:
@@ -41,6 +47,7 @@ Example (YAML)::
       column_map: {instruction: question, output: answer}
       max_seq_len: 2048
       on_bad_row: skip
+      cache_dir: ${output_dir}/../.tunesmith_cache   # null: no cache
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Dataset
@@ -72,6 +80,7 @@ from tunesmith.data.report import (
     read_samples,
 )
 from tunesmith.data.sources import load_rows
+from tunesmith.data.token_cache import CachedRows, tokenize_with_cache, with_progress
 
 if TYPE_CHECKING:
     from tunesmith.data.tokenizer import Tokenizer
@@ -173,11 +182,14 @@ class SFTDataset(Dataset):
             tokenised raw (see ``formats.py``). ``None`` (default): ``"chat_template"`` when
             the tokenizer has one, else ``"alpaca"`` for alpaca rows.
         template_kwargs: extra chat template variables (e.g. ``{"enable_thinking": False}``).
+        cache_dir: folder of the tokenised-rows cache (see the module docs); None: no cache.
 
     Attributes:
         samples: the ``{"input_ids", "labels"}`` dicts, in source order.
         row_indices: the source row of each sample.
         report: a :class:`~tunesmith.data.report.DataReport` (log ``report.summary()``).
+        cache_note: the line to log about the cache (a hit, or where the rows were cached),
+            None without one.
 
     Example::
 
@@ -203,6 +215,7 @@ class SFTDataset(Dataset):
         system_prompt: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         prompt_style: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if train_on not in TRAIN_ON:
             raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
@@ -236,16 +249,9 @@ class SFTDataset(Dataset):
         if templated and (warning := tokenizer.bos_spacing_warning(**(template_kwargs or {}))):
             warnings.warn(warning, stacklevel=2)
         columns = resolve_columns(format, column_map)
-        rows = load_rows(source, split=split, data_files=data_files)
-        check_columns(format, columns, rows.columns, rows.name)
-
-        self.source = rows.name
         self.format = format
         self.train_on = train_on
         self.max_seq_len = max_seq_len
-        self.samples: list[dict[str, list[int]]] = []
-        self.row_indices: list[int] = []
-        self.report = DataReport(source=rows.name)
 
         def make_sample(row: Any) -> tuple[dict[str, list[int]], bool]:
             example = convert_row(
@@ -257,14 +263,35 @@ class SFTDataset(Dataset):
                 truncation=truncation, template_kwargs=template_kwargs,
             )  # fmt: skip
 
-        for index, sample, cut in read_samples(rows, make_sample, on_bad_row, self.report):
-            self.samples.append(sample)
-            self.row_indices.append(index)
-            self.report.samples += 1
-            self.report.truncated += int(cut)
-            self.report.tokens += len(sample["input_ids"])
-            self.report.trained_tokens += count_trained(sample["labels"])
-        raise_if_empty(self.report)
+        def build() -> CachedRows:
+            rows = load_rows(source, split=split, data_files=data_files)
+            check_columns(format, columns, rows.columns, rows.name)
+            built = CachedRows([], [], DataReport(source=rows.name))
+            report = built.report
+            progress = with_progress(rows, f"tokenizing {Path(rows.name).name}")
+            for index, sample, cut in read_samples(progress, make_sample, on_bad_row, report):
+                built.samples.append(sample)
+                built.row_indices.append(index)
+                report.samples += 1
+                report.truncated += int(cut)
+                report.tokens += len(sample["input_ids"])
+                report.trained_tokens += count_trained(sample["labels"])
+            raise_if_empty(report)
+            return built
+
+        settings = {
+            "dataset": "SFTDataset", "format": format, "column_map": column_map,
+            "split": split, "data_files": data_files, "train_on": train_on,
+            "max_seq_len": max_seq_len, "truncation": truncation, "on_bad_row": on_bad_row,
+            "use_chat_template": use_chat_template, "system_prompt": system_prompt,
+            "template_kwargs": template_kwargs, "prompt_style": prompt_style,
+        }  # fmt: skip
+        built, self.cache_note = tokenize_with_cache(cache_dir, source, tokenizer, settings,
+                                                     build)  # fmt: skip
+        self.samples: list[dict[str, list[int]]] = built.samples
+        self.row_indices: list[int] = built.row_indices
+        self.report = built.report
+        self.source = built.report.source
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -1,4 +1,4 @@
-"""Read the rows of a dataset: a local JSON/JSONL/Parquet/CSV file or a Hub dataset.
+"""Read the rows of a dataset: a local JSON/JSONL/Parquet/CSV/text file or a Hub dataset.
 
 JSON Lines (and JSON arrays) are parsed here, line by line, so that a malformed line or
 bytes that are not UTF-8 become a bad row with its line number (which the dataset may
@@ -10,6 +10,14 @@ at all (empty, not UTF-8 in CSV/JSON-array files, not a JSON array...) raises
 :class:`~tunesmith.data.report.DataError` naming the file (and the line where known).
 
 Rows are numbered from 0 in source order; blank lines in JSON Lines are not rows.
+
+A ``.txt`` file is plain text for the ``text`` format: each row is ``{"text": ...}``, cut as
+``sample_by`` says, with the names and the default of the ``datasets`` library's ``text``
+builder (what torchtune's text-completion datasets read a ``.txt`` file with): ``"line"``
+(the default: one sample per line, without its line break), ``"paragraph"`` (paragraphs
+separated by one or more blank lines, their inner line breaks kept) or ``"document"`` (the
+whole file, one sample). Blank lines are never rows, and a line (or paragraph) that is not
+UTF-8 is a bad row naming its line.
 
 Example::
 
@@ -31,10 +39,13 @@ from typing import Any
 
 from tunesmith.data.report import INVALID_UTF8, MALFORMED_JSON, BadRow, DataError
 
-__all__ = ["FILE_SUFFIXES", "Rows", "load_rows"]
+__all__ = ["FILE_SUFFIXES", "TEXT_SAMPLE_BY", "Rows", "load_rows", "read_text_rows"]
 
-FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".txt")
 """Suffixes of local files read directly; anything else must be a folder or a Hub name."""
+
+TEXT_SAMPLE_BY = ("line", "paragraph", "document")
+"""How a ``.txt`` file is cut into rows (see the module docs)."""
 
 
 @dataclass
@@ -135,6 +146,60 @@ def _read_json(path: Path) -> list[tuple[str, Any]]:
     return _read_json_lines(path, data)
 
 
+def _text_chunks(data: bytes, sample_by: str) -> Iterator[tuple[int, list[bytes]]]:
+    """``(first line number, lines)`` of each row of a text file (blank lines dropped)."""
+    lines = [line.removesuffix(b"\r") for line in data.split(b"\n")]
+    if sample_by == "line":
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                yield number, [line]
+        return
+    chunk: list[bytes] = []
+    start = 0
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            start = start if chunk else number
+            chunk.append(line)
+        elif chunk and sample_by == "paragraph":
+            yield start, chunk
+            chunk = []
+        elif chunk:  # a document keeps its inner blank lines
+            chunk.append(line)
+    while chunk and not chunk[-1].strip():
+        chunk.pop()
+    if chunk:
+        yield start, chunk
+
+
+def read_text_rows(path: str | os.PathLike[str], sample_by: str = "line") -> list[tuple[str, Any]]:
+    """The ``(where, row)`` pairs of a plain text file: ``row`` is ``{"text": ...}`` (or a
+    :class:`BadRow` for text that is not UTF-8), ``where`` its first line (``" (line 3)"``).
+
+    Example::
+
+        >>> read_text_rows("notes.txt", sample_by="paragraph")  # doctest: +SKIP
+        [(' (line 1)', {'text': 'First paragraph,\\nover two lines.'}), ...]
+    """
+    if sample_by not in TEXT_SAMPLE_BY:
+        raise ValueError(f"sample_by must be one of {TEXT_SAMPLE_BY}, got {sample_by!r}")
+    path = Path(path)
+    data = path.read_bytes()
+    if data.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark
+        data = data[3:]
+    if not data.strip():
+        raise DataError(f"{path}: file is empty")
+    items: list[tuple[str, Any]] = []
+    for number, lines in _text_chunks(data, sample_by):
+        raw = b"\n".join(lines)
+        try:
+            items.append((f" (line {number})", {"text": raw.decode("utf-8")}))
+        except UnicodeDecodeError as e:
+            line = number + raw.count(b"\n", 0, e.start)
+            bad = BadRow(INVALID_UTF8, f"bytes are not valid UTF-8 on line {line}")
+            items.append((f" (line {number})", bad))
+    return items
+
+
 def _load_with_datasets(name: str, *args: Any, **kwargs: Any) -> Rows:
     import datasets  # heavy import, only where needed
 
@@ -169,13 +234,16 @@ def load_rows(
     *,
     split: str = "train",
     data_files: str | Sequence[str] | Mapping[str, Any] | None = None,
+    sample_by: str = "line",
 ) -> Rows:
     """Read all rows of ``source``.
 
     ``source`` is a local file (by suffix: ``.jsonl``/``.json``, ``.parquet``, ``.csv``,
-    ``.tsv``), a local folder, or a name for ``datasets.load_dataset`` (a Hub dataset or
-    a builder like ``"json"`` with ``data_files``). ``split`` and ``data_files`` go to
-    ``load_dataset``; a single local file is one split (``"train"``).
+    ``.tsv``, ``.txt``), a local folder, or a name for ``datasets.load_dataset`` (a Hub
+    dataset or a builder like ``"json"`` with ``data_files``). ``split`` and ``data_files`` go
+    to ``load_dataset``; a single local file is one split (``"train"``). ``sample_by`` cuts a
+    ``.txt`` file into ``{"text": ...}`` rows: ``"line"``, ``"paragraph"`` or ``"document"``
+    (see the module docs); other sources ignore it.
 
     Example::
 
@@ -183,6 +251,8 @@ def load_rows(
         >>> rows.columns  # doctest: +SKIP
         ['messages']
     """
+    if sample_by not in TEXT_SAMPLE_BY:
+        raise ValueError(f"sample_by must be one of {TEXT_SAMPLE_BY}, got {sample_by!r}")
     path = Path(source).expanduser()
     if path.is_file():
         suffix = path.suffix.lower()
@@ -199,6 +269,8 @@ def load_rows(
         if suffix in (".jsonl", ".json"):
             items = _read_json(path)
             rows = Rows(str(path), _union_columns(items), items)
+        elif suffix == ".txt":
+            rows = Rows(str(path), ["text"], read_text_rows(path, sample_by))
         elif suffix == ".parquet":
             rows = _load_with_datasets(str(path), "parquet", data_files=str(path), split="train")
         else:

@@ -43,6 +43,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from os import PathLike
@@ -55,6 +56,7 @@ import tokenizers
 from tunesmith.data.chat_template import (
     TEMPLATE_NAMES,
     compile_template,
+    control_tokens,
     load_template,
     render,
     render_chat,
@@ -210,7 +212,10 @@ class Tokenizer:
                 ``generation_config.json`` are read when present).
             chat_template: use this template instead of the folder's: a shipped one
                 (``"llama3"``, ``"qwen2_5"``, ``"qwen3"``), the name of one of the folder's
-                named templates, or the path of a ``.jinja`` file.
+                named templates, or the path of a ``.jinja`` file (in a config:
+                ``tokenizer.chat_template=qwen2_5``). A template whose control tokens
+                (:func:`~tunesmith.data.chat_template.control_tokens`) the vocabulary lacks is
+                refused, naming them.
 
         BOS/EOS insertion is the ``tokenizer.json`` post-processor's, as in transformers 5,
         which ignores ``add_bos_token`` / ``add_eos_token`` when that file exists.
@@ -264,6 +269,15 @@ class Tokenizer:
         templates = _folder_templates(folder, config, config_file)
         if chat_template is not None:
             templates = {"default": _chosen_template(chat_template, templates, folder)}
+            missing = [t for t in control_tokens(templates["default"])
+                       if backend.token_to_id(t) is None]  # fmt: skip
+            if missing:
+                raise ValueError(
+                    f"chat_template={str(chat_template)!r} does not fit {folder}: its control "
+                    f"tokens {', '.join(missing)} are not in the vocabulary of {tokenizer_file} "
+                    "(a template of another model family); leave chat_template unset for the "
+                    "folder's own template, or name one whose tokens this vocabulary has"
+                )
 
         generation_file = folder / "generation_config.json"
         eos = _read_json_object(generation_file).get("eos_token_id")
@@ -282,6 +296,23 @@ class Tokenizer:
             model_max_length=None if max_length is None else int(max_length),
             name=str(folder),
         )
+
+    def fingerprint(self) -> str:
+        """A sha256 of everything here that decides token ids and loss masks: the whole
+        ``tokenizer.json`` pipeline, the special tokens, the chat templates and the stop ids
+        (the key of :mod:`~tunesmith.data.token_cache`; the folder's path is not part of it).
+
+        Example::
+
+            >>> len(Tokenizer.from_pretrained(folder).fingerprint())  # doctest: +SKIP
+            64
+        """
+        if getattr(self, "_fingerprint", None) is None:
+            digest = hashlib.sha256(self._backend.to_str().encode())
+            digest.update(json.dumps([self.special_tokens, self.chat_templates,
+                                      self.stop_token_ids], sort_keys=True).encode())  # fmt: skip
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
     # -----------------------------------------------------------------------------------------
     # Vocabulary

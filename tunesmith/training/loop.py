@@ -8,7 +8,17 @@ rollout source for RL)::
     trainer.start()                                  # resume=... : the checkpoint to continue
     while not trainer.done:
         metrics = trainer.step(source.next_step())   # one optimizer step
-        log(metrics); maybe evaluate; maybe save; stop on SIGTERM / stop_after_steps
+        log(window means); maybe evaluate; maybe save; stop on SIGINT/SIGTERM/stop_after_steps
+
+Saving: every ``save_every_n_steps`` steps and/or every ``save_every_minutes`` of wall time
+(rank 0's clock decides, one all-reduce makes every rank agree), and after the last step.
+Ctrl-C (SIGINT) and SIGTERM both ask for a checkpoint at the end of the current step and a
+clean exit with the resume hint; a second Ctrl-C aborts at once. Logging: every
+``log_every_n_steps`` steps the means of the steps since the last line
+(:class:`~tunesmith.training.metric_logging.MetricWindow`: the loss over every unit of the
+window); ``progress_bar: auto`` (the default) shows a bar when stdout is a terminal.
+``resume: true`` with no checkpoint in ``output_dir`` is refused; ``resume: auto`` resumes
+when there is one and starts fresh otherwise.
 
 Example (the core of a recipe)::
 
@@ -19,8 +29,11 @@ Example (the core of a recipe)::
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,9 +60,10 @@ from tunesmith.training.distributed import (
 from tunesmith.training.loop_config import LOOP_RULES, Rule, check_rules
 from tunesmith.training.memory import peak_memory_gb
 from tunesmith.training.memory_planner import MemoryPlan
-from tunesmith.training.metric_logging import MultiLogger, NullLogger
+from tunesmith.training.metric_logging import MetricWindow, MultiLogger, NullLogger
 from tunesmith.training.preflight import PreflightReport, longest_batch, preflight
 from tunesmith.training.run_lock import hold_run_lock
+from tunesmith.training.sample_prompts import SAMPLE_KEYS, SamplePrompts
 from tunesmith.training.sources import BatchSource, DatasetSource, dropped_per_epoch, make_loader
 from tunesmith.training.trainer import LossOutput, Objective, Trainer, evaluate
 
@@ -76,9 +90,9 @@ LOOP_KEYS = [
     "output_dir", "model_dir", "seed", "device", "mixed_precision", "shuffle", "batch_size",
     "gradient_accumulation_steps", "epochs", "max_steps", "stop_after_steps", "optimizer",
     "lr_scheduler", "max_grad_norm", "tokenizer", "dataset", "val_dataset", "val_fraction", "metric_loggers", "log_every_n_steps", "eval_every_n_steps",
-    "save_every_n_steps", "keep_last", "resume", "overwrite", "on_nonfinite_loss", "progress_bar",
+    "save_every_n_steps", "save_every_minutes", "keep_last", "resume", "overwrite", "on_nonfinite_loss", "progress_bar",
     "optimizer_in_backward", "activation_offloading", "distributed_timeout_s", "preflight",
-    "parallelism",
+    "parallelism", *SAMPLE_KEYS,
 ]  # fmt: skip
 # Arguments fit() passes at run time (for `tunesmith validate`).
 LOOP_RUNTIME_ARGS = {"tokenizer": 0, "dataset": 1, "val_dataset": 1, "optimizer": 1,
@@ -92,13 +106,12 @@ def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictC
     against ``rules``: see :mod:`~tunesmith.training.loop_config`), start the process group,
     run ``train(cfg, ctx)``, and turn a dead or hung peer's collective error into one clear
     line."""
+    inherit_val_dataset(cfg)
     issues = check_keys(cfg, list(keys))
     issues += [i for i in check_rules(cfg, rules) if i.path in keys]
     if issues:
         raise ConfigError.from_issues(issues)
-    resume = cfg.get("resume", False)
-    if isinstance(resume, str) and not Path(resume).is_dir():  # before anything is written
-        raise FileNotFoundError(f"resume={resume}: no such checkpoint folder")
+    resolve_resume(cfg)  # before anything is written
     parallelism = cfg.get("parallelism")
     if isinstance(parallelism, DictConfig):
         parallelism = OmegaConf.to_container(parallelism, resolve=True)
@@ -108,6 +121,7 @@ def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictC
         print(f"parallelism: {ctx.mesh.mesh_dim_names} mesh of {tuple(ctx.mesh.shape)} ranks, "
               f"{ctx.dp_size} data-parallel")  # fmt: skip
     previous_sigterm = signal.getsignal(signal.SIGTERM)
+    previous_sigint = signal.getsignal(signal.SIGINT)
     lock = None
     try:  # one run per output_dir, taken before anything is written into it
         lock = hold_run_lock(cfg.output_dir, ctx) if cfg.get("output_dir") else None
@@ -126,22 +140,91 @@ def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictC
             lock.release()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous_sigterm)  # fit() installed its own
+            signal.signal(signal.SIGINT, previous_sigint)
         close_distributed()
+
+
+_STEP_DIR = re.compile(r"step_\d+")
+
+
+def resolve_resume(cfg: DictConfig) -> None:
+    """Check ``cfg.resume`` against ``cfg.output_dir`` before anything is written:
+    ``resume=<folder>`` must exist; ``resume=true`` needs a checkpoint (a ``step_*`` folder of
+    ``<output_dir>/checkpoints``) and otherwise stops with one line; ``resume=auto`` becomes
+    ``true`` when there is one and ``false`` when not (a fresh start).
+
+    Example::
+
+        >>> cfg = OmegaConf.create({"output_dir": "runs/new", "resume": "auto"})
+        >>> resolve_resume(cfg); cfg.resume
+        False
+    """
+    resume = cfg.get("resume", False)
+    if resume == "auto":
+        cfg.resume = _has_checkpoint(cfg.get("output_dir"))
+    elif isinstance(resume, str) and not Path(resume).is_dir():
+        raise FileNotFoundError(f"resume={resume}: no such checkpoint folder")
+    elif resume is True and not _has_checkpoint(cfg.get("output_dir")):
+        raise FileNotFoundError(
+            f"resume=true: no checkpoint to resume in {Path(cfg.output_dir) / 'checkpoints'}; "
+            "start fresh with resume=false, or pass resume=auto (resume when there is a "
+            "checkpoint, else start fresh)"
+        )
+
+
+def _has_checkpoint(output_dir: str | None) -> bool:
+    root = Path(output_dir) / "checkpoints" if output_dir else None
+    if root is None or not root.is_dir():
+        return False
+    return any(_STEP_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
+
+
+def inherit_val_dataset(cfg: DictConfig) -> None:
+    """A ``val_dataset`` with no ``_component_`` (e.g. only ``val_dataset.source=held.jsonl``)
+    is the training ``dataset`` with those settings changed: same component, format, template
+    and limits, another file.
+
+    Example::
+
+        >>> cfg = OmegaConf.create({"dataset": {"_component_": "D", "source": "a", "n": 1},
+        ...                         "val_dataset": {"source": "b"}})
+        >>> inherit_val_dataset(cfg); OmegaConf.to_container(cfg.val_dataset)
+        {'_component_': 'D', 'source': 'b', 'n': 1}
+    """
+    val, dataset = cfg.get("val_dataset"), cfg.get("dataset")
+    if isinstance(val, DictConfig) and "_component_" not in val and isinstance(dataset, DictConfig):
+        cfg.val_dataset = OmegaConf.merge(dataset, val)
 
 
 def build_datasets(
     cfg: DictConfig, tokenizer: Any, log: Callable[[str], None] = print
 ) -> tuple[Sequence[Any], Sequence[Any] | None]:
-    """``cfg.dataset`` and the validation set: ``cfg.val_dataset``, or a seeded
-    ``cfg.val_fraction`` of the training samples, or None. Logs the data report."""
+    """``cfg.dataset`` and the validation set: ``cfg.val_dataset`` (one that gives only some
+    settings, e.g. a ``source``, inherits the rest from ``cfg.dataset``), or a seeded
+    ``cfg.val_fraction`` of the training samples (both sizes logged), or None. Logs the data
+    report and whether the tokenised rows came from the cache."""
+    inherit_val_dataset(cfg)
     dataset = instantiate(cfg.dataset, tokenizer)
+    _log_cache(dataset, log)
     log(f"dataset: {dataset.report.summary()}")
-    val_dataset = instantiate(cfg.val_dataset, tokenizer) if cfg.get("val_dataset") else None
+    val_dataset = None
+    if cfg.get("val_dataset"):
+        val_dataset = instantiate(cfg.val_dataset, tokenizer)
+        _log_cache(val_dataset, log)
+        log(f"val_dataset: {val_dataset.report.summary()}")
     if val_dataset is None and cfg.get("val_fraction", 0.0) > 0:
         dataset, val_dataset = split_train_val(
             dataset, cfg.val_fraction, seed=int(cfg.get("seed", 0))
         )
+        log(f"val_fraction={cfg.val_fraction}: {len(dataset)} training samples, "
+            f"{len(val_dataset)} validation samples")  # fmt: skip
     return dataset, val_dataset
+
+
+def _log_cache(dataset: Any, log: Callable[[str], None]) -> None:
+    note = getattr(dataset, "cache_note", None)
+    if note:
+        log(note)
 
 
 def check_vocab(tokenizer: Any, model: nn.Module, cfg: DictConfig, key: str = "model") -> None:
@@ -185,72 +268,139 @@ def fit(
     ``make_trainer`` builds the trainer from ``(cfg, ctx, model=, objective=, source=)`` (e.g. a
     ``functools.partial`` of a :class:`Trainer` subclass that also trains PPO's critic).
     """
-    log = print if ctx.is_rank_zero else (lambda *a, **k: None)
+    log = _console(ctx)  # through tqdm.write: never glued to the progress bar
     if cfg.get("preflight", False):  # before the optimizer exists: nothing may step
         if not isinstance(source, DatasetSource):
             raise ValueError(f"preflight: true measures a dataset's longest batch; this "
                              f"recipe's batches come from a {type(source).__name__}")  # fmt: skip
         log(_preflight(cfg, ctx, model, objective, source.loader).summary(memory_plan))
     trainer = make_trainer(cfg, ctx, model=model, objective=objective, source=source)
+    if ctx.is_rank_zero:
+        trainer.log = log
     trainer.start()  # verified; refuses another run's checkpoints or a changed config
     loggers = [instantiate(c) for c in cfg.get("metric_loggers") or []]
     logger = MultiLogger(loggers) if ctx.is_rank_zero else NullLogger()
     logger.log_config(trainer.record.config)  # environment reads as ${oc.env:...}, never values
-    stop_requested = _install_sigterm_handler()
     total_steps, stop_after = trainer.total_steps, cfg.get("stop_after_steps")
-    bar = tqdm(
-        total=total_steps, initial=trainer.progress["step"], disable=not (
-            ctx.is_rank_zero and cfg.get("progress_bar", True)), desc=name,
-    )  # fmt: skip
+    logger.begin(total_steps, trainer.progress["step"])  # step N/total, elapsed, ETA
+    samples = SamplePrompts.from_config(cfg, model, world_size=ctx.world_size)  # sample_prompts
+    log_every = int(cfg.get("log_every_n_steps", 1))
+    minutes = cfg.get("save_every_minutes")
+    save_every_s = None if minutes is None else float(minutes) * 60
+    show_bar = ctx.is_rank_zero and _show_bar(cfg.get("progress_bar", "auto"))
+    bar = tqdm(total=total_steps, initial=trainer.progress["step"], disable=not show_bar,
+               desc=name, dynamic_ncols=True)  # fmt: skip
+    window, timing = MetricWindow(trainer.objective.unit), _Timing()
+    stop_signal, restore_signals = _install_stop_handlers(announce=ctx.is_rank_zero)
     try:
-        step_start = time.perf_counter()
+        step_start = last_save = time.perf_counter()
         first_step = trainer.progress["step"] + 1  # its time includes compilation and warm-up
         while not trainer.done:
             micro_batches = source.next_step()
             train_start = time.perf_counter()
             metrics = trainer.step(micro_batches)
+            objective_means = [k for k in metrics if k not in (*_TRAINER_KEYS, objective.unit)]
             if hasattr(source, "step_metrics"):  # e.g. rewards, generation time
                 metrics |= {"train_s": time.perf_counter() - train_start, **source.step_metrics()}
             step = trainer.progress["step"]
             bar.update(1)
-            if step % int(cfg.get("log_every_n_steps", 1)) == 0 or step == total_steps:
-                elapsed = time.perf_counter() - step_start
-                logger.log(step, _timed(metrics, trainer, elapsed, first=step == first_step))
+            window.add(metrics, weighted=objective_means)
+            timing.add(time.perf_counter() - step_start, trainer, first=step == first_step)
+            if step % log_every == 0 or step == total_steps:
+                logger.log(step, _timed(window.means(), trainer, timing))
+                window.clear()
+                timing = _Timing()
             elif step == first_step:
-                logger.log(step, {"first_step_s": time.perf_counter() - step_start})
+                logger.log(step, {"first_step_s": timing.first_s})
+                timing.first_s = None
             if _every(step, cfg.get("eval_every_n_steps"), total_steps):
                 if evaluator is not None:
                     logger.log(step, dict(evaluator()))
                 elif val_dataset is not None:
                     logger.log(step, trainer.evaluate(val_dataset))
-            stop = bool(all_reduce_sum(float(stop_requested()), ctx.device).item())
+            if samples is not None:  # greedy completions of the fixed prompts, as text
+                samples.maybe_log(step, total_steps, logger)
+            # rank 0's clock decides a timed save; one all-reduce: every rank agrees on both
+            due = (save_every_s is not None and ctx.is_rank_zero
+                   and time.perf_counter() - last_save >= save_every_s)  # fmt: skip
+            flags = all_reduce_sum([float(stop_signal() is not None), float(due)], ctx.device)
+            stop, due = bool(flags[0].item()), bool(flags[1].item())
             stop_early = stop_after is not None and step == int(stop_after) < total_steps
-            if _every(step, cfg.get("save_every_n_steps"), total_steps) or stop or stop_early:
+            if (stop or stop_early) and len(window):  # the steps since the last line
+                logger.log(step, _timed(window.means(), trainer, timing))
+                window.clear()
+            if _every(step, cfg.get("save_every_n_steps"), total_steps) or stop or stop_early \
+                    or due:  # fmt: skip
                 log(f"checkpoint: {trainer.save()}")
+                last_save = time.perf_counter()
             if stop or stop_early:
-                reason = "SIGTERM" if stop else f"stop_after_steps={stop_after}"
+                reason = (stop_signal() or "a stop signal on another rank") if stop else (
+                    f"stop_after_steps={stop_after}")  # fmt: skip
                 log(f"{reason}: stopped after step {step}; resume with resume=true")
                 break
             step_start = time.perf_counter()
     finally:
+        restore_signals()
         bar.close()
         logger.close()
 
 
-def _timed(
-    metrics: Mapping[str, float], trainer: Trainer, elapsed: float, first: bool
-) -> dict[str, float]:
-    """``metrics`` with the throughput and memory after the unit count, then the step's time
-    (``first_step_s`` for the first: compilation and warm-up, not a throughput)."""
+_TRAINER_KEYS = ("loss", "lr", "grad_norm", "tokens_seen", "skipped_update")
+"""Keys of :meth:`Trainer.step`'s metrics that are not the objective's own per-unit means."""
+
+
+class _Timing:
+    """Wall time and tokens of the steps of one logging window (the first step of the run
+    apart: its time includes compilation and warm-up)."""
+
+    def __init__(self) -> None:
+        self.first_s: float | None = None
+        self.seconds, self.steps, self.tokens = 0.0, 0, 0
+
+    def add(self, seconds: float, trainer: Trainer, first: bool) -> None:
+        if first:
+            self.first_s = seconds
+            return
+        self.seconds += seconds
+        self.steps += 1
+        self.tokens += trainer.rank_tokens * trainer.ctx.dp_cp_size
+
+
+def _timed(metrics: Mapping[str, float], trainer: Trainer, timing: _Timing) -> dict[str, float]:
+    """``metrics`` with the window's throughput and the memory after the unit count, then its
+    mean step time (``first_step_s`` for the run's first step: compilation and warm-up)."""
     timed: dict[str, float] = {}
     for key, value in metrics.items():
         timed[key] = value
         if key == trainer.objective.unit:
-            if not first:
-                timed["tokens_per_s"] = trainer.rank_tokens * trainer.ctx.dp_cp_size / elapsed
+            if timing.steps:
+                timed["tokens_per_s"] = timing.tokens / timing.seconds
             timed["peak_memory_gb"] = peak_memory_gb(trainer.ctx.device)
-    timed["first_step_s" if first else "step_time_s"] = elapsed
+    if timing.first_s is not None:
+        timed["first_step_s"] = timing.first_s
+    if timing.steps:
+        timed["step_time_s"] = timing.seconds / timing.steps
     return timed
+
+
+def _console(ctx: DistributedContext) -> Callable[..., None]:
+    """Rank 0's ``print`` for the run's lines, through ``tqdm.write`` (a progress bar is
+    cleared and redrawn around each line); other ranks print nothing."""
+    if not ctx.is_rank_zero:
+        return lambda *a, **k: None
+
+    def write(*parts: Any, **_: Any) -> None:
+        tqdm.write(" ".join(str(p) for p in parts), file=sys.stdout)
+        sys.stdout.flush()
+
+    return write
+
+
+def _show_bar(setting: Any) -> bool:
+    """``progress_bar``: true/false as set; ``auto`` (or absent): when stdout is a terminal."""
+    if setting is None or setting == "auto":
+        return sys.stdout.isatty()
+    return bool(setting)
 
 
 def _preflight(cfg: DictConfig, ctx: DistributedContext, model: nn.Module, objective: Objective,
@@ -275,13 +425,33 @@ def _every(step: int, every: int | None, total: int) -> bool:
     return step == total or bool(every) and step % int(every) == 0
 
 
-def _install_sigterm_handler() -> Callable[[], bool]:
-    """SIGTERM asks for a checkpoint at the end of the current step, then a clean exit."""
-    received = {"flag": False}
+def _install_stop_handlers(
+    announce: bool = True,
+) -> tuple[Callable[[], str | None], Callable[[], None]]:
+    """SIGTERM and Ctrl-C (SIGINT) ask for a checkpoint at the end of the current step, then a
+    clean exit; a Ctrl-C after that aborts at once (``KeyboardInterrupt``). Returns (the name
+    of the first signal received, or None; a function that puts the previous handlers back).
+    ``announce``: say on stderr that the run will stop."""
+    received: list[str] = []
 
-    def handler(signum, frame):
-        received["flag"] = True
+    def handler(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and received:
+            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        if not received:
+            received.append(name)
+        if announce:  # os.write: print is not safe inside a signal handler
+            os.write(2, f"\n{name}: saving a checkpoint at the end of this step, then stopping "
+                        "(Ctrl-C again aborts at once)\n".encode())  # fmt: skip
 
-    if threading.current_thread() is threading.main_thread():  # signals only reach it
-        signal.signal(signal.SIGTERM, handler)
-    return lambda: received["flag"]
+    if threading.current_thread() is not threading.main_thread():  # signals only reach it
+        return (lambda: received[0] if received else None), (lambda: None)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:
+        signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return (lambda: received[0] if received else None), restore

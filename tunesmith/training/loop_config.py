@@ -20,9 +20,11 @@ schedule length and the number of training samples. Before any weight is loaded,
   length from the step the run resumed at (the learning rate at step ``s`` is then the one a
   run started with the new length has at step ``s``), and the change is logged. A length
   below the checkpoint's step is refused.
-- ``stop_after_steps``, ``save_every_n_steps``, ``keep_last``, ``log_every_n_steps``,
+- ``stop_after_steps``, ``save_every_n_steps``, ``save_every_minutes``, ``keep_last``,
+  ``log_every_n_steps``,
   ``eval_every_n_steps``, ``val_dataset`` (not when ``val_fraction`` > 0: then it decides the
-  training split), ``metric_loggers``, ``progress_bar``: when to stop, save, log and evaluate.
+  training split), ``metric_loggers``, ``progress_bar``: when to stop, save, log and evaluate;
+  a dataset's ``cache_dir`` (where tokenised rows are cached: the tokens do not change).
 - ``output_dir``, ``resume``, ``overwrite``, ``preflight``, ``distributed_timeout_s``: where
   and how the run is started.
 - ``activation_checkpointing``, ``activation_offloading``, ``compile``, ``attention_backend``:
@@ -272,19 +274,37 @@ LOOP_RULES: dict[str, Rule] = {
     "max_grad_norm": number(above=0, null="no clipping"),
     "tokenizer": component(required=True),
     "dataset": component(required=True),
-    "val_dataset": component(null="no validation set"),
+    "val_dataset": Rule(
+        "a mapping with _component_, a mapping of the training dataset's settings to change "
+        "(e.g. source: held_out.jsonl), or null (no validation set)",
+        lambda v: v is None or type_name(v) == "mapping",
+    ),
     "val_fraction": number(at_least=0, below=1),
     "metric_loggers": component(null="no metric logging", many=True),
     "log_every_n_steps": integer(1),
     "eval_every_n_steps": integer(1, null="after the last step only"),
+    "sample_prompts": Rule(  # tunesmith.training.sample_prompts
+        "a list of prompts (strings, {messages: [...]} or {text: ...}), or null (no samples)",
+        lambda v: (
+            v is None
+            or type_name(v) == "list"
+            and all(isinstance(p, str) or type_name(p) == "mapping" for p in v)
+        ),
+    ),
+    "sample_every_n_steps": integer(1, null="every eval_every_n_steps"),
+    "sample_max_new_tokens": integer(1),
     "save_every_n_steps": integer(1, null="after the last step only"),
+    "save_every_minutes": number(above=0, null="no timed saves", unit="a number of minutes"),
     "keep_last": integer(1, null="keep every checkpoint"),
     "resume": Rule(
-        "true, false (or null) or a checkpoint folder",
+        "true, false (or null), auto (resume when there is a checkpoint) or a checkpoint folder",
         lambda v: v is None or isinstance(v, bool) or (isinstance(v, str) and v.strip() != ""),
     ),
     "on_nonfinite_loss": choice("stop", "skip"),
-    "progress_bar": flag(),
+    "progress_bar": Rule(
+        "true, false or auto (a bar when stdout is a terminal)",
+        lambda v: isinstance(v, bool) or v == "auto",
+    ),
     "optimizer_in_backward": flag(),
     "activation_offloading": flag(),
     "distributed_timeout_s": number(
@@ -341,8 +361,10 @@ def check_rules(cfg: DictConfig, rules: Mapping[str, Rule]) -> list[ConfigIssue]
 
 RESUMABLE_KEYS = frozenset({
     "max_steps", "epochs",
-    "stop_after_steps", "save_every_n_steps", "keep_last", "log_every_n_steps",
+    "stop_after_steps", "save_every_n_steps", "save_every_minutes", "keep_last",
+    "log_every_n_steps",
     "eval_every_n_steps", "val_dataset", "metric_loggers", "progress_bar",
+    "sample_prompts", "sample_every_n_steps", "sample_max_new_tokens",
     "output_dir", "resume", "overwrite", "preflight", "distributed_timeout_s",
     "activation_checkpointing", "activation_offloading", "compile", "attention_backend",
     "on_nonfinite_loss",
@@ -493,6 +515,8 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Chang
 
 def _resumable(change: Change, new: Mapping[str, Any]) -> bool:
     top = change.path.split(".", 1)[0]
+    if change.path in ("dataset.cache_dir", "val_dataset.cache_dir"):
+        return True  # where tokenised rows are cached: the tokens are the same
     if top == "val_dataset" and new.get("val_fraction"):
         return False  # with a val_fraction, whether val_dataset is set decides the training split
     return top in RESUMABLE_KEYS

@@ -10,6 +10,9 @@ Conventions (the same as Hugging Face ``transformers``' ``get_*_schedule_with_wa
   ``num_training_steps`` holds the final value instead of climbing back up the cosine.
 * ``min_lr_ratio`` is the floor as a fraction of the peak: the decaying part is rescaled to
   ``min_lr_ratio + (1 - min_lr_ratio) * decay``.
+* A warmup longer than the run (a smoke test's ``max_steps=1`` on a config with
+  ``num_warmup_steps: 2``) is allowed, as in ``transformers``: the whole run is warmup and the
+  learning rate never reaches its peak.
 
 The multiplier is a small callable object rather than a lambda, so ``scheduler.state_dict()``
 records its parameters and a scheduler rebuilt on resume and given ``load_state_dict`` continues
@@ -61,11 +64,6 @@ def _check_args(
             raise TypeError(f"num_training_steps must be an int, got {num_training_steps!r}")
         if num_training_steps < 1:
             raise ValueError(f"num_training_steps must be >= 1, got {num_training_steps}")
-        if num_warmup_steps > num_training_steps:
-            raise ValueError(
-                f"num_warmup_steps ({num_warmup_steps}) must not exceed "
-                f"num_training_steps ({num_training_steps})"
-            )
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
 

@@ -19,6 +19,11 @@ Example::
     step 10 | loss 1.2345 | lr 2.0e-05
     >>> logger.close()
 
+The loop calls ``begin(total_steps, start_step)`` on loggers that have it (here
+:class:`StdoutLogger`, through :class:`MultiLogger`): lines then read ``step 10/200 | ... |
+elapsed 0:01:02 | eta 0:19:38``. With ``log_every_n_steps > 1`` the loop logs the means of a
+:class:`MetricWindow` of the steps since the last line, not the last step's values.
+
 Optional back ends are imported only when their logger is constructed: ``tensorboard``
 (``pip install tunesmith[tb]``) and ``wandb`` (``pip install tunesmith[wandb]``).
 """
@@ -35,10 +40,13 @@ from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 import yaml
+from tqdm import tqdm
 
 __all__ = [
     "JSONLLogger",
     "MetricLogger",
+    "MetricWindow",
+    "format_duration",
     "MultiLogger",
     "NullLogger",
     "StdoutLogger",
@@ -125,8 +133,11 @@ class StdoutLogger(_ContextManager):
     """One compact line per ``log`` call: ``step 10 | loss 1.2345 | lr 2.0e-05``.
 
     Floats print with ``precision`` decimals, or in scientific notation when tiny or huge.
-    ``stream`` defaults to the current ``sys.stdout``. ``log_config`` prints the resolved
-    config only with ``print_config=True`` (the JSONL logger keeps it in ``config.yaml``).
+    ``stream`` defaults to the current ``sys.stdout``, written through ``tqdm.write`` so a
+    progress bar on the terminal is cleared and redrawn around the line, never glued to it.
+    ``log_config`` prints the resolved config only with ``print_config=True`` (the JSONL
+    logger keeps it in ``config.yaml``). After :meth:`begin` a line shows the step out of the
+    run's total, the time since ``begin`` and the time left at the pace so far.
 
     Example::
 
@@ -140,16 +151,42 @@ class StdoutLogger(_ContextManager):
         self._stream = stream
         self.precision = precision
         self.print_config = print_config
+        self._total: int | None = None
+        self._start_step = 0
+        self._started = 0.0
+
+    def begin(self, total_steps: int, start_step: int = 0) -> None:
+        """Show ``step N/total_steps``, the elapsed time and an ETA from now on (a run resumed
+        at ``start_step`` counts its pace from there).
+
+        Example::
+
+            >>> logger = StdoutLogger()
+            >>> logger.begin(200)
+            >>> logger.log(10, {"loss": 1.5})  # doctest: +ELLIPSIS
+            step 10/200 | loss 1.5000 | elapsed 0:00:00 | eta ...
+        """
+        self._total, self._start_step = int(total_steps), int(start_step)
+        self._started = time.monotonic()
 
     def _write(self, text: str) -> None:
-        stream = self._stream if self._stream is not None else sys.stdout
-        stream.write(text)
-        stream.flush()
+        if self._stream is not None:
+            self._stream.write(text)
+            self._stream.flush()
+            return
+        tqdm.write(text, file=sys.stdout, end="")  # clears and redraws any bar around it
+        sys.stdout.flush()
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         values = _scalars(step, metrics)
-        parts = [f"step {step}"]
+        parts = [f"step {step}" if self._total is None else f"step {step}/{self._total}"]
         parts += [f"{k} {_format_value(v, self.precision)}" for k, v in values.items()]
+        if self._total is not None:
+            elapsed = time.monotonic() - self._started
+            done = step - self._start_step
+            parts.append(f"elapsed {format_duration(elapsed)}")
+            if done > 0:
+                parts.append(f"eta {format_duration(elapsed / done * max(self._total - step, 0))}")
         self._write(" | ".join(parts) + "\n")
 
     def log_config(self, cfg: Mapping[str, Any]) -> None:
@@ -158,6 +195,86 @@ class StdoutLogger(_ContextManager):
 
     def close(self) -> None:
         pass
+
+
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` of a number of seconds (rounded down).
+
+    >>> format_duration(3725.9)
+    '1:02:05'
+    """
+    whole = int(max(seconds, 0.0))
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
+class MetricWindow:
+    """The steps' metrics since the last log line, reduced to what that line shows.
+
+    ``add`` takes one step's metrics (as :meth:`~tunesmith.training.trainer.Trainer.step`
+    returns them); ``means`` gives, for the steps added since the last ``clear``:
+
+    - ``weighted`` keys (the loss and the objective's other per-step means): the mean over
+      every unit of the window, i.e. each step's value weighted by its count of ``unit``
+      (``sum(value * units) / sum(units)``; steps without the key are left out; with no
+      unit at all, the plain mean of the steps);
+    - ``unit`` and ``summed`` keys (e.g. ``skipped_update``): the window's total;
+    - ``last`` keys (``lr``, ``tokens_seen``: a position, not a per-step amount): the last
+      value;
+    - any other key (``grad_norm``, a rollout's rewards): the plain mean over the steps.
+
+    Integers that are summed or last stay integers. Keys keep the order they first came in.
+
+    Example::
+
+        >>> window = MetricWindow("trained_tokens")
+        >>> window.add({"loss": 2.0, "trained_tokens": 10, "lr": 1e-3})
+        >>> window.add({"loss": 1.0, "trained_tokens": 30, "lr": 9e-4})
+        >>> window.means()
+        {'loss': 1.25, 'trained_tokens': 40, 'lr': 0.0009}
+    """
+
+    def __init__(
+        self,
+        unit: str,
+        *,
+        weighted: Sequence[str] = ("loss",),
+        summed: Sequence[str] = ("skipped_update",),
+        last: Sequence[str] = ("lr", "tokens_seen"),
+    ) -> None:
+        self.unit = unit
+        self.weighted = set(weighted)
+        self.summed = {*summed, unit}
+        self.last = set(last)
+        self._steps: list[Mapping[str, float]] = []
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def add(self, metrics: Mapping[str, float], weighted: Sequence[str] = ()) -> None:
+        """Add one step's ``metrics``; ``weighted`` names more keys to weight by units."""
+        self.weighted.update(weighted)
+        self._steps.append(dict(metrics))
+
+    def clear(self) -> None:
+        """Forget the steps added so far (after their line is logged)."""
+        self._steps = []
+
+    def means(self) -> dict[str, float]:
+        """The window's line (see the class docs); empty when no step was added."""
+        keys = list(dict.fromkeys(k for step in self._steps for k in step))
+        return {key: self._reduce(key) for key in keys}
+
+    def _reduce(self, key: str) -> float:
+        values = [(step[key], step.get(self.unit, 0)) for step in self._steps if key in step]
+        if key in self.last:
+            return values[-1][0]
+        if key in self.summed:
+            return sum(v for v, _ in values)
+        if key in self.weighted:
+            units = sum(u for _, u in values)
+            if units > 0:
+                return sum(float(v) * u for v, u in values) / units
+        return sum(float(v) for v, _ in values) / len(values)
 
 
 class JSONLLogger(_ContextManager):
@@ -314,6 +431,9 @@ class WandBLogger(_ContextManager):
 class NullLogger(_ContextManager):
     """Discards everything: what non-zero ranks get instead of a real logger."""
 
+    def begin(self, total_steps: int, start_step: int = 0) -> None:
+        pass
+
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         pass
 
@@ -341,6 +461,12 @@ class MultiLogger(_ContextManager):
                     f"loggers[{i}] ({type(logger).__name__}) lacks log/log_config/close"
                 )
         self.loggers = list(loggers)
+
+    def begin(self, total_steps: int, start_step: int = 0) -> None:
+        """Pass ``begin`` on to each logger that has one (see :meth:`StdoutLogger.begin`)."""
+        for logger in self.loggers:
+            if hasattr(logger, "begin"):
+                logger.begin(total_steps, start_step)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for logger in self.loggers:

@@ -1,6 +1,9 @@
 """Plot a run's ``metrics.jsonl`` (written by :class:`~tunesmith.training.JSONLLogger`) to PNG.
 
-Top panel: ``loss`` (train) and ``val_loss`` against step; bottom panel: ``lr``, when logged.
+Top panel: ``loss`` (train) and ``val_loss`` against step; then one panel for each group of
+the recipe's own metrics the run logged (:data:`RECIPE_PANELS`: DPO's rewards and margins,
+the reward accuracy, distillation's KD and CE losses, RL rewards, KL, PPO's policy and value
+losses; their ``val_`` curves with them); bottom panel: ``lr``, when logged.
 When a step appears more than once (a run resumed from an earlier checkpoint appends to the same
 file) the last value logged for it wins.
 
@@ -17,11 +20,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
-__all__ = ["plot_run", "read_metrics"]
+__all__ = ["RECIPE_PANELS", "metric_panels", "plot_run", "read_metrics"]
 
 _LOSS_KEYS = ("loss", "val_loss")
+
+RECIPE_PANELS: tuple[tuple[str, str], ...] = (
+    ("rewards (chosen, rejected, margin)", r"(val_)?rewards/(chosen|rejected|margins?)"),
+    ("accuracy", r"(val_)?(rewards/)?accuracy"),
+    ("distillation losses", r"(val_)?(kd_loss|ce_loss)"),
+    ("reward", r"(val_)?reward(/.+)?"),
+    ("KL", r"(val_)?kl"),
+    ("policy / value loss", r"(val_)?(policy_loss|value_loss)"),
+)
+"""(panel title, regular expression of the metric names it draws), in panel order."""
 
 
 def read_metrics(path: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
@@ -52,10 +66,32 @@ def read_metrics(path: str | os.PathLike[str]) -> dict[str, list[tuple[int, floa
     return {k: sorted(v.items()) for k, v in series.items()}
 
 
+def metric_panels(series: dict[str, list[tuple[int, float]]]) -> list[tuple[str, list[str]]]:
+    """The panels :func:`plot_run` draws for ``series`` (as :func:`read_metrics` gives it):
+    ``(title, metric names)``, loss first, then each :data:`RECIPE_PANELS` group with a logged
+    metric, then ``lr``.
+
+    Example::
+
+        >>> metric_panels({"loss": [(1, 2.0)], "rewards/margin": [(1, 0.1)], "lr": [(1, 1e-3)]})
+        [('loss', ['loss']), ('rewards (chosen, rejected, margin)', ['rewards/margin']), \
+('learning rate', ['lr'])]
+    """
+    panels = [("loss", [k for k in _LOSS_KEYS if k in series])]
+    for title, pattern in RECIPE_PANELS:
+        keys = [k for k in series if re.fullmatch(pattern, k)]
+        if keys:
+            panels.append((title, keys))
+    if "lr" in series:
+        panels.append(("learning rate", ["lr"]))
+    return panels
+
+
 def plot_run(
     run_dir: str | os.PathLike[str], out_png: str | os.PathLike[str] | None = None
 ) -> Path:
-    """Draw the loss curves (and lr, if logged) of ``run_dir/metrics.jsonl``; return the PNG path.
+    """Draw the loss curves, the recipe's own metrics and lr (each when logged: see
+    :func:`metric_panels`) of ``run_dir/metrics.jsonl``; return the PNG path.
 
     ``out_png`` defaults to ``run_dir/loss.png``. Raises ``FileNotFoundError`` naming the missing
     file, and ``ValueError`` if the file has neither ``loss`` nor ``val_loss``.
@@ -82,25 +118,27 @@ def plot_run(
             "plot_run needs matplotlib: pip install tunesmith[plot]  (or: pip install matplotlib)"
         ) from err
 
-    has_lr = "lr" in series
-    fig = Figure(figsize=(8, 6 if has_lr else 4), layout="constrained")
-    axes = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1]) if has_lr else [fig.subplots()]
-    loss_ax = axes[0]
-    for key in losses:
-        steps, values = zip(*series[key])
-        marker = "o" if key == "val_loss" or len(steps) < 50 else None
-        label = "train loss" if key == "loss" else "validation loss"
-        loss_ax.plot(steps, values, marker=marker, markersize=3, label=label)
-    loss_ax.set_ylabel("loss")
-    loss_ax.set_title(run_dir.resolve().name)
-    loss_ax.grid(True, alpha=0.3)
-    loss_ax.legend()
-    if has_lr:
-        steps, values = zip(*series["lr"])
-        axes[1].plot(steps, values, color="tab:green")
-        axes[1].set_ylabel("learning rate")
-        axes[1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-        axes[1].grid(True, alpha=0.3)
+    panels = metric_panels(series)
+    extra = len(panels) - 1 - ("lr" in series)  # recipe panels
+    heights = [2] + [1.25] * extra + ([1] if "lr" in series else [])
+    fig = Figure(figsize=(8, (4 if len(panels) == 1 else 6) + 2.5 * extra),
+                 layout="constrained")  # fmt: skip
+    axes = fig.subplots(len(panels), 1, sharex=True, height_ratios=heights) if len(panels) > 1 \
+        else [fig.subplots()]  # fmt: skip
+    for ax, (title, keys) in zip(axes, panels):
+        for key in keys:
+            steps, values = zip(*series[key])
+            marker = "o" if key.startswith("val_") or len(steps) < 50 else None
+            label = {"loss": "train loss", "val_loss": "validation loss"}.get(key, key)
+            color = "tab:green" if key == "lr" else None
+            ax.plot(steps, values, marker=marker, markersize=3, label=label, color=color)
+        ax.set_ylabel("learning rate" if title == "learning rate" else title)
+        ax.grid(True, alpha=0.3)
+        if title == "learning rate":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        else:
+            ax.legend()
+    axes[0].set_title(run_dir.resolve().name)
     axes[-1].set_xlabel("step")
 
     out = Path(out_png) if out_png is not None else run_dir / "loss.png"
