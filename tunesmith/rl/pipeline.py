@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from collections import defaultdict, deque
 from collections.abc import Mapping
@@ -63,6 +64,22 @@ def require_ray() -> Any:
     return ray
 
 
+def _actor_cause(error: BaseException) -> str:
+    """One line of a Ray actor error: the exception its constructor raised (the last line of
+    Ray's traceback), or the first and last lines of a system failure; no colour codes.
+
+    >>> _actor_cause(RuntimeError("ray::W.__init__()\\n  File ...\\nImportError: no vllm"))
+    'ray::W.__init__() ImportError: no vllm'
+    """
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    if getattr(error, "actor_init_failed", False) or len(lines) == 1:
+        return lines[-1]
+    return f"{lines[0]} {lines[-1]}"
+
+
 def lead_versions(mode: str, max_staleness: int, updates_per_batch: int) -> int:
     """How many policy versions a batch's rollouts may lag the first update that trains on
     them (see the module docs).
@@ -84,6 +101,14 @@ def _worker_env() -> dict[str, str]:
     }
     if os.environ.get(ALLOW_ANY_COMPONENT_ENV):
         env[ALLOW_ANY_COMPONENT_ENV] = os.environ[ALLOW_ANY_COMPONENT_ENV]
+    return env
+
+
+def _runtime_env(resources: Mapping[str, Any]) -> dict[str, Any]:
+    """A role's Ray runtime environment: its ``runtime_env`` from the config (e.g. vLLM's own
+    ``pip`` packages when its torch differs from the trainer's) with :func:`_worker_env`."""
+    env = dict(resources.get("runtime_env") or {})
+    env["env_vars"] = {**_worker_env(), **dict(env.get("env_vars") or {})}
     return env
 
 
@@ -173,13 +198,22 @@ class RolloutPipeline:
         reward = dict(self.config.get("reward_workers") or {})
         self.rollout_workers = [self._actor(RolloutWorker, rollout) for _ in range(self.n_rollout)]
         self.reward_workers = [self._actor(RewardWorker, reward) for _ in range(self.n_reward)]
-        ray.get([w.pid.remote() for w in self.rollout_workers + self.reward_workers])  # built
+        built = [("rollout", w.pid.remote()) for w in self.rollout_workers]
+        built += [("reward", w.pid.remote()) for w in self.reward_workers]
+        for role, ref in built:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as error:  # its constructor failed
+                self.close()
+                raise RuntimeError(
+                    f"a {role} worker could not start: {_actor_cause(error)}"
+                ) from error
 
     def _actor(self, role: type, resources: Mapping[str, Any]) -> Any:
         cpus = float(resources.get("num_cpus", 1))
         actor = self._ray.remote(
             num_cpus=cpus, num_gpus=float(resources.get("num_gpus", 0)),
-            max_restarts=-1, max_task_retries=0, runtime_env={"env_vars": _worker_env()},
+            max_restarts=-1, max_task_retries=0, runtime_env=_runtime_env(resources),
         )(role)  # fmt: skip
         return actor.remote(self.config, threads=max(1, int(cpus)))
 

@@ -87,8 +87,8 @@ ASYNC_RULES: dict[str, Rule] = {  # asynchronous GRPO (grpo_async): the rollout 
     "async_mode": choice("sync", "overlap", "off_policy", null="generate in the trainer"),
     "max_staleness": integer(0), "buffer_size": integer(1, null="enough for the mode"),
     "max_worker_restarts": integer(0),
-    "rollout": mapping("workers, num_cpus, num_gpus, engine (local or vllm), vllm, merge_adapters"),
-    "reward_workers": mapping("workers, num_cpus"),
+    "rollout": mapping("workers, num_cpus, num_gpus, engine (local or vllm), vllm, merge_adapters, runtime_env"),
+    "reward_workers": mapping("workers, num_cpus, runtime_env"),
     "ray": mapping("address (null: a local instance), num_cpus, temp_dir, log_to_driver"),
 }  # fmt: skip
 
