@@ -98,3 +98,18 @@ def test_sft_text_dataset_reads_a_txt_file(tmp_path):
         assert sample["labels"] == ids[1:] + [-100]  # every token trained, shifted
     with pytest.raises(DataError, match="format 'messages' needs column 'messages'.*'text'"):
         SFTDataset(tok, source=str(path), format="messages")
+
+
+def test_the_dataset_cuts_a_txt_file_as_text_sample_by_says(tmp_path):
+    from tests.data.tokenizer_factory import make_tokenizer_folder
+    from tunesmith.data import SFTDataset, Tokenizer
+
+    tok = Tokenizer.from_pretrained(make_tokenizer_folder(tmp_path / "tok"))
+    path = tmp_path / "notes.txt"
+    path.write_text("one line\nsecond line\n\nthird para\n", encoding="utf-8")
+    by_line = SFTDataset(tok, source=path, format="text")
+    by_para = SFTDataset(tok, source=path, format="text", text_sample_by="paragraph")
+    whole = SFTDataset(tok, source=path, format="text", text_sample_by="document")
+    assert len(by_line) == 3 and len(by_para) == 2 and len(whole) == 1
+    expected = tok.encode("one line\nsecond line", add_special_tokens=True) + [tok.eos_id]
+    assert by_para[0]["input_ids"] == expected

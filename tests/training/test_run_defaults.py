@@ -182,3 +182,18 @@ def test_shipped_configs_save_periodically_show_a_bar_on_a_terminal_and_cache_to
         assert re.search(r"(?m)^progress_bar: auto", text), path
         if "tunesmith.data.SFTDataset" in text or "tunesmith.data.PreferenceDataset" in text:
             assert "cache_dir: ${output_dir}/../.tunesmith_cache" in text, path
+
+
+def test_a_val_source_alone_cannot_inherit_from_a_mixture():
+    from omegaconf import OmegaConf
+
+    from tunesmith.config import ConfigError
+    from tunesmith.training.loop import inherit_val_dataset
+
+    cfg = OmegaConf.create({
+        "dataset": {"_component_": "tunesmith.data.DatasetMix", "parts": {"a": {}, "b": {}}},
+        "val_dataset": {"source": "held.jsonl"},
+    })  # fmt: skip
+    with pytest.raises(ConfigError, match=r"val_dataset.*mixture of \['a', 'b'\]: give "
+                                          "val_dataset its own _component_"):  # fmt: skip
+        inherit_val_dataset(cfg)

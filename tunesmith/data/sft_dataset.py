@@ -164,7 +164,7 @@ class SFTDataset(Dataset):
     Args:
         tokenizer: a :class:`~tunesmith.data.tokenizer.Tokenizer` (a runtime argument
             when built from YAML).
-        source: local ``.jsonl``/``.json``/``.parquet``/``.csv``/``.tsv`` file, local
+        source: local ``.jsonl``/``.json``/``.parquet``/``.csv``/``.tsv``/``.txt`` file, local
             folder, or ``datasets.load_dataset`` name.
         format: ``"messages"``, ``"sharegpt"``, ``"alpaca"``, ``"prompt_completion"`` or
             ``"text"`` (fields in ``formats.py``).
@@ -183,6 +183,8 @@ class SFTDataset(Dataset):
             the tokenizer has one, else ``"alpaca"`` for alpaca rows.
         template_kwargs: extra chat template variables (e.g. ``{"enable_thinking": False}``).
         cache_dir: folder of the tokenised-rows cache (see the module docs); None: no cache.
+        text_sample_by: how a ``.txt`` file is cut into samples: ``"line"`` (the default),
+            ``"paragraph"`` (blank-line separated) or ``"document"`` (the whole file).
 
     Attributes:
         samples: the ``{"input_ids", "labels"}`` dicts, in source order.
@@ -216,6 +218,7 @@ class SFTDataset(Dataset):
         template_kwargs: Mapping[str, Any] | None = None,
         prompt_style: str | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        text_sample_by: str = "line",
     ) -> None:
         if train_on not in TRAIN_ON:
             raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
@@ -264,7 +267,7 @@ class SFTDataset(Dataset):
             )  # fmt: skip
 
         def build() -> CachedRows:
-            rows = load_rows(source, split=split, data_files=data_files)
+            rows = load_rows(source, split=split, data_files=data_files, sample_by=text_sample_by)
             check_columns(format, columns, rows.columns, rows.name)
             built = CachedRows([], [], DataReport(source=rows.name))
             report = built.report
@@ -285,6 +288,7 @@ class SFTDataset(Dataset):
             "max_seq_len": max_seq_len, "truncation": truncation, "on_bad_row": on_bad_row,
             "use_chat_template": use_chat_template, "system_prompt": system_prompt,
             "template_kwargs": template_kwargs, "prompt_style": prompt_style,
+            "text_sample_by": text_sample_by,
         }  # fmt: skip
         built, self.cache_note = tokenize_with_cache(cache_dir, source, tokenizer, settings,
                                                      build)  # fmt: skip

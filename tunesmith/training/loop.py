@@ -47,7 +47,7 @@ from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 from tqdm import tqdm
 
-from tunesmith.config import ConfigError, check_keys, instantiate
+from tunesmith.config import ConfigError, ConfigIssue, check_keys, instantiate
 from tunesmith.data import split_train_val
 from tunesmith.modules.dtypes import AUTOCAST
 from tunesmith.training.distributed import (
@@ -193,6 +193,12 @@ def inherit_val_dataset(cfg: DictConfig) -> None:
     """
     val, dataset = cfg.get("val_dataset"), cfg.get("dataset")
     if isinstance(val, DictConfig) and "_component_" not in val and isinstance(dataset, DictConfig):
+        if "parts" in dataset:  # a mixture has no single set of settings to inherit
+            raise ConfigError.from_issues([ConfigIssue(
+                "val_dataset", f"gives only {sorted(val)}, but dataset is a mixture of "
+                f"{sorted(dataset.parts)}: give val_dataset its own _component_ (e.g. "
+                "tunesmith.data.SFTDataset) and settings",
+            )])  # fmt: skip
         cfg.val_dataset = OmegaConf.merge(dataset, val)
 
 
