@@ -1,6 +1,6 @@
 """Reinforcement learning from rewards: prompt sources, rewards, advantages, rollouts.
 
-The pieces the ``grpo`` and ``ppo`` recipes compose; each is a small module with one job:
+The pieces the ``grpo``, ``grpo_async`` and ``ppo`` recipes compose; each is a small module with one job:
 
 * :mod:`tunesmith.rl.prompts`: prompt datasets (JSONL/Parquet/Hub with an answer column,
   reasoning-gym tasks) and a resumable, data-parallel prompt stream;
@@ -11,6 +11,11 @@ The pieces the ``grpo`` and ``ppo`` recipes compose; each is a small module with
 * :mod:`tunesmith.rl.objective`: the policy-gradient objective (PPO-clip / GSPO + KL);
 * :mod:`tunesmith.rl.critic` and :mod:`tunesmith.rl.ppo`: PPO's value model, GAE stage and
   two-model trainer;
+* :mod:`tunesmith.rl.groups`: a prompt's group of completions, sampled and scored;
+* asynchronous GRPO: :mod:`tunesmith.rl.workers` (rollout and reward workers),
+  :mod:`tunesmith.rl.replay` (the replay buffer with policy versions),
+  :mod:`tunesmith.rl.pipeline` (Ray, the modes, faults) and :mod:`tunesmith.rl.async_source`
+  (the trainer's batch source and weight sync);
 * :mod:`tunesmith.rl.evaluate`: held-out rewards of greedy answers;
 * :mod:`tunesmith.rl.setup`: the config keys and set-up the RL recipes share.
 

@@ -325,6 +325,12 @@ class RolloutPipeline:
             except ray.exceptions.RayActorError as error:  # a worker died: sample it again
                 self._worker_died(chunk, error)
                 continue
+            except ray.exceptions.RayTaskError as error:  # a bug, not a death: one clear line
+                cause = error.cause if error.cause is not None else error
+                raise RuntimeError(
+                    f"rollout pipeline: a worker failed on batch {chunk.batch} (prompts "
+                    f"{[p.index for p in chunk.prompts]}): {type(cause).__name__}: {cause}"
+                ) from error
             for group in groups:
                 self.buffer.put(group)
             for key, count in failures.items():
