@@ -56,7 +56,8 @@ def test_cp_copies_a_config_and_refuses_to_overwrite(tmp_path):
     config = catalog.config_names(recipe)[0]
     dest = tmp_path / "mine.yaml"
     assert tunesmith("cp", f"{recipe}/{config}", str(dest)).returncode == 0
-    assert dest.read_text() == (catalog.CONFIGS_DIR / recipe / f"{config}.yaml").read_text()
+    source = (catalog.CONFIGS_DIR / recipe / f"{config}.yaml").read_text()
+    assert dest.read_text() == catalog.recipe_header(recipe) + "\n" + source  # recipe named first
     again = tunesmith("cp", f"{recipe}/{config}", str(dest))
     assert again.returncode == 1 and "--force" in again.stderr
     assert tunesmith("cp", recipe, str(tmp_path)).returncode == 0

@@ -271,6 +271,6 @@ def test_bad_tensors_are_named(llama_dir, tmp_path):
 
 def test_export_needs_a_base(llama_dir, tmp_path):
     folder = _write_adapter(tmp_path, llama_dir)  # base_model_name_or_path: null
-    with pytest.raises(CheckpointError, match="pass base_dir="):
+    with pytest.raises(CheckpointError, match="--base-dir DIR`, or base_dir=DIR"):
         export_merged(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tunesmith.cli import catalog
+from tunesmith.cli import catalog, data_cmd
 
 ALLOW_ANY_ENV = "TUNESMITH_ALLOW_ANY_COMPONENT"
 
@@ -47,7 +47,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
-    """Copy a built-in recipe or config to a file you can edit."""
+    """Copy a built-in recipe or config to a file you can edit (a config's first line then
+    names its recipe, for `validate` and `run`)."""
     try:
         source = catalog.recipe_path(args.source)
     except catalog.CatalogError:
@@ -58,7 +59,11 @@ def cmd_cp(args: argparse.Namespace) -> int:
     if dest.exists() and not args.force:
         raise CLIError(f"{dest} already exists (use --force to overwrite)")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, dest)
+    recipe = catalog.recipe_of_config(source) if source.suffix == ".yaml" else None
+    if recipe is None:
+        shutil.copyfile(source, dest)
+    else:
+        dest.write_text(catalog.recipe_header(recipe) + "\n" + source.read_text(encoding="utf-8"))
     print(f"copied {source.name} to {dest}")
     return 0
 
@@ -70,23 +75,40 @@ def _load(args: argparse.Namespace, recipe: str | None = None):
 
 
 def cmd_cat(args: argparse.Namespace) -> int:
-    """Print a config with the overrides applied and interpolations resolved."""
-    from tunesmith.config import config_to_yaml
+    """Print a config with the overrides applied and interpolations resolved (those that
+    cannot be yet, such as ${model_dir} while model_dir is ???, shown as written)."""
+    from omegaconf import OmegaConf
 
-    print(config_to_yaml(_load(args)), end="")
+    from tunesmith.config import display_config
+
+    print(OmegaConf.to_yaml(OmegaConf.create(display_config(_load(args)))), end="")
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """Check a config against the real signatures of its components."""
+    """Check a config against the real signatures of its components and its recipe's keys
+    (the recipe: --recipe, a built-in config's, a `# recipe: NAME` first line, or inferred)."""
     config_file = catalog.config_path(args.config)
-    recipe = args.recipe or catalog.recipe_of_config(config_file)
+    recipe, how = args.recipe, ""
+    if recipe is None:
+        recipe = catalog.recipe_of_config(config_file)
+        if recipe is not None and recipe not in catalog.recipe_names():
+            raise CLIError(f"{config_file}: its `# recipe: {recipe}` line names no built-in "
+                           f"recipe ({', '.join(catalog.recipe_names())}); fix it or give "
+                           "--recipe NAME or a .py file")  # fmt: skip
     from tunesmith.config import load_config
-    from tunesmith.recipes import check_config
+    from tunesmith.recipes import check_config, check_local_folders, infer_recipe
 
     cfg = load_config(config_file, args.overrides)
-    check_config(cfg, catalog.recipe_path(recipe) if recipe else None)
-    print(f"{config_file.name}: OK")
+    if recipe is None:
+        recipe = infer_recipe(cfg)
+        if recipe is not None:
+            how = f" (recipe {recipe}, inferred from its keys; --recipe NAME to choose)"
+    recipe_file = catalog.recipe_path(recipe) if recipe else None
+    check_config(cfg, recipe_file)
+    if recipe_file is not None and recipe_file.parent == catalog.RECIPES_DIR:
+        check_local_folders(cfg)
+    print(f"{config_file.name}: OK{how}")
     return 0
 
 
@@ -108,6 +130,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     # every problem reported before anything is written
     recipe_file, config_file, cfg = prepare_run(args.recipe, args.config, args.overrides)
+    from tunesmith.training.distributed import ParallelDims
+
+    # a parallel layout that does not fit the world: one line now, not one per rank later
+    ParallelDims.resolve(cfg.get("parallelism"), args.nproc_per_node * args.nnodes)
     return _run_torchrun(args, cfg, recipe_file, config_file)
 
 
@@ -217,12 +243,24 @@ def _torchrun_args(args: argparse.Namespace) -> list[str]:
     return out if args.node_rank is None else [*out, "--node-rank", str(args.node_rank)]
 
 
+def download_dir(repo_id: str) -> Path:
+    """Where ``tunesmith download REPO_ID`` writes without ``--output-dir``: the folder the
+    shipped configs' ``model_dir`` names.
+
+    Example::
+
+        >>> download_dir("Qwen/Qwen3-0.6B")
+        PosixPath('models/Qwen3-0.6B')
+    """
+    return Path("models") / repo_id.split("/")[-1]
+
+
 def cmd_download(args: argparse.Namespace) -> int:
     """Download a model repository from the Hugging Face Hub into a local folder."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    dest = Path(args.output_dir or Path("models") / args.repo_id.split("/")[-1])
+    dest = Path(args.output_dir or download_dir(args.repo_id))
     try:
         path = snapshot_download(
             args.repo_id,
@@ -242,57 +280,89 @@ def cmd_download(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    """Generate a reply from a HF checkpoint folder for a prompt or a chat."""
-    import json
-
+def _load_checkpoint(args: argparse.Namespace):
+    """The model and tokenizer of ``args.checkpoint`` (a model, adapter or run folder)."""
     import torch
 
-    from tunesmith.data import Tokenizer
-    from tunesmith.generation import generate
-    from tunesmith.models import from_hf
+    from tunesmith.cli.checkpoint_loading import load_checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = Tokenizer.from_pretrained(args.checkpoint, chat_template=args.chat_template)
-    model = from_hf(args.checkpoint, dtype=args.dtype, device=device).eval()
-    if args.chat is not None:
-        messages = json.loads(Path(args.chat).read_text())
-    elif args.prompt is not None and not args.raw:
-        messages = [{"role": "user", "content": args.prompt}]
-    else:
-        messages = None
-    if messages is not None:
-        if args.system:
-            messages = [{"role": "system", "content": args.system}, *messages]
-        prompt_ids, _ = tokenizer.tokenize_conversation(messages, add_generation_prompt=True)
+    return load_checkpoint(args.checkpoint, base_dir=args.base_dir, dtype=args.dtype,
+                           device=device, chat_template=args.chat_template)  # fmt: skip
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate replies from a checkpoint (model, LoRA adapter or run folder): one prompt or
+    chat, or a JSONL file of them (--input, --output)."""
+    from tunesmith.cli.generate_batch import generate_rows, read_prompt_rows, write_rows
+
+    if args.input is not None:
+        if args.output is None:
+            raise CLIError("--input needs --output FILE.jsonl")
+        rows = read_prompt_rows(args.input)
+    elif args.chat is not None:
+        rows = [{"messages": json.loads(Path(args.chat).read_text())}]
     elif args.prompt is not None:
-        prompt_ids = tokenizer.encode(args.prompt)
+        rows = [{"prompt": args.prompt}]
     else:
-        raise CLIError("give --prompt TEXT or --chat FILE.json (a list of messages)")
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
-    out = generate(
-        model,
-        [prompt_ids],
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        stop_token_ids=tokenizer.stop_token_ids,
-        pad_id=tokenizer.pad_id or 0,
-    )
-    tokens = out.sequences[0]
-    if tokens and tokens[-1] in tokenizer.stop_token_ids:
-        tokens = tokens[:-1]
-    print(tokenizer.decode(tokens, skip_special_tokens=True))
+        raise CLIError("give --prompt TEXT, --chat FILE.json (a list of messages) or --input "
+                       "FILE.jsonl --output FILE.jsonl")  # fmt: skip
+    loaded = _load_checkpoint(args)
+    out = generate_rows(
+        loaded.model, loaded.tokenizer, rows, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        batch_size=args.batch_size, chat_template=False if args.raw else None,
+        system=args.system,
+    )  # fmt: skip
+    if args.input is None:
+        print(out[0]["completion"])
+    else:
+        print(f"wrote {len(out)} completions to {write_rows(args.output, out)}")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Chat with a checkpoint in the terminal (multi-turn, chat template); /reset, /exit."""
+    from tunesmith.cli.chat import ChatSession, chat_loop
+
+    loaded = _load_checkpoint(args)
+    session = ChatSession(
+        loaded.model, loaded.tokenizer, system=args.system, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+    )  # fmt: skip
+    if sys.stdin.isatty():
+        print(f"chatting with {loaded.path} ({loaded.kind}); /reset starts over, /exit ends")
+    chat_loop(session, sys.stdin, sys.stdout)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a checkpoint (model, LoRA adapter or run folder) on lm-evaluation-harness
+    tasks; prints lm-eval's table."""
+    from tunesmith.cli.lm_eval_adapter import run_lm_eval
+
+    loaded = _load_checkpoint(args)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    run_lm_eval(
+        loaded, tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size, limit=args.limit,
+        apply_chat_template=args.apply_chat_template, output_path=args.output_path,
+        max_length=args.max_length, seed=args.seed,
+    )  # fmt: skip
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Merge a LoRA/DoRA adapter into its base and write a plain HF checkpoint."""
+    from tunesmith.cli.checkpoint_loading import adapter_base, resolve_checkpoint
     from tunesmith.models.export import export_merged
+    from tunesmith.models.peft_io import ADAPTER_CONFIG_NAME
 
-    out = export_merged(args.path, args.output_dir, base_dir=args.base_dir, dtype=args.dtype)
+    path = resolve_checkpoint(args.path)  # a run folder: its newest checkpoint
+    base = args.base_dir
+    if base is None and (path / ADAPTER_CONFIG_NAME).is_file():
+        base = adapter_base(path)  # found from any working directory
+    out = export_merged(path, args.output_dir, base_dir=base, dtype=args.dtype)
     print(f"exported {args.path} to {out}")
     return 0
 
@@ -307,9 +377,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Fine-tune a tiny model on a generated task; print held-out accuracy before and after.
-    `demo` (or `demo sft`): SFT; `demo rl`: SFT on few demonstrations, then GRPO."""
+    `demo` (or `demo sft`): SFT; `demo rl`: SFT on few demonstrations, then GRPO
+    (`demo rl --async`: asynchronous GRPO, rollouts sampled by Ray workers while it trains)."""
     overrides = list(args.overrides)
     kind = overrides.pop(0) if overrides and overrides[0] in ("sft", "rl") else "sft"
+    if args.asynchronous and kind != "rl":
+        raise CLIError("--async is an option of `tunesmith demo rl` (asynchronous GRPO)")
     if kind == "rl":
         from tunesmith.demo.rl import RLDemoSettings, run_rl_demo
 
@@ -318,6 +391,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             settings=RLDemoSettings(seed=args.seed),
             overrides=overrides,
             threads=args.threads,
+            asynchronous=args.asynchronous,
         )
         return 0
     from tunesmith.demo.assets import AssetSettings
@@ -337,6 +411,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="overrides: a.b=value, ~a.b (delete), a=pkg.Cls")
+
+
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="HF model folder, LoRA adapter folder (a LoRA run's "
+                   "step_N), or run folder (its newest checkpoint)")  # fmt: skip
+    p.add_argument("--base-dir", help="base model of an adapter (default: its config's)")
+    p.add_argument("--chat-template", help="template name (llama3, qwen2_5, qwen3) or .jinja file")
+    p.add_argument("--dtype", help="float32, bfloat16, ... (default: the checkpoint's)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int, help="seed of sampling (temperature > 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -394,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "outputs/demo_rl for `demo rl`)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the task data, model and run")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny: 1 is fastest)")
+    p.add_argument("--async", dest="asynchronous", action="store_true",
+                   help="demo rl: GRPO through grpo_async (overlap mode: a Ray rollout worker "
+                   "samples while the trainer trains)")  # fmt: skip
     _add_config_args(p)
 
     p = add("download", cmd_download)
@@ -404,19 +498,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="Hub token (default: HF_TOKEN or the cached login)")
 
     p = add("generate", cmd_generate)
-    p.add_argument("checkpoint", help="HF folder: weights, config.json and tokenizer files")
+    _add_checkpoint_args(p)
     p.add_argument("--prompt", help="user message (or raw text with --raw)")
     p.add_argument("--chat", help="JSON file with a list of {role, content} messages")
+    p.add_argument("--input", help="JSONL of prompts: a string, or {prompt: ...} or "
+                   "{messages: [...]} (other keys are copied to the output)")  # fmt: skip
+    p.add_argument("--output", help="JSONL to write: each input row plus its completion")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     p.add_argument("--system", help="system prompt to put first")
-    p.add_argument("--raw", action="store_true", help="encode --prompt as is, no chat template")
-    p.add_argument("--chat-template", help="template name (llama3, qwen2_5, qwen3) or .jinja file")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--dtype", help="float32, bfloat16, ... (default: the checkpoint's)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--raw", action="store_true",
+                   help="encode prompt strings as is, no chat template")  # fmt: skip
+    _add_sampling_args(p, max_new_tokens=128)
+
+    p = add("chat", cmd_chat)
+    _add_checkpoint_args(p)
+    p.add_argument("--system", help="system prompt to put first")
+    _add_sampling_args(p, max_new_tokens=256)
+
+    p = add("eval", cmd_eval)
+    _add_checkpoint_args(p)
+    p.add_argument("--tasks", required=True, help="lm-eval task names, comma separated")
+    p.add_argument("--include-path", help="folder of your own lm-eval task YAML files")
+    p.add_argument("--num-fewshot", type=int, help="few-shot examples (default: the task's)")
+    p.add_argument("--batch-size", type=int, default=8, help="requests per forward")
+    p.add_argument("--limit", type=float,
+                   help="first N examples per task (a fraction when < 1); for quick checks")  # fmt: skip
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="render prompts with the chat template (few-shot as multi-turn)")  # fmt: skip
+    p.add_argument("--output-path", help="JSON file for the results (and per-sample outputs)")
+    p.add_argument("--max-length", type=int,
+                   help="context length (default: the model's max_position_embeddings)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of few-shot sampling and sampling")
 
     p = add("export", cmd_export)
     p.add_argument("path", help="adapter folder (or checkpoint step dir), or a HF model folder")
@@ -427,6 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("plot", cmd_plot)
     p.add_argument("run_dir", help="run directory holding metrics.jsonl")
     p.add_argument("--output", help="PNG path (default: RUN_DIR/loss.png)")
+
+    data_cmd.add_parser(sub)  # tunesmith data preview
     return parser
 
 

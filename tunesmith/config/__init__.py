@@ -24,7 +24,7 @@ from tunesmith.config.errors import ConfigError, ConfigIssue
 from tunesmith.config.instantiate import instantiate
 from tunesmith.config.loading import config_to_yaml, load_config
 from tunesmith.config.overrides import apply_overrides, parse_override
-from tunesmith.config.render import plain_config
+from tunesmith.config.render import display_config, plain_config
 from tunesmith.config.validate import check_keys, validate_config
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "check_keys",
     "component_refusal",
     "config_to_yaml",
+    "display_config",
     "instantiate",
     "is_component_allowed",
     "load_config",

@@ -9,6 +9,10 @@ TensorBoard and W&B, the config stored in each checkpoint) is this rendering, so
 passed through the environment is used but never persisted. The running code still reads the
 real values from the config itself.
 
+:func:`display_config` is the rendering ``tunesmith cat`` prints: the same, except that an
+interpolation that cannot be resolved yet (``${model_dir}`` while ``model_dir`` is still
+``???``) is shown as written instead of failing.
+
 Example::
 
     >>> cfg = OmegaConf.create({"out": "runs/a", "logs": "${out}/logs",
@@ -26,8 +30,9 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.basecontainer import BaseContainer
+from omegaconf.errors import OmegaConfBaseException
 
-__all__ = ["ENV_RESOLVERS", "plain_config"]
+__all__ = ["ENV_RESOLVERS", "display_config", "plain_config"]
 
 # Resolvers that read the environment: rendered as their own text, never as the value.
 ENV_RESOLVERS = ("oc.env",)
@@ -49,6 +54,37 @@ def plain_config(cfg: DictConfig | ListConfig) -> Any:
     """
     with _environment_as_text():
         return OmegaConf.to_container(cfg, resolve=True)
+
+
+def display_config(cfg: DictConfig | ListConfig) -> Any:
+    """``cfg`` as plain dicts and lists for showing: interpolations resolved where they can be,
+    the others (a reference to a ``???`` value, a missing key, a cycle) kept as written;
+    environment reads kept as written, as in :func:`plain_config`; ``???`` stays ``"???"``.
+
+    Example::
+
+        >>> display_config(OmegaConf.create({"model_dir": "???", "path": "${model_dir}",
+        ...                                  "out": "runs", "logs": "${out}/logs"}))
+        {'model_dir': '???', 'path': '${model_dir}', 'out': 'runs', 'logs': 'runs/logs'}
+    """
+    with _environment_as_text():
+        return _shown(cfg)
+
+
+def _shown(node: DictConfig | ListConfig) -> Any:
+    keys = list(node.keys()) if isinstance(node, DictConfig) else range(len(node))
+    out = [_shown_child(node, key) for key in keys]
+    return dict(zip(keys, out)) if isinstance(node, DictConfig) else out
+
+
+def _shown_child(node: DictConfig | ListConfig, key: Any) -> Any:
+    if OmegaConf.is_missing(node, key):
+        return "???"
+    try:
+        value = node[key]
+    except (OmegaConfBaseException, RecursionError):
+        return node._get_node(key)._value()  # the interpolation's own text
+    return _shown(value) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
 @contextmanager

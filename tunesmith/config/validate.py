@@ -6,7 +6,8 @@ a parameter of the callable (suggesting the closest parameter) unless it takes `
 that required parameters are present, and that values fit plain ``int``/``float``/``bool``/
 ``str`` annotations (and ``Optional``/unions of those; ``Tensor`` members are ignored since a
 YAML value never is one). Everywhere it reports interpolations that do not resolve (missing
-target, circular reference) and missing ``???`` values, and (unless any component is allowed)
+target, circular reference) and missing ``???`` values (once: not again at every
+interpolation that refers to one), and (unless any component is allowed)
 ``trust_remote_code: true`` / ``weights_only: false``, which ``instantiate`` refuses too. A
 component path is resolved by :func:`resolve_component`, the very check ``instantiate`` makes,
 so ``tunesmith validate`` refuses exactly what ``tunesmith run`` would.
@@ -35,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationToMissingValueError
 
 from tunesmith.config.components import (
     ALLOW_ANY_COMPONENT_ENV,
@@ -139,7 +141,9 @@ class _Walker:
         try:
             value = read_child(parent, key, child_path)
         except ConfigError as exc:
-            self.add(child_path, exc.message)
+            # `${model_dir}` while model_dir is `???`: the `???` is reported where it is
+            if not isinstance(exc.__cause__, InterpolationToMissingValueError):
+                self.add(child_path, exc.message)
             return False, None
         reason = unsafe_argument(key, value)
         if reason is not None and not any_component_allowed(self.allow_any):

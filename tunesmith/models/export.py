@@ -94,8 +94,8 @@ def export_merged(
     base = base_dir if base_dir is not None else config.get("base_model_name_or_path")
     if base is None or not (Path(base) / CONFIG_NAME).is_file():
         raise CheckpointFileNotFoundError(
-            f"{src / ADAPTER_CONFIG_NAME}: base model {base!r} is not a local HF folder; "
-            f"pass base_dir="
+            f"{src / ADAPTER_CONFIG_NAME}: base model {base!r} is not a local HF folder; give "
+            "the base model's folder (`tunesmith export ... --base-dir DIR`, or base_dir=DIR)"
         )
     model = from_hf(base, dtype=_merge_dtype(base, out_dtype))
     load_peft_adapter(model, src)

@@ -15,8 +15,10 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,10 +30,13 @@ __all__ = [
     "RECIPES_DIR",
     "CatalogError",
     "check_config",
+    "check_local_folders",
     "config_names",
     "config_path",
+    "infer_recipe",
     "load_recipe_module",
     "prepare_run",
+    "recipe_header",
     "recipe_names",
     "recipe_of_config",
     "recipe_path",
@@ -41,6 +46,10 @@ __all__ = [
 
 RECIPES_DIR = Path(__file__).resolve().parent
 CONFIGS_DIR = RECIPES_DIR / "configs"
+# The first line `tunesmith cp` writes into a copied config: the recipe the config is for.
+_HEADER = re.compile(r"#\s*recipe:\s*([A-Za-z_][\w.-]*)")
+# What a Hugging Face Hub repository id looks like: owner/name, nothing else.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 class CatalogError(LookupError):
@@ -67,12 +76,18 @@ def recipe_path(name_or_path: str) -> Path:
         if not path.is_file():
             raise CatalogError(f"recipe file not found: {path}")
         return path.resolve()
-    if name_or_path in recipe_names():
+    names = recipe_names()
+    if name_or_path in names:
         return RECIPES_DIR / f"{name_or_path}.py"
     raise CatalogError(
-        f"unknown recipe {name_or_path!r}; built-in recipes: {', '.join(recipe_names()) or 'none'}"
-        " (or give a path to a .py file)"
+        f"unknown recipe {name_or_path!r}{_did_you_mean(name_or_path, names)}; built-in recipes: "
+        f"{', '.join(names) or 'none'} (or give a path to a .py file)"
     )
+
+
+def _did_you_mean(name: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def config_path(name_or_path: str, recipe: str | None = None) -> Path:
@@ -96,17 +111,75 @@ def config_path(name_or_path: str, recipe: str | None = None) -> Path:
     if path.suffix in (".yaml", ".yml"):
         raise CatalogError(f"config file not found: {path}")
     where = f" of recipe {recipe!r}" if recipe else ""
+    known = config_names(recipe) if recipe is not None else []
+    known += [f"{r}/{c}" for r in recipe_names() for c in config_names(r)]
     raise CatalogError(
-        f"unknown config {name_or_path!r}{where}; see `tunesmith ls` (or give a path to a .yaml file)"
+        f"unknown config {name_or_path!r}{where}{_did_you_mean(name_or_path, known)}; see "
+        "`tunesmith ls` (or give a path to a .yaml file)"
     )
 
 
+def recipe_header(recipe: str) -> str:
+    """The line ``tunesmith cp`` puts first in a copied config: it names the config's recipe,
+    so ``tunesmith validate my.yaml`` knows which arguments the recipe passes at run time and
+    ``tunesmith run`` refuses the config under another recipe. Write it by hand in a config of
+    your own to get the same.
+
+    Example::
+
+        >>> recipe_header("sft")
+        '# recipe: sft  (read by tunesmith validate and run; written by tunesmith cp)'
+    """
+    return f"# recipe: {recipe}  (read by tunesmith validate and run; written by tunesmith cp)"
+
+
 def recipe_of_config(config_file: Path) -> str | None:
-    """The built-in recipe a built-in config file belongs to, or None for a user's file."""
+    """The recipe a config file is for: the folder of a built-in config, or the ``# recipe:
+    NAME`` line among the leading comment lines of a user's file (:func:`recipe_header`);
+    None when neither says.
+
+    Example::
+
+        >>> recipe_of_config(config_path("dpo/tiny"))
+        'dpo'
+    """
     try:
         return config_file.resolve().relative_to(CONFIGS_DIR).parts[0]
     except ValueError:
+        pass
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                if not line.lstrip().startswith("#"):
+                    break  # only the comment block the file starts with is read
+                match = _HEADER.match(line.strip())
+                if match:
+                    return match.group(1)
+    except (OSError, UnicodeDecodeError):
         return None
+    return None
+
+
+def infer_recipe(cfg: Any) -> str | None:
+    """The built-in recipe whose top-level keys (``KEYS``) accept every key of ``cfg``, the
+    most specific one (fewest keys) when several do; None when none does.
+
+    Example::
+
+        >>> infer_recipe(load_config("my_sft.yaml"))  # doctest: +SKIP
+        'sft'
+    """
+    fits: list[tuple[int, str]] = []
+    for name in recipe_names():
+        try:
+            keys = getattr(load_recipe_module(RECIPES_DIR / f"{name}.py"), "KEYS", None)
+        except ImportError:  # a recipe whose optional dependencies are not installed
+            continue
+        if keys is not None and all(key in keys for key in cfg):
+            fits.append((len(keys), name))
+    return min(fits)[1] if fits else None
 
 
 # ----------------------------------------------------------------------------- running
@@ -173,9 +246,51 @@ def prepare_run(
     recipe_file = recipe_path(str(recipe))
     builtin = recipe_file.stem if recipe_file.parent == RECIPES_DIR else None
     config_file = config_path(str(config), builtin)
+    owner = recipe_of_config(config_file)
+    if builtin is not None and owner is not None and owner != builtin:
+        raise CatalogError(
+            f"config {config!r} is for recipe {owner!r}, not {builtin!r}: run `tunesmith run "
+            f"{owner} --config {config}`, or give one of {builtin}'s configs: "
+            f"{', '.join(config_names(builtin)) or 'none'}"
+        )
     cfg = load_config(config_file, list(overrides))
     check_config(cfg, recipe_file)
+    if builtin is not None:  # a recipe of your own may give its `*_dir` keys other meanings
+        check_local_folders(cfg)
     return recipe_file, config_file, cfg
+
+
+def check_local_folders(cfg: Any) -> None:
+    """Refuse a top-level ``*_dir`` value of a built-in recipe's config (``model_dir``,
+    ``teacher_dir``, ...; not ``output_dir``) that names no local folder but looks like a
+    Hugging Face Hub id (``Qwen/Qwen3-0.6B``: ``owner/name`` where no folder ``owner`` exists
+    here, nor is it ``models``), saying how to download it: models are read from local
+    folders only.
+
+    Example::
+
+        >>> check_local_folders(OmegaConf.create({"model_dir": "Qwen/Qwen3-0.6B"}))  # doctest: +SKIP
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: model_dir 'Qwen/Qwen3-0.6B' is not a local folder; ...
+    """
+    for key in cfg:
+        if not str(key).endswith("_dir") or key == "output_dir":
+            continue
+        try:
+            value = cfg[key]
+        except Exception:  # missing or broken: check_config has reported it
+            continue
+        if not isinstance(value, str) or not _HUB_ID.fullmatch(value) or Path(value).exists():
+            continue
+        owner, name = value.split("/")
+        if owner == "models" or Path(owner).exists():
+            continue  # a local path whose folder is not there yet, not a Hub id
+        raise FileNotFoundError(
+            f"{key} {value!r} is not a local folder; models are read from local folders: if it "
+            f"is a Hub id, download it first with `tunesmith download {value}` (it writes "
+            f"models/{name}), then give {key}=models/{name}"
+        )
 
 
 def run(
