@@ -33,7 +33,7 @@ CI_SIGKILL_SEEDS = (0, 1, 2, 3)  # one of each phase, and one more in training
 GROUPS = ("fault", "bad_input", "safety", "determinism")
 
 
-_RESUMES = "resume (a new process, `resume=true`) ends bitwise equal to the uninterrupted run"
+_RESUMES = "resume (a new process, `resume=auto`) ends bitwise equal to the uninterrupted run"
 
 FAULTS = [
     *(
@@ -132,6 +132,35 @@ FAULTS = [
         "rank, no traceback or torchrun output on the console, and the path of the log that "
         "holds them",
         ci=False,
+    ),
+    Case(
+        "async-trainer-rank-killed",
+        "fault",
+        "async_rl",
+        "`grpo_async` on 2 trainer ranks (gloo) with Ray workers, `save_every_n_steps=2`: rank 1 "
+        "SIGKILLed at its first forward pass after the step-2 checkpoint",
+        "rank 0 exits 1 within 60 s with one line naming the failed collective; the Ray workers "
+        "and the run's raylet/gcs_server are gone; the step-2 checkpoint verifies and a resumed "
+        "run (2 ranks) goes on from batch 2 with the prompt stream's next prompts",
+        ci=False,
+    ),
+    Case(
+        "async-reward-worker-killed",
+        "fault",
+        "async_rl",
+        "`grpo_async` in `overlap` mode: the reward worker SIGKILLed while it scores batch 1",
+        "Ray restarts it and the prompts are sampled again: every update made, every prompt of "
+        "the stream trained on once, batches in order, staleness <= 1; worker_restarts >= 1",
+        ci=False,
+    ),
+    Case(
+        "async-worker-cannot-start",
+        "fault",
+        "async_rl",
+        "`grpo_async` with `rollout.engine=vllm` where vLLM is not installed: the rollout "
+        "worker's constructor raises",
+        "exit 1 with one line 'a rollout worker could not start: ImportError: ...', no "
+        "traceback; none of the run's Ray processes left",
     ),
 ]
 

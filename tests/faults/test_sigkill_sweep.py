@@ -56,7 +56,7 @@ def test_sigkill_at_a_random_point_loses_nothing(case, sweep, tmp_path, outcome)
         reference = sweep.every_checkpoint / "checkpoints" / latest.name
         assert_same_weights(_state(latest), _state(reference), latest.name)
 
-    resumed = run_child(sweep.argv(out, "resume=true"), tmp_path / "resumed.log")
+    resumed = run_child(sweep.argv(out, "resume=auto"), tmp_path / "resumed.log")
     assert resumed.exitcode == 0, resumed.output[-3000:]
     assert_same_run(out, sweep.reference)
     assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []  # dead writers' dirs

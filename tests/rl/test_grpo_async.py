@@ -239,3 +239,23 @@ def test_lora_workers_with_a_merged_copy_sample_what_the_adapters_would(world):
         assert ours[step]["completion_length"] == theirs[step]["completion_length"]
         assert ours[step]["logprob_mismatch_max"] < 1e-5
     assert_same_weights(final_weights(merged), final_weights(adapters), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_resume_on_one(world, tmp_path):
+    """A checkpoint of 2 trainer ranks resumes in one process (rank 0 held the pipeline) and
+    ends where a 1-process run ends."""
+    root, model_dir, prompts = world
+    single = run(world, "grpo_async", "tiny", "single-for-resume", "async_mode=overlap")
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    out = root / "two-then-one"
+    try:
+        with _any_component_allowed():
+            launch_ranks([*grpo_overrides(model_dir, prompts, out, *FAST), "async_mode=overlap",
+                          f"ray.temp_dir={temp}", "stop_after_steps=2"], tmp_path,
+                         recipe="grpo_async", timeout=300)  # fmt: skip
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    run(world, "grpo_async", "tiny", "two-then-one", "async_mode=overlap", "resume=true")
+    assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in rollouts(single)]
+    assert_same_weights(final_weights(out), final_weights(single), 1e-5)

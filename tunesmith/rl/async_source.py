@@ -157,8 +157,23 @@ class AsyncRolloutSource(RolloutSource):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict() | {"version": self.version}
+        if not self._updates_left:  # the last batch is done with: nothing of it to resume
+            state["batch"] = None
         if self.pipeline is not None:
             state["pipeline"] = self.pipeline.state_dict()
+        return state
+
+    def reshard_state_dict(self, state: dict[str, Any], saved_dp_size: int) -> dict[str, Any]:
+        """A state saved with ``saved_dp_size`` data-parallel ranks, as this rank's: rank 0's
+        pipeline holds the whole prompt stream and buffer and the others nothing of their
+        own, so any size resumes it, except in the middle of a batch's ``updates_per_batch``
+        updates (each rank holds its share of that batch's rows)."""
+        if int(state.get("updates_left", 0)) and saved_dp_size != self.ctx.dp_size:
+            raise ValueError(
+                f"the checkpoint is inside a batch's updates ({state['updates_left']} left), "
+                f"whose rows are split over {saved_dp_size} data-parallel ranks: resume with "
+                f"{saved_dp_size}, or from a checkpoint at a batch boundary"
+            )
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -119,6 +119,7 @@ class _Chunk:
     batch: int
     prompts: list[Prompt]
     worker: int = -1
+    scorer: int = -1
     sent_s: float = 0.0
 
 
@@ -165,6 +166,8 @@ class RolloutPipeline:
         self.inflight: dict[Any, _Chunk] = {}
         self.load = [0] * self.n_rollout
         self.restarts = self.requeued = 0
+        self.restarts_of: dict[tuple[str, int], int] = defaultdict(int)
+        self.pids: dict[str, list[int]] = {"rollout": [], "reward": []}
         self.batch_stats: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.failures: dict[str, int] = {}
         self.busy = {"rollout_s": 0.0, "reward_s": 0.0}
@@ -200,9 +203,10 @@ class RolloutPipeline:
         self.reward_workers = [self._actor(RewardWorker, reward) for _ in range(self.n_reward)]
         built = [("rollout", w.pid.remote()) for w in self.rollout_workers]
         built += [("reward", w.pid.remote()) for w in self.reward_workers]
+        self.pids = {"rollout": [], "reward": []}
         for role, ref in built:
             try:
-                ray.get(ref)
+                self.pids[role].append(ray.get(ref))
             except ray.exceptions.RayActorError as error:  # its constructor failed
                 self.close()
                 raise RuntimeError(
@@ -307,9 +311,9 @@ class RolloutPipeline:
             self.todo.popleft()
             chunk.worker, chunk.sent_s = worker, time.perf_counter()
             rolled = self.rollout_workers[worker].rollout.remote(chunk.prompts, chunk.batch)
-            scorer = self.reward_workers[self._next_reward % self.n_reward]
+            chunk.scorer = self._next_reward % self.n_reward
             self._next_reward += 1
-            self.inflight[scorer.score.remote(rolled)] = chunk
+            self.inflight[self.reward_workers[chunk.scorer].score.remote(rolled)] = chunk
             self.load[worker] += 1
 
     def _harvest(self, timeout: float | None = None) -> None:
@@ -344,15 +348,39 @@ class RolloutPipeline:
             self.busy["reward_s"] += stats.get("reward_s", 0.0) + stats.get("reference_s", 0.0)
 
     def _worker_died(self, chunk: _Chunk, error: BaseException) -> None:
-        self.restarts += 1
-        if self.restarts > self.max_restarts * (self.n_rollout + self.n_reward):
-            raise RuntimeError(
-                f"rollout pipeline: workers died {self.restarts} times (max_worker_restarts="
-                f"{self.max_restarts} per worker); last: {error}"
-            ) from error
-        if self._weights is not None:  # a restarted rollout worker starts from the config
-            self.rollout_workers[chunk.worker].load_weights.remote(self._weights, self.published)
+        """A worker of ``chunk`` died: count each restarted worker once (by its new process
+        id: one death fails every chunk queued on it), send a restarted rollout worker the
+        current weights, and sample the chunk again."""
+        for role, index in (("rollout", chunk.worker), ("reward", chunk.scorer)):
+            actor = (self.rollout_workers if role == "rollout" else self.reward_workers)[index]
+            pid = self._pid_after_restart(actor, role, error)
+            if pid == self.pids[role][index]:
+                continue
+            self.pids[role][index] = pid
+            self.restarts += 1
+            self.restarts_of[(role, index)] += 1
+            if self.restarts_of[(role, index)] > self.max_restarts:
+                raise RuntimeError(
+                    f"rollout pipeline: {role} worker {index} died "
+                    f"{self.restarts_of[(role, index)]} times (max_worker_restarts="
+                    f"{self.max_restarts}); last: {_actor_cause(error)}"
+                ) from error
+            if role == "rollout" and self._weights is not None:  # it starts from the config
+                actor.load_weights.remote(self._weights, self.published)
         self._requeue(chunk)
+
+    def _pid_after_restart(self, actor: Any, role: str, error: BaseException) -> int:
+        """The worker's process id once Ray has it running again."""
+        ray = self._ray
+        for _ in range(600):
+            try:
+                return int(ray.get(actor.pid.remote()))
+            except ray.exceptions.RayActorError:  # still restarting
+                time.sleep(0.1)
+        raise RuntimeError(
+            f"rollout pipeline: a {role} worker did not come back after dying: "
+            f"{_actor_cause(error)}"
+        ) from error
 
     def _requeue(self, chunk: _Chunk) -> None:
         self.requeued += len(chunk.prompts)

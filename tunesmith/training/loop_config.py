@@ -21,12 +21,13 @@ schedule length and the number of training samples. Before any weight is loaded,
   run started with the new length has at step ``s``), and the change is logged. A length
   below the checkpoint's step is refused.
 - ``stop_after_steps``, ``save_every_n_steps``, ``save_every_minutes``, ``keep_last``,
-  ``log_every_n_steps``,
+  ``log_every_n_steps``, ``log_grad_norm``,
   ``eval_every_n_steps``, ``val_dataset`` (not when ``val_fraction`` > 0: then it decides the
   training split), ``metric_loggers``, ``progress_bar``: when to stop, save, log and evaluate;
   a dataset's ``cache_dir`` (where tokenised rows are cached: the tokens do not change).
 - ``output_dir``, ``resume``, ``overwrite``, ``preflight``, ``distributed_timeout_s``: where
-  and how the run is started.
+  and how the run is started; asynchronous RL's ``ray``, ``rollout``, ``reward_workers``,
+  ``max_worker_restarts`` and ``buffer_size``: where and with what its workers run.
 - ``activation_checkpointing``, ``activation_offloading``, ``compile``, ``attention_backend``:
   memory and speed only.
 - ``on_nonfinite_loss``: what to do at a non-finite step (a run stopped at one may go on with
@@ -64,6 +65,7 @@ from tunesmith.config import COMPONENT_KEY, ConfigError, ConfigIssue, resolve_co
 from tunesmith.config.errors import type_name
 from tunesmith.config.nodes import has_key, read_child
 from tunesmith.modules.dtypes import AUTOCAST
+from tunesmith.training.precision import precision_problem
 
 __all__ = [
     "BATCH_KEYS",
@@ -263,6 +265,12 @@ LOOP_RULES: dict[str, Rule] = {
         "one of 'auto', 'cpu', 'cuda'", lambda v: v in ("auto", "cpu", "cuda"), extra=_cuda_missing
     ),
     "mixed_precision": choice(*(k for k in AUTOCAST if k), null="full precision"),
+    "precision": Rule(  # tunesmith.training.precision
+        "a mapping of weights, master_weights, optimizer_states, save_dtype, or null (the "
+        "model's own dtype, no master copies)",
+        lambda v: v is None or type_name(v) == "mapping",
+        extra=precision_problem,
+    ),
     "shuffle": flag(),
     "batch_size": integer(1, required=True),
     "gradient_accumulation_steps": integer(1),
@@ -272,6 +280,7 @@ LOOP_RULES: dict[str, Rule] = {
     "optimizer": component(required=True),
     "lr_scheduler": component(required=True),
     "max_grad_norm": number(above=0, null="no clipping"),
+    "log_grad_norm": flag(),
     "tokenizer": component(required=True),
     "dataset": component(required=True),
     "val_dataset": Rule(
@@ -362,12 +371,13 @@ def check_rules(cfg: DictConfig, rules: Mapping[str, Rule]) -> list[ConfigIssue]
 RESUMABLE_KEYS = frozenset({
     "max_steps", "epochs",
     "stop_after_steps", "save_every_n_steps", "save_every_minutes", "keep_last",
-    "log_every_n_steps",
+    "log_every_n_steps", "log_grad_norm",
     "eval_every_n_steps", "val_dataset", "metric_loggers", "progress_bar",
     "sample_prompts", "sample_every_n_steps", "sample_max_new_tokens",
     "output_dir", "resume", "overwrite", "preflight", "distributed_timeout_s",
     "activation_checkpointing", "activation_offloading", "compile", "attention_backend",
     "on_nonfinite_loss",
+    "ray", "rollout", "reward_workers", "max_worker_restarts", "buffer_size",
 })  # fmt: skip
 """Top-level keys whose value may differ from the checkpoint's on resume (see the module docs)."""
 
@@ -577,7 +587,12 @@ def _top(change: Change) -> str:
 
 def _global_batch(record: RunRecord) -> int | None:
     """``batch_size x gradient_accumulation_steps x`` data-parallel ranks of ``record`` (None:
-    not known: no data-parallel size recorded, or no integer ``batch_size``)."""
+    not known: no data-parallel size recorded, or no integer ``batch_size``); for an RL run,
+    its rows per step, ``prompts_per_step x group_size``, whatever the mesh (``batch_size`` is
+    then only the micro-batch)."""
+    prompts, group = record.config.get("prompts_per_step"), record.config.get("group_size")
+    if _is_int(prompts) and _is_int(group):
+        return prompts * group
     batch = record.config.get("batch_size")
     accum = record.config.get("gradient_accumulation_steps")
     accum = 1 if accum is None else accum
