@@ -13,6 +13,9 @@ model, but only a few demonstrations (96 by default) are available. Steps:
    and learns the answer format, yet gets only a part of new prompts right;
 3. GRPO, ``tunesmith run grpo --config demo`` from the warm-up's checkpoint: sampled answers
    scored by :class:`~tunesmith.rl.rewards.strings.StringMatch` (exact) plus partial credit;
+   with ``asynchronous=True`` (``tunesmith demo rl --async``) the same GRPO run goes through
+   ``tunesmith run grpo_async --config demo`` (``overlap`` mode: a Ray rollout worker samples
+   batch k+1 while the trainer trains on batch k);
 4. held-out accuracy (greedy answers scored by the config's ``correct`` reward) of the warm-up
    and of the GRPO checkpoint, and the reward curve as a PNG.
 
@@ -55,6 +58,7 @@ __all__ = [
     "RLDemoData",
     "RLDemoResult",
     "RLDemoSettings",
+    "grpo_recipe",
     "greedy_accuracy",
     "plot_rewards",
     "run_rl_demo",
@@ -65,12 +69,13 @@ __all__ = [
 ]
 
 CONFIG = "demo"
-"""The GRPO config (``tunesmith/recipes/configs/grpo/demo.yaml``)."""
+"""The GRPO config (``tunesmith/recipes/configs/grpo/demo.yaml``; ``grpo_async/demo.yaml``, the
+same settings plus the asynchronous ones, with ``asynchronous=True``)."""
 WARMUP_CONFIG = "demo_rl"
 """The SFT warm-up's config (``tunesmith/recipes/configs/sft/demo_rl.yaml``)."""
 ACCURACY_REWARD = "correct"
 """The reward of the GRPO config that is held-out accuracy (1 for an exact answer, else 0)."""
-SFT_DIR, GRPO_DIR = "sft", "grpo"
+SFT_DIR, GRPO_DIR, GRPO_ASYNC_DIR = "sft", "grpo", "grpo_async"
 DEMONSTRATIONS, PROMPTS, HELD_OUT_PROMPTS = (
     "demonstrations.jsonl", "prompts.jsonl", "held_out_prompts.jsonl")  # fmt: skip
 _SFT_KEYS = ("model_dir", "dataset.source", "output_dir")
@@ -121,7 +126,9 @@ class RLDemoResult:
 
     ``accuracy_before`` / ``accuracy_after``: held-out accuracy of the SFT warm-up / of GRPO;
     ``accuracy_demonstrations``: the warm-up's accuracy on its own demonstrations;
-    ``curve``: ``(step, held-out accuracy)`` as the GRPO run logged it, step 0 the warm-up.
+    ``curve``: ``(step, held-out accuracy)`` as the GRPO run logged it, step 0 the warm-up;
+    ``recipe``: the GRPO recipe that ran (``grpo``, or ``grpo_async`` for the asynchronous
+    demo); ``grpo_seconds``: the wall time of that run alone (``seconds``: the whole demo).
     """
 
     accuracy_before: float
@@ -135,6 +142,8 @@ class RLDemoResult:
     curve: list[tuple[int, float]]
     plot: Path | None
     seconds: float
+    recipe: str = "grpo"
+    grpo_seconds: float = 0.0
 
 
 # ----------------------------------------------------------------------------- data
@@ -246,6 +255,16 @@ def greedy_accuracy(
 # ----------------------------------------------------------------------------- runs
 
 
+def grpo_recipe(asynchronous: bool) -> tuple[str, str]:
+    """``(recipe, run folder)`` of the demo's GRPO stage: the synchronous ``grpo`` recipe into
+    ``grpo/``, or asynchronous GRPO (``grpo_async``, its ``demo`` config) into ``grpo_async/``.
+
+    >>> grpo_recipe(False), grpo_recipe(True)
+    (('grpo', 'grpo'), ('grpo_async', 'grpo_async'))
+    """
+    return ("grpo_async", GRPO_ASYNC_DIR) if asynchronous else ("grpo", GRPO_DIR)
+
+
 def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
     """``(sft, grpo)`` overrides: ``sft.KEY=V`` goes to the warm-up as ``KEY=V``, ``grpo.KEY=V``
     and a plain ``KEY=V`` to GRPO (``~`` deletions alike). Keys the demo sets itself (the model
@@ -279,6 +298,7 @@ def run_rl_demo(
     overrides: Sequence[str] = (),
     threads: int | None = None,
     verbose: bool = True,
+    asynchronous: bool = False,
 ) -> RLDemoResult:
     """Build the files, warm up with SFT, score, train with GRPO, score again, plot.
 
@@ -291,6 +311,9 @@ def run_rl_demo(
         threads: torch CPU threads during the demo (default: torch's current setting); the
             previous setting is restored at the end.
         verbose: print the progress and the summary.
+        asynchronous: train GRPO with ``grpo_async`` (``overlap`` mode, Ray rollout and
+            reward workers, config ``grpo_async/demo.yaml``) into ``output_dir/grpo_async``
+            instead of ``grpo`` into ``output_dir/grpo``; the rest of the demo is the same.
     """
     settings = settings or RLDemoSettings()
     sft_overrides, grpo_overrides = split_overrides(overrides)  # before anything is built
@@ -298,18 +321,21 @@ def run_rl_demo(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _run(Path(output_dir), settings, sft_overrides, grpo_overrides, verbose)
+        return _run(
+            Path(output_dir), settings, sft_overrides, grpo_overrides, verbose, asynchronous
+        )
     finally:
         torch.set_num_threads(previous)
 
 
 def _run(
     root: Path, settings: RLDemoSettings, sft_overrides: list[str], grpo_overrides: list[str],
-    verbose: bool,
+    verbose: bool, asynchronous: bool,
 ) -> RLDemoResult:  # fmt: skip
     say = print if verbose else (lambda *a, **k: None)
     start = time.perf_counter()
-    sft_dir, grpo_dir = root / SFT_DIR, root / GRPO_DIR
+    recipe, grpo_name = grpo_recipe(asynchronous)
+    sft_dir, grpo_dir = root / SFT_DIR, root / grpo_name
     assets = DemoAssets.under(root)
     data_dir = assets.train_file.parent
     sft = [
@@ -325,7 +351,7 @@ def _run(
     # Both configs are checked before anything is built (the warm-up's checkpoint is a
     # stand-in until it exists).
     prepare_run("sft", WARMUP_CONFIG, sft)
-    prepare_run("grpo", CONFIG, [f"model_dir={sft_dir / 'checkpoints'}", *grpo])
+    prepare_run(recipe, CONFIG, [f"model_dir={sft_dir / 'checkpoints'}", *grpo])
     built = is_built(root, settings.assets())
     say(f"[1/5] task (sort the letters), tokenizer and base model in {root}/")
     data = write_rl_data(root, settings)
@@ -340,7 +366,7 @@ def _run(
 
     # The GRPO config names the rewards and the held-out decoding settings.
     grpo = [f"model_dir={warmup}", *grpo]
-    _, _, cfg = prepare_run("grpo", CONFIG, grpo)
+    _, _, cfg = prepare_run(recipe, CONFIG, grpo)
     rewards = instantiate(cfg.rewards)
     held_out_prompts = instantiate(cfg.val_prompts)
     scoring = {"max_new_tokens": int(cfg.generation.max_new_tokens),
@@ -358,8 +384,10 @@ def _run(
     say(f"      on its {len(demo_prompts)} demonstrations: {fit_acc:.1%}; "
         f"on {len(held_out_prompts)} held-out prompts: {before:.1%}")  # fmt: skip
 
-    say(f"[4/5] GRPO from the SFT checkpoint: tunesmith run grpo --config {CONFIG}")
-    checkpoint = run_to_checkpoint("grpo", CONFIG, grpo, grpo_dir)
+    say(f"[4/5] GRPO from the SFT checkpoint: tunesmith run {recipe} --config {CONFIG}")
+    grpo_start = time.perf_counter()
+    checkpoint = run_to_checkpoint(recipe, CONFIG, grpo, grpo_dir)
+    grpo_seconds = time.perf_counter() - grpo_start
 
     say("[5/5] held-out accuracy of the GRPO checkpoint, reward curve")
     after, replies_after = greedy_accuracy(from_hf(checkpoint), tokenizer, held_out_prompts,
@@ -380,6 +408,8 @@ def _run(
         curve=curve,
         plot=plot,
         seconds=time.perf_counter() - start,
+        recipe=recipe,
+        grpo_seconds=grpo_seconds,
     )
     say(summary(result))
     return result
@@ -481,7 +511,7 @@ def summary(result: RLDemoResult, examples: int = 3) -> str:
         f"({100 * (result.accuracy_after - result.accuracy_before):+.1f} points)",
         f"checkpoint (Hugging Face folder): {result.checkpoint}",
         f"reward plot:                      {result.plot or 'not drawn (no matplotlib)'}",
-        f"total time: {result.seconds:.0f} s",
+        f"total time: {result.seconds:.0f} s ({result.recipe}: {result.grpo_seconds:.0f} s)",
     ]
     return "\n".join(lines)
 
