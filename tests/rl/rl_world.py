@@ -5,11 +5,18 @@ would give all-zero advantages)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import torch
+
+from tests.recipes.sft_world import _any_component_allowed
+from tunesmith.config import load_config
+from tunesmith.recipes import config_path
 from tunesmith.rl.rewards import Sample
 
 DIGIT_REWARD = "tests.rl.rl_world.DigitFraction"
@@ -44,3 +51,19 @@ def grpo_overrides(model_dir: Path, prompts: Path, output_dir: Path, *extra: str
         "progress_bar=false", f"rewards.rewards={{digits: {{_component_: {DIGIT_REWARD}}}}}",
         *extra,
     ]  # fmt: skip
+
+
+def run_rl(recipe: str, config: str, overrides: Sequence[str], *, model: Any = None) -> None:
+    """Run ``recipe`` on its shipped ``config`` in this process with one torch thread (as the
+    ranks and the rollout workers of other tests), test components allowed; ``model``:
+    another model node."""
+    cfg = load_config(config_path(config, recipe), list(overrides))
+    if model is not None:
+        cfg.model = model
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _any_component_allowed():  # the test rewards live in tests/
+            importlib.import_module(f"tunesmith.recipes.{recipe}").main(cfg)
+    finally:
+        torch.set_num_threads(previous)

@@ -9,10 +9,7 @@ the collection round, the prompt and its sample number, never on the batch it is
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from tests.recipes.sft_world import (
@@ -25,8 +22,7 @@ from tests.recipes.sft_world import (
     make_model_dir,
     read_metrics,
 )
-from tests.rl.rl_world import grpo_overrides, make_prompts
-from tunesmith.config import load_config
+from tests.rl.rl_world import grpo_overrides, make_prompts, run_rl
 from tunesmith.recipes import config_path
 from tunesmith.rl.source import LogprobMismatchError
 
@@ -45,17 +41,7 @@ def run_grpo(world, name: str, *extra: str, model=None):
     """Run the tiny GRPO config in this process (``model``: another model node)."""
     root, model_dir, prompts = world
     out = root / name
-    cfg = load_config(config_path("tiny", "grpo"),
-                      grpo_overrides(model_dir, prompts, out, *FAST, *extra))  # fmt: skip
-    if model is not None:
-        cfg.model = model
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with _any_component_allowed():  # the test reward lives in tests/
-            importlib.import_module("tunesmith.recipes.grpo").main(cfg)
-    finally:
-        torch.set_num_threads(previous)
+    run_rl("grpo", "tiny", grpo_overrides(model_dir, prompts, out, *FAST, *extra), model=model)
     return out
 
 

@@ -13,7 +13,6 @@ for the module, in a temp dir of its own):
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -26,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import ray
-import torch
 from omegaconf import OmegaConf
 
 from tests.recipes.sft_world import (
@@ -37,8 +35,8 @@ from tests.recipes.sft_world import (
     make_model_dir,
     read_metrics,
 )
-from tests.rl.rl_world import grpo_overrides, make_prompts
-from tunesmith.config import ALLOW_ANY_COMPONENT_ENV, load_config
+from tests.rl.rl_world import grpo_overrides, make_prompts, run_rl
+from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
 from tunesmith.recipes import config_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,17 +67,7 @@ def run(world, recipe: str, config: str, name: str, *extra: str, model=None):
     ``model``: another model node)."""
     root, model_dir, prompts = world
     out = root / name
-    cfg = load_config(config_path(config, recipe),
-                      grpo_overrides(model_dir, prompts, out, *FAST, *extra))  # fmt: skip
-    if model is not None:
-        cfg.model = model
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with _any_component_allowed():  # the test reward lives in tests/
-            importlib.import_module(f"tunesmith.recipes.{recipe}").main(cfg)
-    finally:
-        torch.set_num_threads(previous)
+    run_rl(recipe, config, grpo_overrides(model_dir, prompts, out, *FAST, *extra), model=model)
     return out
 
 

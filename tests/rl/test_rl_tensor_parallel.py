@@ -15,13 +15,11 @@ the learning rate's size, which would drown a 1e-5 comparison of the weights.
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.recipes.sft_world import (
     _any_component_allowed,
@@ -33,9 +31,7 @@ from tests.recipes.sft_world import (
     make_model_dir,
     read_metrics,
 )
-from tests.rl.rl_world import make_prompts
-from tunesmith.config import load_config
-from tunesmith.recipes import config_path
+from tests.rl.rl_world import make_prompts, run_rl
 from tunesmith.rl.rewards import Sample
 
 STEPS = 2
@@ -73,14 +69,7 @@ def _overrides(world, out: Path, *extra: str) -> list[str]:
 
 
 def _run_single(world, recipe: str, out: Path, *extra: str) -> Path:
-    cfg = load_config(config_path("tiny", recipe), _overrides(world, out, *extra))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with _any_component_allowed():  # the test reward lives in tests/
-            importlib.import_module(f"tunesmith.recipes.{recipe}").main(cfg)
-    finally:
-        torch.set_num_threads(previous)
+    run_rl(recipe, "tiny", _overrides(world, out, *extra))
     return out
 
 
