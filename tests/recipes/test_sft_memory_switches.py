@@ -17,9 +17,11 @@ from tests.recipes.sft_world import (
 from tunesmith.config import ConfigError
 
 # SGD: Adam would turn rounding-level gradient differences (~1e-9 on k_proj.bias) into
-# visible updates; the components' AdamW equivalences are tested in tests/memory.
+# visible updates; the components' AdamW equivalences are tested in tests/memory. The plain run
+# uses the full-logits loss (the tiny config ships the linear one).
 STEPS = ["max_steps=3", "max_grad_norm=null", "lr_scheduler.num_warmup_steps=1",
-         "optimizer=torch.optim.SGD", "optimizer.lr=0.5"]  # fmt: skip
+         "optimizer=torch.optim.SGD", "optimizer.lr=0.5",
+         "loss._component_=tunesmith.modules.losses.CrossEntropyLoss"]  # fmt: skip
 SWITCHES = {
     "linear_ce": ["loss._component_=tunesmith.modules.losses.LinearCrossEntropyLoss"],
     "checkpoint_full": ["activation_checkpointing={mode: full}"],
