@@ -87,9 +87,9 @@ Batch = dict[str, torch.Tensor]
 
 # The top-level config keys fit(), make_loader() and build_datasets() read; recipes add theirs.
 LOOP_KEYS = [
-    "output_dir", "model_dir", "seed", "device", "mixed_precision", "shuffle", "batch_size",
+    "output_dir", "model_dir", "seed", "device", "mixed_precision", "precision", "shuffle", "batch_size",
     "gradient_accumulation_steps", "epochs", "max_steps", "stop_after_steps", "optimizer",
-    "lr_scheduler", "max_grad_norm", "tokenizer", "dataset", "val_dataset", "val_fraction", "metric_loggers", "log_every_n_steps", "eval_every_n_steps",
+    "lr_scheduler", "max_grad_norm", "log_grad_norm", "tokenizer", "dataset", "val_dataset", "val_fraction", "metric_loggers", "log_every_n_steps", "eval_every_n_steps",
     "save_every_n_steps", "save_every_minutes", "keep_last", "resume", "overwrite", "on_nonfinite_loss", "progress_bar",
     "optimizer_in_backward", "activation_offloading", "distributed_timeout_s", "preflight",
     "parallelism", *SAMPLE_KEYS,

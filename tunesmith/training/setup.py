@@ -50,6 +50,7 @@ from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.loop import build_datasets, check_vocab
 from tunesmith.training.memory_planner import MemoryPlan, estimate_memory, optimizer_kind
 from tunesmith.training.parallelize import parallelize
+from tunesmith.training.precision import cast_weights, check_precision
 from tunesmith.training.preflight import longest_batch
 
 __all__ = [
@@ -151,6 +152,7 @@ def build_policy(
     >>> model = parallelize(build_policy(cfg, ctx, tokenizer), ctx, cfg)  # doctest: +SKIP
     """
     model = instantiate(cfg.model)
+    cast_weights(model, check_precision(cfg))  # precision.weights: bf16 casts the trained model
     apply_attention_backend(model, cfg.get("attention_backend"))
     if on_device:
         model = model.to(ctx.device)

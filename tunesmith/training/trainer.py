@@ -34,6 +34,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from tunesmith.config import instantiate, plain_config
 from tunesmith.modules.dtypes import AUTOCAST
@@ -117,13 +118,19 @@ class Trainer:
                                int(cfg.get("epochs", 1)))  # fmt: skip
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.in_backward = bool(cfg.get("optimizer_in_backward", False))
+        # --- precision hook (tunesmith.training.precision): master copies, save dtype ---
+        from tunesmith.training.precision import build_optimizer, check_precision
+
+        self.precision = check_precision(cfg)
         if self.in_backward:  # each parameter steps as soon as its gradient is ready
             check_compatible(int(cfg.get("gradient_accumulation_steps", 1)),
                              cfg.get("max_grad_norm"),
                              on_nonfinite_loss=cfg.get("on_nonfinite_loss", "stop"))  # fmt: skip
             self.optimizer = OptimizerInBackward(trainable, partial(instantiate, cfg.optimizer))
         else:
-            self.optimizer = instantiate(cfg.optimizer, trainable)
+            self.optimizer = build_optimizer(self.precision, trainable,
+                                             partial(instantiate, cfg.optimizer))  # fmt: skip
+        # --- end of the precision hook (save_dtype below) ---
         self.scheduler = instantiate(cfg.lr_scheduler, self.optimizer,
                                      num_training_steps=schedule_steps or self.total_steps)  # fmt: skip
         self._schedule = schedule_params(self.scheduler)  # this run's: wins over a checkpoint's
@@ -134,7 +141,7 @@ class Trainer:
         self.offload = bool(cfg.get("activation_offloading", False))
         self.checkpointer = Checkpointer(
             Path(cfg.output_dir) / "checkpoints", ctx, keep_last=cfg.get("keep_last"),
-            source_dir=cfg.get("model_dir"),
+            source_dir=cfg.get("model_dir"), save_dtype=self.precision.save_dtype,
         )  # fmt: skip
         self.progress = {"step": 0, "tokens_seen": 0}
         self.last_checkpoint: Path | None = None
@@ -146,65 +153,101 @@ class Trainer:
 
     def step(self, micro_batches: Sequence[Batch]) -> dict[str, float]:
         """One optimizer step over ``micro_batches`` (in train mode); returns its metrics:
-        ``loss``, ``lr``, ``grad_norm`` (not with an optimizer in backward), ``tokens_seen``,
-        the unit count and the objective's metrics as means over the units."""
+        ``loss``, ``lr``, ``grad_norm`` (when computed: see :attr:`computes_grad_norm`),
+        ``tokens_seen``, the unit count and the objective's metrics as means over the units.
+
+        Its phases run in named ``torch.profiler.record_function`` ranges (``trainer/units``,
+        ``trainer/objective``, ``trainer/backward``, ``trainer/grad_norm``,
+        ``trainer/optimizer``, ``trainer/metrics``), so a profiler trace splits the step."""
         ctx, objective, accum = self.ctx, self.objective, len(micro_batches)
         step = self.progress["step"] + 1
         micro_batches = [_cp_share(mb, ctx) for mb in micro_batches]  # context parallel
         self.model.train()
-        units = all_reduce_sum(sum(objective.units(mb) for mb in micro_batches), ctx.device,
-                               ctx.dp_cp_group)  # fmt: skip
-        if int(units.item()) == 0:  # on every rank: the count is global
+        with record_function("trainer/units"):
+            local = sum(objective.units(mb) for mb in micro_batches)
+            units = all_reduce_sum(local, ctx.device, ctx.dp_cp_group)
+            # a world of one knows its count: no device-to-host copy of the sum
+            count = int(local) if ctx.dp_cp_size == 1 else int(units.item())
+        if count == 0:  # on every rank: the count is global
             return self._empty_step(step, micro_batches)
         step_loss = torch.zeros((), device=ctx.device)
         sums: dict[str, torch.Tensor] = {}
         for mb in micro_batches:
             batch = {k: v.to(ctx.device) for k, v in mb.items()}
             with (
+                record_function("trainer/objective"),
                 torch.autocast(ctx.device.type, self.autocast_dtype,
                                enabled=bool(self.autocast_dtype)),
                 activation_offloading(self.offload, device=ctx.device),
             ):  # fmt: skip
                 out = objective(self.model, batch)
-            loss = out.loss * ctx.dp_cp_size / units.float()  # FSDP2 averages over dp x cp
-            if out.aux_loss is not None:  # already a mean over this micro-batch
-                loss = loss + out.aux_loss / accum
-            loss.backward()
+            with record_function("trainer/backward"):
+                loss = out.loss * ctx.dp_cp_size / units.float()  # FSDP2 averages over dp x cp
+                if out.aux_loss is not None:  # already a mean over this micro-batch
+                    loss = loss + out.aux_loss / accum
+                loss.backward()
             step_loss += loss.detach()
             _add_metrics(sums, out.metrics)
         step_loss = all_reduce_sum(step_loss, ctx.device, ctx.dp_cp_group) / ctx.dp_cp_size
         # with the optimizer in backward the update is done and no gradient is left
-        grad_norm = (
-            float("nan") if self.in_backward else _clip(self.model, self.cfg.get("max_grad_norm"))
-        )
-        if not (math.isfinite(step_loss.item())
-                and (self.in_backward or math.isfinite(grad_norm))):  # fmt: skip
-            message = f"loss {step_loss.item()} / grad norm {grad_norm} at step {step}"
+        with record_function("trainer/grad_norm"):
+            grad_norm = (
+                _clip(self.model, self.cfg.get("max_grad_norm"))
+                if self.computes_grad_norm else None
+            )  # fmt: skip
+        loss_value = step_loss.item()
+        if not (math.isfinite(loss_value)
+                and (grad_norm is None or math.isfinite(grad_norm))):  # fmt: skip
+            norm_text = "" if grad_norm is None else f" / grad norm {grad_norm}"
+            message = f"loss {loss_value}{norm_text} at step {step}"
             if self.cfg.get("on_nonfinite_loss", "stop") == "stop":
                 raise FloatingPointError(
                     f"{message}; stopping (last good checkpoint: {self.last_checkpoint}). "
                     "Set on_nonfinite_loss=skip to skip such batches."
                 )
             self.log(f"skipping the update: {message}")
+            update = False
         else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.progress["step"] = step
-        self.rank_tokens = sum(_real_tokens(mb) for mb in micro_batches)
-        seen = all_reduce_sum(self.rank_tokens, ctx.device, ctx.dp_cp_group)
-        self.progress["tokens_seen"] += int(seen.item())
-        metrics = {
-            "loss": step_loss.item(), "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm, "tokens_seen": self.progress["tokens_seen"],
-            objective.unit: int(units.item()) // _unit_copies(objective, ctx),
-        }  # fmt: skip
-        if self.in_backward:
-            del metrics["grad_norm"]
-        metrics |= _means(sums, units, ctx)
+            update = True
+        with record_function("trainer/optimizer"):
+            if update:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        with record_function("trainer/metrics"):
+            self.progress["step"] = step
+            self.rank_tokens = sum(_real_tokens(mb) for mb in micro_batches)
+            seen = (self.rank_tokens if ctx.dp_cp_size == 1 else
+                    int(all_reduce_sum(self.rank_tokens, ctx.device, ctx.dp_cp_group).item()))  # fmt: skip
+            self.progress["tokens_seen"] += int(seen)
+            metrics = {
+                "loss": loss_value, "lr": self.scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm, "tokens_seen": self.progress["tokens_seen"],
+                objective.unit: count // _unit_copies(objective, ctx),
+            }  # fmt: skip
+            if grad_norm is None:
+                del metrics["grad_norm"]
+            metrics |= _means(sums, units, ctx)
         for hook in self.on_step_end:
             hook(self, step, metrics)
         return metrics
+
+    @property
+    def computes_grad_norm(self) -> bool:
+        """Whether :meth:`step` computes (and reports as ``grad_norm``) the gradients' global
+        norm: when clipping needs it (``max_grad_norm`` set) or ``log_grad_norm: true`` asks
+        for it; never with the optimizer in backward (no gradient is left to norm). Without
+        it the step skips a pass over every gradient, and the non-finite check
+        (``on_nonfinite_loss``) looks at the loss alone.
+
+        Example::
+
+            >>> Trainer(cfg, ctx, model=model, objective=objective).computes_grad_norm  # doctest: +SKIP
+            True
+        """
+        if self.in_backward:
+            return False
+        return bool(self.cfg.get("max_grad_norm")) or bool(self.cfg.get("log_grad_norm", False))
 
     def _empty_step(self, step: int, micro_batches: Sequence[Batch]) -> dict[str, float]:
         """A step whose micro-batches hold no unit to train on anywhere (e.g. an RL batch whose
@@ -397,7 +440,10 @@ def _real_tokens(batch: Mapping[str, torch.Tensor]) -> int:
 def _clip(model: nn.Module, max_norm: float | None) -> float:
     """The global gradient norm (clipped to ``max_norm`` when set). Gradients on different
     meshes (tensor parallel with FSDP2: 2-D DTensors next to data-parallel-only or plain
-    replicated ones) are normed per mesh and layout, and the parts combined."""
+    replicated ones) are normed per mesh and layout, and the parts combined. Gradients are
+    multiplied only when the clipping coefficient is below 1 (torch's
+    ``clip_grad_norm_`` multiplies by the clamped coefficient always: a pass over every
+    gradient that changes nothing when it is 1)."""
     params = [p for p in model.parameters() if p.grad is not None]
     groups: dict[Any, list[torch.Tensor]] = {}
     for p in params:
@@ -405,8 +451,14 @@ def _clip(model: nn.Module, max_norm: float | None) -> float:
         key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
         groups.setdefault(key, []).append(p)
     if len(groups) <= 1:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-        return float(full_tensor(norm))
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if not max_norm:
+            return float(full_tensor(norm))
+        coefficient = float(max_norm) / (norm + 1e-6)  # as clip_grads_with_norm_ computes it
+        value, scale = torch.stack([full_tensor(norm), full_tensor(coefficient)]).tolist()
+        if scale < 1.0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return value
     parts = [
         full_tensor(torch.nn.utils.get_total_norm([p.grad for p in group])).double()
         for group in groups.values()
