@@ -153,8 +153,8 @@ class Trainer:
 
     def step(self, micro_batches: Sequence[Batch]) -> dict[str, float]:
         """One optimizer step over ``micro_batches`` (in train mode); returns its metrics:
-        ``loss``, ``lr``, ``grad_norm`` (when computed: see :attr:`computes_grad_norm`),
-        ``tokens_seen``, the unit count and the objective's metrics as means over the units.
+        ``loss``, ``lr`` (the learning rate this update used), ``grad_norm`` (when computed:
+        see :attr:`computes_grad_norm`), ``tokens_seen``, the unit count and the objective's metrics as means over the units.
 
         Its phases run in named ``torch.profiler.record_function`` ranges (``trainer/units``,
         ``trainer/objective``, ``trainer/backward``, ``trainer/grad_norm``,
@@ -209,6 +209,7 @@ class Trainer:
             update = False
         else:
             update = True
+        lr = self.scheduler.get_last_lr()[0]  # what this update used (logged as such)
         with record_function("trainer/optimizer"):
             if update:
                 self.optimizer.step()
@@ -221,7 +222,7 @@ class Trainer:
                     int(all_reduce_sum(self.rank_tokens, ctx.device, ctx.dp_cp_group).item()))  # fmt: skip
             self.progress["tokens_seen"] += int(seen)
             metrics = {
-                "loss": loss_value, "lr": self.scheduler.get_last_lr()[0],
+                "loss": loss_value, "lr": lr,
                 "grad_norm": grad_norm, "tokens_seen": self.progress["tokens_seen"],
                 objective.unit: count // _unit_copies(objective, ctx),
             }  # fmt: skip
@@ -255,6 +256,7 @@ class Trainer:
         step counts (schedule, progress, hooks) and says so (``skipped_update``)."""
         self.log(f"step {step}: no {self.objective.unit} to train on in this step's batches; "
                  "the update is skipped")  # fmt: skip
+        lr = self.scheduler.get_last_lr()[0]
         with warnings.catch_warnings():  # torch warns of a schedule stepped without an update
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
@@ -262,7 +264,7 @@ class Trainer:
         self.rank_tokens = sum(_real_tokens(mb) for mb in micro_batches)
         seen = all_reduce_sum(self.rank_tokens, self.ctx.device, self.ctx.dp_cp_group)
         self.progress["tokens_seen"] += int(seen.item())
-        metrics = {"loss": 0.0, "lr": self.scheduler.get_last_lr()[0],
+        metrics = {"loss": 0.0, "lr": lr,
                    "tokens_seen": self.progress["tokens_seen"], self.objective.unit: 0,
                    "skipped_update": 1.0}  # fmt: skip
         for hook in self.on_step_end:
