@@ -402,6 +402,19 @@ def launch_ranks(
             raise AssertionError(f"rank {r} failed ({p.returncode}):\n{log.read_text()[-3000:]}")
 
 
+def noise_tolerance(atol: float) -> Callable[[str], float]:
+    """``atol`` for every tensor but a key bias (``k_proj.bias``), which gets 5e-5: softmax
+    ignores a value added to every score of a query, so that bias's gradient is zero in exact
+    arithmetic and what arrives is rounding noise, which Adam scales into steps of about
+    ``lr x |g| / (|g| + eps)``; two layouts that round differently move it ~1e-5 apart.
+
+    >>> tolerance = noise_tolerance(1e-6)
+    >>> tolerance("model.layers.0.self_attn.k_proj.bias"), tolerance("lm_head.weight")
+    (5e-05, 1e-06)
+    """
+    return lambda name: max(atol, 5e-5) if name.endswith("k_proj.bias") else atol
+
+
 def assert_same_as_single(
     model_dir: Path, single: Path, distributed: Path, *, steps: int, ranks: int = 2
 ) -> None:
@@ -421,9 +434,6 @@ def assert_same_as_single(
         assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-5), f"step {step}"
     weights_1, weights_2 = final_weights(single), final_weights(distributed)
     assert weights_1.keys() == weights_2.keys()
-    for name in weights_1:
-        torch.testing.assert_close(
-            weights_2[name], weights_1[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
-        )
+    assert_same_weights(weights_2, weights_1, noise_tolerance(1e-5))
     initial = checkpoint_weights(model_dir)
     assert max((weights_1[k] - initial[k]).abs().max().item() for k in initial) > 1e-3

@@ -41,6 +41,7 @@ from tests.recipes.sft_world import (
     launch_ranks,
     make_counting_data,
     make_model_dir,
+    noise_tolerance,
     read_metrics,
     recipe_overrides,
     run_sft,
@@ -117,7 +118,7 @@ def test_resume_on_2_ranks_and_on_1_continues_like_the_same_mesh(stopped, tmp_pa
                 assert logged[step][key] == pytest.approx(reference[step][key], rel=rel), (
                     f"{run.name}: {key} at step {step}"
                 )
-        assert_same_weights(final_weights(run), final_weights(same), atol=1e-6)
+        assert_same_weights(final_weights(run), final_weights(same), noise_tolerance(1e-6))
     at_stop = checkpoint_weights(checkpoints(stopped_out)[-1])
     assert largest_change(final_weights(same), at_stop) > 1e-3  # the resumed steps train
 

@@ -63,7 +63,7 @@ def _overrides(world, out: Path, *extra: str) -> list[str]:
         f"model_dir={model_dir}", f"prompts.source={prompts}", f"output_dir={out}",
         f"rewards.rewards={{chars: {{_component_: {__name__}.CompletionChars}}}}",
         "progress_bar=false", f"max_steps={STEPS}", "generation.max_new_tokens=8",
-        "generation.stop_strings=[a]", "optimizer._component_=torch.optim.SGD",
+        "generation.stop_strings=[a]", "optimizer._component_=torch.optim.SGD", "~optimizer.fused",
         "optimizer.lr=0.1", f"val_prompts={val}", f"eval_every_n_steps={STEPS}", *extra,
     ]  # fmt: skip
 

@@ -45,6 +45,7 @@ from tunesmith.training.distributed import DistributedContext, all_reduce_sum, f
 from tunesmith.training.loop_config import RECORD_KEY, RunRecord, check_resume, read_record
 from tunesmith.training.lr_schedules import schedule_params, set_schedule_params
 from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
+from tunesmith.training.precision import build_optimizer, check_precision
 from tunesmith.training.sources import BatchSource
 
 __all__ = ["LossOutput", "Objective", "StepHook", "Trainer", "evaluate"]
@@ -118,19 +119,16 @@ class Trainer:
                                int(cfg.get("epochs", 1)))  # fmt: skip
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.in_backward = bool(cfg.get("optimizer_in_backward", False))
-        # --- precision hook (tunesmith.training.precision): master copies, save dtype ---
-        from tunesmith.training.precision import build_optimizer, check_precision
-
-        self.precision = check_precision(cfg)
+        self.precision = check_precision(cfg)  # bf16 weights, master copies, save dtype
         if self.in_backward:  # each parameter steps as soon as its gradient is ready
             check_compatible(int(cfg.get("gradient_accumulation_steps", 1)),
                              cfg.get("max_grad_norm"),
                              on_nonfinite_loss=cfg.get("on_nonfinite_loss", "stop"))  # fmt: skip
             self.optimizer = OptimizerInBackward(trainable, partial(instantiate, cfg.optimizer))
         else:
-            self.optimizer = build_optimizer(self.precision, trainable,
+            params = trainable if self.precision.master_weights else _by_kind(trainable)
+            self.optimizer = build_optimizer(self.precision, params,
                                              partial(instantiate, cfg.optimizer))  # fmt: skip
-        # --- end of the precision hook (save_dtype below) ---
         self.scheduler = instantiate(cfg.lr_scheduler, self.optimizer,
                                      num_training_steps=schedule_steps or self.total_steps)  # fmt: skip
         self._schedule = schedule_params(self.scheduler)  # this run's: wins over a checkpoint's
@@ -403,6 +401,20 @@ def _cp_share(batch: Batch, ctx: DistributedContext) -> Batch:
 def _unit_copies(objective: Objective, ctx: DistributedContext) -> int:
     """How many ranks count each unit: the cp ranks of a row-level objective all do."""
     return ctx.cp_size if getattr(objective, "context_parallel", None) == "rows" else 1
+
+
+def _by_kind(params: list[nn.Parameter]) -> list[nn.Parameter] | list[dict[str, Any]]:
+    """``params``, or two parameter groups when DTensors and plain tensors mix (a
+    tensor-parallel model's replicated score head or router): torch's fused and for-each
+    optimizer kernels take one kind per call.
+
+    >>> _by_kind([nn.Parameter(torch.ones(1))])[0].shape
+    torch.Size([1])
+    """
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if not sharded or len(sharded) == len(params):
+        return params
+    return [{"params": sharded}, {"params": [p for p in params if not isinstance(p, DTensor)]}]
 
 
 def _steps_per_epoch(source: BatchSource | None) -> int:
