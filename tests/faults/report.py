@@ -152,7 +152,7 @@ def render(cases: Sequence[Case], results: Mapping[str, Mapping[str, Any]]) -> s
         "What tunesmith does when a training process is killed, stopped, starved of disk, "
         "given a damaged checkpoint or a second run in its folder, or fed broken input or code "
         "to run. Every row below is one case of the suite in `tests/faults/` (the list is "
-        "`tests/faults/catalogue.py`), each a real `tunesmith run sft` on a tiny model: faults "
+        "`tests/faults/catalogue.py`), each a real `tunesmith run sft` (`grpo_async` for the asynchronous RL cases) on a tiny model: faults "
         "are injected into real processes (signals, a full tmpfs or a file size limit, a dead "
         "gloo peer, same-size corruption, a concurrent run), bad inputs and code-execution "
         "routes go through the command line. `make test-faults` runs them all and regenerates "
