@@ -49,23 +49,8 @@ RESULTS = REPO / "benchmarks" / "results" / "bf16.md"
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from machine_info import machine  # noqa: E402
+from shapes import SHAPES  # noqa: E402
 
-SHAPES = {  # the 4-layer benchmark shape and the ~100M ladder shape
-    "4-layer": {
-        "model_type": "llama", "vocab_size": 32000, "hidden_size": 256,
-        "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
-        "attention_bias": False,
-    },
-    "100M": {
-        "model_type": "llama", "vocab_size": 32000, "hidden_size": 768,
-        "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
-        "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True,
-        "attention_bias": False,
-    },
-}  # fmt: skip
 MODES = {  # name -> (precision mapping, mixed_precision)
     "fp32": (None, None),
     "autocast": (None, "bf16"),

@@ -59,23 +59,8 @@ RESULTS = REPO / "benchmarks" / "results"  # overhead.md (4-layer), overhead_100
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from machine_info import machine  # noqa: E402
+from shapes import SHAPES  # noqa: E402  (sft_mfu.py's 4-layer shape; sft_ladder.py's ~100M)
 
-SHAPES = {  # sft_mfu.py's 4-layer benchmark shape; sft_ladder.py's ~100M shape
-    "4-layer": {
-        "model_type": "llama", "vocab_size": 32000, "hidden_size": 256,
-        "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
-        "attention_bias": False,
-    },
-    "100M": {
-        "model_type": "llama", "vocab_size": 32000, "hidden_size": 768,
-        "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
-        "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True,
-        "attention_bias": False,
-    },
-}  # fmt: skip
 BATCH, SEQ_LEN = 4, 256  # rows (DPO: pairs) x tokens; the first half of each row is prompt
 METHODS = {"sft": ("sft", "tiny"), "lora": ("sft", "tiny_lora"), "dpo": ("dpo", "tiny"),
            "kd": ("kd", "tiny")}  # fmt: skip
