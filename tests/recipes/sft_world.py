@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -45,13 +46,16 @@ from tunesmith.training import CheckpointDirectory
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def make_model_dir(root: Path, seed: int = 0, **spec_overrides) -> Path:
-    """A HF folder with a tiny Qwen2.5-style model and tokenizer; returns its path. The model's
+def make_model_dir(root: Path, seed: int = 0, family: ModuleType = qwen2_5,
+                   **spec_overrides) -> Path:  # fmt: skip
+    """A HF folder with a tiny model of ``family`` (a zoo module, e.g. ``qwen3_moe``; its
+    ``<name>_tiny`` size; default Qwen2.5) and a tokenizer; returns its path. The model's
     vocabulary is the tokenizer's unless ``spec_overrides`` sets ``vocab_size`` (more rows than
     ids: padding rows no token reaches)."""
     tok_dir = make_tokenizer_folder(root / "tokenizer", "qwen2_5")
     vocab = Tokenizer.from_pretrained(tok_dir).vocab_size
-    spec = qwen2_5.spec("qwen2_5_tiny", **{"vocab_size": vocab, **spec_overrides})
+    name = f"{family.__name__.rsplit('.', 1)[-1]}_tiny"
+    spec = family.spec(name, **{"vocab_size": vocab, **spec_overrides})
     torch.manual_seed(seed)
     model = build_model(spec)
     return save_hf_checkpoint(model, root / "model", source_dir=tok_dir)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.data.tokenizer_factory import make_tokenizer_folder
 from tests.recipes.sft_world import (
     assert_same_as_single,
     checkpoint_weights,
@@ -28,13 +27,11 @@ from tests.recipes.sft_world import (
     final_weights,
     launch_ranks,
     make_counting_data,
+    make_model_dir,
     read_metrics,
     run_sft,
     sft_overrides,
 )
-from tunesmith.data import Tokenizer
-from tunesmith.models import build_model
-from tunesmith.models.hf import save_hf_checkpoint
 from tunesmith.models.zoo import qwen3_moe
 from tunesmith.training.distributed import ParallelDims, expert_rank_layout
 
@@ -44,11 +41,7 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
-    tok_dir = make_tokenizer_folder(root / "tokenizer", "qwen2_5")
-    vocab = Tokenizer.from_pretrained(tok_dir).vocab_size
-    spec = qwen3_moe.spec("qwen3_moe_tiny", vocab_size=vocab, router_aux_loss_coef=0.1)
-    torch.manual_seed(0)
-    model_dir = save_hf_checkpoint(build_model(spec), root / "model", source_dir=tok_dir)
+    model_dir = make_model_dir(root, family=qwen3_moe, router_aux_loss_coef=0.1)
     data = make_counting_data(root / "count.jsonl", rows=24)
     return root, model_dir, data
 
