@@ -247,7 +247,7 @@ class Row:
     method: str
     dtype: str
     cpu: dict[str, list[float]] = field(default_factory=dict)  # b: baseline, t: tunesmith,
-    wall: dict[str, list[float]] = field(default_factory=dict)  # p: t without head recompute
+    wall: dict[str, list[float]] = field(default_factory=dict)
     user: dict[str, list[float]] = field(default_factory=dict)  # user CPU only
     faults: dict[str, list[int]] = field(default_factory=dict)  # minor page faults
     first_losses: tuple[float, float] = (0.0, 0.0)
@@ -262,10 +262,6 @@ class Row:
     @property
     def ratio(self) -> float:
         return self.ms("t") / self.ms("b")
-
-    @property
-    def plain_ratio(self) -> float | None:
-        return self.ms("p") / self.ms("b") if "p" in self.cpu else None
 
     @property
     def user_ratio(self) -> float:
@@ -343,26 +339,6 @@ def phase_clock(models: dict[str, torch.nn.Module]):
         trainer_module.record_function, _RANGE = saved
 
 
-@contextlib.contextmanager
-def no_head_recompute():
-    """Diagnostic only: the losses' per-chunk ``torch.utils.checkpoint`` (their backward
-    recomputes the head's logits, to keep one chunk of logits alive at a time) replaced by a
-    plain call, to show what that recomputation costs; the math is the same."""
-    import torch.utils.checkpoint as ckpt
-
-    import tunesmith.modules.losses.kd as kd_module
-
-    def plain(fn, *args, **_):
-        return fn(*args)
-
-    saved = ckpt.checkpoint, kd_module.checkpoint
-    ckpt.checkpoint = kd_module.checkpoint = plain
-    try:
-        yield
-    finally:
-        ckpt.checkpoint, kd_module.checkpoint = saved
-
-
 def run_row(shape: str, method: str, dtype: str, rounds: int, profile_steps: int) -> Row:
     from tunesmith.training.distributed import init_distributed
     from tunesmith.training.metric_logging import MetricWindow
@@ -384,21 +360,12 @@ def run_row(shape: str, method: str, dtype: str, rounds: int, profile_steps: int
                           source=None)  # fmt: skip
         base = make_baseline(method, base_model, base_frozen, cfg, batch)
         row.loss = str(cfg.loss._component_).rsplit(".", 1)[-1]
-        recomputes = method in ("dpo", "kd")  # their losses recompute the head in backward
-
-        def plain_step():  # the same trainer: step times do not depend on the weights
-            with no_head_recompute():
-                return trainer.step([batch])
-
         first_base = baseline_step(base, batch)  # warm-up steps (not timed)
         first_tune = trainer.step([batch])["loss"]
         row.first_losses = (first_base, first_tune)
         contestants = {
             "b": lambda: baseline_step(base, batch), "t": lambda: trainer.step([batch]),
-            **({"p": plain_step} if recomputes else {}),
         }  # fmt: skip
-        if recomputes:
-            plain_step()
         for r in range(rounds):
             order = list(contestants)
             order = order[r % len(order) :] + order[: r % len(order)]  # taking turns
@@ -492,7 +459,7 @@ def differences(row: Row) -> list[tuple[float, str]]:
 
 
 def explain(row: Row) -> str:
-    """Why a row is where it is, from its breakdown and (DPO, KD) the diagnostic run."""
+    """Why a row is where it is, from its breakdown."""
     diffs = differences(row)
     excess = row.ms("t") - row.ms("b")
     text = ", ".join(f"{name} {d:+.0f} ms" for d, name in diffs[:2])
@@ -505,15 +472,6 @@ def explain(row: Row) -> str:
     if row.ratio <= 1.10:
         return f"within 10% (largest phase differences: {text}{faults})"
     why = f"**above 10%** ({excess:+.0f} ms a step): largest phase differences {text}"
-    if row.plain_ratio is not None:
-        share = (row.ms("t") - row.ms("p")) / excess if excess > 0 else 0.0
-        why += (
-            f". The loss recomputes the head's logits in backward (`torch.utils.checkpoint` "
-            f"per chunk in {'`KDLoss`' if row.method == 'kd' else '`token_logprobs`'}: one "
-            f"chunk of logits alive at a time); with that recomputation off (diagnostic, same "
-            f"math) the ratio is **{row.plain_ratio:.3f}**, i.e. the recomputation is "
-            f"{share:.0%} of the excess"
-        )  # fmt: skip
     return why + faults
 
 
@@ -522,15 +480,14 @@ def table(rows: list[Row]) -> str:
         "| shape | method | dtype | loss | baseline ms | tunesmith ms | ratio (CPU) "
         "| ratio (user CPU) "
         "| ratio (wall) | page faults / step baseline / tunesmith "
-        "| ratio, no head recompute (diagnostic) | first-step loss baseline / tunesmith |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| first-step loss baseline / tunesmith |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        plain = "" if r.plain_ratio is None else f"{r.plain_ratio:.3f}"
         lines.append(
             f"| {r.shape} | {r.method} | {r.dtype} | {r.loss} | {r.ms('b'):.0f} | {r.ms('t'):.0f} | "
             f"**{r.ratio:.3f}** | {r.user_ratio:.3f} | {r.wall_ratio:.3f} | "
-            f"{r.faults_per_step('b'):,} / {r.faults_per_step('t'):,} | {plain} | "
+            f"{r.faults_per_step('b'):,} / {r.faults_per_step('t'):,} | "
             f"{r.first_losses[0]:.6f} / {r.first_losses[1]:.6f} |"
         )
     return "\n".join(lines)
@@ -595,8 +552,7 @@ def report(args, rows: list[Row], minutes: float, load: tuple[float, float]) -> 
   when the config clips, and steps `torch.optim.AdamW` with the config's settings.
 - {args.rounds} timed steps of each side per row ({args.rounds_100m} for `100M`), taking
   turns, after one warm-up step each; step times are medians of this process's CPU time.
-  DPO and KD rows add a third side taking the same turns: the same Trainer with the loss's
-  head recomputation switched off (a diagnostic, see below). Breakdown: {args.profile_steps}
+  Breakdown: {args.profile_steps}
   more steps of each side (one for `100M`) with CPU clocks in place of the phase ranges.
 
 **Worst ratio: {worst.ratio:.3f}** ({worst.shape} {worst.method} {worst.dtype}); target
@@ -624,12 +580,12 @@ Per row:
   training state; wall seconds) divided by the steps between saves (`save_every_n_steps`, or
   `save_every_minutes` at this row's step time). These three run outside `Trainer.step` and
   are not in its ratio; the per-row line adds them.
-- **no head recompute (diagnostic)**: DPO's `token_logprobs` and KD's `KDLoss` run each
-  chunk of trained positions under `torch.utils.checkpoint`, so at most one chunk of
-  `[rows, vocab]` logits is alive, and backward recomputes the head's logits (KD: the
-  student's and the teacher's). The diagnostic side replaces that checkpoint by a plain call
-  (same math, the logits kept for backward); the baseline keeps its logits too. The
-  difference is a memory-for-time trade of the loss, not loop overhead.
+- **head logits of DPO and KD**: `token_logprobs` (DPO) and `KDLoss` keep a single chunk of
+  trained positions' logits from forward to backward and recompute them in backward only
+  when there are several chunks (here one chunk: {BATCH * SEQ_LEN // 2} trained positions,
+  DPO {BATCH * SEQ_LEN} in its {2 * BATCH} rows); recomputing a single chunk would cost
+  two more head matmuls for no lower peak (`test_one_chunk_is_kept_at_no_extra_peak` in
+  tests/losses).
 - **page faults**: minor page faults of the process during the step (4 KiB each: fresh pages
   the allocator got from the kernel and the step touched). glibc returns large freed blocks
   to the kernel, so a step pays for the fresh pages of its large tensors; how many it pays

@@ -243,14 +243,17 @@ def test_bad_inputs_raise_clear_errors():
         divergence(torch.zeros(2), torch.zeros(2), "js", js_beta=1.0)
     with pytest.raises(ValueError, match="num_chunks"):
         KDLoss(num_chunks=0)
+    with pytest.raises(ValueError, match="recompute must be true, false or null, got 'yes'"):
+        KDLoss(recompute="yes")
     with pytest.raises(ValueError, match=r"student logits \[2, 3\] and teacher logits \[2, 4\]"):
         divergence(torch.zeros(2, 3), torch.zeros(2, 4), "forward")
 
 
 def test_peak_memory_scales_with_the_chunk():
-    """Forward + backward on 1024 tokens x 4096 vocab: nothing of logits size is kept between
-    forward and backward, and the peak shrinks with the chunk (one chunk of logits alive at a
-    time), where a single chunk (the whole logits) holds several [tokens, vocab] tensors."""
+    """Forward + backward on 1024 tokens x 4096 vocab: with several chunks nothing of logits
+    size is kept between forward and backward and the peak shrinks with the chunk (one chunk
+    of logits alive at a time); a single chunk (the whole logits, several [tokens, vocab]
+    tensors) is kept by default, at the peak its recomputation would reach anyway."""
     tokens, vocab, h = 1024, 4096, 16
     gen = torch.Generator().manual_seed(0)
     s_hidden = torch.randn(1, tokens, h, generator=gen).requires_grad_()
@@ -260,9 +263,9 @@ def test_peak_memory_scales_with_the_chunk():
     labels = torch.randint(0, vocab, (1, tokens), generator=gen)
     logits_bytes = tokens * vocab * 4
 
-    def peak(num_chunks: int) -> tuple[int, int]:
+    def peak(num_chunks: int, recompute: bool | None = None) -> tuple[int, int]:
         s_hidden.grad = s_weight.grad = None
-        loss = KDLoss(kind="js", num_chunks=num_chunks)
+        loss = KDLoss(kind="js", num_chunks=num_chunks, recompute=recompute)
         with LiveTensorBytes() as mem:
             kd, ce = loss(s_hidden, s_weight, t_hidden, t_weight, labels)
             kept = mem.current
@@ -271,7 +274,10 @@ def test_peak_memory_scales_with_the_chunk():
         return mem.peak, kept
 
     (one_peak, one_kept), (peak_16, kept_16), (peak_32, _) = peak(1), peak(16), peak(32)
+    recomputed_peak, recomputed_kept = peak(1, recompute=True)
     assert one_peak > 4 * logits_bytes  # the unchunked computation really is big
-    assert one_kept < logits_bytes / 20 and kept_16 < logits_bytes / 20  # recomputed in backward
+    assert one_kept > 4 * logits_bytes  # one chunk: kept from forward to backward
+    assert recomputed_kept < logits_bytes / 20 and kept_16 < logits_bytes / 20  # recomputed
+    assert one_peak <= 1.05 * recomputed_peak  # keeping it costs no peak
     assert peak_16 < one_peak / 10
     assert peak_32 < 0.6 * peak_16

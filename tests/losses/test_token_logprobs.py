@@ -182,3 +182,43 @@ def test_peak_memory_far_below_full_logits():
     assert chunked_kept < logits_bytes / 20  # rows, targets and per-token values only
     # one chunk's logits and the few same-sized temporaries of its backward, never 16 chunks
     assert chunked_peak < 6 * chunk_bytes
+
+
+def test_one_chunk_is_kept_at_no_extra_peak():
+    """A single chunk keeps its logits from forward to backward (no second head matmul) and
+    peaks no higher than recomputing them; the result and gradients are the same."""
+    tokens, vocab, h = 512, 4096, 16
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, tokens, h, generator=gen).requires_grad_()
+    weight = torch.randn(vocab, h, generator=gen).requires_grad_()
+    labels = torch.randint(0, vocab, (1, tokens), generator=gen)
+    logits_bytes = tokens * vocab * 4
+
+    def run(recompute):
+        hidden.grad = weight.grad = None
+        with LiveTensorBytes() as mem:
+            out = token_logprobs(hidden, weight, labels, recompute=recompute)
+            kept = mem.current
+            out.sum().backward()
+        return out.detach(), hidden.grad.clone(), weight.grad.clone(), mem.peak, kept
+
+    *kept_run, kept_peak, kept_bytes = run(None)
+    *recomputed, recomputed_peak, recomputed_bytes = run(True)
+    assert kept_bytes >= logits_bytes > 20 * recomputed_bytes
+    assert kept_peak <= 1.05 * recomputed_peak
+    for a, b in zip(kept_run, recomputed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_second_backward_through_a_retained_graph_recomputes():
+    """The kept logits turn into gradients in place; a second backward recomputes them."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 9, 8, generator=gen).requires_grad_()
+    weight = torch.randn(40, 8, generator=gen).requires_grad_()
+    labels = torch.randint(0, 40, (2, 9), generator=gen)
+    out = token_logprobs(hidden, weight, labels)
+    out.sum().backward(retain_graph=True)
+    once = hidden.grad.clone(), weight.grad.clone()
+    out.sum().backward()
+    torch.testing.assert_close(hidden.grad, 2 * once[0])
+    torch.testing.assert_close(weight.grad, 2 * once[1])

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tunesmith.modules.losses import vocab_parallel as vp
-from tunesmith.modules.losses.token import IGNORE_INDEX
+from tunesmith.modules.losses.token import IGNORE_INDEX, rows_per_chunk
 
 __all__ = ["KD_KINDS", "KDLoss", "divergence"]
 
@@ -70,9 +70,14 @@ def divergence(
             f"{list(teacher_logits.shape)} must have the same shape"
         )
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    log_s = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
-    log_t = torch.log_softmax(teacher_logits.to(dtype) / temperature, dim=-1)
+    log_s = torch.log_softmax(_soften(student_logits.to(dtype), temperature), dim=-1)
+    log_t = torch.log_softmax(_soften(teacher_logits.to(dtype), temperature), dim=-1)
     return _divergence_sum(log_s, log_t, kind, js_beta) * temperature**2
+
+
+def _soften(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` (no pass over the logits at temperature 1)."""
+    return logits if temperature == 1 else logits / temperature
 
 
 def _divergence_sum(
@@ -121,9 +126,16 @@ class KDLoss(nn.Module):
     The recipe divides both by the global trained-token count and mixes them.
 
     Ignored rows are dropped first; the trained rows are processed ``chunk_size`` rows at a
-    time (or split into ``num_chunks`` chunks). Each chunk's student and teacher logits and
-    both sums run under ``torch.utils.checkpoint``, so backward recomputes them and at most
-    one chunk of logits of each model is alive in forward and backward. Teacher tensors are
+    time (or split into ``num_chunks`` chunks; by default up to 8 chunks of at least 512 rows
+    each for a weight of 8 MiB or more, as :class:`~tunesmith.modules.losses.token.
+    LinearCrossEntropyLoss`). With more than one chunk, each chunk's student and teacher
+    logits and both sums run under ``torch.utils.checkpoint``, so backward recomputes them
+    and at most one chunk of logits of each model is alive in forward and backward. A single
+    chunk is kept from forward to backward instead: recomputing it would save no peak memory
+    (backward would rebuild it while every other activation is still alive) and costs two
+    more head matmuls. ``recompute`` (true / false) overrides that choice: true for callers
+    that run several forwards before one backward, false to keep every chunk (all of them
+    alive between the passes). Teacher tensors are
     detached (the teacher never gets gradients) and may be in another dtype than the student
     (e.g. a bf16 teacher for a float32 student): each model's projection runs in its own
     dtype (autocast's when autocast is on), the divergence in float32.
@@ -157,15 +169,20 @@ class KDLoss(nn.Module):
         kind: str = "forward",
         temperature: float = 1.0,
         js_beta: float = 0.5,
-        num_chunks: int = 8,
+        num_chunks: int | None = None,
         *,
         chunk_size: int | None = None,
         ignore_index: int = IGNORE_INDEX,
+        recompute: bool | None = None,
     ) -> None:
         super().__init__()
         _check_kind(kind, temperature, js_beta)
-        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-            raise ValueError(f"num_chunks must be an int >= 1, got {num_chunks!r}")
+        if recompute is not None and not isinstance(recompute, bool):
+            raise ValueError(f"recompute must be true, false or null, got {recompute!r}")
+        if num_chunks is not None and (
+            isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1
+        ):
+            raise ValueError(f"num_chunks must be an int >= 1 or None, got {num_chunks!r}")
         if chunk_size is not None and (
             isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
         ):
@@ -176,6 +193,7 @@ class KDLoss(nn.Module):
         self.num_chunks = num_chunks
         self.chunk_size = chunk_size
         self.ignore_index = ignore_index
+        self.recompute = recompute
 
     def extra_repr(self) -> str:
         return (
@@ -215,10 +233,15 @@ class KDLoss(nn.Module):
         s_dtype = _projection_dtype(s_rows, student_weight)
         t_dtype = _projection_dtype(t_rows, teacher_weight)
         t_weight = teacher_weight.detach()
-        chunk = self.chunk_size or -(-s_rows.shape[0] // self.num_chunks)
-        checkpointed = torch.is_grad_enabled() and (
-            s_rows.requires_grad or student_weight.requires_grad
-        )
+        vocab_rows = shard.max_size if shard is not None else student_weight.shape[0]  # same
+        weight_bytes = vocab_rows * student_weight.shape[1] * s_dtype.itemsize  # on all ranks
+        chunk = rows_per_chunk(s_rows.shape[0], weight_bytes, self.num_chunks, self.chunk_size,
+                               min_chunk_rows=1 if self.num_chunks else None)  # fmt: skip
+        checkpointed = (
+            torch.is_grad_enabled()
+            and (s_rows.requires_grad or student_weight.requires_grad)
+            and (s_rows.shape[0] > chunk if self.recompute is None else self.recompute)
+        )  # one chunk is kept by default: see the class docs
         chunk_fn = self._chunk
         if shard is not None:
             chunk_fn = partial(self._sharded_chunk, shard=shard)
@@ -253,11 +276,15 @@ class KDLoss(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed divergence and summed student CE of one chunk of trained rows."""
         s_logits = (s_rows.to(s_dtype) @ s_weight.to(s_dtype).t()).to(out_dtype)
-        t_logits = (t_rows.to(t_dtype) @ t_weight.to(t_dtype).t()).to(out_dtype)
-        kd = divergence(s_logits, t_logits, self.kind, self.temperature, self.js_beta).sum()
+        with torch.no_grad():
+            t_logits = (t_rows.to(t_dtype) @ t_weight.to(t_dtype).t()).to(out_dtype)
+            log_t = torch.log_softmax(_soften(t_logits, self.temperature), dim=-1)
+        log_s = torch.log_softmax(_soften(s_logits, self.temperature), dim=-1)
+        kd = _divergence_sum(log_s, log_t, self.kind, self.js_beta).sum() * self.temperature**2
+        if self.temperature == 1:  # the CE's log-softmax is the divergence's
+            return kd, -log_s.gather(1, targets[:, None]).sum()
         target_logits = s_logits.gather(1, targets[:, None]).squeeze(1)
-        ce = (torch.logsumexp(s_logits, dim=-1) - target_logits).sum()
-        return kd, ce
+        return kd, (torch.logsumexp(s_logits, dim=-1) - target_logits).sum()
 
     def _sharded_chunk(
         self,

@@ -70,6 +70,32 @@ _DEFAULT_MIN_CHUNK_ROWS = 512
 _CACHED_WEIGHT_BYTES = 8 * 2**20
 
 
+def rows_per_chunk(
+    rows: int, weight_bytes: int, num_chunks: int | None = None, chunk_size: int | None = None,
+    min_chunk_rows: int | None = None,
+) -> int:  # fmt: skip
+    """Rows per chunk of a chunked head projection of ``rows`` trained rows by a
+    ``weight_bytes`` weight: ``chunk_size`` when given, else ``num_chunks`` even chunks, fewer
+    when a weight of 8 MiB or more would get chunks under ``min_chunk_rows`` (smaller chunks
+    re-read a weight that no longer fits in cache more often per FLOP). ``num_chunks=None``:
+    up to 8 chunks of at least 512 rows.
+
+    Example::
+
+        >>> rows_per_chunk(2048, 128256 * 2048 * 4)  # 4 chunks of 512
+        512
+        >>> rows_per_chunk(100, 128256 * 2048 * 4, num_chunks=4, min_chunk_rows=1)
+        25
+    """
+    if chunk_size is not None:
+        return chunk_size
+    if num_chunks is None:
+        num_chunks, min_chunk_rows = _DEFAULT_NUM_CHUNKS, _DEFAULT_MIN_CHUNK_ROWS
+    min_rows = (min_chunk_rows or 1) if weight_bytes >= _CACHED_WEIGHT_BYTES else 1
+    chunks = max(1, min(num_chunks, rows // min_rows))
+    return -(-rows // chunks)
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32, or float64 for float64 inputs."""
     return torch.promote_types(dtype, torch.float32)
@@ -338,8 +364,7 @@ class LinearCrossEntropyLoss(nn.Module):
 
     def rows_per_chunk(self, rows: int, weight_bytes: int) -> int:
         """Rows per chunk for ``rows`` trained rows and a ``weight_bytes`` weight (in the
-        compute dtype): ``chunk_size``, else ``num_chunks`` even chunks, fewer when a weight
-        of 8 MiB or more would get chunks under ``min_chunk_rows``.
+        compute dtype): see :func:`rows_per_chunk`.
 
         Example::
 
@@ -349,11 +374,8 @@ class LinearCrossEntropyLoss(nn.Module):
             >>> LinearCrossEntropyLoss(num_chunks=4).rows_per_chunk(100, llama3_head)
             25
         """
-        if self.chunk_size is not None:
-            return self.chunk_size
-        min_rows = self.min_chunk_rows if weight_bytes >= _CACHED_WEIGHT_BYTES else 1
-        chunks = max(1, min(self.num_chunks, rows // min_rows))
-        return -(-rows // chunks)
+        return rows_per_chunk(rows, weight_bytes, self.num_chunks, self.chunk_size,
+                              self.min_chunk_rows)  # fmt: skip
 
     def forward(
         self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
@@ -423,6 +445,68 @@ def _chunk_token_logprobs(
     return target_logits - torch.logsumexp(logits, dim=-1)
 
 
+class _TokenLogprobs(torch.autograd.Function):
+    """``log softmax(hidden @ weight.T)[targets]`` of ``[rows, h]`` rows, ``chunk_size`` rows
+    at a time, with a hand-written backward.
+
+    Forward keeps each chunk's float32 logits for backward, or (``recompute``) nothing but the
+    log-sum-exps, and backward then recomputes them. Backward turns the logits in place into
+    ``d logp / d logits = g · (one_hot - softmax)`` and feeds the two gradient matmuls: no
+    ``[rows, V]`` tensor is allocated besides the logits themselves. The matmuls run in
+    ``dtype``; the weight gradient is summed over chunks in float32 (at least) and returned in
+    the weight's dtype, the hidden gradient in the hidden states' dtype.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+        chunk_size: int, dtype: torch.dtype, recompute: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        rows_c, weight_c = hidden.to(dtype), weight.to(dtype)
+        logps, lses, kept = [], [], []
+        for start in range(0, rows_c.shape[0], chunk_size):
+            part = slice(start, start + chunk_size)
+            logits = _chunk_logits(rows_c[part], weight_c, None)
+            lse = torch.logsumexp(logits, dim=-1)
+            logps.append(logits.gather(1, targets[part, None]).squeeze(1) - lse)
+            lses.append(lse)
+            kept.append(None if recompute else logits)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.lses, ctx.logits = lses, kept
+        ctx.chunk_size, ctx.dtype = chunk_size, dtype
+        return torch.cat(logps)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        hidden, weight, targets = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        rows_c, weight_c = hidden.to(ctx.dtype), weight.to(ctx.dtype)
+        acc = _accumulation_dtype(ctx.dtype)
+        grad_hidden = torch.empty_like(rows_c) if need_hidden else None
+        grad_weight = (
+            torch.empty(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+        )
+        kept, ctx.logits = ctx.logits, [None] * len(ctx.logits)  # a second backward recomputes
+        for index, start in enumerate(range(0, rows_c.shape[0], ctx.chunk_size)):
+            part = slice(start, start + ctx.chunk_size)
+            logits = kept[index]
+            if logits is None:
+                logits = _chunk_logits(rows_c[part], weight_c, None)
+            grad = grad_output[part].to(acc)[:, None]
+            probs = logits.sub_(ctx.lses[index][:, None]).exp_()
+            grad_logits = probs.mul_(-grad).scatter_add_(1, targets[part, None], grad)
+            chunk_hidden = grad_hidden[part] if grad_hidden is not None else None
+            _add_chunk_grads(grad_logits, rows_c[part], weight_c, chunk_hidden, grad_weight,
+                             first=start == 0)  # fmt: skip
+            del logits, probs, grad_logits
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
 def _sharded_chunk_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -469,6 +553,7 @@ def token_logprobs(
     *,
     chunk_size: int = 1024,
     ignore_index: int = IGNORE_INDEX,
+    recompute: bool | None = None,
 ) -> torch.Tensor:
     """Log-probability of each label under ``softmax(hidden @ weight.T)``, without ever
     materialising the ``[batch, seq, vocab]`` logits.
@@ -479,12 +564,17 @@ def token_logprobs(
     ``ignore_index``. Summing it over a response's positions gives the sequence log-probability
     that DPO-family losses compare.
 
-    Only rows with a trained label are projected, ``chunk_size`` rows at a time; each chunk
-    runs under ``torch.utils.checkpoint`` so backward recomputes its logits, and at most one
-    chunk of ``[rows, V]`` logits is alive in forward or backward. Under autocast the
+    Only rows with a trained label are projected, ``chunk_size`` rows at a time. With more
+    than one chunk, backward recomputes each chunk's logits, so at most one chunk of
+    ``[rows, V]`` logits is alive in forward or backward; a single chunk keeps its logits from
+    forward to backward (recomputing it would save no peak memory: backward would rebuild it
+    while every other activation is still alive). ``recompute`` (true / false) overrides that
+    choice. Backward is written by hand: each chunk's logits turn in place into
+    ``g · (one_hot - softmax)`` and feed the two gradient matmuls. Under autocast the
     projection runs in the autocast dtype (as the ``lm_head`` matmul would), otherwise in the
-    promoted dtype of ``hidden`` and ``weight``; log-softmax is float32 at least. Under
-    ``torch.no_grad`` (a reference model) no checkpointing is done.
+    promoted dtype of ``hidden`` and ``weight``; log-softmax is float32 at least, and so is
+    the weight gradient's sum over chunks. Under ``torch.no_grad`` (a reference model)
+    nothing is kept.
 
     A ``weight`` sharded over the vocabulary (a ``Shard(0)`` ``DTensor`` on a 1-D mesh: tensor
     parallel's ``lm_head``) is used shard by shard as in :class:`LinearCrossEntropyLoss`
@@ -520,32 +610,42 @@ def token_logprobs(
             f"token_logprobs: labels must be in [0, {vocab}) or {ignore_index}, got "
             f"values in [{int(targets.min())}, {int(targets.max())}]"
         )
+    grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
+    if recompute is None:  # one chunk: kept from forward to backward
+        recompute = rows.shape[0] > chunk_size
+    if shard is None and grad:
+        with torch.autocast(device_type, enabled=False):
+            picked = _TokenLogprobs.apply(rows, weight, targets, chunk_size, dtype, recompute)
+    else:
+        picked = _checkpointed_chunks(rows, weight, targets, chunk_size, dtype, shard,
+                                      checkpointed=grad and recompute)  # fmt: skip
+    flat = torch.zeros(flat_labels.shape[0], dtype=out_dtype, device=hidden.device)
+    return flat.index_copy(0, keep, picked).reshape(labels.shape)
+
+
+def _checkpointed_chunks(
+    rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int,
+    dtype: torch.dtype, shard: vp.VocabShard | None, checkpointed: bool,
+) -> torch.Tensor:  # fmt: skip
+    """:func:`token_logprobs` of the trained rows through autograd (no gradient, or a weight
+    sharded over the vocabulary), each chunk under ``torch.utils.checkpoint`` when
+    ``checkpointed``."""
     from torch.utils.checkpoint import checkpoint
 
     chunk_fn: Callable[..., torch.Tensor] = _chunk_token_logprobs
     if shard is not None:
         chunk_fn = partial(_sharded_chunk_token_logprobs, shard=shard)
         rows = vp.copy_to_ranks(rows, shard)  # each rank's d hidden is a partial sum
-
-    checkpointed = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
     pieces = []
-    with torch.autocast(device_type, enabled=False):
+    with torch.autocast(rows.device.type, enabled=False):
         for start in range(0, rows.shape[0], chunk_size):
             chunk = (rows[start : start + chunk_size], weight, targets[start : start + chunk_size])
             if checkpointed:
-                pieces.append(
-                    checkpoint(
-                        chunk_fn,
-                        *chunk,
-                        dtype,
-                        use_reentrant=False,
-                        preserve_rng_state=False,
-                    )
-                )
+                pieces.append(checkpoint(chunk_fn, *chunk, dtype, use_reentrant=False,
+                                         preserve_rng_state=False))  # fmt: skip
             else:
                 pieces.append(chunk_fn(*chunk, dtype))
-    flat = torch.zeros(flat_labels.shape[0], dtype=out_dtype, device=hidden.device)
-    return flat.index_copy(0, keep, torch.cat(pieces)).reshape(labels.shape)
+    return torch.cat(pieces)
 
 
 # -- per-token entropy -------------------------------------------------------------------------
