@@ -19,8 +19,10 @@ wall time. Memory: the bytes of the weights, gradients and optimizer states coun
 tensor at the end (exact), and the process's peak RSS. Rounds take turns over the modes.
 
 A second table times the loss path alone, forward + backward of the library's
-``CrossEntropyLoss`` on [4 x 256 x 32000] logits and ``LinearCrossEntropyLoss`` on the hidden
-states and the head, with bf16 inputs against fp32 inputs (both compute log-softmax in fp32).
+``CrossEntropyLoss`` on [4 x 256 x 32000] logits, and, on the hidden states and the head,
+``LinearCrossEntropyLoss`` (SFT), ``token_logprobs`` (DPO, RL; summed) and ``KDLoss`` (forward
+KL + CE against a teacher of the same shape), with bf16 inputs against fp32 inputs (all
+compute log-softmax in fp32).
 
 Usage::
 
@@ -120,7 +122,12 @@ def run_mode(shape: str, mode: str, steps: int, threads: int) -> dict:
 
 def loss_path(threads: int, repeats: int = 5) -> list[dict]:
     """Forward + backward time of the loss alone, bf16 inputs vs fp32 inputs."""
-    from tunesmith.modules.losses import CrossEntropyLoss, LinearCrossEntropyLoss
+    from tunesmith.modules.losses import (
+        CrossEntropyLoss,
+        KDLoss,
+        LinearCrossEntropyLoss,
+        token_logprobs,
+    )
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
@@ -128,19 +135,30 @@ def loss_path(threads: int, repeats: int = 5) -> list[dict]:
     weight32 = torch.randn(32000, 256, generator=gen) * 0.02
     labels = torch.randint(0, 32000, (BATCH, SEQ_LEN), generator=gen)
     labels[:, : SEQ_LEN // 2] = -100
+    teacher32 = torch.randn(BATCH, SEQ_LEN, 256, generator=gen)
+    losses = {
+        "CrossEntropyLoss (logits)": lambda h, w, t: CrossEntropyLoss()(h @ w.T, labels),
+        "LinearCrossEntropyLoss (hidden, head)": lambda h, w, t: LinearCrossEntropyLoss()(
+            h, w, labels
+        ),
+        "token_logprobs (hidden, head; DPO, RL)": lambda h, w, t: token_logprobs(
+            h, w, labels
+        ).sum(),
+        "KDLoss (hidden, heads; forward KL + CE)": lambda h, w, t: sum(
+            KDLoss()(h, w, t, w.detach(), labels)
+        ),
+    }
     rows = []
-    for name in ("CrossEntropyLoss (logits)", "LinearCrossEntropyLoss (hidden, head)"):
+    for name, loss_fn in losses.items():
         times = {}
         for dtype in (torch.float32, torch.bfloat16):
             samples = []
             for _ in range(repeats + 1):
                 hidden = hidden32.to(dtype).requires_grad_()
                 weight = weight32.to(dtype).requires_grad_()
+                teacher = teacher32.to(dtype)
                 start = time.process_time()
-                if name.startswith("Linear"):
-                    loss = LinearCrossEntropyLoss()(hidden, weight, labels)
-                else:
-                    loss = CrossEntropyLoss()(hidden @ weight.T, labels)
+                loss = loss_fn(hidden, weight, teacher)
                 loss.backward()
                 samples.append((time.process_time() - start) / threads)
             times[dtype] = statistics.median(samples[1:])
