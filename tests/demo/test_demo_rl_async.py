@@ -24,7 +24,7 @@ from tunesmith.models import from_hf
 from tunesmith.recipes import config_path
 
 ASYNC_KEYS = {"async_mode", "max_staleness", "buffer_size", "max_worker_restarts", "rollout",
-              "reward_workers", "ray"}  # fmt: skip
+              "reward_workers", "ray", "trainer_group"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,14 @@ would give all-zero advantages)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import os
 import random
-from collections.abc import Sequence
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +71,21 @@ def run_rl(recipe: str, config: str, overrides: Sequence[str], *, model: Any = N
             importlib.import_module(f"tunesmith.recipes.{recipe}").main(cfg)
     finally:
         torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int = 4) -> Iterator[None]:
+    """A local Ray instance of a test module's own (runs in the test process join it), in a
+    short temp folder (Ray's socket paths must stay short), its workers allowed the test
+    rewards; shut down and removed afterwards."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    with _any_component_allowed():  # the workers start with the test reward allowed
+        ray.init(num_cpus=num_cpus, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)

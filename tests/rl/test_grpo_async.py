@@ -8,7 +8,8 @@ for the module, in a temp dir of its own):
   the mode allows (read back from ``rollouts.jsonl``); ``off_policy`` with ``max_staleness: 0``
   is ``sync``;
 * a resumed ``overlap`` run (the buffer drained into the checkpoint) == the uninterrupted one;
-* a rollout worker killed (SIGKILL) while it samples loses and duplicates nothing.
+* a rollout worker killed (SIGKILL) while it samples loses and duplicates nothing, with the
+  weights sent through Ray's object store or a broadcast (``rollout.weight_sync``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import ray
 from omegaconf import OmegaConf
 
 from tests.recipes.sft_world import (
@@ -35,7 +35,7 @@ from tests.recipes.sft_world import (
     make_model_dir,
     read_metrics,
 )
-from tests.rl.rl_world import grpo_overrides, make_prompts, run_rl
+from tests.rl.rl_world import grpo_overrides, local_ray, make_prompts, run_rl
 from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
 from tunesmith.recipes import config_path
 
@@ -53,13 +53,8 @@ def world(tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def ray_instance():
     """One local Ray instance for the module (the runs join it instead of starting their own)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
-    with _any_component_allowed():  # the workers start with the test reward allowed
-        ray.init(num_cpus=4, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+    with local_ray():
+        yield
 
 
 def run(world, recipe: str, config: str, name: str, *extra: str, model=None):
@@ -117,17 +112,21 @@ def test_a_resumed_overlap_run_equals_the_uninterrupted_one(world):
     assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in rollouts(whole)]
 
 
-def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path):
-    """SIGKILL the rollout worker while it samples: Ray restarts it, its prompts are sampled
-    again with the same keys and policy, and the run ends with the weights of a run where
-    nothing died (sync mode: every batch sampled by the policy that trains on it)."""
+@pytest.mark.parametrize("weight_sync", ["object_store", "collective"])
+def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path, weight_sync):
+    """SIGKILL the rollout worker while it samples: Ray restarts it (``collective``: in a new
+    weight-sync group), its prompts are sampled again with the same keys and policy, and the
+    run ends with the weights of a run where nothing died (sync mode: every batch sampled by
+    the policy that trains on it; weights through the object store)."""
     root, model_dir, prompts = world
     slow = ["generation.max_new_tokens=48", f"max_steps={STEPS}", "optimizer.lr=1e-2"]
-    quiet = run(world, "grpo_async", "tiny", "nokill", "async_mode=sync", *slow)
+    quiet = root / "nokill"
+    if not (quiet / "rollouts.jsonl").is_file():  # one run for both parametrisations
+        run(world, "grpo_async", "tiny", "nokill", "async_mode=sync", *slow)
     out = tmp_path / "killed"
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     overrides = [*grpo_overrides(model_dir, prompts, out, *FAST), *slow, "async_mode=sync",
-                 f"ray.temp_dir={temp}"]  # fmt: skip
+                 f"ray.temp_dir={temp}", f"rollout.weight_sync={weight_sync}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", ALLOW_ANY_COMPONENT_ENV: "1",
            "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}  # fmt: skip
     command = [sys.executable, "-m", "tunesmith.cli.main", "run", "grpo_async", "--config",

@@ -28,6 +28,7 @@ from typing import Any, TextIO
 from tunesmith.cli.torchrun import RUN_LOG_ENV
 from tunesmith.config import load_config
 from tunesmith.recipes import load_recipe_module, run_recipe
+from tunesmith.training.console import Tee
 
 __all__ = ["load_recipe_module", "run_recipe"]  # defined in tunesmith.recipes
 
@@ -85,27 +86,6 @@ class _Prefixed:
         return getattr(self.file, name)
 
 
-class _Tee:
-    """Writes to the ``console`` stream and to ``log``; progress-bar redraws (``\r``) only to
-    the console."""
-
-    def __init__(self, console: TextIO, log: _Prefixed) -> None:
-        self.console, self.log = console, log
-
-    def write(self, text: str) -> int:
-        self.console.write(text)
-        if "\r" not in text:
-            self.log.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        self.console.flush()
-        self.log.flush()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.console, name)
-
-
 def _route_output(log: Path, rank: int, *, console: bool) -> _Prefixed:
     """Send this rank's output to ``log`` (lines prefixed ``[rankN]: ``); with ``console`` to
     the console as well, else only to the log (C/C++ output too, unprefixed)."""
@@ -114,7 +94,7 @@ def _route_output(log: Path, rank: int, *, console: bool) -> _Prefixed:
     sys.stdout.flush()
     sys.stderr.flush()
     if console:
-        sys.stdout, sys.stderr = _Tee(sys.stdout, prefixed), _Tee(sys.stderr, prefixed)
+        sys.stdout, sys.stderr = Tee(sys.stdout, prefixed), Tee(sys.stderr, prefixed)
     else:
         os.dup2(file.fileno(), 1)
         os.dup2(file.fileno(), 2)

@@ -38,9 +38,11 @@ from tunesmith.rl import setup as rl
 from tunesmith.rl.objective import PolicyGradient
 from tunesmith.rl.pipeline import require_ray
 from tunesmith.rl.source import RolloutSource
+from tunesmith.rl.trainer_group import check_launch as check_launch  # read by `tunesmith run`
+from tunesmith.rl.trainer_group import run_trainers
 from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
-from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit, run_main
+from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit
 from tunesmith.training.loop_config import component, flag, integer
 from tunesmith.training.parallelize import parallelize
 from tunesmith.training.trainer import Trainer
@@ -55,7 +57,7 @@ KEYS, RULES = rl.rl_keys({  # what each top-level value may be, checked up front
 
 
 def main(cfg: DictConfig) -> None:
-    run_main(train, cfg, KEYS, RULES)
+    run_trainers(train, cfg, KEYS, RULES)  # this process's ranks, or Ray actors (trainer_group)
 
 
 def train(cfg: DictConfig, ctx: DistributedContext) -> None:

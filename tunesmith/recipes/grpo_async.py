@@ -13,11 +13,20 @@ Ray starts in this process (nothing to start by hand), or the run joins a cluste
    add the reference's log-probs; groups wait in the replay buffer;
 2. the trainer takes the step's groups (staler ones are sampled again), computes its own
    log-probs of the sampled tokens and makes GRPO's update (``updates_per_batch`` of them);
-3. the new weights go to the rollout workers (Ray's object store), with the new version.
+3. the new weights go to the rollout workers (Ray's object store, or a broadcast from rank 0
+   with ``rollout.weight_sync: collective``), with the new version.
 
-The trainer's ranks are this process's (``--nproc-per-node`` for FSDP2/TP, as in ``grpo``).
+The trainer's ranks (``trainer_group``) are this process's or torchrun's (``launcher:
+torchrun``, the default: ``--nproc-per-node`` for FSDP2/TP, as in ``grpo``), or Ray actors
+(``launcher: ray``: this process drives ``trainer_group.workers`` trainer actors of
+``num_cpus``/``num_gpus`` each, with the same process group, ``parallelism`` and checkpoints;
+rank 0's output on this console, every rank's in ``<output_dir>/logs/trainer-group-*``; see
+:mod:`tunesmith.rl.trainer_group`)::
+
+    tunesmith run grpo_async --config tiny ... trainer_group.launcher=ray trainer_group.workers=2
+
 Logged besides ``grpo``'s: ``staleness_mean``/``_max``, ``wait_s`` (trainer idle),
-``weight_sync_s``, ``buffer_groups``, ``dropped_stale``, ``requeued_groups``,
+``weight_sync_s``, ``weight_sync_mb``, ``buffer_groups``, ``dropped_stale``, ``requeued_groups``,
 ``worker_restarts``, ``samples_per_s``; ``<output_dir>/rollouts.jsonl`` lists the groups of
 every batch with the policy version that sampled each.
 """
@@ -27,7 +36,8 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from tunesmith.recipes import grpo
-from tunesmith.training.loop import run_main
+from tunesmith.rl.trainer_group import check_launch as check_launch  # read by `tunesmith run`
+from tunesmith.rl.trainer_group import run_trainers
 from tunesmith.training.loop_config import choice
 
 RUNTIME_ARGS = grpo.RUNTIME_ARGS
@@ -37,4 +47,4 @@ RULES = {**grpo.RULES, "async_mode": choice("sync", "overlap", "off_policy")}
 
 
 def main(cfg: DictConfig) -> None:
-    run_main(grpo.train, cfg, KEYS, RULES)
+    run_trainers(grpo.train, cfg, KEYS, RULES)  # this process's ranks, or Ray actors

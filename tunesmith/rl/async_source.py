@@ -35,6 +35,7 @@ from tunesmith.modules.peft.lora import LoRALinear
 from tunesmith.rl.groups import Group
 from tunesmith.rl.pipeline import RolloutPipeline
 from tunesmith.rl.source import Batch, RolloutSource, _Collected
+from tunesmith.rl.weight_sync import nbytes
 from tunesmith.training.distributed import full_tensor
 
 __all__ = ["AsyncRolloutSource", "merged_adapter_weights"]
@@ -66,6 +67,7 @@ class AsyncRolloutSource(RolloutSource):
         self.rollout_log = Path(rollout_log) if rollout_log else None
         self.version = 0  # optimizer updates done: the policy being trained
         self._synced: int | None = 0  # the version the workers have (they start from it)
+        self.sync_mb = 0.0  # megabytes (1e6 bytes) of the last weights sent
         self._last_collect: float | None = None
         self._last_busy = (0.0, 0.0)
 
@@ -73,14 +75,17 @@ class AsyncRolloutSource(RolloutSource):
 
     def publish(self) -> float:
         """Send the trainable weights to the rollout workers (a collective: every rank
-        gathers its shards); returns the seconds it took."""
+        gathers its shards; on the GPU for a broadcast over NCCL, else on the CPU); returns
+        the seconds it took and keeps their size in ``sync_mb``."""
         start = time.perf_counter()
-        named = (merged_adapter_weights(self.model) if self.merged_adapters
-                 else {name: full_tensor(p.detach()).cpu()
+        cpu = self.pipeline is None or not self.pipeline.sync_on_device
+        named = (merged_adapter_weights(self.model, cpu=cpu) if self.merged_adapters
+                 else {name: _on_cpu(full_tensor(p.detach()), cpu)
                        for name, p in self.model.named_parameters() if p.requires_grad})  # fmt: skip
         if self.pipeline is not None:
             self.pipeline.publish(named, self.version)
         self._synced = self.version
+        self.sync_mb = nbytes(named) / 1e6
         return time.perf_counter() - start
 
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
@@ -88,6 +93,7 @@ class AsyncRolloutSource(RolloutSource):
         self.version = step
         if step < self.total_steps:
             metrics["weight_sync_s"] = self.publish()
+            metrics["weight_sync_mb"] = self.sync_mb
 
     # -- batches
 
@@ -184,8 +190,9 @@ class AsyncRolloutSource(RolloutSource):
             self.pipeline.load_state_dict(state["pipeline"])
 
 
-def merged_adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every adapted linear layer's merged weight (``W + s·B A``) at its Hugging Face key.
+def merged_adapter_weights(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Tensor]:
+    """Every adapted linear layer's merged weight (``W + s·B A``) at its Hugging Face key, on
+    the CPU (``cpu=False``: where the model is).
 
     >>> from tunesmith.models import llama3
     >>> from tunesmith.modules.peft import apply_lora
@@ -200,8 +207,12 @@ def merged_adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
                 f"{name}: adapters on stacked experts cannot be sent merged to the rollout "
                 "workers (rollout.merge_adapters / the vllm engine): use the local engine"
             )
-        named[f"{name}.weight"] = full_tensor(module.merged_weight()).cpu()
+        named[f"{name}.weight"] = _on_cpu(full_tensor(module.merged_weight()), cpu)
     return named
+
+
+def _on_cpu(tensor: torch.Tensor, cpu: bool) -> torch.Tensor:
+    return tensor.cpu() if cpu else tensor
 
 
 _PIPELINE_METRICS = (

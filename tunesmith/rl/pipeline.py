@@ -16,11 +16,14 @@ A worker is sent its prompts in chunks (one per rollout worker per batch) and ea
 on to a reward worker; both run in order on their actor, so weights sent after a chunk reach
 the worker before the next one: a group's ``version`` is the policy that really sampled it.
 Groups wait in the :class:`~tunesmith.rl.replay.ReplayBuffer` (at most ``capacity`` groups
-sampled or in flight: backpressure) until their batch is due. A worker that dies is restarted by
-Ray; its chunks are sent again (same keys: same completions for the same policy), so no
-prompt is lost or trained twice, and a run in ``sync`` mode ends with the weights it would have
-had without the failure. :meth:`RolloutPipeline.state_dict` first waits for the chunks in
-flight (drain), so a resumed run continues with exactly the groups it would have used.
+sampled or in flight: backpressure) until their batch is due. Weights go through Ray's object
+store or a broadcast from trainer rank 0 (``rollout.weight_sync``,
+:mod:`tunesmith.rl.weight_sync`). A worker that dies is restarted by Ray and sent the current
+weights (a broadcast first re-forms its group with every rollout worker); its chunks are sent
+again (same keys: same completions for the same policy), so no prompt is lost or trained
+twice, and a run in ``sync`` mode ends with the weights it would have had without the failure.
+:meth:`RolloutPipeline.state_dict` first waits for the chunks in flight (drain), so a resumed
+run continues with exactly the groups it would have used.
 
 Example::
 
@@ -46,9 +49,16 @@ from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
 from tunesmith.rl.groups import Group
 from tunesmith.rl.prompts import Prompt, PromptStream
 from tunesmith.rl.replay import ReplayBuffer
+from tunesmith.rl.weight_sync import (
+    DEFAULT_TIMEOUT_S,
+    SYNC_MODES,
+    CollectiveSync,
+    ObjectStoreSync,
+    collective_backend,
+)
 from tunesmith.rl.workers import RewardWorker, RolloutWorker
 
-__all__ = ["MODES", "RolloutPipeline", "lead_versions", "require_ray"]
+__all__ = ["MODES", "RolloutPipeline", "actor_cause", "lead_versions", "require_ray", "runtime_env"]
 
 MODES = ("sync", "overlap", "off_policy")
 
@@ -64,11 +74,11 @@ def require_ray() -> Any:
     return ray
 
 
-def _actor_cause(error: BaseException) -> str:
+def actor_cause(error: BaseException) -> str:
     """One line of a Ray actor error: the exception its constructor raised (the last line of
     Ray's traceback), or the first and last lines of a system failure; no colour codes.
 
-    >>> _actor_cause(RuntimeError("ray::W.__init__()\\n  File ...\\nImportError: no vllm"))
+    >>> actor_cause(RuntimeError("ray::W.__init__()\\n  File ...\\nImportError: no vllm"))
     'ray::W.__init__() ImportError: no vllm'
     """
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
@@ -104,7 +114,7 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _runtime_env(resources: Mapping[str, Any]) -> dict[str, Any]:
+def runtime_env(resources: Mapping[str, Any]) -> dict[str, Any]:
     """A role's Ray runtime environment: its ``runtime_env`` from the config (e.g. vLLM's own
     ``pip`` packages when its torch differs from the trainer's) with :func:`_worker_env`."""
     env = dict(resources.get("runtime_env") or {})
@@ -172,7 +182,12 @@ class RolloutPipeline:
         self.failures: dict[str, int] = {}
         self.busy = {"rollout_s": 0.0, "reward_s": 0.0}
         self.worker_tokens = [[0.0, 0.0] for _ in range(self.n_rollout)]  # tokens, seconds
-        self._weights: Any = None
+        self.weight_sync = str(rollout.get("weight_sync") or "object_store")
+        if self.weight_sync not in SYNC_MODES:
+            raise ValueError(
+                f"rollout.weight_sync must be one of {list(SYNC_MODES)}, got {self.weight_sync!r}"
+            )
+        self._sync: ObjectStoreSync | CollectiveSync | None = None  # made at the first publish
         self._next_reward = 0
         self._ray: Any = None
         self._owns_ray = False
@@ -210,14 +225,14 @@ class RolloutPipeline:
             except ray.exceptions.RayActorError as error:  # its constructor failed
                 self.close()
                 raise RuntimeError(
-                    f"a {role} worker could not start: {_actor_cause(error)}"
+                    f"a {role} worker could not start: {actor_cause(error)}"
                 ) from error
 
     def _actor(self, role: type, resources: Mapping[str, Any]) -> Any:
         cpus = float(resources.get("num_cpus", 1))
         actor = self._ray.remote(
             num_cpus=cpus, num_gpus=float(resources.get("num_gpus", 0)),
-            max_restarts=-1, max_task_retries=0, runtime_env=_runtime_env(resources),
+            max_restarts=-1, max_task_retries=0, runtime_env=runtime_env(resources),
         )(role)  # fmt: skip
         return actor.remote(self.config, threads=max(1, int(cpus)))
 
@@ -231,6 +246,9 @@ class RolloutPipeline:
         """Stop the workers (and Ray, when this pipeline started it)."""
         if self._ray is None:
             return
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
         for worker in self.rollout_workers + self.reward_workers:
             self._ray.kill(worker)
         self.rollout_workers, self.reward_workers = [], []
@@ -238,13 +256,37 @@ class RolloutPipeline:
             self._ray.shutdown()
         self._ray = None
 
+    @property
+    def sync_on_device(self) -> bool:
+        """Whether the published tensors stay on the trainer's GPU (``collective`` over NCCL)."""
+        return self.weight_sync == "collective" and collective_backend(self.config) == "nccl"
+
     def publish(self, named: Mapping[str, torch.Tensor], version: int) -> None:
         """Send the policy of ``version`` (its trainable tensors by name) to every rollout
-        worker; each takes it after the chunks it was sent before."""
-        self._weights = self._ray.put(dict(named))
+        worker, through Ray's object store or a broadcast (``rollout.weight_sync``,
+        :mod:`tunesmith.rl.weight_sync`); each takes it after the chunks it was sent before."""
         self.published = int(version)
-        for worker in self.rollout_workers:
-            worker.load_weights.remote(self._weights, self.published)
+        self._weight_sync().publish(self.rollout_workers, named, self.published)
+
+    def _weight_sync(self) -> ObjectStoreSync | CollectiveSync:
+        if self._sync is None:
+            if self.weight_sync == "collective":
+                rollout = dict(self.config.get("rollout") or {})
+                self._sync = CollectiveSync(
+                    self._ray, backend=collective_backend(self.config),
+                    timeout_s=float(rollout.get("weight_sync_timeout_s") or DEFAULT_TIMEOUT_S),
+                    host=self._ray.util.get_node_ip_address(),
+                )  # fmt: skip
+            else:
+                self._sync = ObjectStoreSync(self._ray)
+        return self._sync
+
+    def _check_sync(self) -> None:
+        """Restart handling for the rollout workers the weight sync saw die (its calls are
+        not waited for); a sync that failed otherwise raises."""
+        if self._sync is not None:
+            for index, error in self._sync.poll():
+                self._restarted("rollout", index, error)
 
     # -- batches
 
@@ -255,9 +297,10 @@ class RolloutPipeline:
             raise ValueError(f"batch {batch}: the run has {self.total_batches} batches")
         start = time.perf_counter()
         while True:
-            self._launch()
+            self._check_sync()
             for group in self.buffer.drop_stale(version):  # sample again with a newer policy
                 self._requeue(_Chunk(group.round, [group.prompt]))
+            self._launch()
             ids = self.batch_ids.get(batch)
             if ids is not None and self.buffer.has(ids):
                 groups = self.buffer.take(ids, version)
@@ -348,26 +391,32 @@ class RolloutPipeline:
             self.busy["reward_s"] += stats.get("reward_s", 0.0) + stats.get("reference_s", 0.0)
 
     def _worker_died(self, chunk: _Chunk, error: BaseException) -> None:
-        """A worker of ``chunk`` died: count each restarted worker once (by its new process
-        id: one death fails every chunk queued on it), send a restarted rollout worker the
-        current weights, and sample the chunk again."""
+        """A worker of ``chunk`` died: restart handling for both of its workers, and sample
+        the chunk again."""
         for role, index in (("rollout", chunk.worker), ("reward", chunk.scorer)):
-            actor = (self.rollout_workers if role == "rollout" else self.reward_workers)[index]
-            pid = self._pid_after_restart(actor, role, error)
-            if pid == self.pids[role][index]:
-                continue
-            self.pids[role][index] = pid
-            self.restarts += 1
-            self.restarts_of[(role, index)] += 1
-            if self.restarts_of[(role, index)] > self.max_restarts:
-                raise RuntimeError(
-                    f"rollout pipeline: {role} worker {index} died "
-                    f"{self.restarts_of[(role, index)]} times (max_worker_restarts="
-                    f"{self.max_restarts}); last: {_actor_cause(error)}"
-                ) from error
-            if role == "rollout" and self._weights is not None:  # it starts from the config
-                actor.load_weights.remote(self._weights, self.published)
+            self._restarted(role, index, error)
         self._requeue(chunk)
+
+    def _restarted(self, role: str, index: int, error: BaseException) -> None:
+        """After a worker died: count each restarted worker once (by its new process id: one
+        death fails every call queued on it) and send a restarted rollout worker the current
+        weights (with ``collective`` sync: a new group of all the rollout workers) before any
+        new work."""
+        actor = (self.rollout_workers if role == "rollout" else self.reward_workers)[index]
+        pid = self._pid_after_restart(actor, role, error)
+        if pid == self.pids[role][index]:
+            return
+        self.pids[role][index] = pid
+        self.restarts += 1
+        self.restarts_of[(role, index)] += 1
+        if self.restarts_of[(role, index)] > self.max_restarts:
+            raise RuntimeError(
+                f"rollout pipeline: {role} worker {index} died "
+                f"{self.restarts_of[(role, index)]} times (max_worker_restarts="
+                f"{self.max_restarts}); last: {actor_cause(error)}"
+            ) from error
+        if role == "rollout" and self._sync is not None:  # it starts from the config
+            self._sync.resend(self.rollout_workers, index)
 
     def _pid_after_restart(self, actor: Any, role: str, error: BaseException) -> int:
         """The worker's process id once Ray has it running again."""
@@ -378,8 +427,7 @@ class RolloutPipeline:
             except ray.exceptions.RayActorError:  # still restarting
                 time.sleep(0.1)
         raise RuntimeError(
-            f"rollout pipeline: a {role} worker did not come back after dying: "
-            f"{_actor_cause(error)}"
+            f"rollout pipeline: a {role} worker did not come back after dying: {actor_cause(error)}"
         ) from error
 
     def _requeue(self, chunk: _Chunk) -> None:

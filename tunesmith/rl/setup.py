@@ -8,7 +8,10 @@ keeps only its algorithm:
 * :func:`source_options`: the :class:`~tunesmith.rl.source.RolloutSource` arguments that come
   straight from the config;
 * :func:`reward_evaluator`: held-out rewards of greedy answers on ``val_prompts`` (or None);
-* :func:`check_one_update_per_backward`: the optimizer in backward needs one micro-batch.
+* :func:`check_one_update_per_backward`: the optimizer in backward needs one micro-batch;
+* :data:`ASYNC_RULES`, :func:`asynchronous_source`: asynchronous GRPO's keys (its pipeline,
+  Ray, and ``trainer_group``: who runs the trainer's ranks, :mod:`tunesmith.rl.trainer_group`)
+  and its batch source.
 
 Example (the prologue of an RL recipe)::
 
@@ -20,6 +23,7 @@ Example (the prologue of an RL recipe)::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,8 @@ from tunesmith.rl.pipeline import RolloutPipeline
 from tunesmith.rl.prompts import Prompt, PromptStream
 from tunesmith.rl.rewards import RewardSet
 from tunesmith.rl.source import GenerationConfig, RolloutSource
+from tunesmith.rl.trainer_group import TRAINER_GROUP_RULE
+from tunesmith.rl.weight_sync import SYNC_MODES
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.loop import LOOP_KEYS
 from tunesmith.training.loop_config import (
@@ -70,6 +76,21 @@ def mapping(what: str) -> Rule:
     return Rule(what, lambda v: v is None or type_name(v) == "mapping")
 
 
+def _weight_sync_problem(rollout: Any) -> str | None:
+    """What is wrong with ``rollout.weight_sync`` / ``weight_sync_timeout_s``, or None.
+
+    >>> _weight_sync_problem({"weight_sync": "nccl"})
+    "weight_sync: expected one of 'object_store', 'collective', or null (object_store), got 'nccl' (a string)"
+    """
+    rollout = rollout or {}
+    for key, rule in (("weight_sync", choice(*SYNC_MODES, null="object_store")),
+                      ("weight_sync_timeout_s", number(above=0, null="1800 s"))):  # fmt: skip
+        problem = rule.problem(rollout.get(key))
+        if problem is not None:
+            return f"{key}: {problem}"
+    return None
+
+
 RL_RULES: dict[str, Rule] = {  # the keys every RL recipe reads besides the loop's
     "prompts": component(required=True), "val_prompts": component(null="no held-out rewards"),
     "rewards": component(required=True), "policy_loss": component(required=True),
@@ -87,9 +108,12 @@ ASYNC_RULES: dict[str, Rule] = {  # asynchronous GRPO (grpo_async): the rollout 
     "async_mode": choice("sync", "overlap", "off_policy", null="generate in the trainer"),
     "max_staleness": integer(0), "buffer_size": integer(1, null="enough for the mode"),
     "max_worker_restarts": integer(0),
-    "rollout": mapping("workers, num_cpus, num_gpus, engine (local or vllm), vllm, merge_adapters, runtime_env"),
+    "rollout": replace(
+        mapping("workers, num_cpus, num_gpus, engine (local or vllm), vllm, merge_adapters, runtime_env, weight_sync (object_store or collective), weight_sync_timeout_s"),
+        extra=_weight_sync_problem),
     "reward_workers": mapping("workers, num_cpus, runtime_env"),
     "ray": mapping("address (null: a local instance), num_cpus, temp_dir, log_to_driver"),
+    "trainer_group": TRAINER_GROUP_RULE,  # torchrun's ranks (default) or Ray actors
 }  # fmt: skip
 
 

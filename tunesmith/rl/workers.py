@@ -3,7 +3,9 @@
 * :class:`RolloutWorker`: a copy of the policy behind a rollout engine
   (:class:`~tunesmith.generation.engine.LocalEngine`, or vLLM's with ``rollout.engine: vllm``)
   that samples groups for the prompts it is sent, tagged with its policy version, and takes new
-  weights by Hugging Face name;
+  weights by Hugging Face name, from Ray's object store (``load_weights``) or from a broadcast
+  of trainer rank 0 (``join_weight_sync`` then ``receive_weights``,
+  :mod:`tunesmith.rl.weight_sync`);
 * :class:`RewardWorker`: scores groups (the config's ``rewards``) and, with a KL term, adds the
   reference policy's log-probs of the sampled tokens.
 
@@ -35,6 +37,7 @@ from tunesmith.rl.groups import Group, sample_groups, score_groups
 from tunesmith.rl.prompts import Prompt
 from tunesmith.rl.rollout import completion_logprobs, rollout_batch
 from tunesmith.rl.source import GenerationConfig, stop_token_ids
+from tunesmith.rl.weight_sync import TensorSpec, WeightReceiver
 from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
 
@@ -86,6 +89,7 @@ class RolloutWorker(_Role):
             self.engine = LocalEngine(model, self.tokenizer, pad_id=self.pad_id,
                                       autocast_dtype=AUTOCAST[cfg.get("mixed_precision")])  # fmt: skip
         self.version = 0
+        self.receiver = WeightReceiver(self.device)
 
     def load_weights(self, named: Mapping[str, torch.Tensor], version: int) -> int:
         """Take the policy of ``version`` (every trainable tensor, by name)."""
@@ -94,6 +98,27 @@ class RolloutWorker(_Role):
         self.version = int(version)
         self.busy_s += time.perf_counter() - start
         return self.version
+
+    def join_weight_sync(
+        self, host: str, port: int, generation: int, *, rank: int, size: int, backend: str,
+        timeout_s: float, layout: Sequence[TensorSpec],
+    ) -> None:  # fmt: skip
+        """Join ``generation`` of the weight-sync group of trainer rank 0 (its store at
+        ``host:port``) as ``rank`` of ``size``; ``layout``: the tensors every send holds."""
+        self.receiver.join(host, port, generation, rank=rank, size=size, backend=backend,
+                           timeout_s=timeout_s, layout=layout)  # fmt: skip
+
+    def receive_weights(self, generation: int, seq: int, version: int) -> bool | None:
+        """Take the policy of ``version`` from send ``seq`` of the group (by name, as
+        :meth:`load_weights`): True; False when this process is not in ``generation`` (it
+        restarted since); None when the trainer abandoned the send (a newer group follows)."""
+        if self.receiver.generation != generation:
+            return False
+        named = self.receiver.receive(generation, seq)
+        if named is None:
+            return None
+        self.load_weights(named, version)
+        return True
 
     def rollout(
         self, prompts: Sequence[Prompt], round: int

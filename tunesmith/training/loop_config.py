@@ -27,7 +27,8 @@ schedule length and the number of training samples. Before any weight is loaded,
   a dataset's ``cache_dir`` (where tokenised rows are cached: the tokens do not change).
 - ``output_dir``, ``resume``, ``overwrite``, ``preflight``, ``distributed_timeout_s``: where
   and how the run is started; asynchronous RL's ``ray``, ``rollout``, ``reward_workers``,
-  ``max_worker_restarts`` and ``buffer_size``: where and with what its workers run.
+  ``max_worker_restarts``, ``buffer_size`` and ``trainer_group``: where and with what its
+  workers and trainer ranks run.
 - ``activation_checkpointing``, ``activation_offloading``, ``compile``, ``attention_backend``:
   memory and speed only.
 - ``on_nonfinite_loss``: what to do at a non-finite step (a run stopped at one may go on with
@@ -377,7 +378,7 @@ RESUMABLE_KEYS = frozenset({
     "output_dir", "resume", "overwrite", "preflight", "distributed_timeout_s",
     "activation_checkpointing", "activation_offloading", "compile", "attention_backend",
     "on_nonfinite_loss",
-    "ray", "rollout", "reward_workers", "max_worker_restarts", "buffer_size",
+    "ray", "rollout", "reward_workers", "max_worker_restarts", "buffer_size", "trainer_group",
 })  # fmt: skip
 """Top-level keys whose value may differ from the checkpoint's on resume (see the module docs)."""
 

@@ -1,0 +1,269 @@
+"""The trainer of asynchronous GRPO as Ray actors (``trainer_group.launcher: ray``), end to end
+on a tiny policy with real Ray actors and workers:
+
+* 2 trainer actors == the 1-process run, with the tolerances of ``test_grpo_async``'s "two
+  trainer ranks == one process" (the same rollouts, rewards and lengths; loss and grad norm
+  rel 1e-5; weights 1e-5), and the checkpoint records 2 data-parallel ranks; == 2 torchrun
+  ranks bitwise (the same per-rank code in the same process group);
+* a trainer actor SIGKILLed after the step-2 checkpoint: the driver exits 1 with one line
+  naming the rank, every process of the run's Ray instance is gone, the checkpoint verifies
+  and a resumed run ends bitwise where the uninterrupted Ray run ends;
+* SIGTERM to the driver: the ranks save at the end of the step and the run exits 0; resumed,
+  it ends bitwise where the uninterrupted run ends;
+* refusals, each one line: ``--nproc-per-node 2`` with the Ray launcher, a bad launcher, an
+  unknown key, a local Ray instance with too few CPUs for the actors and workers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults.test_async_faults import (
+    RayProcesses,
+    one_error,
+    rollouts,
+    verified_checkpoints,
+    worker_pids,
+)
+from tests.recipes.sft_world import (
+    _any_component_allowed,
+    assert_same_weights,
+    cli_command,
+    final_weights,
+    launch_ranks,
+    make_model_dir,
+    read_metrics,
+    subprocess_env,
+)
+from tests.rl.rl_world import DigitFraction, grpo_overrides, local_ray, make_prompts, run_rl
+from tunesmith.cli.main import main as cli_main
+from tunesmith.recipes import grpo_async
+from tunesmith.training.loop_config import read_record
+
+STEPS = 4
+FAST = [f"max_steps={STEPS}", "optimizer.lr=1e-2", "generation.max_new_tokens=8"]
+RAY_GROUP = ["trainer_group.launcher=ray", "trainer_group.workers=2"]
+SLOW_REWARD = f"rewards.rewards={{digits: {{_component_: {__name__}.SlowDigits}}}}"
+_TRAINERS = re.compile(r"2 trainer ranks as Ray actors \(pids \[(\d+), (\d+)\]\)")
+
+
+class SlowDigits(DigitFraction):
+    """The digit reward, one second per call: a step lasts long enough to be interrupted."""
+
+    def __call__(self, samples):
+        time.sleep(1.0)
+        return super().__call__(samples)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer_group")
+    return root, make_model_dir(root), make_prompts(root / "prompts.jsonl", rows=24)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    """One local Ray instance for the in-process runs of the module (they join it)."""
+    with local_ray():
+        yield
+
+
+def run(world, out: str | Path, *extra: str) -> Path:
+    """``grpo_async`` on the tiny config in ``sync`` mode, in this process, into ``out`` (a
+    folder, or a name in the world's)."""
+    root, model_dir, prompts = world
+    out = root / out if isinstance(out, str) else out
+    run_rl("grpo_async", "tiny", grpo_overrides(model_dir, prompts, out, *FAST, "async_mode=sync",
+                                                *extra))  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_actors(world, ray_instance) -> Path:
+    """The uninterrupted run of 2 trainer actors."""
+    return run(world, "two-actors", *RAY_GROUP)
+
+
+def test_two_trainer_actors_equal_one_process(world, two_actors):
+    single = run(world, "one-process")
+    one, two = read_metrics(single), read_metrics(two_actors)
+    for step in range(1, STEPS + 1):
+        assert two[step]["rollout_samples"] == one[step]["rollout_samples"] == 16
+        for key in ("reward", "completion_length"):  # the same rollouts, shared out
+            assert two[step][key] == pytest.approx(one[step][key], abs=1e-6), key
+        for key in ("loss", "grad_norm"):
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-5), key
+    assert_same_weights(final_weights(two_actors), final_weights(single), 1e-5)
+    last = two_actors / "checkpoints" / f"step_{STEPS:06d}"
+    assert read_record(last, 0).data_parallel == 2  # two ranks trained, not two copies of one
+    logs = sorted(p.name for p in (two_actors / "logs").glob("trainer-group-*/*"))
+    assert logs == ["console.log", "driver.log", "rank0.log", "rank1.log"]
+
+
+def _start(world, out: Path, temp: str, *extra: str) -> subprocess.Popen:
+    """``tunesmith run grpo_async`` with 2 trainer actors, on a Ray instance of its own."""
+    root, model_dir, prompts = world
+    overrides = grpo_overrides(model_dir, prompts, out, *FAST, "async_mode=sync", *RAY_GROUP,
+                               SLOW_REWARD, f"ray.temp_dir={temp}", "ray.num_cpus=4", *extra)  # fmt: skip
+    command = cli_command("--allow-any-component", "run", "grpo_async", "--config", "tiny",
+                          *overrides)  # fmt: skip
+    return subprocess.Popen(command, env=subprocess_env(RAY_AUTH_MODE="disabled"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _run_until(process: subprocess.Popen, ray_processes: RayProcesses, line_has: str,
+               act) -> tuple[str, list[int]]:  # fmt: skip
+    """Read the run's output; at the first line containing ``line_has`` call ``act(trainer
+    pids)`` (the Ray processes scanned just before). Returns the output and the pids."""
+    lines, pids, acted = [], [], False
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            found = _TRAINERS.search(line)
+            if found:
+                pids = [int(found.group(1)), int(found.group(2))]
+            if line_has in line and not acted:
+                ray_processes.scan()
+                act(pids)
+                acted = True
+        process.wait(timeout=300)
+    finally:
+        process.kill()
+    output = "".join(lines)
+    assert acted, output[-3000:]
+    return output, pids
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_actor_ends_the_run_in_one_line_and_resumes(world, two_actors, tmp_path):
+    """Rank 1's actor SIGKILLed after the step-2 checkpoint (inside step 3)."""
+    out, temp = tmp_path / "killed", tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray_processes = RayProcesses(Path(temp))
+    process = _start(world, out, temp, "save_every_n_steps=2")
+    try:
+        output, pids = _run_until(process, ray_processes, "checkpoint: ",
+                                  lambda pids: os.kill(pids[1], signal.SIGKILL))  # fmt: skip
+        assert process.returncode == 1, output[-3000:]
+        error = one_error(output)
+        assert error.startswith(f"tunesmith: error: rank 1 of 2: its process (pid {pids[1]}) "
+                                "died: killed by a signal"), error  # fmt: skip
+        workers = worker_pids(output)
+        assert any(name == "raylet" for _, name in ray_processes.seen.values())  # it was watched
+        ray_processes.wait_gone([*pids, *workers["rollout"], *workers["reward"]])
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert sorted(read_metrics(out)) == [1, 2]
+    assert verified_checkpoints(out) == ["step_000002"]
+
+    run(world, out, *RAY_GROUP, SLOW_REWARD, "resume=auto")
+    assert [r["batch"] for r in rollouts(out)] == [0, 1, 2, 3]  # went on from batch 2
+    assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in rollouts(two_actors)]
+    assert_same_weights(final_weights(out), final_weights(two_actors), atol=0.0)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_driver_saves_and_resumes(world, two_actors, tmp_path):
+    """SIGTERM to the driver during step 2: both ranks save at its end, the run exits 0."""
+    out, temp = tmp_path / "stopped", tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray_processes = RayProcesses(Path(temp))
+    process = _start(world, out, temp)
+    try:
+        output, pids = _run_until(process, ray_processes, "step 1/",
+                                  lambda pids: process.send_signal(signal.SIGTERM))  # fmt: skip
+        assert process.returncode == 0, output[-3000:]
+        stopped = re.search(r"SIGTERM: stopped after step (\d+); resume with resume=true", output)
+        assert stopped and int(stopped.group(1)) < STEPS, output[-3000:]
+        ray_processes.wait_gone(pids)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert verified_checkpoints(out) == [f"step_{int(stopped.group(1)):06d}"]
+    run(world, out, *RAY_GROUP, SLOW_REWARD, "resume=auto")
+    assert_same_weights(final_weights(out), final_weights(two_actors), atol=0.0)
+
+
+def test_the_ray_launcher_under_torchrun_is_refused_in_one_line(world, capsys):
+    root, model_dir, prompts = world
+    argv = ["run", "grpo_async", "--config", "tiny", "--nproc-per-node", "2",
+            *grpo_overrides(model_dir, prompts, root / "refused", *RAY_GROUP)]  # fmt: skip
+    with _any_component_allowed():  # the test reward
+        assert cli_main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "tunesmith: error: trainer_group.launcher: ray starts the trainer's ranks itself as Ray "
+        "actors (trainer_group.workers: 2), so it cannot run on 2 torchrun ranks: drop "
+        "--nproc-per-node/--nnodes, or set trainer_group.launcher=torchrun"
+    ]
+    assert not (root / "refused").exists()  # refused before anything was written
+
+
+def test_the_ray_launcher_in_a_torchrun_rank_is_refused(world, monkeypatch):
+    """``main(cfg)`` of a rank started by torchrun by hand (WORLD_SIZE=2): refused before Ray."""
+    root, model_dir, prompts = world
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"cannot run on 2 torchrun ranks"):
+        run_rl("grpo_async", "tiny", grpo_overrides(model_dir, prompts, root / "rank", *RAY_GROUP))
+    assert not (root / "rank").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(("override", "problem"), [
+    ("trainer_group.launcher=slurm",
+     "trainer_group: launcher: expected one of 'torchrun', 'ray', got 'slurm' (a string)"),
+    ("trainer_group.workers=0", "trainer_group: workers: expected an int >= 1, got 0"),
+    ("trainer_group.nodes=2",
+     "trainer_group: unknown key 'nodes' (allowed: launcher, workers, num_cpus, num_gpus)"),
+])  # fmt: skip
+def test_a_bad_trainer_group_is_refused_naming_the_key(world, capsys, override, problem):
+    root, model_dir, prompts = world
+    argv = ["run", "grpo_async", "--config", "tiny",
+            *grpo_overrides(model_dir, prompts, root / "bad", override)]  # fmt: skip
+    with _any_component_allowed():  # the test reward
+        assert cli_main(argv) == 1
+    assert problem in capsys.readouterr().err
+    assert "trainer_group" in grpo_async.KEYS
+
+
+def test_two_trainer_actors_equal_two_torchrun_ranks_bitwise(world, two_actors, tmp_path):
+    """The same per-rank code in the same process group: the same weights, bit for bit."""
+    root, model_dir, prompts = world
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    try:
+        with _any_component_allowed():  # inherited by the ranks and their workers
+            launch_ranks([*grpo_overrides(model_dir, prompts, tmp_path / "ranks", *FAST),
+                          "async_mode=sync", f"ray.temp_dir={temp}"], tmp_path,
+                         recipe="grpo_async", timeout=300)  # fmt: skip
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert_same_weights(final_weights(two_actors), final_weights(tmp_path / "ranks"), atol=0.0)
+    assert [r["groups"] for r in rollouts(two_actors)] == [
+        r["groups"] for r in rollouts(tmp_path / "ranks")
+    ]
+
+
+def test_a_ray_instance_too_small_is_refused_in_one_line(world, tmp_path):
+    """2 trainer actors + a rollout and a reward worker need 4 CPUs; Ray is given 3."""
+    root, model_dir, prompts = world
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    overrides = grpo_overrides(model_dir, prompts, tmp_path / "out", *FAST, *RAY_GROUP,
+                               f"ray.temp_dir={temp}", "ray.num_cpus=3")  # fmt: skip
+    command = cli_command("--allow-any-component", "run", "grpo_async", "--config", "tiny",
+                          *overrides)  # fmt: skip
+    try:
+        done = subprocess.run(command, env=subprocess_env(RAY_AUTH_MODE="disabled"),
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert one_error(done.stdout + done.stderr) == (
+        "tunesmith: error: trainer_group: 2 trainer ranks and the rollout and reward workers "
+        "need 4 CPUs, the Ray instance has 3: set ray.num_cpus (CPUs Ray may count), or lower "
+        "trainer_group.num_cpus, rollout.num_cpus or reward_workers.num_cpus"
+    )
