@@ -95,6 +95,11 @@ def test_async_modes_use_each_group_once_and_never_too_stale(world, mode, allowe
     assert min(lags) >= 0 and max(lags) <= allowed
     assert max(lags) == allowed or mode == "off_policy"  # overlap: batch k+1 sampled by v(k)
     assert all(r["groups"][0][0] == r["batch"] for r in records)  # batch k is round k
+    logged = read_metrics(out)  # the staleness histogram of each step == its groups' lags
+    for step, record in enumerate(records, start=1):
+        lags = [record["version"] - g[2] for g in record["groups"]]
+        histogram = [logged[step][f"staleness_{lag}_groups"] for lag in range(allowed + 1)]
+        assert histogram == [float(lags.count(lag)) for lag in range(allowed + 1)], step
 
 
 def test_off_policy_with_no_staleness_is_sync(world):

@@ -25,10 +25,11 @@ rank 0's output on this console, every rank's in ``<output_dir>/logs/trainer-gro
 
     tunesmith run grpo_async --config tiny ... trainer_group.launcher=ray trainer_group.workers=2
 
-Logged besides ``grpo``'s: ``staleness_mean``/``_max``, ``wait_s`` (trainer idle),
-``weight_sync_s``, ``weight_sync_mb``, ``buffer_groups``, ``dropped_stale``, ``requeued_groups``,
-``worker_restarts``, ``samples_per_s``; ``<output_dir>/rollouts.jsonl`` lists the groups of
-every batch with the policy version that sampled each.
+Logged besides ``grpo``'s: ``staleness_mean``/``_max``, the histogram ``staleness_<k>_groups``,
+``wait_s`` (trainer idle), ``weight_sync_s``, ``weight_sync_mb``, ``buffer_groups``,
+``dropped_stale``, ``requeued_groups``, ``worker_restarts``, ``samples_per_s``;
+``<output_dir>/rollouts.jsonl`` lists the groups of every batch with the policy version that
+sampled each.
 """
 
 from __future__ import annotations

@@ -131,8 +131,7 @@ class AsyncRolloutSource(RolloutSource):
         flat = sum(bool((g.rewards == g.rewards[0]).all()) for g in mine)
         self._metrics = self._reduce_metrics(kept, batch, times, flat, len(mine))
         self._metrics |= {k: metrics[k] for k in _PIPELINE_METRICS if k in metrics}
-        self._metrics |= {k: v for k, v in metrics.items() if k.startswith("rollout") and
-                          k.endswith("_tokens_per_s")}  # fmt: skip
+        self._metrics |= {k: v for k, v in metrics.items() if _per_worker_or_lag(k)}
         if self._last_collect is not None:  # shares of the wall time since the last batch
             wall, (rollout_s, reward_s) = now - self._last_collect, self._last_busy
             self._metrics |= {
@@ -219,6 +218,14 @@ _PIPELINE_METRICS = (
     "wait_s", "staleness_mean", "staleness_max", "buffer_groups", "dropped_stale",
     "requeued_groups", "worker_restarts", "rollout_busy_s", "reward_busy_s",
 )  # fmt: skip
+
+
+def _per_worker_or_lag(key: str) -> bool:
+    """A per-worker throughput (``rollout0_tokens_per_s``) or a staleness histogram bin
+    (``staleness_1_groups``: the step's groups sampled one update behind)."""
+    return (key.startswith("rollout") and key.endswith("_tokens_per_s")) or (
+        key.startswith("staleness_") and key.endswith("_groups")
+    )
 
 
 def _shares(groups: list[Group], dp_size: int) -> list[list[Group]]:

@@ -326,6 +326,7 @@ class RolloutPipeline:
             **{k: float(v) for k, v in stats.items()},
             **{f"rollout{w}_tokens_per_s": tokens / max(seconds, 1e-9)
                for w, (tokens, seconds) in enumerate(self.worker_tokens)},
+            **{f"staleness_{lag}_groups": float(behind.count(lag)) for lag in range(self.lead + 1)},
         }  # fmt: skip
         return groups, metrics
 
