@@ -243,6 +243,20 @@ class Run:
         return [(s, self.records[s]["elapsed_s"] - t0, self.records[s]["reward"])
                 for s in self.steps]  # fmt: skip
 
+    def policy_rewards(self) -> dict[int, float]:
+        """Mean sampled reward by the policy version that sampled it (``rollouts.jsonl``; the
+        in-process ``grpo`` run samples each update's batch with the policy being trained).
+        Version ``v`` is the policy after ``v`` updates, so a policy one update behind is
+        charged for its own samples, not for the ones trained on at update ``v + 1``."""
+        log = self.out / "rollouts.jsonl"
+        if not log.is_file():
+            return {s - 1: self.records[s]["reward"] for s in self.steps}
+        by_version: dict[int, list[float]] = {}
+        for line in log.read_text().splitlines():
+            for _, _, version, reward in json.loads(line)["groups"]:
+                by_version.setdefault(int(version), []).append(float(reward))
+        return {v: _mean(rewards) for v, rewards in sorted(by_version.items())}
+
     def final_reward(self, last: int) -> float:
         """Mean reward of the ``last`` updates."""
         return _mean([x for _, _, x in self.rewards()[-last:]])
@@ -464,11 +478,37 @@ def verdict_section(by_mode: Mapping[str, list[Run]], args: argparse.Namespace) 
                 for s in seeds if (m, s) in per and ("sync", s) in per]  # fmt: skip
         within = "within" if max(gaps) <= noise else "outside"
         lines.append(
-            f"- Reward per update: the overlapped modes' mean reward differs from `sync`'s "
+            f"- Reward per update trained on: the overlapped modes' mean reward differs from "
+            f"`sync`'s (same seed) by at most {max(gaps):.3f}, against up to {noise:.3f} between "
+            f"two seeds of one mode: {within} the noise (per-block curves below). Their batches "
+            "are sampled by a policy up to `lead` updates older, so this curve lags by that much."
+        )
+        versions, policy, gaps, noise = policy_comparison(by_mode, seeds)
+        within = "within" if max(gaps) <= noise else "outside"
+        lines.append(
+            f"- Reward per policy version (the samples each policy drew, versions 0-"
+            f"{versions - 1}, common to every run): the overlapped modes differ from `sync`'s "
             f"(same seed) by at most {max(gaps):.3f}, against up to {noise:.3f} between two "
-            f"seeds of one mode: {within} the noise (per-block curves below)."
+            f"seeds of one mode: {within} the noise (table below)."
         )
     return lines
+
+
+def policy_comparison(
+    by_mode: Mapping[str, list[Run]], seeds: Sequence[int]
+) -> tuple[int, dict[tuple[str, int], float], list[float], float]:
+    """Mean reward per policy version over the versions every run sampled with: the number
+    of versions, each run's mean, the overlapped modes' gaps to ``sync`` (same seed) and the
+    largest gap between two seeds of one mode."""
+    runs = [r for rs in by_mode.values() for r in rs]
+    versions = min(max(r.policy_rewards()) + 1 for r in runs)
+    policy = {(r.mode, r.seed): _mean([r.policy_rewards()[v] for v in range(versions)])
+              for r in runs}  # fmt: skip
+    noise = max(abs(policy[(m, seeds[0])] - policy[(m, seeds[1])]) for m in MODES
+                if (m, seeds[0]) in policy and (m, seeds[1]) in policy)  # fmt: skip
+    gaps = [abs(policy[(m, s)] - policy[("sync", s)]) for m in ("overlap", "off_policy")
+            for s in seeds if (m, s) in policy and ("sync", s) in policy]  # fmt: skip
+    return versions, policy, gaps, noise
 
 
 def timing_section(by_mode: Mapping[str, list[Run]]) -> list[str]:
@@ -561,6 +601,10 @@ def reward_section(by_mode: Mapping[str, list[Run]], args: argparse.Namespace) -
         "- `grpo` and `grpo_async sync` are the same computation (bitwise equal weights, "
         "tested in `tests/rl/test_grpo_async.py`), so their rewards agree exactly and that "
         "row measures only the cost of the remote pipeline.",
+    ]
+    if len(seeds) > 1:
+        lines += policy_section(by_mode, seeds, window)
+    lines += [
         "",
         "Reward against wall-clock time (seconds since the run's first update; mean sampled "
         f"reward of the {window} updates up to the one shown):",
@@ -577,6 +621,39 @@ def reward_section(by_mode: Mapping[str, list[Run]], args: argparse.Namespace) -
                 seconds = next(t for s, t, _ in points if s == u)
                 cells.append(f"{seconds:.0f} s: {_mean(upto):.3f}")
             lines.append(f"| {LABEL[mode]}, seed {r.seed} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def policy_section(
+    by_mode: Mapping[str, list[Run]], seeds: Sequence[int], window: int
+) -> list[str]:
+    """The reward of each policy version (from the groups it sampled), in blocks."""
+    versions, policy, _, _ = policy_comparison(by_mode, seeds)
+    starts = list(range(0, versions, window))
+    lines = [
+        "",
+        "Mean reward by the policy that sampled it (version `v`: the policy after `v` updates; "
+        "each group's mean reward in `rollouts.jsonl` with its version), in blocks of "
+        f"{window} versions, over the versions 0-{versions - 1} every run sampled with:",
+        "",
+        "| run | "
+        + " | ".join(f"v {a}-{min(a + window, versions) - 1}" for a in starts)
+        + " | all |",
+        "|---|" + "---:|" * (len(starts) + 1),
+    ]
+    for mode in MODES:
+        for r in by_mode[mode]:
+            rewards = r.policy_rewards()
+            cells = [_mean([rewards[v] for v in range(a, min(a + window, versions))])
+                     for a in starts]  # fmt: skip
+            lines.append(f"| {LABEL[mode]}, seed {r.seed} | "
+                         + " | ".join(f"{c:.3f}" for c in cells)
+                         + f" | {policy[(mode, r.seed)]:.3f} |")  # fmt: skip
+    for mode in ("overlap", "off_policy"):
+        gaps = [policy[(mode, s)] - policy[("sync", s)] for s in seeds if (mode, s) in policy]
+        if gaps:
+            lines.append(f"- {LABEL[mode]} minus sync, same seed, by policy version: "
+                         + ", ".join(f"{g:+.3f}" for g in gaps) + ";")  # fmt: skip
     return lines
 
 

@@ -82,6 +82,9 @@ def test_sync_mode_equals_the_synchronous_recipe(world, kl):
         assert ours[step]["staleness_max"] == 0.0
     used = [tuple(g[:2]) for r in rollouts(remote) for g in r["groups"]]
     assert len(used) == len(set(used)) == STEPS * 4  # prompts_per_step 4, each once
+    for step, record in enumerate(rollouts(remote), start=1):  # each group's mean reward
+        group_means = [g[3] for g in record["groups"]]
+        assert sum(group_means) / len(group_means) == pytest.approx(ours[step]["reward"], abs=1e-5)
 
 
 @pytest.mark.parametrize(("mode", "allowed"), [("overlap", 1), ("off_policy", 2)])

@@ -29,7 +29,7 @@ Logged besides ``grpo``'s: ``staleness_mean``/``_max``, the histogram ``stalenes
 ``wait_s`` (trainer idle), ``weight_sync_s``, ``weight_sync_mb``, ``buffer_groups``,
 ``dropped_stale``, ``requeued_groups``, ``worker_restarts``, ``samples_per_s``;
 ``<output_dir>/rollouts.jsonl`` lists the groups of every batch with the policy version that
-sampled each.
+sampled each and its mean reward.
 """
 
 from __future__ import annotations

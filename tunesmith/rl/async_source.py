@@ -7,8 +7,9 @@ synchronous source splits its prompts (contiguous shares, in prompt order), so t
 its objective, the log-prob parity check (on the groups the current policy sampled), the
 metrics and the checkpoints are the synchronous recipe's. Every row carries ``policy_lag``:
 how many updates older its sampling policy is than the one it trains (0 in ``sync`` mode).
-Rank 0 appends one line per batch to ``rollouts.jsonl`` (the groups used, with the version
-that sampled each), so staleness and "no group used twice" can be checked after a run.
+Rank 0 appends one line per batch to ``rollouts.jsonl`` (the groups used: round, prompt
+index, the version that sampled it, its mean reward), so staleness, "no group used twice" and
+the reward of each policy version can be checked after a run.
 
 Example::
 
@@ -152,7 +153,8 @@ class AsyncRolloutSource(RolloutSource):
         if self.rollout_log is None:
             return
         record = {"batch": self.batches, "version": self.version,
-                  "groups": [[g.round, g.prompt.index, g.version] for g in groups],
+                  "groups": [[g.round, g.prompt.index, g.version, round(float(g.rewards.mean()), 6)]
+                             for g in groups],
                   **{k: metrics[k] for k in _PIPELINE_METRICS if k in metrics}}  # fmt: skip
         self.rollout_log.parent.mkdir(parents=True, exist_ok=True)
         with self.rollout_log.open("a", encoding="utf-8") as f:
