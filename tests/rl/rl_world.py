@@ -48,6 +48,19 @@ class DigitFraction:
         ]
 
 
+EVEN_FLAT_REWARD = "tests.rl.rl_world.FlatOnEvenAnswers"
+
+
+class FlatOnEvenAnswers:
+    """0.5 for every completion of a prompt whose answer is even (a group with no signal, for
+    dynamic sampling to replace), the completion's length / 100 otherwise."""
+
+    name = "even_flat"
+
+    def __call__(self, samples: Sequence[Sample]) -> list[float]:
+        return [0.5 if int(s.answer) % 2 == 0 else len(s.completion) / 100 for s in samples]
+
+
 def grpo_overrides(model_dir: Path, prompts: Path, output_dir: Path, *extra: str) -> list[str]:
     """The tiny GRPO config pointed at this world, scored by :class:`DigitFraction`."""
     return [

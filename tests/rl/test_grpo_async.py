@@ -8,6 +8,10 @@ for the module, in a temp dir of its own):
   the mode allows (read back from ``rollouts.jsonl``); ``off_policy`` with ``max_staleness: 0``
   is ``sync``;
 * a resumed ``overlap`` run (the buffer drained into the checkpoint) == the uninterrupted one;
+* with ``dynamic_sampling``: ``sync`` mode == the synchronous recipe, refills included (bitwise,
+  on one trainer process and, marked slow, on two ranks: each share keeps its own groups);
+  ``overlap`` replaces the groups whose rewards are all equal while refills remain, samples
+  the refills with the policy being trained, uses each group once, and resumes exactly;
 * a rollout worker killed (SIGKILL) while it samples loses and duplicates nothing, with the
   weights sent through Ray's object store or a broadcast (``rollout.weight_sync``).
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -35,13 +40,16 @@ from tests.recipes.sft_world import (
     make_model_dir,
     read_metrics,
 )
-from tests.rl.rl_world import grpo_overrides, local_ray, make_prompts, run_rl
+from tests.rl.rl_world import EVEN_FLAT_REWARD, grpo_overrides, local_ray, make_prompts, run_rl
 from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
 from tunesmith.recipes import config_path
+from tunesmith.rl.pipeline import dynamic_selection
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 FAST = [f"max_steps={STEPS}", "optimizer.lr=1e-2", "generation.max_new_tokens=8"]
+DYNAMIC = [f"rewards.rewards={{flat: {{_component_: {EVEN_FLAT_REWARD}}}}}",
+           "dynamic_sampling=true"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +126,78 @@ def test_a_resumed_overlap_run_equals_the_uninterrupted_one(world):
     run(world, "grpo_async", "tiny", "overlap-resumed", "async_mode=overlap", "resume=true")
     assert_same_weights(final_weights(out), final_weights(whole), atol=0.0)
     assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in rollouts(whole)]
+
+
+def first_rounds(records: list[dict]) -> list[int]:
+    """The round of each batch's own prompts, checking that its groups come from that round
+    and its refills (the next steps of the stream), and the next batch's prompts after them
+    (the synchronous recipe's order)."""
+    firsts, first = [], 0
+    for record in records:
+        rounds = {g[0] for g in record["groups"]}
+        assert rounds <= set(range(first, first + int(record["refill_rounds"]) + 1)), record
+        firsts.append(first)
+        first += int(record["refill_rounds"]) + 1
+    return firsts
+
+
+def test_dynamic_selection_of_two_shares_is_each_shares_own_selection():
+    """Two data-parallel shares choose as two ``grpo`` ranks do: each from its own half of
+    every round, short when either is (then both refill)."""
+    rng = random.Random(0)
+    for _ in range(200):
+        flat = [rng.random() < 0.6 for _ in range(4 * rng.randint(1, 4))]
+        chosen, short = dynamic_selection(flat, per_round=4, shares=2)
+        mine, shorts = [], []
+        for share in range(2):
+            where = [r + share * 2 + i for r in range(0, len(flat), 4) for i in range(2)]
+            own, own_short = dynamic_selection([flat[i] for i in where], per_round=2)
+            mine += [where[i] for i in own]
+            shorts.append(own_short)
+        assert (chosen, short) == (mine, any(shorts)), flat
+
+
+def test_sync_mode_with_dynamic_sampling_equals_the_synchronous_recipe(world):
+    plain = run(world, "grpo", "tiny", "grpo-dynamic", *DYNAMIC, "max_refills=2")
+    remote = run(world, "grpo_async", "tiny", "sync-dynamic", *DYNAMIC, "max_refills=2",
+                 "async_mode=sync")  # fmt: skip
+    ours, theirs = read_metrics(remote), read_metrics(plain)
+    assert max(theirs[s]["zero_variance_groups"] for s in theirs) > 0  # groups were replaced
+    records = rollouts(remote)
+    assert sum(r["refill_rounds"] for r in records) > 0  # ... by refills
+    first_rounds(records)
+    for step in range(1, STEPS + 1):
+        for key in ("reward", "completion_length", "loss", "zero_variance_groups",
+                    "rollout_samples"):  # fmt: skip
+            assert ours[step][key] == theirs[step][key], (step, key)
+    assert_same_weights(final_weights(remote), final_weights(plain), atol=0.0)
+
+
+def test_overlap_with_dynamic_sampling_replaces_flat_groups_and_resumes_exactly(world):
+    extra = [*DYNAMIC, "max_refills=1", "async_mode=overlap"]
+    whole = run(world, "grpo_async", "tiny", "overlap-dynamic", *extra)
+    records = rollouts(whole)
+    used = [tuple(g[:2]) for r in records for g in r["groups"]]
+    assert len(used) == len(set(used)) == STEPS * 4
+    logged = read_metrics(whole)
+    for step, (record, first) in enumerate(zip(records, first_rounds(records)), start=1):
+        lags = [record["version"] - g[2] for g in record["groups"]]
+        assert min(lags) >= 0 and max(lags) <= 1  # overlap: at most one batch behind
+        for g in record["groups"]:
+            if g[0] > first:  # a refill: sampled by the policy being trained
+                assert g[2] == record["version"], record
+        spreads = [g[4] for g in record["groups"]]
+        if 0.0 in spreads:  # a flat group is used only once the refills ran out, and last
+            assert record["refill_rounds"] == 1, record
+            assert spreads == sorted(spreads, key=lambda x: x == 0.0), record
+        if record["refill_rounds"]:
+            assert logged[step]["zero_variance_groups"] > 0
+    assert sum(r["refill_rounds"] for r in records) > 0
+    out = run(world, "grpo_async", "tiny", "overlap-dynamic-resumed", *extra,
+              "stop_after_steps=2")  # fmt: skip
+    run(world, "grpo_async", "tiny", "overlap-dynamic-resumed", *extra, "resume=true")
+    assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in records]
+    assert_same_weights(final_weights(out), final_weights(whole), atol=0.0)
 
 
 @pytest.mark.parametrize("weight_sync", ["object_store", "collective"])
@@ -254,3 +334,30 @@ def test_two_trainer_ranks_resume_on_one(world, tmp_path):
     run(world, "grpo_async", "tiny", "two-then-one", "async_mode=overlap", "resume=true")
     assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in rollouts(single)]
     assert_same_weights(final_weights(out), final_weights(single), 1e-5)
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_with_dynamic_sampling_equal_grpo_on_two_ranks(world, tmp_path):
+    """Each data-parallel share keeps its own groups as a ``grpo`` rank does (both refill
+    while either is short): ``sync`` mode on 2 ranks == ``grpo`` on 2 ranks, bitwise."""
+    root, model_dir, prompts = world
+    extra = [*FAST, *DYNAMIC, "max_refills=2"]
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "async").mkdir()
+    try:
+        with _any_component_allowed():
+            launch_ranks(grpo_overrides(model_dir, prompts, root / "grpo-two-dynamic", *extra),
+                         tmp_path / "plain", recipe="grpo", timeout=300)  # fmt: skip
+            launch_ranks([*grpo_overrides(model_dir, prompts, root / "sync-two-dynamic", *extra),
+                          "async_mode=sync", f"ray.temp_dir={temp}"], tmp_path / "async",
+                         recipe="grpo_async", timeout=300)  # fmt: skip
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    plain, remote = root / "grpo-two-dynamic", root / "sync-two-dynamic"
+    ours, theirs = read_metrics(remote), read_metrics(plain)
+    assert sum(r["refill_rounds"] for r in rollouts(remote)) > 0  # not vacuous
+    for step in range(1, STEPS + 1):
+        for key in ("reward", "zero_variance_groups", "loss", "rollout_samples"):
+            assert ours[step][key] == theirs[step][key], (step, key)
+    assert_same_weights(final_weights(remote), final_weights(plain), atol=0.0)

@@ -27,7 +27,7 @@ rank 0's output on this console, every rank's in ``<output_dir>/logs/trainer-gro
 
 Logged besides ``grpo``'s: ``staleness_mean``/``_max``, the histogram ``staleness_<k>_groups``,
 ``wait_s`` (trainer idle), ``weight_sync_s``, ``weight_sync_mb``, ``buffer_groups``,
-``dropped_stale``, ``requeued_groups``, ``worker_restarts``, ``samples_per_s``;
+``dropped_stale``, ``requeued_groups``, ``worker_restarts``, ``samples_per_s``, ``refill_rounds``;
 ``<output_dir>/rollouts.jsonl`` lists the groups of every batch with the policy version that
 sampled each and its mean reward.
 """

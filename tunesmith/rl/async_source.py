@@ -8,8 +8,12 @@ its objective, the log-prob parity check (on the groups the current policy sampl
 metrics and the checkpoints are the synchronous recipe's. Every row carries ``policy_lag``:
 how many updates older its sampling policy is than the one it trains (0 in ``sync`` mode).
 Rank 0 appends one line per batch to ``rollouts.jsonl`` (the groups used: round, prompt
-index, the version that sampled it, its mean reward), so staleness, "no group used twice" and
-the reward of each policy version can be checked after a run.
+index, the version that sampled it, its mean reward and the spread of its rewards, 0 for a
+group whose rewards are all equal; and the batch's ``refill_rounds``), so staleness, "no group
+used twice", dynamic sampling's refills and the reward of each policy version can be checked
+after a run. With ``dynamic_sampling`` the pipeline draws the refills and fixes each batch's
+groups by the synchronous rule (:mod:`tunesmith.rl.pipeline`); ``zero_variance_groups`` is,
+as there, the share of all the groups drawn for the batch whose rewards were all equal.
 
 Example::
 
@@ -53,11 +57,6 @@ class AsyncRolloutSource(RolloutSource):
         self, *, pipeline: RolloutPipeline | None, total_steps: int,
         rollout_log: str | Path | None = None, merged_adapters: bool = False, **kwargs: Any,
     ) -> None:  # fmt: skip
-        if kwargs.get("dynamic_sampling"):
-            raise ValueError(
-                "dynamic_sampling: true is not supported by asynchronous GRPO (its refills "
-                "would wait on the policy being trained): run the grpo recipe"
-            )
         if kwargs.get("reference") is not None:
             raise ValueError("asynchronous GRPO: the reward workers hold the reference")
         super().__init__(**kwargs)
@@ -129,8 +128,12 @@ class AsyncRolloutSource(RolloutSource):
         if self.ctx.dp_size > 1:  # the base sums times over ranks and divides by their number
             times = {k: v if k != "generated_tokens" else v / self.ctx.dp_size
                      for k, v in times.items()}  # fmt: skip
-        flat = sum(bool((g.rewards == g.rewards[0]).all()) for g in mine)
-        self._metrics = self._reduce_metrics(kept, batch, times, flat, len(mine))
+        # the groups drawn for the batch (refills too) and how many had all-equal rewards:
+        # counted once, on the first data-parallel rank (the base sums them over the ranks)
+        first = self.ctx.dp_rank == 0
+        drawn = int(metrics["drawn_groups"]) if first else 0
+        flat = int(metrics["flat_groups"]) if first else 0
+        self._metrics = self._reduce_metrics(kept, batch, times, flat, drawn)
         self._metrics |= {k: metrics[k] for k in _PIPELINE_METRICS if k in metrics}
         self._metrics |= {k: v for k, v in metrics.items() if _per_worker_or_lag(k)}
         if self._last_collect is not None:  # shares of the wall time since the last batch
@@ -153,8 +156,8 @@ class AsyncRolloutSource(RolloutSource):
         if self.rollout_log is None:
             return
         record = {"batch": self.batches, "version": self.version,
-                  "groups": [[g.round, g.prompt.index, g.version, round(float(g.rewards.mean()), 6)]
-                             for g in groups],
+                  "groups": [[g.round, g.prompt.index, g.version, round(float(g.rewards.mean()), 6),
+                              float(g.rewards.max() - g.rewards.min())] for g in groups],
                   **{k: metrics[k] for k in _PIPELINE_METRICS if k in metrics}}  # fmt: skip
         self.rollout_log.parent.mkdir(parents=True, exist_ok=True)
         with self.rollout_log.open("a", encoding="utf-8") as f:
@@ -218,7 +221,7 @@ def _on_cpu(tensor: torch.Tensor, cpu: bool) -> torch.Tensor:
 
 _PIPELINE_METRICS = (
     "wait_s", "staleness_mean", "staleness_max", "buffer_groups", "dropped_stale",
-    "requeued_groups", "worker_restarts", "rollout_busy_s", "reward_busy_s",
+    "requeued_groups", "worker_restarts", "rollout_busy_s", "reward_busy_s", "refill_rounds",
 )  # fmt: skip
 
 

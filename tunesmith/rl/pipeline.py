@@ -1,7 +1,7 @@
 """The rollout pipeline of asynchronous GRPO: rank 0 of the trainer drives rollout and reward
 workers (Ray actors, :mod:`tunesmith.rl.workers`) and keeps the replay buffer.
 
-Batch ``k`` (the prompts of step ``k`` of the prompt stream, collection round ``k``) is first
+Batch ``k`` (a step of the prompt stream, drawn in its own collection round) is first
 trained on at policy version ``k * updates_per_batch`` (versions count optimizer updates). Its
 prompts may be sent to a rollout worker once the workers have been sent a policy at most
 ``lead`` versions older than that:
@@ -25,6 +25,20 @@ twice, and a run in ``sync`` mode ends with the weights it would have had withou
 :meth:`RolloutPipeline.state_dict` first waits for the chunks in flight (drain), so a resumed
 run continues with exactly the groups it would have used.
 
+With ``dynamic_sampling`` (DAPO, the config's key, as in the synchronous recipe) a batch is
+*open* until its groups are fixed: once every group drawn for it is scored, the pipeline
+applies the synchronous rule (:func:`dynamic_selection`: per data-parallel share, the groups
+whose rewards differ, in draw order, then all-equal ones to fill up); while a share is short
+and fewer than ``max_refills`` refills were drawn, it draws the next step of the stream as a
+refill of that batch (a new collection round, sent with the policy published then, gated by
+version as the batch's own prompts), and the batch waits for it. The next batch is drawn only
+once the open one is fixed, so the stream's order (a batch's prompts, its refills, the next
+batch's prompts) and the rounds are the synchronous recipe's in every mode, whatever the
+timing, and a batch is fixed while the trainer waits for it: its refills are sampled by the
+policy that trains on it. The cost: with ``off_policy`` the workers sample one batch ahead,
+not ``max_staleness`` versions; refills may take the buffer past ``buffer_size`` by
+``max_refills`` steps' groups (the groups a batch does not use are discarded once it is fixed).
+
 Example::
 
     >>> pipeline = RolloutPipeline(config, stream, mode="overlap", total_batches=10)  # doctest: +SKIP
@@ -39,7 +53,7 @@ import os
 import re
 import time
 from collections import defaultdict, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +72,10 @@ from tunesmith.rl.weight_sync import (
 )
 from tunesmith.rl.workers import RewardWorker, RolloutWorker
 
-__all__ = ["MODES", "RolloutPipeline", "actor_cause", "lead_versions", "require_ray", "runtime_env"]
+__all__ = [
+    "MODES", "RolloutPipeline", "actor_cause", "dynamic_selection", "lead_versions",
+    "require_ray", "runtime_env",
+]  # fmt: skip
 
 MODES = ("sync", "overlap", "off_policy")
 
@@ -102,6 +119,11 @@ def lead_versions(mode: str, max_staleness: int, updates_per_batch: int) -> int:
     return {"sync": 0, "overlap": updates_per_batch, "off_policy": max_staleness}[mode]
 
 
+def _flat(group: Group) -> bool:
+    """Whether a scored group's rewards are all equal (no signal: zero advantages)."""
+    return bool((group.rewards == group.rewards[0]).all())
+
+
 def _worker_env() -> dict[str, str]:
     """What a worker needs of this process's environment: the component allow-list decision
     (so the workers build exactly what the trainer's config check allowed) and the import path
@@ -122,15 +144,59 @@ def runtime_env(resources: Mapping[str, Any]) -> dict[str, Any]:
     return env
 
 
+def dynamic_selection(
+    flat: Sequence[bool], per_round: int, shares: int = 1
+) -> tuple[list[int], bool]:
+    """Dynamic sampling's choice among the groups drawn for one batch (the synchronous rule,
+    :meth:`tunesmith.rl.source.RolloutSource._collect`): ``flat[i]`` says whether group ``i``
+    has all-equal rewards, the groups being rounds of ``per_round``, one after the other. Each
+    of ``shares`` (data-parallel ranks) takes its contiguous slice of every round: the groups
+    with a signal in draw order, then flat ones to fill up, cut at ``per_round // shares``.
+    Returns the positions chosen (share after share) and whether a share is short of groups
+    with a signal (another refill could help).
+
+    >>> dynamic_selection([True, False, False, True, False, True], per_round=3)
+    ([1, 2, 4], False)
+    >>> dynamic_selection([True, False, True, True], per_round=2)
+    ([1, 0], True)
+    >>> dynamic_selection([True, False, False, True], per_round=2, shares=2)  # [0, 2] | [1, 3]
+    ([2, 1], False)
+    """
+    if per_round < 1 or per_round % shares or len(flat) % per_round:
+        raise ValueError(
+            f"dynamic_selection: {len(flat)} groups are not rounds of {per_round} "
+            f"split into {shares} shares"
+        )
+    per_share, chosen, short = per_round // shares, [], False
+    for share in range(shares):
+        mine = [start + share * per_share + i
+                for start in range(0, len(flat), per_round) for i in range(per_share)]  # fmt: skip
+        kept = [i for i in mine if not flat[i]]
+        short = short or len(kept) < per_share
+        chosen += (kept + [i for i in mine if flat[i]])[:per_share]
+    return chosen, short
+
+
 @dataclass
 class _Chunk:
-    """Prompts of batch ``batch`` on their way through a rollout and a reward worker."""
+    """Prompts of batch ``batch`` (drawn in collection ``round``) on their way through a
+    rollout and a reward worker."""
 
     batch: int
+    round: int
     prompts: list[Prompt]
     worker: int = -1
     scorer: int = -1
     sent_s: float = 0.0
+
+
+def _chunk_from_state(item: Sequence[Any], prompts: Mapping[int, Prompt]) -> _Chunk:
+    """A chunk still to send, from ``[batch, round, prompt indices]`` (``[batch, indices]``
+    before refills: its round is its batch)."""
+    batch, indices = int(item[0]), item[-1]
+    return _Chunk(
+        batch, int(item[1]) if len(item) == 3 else batch, [prompts[int(i)] for i in indices]
+    )
 
 
 class RolloutPipeline:
@@ -139,13 +205,16 @@ class RolloutPipeline:
     ``config`` is the run's config as a plain dict (the workers build the policy, tokenizer,
     rewards and reference from it); ``prompts`` the whole prompt stream (every data-parallel
     rank's share). Worker counts and resources come from ``config["rollout"]``,
-    ``config["reward_workers"]`` and ``config["ray"]``.
+    ``config["reward_workers"]`` and ``config["ray"]``; ``config["dynamic_sampling"]`` and
+    ``config["max_refills"]`` (4) turn on refills (see the module docs) for ``shares``
+    data-parallel ranks.
     """
 
     def __init__(
         self, config: Mapping[str, Any], prompts: PromptStream, *, mode: str = "sync",
         max_staleness: int = 0, updates_per_batch: int = 1, total_batches: int,
         capacity: int | None = None, max_restarts: int = 3, initial_version: int = 0,
+        shares: int = 1,
     ) -> None:  # fmt: skip
         self.config = dict(config)
         self.stream, self.mode = prompts, mode
@@ -171,7 +240,17 @@ class RolloutPipeline:
         self.depth, self.max_restarts = depth, int(max_restarts)
         self.published = int(initial_version)  # the policy version the workers were sent last
         self.next_draw = 0  # the next batch to draw prompts for
-        self.batch_ids: dict[int, list[tuple[int, int]]] = {}
+        self.round = 0  # the next collection round (a batch's prompts, or a refill of them)
+        self.batch_ids: dict[int, list[tuple[int, int]]] = {}  # every group drawn, in order
+        self.dynamic = bool(config.get("dynamic_sampling", False))
+        self.max_refills, self.shares = int(config.get("max_refills", 4)), int(shares)
+        if self.shares < 1 or per_step % self.shares:
+            raise ValueError(
+                f"prompts_per_step={per_step} cannot be shared by {self.shares} data-parallel ranks"
+            )
+        self.open: int | None = None  # the batch whose groups dynamic sampling may still replace
+        self.refills = 0  # refill rounds drawn for the open batch
+        self.outcome: dict[int, dict[str, float]] = {}  # fixed batches: groups drawn, flat ...
         self.todo: deque[_Chunk] = deque()
         self.inflight: dict[Any, _Chunk] = {}
         self.load = [0] * self.n_rollout
@@ -299,10 +378,11 @@ class RolloutPipeline:
         while True:
             self._check_sync()
             for group in self.buffer.drop_stale(version):  # sample again with a newer policy
-                self._requeue(_Chunk(group.round, [group.prompt]))
+                self._requeue(_Chunk(self._batch_of(group.id), group.round, [group.prompt]))
+            self._settle()
             self._launch()
             ids = self.batch_ids.get(batch)
-            if ids is not None and self.buffer.has(ids):
+            if ids is not None and batch != self.open and self.buffer.has(ids):
                 groups = self.buffer.take(ids, version)
                 break
             if not self.inflight:
@@ -315,6 +395,9 @@ class RolloutPipeline:
         del self.batch_ids[batch]
         self._launch()  # sample ahead while the trainer trains on this batch
         stats = self.batch_stats.pop(batch, {})
+        drawn = self.outcome.pop(batch, None) or {
+            "drawn_groups": float(len(groups)), "flat_groups": float(sum(map(_flat, groups))),
+            "refill_rounds": 0.0}  # fmt: skip
         behind = [version - g.version for g in groups]
         metrics = {
             "wait_s": time.perf_counter() - start,
@@ -323,7 +406,7 @@ class RolloutPipeline:
             "requeued_groups": float(self.requeued), "worker_restarts": float(self.restarts),
             "rollout_busy_s": self.busy["rollout_s"], "reward_busy_s": self.busy["reward_s"],
             "rollout_workers": float(self.n_rollout), "reward_workers": float(self.n_reward),
-            **{k: float(v) for k, v in stats.items()},
+            **{k: float(v) for k, v in stats.items()}, **drawn,
             **{f"rollout{w}_tokens_per_s": tokens / max(seconds, 1e-9)
                for w, (tokens, seconds) in enumerate(self.worker_tokens)},
             **{f"staleness_{lag}_groups": float(behind.count(lag)) for lag in range(self.lead + 1)},
@@ -331,19 +414,61 @@ class RolloutPipeline:
         return groups, metrics
 
     def _draw(self) -> bool:
-        """Draw the prompts of the next batch when its policy is out and there is room."""
+        """Draw the prompts of the next batch when its policy is out, there is room and no
+        batch is open (dynamic sampling)."""
         k, per_step = self.next_draw, self.stream.prompts_per_step
-        if k >= self.total_batches or self.published < k * self.updates_per_batch - self.lead:
+        if k >= self.total_batches or not self._policy_out(k) or self.open is not None:
             return False
         if len(self.buffer) + self._inflight_groups() + per_step > self.capacity:
             return False
-        prompts = self.stream.next_prompts()
-        self.batch_ids[k] = [(k, p.index) for p in prompts]
+        self.batch_ids[k] = []
+        self._draw_round(k)
+        self.next_draw += 1
+        if self.dynamic:
+            self.open, self.refills = k, 0
+        return True
+
+    def _policy_out(self, batch: int) -> bool:
+        """Whether the workers have a policy recent enough to sample ``batch``."""
+        return self.published >= batch * self.updates_per_batch - self.lead
+
+    def _draw_round(self, batch: int) -> None:
+        """The next step of the stream for ``batch``, as a new collection round, in chunks."""
+        prompts, round_ = self.stream.next_prompts(), self.round
+        self.batch_ids[batch] += [(round_, p.index) for p in prompts]
         size = math.ceil(len(prompts) / self.n_rollout)
         for begin in range(0, len(prompts), size):
-            self.todo.append(_Chunk(k, prompts[begin : begin + size]))
-        self.next_draw += 1
-        return True
+            self.todo.append(_Chunk(batch, round_, prompts[begin : begin + size]))
+        self.round += 1
+
+    def _settle(self) -> None:
+        """Dynamic sampling: once every group of the open batch is scored, draw a refill for
+        it while a share is short of groups with a signal and refills remain; else fix its
+        groups (:func:`dynamic_selection`) and discard the others."""
+        k = self.open
+        if k is None or not self.buffer.has(self.batch_ids[k]):
+            return
+        ids = self.batch_ids[k]
+        flat = [_flat(self.buffer.groups[i]) for i in ids]
+        chosen, short = dynamic_selection(flat, self.stream.prompts_per_step, self.shares)
+        if short and self.refills < self.max_refills and self._policy_out(k):
+            self._draw_round(k)
+            self.refills += 1
+            return
+        keep = [ids[i] for i in chosen]
+        unused = set(ids) - set(keep)
+        self.buffer.discard([i for i in ids if i in unused])
+        self.batch_ids[k] = keep
+        self.outcome[k] = {"drawn_groups": float(len(ids)), "flat_groups": float(sum(flat)),
+                           "refill_rounds": float(self.refills)}  # fmt: skip
+        self.open = None
+
+    def _batch_of(self, group_id: tuple[int, int]) -> int:
+        """The batch that drew the group ``group_id``."""
+        for batch, ids in self.batch_ids.items():
+            if group_id in ids:
+                return batch
+        raise KeyError(f"rollout pipeline: group {group_id} belongs to no batch waiting")
 
     def _launch(self) -> None:
         while self.todo or self._draw():
@@ -354,7 +479,7 @@ class RolloutPipeline:
             worker = min(free, key=lambda w: (self.load[w], w))
             self.todo.popleft()
             chunk.worker, chunk.sent_s = worker, time.perf_counter()
-            rolled = self.rollout_workers[worker].rollout.remote(chunk.prompts, chunk.batch)
+            rolled = self.rollout_workers[worker].rollout.remote(chunk.prompts, chunk.round)
             chunk.scorer = self._next_reward % self.n_reward
             self._next_reward += 1
             self.inflight[self.reward_workers[chunk.scorer].score.remote(rolled)] = chunk
@@ -446,13 +571,16 @@ class RolloutPipeline:
             self._harvest()
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain data after a :meth:`drain`: the prompt stream, the batches drawn and not yet
-        trained on, the buffer, and the chunks still to send."""
+        """Plain data after a :meth:`drain`: the prompt stream, the next round, the batches
+        drawn and not yet trained on (the open one with its refills), the buffer, and the
+        chunks still to send."""
         self.drain()
         return {
-            "stream": self.stream.state_dict(), "next_draw": self.next_draw,
+            "stream": self.stream.state_dict(), "next_draw": self.next_draw, "round": self.round,
             "batch_ids": {str(k): [list(i) for i in ids] for k, ids in self.batch_ids.items()},
-            "todo": [[c.batch, [p.index for p in c.prompts]] for c in self.todo],
+            "open": self.open, "refills": self.refills,
+            "outcome": {str(k): dict(v) for k, v in self.outcome.items()},
+            "todo": [[c.batch, c.round, [p.index for p in c.prompts]] for c in self.todo],
             "buffer": self.buffer.state_dict(), "restarts": self.restarts,
             "requeued": self.requeued,
         }  # fmt: skip
@@ -461,9 +589,13 @@ class RolloutPipeline:
         prompts = {p.index: p for p in self.stream.dataset}
         self.stream.load_state_dict(state["stream"])
         self.next_draw = int(state["next_draw"])
+        self.round = int(state.get("round", self.next_draw))  # before refills: one per batch
         self.batch_ids = {int(k): [(int(r), int(i)) for r, i in ids]
                           for k, ids in state["batch_ids"].items()}  # fmt: skip
-        self.todo = deque(_Chunk(int(k), [prompts[int(i)] for i in indices])
-                          for k, indices in state["todo"])  # fmt: skip
+        self.open = None if state.get("open") is None else int(state["open"])
+        self.refills = int(state.get("refills", 0))
+        self.outcome = {int(k): {n: float(v) for n, v in d.items()}
+                        for k, d in state.get("outcome", {}).items()}  # fmt: skip
+        self.todo = deque(_chunk_from_state(item, prompts) for item in state["todo"])
         self.buffer.load_state_dict(state["buffer"], prompts)
         self.restarts, self.requeued = int(state["restarts"]), int(state["requeued"])

@@ -5,6 +5,7 @@ The trainer takes a step's groups by id (``(round, prompt index)``, in the order
 drew its prompts) when all of them have arrived. A group is used at most once (a second use
 is an error), never split, and never staler than ``max_staleness`` versions: an older one is
 dropped, counted, and handed back so that its prompt is sampled again by the current policy.
+Groups a step drew but does not need (dynamic sampling's spares) are discarded, never used.
 Its memory is bounded by ``capacity`` groups (the producer asks :attr:`ReplayBuffer.free`
 before sampling more). :meth:`state_dict` is plain data (a checkpoint holds the groups that
 were waiting); the prompts are looked up again by index on load.
@@ -104,6 +105,16 @@ class ReplayBuffer:
             self.staleness[version - group.version] += 1
             groups.append(group)
         return groups
+
+    def discard(self, ids: Sequence[GroupId]) -> None:
+        """Remove the waiting groups of ``ids`` unused (dynamic sampling's groups that a batch
+        does not need); like used groups, they may not arrive again."""
+        missing = [i for i in ids if i not in self.groups]
+        if missing:
+            raise KeyError(f"replay buffer: groups {missing} to discard are not waiting")
+        for i in ids:
+            del self.groups[i]
+            self.used.add(i)
 
     def state_dict(self) -> dict[str, Any]:
         return {

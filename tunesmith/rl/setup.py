@@ -229,6 +229,7 @@ def asynchronous_source(
             config, stream, mode=str(cfg.async_mode), max_staleness=int(cfg.get("max_staleness", 0)),
             updates_per_batch=updates, total_batches=-(-total_steps // updates),
             capacity=cfg.get("buffer_size"), max_restarts=int(cfg.get("max_worker_restarts", 3)),
+            shares=ctx.dp_size,
         )  # fmt: skip
         pipeline.start()
         pids = pipeline.worker_pids()
