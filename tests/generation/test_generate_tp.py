@@ -12,13 +12,10 @@ pass different prompts get an error on both ranks, not a hang.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.gloo_world import run_on_ranks
 from tunesmith.generation import generate
 from tunesmith.models import build_model
 from tunesmith.models.zoo import llama3, qwen3
@@ -70,52 +67,41 @@ def _run_cases(model: torch.nn.Module, stop: list[int], rank: int) -> dict[str, 
     return results
 
 
-def _worker(rank: int, init_file: str, out_file: str, stop: list[int]) -> None:
+def _worker(rank: int, stop: list[int]) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from tunesmith.training.tensor_parallel import apply_tensor_parallel
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-        timeout=timedelta(seconds=60),  # a rank left waiting fails instead of hanging
-    )  # fmt: skip
+    result: dict = {}
+    for layout, (name, sequence_parallel, fsdp) in LAYOUTS.items():
+        model = _model(name)
+        if fsdp:
+            mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp_shard", "tp"))
+            apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh["dp_shard"])
+            fully_shard(model, mesh=mesh["dp_shard"])
+        else:
+            mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+            apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+        result[layout] = _run_cases(model, stop, rank)
+    # the ranks of a tp group must decode the same batch: both are told so
     try:
-        result: dict = {}
-        for layout, (name, sequence_parallel, fsdp) in LAYOUTS.items():
-            model = _model(name)
-            if fsdp:
-                mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp_shard", "tp"))
-                apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
-                for layer in model.model.layers:
-                    fully_shard(layer, mesh=mesh["dp_shard"])
-                fully_shard(model, mesh=mesh["dp_shard"])
-            else:
-                mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
-                apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
-            result[layout] = _run_cases(model, stop, rank)
-        # the ranks of a tp group must decode the same batch: both are told so
-        try:
-            generate(model, PROMPTS[: rank + 1], max_new_tokens=4)
-            result["mismatch"] = None
-        except ValueError as error:
-            result["mismatch"] = str(error)
-        torch.save(result, f"{out_file}.{rank}")
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        generate(model, PROMPTS[: rank + 1], max_new_tokens=4)
+        result["mismatch"] = None
+    except ValueError as error:
+        result["mismatch"] = str(error)
+    return result
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs():
     """(the single-process results per model, the two ranks' results, the stop token)."""
-    tmp = tmp_path_factory.mktemp("generate_tp")
     probe = generate(_model("llama3"), PROMPTS, max_new_tokens=11).sequences[1]
     stop = [probe[4]]  # ends row 1 early under greedy decoding
     expected = {name: _run_cases(_model(name), stop, rank=-1) for name in MODELS}
-    mp.spawn(_worker, args=(str(tmp / "init"), str(tmp / "out"), stop), nprocs=WORLD, join=True)
-    ranks = [torch.load(tmp / f"out.{r}", weights_only=True) for r in range(WORLD)]
+    ranks = run_on_ranks(_worker, WORLD, stop, timeout_s=60)
     return expected, ranks, stop
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import math
 import time
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.data.tokenizer_factory import make_tokenizer_folder
+from tests.gloo_world import run_on_ranks
 from tunesmith.data import Tokenizer
 from tunesmith.generation import (
     MinP,
@@ -371,64 +370,52 @@ def _completion_loss(model, prompts, sequences) -> torch.Tensor:
     return -total
 
 
-def _fsdp_worker(rank: int, init_file: str, out_file: str, stop_token_ids: list[int]) -> None:
+def _fsdp_worker(rank: int, stop_token_ids: list[int]) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),  # a rank left waiting fails instead of hanging
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = _tiny()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    prompts, kwargs = RANK_PROMPTS[rank], _rank_kwargs(rank, stop_token_ids)
+    result: dict = {}
+
+    first = generate(model, prompts, sync_ranks=True, **kwargs)
+    result["first"] = (first.sequences, first.logprobs, first.finish_reasons)
+    result["calls"] = len(calls)
+    result["resharded"] = all(isinstance(p, DTensor) for p in model.parameters())
+    # train on the rollout: forward + backward + an optimizer step on the sharded model
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    _completion_loss(model, prompts, first.sequences).backward()
+    result["grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    optimizer.step()
+    optimizer.zero_grad()
+    # generate again with the updated weights, then train again
+    second = generate(model, prompts, sync_ranks=True, **kwargs)
+    result["second"] = (second.sequences, second.logprobs, second.finish_reasons)
+    _completion_loss(model, prompts, second.sequences).backward()
+    result["second_grads_finite"] = all(
+        p.grad.to_local().isfinite().all() for p in model.parameters()
     )
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        model = _tiny()
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        calls = []
-        model.register_forward_pre_hook(lambda *_: calls.append(1))
-        prompts, kwargs = RANK_PROMPTS[rank], _rank_kwargs(rank, stop_token_ids)
-        result: dict = {}
-
-        first = generate(model, prompts, sync_ranks=True, **kwargs)
-        result["first"] = (first.sequences, first.logprobs, first.finish_reasons)
-        result["calls"] = len(calls)
-        result["resharded"] = all(isinstance(p, DTensor) for p in model.parameters())
-        # train on the rollout: forward + backward + an optimizer step on the sharded model
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        _completion_loss(model, prompts, first.sequences).backward()
-        result["grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-        # generate again with the updated weights, then train again
-        second = generate(model, prompts, sync_ranks=True, **kwargs)
-        result["second"] = (second.sequences, second.logprobs, second.finish_reasons)
-        _completion_loss(model, prompts, second.sequences).backward()
-        result["second_grads_finite"] = all(
-            p.grad.to_local().isfinite().all() for p in model.parameters()
-        )
-        # a rank with no prompts still joins every decode step
-        calls.clear()
-        empty = generate(
-            model,
-            prompts if rank == 0 else [],
-            max_new_tokens=RANK_LIMITS[0] if rank == 0 else [],
-            stop_token_ids=stop_token_ids,
-            sync_group=dist.group.WORLD,
-        )
-        result["empty"] = (empty.sequences, empty.finish_reasons, len(calls))
-        torch.save(result, f"{out_file}.{rank}")
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    # a rank with no prompts still joins every decode step
+    calls.clear()
+    empty = generate(
+        model,
+        prompts if rank == 0 else [],
+        max_new_tokens=RANK_LIMITS[0] if rank == 0 else [],
+        stop_token_ids=stop_token_ids,
+        sync_group=dist.group.WORLD,
+    )
+    result["empty"] = (empty.sequences, empty.finish_reasons, len(calls))
+    return result
 
 
-def test_fsdp2_ranks_stop_together_match_unsharded_and_train_after(tmp_path):
+def test_fsdp2_ranks_stop_together_match_unsharded_and_train_after():
     """Two gloo ranks, an FSDP2-sharded model, different prompts, batch sizes and limits per
     rank: every rank runs the same number of forwards, each rank's rows equal what the
     unsharded model generates for them, and the policy trains right after generating (the
@@ -445,13 +432,7 @@ def test_fsdp2_ranks_stop_together_match_unsharded_and_train_after(tmp_path):
     ends = [len(s) for r in range(WORLD) for s in expected[r].sequences]
     assert len(set(ends)) == 3 and "stop" in expected[0].finish_reasons
 
-    mp.spawn(
-        _fsdp_worker,
-        args=(str(tmp_path / "init"), str(tmp_path / "out"), stop_token_ids),
-        nprocs=WORLD,
-        join=True,
-    )
-    results = [torch.load(tmp_path / f"out.{r}", weights_only=True) for r in range(WORLD)]
+    results = run_on_ranks(_fsdp_worker, WORLD, stop_token_ids, timeout_s=60)
 
     grads = []
     for rank, result in enumerate(results):

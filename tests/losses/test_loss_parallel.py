@@ -15,9 +15,8 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.gloo_world import run_on_ranks
 from tunesmith.modules.losses import (
     IGNORE_INDEX,
     KD_KINDS,
@@ -123,56 +122,48 @@ def _cases(x: dict[str, torch.Tensor], teacher_weight) -> dict[str, object]:
     return cases
 
 
-def _worker(rank: int, world_size: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank,
-                            world_size=world_size)  # fmt: skip
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+def _worker(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-        mesh = init_device_mesh("cpu", (world_size,))
-        x = _inputs()
-        sharded = lambda w: distribute_tensor(w, mesh, [Shard(0)])  # noqa: E731
-        replicated = lambda w: distribute_tensor(w, mesh, [Replicate()])  # noqa: E731
-        teacher = sharded(x["teacher_weight"])
-        results = {
-            name: _run(fn, x["hidden"], x["weight"], wrap_weight=sharded, guard=_no_gather())
-            for name, fn in _cases(x, lambda: teacher).items()
-        }
-        assert teacher.to_local().shape == (19 - rank, TEACHER_HIDDEN)  # uneven shards
-        # a whole (plain) teacher head beside a sharded student
-        whole = _cases(x, lambda: x["teacher_weight"])["kd_reverse_T=2.0"]
-        results["kd_whole_teacher"] = _run(
-            whole, x["hidden"], x["weight"], wrap_weight=sharded, guard=_no_gather()
+    mesh = init_device_mesh("cpu", (world_size,))
+    x = _inputs()
+    sharded = lambda w: distribute_tensor(w, mesh, [Shard(0)])  # noqa: E731
+    replicated = lambda w: distribute_tensor(w, mesh, [Replicate()])  # noqa: E731
+    teacher = sharded(x["teacher_weight"])
+    results = {
+        name: _run(fn, x["hidden"], x["weight"], wrap_weight=sharded, guard=_no_gather())
+        for name, fn in _cases(x, lambda: teacher).items()
+    }
+    assert teacher.to_local().shape == (19 - rank, TEACHER_HIDDEN)  # uneven shards
+    # a whole (plain) teacher head beside a sharded student
+    whole = _cases(x, lambda: x["teacher_weight"])["kd_reverse_T=2.0"]
+    results["kd_whole_teacher"] = _run(
+        whole, x["hidden"], x["weight"], wrap_weight=sharded, guard=_no_gather()
+    )
+    # the hidden state as a replicated DTensor; a replicated weight
+    ce = _cases(x, lambda: teacher)["ce_grad_in_forward=True"]
+    as_dtensor = lambda h: DTensor.from_local(h, mesh, [Replicate()], run_check=False)  # noqa: E731
+    results["ce_dtensor_hidden"] = _run(
+        ce, x["hidden"], x["weight"], wrap_hidden=as_dtensor, wrap_weight=sharded
+    )
+    results["ce_replicated_weight"] = _run(ce, x["hidden"], x["weight"], wrap_weight=replicated)
+    with torch.no_grad():
+        loss = LinearCrossEntropyLoss(chunk_size=CHUNK)(
+            x["hidden"], sharded(x["weight"]), x["labels"]
         )
-        # the hidden state as a replicated DTensor; a replicated weight
-        ce = _cases(x, lambda: teacher)["ce_grad_in_forward=True"]
-        as_dtensor = lambda h: DTensor.from_local(h, mesh, [Replicate()], run_check=False)  # noqa: E731
-        results["ce_dtensor_hidden"] = _run(
-            ce, x["hidden"], x["weight"], wrap_hidden=as_dtensor, wrap_weight=sharded
-        )
-        results["ce_replicated_weight"] = _run(ce, x["hidden"], x["weight"], wrap_weight=replicated)
-        with torch.no_grad():
-            loss = LinearCrossEntropyLoss(chunk_size=CHUNK)(
-                x["hidden"], sharded(x["weight"]), x["labels"]
-            )
-        results["ce_no_grad"] = (loss, None, None)
-        try:  # 1 row over 2 ranks: rank 1 would hold none
-            token_logprobs(x["hidden"], sharded(x["weight"][:1]), x["labels"].clamp(max=0))
-            results["error"] = ""
-        except ValueError as error:
-            results["error"] = str(error)
-        torch.save(results, f"{tmp}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    results["ce_no_grad"] = (loss, None, None)
+    try:  # 1 row over 2 ranks: rank 1 would hold none
+        token_logprobs(x["hidden"], sharded(x["weight"][:1]), x["labels"].clamp(max=0))
+        results["error"] = ""
+    except ValueError as error:
+        results["error"] = str(error)
+    return results
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("loss_parallel")
-    mp.spawn(_worker, args=(2, str(tmp)), nprocs=2, join=True)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+def ranks():
+    return run_on_ranks(_worker, 2, 2)
 
 
 def _expected(name: str):

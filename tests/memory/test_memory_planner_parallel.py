@@ -10,13 +10,10 @@ from the parallelized model's DTensor parameters as from the plain model).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.gloo_world import run_on_ranks
 from tunesmith.models import build_model, llama3
 from tunesmith.models.zoo import qwen3_moe
 from tunesmith.modules.losses import CrossEntropyLoss, LinearCrossEntropyLoss
@@ -271,13 +268,11 @@ def _step(model, opt, ids):
     opt.zero_grad(set_to_none=True)
 
 
-def _measure_worker(rank: int, init_file: str, out_dir: str) -> None:
-    from tunesmith.training.distributed import close_distributed, init_distributed
+def _measure_worker(rank: int) -> dict:
+    from tunesmith.training.distributed import init_distributed
     from tunesmith.training.memory import AllocatedBytes, storage_bytes
     from tunesmith.training.parallelize import parallelize
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     results = {}
     for name, parallelism in LAYOUTS.items():
         ctx = init_distributed(device="cpu", parallelism=parallelism)
@@ -295,16 +290,12 @@ def _measure_worker(rank: int, init_file: str, out_dir: str) -> None:
         # the plan of the parallelized model (DTensor parameters), as a recipe makes it
         plan = estimate_memory(model, batch_size=4, seq_len=64, parallel=ctx.dims)
         results[name] = {"params": params, "peak": resident + mem.peak, "plan": plan.total}
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    close_distributed()
+    return results
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("parallel_memory")
-    mp.spawn(_measure_worker, args=(str(tmp / "pg"), str(tmp)), nprocs=2, join=True)
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+def measured():
+    return run_on_ranks(_measure_worker, 2)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

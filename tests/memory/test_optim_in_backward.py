@@ -11,9 +11,8 @@ from functools import partial
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.gloo_world import run_on_ranks
 from tunesmith.config import ConfigError
 from tunesmith.models import llama3
 from tunesmith.modules.decoder import TransformerLM
@@ -257,57 +256,49 @@ def _train_linear_ce(model, optimizer, scheduler, batches):
         scheduler.step()
 
 
-def _fsdp_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+def _fsdp_worker(rank: int, world_size: int, out_dir: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
-    try:
-        mesh = init_device_mesh("cpu", (world_size,))
-        batches = _batches(3, shape=(2 * world_size, 12))
-        # each rank its half of the global batch; FSDP averages gradients over ranks
-        local = [b[rank * 2 : rank * 2 + 2] for b in batches]
-        ctx = DistributedContext(rank, world_size, rank, torch.device("cpu"), mesh)
+    mesh = init_device_mesh("cpu", (world_size,))
+    batches = _batches(3, shape=(2 * world_size, 12))
+    # each rank its half of the global batch; FSDP averages gradients over ranks
+    local = [b[rank * 2 : rank * 2 + 2] for b in batches]
+    ctx = DistributedContext(rank, world_size, rank, torch.device("cpu"), mesh)
 
-        def build(seed=0, checkpointing=False):
-            torch.manual_seed(seed)
-            model = llama3.llama3_tiny()
-            model.__class__ = _HiddenStatesLM
-            if checkpointing:
-                apply_activation_checkpointing(model, mode="selective")
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            return model
+    def build(seed=0, checkpointing=False):
+        torch.manual_seed(seed)
+        model = llama3.llama3_tiny()
+        model.__class__ = _HiddenStatesLM
+        if checkpointing:
+            apply_activation_checkpointing(model, mode="selective")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
 
-        finals = {}
-        for run in ("ordinary", "in_backward", "in_backward+linear_ce+checkpointing", "resumed"):
-            model = build(seed=1 if run == "resumed" else 0, checkpointing="linear_ce" in run)
-            if run == "ordinary":
-                opt = ADAMW(model.parameters())
-                _train(model, opt, _schedule(opt), local, False)
+    finals = {}
+    for run in ("ordinary", "in_backward", "in_backward+linear_ce+checkpointing", "resumed"):
+        model = build(seed=1 if run == "resumed" else 0, checkpointing="linear_ce" in run)
+        if run == "ordinary":
+            opt = ADAMW(model.parameters())
+            _train(model, opt, _schedule(opt), local, False)
+        else:
+            opt = OptimizerInBackward(model.parameters(), ADAMW)
+            sched = _schedule(opt)
+            if run == "in_backward":  # checkpoint after step 2 (sharded optimizer state)
+                _train(model, opt, sched, local[:2], True)
+                checkpointer = Checkpointer(f"{out_dir}/checkpoints", ctx)
+                path = checkpointer.save(2, model, opt, {"scheduler": sched}, {"step": 2})
+                _train(model, opt, sched, local[2:], True)
+            elif run == "resumed":
+                checkpointer.load(path, model, opt, {"scheduler": sched})
+                _train(model, opt, sched, local[2:], True)
             else:
-                opt = OptimizerInBackward(model.parameters(), ADAMW)
-                sched = _schedule(opt)
-                if run == "in_backward":  # checkpoint after step 2 (sharded optimizer state)
-                    _train(model, opt, sched, local[:2], True)
-                    checkpointer = Checkpointer(f"{out_dir}/checkpoints", ctx)
-                    path = checkpointer.save(2, model, opt, {"scheduler": sched}, {"step": 2})
-                    _train(model, opt, sched, local[2:], True)
-                elif run == "resumed":
-                    checkpointer.load(path, model, opt, {"scheduler": sched})
-                    _train(model, opt, sched, local[2:], True)
-                else:
-                    _train_linear_ce(model, opt, sched, local)
-                assert all(p.grad is None for p in model.parameters())
-            finals[run] = {n: full_tensor(p) for n, p in model.named_parameters()}
-        if rank == 0:
-            torch.save(finals, f"{out_dir}/finals.pt")
-    finally:
-        close_distributed()
+                _train_linear_ce(model, opt, sched, local)
+            assert all(p.grad is None for p in model.parameters())
+        finals[run] = {n: full_tensor(p) for n, p in model.named_parameters()}
+    return finals
 
 
 def test_fsdp2_two_ranks_equals_ordinary_optimizer(tmp_path):
@@ -316,8 +307,7 @@ def test_fsdp2_two_ranks_equals_ordinary_optimizer(tmp_path):
     training on the whole batch ends). The same holds with the linear cross-entropy taking
     the root's gathered ``lm_head.weight`` (and selective activation checkpointing); and a
     sharded checkpoint resumes bit for bit."""
-    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    finals = torch.load(tmp_path / "finals.pt", weights_only=True)
+    finals = run_on_ranks(_fsdp_worker, 2, 2, str(tmp_path))[0]
     torch.manual_seed(0)
     single = llama3.llama3_tiny()
     opt = ADAMW(single.parameters())

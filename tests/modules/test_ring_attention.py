@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tests.gloo_world import run_on_ranks
 from tunesmith.modules import ring_attention as ring_module
 from tunesmith.modules.ring_attention import ring_attention
 
@@ -137,24 +137,16 @@ def _gradcheck(rank: int) -> bool:
     return torch.autograd.gradcheck(fn, (q, k, v))
 
 
-def _worker(rank: int, init_file: str, out_file: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=CP)
+def _worker(rank: int) -> dict:
     ring_module.QUERY_CHUNK = 3  # several query chunks per block (8 local positions)
     results = {name: _case(name, rank) for name in CASES}
     results["gradcheck"] = _gradcheck(rank)
-    gathered = [None] * CP
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        torch.save(gathered, out_file)
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module")
-def ring_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ring")
-    out = tmp / "results.pt"
-    mp.spawn(_worker, args=(str(tmp / "pg"), str(out)), nprocs=CP, join=True)
-    return torch.load(out, weights_only=True)
+def ring_results():
+    return run_on_ranks(_worker, CP)
 
 
 @pytest.mark.parametrize("name", list(CASES))

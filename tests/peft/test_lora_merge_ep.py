@@ -17,9 +17,9 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
+from tests.gloo_world import run_on_ranks
 from tunesmith.models import qwen3_moe
 from tunesmith.modules.peft import apply_lora, merge_adapters, trainable_parameters
 from tunesmith.training.distributed import ParallelDims, expert_mesh_of, full_tensor
@@ -78,23 +78,12 @@ def _case(world: int, ep: int) -> dict[str, float]:
 CASES = {2: [2], 4: [2, 4]}
 
 
-def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        results = {ep: _case(world, ep) for ep in CASES[world]}
-        gathered = [None] * world
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            torch.save(gathered, out_file)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int) -> dict[int, dict[str, float]]:
+    return {ep: _case(world, ep) for ep in CASES[world]}
 
 
-def _check(tmp, world: int) -> None:
-    out = tmp / f"results{world}.pt"
-    mp.spawn(_worker, args=(world, str(tmp / f"pg{world}"), str(out)), nprocs=world, join=True)
-    for rank, results in enumerate(torch.load(out, weights_only=True)):
+def _check(world: int) -> None:
+    for rank, results in enumerate(run_on_ranks(_worker, world, world)):
         for ep, diffs in results.items():
             where = f"rank {rank} of {world}, ep {ep}"
             for name in ("logits", "merged_logits", "experts_weights"):
@@ -103,10 +92,10 @@ def _check(tmp, world: int) -> None:
             assert diffs["moved"] > 1e-3, f"{where}: the merge left a weight unchanged"
 
 
-def test_merge_of_expert_lora_under_ep2_on_two_ranks_equals_one_process(tmp_path):
-    _check(tmp_path, 2)
+def test_merge_of_expert_lora_under_ep2_on_two_ranks_equals_one_process():
+    _check(2)
 
 
 @pytest.mark.slow
-def test_merge_of_expert_lora_under_ep_on_four_ranks_equals_one_process(tmp_path):
-    _check(tmp_path, 4)
+def test_merge_of_expert_lora_under_ep_on_four_ranks_equals_one_process():
+    _check(4)

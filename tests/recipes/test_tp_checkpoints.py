@@ -25,13 +25,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from tests.gloo_world import run_on_ranks
 from tests.recipes.sft_world import (
     assert_same_weights,
     checkpoint_weights,
@@ -139,26 +138,18 @@ def test_a_changed_global_batch_is_refused_before_anything_loads(stopped, tmp_pa
 # ----------------------------------------------------------------------------- export
 
 
-def _reexport(rank: int, world: int, init_file: str, step_dir: str, model_dir: str,
-              out: str, parallelism: dict) -> None:  # fmt: skip
-    """Load ``step_dir`` on this mesh and checkpoint it again at once; rank 0 also writes the
-    optimizer state it loaded, gathered whole, to ``out/optimizer.pt``."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)  # fmt: skip
-    try:
-        torch.set_num_threads(1)
-        ctx = init_distributed("cpu", parallelism=parallelism)
-        model = parallelize(from_hf(model_dir), ctx)  # the initial weights, then the checkpoint's
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
-        checkpointer = Checkpointer(Path(out) / "checkpoints", ctx, source_dir=model_dir)
-        progress = checkpointer.load(step_dir, model, optimizer, {})
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        loaded = get_optimizer_state_dict(model, optimizer, options=options)
-        checkpointer.save(progress["step"], model, optimizer, {}, progress)
-        if ctx.is_rank_zero:
-            torch.save(loaded, Path(out) / "optimizer.pt")
-    finally:
-        close_distributed()
+def _reexport(rank: int, step_dir: str, model_dir: str, out: str, parallelism: dict) -> dict:
+    """Load ``step_dir`` on this mesh and checkpoint it again at once; the optimizer state
+    this rank loaded, gathered whole."""
+    ctx = init_distributed("cpu", parallelism=parallelism)
+    model = parallelize(from_hf(model_dir), ctx)  # the initial weights, then the checkpoint's
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    checkpointer = Checkpointer(Path(out) / "checkpoints", ctx, source_dir=model_dir)
+    progress = checkpointer.load(step_dir, model, optimizer, {})
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    loaded = get_optimizer_state_dict(model, optimizer, options=options)
+    checkpointer.save(progress["step"], model, optimizer, {}, progress)
+    return loaded
 
 
 def _model_files(step_dir: Path) -> dict[str, bytes]:
@@ -199,16 +190,14 @@ def test_the_export_is_the_same_files_whatever_the_mesh(stopped, tmp_path):
     assert {"model.safetensors", "config.json"} <= set(expected)
     for name, world, parallelism in (("tp2", 2, {"tp": 2}), ("one", 1, None)):
         out = tmp_path / name
-        args = (world, str(tmp_path / f"{name}.pg"), str(step_dir), str(model_dir), str(out),
-                parallelism)  # fmt: skip
-        mp.spawn(_reexport, args=args, nprocs=world, join=True)
+        args = (str(step_dir), str(model_dir), str(out), parallelism)
+        loaded = run_on_ranks(_reexport, world, *args)[0]
         written = checkpoints(out)
         assert [p.name for p in written] == [step_dir.name]
         got = _model_files(written[0])
         assert sorted(got) == sorted(expected), name
         for file in expected:
             assert got[file] == expected[file], f"{name}: {file} differs"
-        loaded = torch.load(out / "optimizer.pt", weights_only=True)
         _assert_same_tree(loaded["state"], saved["state"], f"{name}: optimizer state")
         assert len(loaded["state"]) == len(dict(from_hf(model_dir).named_parameters()))
 

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.gloo_world import run_on_ranks
 from tunesmith.config import instantiate
 from tunesmith.rl.advantages import BatchNormalized, GroupNormalized, LeaveOneOut, gae, whiten
 
@@ -109,21 +109,13 @@ def test_batch_normalized_by_hand():
     assert BatchNormalized()(torch.tensor([1.0]), group_size=1).tolist() == [0.0]
 
 
-def _batch_worker(rank: int, world_size: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank,
-                            world_size=world_size)  # fmt: skip
-    try:
-        local = REWARDS[:8] if rank == 0 else REWARDS[8:]  # whole groups per rank
-        out = BatchNormalized(process_group=dist.group.WORLD)(local, group_size=4)
-        torch.save(out, f"{tmp}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _batch_worker(rank: int) -> torch.Tensor:
+    local = REWARDS[:8] if rank == 0 else REWARDS[8:]  # whole groups per rank
+    return BatchNormalized(process_group=dist.group.WORLD)(local, group_size=4)
 
 
-def test_batch_normalized_over_two_ranks_equals_one_process(tmp_path):
-    mp.spawn(_batch_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
-    parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+def test_batch_normalized_over_two_ranks_equals_one_process():
+    parts = run_on_ranks(_batch_worker, 2)
     single = BatchNormalized()(REWARDS, group_size=4)
     torch.testing.assert_close(torch.cat(parts), single, rtol=1e-6, atol=1e-7)
     # and not what each rank alone would give

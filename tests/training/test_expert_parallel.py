@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.gloo_world import run_on_ranks
 from tunesmith.config import ConfigError
 from tunesmith.modules.moe import MoE
 from tunesmith.training.distributed import ParallelDims, expert_mesh_of
@@ -96,23 +96,12 @@ CASES_4 = [(4, 2, "random", torch.float32), (4, 4, "random", torch.float32),
            (4, 2, "skewed", torch.float64), (4, 4, "empty", torch.float32)]  # fmt: skip
 
 
-def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        results = {case: _case(*case) for case in (CASES_2 if world == 2 else CASES_4)}
-        gathered = [None] * world
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            torch.save(gathered, out_file)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int) -> dict:
+    return {case: _case(*case) for case in (CASES_2 if world == 2 else CASES_4)}
 
 
-def _run(tmp, world: int) -> list[dict]:
-    out = tmp / f"results{world}.pt"
-    mp.spawn(_worker, args=(world, str(tmp / f"pg{world}"), str(out)), nprocs=world, join=True)
-    return torch.load(out, weights_only=True)
+def _run(world: int) -> list[dict]:
+    return run_on_ranks(_worker, world, world)
 
 
 def _check(per_rank: list[dict]) -> None:
@@ -126,14 +115,14 @@ def _check(per_rank: list[dict]) -> None:
                 assert diffs[name + "_scale"] > 1e-3, f"{where}: {name} has no gradient"
 
 
-def test_expert_parallel_on_two_ranks_equals_one_process(tmp_path):
-    _check(_run(tmp_path, 2))
+def test_expert_parallel_on_two_ranks_equals_one_process():
+    _check(_run(2))
 
 
 @pytest.mark.slow
-def test_expert_parallel_on_four_ranks_equals_one_process(tmp_path):
+def test_expert_parallel_on_four_ranks_equals_one_process():
     """ep 2 with each expert held by two ranks (their gradients summed), and ep 4."""
-    _check(_run(tmp_path, 4))
+    _check(_run(4))
 
 
 def test_ep_that_does_not_divide_the_experts_or_dp_shard_is_refused():

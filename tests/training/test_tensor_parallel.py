@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.gloo_world import run_on_ranks
 from tunesmith.config import ConfigError
 from tunesmith.models import build_model
 from tunesmith.models.zoo import llama3, mistral, qwen2_5, qwen3, qwen3_moe
@@ -80,24 +80,18 @@ def _compare(name: str, sequence_parallel: bool, kind: str, seq: int) -> tuple[f
     return logits_error, grad_error
 
 
-def _worker(rank: int, init_file: str, out_file: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+def _worker(rank: int) -> dict:
     results = {}
     for name in SPECS:
         for sp in (False, True):
             for kind, seq in (("plain", 12), ("plain", 11), ("padded", 9), ("packed", 10)):
                 results[(name, sp, kind, seq)] = _compare(name, sp, kind, seq)
-    if rank == 0:
-        torch.save(results, out_file)
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module")
-def tp_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp")
-    out = tmp / "results.pt"
-    mp.spawn(_worker, args=(str(tmp / "pg"), str(out)), nprocs=2, join=True)
-    return torch.load(out, weights_only=True)
+def tp_results():
+    return run_on_ranks(_worker, 2)[0]
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -20,9 +20,9 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tests.gloo_world import run_on_ranks
 from tests.recipes.sft_world import (
     assert_same_weights,
     checkpoints,
@@ -202,26 +202,19 @@ def _qlora_refusal() -> str:
     return "not refused"
 
 
-def _worker(rank: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=2)
-    try:
-        results = {case: _compare(*case) for case in CASES}
-        for sp, seq in ((False, 12), (True, 12), (True, 11)):
-            results[("dropout", sp, seq)] = _dropout(sp, seq)
-        results["peft"] = _peft_round_trip(tmp, rank)
-        results["qlora"] = _qlora_refusal()
-        if rank == 0:
-            torch.save(results, f"{tmp}/results.pt")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, tmp: str) -> dict:
+    results = {case: _compare(*case) for case in CASES}
+    for sp, seq in ((False, 12), (True, 12), (True, 11)):
+        results[("dropout", sp, seq)] = _dropout(sp, seq)
+    results["peft"] = _peft_round_trip(tmp, rank)
+    results["qlora"] = _qlora_refusal()
+    return results
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp_adapters")
-    mp.spawn(_worker, args=(str(tmp),), nprocs=2, join=True)
-    return torch.load(tmp / "results.pt", weights_only=True), tmp
+    return run_on_ranks(_worker, 2, str(tmp))[0], tmp
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{'dora' if c[1] else 'lora'}-sp{int(c[2])}"
