@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import pytest
 import ray
@@ -17,6 +15,7 @@ import torch
 import yaml
 
 from tests.demo.test_demo_rl import SHORT, TOY
+from tests.rl.rl_world import ray_temp_dir
 from tunesmith.cli.main import build_parser
 from tunesmith.cli.main import main as cli_main
 from tunesmith.demo.rl import RLDemoSettings, grpo_recipe, run_rl_demo
@@ -32,11 +31,10 @@ def ray_instance():
     """One local Ray instance for the module: the demo's runs join it (a run starts its own
     only when none is running)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
-    ray.init(num_cpus=2, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+    with ray_temp_dir() as temp:
+        ray.init(num_cpus=2, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
+        yield
+        ray.shutdown()
 
 
 def _yaml(recipe: str) -> dict:
@@ -130,12 +128,9 @@ def test_full_async_demo_gains_as_much_in_less_time(tmp_path):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     settings = RLDemoSettings(seed=0)
     sync = run_rl_demo(tmp_path, settings=settings, threads=1, verbose=False)
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    try:
+    with ray_temp_dir() as temp:
         asynchronous = run_rl_demo(tmp_path, settings=settings, threads=1, verbose=False,
                                    asynchronous=True, overrides=[f"ray.temp_dir={temp}"])  # fmt: skip
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
     assert asynchronous.accuracy_before == sync.accuracy_before
     gain = sync.accuracy_after - sync.accuracy_before
     assert gain >= 0.2

@@ -22,9 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +34,7 @@ import pytest
 from tests.faults.catalogue import params
 from tests.faults.harness import finish, read_mark, start_child, stop
 from tests.recipes.sft_world import free_port, make_model_dir, read_metrics
-from tests.rl.rl_world import DigitFraction, grpo_overrides, make_prompts
+from tests.rl.rl_world import DigitFraction, grpo_overrides, make_prompts, ray_temp_dir
 from tunesmith.rl.prompts import PromptStream
 from tunesmith.training import CheckpointDirectory
 
@@ -63,10 +61,9 @@ def async_world(tmp_path_factory) -> AsyncWorld:
 
 @pytest.fixture
 def ray_dir():
-    """A temp dir for the run's Ray instance (short: Ray's socket paths must fit)."""
-    path = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    """A temp dir for the run's Ray instance."""
+    with ray_temp_dir() as temp:
+        yield Path(temp)
 
 
 def async_argv(world: AsyncWorld, out: Path, ray_dir: Path, *extra: str) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tests.recipes.sft_world import _any_component_allowed
+from tests.recipes.sft_world import _any_component_allowed, launch_ranks
 from tunesmith.config import load_config
 from tunesmith.recipes import config_path
 from tunesmith.rl.rewards import Sample
@@ -87,18 +87,37 @@ def run_rl(recipe: str, config: str, overrides: Sequence[str], *, model: Any = N
 
 
 @contextlib.contextmanager
+def ray_temp_dir() -> Iterator[str]:
+    """A temp folder for a Ray instance of a test's own, short (Ray's socket paths must stay
+    short), removed afterwards."""
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    try:
+        yield temp
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def local_ray(num_cpus: int = 4) -> Iterator[None]:
     """A local Ray instance of a test module's own (runs in the test process join it), in a
-    short temp folder (Ray's socket paths must stay short), its workers allowed the test
-    rewards; shut down and removed afterwards."""
+    :func:`ray_temp_dir`, its workers allowed the test rewards; shut down afterwards."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    with _any_component_allowed():  # the workers start with the test reward allowed
-        ray.init(num_cpus=num_cpus, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
+    with ray_temp_dir() as temp:
+        with _any_component_allowed():  # the workers start with the test reward allowed
+            ray.init(num_cpus=num_cpus, _temp_dir=temp, include_dashboard=False,
+                     log_to_driver=False)  # fmt: skip
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+
+def launch_async_ranks(overrides: Sequence[str], log_dir: Path) -> None:
+    """``grpo_async`` on 2 torchrun ranks (:func:`tests.recipes.sft_world.launch_ranks`) with
+    a Ray instance of the run's own in a :func:`ray_temp_dir`, the test components allowed in
+    the ranks and their workers."""
+    with ray_temp_dir() as temp, _any_component_allowed():  # inherited by ranks and workers
+        launch_ranks([*overrides, f"ray.temp_dir={temp}"], log_dir, recipe="grpo_async",
+                     timeout=300)  # fmt: skip

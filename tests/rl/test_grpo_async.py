@@ -22,11 +22,9 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -40,7 +38,15 @@ from tests.recipes.sft_world import (
     make_model_dir,
     read_metrics,
 )
-from tests.rl.rl_world import EVEN_FLAT_REWARD, grpo_overrides, local_ray, make_prompts, run_rl
+from tests.rl.rl_world import (
+    EVEN_FLAT_REWARD,
+    grpo_overrides,
+    launch_async_ranks,
+    local_ray,
+    make_prompts,
+    ray_temp_dir,
+    run_rl,
+)
 from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
 from tunesmith.recipes import config_path
 from tunesmith.rl.pipeline import dynamic_selection
@@ -212,29 +218,28 @@ def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path, w
     if not (quiet / "rollouts.jsonl").is_file():  # one run for both parametrisations
         run(world, "grpo_async", "tiny", "nokill", "async_mode=sync", *slow)
     out = tmp_path / "killed"
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    overrides = [*grpo_overrides(model_dir, prompts, out, *FAST), *slow, "async_mode=sync",
-                 f"ray.temp_dir={temp}", f"rollout.weight_sync={weight_sync}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", ALLOW_ANY_COMPONENT_ENV: "1",
            "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}  # fmt: skip
-    command = [sys.executable, "-m", "tunesmith.cli.main", "run", "grpo_async", "--config",
-               "tiny", *overrides]  # fmt: skip
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
     lines, killed = [], None
-    try:
-        for line in process.stdout:
-            lines.append(line)
-            found = re.search(r"rollout workers \(pids \[(\d+)", line)
-            if found:
-                pid = int(found.group(1))
-            if line.startswith("step 1/") and killed is None:  # batch 2 is being sampled
-                os.kill(pid, signal.SIGKILL)
-                killed = pid
-        assert process.wait(timeout=300) == 0, "".join(lines)
-    finally:
-        process.kill()
-        shutil.rmtree(temp, ignore_errors=True)
+    with ray_temp_dir() as temp:
+        overrides = [*grpo_overrides(model_dir, prompts, out, *FAST), *slow, "async_mode=sync",
+                     f"ray.temp_dir={temp}", f"rollout.weight_sync={weight_sync}"]  # fmt: skip
+        command = [sys.executable, "-m", "tunesmith.cli.main", "run", "grpo_async", "--config",
+                   "tiny", *overrides]  # fmt: skip
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        try:
+            for line in process.stdout:
+                lines.append(line)
+                found = re.search(r"rollout workers \(pids \[(\d+)", line)
+                if found:
+                    pid = int(found.group(1))
+                if line.startswith("step 1/") and killed is None:  # batch 2 is being sampled
+                    os.kill(pid, signal.SIGKILL)
+                    killed = pid
+            assert process.wait(timeout=300) == 0, "".join(lines)
+        finally:
+            process.kill()
     assert killed is not None, "".join(lines)
     metrics = read_metrics(out)
     assert sorted(metrics) == list(range(1, STEPS + 1))  # every update made
@@ -270,14 +275,8 @@ def test_two_rollout_and_reward_workers_share_the_batches(world):
 def test_two_trainer_ranks_equal_one_process(world, tmp_path):
     root, model_dir, prompts = world
     single = run(world, "grpo_async", "tiny", "single-trainer", "async_mode=sync")
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    try:
-        with _any_component_allowed():  # inherited by the ranks and their workers
-            launch_ranks([*grpo_overrides(model_dir, prompts, tmp_path / "two", *FAST),
-                          "async_mode=sync", f"ray.temp_dir={temp}"], tmp_path,
-                         recipe="grpo_async", timeout=300)  # fmt: skip
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
+    launch_async_ranks([*grpo_overrides(model_dir, prompts, tmp_path / "two", *FAST),
+                        "async_mode=sync"], tmp_path)  # fmt: skip
     one, two = read_metrics(single), read_metrics(tmp_path / "two")
     for step in range(1, STEPS + 1):
         assert two[step]["rollout_samples"] == one[step]["rollout_samples"] == 16
@@ -322,15 +321,9 @@ def test_two_trainer_ranks_resume_on_one(world, tmp_path):
     ends where a 1-process run ends."""
     root, model_dir, prompts = world
     single = run(world, "grpo_async", "tiny", "single-for-resume", "async_mode=overlap")
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     out = root / "two-then-one"
-    try:
-        with _any_component_allowed():
-            launch_ranks([*grpo_overrides(model_dir, prompts, out, *FAST), "async_mode=overlap",
-                          f"ray.temp_dir={temp}", "stop_after_steps=2"], tmp_path,
-                         recipe="grpo_async", timeout=300)  # fmt: skip
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
+    launch_async_ranks([*grpo_overrides(model_dir, prompts, out, *FAST), "async_mode=overlap",
+                        "stop_after_steps=2"], tmp_path)  # fmt: skip
     run(world, "grpo_async", "tiny", "two-then-one", "async_mode=overlap", "resume=true")
     assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in rollouts(single)]
     assert_same_weights(final_weights(out), final_weights(single), 1e-5)
@@ -342,18 +335,13 @@ def test_two_trainer_ranks_with_dynamic_sampling_equal_grpo_on_two_ranks(world, 
     while either is short): ``sync`` mode on 2 ranks == ``grpo`` on 2 ranks, bitwise."""
     root, model_dir, prompts = world
     extra = [*FAST, *DYNAMIC, "max_refills=2"]
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     (tmp_path / "plain").mkdir()
     (tmp_path / "async").mkdir()
-    try:
-        with _any_component_allowed():
-            launch_ranks(grpo_overrides(model_dir, prompts, root / "grpo-two-dynamic", *extra),
-                         tmp_path / "plain", recipe="grpo", timeout=300)  # fmt: skip
-            launch_ranks([*grpo_overrides(model_dir, prompts, root / "sync-two-dynamic", *extra),
-                          "async_mode=sync", f"ray.temp_dir={temp}"], tmp_path / "async",
-                         recipe="grpo_async", timeout=300)  # fmt: skip
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
+    with _any_component_allowed():
+        launch_ranks(grpo_overrides(model_dir, prompts, root / "grpo-two-dynamic", *extra),
+                     tmp_path / "plain", recipe="grpo", timeout=300)  # fmt: skip
+    launch_async_ranks([*grpo_overrides(model_dir, prompts, root / "sync-two-dynamic", *extra),
+                        "async_mode=sync"], tmp_path / "async")  # fmt: skip
     plain, remote = root / "grpo-two-dynamic", root / "sync-two-dynamic"
     ours, theirs = read_metrics(remote), read_metrics(plain)
     assert sum(r["refill_rounds"] for r in rollouts(remote)) > 0  # not vacuous

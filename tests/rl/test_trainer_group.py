@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,12 +37,19 @@ from tests.recipes.sft_world import (
     assert_same_weights,
     cli_command,
     final_weights,
-    launch_ranks,
     make_model_dir,
     read_metrics,
     subprocess_env,
 )
-from tests.rl.rl_world import DigitFraction, grpo_overrides, local_ray, make_prompts, run_rl
+from tests.rl.rl_world import (
+    DigitFraction,
+    grpo_overrides,
+    launch_async_ranks,
+    local_ray,
+    make_prompts,
+    ray_temp_dir,
+    run_rl,
+)
 from tunesmith.cli.main import main as cli_main
 from tunesmith.recipes import grpo_async
 from tunesmith.training.loop_config import read_record
@@ -146,10 +151,10 @@ def _run_until(process: subprocess.Popen, ray_processes: RayProcesses, line_has:
 @pytest.mark.slow
 def test_a_killed_trainer_actor_ends_the_run_in_one_line_and_resumes(world, two_actors, tmp_path):
     """Rank 1's actor SIGKILLed after the step-2 checkpoint (inside step 3)."""
-    out, temp = tmp_path / "killed", tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray_processes = RayProcesses(Path(temp))
-    process = _start(world, out, temp, "save_every_n_steps=2")
-    try:
+    out = tmp_path / "killed"
+    with ray_temp_dir() as temp:
+        ray_processes = RayProcesses(Path(temp))
+        process = _start(world, out, temp, "save_every_n_steps=2")
         output, pids = _run_until(process, ray_processes, "checkpoint: ",
                                   lambda pids: os.kill(pids[1], signal.SIGKILL))  # fmt: skip
         assert process.returncode == 1, output[-3000:]
@@ -159,8 +164,6 @@ def test_a_killed_trainer_actor_ends_the_run_in_one_line_and_resumes(world, two_
         workers = worker_pids(output)
         assert any(name == "raylet" for _, name in ray_processes.seen.values())  # it was watched
         ray_processes.wait_gone([*pids, *workers["rollout"], *workers["reward"]])
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
     assert sorted(read_metrics(out)) == [1, 2]
     assert verified_checkpoints(out) == ["step_000002"]
 
@@ -173,18 +176,16 @@ def test_a_killed_trainer_actor_ends_the_run_in_one_line_and_resumes(world, two_
 @pytest.mark.slow
 def test_sigterm_to_the_driver_saves_and_resumes(world, two_actors, tmp_path):
     """SIGTERM to the driver during step 2: both ranks save at its end, the run exits 0."""
-    out, temp = tmp_path / "stopped", tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray_processes = RayProcesses(Path(temp))
-    process = _start(world, out, temp)
-    try:
+    out = tmp_path / "stopped"
+    with ray_temp_dir() as temp:
+        ray_processes = RayProcesses(Path(temp))
+        process = _start(world, out, temp)
         output, pids = _run_until(process, ray_processes, "step 1/",
                                   lambda pids: process.send_signal(signal.SIGTERM))  # fmt: skip
         assert process.returncode == 0, output[-3000:]
         stopped = re.search(r"SIGTERM: stopped after step (\d+); resume with resume=true", output)
         assert stopped and int(stopped.group(1)) < STEPS, output[-3000:]
         ray_processes.wait_gone(pids)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
     assert verified_checkpoints(out) == [f"step_{int(stopped.group(1)):06d}"]
     run(world, out, *RAY_GROUP, SLOW_REWARD, "resume=auto")
     assert_same_weights(final_weights(out), final_weights(two_actors), atol=0.0)
@@ -234,14 +235,8 @@ def test_a_bad_trainer_group_is_refused_naming_the_key(world, capsys, override, 
 def test_two_trainer_actors_equal_two_torchrun_ranks_bitwise(world, two_actors, tmp_path):
     """The same per-rank code in the same process group: the same weights, bit for bit."""
     root, model_dir, prompts = world
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    try:
-        with _any_component_allowed():  # inherited by the ranks and their workers
-            launch_ranks([*grpo_overrides(model_dir, prompts, tmp_path / "ranks", *FAST),
-                          "async_mode=sync", f"ray.temp_dir={temp}"], tmp_path,
-                         recipe="grpo_async", timeout=300)  # fmt: skip
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
+    launch_async_ranks([*grpo_overrides(model_dir, prompts, tmp_path / "ranks", *FAST),
+                        "async_mode=sync"], tmp_path)  # fmt: skip
     assert_same_weights(final_weights(two_actors), final_weights(tmp_path / "ranks"), atol=0.0)
     assert [r["groups"] for r in rollouts(two_actors)] == [
         r["groups"] for r in rollouts(tmp_path / "ranks")
@@ -251,16 +246,13 @@ def test_two_trainer_actors_equal_two_torchrun_ranks_bitwise(world, two_actors, 
 def test_a_ray_instance_too_small_is_refused_in_one_line(world, tmp_path):
     """2 trainer actors + a rollout and a reward worker need 4 CPUs; Ray is given 3."""
     root, model_dir, prompts = world
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    overrides = grpo_overrides(model_dir, prompts, tmp_path / "out", *FAST, *RAY_GROUP,
-                               f"ray.temp_dir={temp}", "ray.num_cpus=3")  # fmt: skip
-    command = cli_command("--allow-any-component", "run", "grpo_async", "--config", "tiny",
-                          *overrides)  # fmt: skip
-    try:
+    with ray_temp_dir() as temp:
+        overrides = grpo_overrides(model_dir, prompts, tmp_path / "out", *FAST, *RAY_GROUP,
+                                   f"ray.temp_dir={temp}", "ray.num_cpus=3")  # fmt: skip
+        command = cli_command("--allow-any-component", "run", "grpo_async", "--config", "tiny",
+                              *overrides)  # fmt: skip
         done = subprocess.run(command, env=subprocess_env(RAY_AUTH_MODE="disabled"),
                               capture_output=True, text=True, timeout=300)  # fmt: skip
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
     assert done.returncode == 1, done.stderr[-3000:]
     assert one_error(done.stdout + done.stderr) == (
         "tunesmith: error: trainer_group: 2 trainer ranks and the rollout and reward workers "
