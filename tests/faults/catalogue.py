@@ -145,6 +145,19 @@ FAULTS = [
         ci=False,
     ),
     Case(
+        "async-trainer-actor-killed",
+        "fault",
+        "async_rl",
+        "`grpo_async` with `trainer_group.launcher=ray` (2 trainer actors, gloo), "
+        "`save_every_n_steps=2`: rank 1's actor SIGKILLed once the step-2 checkpoint is written "
+        "(inside step 3)",
+        "the driver exits 1 within 60 s with one line 'rank 1 of 2: its process (pid N) died: "
+        "killed by a signal'; the trainer actors, the Ray workers and the run's Ray processes "
+        "are gone; the step-2 checkpoint verifies and a resumed run ends bitwise where the "
+        "uninterrupted run ends, on the same groups",
+        ci=False,
+    ),
+    Case(
         "async-reward-worker-killed",
         "fault",
         "async_rl",

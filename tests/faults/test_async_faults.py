@@ -10,6 +10,9 @@ environment (:class:`RayProcesses`).
   the failed collective, takes its Ray instance and workers down with it, and the step-2
   checkpoint verifies and a resumed run (2 ranks: the async source's state does not reshard
   to another data-parallel size) goes on from batch 2;
+* with the trainer as Ray actors (``trainer_group.launcher: ray``), rank 1's actor SIGKILLed
+  after the step-2 checkpoint: the driver exits 1 with one line naming the rank, every process
+  of the run is gone, and the resumed run ends bitwise where the uninterrupted one ends;
 * the reward worker SIGKILLed while it scores (a test reward that marks each call and takes a
   second, so the kill lands inside one): Ray restarts it, its prompts are sampled again, and
   every prompt of the stream is trained on exactly once, in order;
@@ -32,8 +35,8 @@ import psutil
 import pytest
 
 from tests.faults.catalogue import params
-from tests.faults.harness import finish, read_mark, start_child, stop
-from tests.recipes.sft_world import free_port, make_model_dir, read_metrics
+from tests.faults.harness import assert_same_weights, finish, read_mark, start_child, stop
+from tests.recipes.sft_world import final_weights, free_port, make_model_dir, read_metrics
 from tests.rl.rl_world import DigitFraction, grpo_overrides, make_prompts, ray_temp_dir
 from tunesmith.rl.prompts import PromptStream
 from tunesmith.training import CheckpointDirectory
@@ -45,6 +48,8 @@ BOUND_S = 60  # the survivor must be gone this long after the fault
 GONE_S = 30  # Ray's processes must be gone this long after the run's exit
 ENV = {"RAY_AUTH_MODE": "disabled"}  # a local instance needs no token
 _PIDS = re.compile(r"rollout workers \(pids \[([\d, ]+)\]\), reward workers \(pids \[([\d, ]+)\]\)")
+TRAINER_PIDS = re.compile(r"2 trainer ranks as Ray actors \(pids \[(\d+), (\d+)\]\)")
+RAY_GROUP = ("trainer_group.launcher=ray", "trainer_group.workers=2", "ray.num_cpus=4")
 
 
 @dataclass(frozen=True)
@@ -253,6 +258,69 @@ def test_a_dead_trainer_rank_ends_the_run_and_its_ray_workers(
         exit_code=1, seconds_after_fault=round(after_s, 1), error=error,
         ray_processes_gone_after_s=round(gone_s, 1), checkpoints_left=left,
         resumed_from=left[-1], lost_checkpoints=0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", case("async-trainer-actor-killed"))
+def test_a_killed_trainer_actor_ends_the_run_in_one_line_and_resumes(
+    case, async_world, tmp_path, outcome
+):
+    """The driver's console names the actors' pids; rank 1's is SIGKILLed when the step-2
+    checkpoint line appears (a reward call takes a second, so step 3 is under way)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    slow = (f"rewards.rewards={{digits: {{_component_: {__name__}.MarkedDigits, "
+            f"marks: {marks}, delay_s: 1.0}}}}")  # fmt: skip
+    settings = ("async_mode=sync", *RAY_GROUP, slow, "save_every_n_steps=2")
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    with ray_temp_dir() as temp:
+        argv = async_argv(async_world, reference, Path(temp), *settings)
+        done = finish(start_child(argv, tmp_path / "reference.log", env=ENV), tmp_path /
+                      "reference.log", timeout=400, started=time.monotonic())  # fmt: skip
+        assert done.exitcode == 0, done.output[-3000:]
+
+    with ray_temp_dir() as temp:
+        ray, log, started = RayProcesses(Path(temp)), tmp_path / "killed.log", time.monotonic()
+        process = start_child(async_argv(async_world, out, Path(temp), *settings), log, env=ENV)
+        try:
+            found = wait_for(lambda: TRAINER_PIDS.search(log.read_text()), 300, "actors", log)
+            actors = [int(found.group(1)), int(found.group(2))]
+            wait_for(lambda: ray.scan() or "checkpoint: " in log.read_text(), 300,
+                     "step-2 checkpoint line", log)  # fmt: skip
+            os.kill(actors[1], signal.SIGKILL)
+            killed_at = time.monotonic()
+            done = watch_until_exit(process, log, ray, timeout=300, started=started)
+            after_s = time.monotonic() - killed_at
+        finally:
+            stop(process)
+        assert done.exitcode == 1, done.output[-3000:]
+        assert after_s < BOUND_S, f"the driver took {after_s:.0f} s to give up"
+        error = one_error(done.output)
+        assert error.startswith(f"tunesmith: error: rank 1 of 2: its process (pid {actors[1]}) "
+                                "died: killed by a signal"), error  # fmt: skip
+        workers = worker_pids(done.output)
+        assert any(name == "raylet" for _, name in ray.seen.values()), ray.seen  # watched
+        gone_s = ray.wait_gone([*actors, *workers["rollout"], *workers["reward"]])
+    assert sorted(read_metrics(out)) == [1, 2]  # it died in step 3, after the step-2 save
+    left = verified_checkpoints(out)
+    assert left == ["step_000002"]
+
+    with ray_temp_dir() as temp:
+        argv = async_argv(async_world, out, Path(temp), *settings, "resume=auto")
+        done = finish(start_child(argv, tmp_path / "resumed.log", env=ENV), tmp_path /
+                      "resumed.log", timeout=400, started=time.monotonic())  # fmt: skip
+        assert done.exitcode == 0, done.output[-3000:]
+    assert [r["batch"] for r in rollouts(out)] == [0, 1, 2, 3]  # went on from batch 2
+    assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in rollouts(reference)]
+    assert_same_weights(final_weights(out), final_weights(reference), "final weights")
+    resumed, uninterrupted = read_metrics(out), read_metrics(reference)
+    assert [resumed[s]["loss"] for s in range(1, STEPS + 1)] == [
+        uninterrupted[s]["loss"] for s in range(1, STEPS + 1)
+    ]
+    outcome.update(
+        exit_code=1, seconds_after_fault=round(after_s, 1), error=error,
+        ray_processes_gone_after_s=round(gone_s, 1), checkpoints_left=left,
+        resumed_from=left[-1], lost_checkpoints=0, resumed_equals_uninterrupted="bitwise",
     )  # fmt: skip
 
 

@@ -5,18 +5,17 @@ on a tiny policy with real Ray actors and workers:
   trainer ranks == one process" (the same rollouts, rewards and lengths; loss and grad norm
   rel 1e-5; weights 1e-5), and the checkpoint records 2 data-parallel ranks; == 2 torchrun
   ranks bitwise (the same per-rank code in the same process group);
-* a trainer actor SIGKILLed after the step-2 checkpoint: the driver exits 1 with one line
-  naming the rank, every process of the run's Ray instance is gone, the checkpoint verifies
-  and a resumed run ends bitwise where the uninterrupted Ray run ends;
 * SIGTERM to the driver: the ranks save at the end of the step and the run exits 0; resumed,
   it ends bitwise where the uninterrupted run ends;
 * refusals, each one line: ``--nproc-per-node 2`` with the Ray launcher, a bad launcher, an
   unknown key, a local Ray instance with too few CPUs for the actors and workers.
+
+A trainer actor SIGKILLed mid-run is a case of the reliability suite
+(``tests/faults/test_async_faults.py``, ``async-trainer-actor-killed``).
 """
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -26,11 +25,11 @@ from pathlib import Path
 import pytest
 
 from tests.faults.test_async_faults import (
+    TRAINER_PIDS,
     RayProcesses,
     one_error,
     rollouts,
     verified_checkpoints,
-    worker_pids,
 )
 from tests.recipes.sft_world import (
     _any_component_allowed,
@@ -58,7 +57,6 @@ STEPS = 4
 FAST = [f"max_steps={STEPS}", "optimizer.lr=1e-2", "generation.max_new_tokens=8"]
 RAY_GROUP = ["trainer_group.launcher=ray", "trainer_group.workers=2"]
 SLOW_REWARD = f"rewards.rewards={{digits: {{_component_: {__name__}.SlowDigits}}}}"
-_TRAINERS = re.compile(r"2 trainer ranks as Ray actors \(pids \[(\d+), (\d+)\]\)")
 
 
 class SlowDigits(DigitFraction):
@@ -133,7 +131,7 @@ def _run_until(process: subprocess.Popen, ray_processes: RayProcesses, line_has:
     try:
         for line in process.stdout:
             lines.append(line)
-            found = _TRAINERS.search(line)
+            found = TRAINER_PIDS.search(line)
             if found:
                 pids = [int(found.group(1)), int(found.group(2))]
             if line_has in line and not acted:
@@ -146,31 +144,6 @@ def _run_until(process: subprocess.Popen, ray_processes: RayProcesses, line_has:
     output = "".join(lines)
     assert acted, output[-3000:]
     return output, pids
-
-
-@pytest.mark.slow
-def test_a_killed_trainer_actor_ends_the_run_in_one_line_and_resumes(world, two_actors, tmp_path):
-    """Rank 1's actor SIGKILLed after the step-2 checkpoint (inside step 3)."""
-    out = tmp_path / "killed"
-    with ray_temp_dir() as temp:
-        ray_processes = RayProcesses(Path(temp))
-        process = _start(world, out, temp, "save_every_n_steps=2")
-        output, pids = _run_until(process, ray_processes, "checkpoint: ",
-                                  lambda pids: os.kill(pids[1], signal.SIGKILL))  # fmt: skip
-        assert process.returncode == 1, output[-3000:]
-        error = one_error(output)
-        assert error.startswith(f"tunesmith: error: rank 1 of 2: its process (pid {pids[1]}) "
-                                "died: killed by a signal"), error  # fmt: skip
-        workers = worker_pids(output)
-        assert any(name == "raylet" for _, name in ray_processes.seen.values())  # it was watched
-        ray_processes.wait_gone([*pids, *workers["rollout"], *workers["reward"]])
-    assert sorted(read_metrics(out)) == [1, 2]
-    assert verified_checkpoints(out) == ["step_000002"]
-
-    run(world, out, *RAY_GROUP, SLOW_REWARD, "resume=auto")
-    assert [r["batch"] for r in rollouts(out)] == [0, 1, 2, 3]  # went on from batch 2
-    assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in rollouts(two_actors)]
-    assert_same_weights(final_weights(out), final_weights(two_actors), atol=0.0)
 
 
 @pytest.mark.slow
