@@ -48,7 +48,7 @@ BOUND_S = 60  # the survivor must be gone this long after the fault
 GONE_S = 30  # Ray's processes must be gone this long after the run's exit
 ENV = {"RAY_AUTH_MODE": "disabled"}  # a local instance needs no token
 _PIDS = re.compile(r"rollout workers \(pids \[([\d, ]+)\]\), reward workers \(pids \[([\d, ]+)\]\)")
-TRAINER_PIDS = re.compile(r"2 trainer ranks as Ray actors \(pids \[(\d+), (\d+)\]\)")
+TRAINER_PIDS = re.compile(r"2 trainer ranks as Ray actors on \d+ nodes? \(pids \[(\d+), (\d+)\]\)")
 RAY_GROUP = ("trainer_group.launcher=ray", "trainer_group.workers=2", "ray.num_cpus=4")
 
 

@@ -5,6 +5,8 @@ on a tiny policy with real Ray actors and workers:
   trainer ranks == one process" (the same rollouts, rewards and lengths; loss and grad norm
   rel 1e-5; weights 1e-5), and the checkpoint records 2 data-parallel ranks; == 2 torchrun
   ranks bitwise (the same per-rank code in the same process group);
+* on a Ray cluster of two nodes (two raylets on this machine), one actor per node == the
+  one-node run bitwise;
 * SIGTERM to the driver: the ranks save at the end of the step and the run exits 0; resumed,
   it ends bitwise where the uninterrupted run ends;
 * refusals, each one line: ``--nproc-per-node 2`` with the Ray launcher, a bad launcher, an
@@ -16,10 +18,13 @@ A trainer actor SIGKILLed mid-run is a case of the reliability suite
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -214,6 +219,60 @@ def test_two_trainer_actors_equal_two_torchrun_ranks_bitwise(world, two_actors, 
     assert [r["groups"] for r in rollouts(two_actors)] == [
         r["groups"] for r in rollouts(tmp_path / "ranks")
     ]
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[str]:
+    """A Ray cluster of two nodes on this machine, one CPU each (``ray.cluster_utils.Cluster``:
+    a head and a worker node, each with a raylet of its own, as two hosts would have); its
+    address. Ray records the newest cluster's address in its default temp folder (a plain
+    ``ray.init()`` would join it); the record (and the folder, when there was none) is put
+    back as it was."""
+    from ray._private.utils import get_ray_address_file
+    from ray.cluster_utils import Cluster
+
+    record = Path(get_ray_address_file(None))
+    before = record.read_bytes() if record.is_file() else None
+    made = not record.parent.exists()
+    record.parent.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    with ray_temp_dir() as temp:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "temp_dir": temp, "include_dashboard": False})  # fmt: skip
+        try:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            yield cluster.address
+        finally:
+            cluster.shutdown()
+            if before is not None:
+                record.write_bytes(before)
+            elif made:
+                shutil.rmtree(record.parent, ignore_errors=True)
+            else:
+                record.unlink(missing_ok=True)
+
+
+def test_two_trainer_actors_on_two_ray_nodes_equal_one_node_bitwise(world, two_actors, two_nodes,
+                                                                    tmp_path):  # fmt: skip
+    """``ray.address`` of a 2-node cluster: one trainer actor per node (a CPU each; the rollout
+    and reward workers take none), the process group formed across the nodes (rank 0's node
+    address, LOCAL_RANK 0 on each), checkpoints in the shared output folder; the run ends
+    bitwise where the one-node run ends, on the same groups."""
+    root, model_dir, prompts = world
+    out = tmp_path / "two-nodes"
+    overrides = grpo_overrides(model_dir, prompts, out, *FAST, "async_mode=sync", *RAY_GROUP,
+                               f"ray.address={two_nodes}", "rollout.num_cpus=0",
+                               "reward_workers.num_cpus=0")  # fmt: skip
+    command = cli_command("--allow-any-component", "run", "grpo_async", "--config", "tiny",
+                          *overrides)  # fmt: skip
+    done = subprocess.run(command, env=subprocess_env(RAY_AUTH_MODE="disabled"),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "tunesmith: 2 trainer ranks as Ray actors on 2 nodes (pids" in output, output[-3000:]
+    assert_same_weights(final_weights(out), final_weights(two_actors), atol=0.0)
+    assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in rollouts(two_actors)]
 
 
 def test_a_ray_instance_too_small_is_refused_in_one_line(world, tmp_path):

@@ -73,7 +73,7 @@ from tunesmith.rl.weight_sync import (
 from tunesmith.rl.workers import RewardWorker, RolloutWorker
 
 __all__ = [
-    "MODES", "RolloutPipeline", "actor_cause", "dynamic_selection", "lead_versions",
+    "MODES", "RolloutPipeline", "actor_cause", "dynamic_selection", "init_ray", "lead_versions",
     "require_ray", "runtime_env",
 ]  # fmt: skip
 
@@ -89,6 +89,29 @@ def require_ray() -> Any:
             "asynchronous GRPO needs Ray, which is not installed: pip install 'tunesmith[rl]'"
         ) from None
     return ray
+
+
+def init_ray(ray: Any, options: Mapping[str, Any]) -> bool:
+    """Connect this process to Ray as the run's ``ray:`` options say: join the cluster at
+    ``address`` (``auto``, ``host:port``), else start a local instance of ``num_cpus`` CPUs
+    (null: the machine's) in ``temp_dir``. Whether it started a local instance (which the run
+    then shuts down); an already connected process (a test's instance) is left as it is.
+
+    >>> init_ray(ray, {"address": "auto"})  # doctest: +SKIP
+    False
+    """
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"include_dashboard": False, "namespace": "tunesmith",
+                              "log_to_driver": bool(options.get("log_to_driver", False))}  # fmt: skip
+    if options.get("address"):
+        kwargs["address"] = options["address"]
+    else:
+        kwargs["num_cpus"] = options.get("num_cpus")
+        if options.get("temp_dir"):
+            kwargs["_temp_dir"] = str(options["temp_dir"])
+    ray.init(**kwargs)
+    return not options.get("address")
 
 
 def actor_cause(error: BaseException) -> str:
@@ -278,19 +301,9 @@ class RolloutPipeline:
     def start(self) -> None:
         """Start Ray (in this process, or join ``ray.address``) and the workers."""
         ray = self._ray = require_ray()
-        options = dict(self.config.get("ray") or {})
         if not ray.is_initialized():
-            address = options.get("address")
-            kwargs: dict[str, Any] = {"include_dashboard": False, "namespace": "tunesmith",
-                                      "log_to_driver": bool(options.get("log_to_driver", False))}  # fmt: skip
-            if address:
-                kwargs["address"] = address
-            else:  # a local instance of this run's own
-                kwargs["num_cpus"] = options.get("num_cpus")
-                if options.get("temp_dir"):
-                    kwargs["_temp_dir"] = str(options["temp_dir"])
-            ray.init(**kwargs)
-            self._owns_ray = True
+            init_ray(ray, dict(self.config.get("ray") or {}))
+            self._owns_ray = True  # a joined cluster: disconnect at the end
         rollout = dict(self.config.get("rollout") or {})
         reward = dict(self.config.get("reward_workers") or {})
         self.rollout_workers = [self._actor(RolloutWorker, rollout) for _ in range(self.n_rollout)]

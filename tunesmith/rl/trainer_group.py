@@ -56,7 +56,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from tunesmith.config.errors import type_name
-from tunesmith.rl.pipeline import actor_cause, require_ray, runtime_env
+from tunesmith.rl.pipeline import actor_cause, init_ray, require_ray, runtime_env
 from tunesmith.training.console import Tee
 from tunesmith.training.distributed import DistributedContext, ParallelDims, PeerFailureError
 from tunesmith.training.loop import resolve_resume, run_main
@@ -270,7 +270,7 @@ class _Driver:
         owns = False
         try:
             with _redirected(driver_log, enabled=quiet):
-                owns = _init_ray(self.ray, self.options)
+                owns = init_ray(self.ray, self.options)
                 try:
                     with self._signals_forwarded():  # after ray.init, which sets its own
                         failure = self._start_and_wait(owns)
@@ -296,9 +296,10 @@ class _Driver:
             self.where = ray.get([a.where.remote() for a in self.actors])
         except ray.exceptions.RayActorError as error:
             return f"a trainer rank could not start: {actor_cause(error)}"
-        pids = [w["pid"] for w in self.where]
-        print(f"tunesmith: {group.workers} trainer ranks as Ray actors (pids {pids}); the "
-              f"output of every rank goes to {self.log_dir}", file=self.err)  # fmt: skip
+        pids, nodes = [w["pid"] for w in self.where], len({w["node"] for w in self.where})
+        print(f"tunesmith: {group.workers} trainer ranks as Ray actors on {nodes} "
+              f"node{'s' * (nodes > 1)} (pids {pids}); the output of every rank goes to "
+              f"{self.log_dir}", file=self.err)  # fmt: skip
         refs = {actor.run.remote(job): rank for rank, (actor, job) in
                 enumerate(zip(self.actors, self._jobs()))}  # fmt: skip
         return self._wait(refs)
@@ -420,23 +421,6 @@ def _terminate(pid: int) -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _init_ray(ray: Any, options: Mapping[str, Any]) -> bool:
-    """Start a Ray instance of this run (or join ``options["address"]``); whether it started
-    one (and so must shut it down). Already connected (a test's instance): nothing."""
-    if ray.is_initialized():
-        return False
-    kwargs: dict[str, Any] = {"include_dashboard": False, "namespace": "tunesmith",
-                              "log_to_driver": bool(options.get("log_to_driver", False))}  # fmt: skip
-    if options.get("address"):
-        kwargs["address"] = options["address"]
-    else:
-        kwargs["num_cpus"] = options.get("num_cpus")
-        if options.get("temp_dir"):
-            kwargs["_temp_dir"] = str(options["temp_dir"])
-    ray.init(**kwargs)
-    return not options.get("address")
 
 
 def _check_resources(ray: Any, cfg: DictConfig, group: GroupSettings) -> None:
