@@ -253,7 +253,7 @@ class Run:
             return {s - 1: self.records[s]["reward"] for s in self.steps}
         by_version: dict[int, list[float]] = {}
         for line in log.read_text().splitlines():
-            for _, _, version, reward in json.loads(line)["groups"]:
+            for _, _, version, reward, *_ in json.loads(line)["groups"]:  # then the spread
                 by_version.setdefault(int(version), []).append(float(reward))
         return {v: _mean(rewards) for v, rewards in sorted(by_version.items())}
 
