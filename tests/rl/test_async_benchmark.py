@@ -1,7 +1,7 @@
 """``benchmarks/async_grpo.py`` still runs end to end on the current code (slow): a short run
-of every mode and two seeds writes its report with each section and each mode's rows, read from the runs'
-own ``metrics.jsonl`` and ``rollouts.jsonl`` (a change to either format breaks it here, not in
-the next session's benchmark run)."""
+of every mode and two seeds writes its report with each section and each mode's rows, read
+from the runs' own ``metrics.jsonl`` and ``rollouts.jsonl`` (a change to either format breaks
+it here, not in the next session's benchmark run)."""
 
 from __future__ import annotations
 
