@@ -7,6 +7,11 @@ their own housekeeping and crash clean-up); this module does the fsyncs and the 
 lives in ``models`` (the lowest layer that writes folders) so ``models`` and ``training`` both
 import it.
 
+It also holds the no-follow helpers every writer of a run's folders uses
+(:func:`open_no_follow`, :func:`real_folder`): a symbolic link planted as the run's lock,
+``config.yaml``, ``metrics.jsonl``, a log, ``checkpoints/`` or ``logs/`` is refused with one
+line naming it instead of being written through.
+
 Example::
 
     >>> tmp = Path("out/.ckpt.tmp")  # doctest: +SKIP
@@ -20,13 +25,25 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import shutil
+import stat
 from pathlib import Path
+from typing import IO, Any
 
-__all__ = ["fsync_path", "fsync_tree", "replace_directory"]
+__all__ = [
+    "UnsafePathError",
+    "fsync_path",
+    "fsync_tree",
+    "open_fd_no_follow",
+    "open_no_follow",
+    "real_folder",
+    "refuse_unsafe",
+    "replace_directory",
+]
 
 
 def fsync_path(path: Path, *, directory: bool = False) -> None:
@@ -122,3 +139,131 @@ def replace_directory(new: Path, final: Path, *, aside: Path, exchange: bool = T
         raise
     fsync_path(final.parent, directory=True)
     shutil.rmtree(aside, ignore_errors=True)  # the new contents are safe either way
+
+
+# ----------------------------------------------------------------------------- no-follow files
+
+
+class UnsafePathError(OSError):
+    """A file or folder of the run's own folders (or of a checkpoint) is a symbolic link, or not
+    a regular file / folder (a FIFO, a device): refused, because writing or reading it would
+    reach something else. The message is one line naming the path."""
+
+
+_REFUSAL = "tunesmith does not write or read through links inside its own folders"
+
+
+def _describe(path: Path, st: os.stat_result) -> str:
+    """``'a symbolic link (to /etc/passwd)'``, ``'a FIFO'``, ... for the refusal messages."""
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            return f"a symbolic link (to {os.readlink(path)})"
+        except OSError:
+            return "a symbolic link"
+    kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISDIR, "a folder")]  # fmt: skip
+    return next((name for test, name in kinds if test(st.st_mode)), "not a regular file")
+
+
+def refuse_unsafe(path: Path, st: os.stat_result, *, folder: bool = False) -> None:
+    """Raise :class:`UnsafePathError` unless ``st`` (an ``lstat`` of ``path``) is a regular
+    file (a real folder with ``folder``).
+
+    Example::
+
+        >>> refuse_unsafe(Path("out/metrics.jsonl"), os.lstat("out/metrics.jsonl"))  # doctest: +SKIP
+        Traceback (most recent call last):
+        UnsafePathError: out/metrics.jsonl: is a symbolic link (to /etc/passwd); ...
+    """
+    wanted = stat.S_ISDIR if folder else stat.S_ISREG
+    if wanted(st.st_mode):
+        return
+    what = _describe(path, st)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(f"{path}: is {what}; {_REFUSAL}: remove the link")
+    raise UnsafePathError(f"{path}: is {what}, not a regular {'folder' if folder else 'file'}")
+
+
+def real_folder(path: str | os.PathLike[str], *, create: bool = True) -> Path:
+    """``path`` as a folder the run writes into: created if missing (parents too), refused
+    (:class:`UnsafePathError`) when ``path`` itself is a symbolic link or not a folder.
+
+    The folders above ``path`` are the user's (an ``output_dir`` that is a link is followed
+    once, as the user chose); a link planted as one of the run's own folders
+    (``checkpoints/``, ``logs/``) is not.
+
+    Example::
+
+        >>> real_folder("out/logs")  # doctest: +SKIP
+        PosixPath('out/logs')
+    """
+    path = Path(path)
+    if create:
+        with contextlib.suppress(FileExistsError):  # a dangling link, or a file: said below
+            path.mkdir(parents=True, exist_ok=True)
+    refuse_unsafe(path, os.lstat(path), folder=True)
+    return path
+
+
+_MODES = {"w": os.O_WRONLY | os.O_CREAT, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+          "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL, "r": os.O_RDONLY,
+          "r+": os.O_RDWR, "w+": os.O_RDWR | os.O_CREAT}  # fmt: skip
+
+
+def open_fd_no_follow(
+    path: str | os.PathLike[str], mode: str = "r", perms: int = 0o644, *, create: bool = False
+) -> int:
+    """A file descriptor of ``path`` opened without following a symbolic link at ``path`` and
+    without blocking on a FIFO; refused (:class:`UnsafePathError`, one line naming the file)
+    unless it is a regular file. ``mode`` is ``r``, ``r+``, ``w``, ``w+``, ``a`` or ``x`` (``w``
+    truncates only once the file is known to be a regular file); ``create`` adds ``O_CREAT``
+    (``r+`` with ``create``: read and write, created if missing, never truncated).
+
+    Example::
+
+        >>> fd = open_fd_no_follow("out/.tunesmith.lock", "r+")  # doctest: +SKIP
+    """
+    path = Path(path)
+    flags = _MODES[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    flags |= os.O_CREAT if create else 0
+    try:
+        fd = os.open(path, flags, perms)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENOTDIR):
+            refuse_unsafe(path, os.lstat(path))
+        raise
+    try:
+        refuse_unsafe(path, os.fstat(fd))
+        os.set_blocking(fd, True)
+        if mode.startswith("w"):
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_no_follow(
+    path: str | os.PathLike[str], mode: str = "w", *, encoding: str | None = "utf-8",
+    buffering: int = -1, errors: str | None = None,
+) -> IO[Any]:  # fmt: skip
+    """``open(path, mode)`` for the files a run writes (its lock, ``config.yaml``,
+    ``metrics.jsonl``, logs) and the checkpoint files it reads, with no-follow semantics: a
+    symbolic link (or a FIFO, a device) at ``path`` is refused with one line naming it.
+    ``mode``: ``r``, ``w``, ``a``, ``x``, ``r+``, ``w+``, optionally with ``b``.
+
+    Example::
+
+        >>> with open_no_follow("out/config.yaml", "w") as f:  # doctest: +SKIP
+        ...     f.write(text)
+    """
+    binary = "b" in mode
+    fd = open_fd_no_follow(path, mode.replace("b", ""))
+    try:
+        if binary:
+            return os.fdopen(fd, mode, buffering=buffering)
+        return os.fdopen(fd, mode, buffering=buffering, encoding=encoding, errors=errors)
+    except BaseException:
+        os.close(fd)
+        raise

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tunesmith.models.atomic import open_no_follow
 from tunesmith.modules.peft.apply import adapter_modules
 from tunesmith.modules.peft.lora import LoRALinear
 from tunesmith.rl.groups import Group
@@ -160,7 +161,7 @@ class AsyncRolloutSource(RolloutSource):
                               float(g.rewards.max() - g.rewards.min())] for g in groups],
                   **{k: metrics[k] for k in _PIPELINE_METRICS if k in metrics}}  # fmt: skip
         self.rollout_log.parent.mkdir(parents=True, exist_ok=True)
-        with self.rollout_log.open("a", encoding="utf-8") as f:
+        with open_no_follow(self.rollout_log, "a") as f:  # a planted link: refused
             f.write(json.dumps(record) + "\n")
 
     # -- checkpoints

@@ -42,6 +42,7 @@ from torch import nn
 
 from tunesmith.generation import generate
 from tunesmith.generation.generate import GenerationOutput
+from tunesmith.models.atomic import open_no_follow
 from tunesmith.modules.dtypes import AUTOCAST
 from tunesmith.rl.groups import Group, sample_groups, score_groups
 from tunesmith.rl.prompts import Prompt, PromptStream
@@ -382,7 +383,7 @@ class RolloutSource:
             "completions": got.texts[:n], "rewards": got.rewards[0].tolist(),
         }  # fmt: skip
         self.samples_file.parent.mkdir(parents=True, exist_ok=True)
-        with self.samples_file.open("a", encoding="utf-8") as f:
+        with open_no_follow(self.samples_file, "a") as f:  # a planted link: refused
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 

@@ -70,7 +70,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from tunesmith.models.atomic import fsync_path, fsync_tree, replace_directory
+from tunesmith.models.atomic import (
+    fsync_path,
+    fsync_tree,
+    open_no_follow,
+    real_folder,
+    refuse_unsafe,
+    replace_directory,
+)
 from tunesmith.models.manifest import (
     HASH,
     MARKER,
@@ -184,7 +191,7 @@ class CheckpointDirectory:
         self.checksum = checksum
         self.run_id = run_id or uuid.uuid4().hex
         self._runs: set[str | None] = {self.run_id}  # whose checkpoints prune may remove
-        self.root.mkdir(parents=True, exist_ok=True)
+        real_folder(self.root)  # a planted link as the checkpoint root: refused
         if clean_stale:
             self.clean_stale()
 
@@ -211,13 +218,31 @@ class CheckpointDirectory:
         found = []
         for entry in self.root.iterdir():
             m = _STEP_RE.match(entry.name)
-            if m is not None and entry.is_dir():
+            if m is not None and (entry.is_dir() or entry.is_symlink()):
                 found.append((int(m.group(1)), entry))
         return sorted(found)
 
     def step_dirs(self) -> builtins.list[Path]:
-        """Every ``step_<number>`` folder of ``root``, complete or not, oldest step first."""
+        """Every ``step_<number>`` folder of ``root``, complete or not, oldest step first (a
+        symbolic link named so too: it is never a checkpoint, see :meth:`link_problem`)."""
         return [p for _, p in self._step_dirs()]
+
+    @staticmethod
+    def link_problem(path: str | os.PathLike[str]) -> str | None:
+        """One line when ``path`` (a folder of the checkpoint root) is a symbolic link, or not
+        a folder: such a ``step_*`` is never resumed from, pruned or counted; else None.
+
+        Example::
+
+            >>> CheckpointDirectory.link_problem("out/checkpoints/step_000002")  # doctest: +SKIP
+            '.../step_000002: is a symbolic link (to /elsewhere); tunesmith does not ...'
+        """
+        path = Path(path)
+        try:
+            refuse_unsafe(path, os.lstat(path), folder=True)
+        except OSError as err:
+            return str(err)
+        return None
 
     @staticmethod
     def problem(path: str | os.PathLike[str]) -> str | None:
@@ -261,15 +286,16 @@ class CheckpointDirectory:
             self.run_id = run
 
     def list(self) -> builtins.list[Path]:
-        """Complete checkpoints, oldest step first (temp dirs and unmarked dirs skipped)."""
-        return [p for _, p in self._step_dirs() if self.is_complete(p)]
+        """Complete checkpoints, oldest step first (temp dirs, unmarked dirs and links skipped)."""
+        return [p for _, p in self._step_dirs() if not p.is_symlink() and self.is_complete(p)]
 
     def newest_good(self) -> tuple[Path | None, builtins.list[tuple[Path, str]]]:
         """The newest complete checkpoint whose files match its manifest, and the complete
         ones newer than it that do not, each with its :meth:`problem` (newest first)."""
         skipped = []
-        for path in reversed(self.list()):
-            problem = self.problem(path)
+        found = [p for _, p in self._step_dirs() if p.is_symlink() or self.is_complete(p)]
+        for path in reversed(found):
+            problem = self.link_problem(path) or self.problem(path)
             if problem is None:
                 return path, skipped
             skipped.append((path, problem))
@@ -340,7 +366,7 @@ class CheckpointDirectory:
             )
 
         manifest = self._manifest(tmp, step)
-        with open(tmp / MARKER, "w", encoding="utf-8") as f:
+        with open_no_follow(tmp / MARKER, "x") as f:
             f.write(manifest)
             f.flush()
             os.fsync(f.fileno())
@@ -432,7 +458,10 @@ class CheckpointDirectory:
         ours = [
             (s, p)
             for s, p in self._step_dirs()
-            if p != keep and self.is_complete(p) and self.run_of(p) in self._runs
+            if p != keep
+            and not p.is_symlink()
+            and self.is_complete(p)
+            and self.run_of(p) in self._runs
         ]
         budget = self.keep_last - (1 if keep is not None else 0)
         victims = ours[: max(len(ours) - budget, 0)]
@@ -464,8 +493,8 @@ class CheckpointDirectory:
             active = set(_ACTIVE)
         for entry in sorted(self.root.iterdir()):
             m = _HOUSEKEEPING_RE.match(entry.name)
-            if m is None or not entry.is_dir() or entry in active:
-                continue
+            if m is None or entry.is_symlink() or not entry.is_dir() or entry in active:
+                continue  # a link with a housekeeping name is not ours: left alone
             kind, step, pid = m.group(1), int(m.group(2)), int(m.group(3))
             if pid != os.getpid() and pid_alive(pid):
                 continue

@@ -436,7 +436,7 @@ class Checkpointer:
             for bad, problem in skipped:
                 log(f"warning: skipping damaged checkpoint {bad.name}: {problem}")
             if path is None and existing:
-                problems = [directory.problem(p) for p in existing]
+                problems = [directory.link_problem(p) or directory.problem(p) for p in existing]
                 raise FileNotFoundError(
                     f"resume=true: no usable checkpoint in {directory.root}: "
                     f"{'; '.join(p for p in problems if p)}. Restarting from step 0 would "
@@ -447,6 +447,9 @@ class Checkpointer:
             path = None
         else:
             path = Path(resume)
+            planted = path.parent.resolve() == directory.root.resolve()  # the user's own: followed
+            if planted and path.is_symlink() and (problem := directory.link_problem(path)):
+                raise CheckpointError(f"resume={resume}: {problem}")
             if not has_manifest(path):
                 log(f"warning: resume={resume} has no {MARKER} manifest; its files are not "
                     "verified")  # fmt: skip

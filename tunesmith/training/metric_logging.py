@@ -30,9 +30,12 @@ Optional back ends are imported only when their logger is constructed: ``tensorb
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import resource
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -42,10 +45,15 @@ from typing import IO, Any, Protocol, runtime_checkable
 import yaml
 from tqdm import tqdm
 
+from tunesmith.config.registry import component
+from tunesmith.models.atomic import UnsafePathError, open_fd_no_follow, open_no_follow
+
 __all__ = [
     "JSONLLogger",
     "MetricLogger",
     "MetricWindow",
+    "MetricsWriteError",
+    "append_record",
     "format_duration",
     "MultiLogger",
     "NullLogger",
@@ -129,6 +137,7 @@ def _format_value(value: float | int, precision: int) -> str:
     return f"{value:.{precision}f}"
 
 
+@component
 class StdoutLogger(_ContextManager):
     """One compact line per ``log`` call: ``step 10 | loss 1.2345 | lr 2.0e-05``.
 
@@ -277,6 +286,7 @@ class MetricWindow:
         return sum(float(v) for v, _ in values) / len(values)
 
 
+@component
 class JSONLLogger(_ContextManager):
     """Append one JSON object per ``log`` call to ``log_dir/metrics.jsonl``.
 
@@ -288,6 +298,12 @@ class JSONLLogger(_ContextManager):
     against time. ``timestamps=False`` leaves both out. The file is opened in append mode: a
     resumed run continues the same file (readers such as :func:`tunesmith.training.plot_run`
     keep the last value logged for a step). ``log_config`` writes ``log_dir/config.yaml``.
+
+    Both files are opened without following a symbolic link (one planted in ``log_dir`` is
+    refused, naming it; ``log_dir`` itself is the user's and may be a link). Each record is
+    appended with one ``write`` at once; when the disk is full (or the file size limit is
+    reached) the run stops with one line naming the file and saying ``disk full``, and the
+    file keeps every whole record written before.
 
     Example::
 
@@ -301,39 +317,104 @@ class JSONLLogger(_ContextManager):
         self, log_dir: str | os.PathLike[str], filename: str = "metrics.jsonl",
         timestamps: bool = True,
     ) -> None:  # fmt: skip
-        self.log_dir = Path(log_dir)
+        self.log_dir = Path(log_dir)  # the user's folder (a link there is the user's choice)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.log_dir / filename
         self.timestamps = bool(timestamps)
+        self._fd: int | None = open_fd_no_follow(self.path, "a")  # a planted link: refused
         self._elapsed_before = _last_elapsed(self.path) if self.timestamps else 0.0
         self._opened = time.monotonic()
-        self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        if self._file is None:
-            raise RuntimeError(f"JSONLLogger for {self.path} is closed")
         record = {"step": step, **_scalars(step, metrics)}
         if self.timestamps:
             elapsed = self._elapsed_before + time.monotonic() - self._opened
             record |= {"time": round(time.time(), 3), "elapsed_s": round(elapsed, 3)}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self.append(json.dumps(record) + "\n", f"the record of step {step}")
+
+    def append(self, line: str, what: str = "a record") -> None:
+        """Append ``line`` (one whole record, ending in a newline) to the file, written
+        through at once; a record that does not fit (disk full, file size limit) is taken
+        back, so the file keeps every record before it, whole, and
+        :class:`MetricsWriteError` names the file.
+
+        Example::
+
+            >>> logger.append('{"step": 1, "samples": []}\\n')  # doctest: +SKIP
+        """
+        if self._fd is None:
+            raise RuntimeError(f"JSONLLogger for {self.path} is closed")
+        append_record(self._fd, self.path, line.encode("utf-8"), what)
 
     def log_config(self, cfg: Mapping[str, Any]) -> None:
         text = yaml.safe_dump(_plain(cfg), sort_keys=False)
-        (self.log_dir / "config.yaml").write_text(text, encoding="utf-8")
+        path = self.log_dir / "config.yaml"
+        try:
+            with open_no_follow(path, "w") as f:  # a planted link: refused, never followed
+                f.write(text)
+        except UnsafePathError:
+            raise
+        except OSError as err:
+            raise MetricsWriteError(f"{path}: cannot write the run's config: "
+                                    f"{_write_failure(err)}") from err  # fmt: skip
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class MetricsWriteError(OSError):
+    """A metrics record (or ``config.yaml``) could not be written; the message is one line
+    naming the file and why (``disk full``, the file size limit), the records before it kept."""
+
+
+def _write_failure(err: OSError) -> str:
+    """``'disk full (No space left on device)'`` and the like for a failed write."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"disk full ({os.strerror(err.errno)})"
+    if err.errno == errno.EFBIG:
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        limit = (
+            ""
+            if soft == resource.RLIM_INFINITY
+            else f"; the file size limit (ulimit -f) is {soft} bytes"
+        )
+        return f"file too large ({os.strerror(err.errno)}{limit})"
+    return err.strerror or str(err)
+
+
+def append_record(fd: int, path: Path, data: bytes, what: str = "a record") -> None:
+    """Append ``data`` (one whole record) to the file open as ``fd`` (``O_APPEND``) with plain
+    ``write`` calls, so it reaches the kernel at once; if the disk fills up or the file size
+    limit is reached part-way, the part written is cut off again (the file keeps the records
+    before it, whole) and :class:`MetricsWriteError` names ``path``.
+
+    Example::
+
+        >>> append_record(fd, Path("out/metrics.jsonl"), b'{"step": 3}\\n')  # doctest: +SKIP
+        Traceback (most recent call last):
+        MetricsWriteError: out/metrics.jsonl: cannot append the record of step 3: disk full ...
+    """
+    size = os.fstat(fd).st_size
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, size)  # no half record at the end
+        raise MetricsWriteError(
+            f"{path}: cannot append {what}: {_write_failure(err)}; the {size} bytes written "
+            "before it are kept"
+        ) from err
 
 
 def _last_elapsed(path: Path) -> float:
     """The ``elapsed_s`` of the last record of ``path`` that has one (0 for none)."""
-    if not path.is_file():
-        return 0.0
-    for line in reversed(path.read_text(encoding="utf-8", errors="replace").splitlines()):
+    with open_no_follow(path, "r", errors="replace") as f:  # the file just opened for appending
+        text = f.read()
+    for line in reversed(text.splitlines()):
         try:
             value = json.loads(line).get("elapsed_s")
         except (json.JSONDecodeError, AttributeError):
@@ -343,6 +424,7 @@ def _last_elapsed(path: Path) -> float:
     return 0.0
 
 
+@component
 class TensorBoardLogger(_ContextManager):
     """Scalars to TensorBoard event files in ``log_dir`` (``torch.utils.tensorboard``).
 
@@ -382,6 +464,7 @@ class TensorBoardLogger(_ContextManager):
             self._closed = True
 
 
+@component
 class WandBLogger(_ContextManager):
     """Log to Weights & Biases (``wandb.init(project=..., **init_kwargs)``).
 
@@ -428,6 +511,7 @@ class WandBLogger(_ContextManager):
             self._closed = True
 
 
+@component
 class NullLogger(_ContextManager):
     """Discards everything: what non-zero ranks get instead of a real logger."""
 

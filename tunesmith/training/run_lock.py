@@ -13,6 +13,9 @@ A second run in the same output dir:
   dead (a pid cannot be checked on another machine, nor, on every network filesystem, a
   ``flock``).
 
+The lock file is opened without following a symbolic link: a link planted as
+``.tunesmith.lock`` is refused with one line naming it (its target is never written).
+
 Under torchrun only rank 0 takes the lock (see :func:`hold_run_lock`); the other ranks learn
 the outcome from it, so every rank refuses with the same line.
 
@@ -39,6 +42,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tunesmith.models.atomic import UnsafePathError, open_fd_no_follow
 from tunesmith.training.checkpoint_dir import pid_alive
 from tunesmith.training.distributed import DistributedContext
 
@@ -68,8 +72,6 @@ def _read_owner(fd: int) -> dict[str, Any]:
     except (UnicodeDecodeError, ValueError):
         return {}
     return owner if isinstance(owner, dict) else {}
-
-    return True
 
 
 @dataclass
@@ -108,7 +110,7 @@ class RunLock:
     def _acquire(cls, path: Path, created: bool) -> RunLock:
         host = socket.gethostname()
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_fd_no_follow(path, "r+", create=True)  # a planted link: refused
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
@@ -127,7 +129,7 @@ class RunLock:
                     f"{path}): wait for it to finish, or choose another output_dir"
                 ) from None
             try:
-                if os.fstat(fd).st_ino != path.stat().st_ino:  # released (unlinked) meanwhile
+                if os.fstat(fd).st_ino != os.lstat(path).st_ino:  # released (unlinked) meanwhile
                     os.close(fd)
                     continue
             except FileNotFoundError:
@@ -190,7 +192,7 @@ def hold_run_lock(output_dir: str | os.PathLike[str], ctx: DistributedContext) -
     if ctx.is_rank_zero:
         try:
             lock = RunLock.acquire(Path(output_dir))
-        except OutputDirInUseError as err:
+        except (OutputDirInUseError, UnsafePathError) as err:
             refusal = str(err)
         except OSError as err:  # say it on every rank, not only here
             refusal = f"{Path(output_dir) / LOCK_NAME}: cannot create the run lock: {err}"

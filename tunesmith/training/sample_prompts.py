@@ -142,8 +142,7 @@ def log_samples(logger: Any, step: int, samples: Sequence[Mapping[str, str]]) ->
         write("\n".join(lines) + "\n")
     elif isinstance(logger, JSONLLogger):
         record = {"step": step, "samples": [dict(s) for s in samples]}
-        with open(logger.path, "a", encoding="utf-8") as f:  # the logger flushes every line
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        logger.append(json.dumps(record, ensure_ascii=False) + "\n", f"the samples of step {step}")
     elif isinstance(logger, TensorBoardLogger):
         text = "\n\n".join(f"**{s['prompt']}**\n\n    {s['completion']}" for s in samples)
         logger._writer.add_text("samples", text, global_step=step)
