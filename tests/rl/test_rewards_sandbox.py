@@ -1,10 +1,12 @@
 """The code sandbox and the code-test reward: real child processes, short limits.
 
 Each test runs real programs (nothing is mocked): loops are killed at the wall timeout,
-memory bombs stop at the address-space limit, sockets, spawns, signals and writes outside the
-temporary folder are refused, and the folder is gone afterwards. Both network modes are
-exercised: the audit hook always, the network namespace where this machine allows it (on one
-that does not, ``"auto"`` must fall back to the audit hook)."""
+memory bombs stop at the address-space limit, sockets fail, the host's files are out of reach
+(namespaces) or writes outside the temporary folder are refused (best effort), and nothing is
+left behind. Every test runs in each isolation mode this machine offers
+(:func:`available_isolation`: namespaces where user namespaces are allowed, best effort always,
+opted into by name); ``auto`` must pick namespaces or refuse with the opt-in. The escape
+routes are in ``tests/faults/test_sandbox_escapes.py``."""
 
 from __future__ import annotations
 
@@ -20,15 +22,16 @@ from tunesmith.rl.rewards import (
     CodeTests,
     RewardSet,
     Sample,
+    available_isolation,
     extract_code,
-    network_isolation,
+    namespaces_available,
     run_sandboxed,
-    user_namespaces_available,
 )
+from tunesmith.rl.rewards.code import decode_plain, plan_test
 
 TIMEOUT = 1.0
 MARGIN = 1.5  # interpreter start-up and process teardown on a loaded 2-core machine
-MODES = ["audit_hook", "auto"]
+MODES = available_isolation()
 
 
 def _run(code: str, **kwargs):
@@ -37,74 +40,78 @@ def _run(code: str, **kwargs):
     return run_sandboxed(code, **kwargs)
 
 
-def test_a_program_runs_with_stdin_and_an_empty_environment() -> None:
+@pytest.mark.parametrize("isolation", MODES)
+def test_a_program_runs_with_stdin_and_an_empty_environment(isolation) -> None:
     result = _run(
         "import os, sys\nprint(input()[::-1])\nprint(sorted(os.environ))\n"
         "print('cwd', os.getcwd())\nprint(sys.flags.isolated)\nsys.exit(3)",
         stdin="abc\n",
+        isolation=isolation,
     )
     lines = result.stdout.splitlines()
-    assert lines[0] == "cba"
+    assert lines[0] == "cba", result.stderr
     # PATH, HOME and TMPDIR only (the C runtime may add LC_CTYPE for the UTF-8 locale)
     assert set(eval(lines[1])) - {"LC_CTYPE"} == {"PATH", "HOME", "TMPDIR"}
     assert lines[3] == "1"
     assert result.returncode == 3 and not result.ok and result.killed_reason is None
-    assert result.network == network_isolation()
+    assert result.isolation == isolation
 
 
+@pytest.mark.parametrize("isolation", MODES)
 @pytest.mark.parametrize("program", ["while True: pass", "import time\ntime.sleep(60)"])
-def test_an_endless_program_is_killed_at_the_wall_timeout(program) -> None:
+def test_an_endless_program_is_killed_at_the_wall_timeout(program, isolation) -> None:
     start = time.monotonic()
-    result = _run(program)
+    result = _run(program, isolation=isolation)
     elapsed = time.monotonic() - start
     assert result.timed_out and result.killed_reason == "wall_timeout"
     assert result.returncode < 0
     assert TIMEOUT <= elapsed < TIMEOUT + MARGIN
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"  # a zombie is dead, waiting to be reaped
+def _processes_with(mark: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if mark.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
 
 
-def test_the_whole_process_group_is_killed() -> None:
-    # ctypes reaches fork() below the audit hook; RLIMIT_NPROC stops it unless we are root.
-    program = (
-        "import ctypes, os, time\n"
-        "pid = ctypes.CDLL(None).fork()\n"
-        "if pid == 0:\n    time.sleep(60)\n    os._exit(0)\n"
-        "print('child', pid, flush=True)\n"
-        "while True: pass\n"
-    )
-    result = _run(program)
-    assert result.killed_reason == "wall_timeout"
-    pid = int(result.stdout.split()[1])
-    if os.geteuid() != 0:
-        assert pid == -1, "RLIMIT_NPROC should have refused the fork"
+def test_the_whole_namespace_is_killed_with_its_program() -> None:
+    if "namespaces" not in MODES:
+        assert not namespaces_available()
         return
-    assert pid > 0
+    mark = f"tunesmith-orphan-{os.getpid()}-{time.monotonic_ns()}"
+    program = (
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n    os.setsid()\n"
+        f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {mark!r}])\n"
+        "time.sleep(0.3)\nprint('forked', flush=True)\nwhile True: pass\n"
+    )
+    result = _run(program, isolation="namespaces")
+    assert result.killed_reason == "wall_timeout" and "forked" in result.stdout, result.stderr
     deadline = time.monotonic() + 2
-    while _alive(pid) and time.monotonic() < deadline:
+    while _processes_with(mark) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(pid), f"the grandchild {pid} survived the sandbox"
+    assert not _processes_with(mark), "a detached child survived the sandbox"
 
 
+@pytest.mark.parametrize("isolation", MODES)
 @pytest.mark.parametrize(
     "program",
     ["x = bytearray(10**10)", "x = []\nwhile True:\n    x.append(bytearray(10**6))"],
 )
-def test_a_memory_bomb_fails_within_its_limit(program) -> None:
-    result = _run(program, memory_mb=128, timeout_s=5)
+def test_a_memory_bomb_fails_within_its_limit(program, isolation) -> None:
+    result = _run(program, memory_mb=128, timeout_s=5, isolation=isolation)
     assert result.returncode == 1 and not result.timed_out
     assert "MemoryError" in result.stderr
     assert result.wall_s < 5
 
 
-@pytest.mark.parametrize("network", MODES)
-def test_a_socket_to_localhost_fails(network) -> None:
+@pytest.mark.parametrize("isolation", MODES)
+def test_a_socket_to_localhost_fails(isolation) -> None:
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
@@ -112,24 +119,26 @@ def test_a_socket_to_localhost_fails(network) -> None:
         port = server.getsockname()[1]
         result = _run(
             f"import socket\ns = socket.socket()\ns.connect(('127.0.0.1', {port}))\nprint('in')",
-            network=network,
+            isolation=isolation,
         )
         with pytest.raises(BlockingIOError):
             server.accept()  # nobody connected
     assert result.returncode == 1 and "in" not in result.stdout
-    if result.network == "audit_hook":
-        assert "PermissionError: sandbox: socket.connect" in result.stderr
+    if isolation == "best_effort":
+        assert "PermissionError: sandbox: socket.__new__" in result.stderr
     else:  # the namespace has no usable interface, not even loopback
         assert "Network is unreachable" in result.stderr
 
 
-def test_auto_network_mode_follows_what_the_machine_allows() -> None:
-    expected = "namespace" if user_namespaces_available() else "audit_hook"
-    assert network_isolation() == expected
-    assert _run("pass", network="auto").network == expected
-    if not user_namespaces_available():
-        with pytest.raises(RuntimeError, match="unshare"):
-            _run("pass", network="namespace")
+def test_auto_is_namespaces_or_a_refusal_naming_the_opt_in() -> None:
+    if namespaces_available():
+        assert _run("pass", isolation="auto").isolation == "namespaces"
+        assert _run("pass").isolation == "namespaces"
+        return
+    with pytest.raises(RuntimeError, match="isolation='best_effort'"):
+        _run("pass")
+    with pytest.raises(RuntimeError, match="CodeTests: .*isolation='best_effort'"):
+        CodeTests()
 
 
 @pytest.mark.parametrize(
@@ -138,22 +147,30 @@ def test_auto_network_mode_follows_what_the_machine_allows() -> None:
         ("import os\nos.system('true')", "os.system"),
         ("import os\nos.kill(os.getppid(), 0)", "os.kill on"),
         ("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))", "resource.setrlimit"),
-        ("open({outside!r}, 'w').write('x')", "writing"),
+        ("open({outside!r}, 'w').write('x')", "opening"),
         ("import os\nos.remove({outside!r})", "os.remove"),
-        ("import os\nos.symlink({outside!r}, 'link')\nopen('link', 'w').write('x')", "writing"),
+        ("import os\nos.symlink({outside!r}, 'link')\nopen('link', 'w').write('x')", "os.symlink"),
+        ("import ctypes", "importing ctypes"),
+        ("import gc\ngc.get_objects()", "importing gc"),
     ],
 )
-def test_the_audit_hook_refuses(program, refused, tmp_path) -> None:
+def test_the_best_effort_audit_hook_refuses(program, refused, tmp_path) -> None:
     outside = tmp_path / "outside.txt"
     outside.write_text("keep")
-    result = _run(program.format(outside=str(outside)), network="audit_hook")
+    result = _run(program.format(outside=str(outside)), isolation="best_effort")
     assert result.returncode == 1
     assert f"PermissionError: sandbox: {refused}" in result.stderr
     assert outside.read_text() == "keep"
 
 
-def test_files_stay_in_a_temporary_folder_that_is_removed(tmp_path, monkeypatch) -> None:
+def _sandbox_folders() -> set[str]:
+    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("tunesmith-sandbox-")}
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_files_stay_in_a_temporary_place_that_is_removed(isolation, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
+    before = _sandbox_folders()
     program = (
         "import os, tempfile\n"
         "open('out.txt', 'w').write('data')\n"
@@ -162,24 +179,30 @@ def test_files_stay_in_a_temporary_folder_that_is_removed(tmp_path, monkeypatch)
         "os.chmod('sub', 0)\n"  # removal must still work
         "print(os.getcwd())\nprint(f.name)\n"
     )
-    result = _run(program)
+    result = _run(program, isolation=isolation)
     assert result.ok, result.stderr
     cwd, temp_file = result.stdout.splitlines()
-    assert Path(cwd).parent.parent == Path(tempfile.gettempdir()).resolve()
-    assert Path(temp_file).parent == Path(cwd)  # TMPDIR points into the sandbox
-    assert not Path(cwd).exists() and not Path(cwd).parent.exists()
+    if isolation == "best_effort":
+        assert Path(cwd).parent.parent == Path(tempfile.gettempdir()).resolve()
+        assert Path(temp_file).parent == Path(cwd)  # TMPDIR points into the sandbox
+        assert not Path(cwd).exists() and not Path(cwd).parent.exists()
+    else:  # its own root: /work and /tmp exist only in the sandbox's tmpfs
+        assert (cwd, str(Path(temp_file).parent)) == ("/work", "/tmp")
     assert list(tmp_path.iterdir()) == []  # nothing landed where the caller was
+    assert _sandbox_folders() <= before
 
 
-def test_long_output_is_cut_in_the_middle() -> None:
-    result = _run("print('a' * 5000)\nprint('end')", max_output_bytes=1000)
+@pytest.mark.parametrize("isolation", MODES)
+def test_long_output_is_cut_in_the_middle(isolation) -> None:
+    result = _run("print('a' * 5000)\nprint('end')", max_output_bytes=1000, isolation=isolation)
     assert len(result.stdout) < 1100
     assert result.stdout.startswith("a" * 400) and result.stdout.endswith("end\n")
     assert "bytes cut" in result.stdout
 
 
-def test_a_big_file_hits_the_size_limit() -> None:
-    result = _run("open('big', 'wb').write(b'x' * (3 << 20))", file_mb=1)
+@pytest.mark.parametrize("isolation", MODES)
+def test_a_big_file_hits_the_size_limit(isolation) -> None:
+    result = _run("open('big', 'wb').write(b'x' * (3 << 20))", file_mb=1, isolation=isolation)
     assert result.returncode == 1 and "File too large" in result.stderr
 
 
@@ -188,8 +211,10 @@ def test_bad_arguments() -> None:
         run_sandboxed("pass", timeout_s=0, memory_mb=64)
     with pytest.raises(ValueError, match="memory_mb"):
         run_sandboxed("pass", timeout_s=1, memory_mb=0.5)
-    with pytest.raises(ValueError, match="network='none'"):
-        run_sandboxed("pass", timeout_s=1, memory_mb=64, network="none")
+    with pytest.raises(ValueError, match="isolation='none'"):
+        run_sandboxed("pass", timeout_s=1, memory_mb=64, isolation="none")
+    with pytest.raises(ValueError, match="isolation='audit_hook'"):
+        CodeTests(isolation="audit_hook")
 
 
 # ----------------------------------------------------------------------------- CodeTests
@@ -209,8 +234,20 @@ def test_extract_code() -> None:
     assert extract_code("print(1)", "none") == "print(1)"
 
 
-def test_code_tests_scores() -> None:
-    reward = CodeTests(timeout_s=2)
+def test_a_test_is_split_into_child_probes_and_parent_values() -> None:
+    plan = plan_test("x = [3, 1]\nassert sort(x) == [1, 3] and not f(x)\nassert 0 < g() <= 2")
+    assert plan.steps == [("exec", "x = [3, 1]"), ("probe", "sort(x)"), ("probe", "f(x)"),
+                          ("probe", "g()")]  # fmt: skip
+    assert "[1, 3]" not in repr(plan.steps)  # the expected value never reaches the child
+    assert plan.opaque and not plan_test("assert f(1) == 2").opaque
+    assert decode_plain({"D": [[{"T": [1, 2]}, {"F": ["a"]}]]}) == {(1, 2): frozenset("a")}
+    with pytest.raises(ValueError, match="not valid Python"):
+        plan_test("assert (")
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_code_tests_scores(isolation) -> None:
+    reward = CodeTests(timeout_s=2, isolation=isolation)
     samples = [
         _code_sample("Sure:\n" + SOLUTION + "\nDone."),  # right
         _code_sample(SOLUTION.replace("a + b", "a - b")),  # wrong
@@ -220,24 +257,45 @@ def test_code_tests_scores() -> None:
         _code_sample("def add(a, b): return a + b"),  # no code block
         _code_sample("```python\ndef add(a, b) return\n```"),  # syntax error
         _code_sample(SOLUTION, tests="assert add(2, 3) == 5\nassert add(0, 0) == 0"),  # a string
+        _code_sample(  # an object equal to everything is not a plain value
+            "```python\nclass E:\n    def __eq__(s, o): return True\ndef add(a, b): return E()\n```"
+        ),
+        _code_sample(
+            SOLUTION,
+            tests=[
+                "x = (1,)\nassert add(x, (2,)) == (1, 2) and add(1, 1) in {2}",
+                "for i in range(3):\n    assert add(i, 0) == i",
+            ],
+        ),  # fmt: skip
     ]
     start = time.monotonic()
-    assert reward(samples) == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
-    assert time.monotonic() - start < 2 + 2 * MARGIN  # samples run side by side
-    whole = CodeTests(timeout_s=2, extract="none")
+    assert reward(samples) == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    assert time.monotonic() - start < 2 + 3 * MARGIN  # samples run side by side
+    whole = CodeTests(timeout_s=2, extract="none", isolation=isolation)
     assert whole([_code_sample("def add(a, b):\n    return a + b")]) == [1.0]
 
 
-def test_code_tests_partial_credit() -> None:
-    reward = CodeTests(timeout_s=2, partial=True)
+@pytest.mark.parametrize("isolation", MODES)
+def test_code_tests_io_tests_compare_stdout_in_the_parent(isolation) -> None:
+    program = "```python\nprint(sum(map(int, input().split())))\n```"
+    tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10"}]
+    reward = CodeTests(timeout_s=2, isolation=isolation, partial=True)
+    assert reward([_code_sample(program, tests), _code_sample(program, [*tests, {
+        "input": "1 1", "output": "3"}])]) == pytest.approx([1.0, 2 / 3])  # fmt: skip
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_code_tests_partial_credit(isolation) -> None:
+    reward = CodeTests(timeout_s=2, partial=True, isolation=isolation)
     # right for positives only: add(-1, 1) == 0 fails
     half = "```python\ndef add(a, b):\n    return abs(a) + abs(b)\n```"
     samples = [_code_sample(SOLUTION), _code_sample(half), _code_sample("```python\n1/0\n```")]
     assert reward(samples) == pytest.approx([1.0, 2 / 3, 0.0])
 
 
-def test_code_tests_memory_bomb_and_socket_score_zero() -> None:
-    reward = CodeTests(timeout_s=2, memory_mb=128)
+@pytest.mark.parametrize("isolation", MODES)
+def test_code_tests_memory_bomb_and_socket_score_zero(isolation) -> None:
+    reward = CodeTests(timeout_s=2, memory_mb=128, isolation=isolation)
     bomb = "```python\nx = bytearray(10**10)\ndef add(a, b):\n    return a + b\n```"
     net = (
         "```python\nimport socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)\n"
@@ -246,15 +304,18 @@ def test_code_tests_memory_bomb_and_socket_score_zero() -> None:
     assert reward([_code_sample(bomb), _code_sample(net)]) == [0.0, 0.0]
 
 
-def test_code_tests_without_tests_is_a_counted_failure() -> None:
+@pytest.mark.parametrize("isolation", MODES)
+def test_code_tests_without_tests_is_a_counted_failure(isolation) -> None:
     samples = [_code_sample(SOLUTION), Sample("", SOLUTION)]
-    result = RewardSet([CodeTests(timeout_s=2)])(samples)
+    result = RewardSet([CodeTests(timeout_s=2, isolation=isolation)])(samples)
     assert result.per_reward["code_tests"].tolist() == [1.0, 0.0]
     assert result.failures == {"code_tests": 1}
 
 
-def test_no_sandbox_folders_are_left_behind() -> None:
-    before = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("tunesmith-sandbox-")}
-    CodeTests(timeout_s=1)([_code_sample(SOLUTION), _code_sample("```python\nwhile 1: pass\n```")])
-    after = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("tunesmith-sandbox-")}
-    assert after <= before
+@pytest.mark.parametrize("isolation", MODES)
+def test_no_sandbox_folders_are_left_behind(isolation) -> None:
+    before = _sandbox_folders()
+    CodeTests(timeout_s=1, isolation=isolation)(
+        [_code_sample(SOLUTION), _code_sample("```python\nwhile 1: pass\n```")]
+    )
+    assert _sandbox_folders() <= before

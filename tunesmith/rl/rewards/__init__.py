@@ -38,15 +38,17 @@ from tunesmith.rl.rewards.gym import ReasoningGymScore
 from tunesmith.rl.rewards.length import OverlongPenalty
 from tunesmith.rl.rewards.model import RewardModelScore
 from tunesmith.rl.rewards.sandbox import (
+    ISOLATION_MODES,
     SandboxResult,
-    network_isolation,
+    available_isolation,
+    namespaces_available,
     run_sandboxed,
-    user_namespaces_available,
 )
 from tunesmith.rl.rewards.strings import CharacterMatch, StringMatch, character_match
 
 __all__ = [
     "EXTRACT_MODES",
+    "ISOLATION_MODES",
     "THINK_ANSWER_PATTERN",
     "CharacterMatch",
     "CodeTests",
@@ -62,11 +64,11 @@ __all__ = [
     "SandboxResult",
     "StringMatch",
     "ThinkAnswerFormat",
+    "available_isolation",
     "character_match",
     "extract_answer",
     "extract_code",
-    "network_isolation",
+    "namespaces_available",
     "parse_number",
     "run_sandboxed",
-    "user_namespaces_available",
 ]

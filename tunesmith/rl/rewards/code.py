@@ -2,15 +2,32 @@
 
 :class:`CodeTests` takes the last fenced Python block of the completion (```` ```python ````,
 ```` ```py ````, ```` ```python3 ```` or an unlabelled ```` ``` ````), runs it with the
-sample's ``metadata["tests"]`` (a list of assert statements or one test code string)
-through :func:`~tunesmith.rl.rewards.sandbox.run_sandboxed`, and scores 1.0 when every test
-passes, else 0.0, or with ``partial=True`` the fraction of tests that pass.
+sample's ``metadata["tests"]`` through :func:`~tunesmith.rl.rewards.sandbox.run_sandboxed`,
+and scores 1.0 when every test passes, else 0.0, or with ``partial=True`` the fraction of
+tests that pass. A test is
 
-The solution and each test run in one namespace (the solution as ``__main__``), inside a
-small harness that prints a random token once the tests are done: a program that exits
-early (``sys.exit(0)``, ``os._exit(0)``) before the tests ran never prints it and scores 0.
-Like the sandbox's audit hook this is a best effort: code that reads the harness's frames can
-forge it.
+- a string of Python: ``assert`` statements (and setup statements such as ``x = [3, 1]``);
+  a list of strings is a list of tests, one string may hold several asserts (one test);
+- or ``{"input": "...", "output": "..."}``: the program is run with that stdin and passes when
+  its stdout equals ``output`` (trailing whitespace of each line and trailing blank lines
+  ignored).
+
+**Where a test is decided.** The solution runs in the same interpreter as the harness that
+runs its tests, so anything that interpreter says can be forged by a solution that targets the
+harness (reads its source, prints its records, patches ``json``). The pass/fail of a test is
+therefore decided in the parent, on plain data: each ``assert`` is split (:func:`plan_test`)
+into the literal values (kept in the parent, never sent to the child) and the other operands
+of its comparisons, ``and``, ``or`` and ``not`` (*probes*: expressions the child evaluates and
+sends back as strict JSON: ``None``, ``bool``, ``int``, ``float``, ``str`` and ``list``,
+``tuple``, ``dict``, ``set``, ``frozenset``, ``bytes`` of them, exact types only). The parent
+evaluates the comparisons on the decoded builtin values, so ``assert add(1, 2) == 3`` passes
+only when the child sends ``3``: an object with an always-true ``__eq__`` is not JSON and
+fails, and a forged record must guess the expected value. What stays forgeable, and is only as
+strong as the child: a comparison whose other side is computed in the child too
+(``assert f(x) == g(x)``, ``assert abs(f(1) - 0.5) < 1e-6``) and asserts inside loops,
+``if``, ``with`` or functions (run in the child, which reports that they did not raise).
+Prefer ``assert <call> == <literal>`` or I/O tests for RL rewards. I/O tests compare the
+program's stdout in the parent.
 
 Example::
 
@@ -22,19 +39,32 @@ Example::
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import json
+import operator
 import secrets
+import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from tunesmith.rl.rewards.base import Sample
-from tunesmith.rl.rewards.sandbox import NETWORK_MODES, run_sandboxed
+from tunesmith.rl.rewards.sandbox import (
+    BEST_EFFORT_GAPS,
+    ISOLATION_MODES,
+    resolve_isolation,
+    run_sandboxed,
+)
 
-__all__ = ["CODE_EXTRACT_MODES", "CodeTests", "extract_code"]
+__all__ = ["CODE_EXTRACT_MODES", "CodeTests", "decode_plain", "extract_code", "plan_test"]
 
 CODE_EXTRACT_MODES = ("code_block", "none")
 
 _PYTHON_FENCES = ("", "python", "python3", "py")
+_OUTPUT_BYTES = 4 << 20
+_WARNED: set[str] = set()
 
 
 def extract_code(text: str, mode: str = "code_block") -> str | None:
@@ -66,75 +96,276 @@ def extract_code(text: str, mode: str = "code_block") -> str | None:
     return "".join(found[-1]) if found else None
 
 
-def _tests(metadata: dict[str, Any]) -> list[str]:
+def _tests(metadata: dict[str, Any]) -> list:
     if "tests" not in metadata:
         raise KeyError(f"CodeTests: the sample has no metadata['tests'] (keys: {sorted(metadata)})")
     tests = metadata["tests"]
-    if isinstance(tests, str):
+    if isinstance(tests, (str, dict)):
         tests = [tests]
-    if not isinstance(tests, (list, tuple)) or not all(isinstance(t, str) for t in tests):
+    if not isinstance(tests, (list, tuple)) or not all(_is_test(t) for t in tests):
         raise TypeError(
-            f"CodeTests: metadata['tests'] must be a string or a list of strings, got "
-            f"{type(tests).__name__}"
+            "CodeTests: metadata['tests'] must be a string, an {'input', 'output'} dict of "
+            f"strings, or a list of them; got {type(tests).__name__}"
         )
     if not tests:
         raise ValueError("CodeTests: metadata['tests'] is empty; nothing to check")
     return list(tests)
 
 
-def harness(solution: str, tests: Sequence[str], token: str, partial: bool) -> str:
-    """The program run in the sandbox: ``solution`` then ``tests`` in one ``__main__``
-    namespace, then ``token`` printed (with ``partial``, as ``"<token> <passed>/<n>"``, each
-    test counted on its own)."""
-    lines = [
-        "import sys as _sys, traceback as _traceback",
-        "_ns = {'__name__': '__main__', '__builtins__': __builtins__}",
-        f"exec(compile({solution!r}, 'solution.py', 'exec'), _ns)",
-        "_passed = 0",
-        f"for _i, _test in enumerate({list(tests)!r}):",
-    ]
-    if partial:
-        lines += [
-            "    try:",
-            "        exec(compile(_test, f'test_{_i}.py', 'exec'), _ns)",
-            "    except BaseException:",
-            "        _traceback.print_exc()",
-            "    else:",
-            "        _passed += 1",
-        ]
-    else:
-        lines += ["    exec(compile(_test, f'test_{_i}.py', 'exec'), _ns)", "    _passed += 1"]
-    lines += [
-        "_sys.stdout.flush()",
-        f"_sys.stdout.write('\\n' + {token!r} + ' ' + str(_passed) + '/' + str({len(tests)}) + '\\n')",
-        "_sys.stdout.flush()",
-    ]
-    return "\n".join(lines) + "\n"
+def _is_test(test: object) -> bool:
+    if isinstance(test, dict):
+        return set(test) == {"input", "output"} and all(isinstance(v, str) for v in test.values())
+    return isinstance(test, str)
 
 
-def _passed_fraction(stdout: str, token: str) -> float | None:
-    """``passed / n`` from the harness's last token line, or None when it never printed."""
-    for line in reversed(stdout.splitlines()):
-        parts = line.strip().split(" ")
-        if len(parts) == 2 and parts[0] == token:
-            passed, _, total = parts[1].partition("/")
-            if passed.isdigit() and total.isdigit() and int(total) > 0:
-                return int(passed) / int(total)
-    return None
+# ----------------------------------------------------------------------------- plans
+
+_COMPARE = {
+    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+    ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not,
+}  # fmt: skip
+
+
+@dataclass
+class TestPlan:
+    """One test split for the child and the parent.
+
+    ``steps`` are what the child runs in order: ``("exec", source)`` (run; the child reports
+    that it did not raise) or ``("probe", source)`` (evaluated; the child sends the value).
+    ``checks`` are what the parent evaluates: trees over probe numbers (``("probe", k)``,
+    ``("lit", value)``, ``("cmp", [op...], [tree...])``, ``("and"|"or", [tree...])``,
+    ``("not", tree)``), one per assert, each true for the test to pass."""
+
+    steps: list[tuple[str, str]] = field(default_factory=list)
+    checks: list[tuple] = field(default_factory=list)
+
+    @property
+    def opaque(self) -> bool:
+        """Some step's outcome is decided in the child (see the module docs)."""
+        return any(kind == "exec" for kind, _ in self.steps)
+
+
+def _literal(node: ast.expr) -> tuple[bool, Any]:
+    try:
+        return True, ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False, None
+
+
+def _tree(node: ast.expr, plan: TestPlan) -> tuple:
+    """The parent's check tree of ``node``; its non-literal leaves become probes of ``plan``."""
+    is_literal, value = _literal(node)
+    if is_literal:
+        return ("lit", value)
+    if isinstance(node, ast.BoolOp):
+        kind = "and" if isinstance(node.op, ast.And) else "or"
+        return (kind, [_tree(v, plan) for v in node.values])
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return ("not", _tree(node.operand, plan))
+    if isinstance(node, ast.Compare) and all(type(op) in _COMPARE for op in node.ops):
+        operands = [_tree(n, plan) for n in (node.left, *node.comparators)]
+        return ("cmp", [type(op) for op in node.ops], operands)
+    plan.steps.append(("probe", ast.unparse(node)))
+    return ("probe", sum(kind == "probe" for kind, _ in plan.steps) - 1)
+
+
+def plan_test(test: str) -> TestPlan:
+    """Split the test ``test`` (Python source) into the child's steps and the parent's checks.
+
+    Example::
+
+        >>> plan = plan_test("assert add(1, 2) == 3")
+        >>> plan.steps, plan.checks
+        ([('probe', 'add(1, 2)')], [('cmp', [<class 'ast.Eq'>], [('probe', 0), ('lit', 3)])])
+    """
+    try:
+        module = ast.parse(test, "<test>")
+    except SyntaxError as e:
+        raise ValueError(f"CodeTests: a test is not valid Python ({e.msg}, line {e.lineno}): "
+                         f"{test[:80]!r}") from None  # fmt: skip
+    plan = TestPlan()
+    for statement in module.body:
+        if isinstance(statement, ast.Assert):
+            plan.checks.append(_tree(statement.test, plan))
+        else:
+            plan.steps.append(("exec", ast.unparse(statement)))
+    return plan
+
+
+class _Missing(Exception):
+    """A probe the child did not report (or reported twice, or as an error)."""
+
+
+def _evaluate(tree: tuple, values: dict[int, Any]) -> Any:
+    kind = tree[0]
+    if kind == "lit":
+        return tree[1]
+    if kind == "probe":
+        if tree[1] not in values:
+            raise _Missing(tree[1])
+        return values[tree[1]]
+    if kind == "not":
+        return not _evaluate(tree[1], values)
+    if kind in ("and", "or"):
+        result = None
+        for item in tree[1]:
+            result = _evaluate(item, values)
+            if bool(result) == (kind == "or"):
+                return result
+        return result
+    left = _evaluate(tree[2][0], values)
+    for op, operand in zip(tree[1], tree[2][1:], strict=True):
+        right = _evaluate(operand, values)
+        if not _COMPARE[op](left, right):
+            return False
+        left = right
+    return True
+
+
+def decode_plain(value: Any) -> Any:
+    """The builtin value of the child's tagged JSON (``{"T": [...]}`` a tuple, ``"D"`` a dict,
+    ``"S"`` a set, ``"F"`` a frozenset, ``"B"`` bytes in hex).
+
+    Example::
+
+        >>> decode_plain({"T": [1, {"S": ["a"]}]})
+        (1, {'a'})
+    """
+    if isinstance(value, list):
+        return [decode_plain(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    ((tag, body),) = value.items()
+    if tag == "B":
+        return bytes.fromhex(body)
+    items = [decode_plain(v) for v in body]
+    if tag == "D":
+        return dict(items)
+    return {"T": tuple, "S": set, "F": frozenset}[tag](items)
+
+
+# ----------------------------------------------------------------------------- the harness
+
+# Runs in the sandbox: the solution, then each test's steps; every record is one line
+# "<token> <json>" written straight to fd 1. Values are converted to plain data by exact type.
+_HARNESS = r"""
+import json as _json, os as _os
+def _plain(v, _type=type, _list=list, _sorted=sorted, _repr=repr):
+    t = _type(v)
+    if t in (int, float, str, bool) or v is None:
+        return v
+    if t is list:
+        return [_plain(x) for x in v]
+    if t is tuple:
+        return {"T": [_plain(x) for x in v]}
+    if t is dict:
+        return {"D": [[_plain(k), _plain(x)] for k, x in v.items()]}
+    if t in (set, frozenset):
+        return {"S" if t is set else "F": _sorted((_plain(x) for x in v), key=_repr)}
+    if t is bytes:
+        return {"B": v.hex()}
+    raise TypeError(f"a {t.__name__} cannot be sent to the parent (only plain builtin types)")
+def _say(record, _dumps=_json.dumps, _write=_os.write):
+    data = ("\n" + TOKEN + " " + _dumps(record) + "\n").encode()
+    while data:
+        data = data[_write(1, data):]
+_ns = {"__name__": "__main__", "__builtins__": __builtins__}
+try:
+    exec(compile(SOLUTION, "solution.py", "exec"), _ns)
+except BaseException as _e:
+    _say({"solution": type(_e).__name__})
+    raise
+_say({"solution": "ok"})
+for _t, _steps in enumerate(PLAN):
+    for _s, (_kind, _src) in enumerate(_steps):
+        try:
+            if _kind == "exec":
+                exec(compile(_src, f"test_{_t}.py", "exec"), _ns)
+                _say({"t": _t, "s": _s, "ok": True})
+            else:
+                _say({"t": _t, "s": _s, "v": _plain(eval(compile(_src, f"test_{_t}.py", "eval"), _ns))})
+        except BaseException as _e:
+            import traceback as _tb
+            _tb.print_exc()
+            _say({"t": _t, "s": _s, "error": type(_e).__name__})
+            if _kind == "exec":
+                break
+_say({"end": True})
+"""
+
+
+def harness(solution: str, plans: Sequence[TestPlan], token: str) -> str:
+    """The program run in the sandbox: ``solution`` then each plan's steps (see the module
+    docs); no expected value is in it."""
+    plan = [[list(step) for step in p.steps] for p in plans]
+    header = f"TOKEN = {token!r}\nSOLUTION = {solution!r}\nPLAN = {plan!r}\n"
+    return header + _HARNESS
+
+
+def _records(stdout: str, token: str) -> list[dict]:
+    records = []
+    for line in stdout.splitlines():
+        if line.startswith(token + " "):
+            try:
+                record = json.loads(line[len(token) + 1 :])
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def _passed(plan: TestPlan, index: int, records: list[dict]) -> bool:
+    """Whether test ``index`` passed: every exec step reported once as done, every probe
+    reported once with a value, and every check true on those values, in the parent."""
+    mine: dict[int, list[dict]] = {}
+    for r in records:
+        if r.get("t") == index and isinstance(r.get("s"), int):
+            mine.setdefault(r["s"], []).append(r)
+    values: dict[int, Any] = {}
+    probe = 0
+    for step, (kind, _) in enumerate(plan.steps):
+        got = mine.get(step, [])
+        if len(got) != 1 or "error" in got[0]:
+            if kind == "exec":
+                return False
+        elif kind == "exec" and got[0].get("ok") is not True:
+            return False
+        elif kind == "probe" and "v" in got[0]:
+            with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+                values[probe] = decode_plain(got[0]["v"])
+        probe += kind == "probe"
+    try:
+        return all(bool(_evaluate(check, values)) for check in plan.checks)
+    except (_Missing, TypeError, ValueError, RecursionError):
+        return False
+
+
+def _same_output(got: str, expected: str) -> bool:
+    def norm(text: str) -> list[str]:
+        lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+        while lines and not lines[-1]:
+            lines.pop()
+        return lines
+
+    return norm(got) == norm(expected)
 
 
 class CodeTests:
     """Score code completions by running their tests in a sandbox (see the module docs).
 
     Args:
-        timeout_s: wall-clock limit per sample, in seconds.
+        timeout_s: wall-clock limit per sample (per I/O test), in seconds.
         memory_mb: address-space limit per sample, in MiB.
         extract: ``"code_block"`` (the last fenced Python block; none: score 0) or
             ``"none"`` (the whole completion is the program).
         partial: score the fraction of tests that pass instead of all-or-nothing.
-        max_workers: samples run at the same time (each is one child process).
-        network: the sandbox's ``network`` mode (``"auto"``, ``"namespace"``,
-            ``"audit_hook"``).
+        max_workers: samples run at the same time (each is one sandbox).
+        isolation: the sandbox's mode: ``"auto"`` (namespaces; refused with one line where
+            this machine has no user namespaces), ``"namespaces"``, or ``"best_effort"``
+            (the unprotected opt-in; see
+            :data:`~tunesmith.rl.rewards.sandbox.BEST_EFFORT_GAPS`, printed once).
 
     A sample without ``metadata["tests"]`` raises (the
     :class:`~tunesmith.rl.rewards.RewardSet` scores it 0 and counts it).
@@ -153,7 +384,7 @@ class CodeTests:
         extract: str = "code_block",
         partial: bool = False,
         max_workers: int = 4,
-        network: str = "auto",
+        isolation: str = "auto",
         name: str = "code_tests",
     ) -> None:
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
@@ -162,16 +393,22 @@ class CodeTests:
             raise ValueError(f"CodeTests: memory_mb must be a positive int, got {memory_mb!r}")
         if extract not in CODE_EXTRACT_MODES:
             raise ValueError(f"CodeTests: extract={extract!r} is not one of {CODE_EXTRACT_MODES}")
-        if network not in NETWORK_MODES:
-            raise ValueError(f"CodeTests: network={network!r} is not one of {NETWORK_MODES}")
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(f"CodeTests: isolation={isolation!r} is not one of {ISOLATION_MODES}")
         if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
             raise ValueError(f"CodeTests: max_workers must be a positive int, got {max_workers!r}")
+        try:
+            self.isolation = resolve_isolation(isolation)
+        except RuntimeError as e:
+            raise RuntimeError(f"CodeTests: {e}") from None
+        if self.isolation == "best_effort" and "best_effort" not in _WARNED:
+            _WARNED.add("best_effort")
+            print(f"tunesmith: warning: CodeTests: {BEST_EFFORT_GAPS}", file=sys.stderr)
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
         self.extract = extract
         self.partial = partial
         self.max_workers = max_workers
-        self.network = network
         self.name = name
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
@@ -180,22 +417,33 @@ class CodeTests:
         with ThreadPoolExecutor(min(self.max_workers, len(samples))) as pool:
             return list(pool.map(self.score, samples))
 
+    def _run(self, code: str, stdin: str = ""):
+        return run_sandboxed(
+            code, timeout_s=self.timeout_s, memory_mb=self.memory_mb, stdin=stdin,
+            isolation=self.isolation, max_output_bytes=_OUTPUT_BYTES,
+        )  # fmt: skip
+
     def score(self, sample: Sample) -> float:
         """The score of one sample."""
         tests = _tests(sample.metadata)
         code = extract_code(sample.completion, self.extract)
         if code is None or not code.strip():
             return 0.0
-        token = secrets.token_hex(16)
-        result = run_sandboxed(
-            harness(code, tests, token, self.partial),
-            timeout_s=self.timeout_s,
-            memory_mb=self.memory_mb,
-            network=self.network,
-        )
-        fraction = _passed_fraction(result.stdout, token)
-        if fraction is None or result.killed_reason is not None:
-            return 0.0
+        passed = [False] * len(tests)
+        asserts = [(i, plan_test(t)) for i, t in enumerate(tests) if isinstance(t, str)]
+        ran_clean = True
+        if asserts:
+            token = secrets.token_hex(16)
+            result = self._run(harness(code, [p for _, p in asserts], token))
+            records = _records(result.stdout, token)
+            ran_clean = result.ok
+            if result.killed_reason is None:
+                for number, (i, plan) in enumerate(asserts):
+                    passed[i] = _passed(plan, number, records)
+        for i, test in enumerate(tests):
+            if isinstance(test, dict):
+                result = self._run(code, test["input"])
+                passed[i] = result.ok and _same_output(result.stdout, test["output"])
         if self.partial:
-            return fraction
-        return 1.0 if result.returncode == 0 and fraction == 1.0 else 0.0
+            return sum(passed) / len(tests)
+        return 1.0 if ran_clean and all(passed) else 0.0

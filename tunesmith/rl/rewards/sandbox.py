@@ -1,35 +1,43 @@
 """Run untrusted Python (model-written code) in a throw-away, resource-limited child process.
 
-:func:`run_sandboxed` writes the code into a fresh temporary folder, runs it there with
-``python -I -B`` (isolated mode: no user site, no ``PYTHON*`` variables, no current folder on
-``sys.path``) in its own session, with an environment of ``PATH`` only (plus ``HOME`` and
-``TMPDIR`` pointing into the folder), and deletes the folder afterwards. What it applies:
+:func:`run_sandboxed` has two isolation modes (``isolation=``):
 
-- **limits**, set by a small bootstrap in the child before the code runs (soft = hard, so the
-  code cannot raise them): address space (``memory_mb``), CPU seconds (the timeout rounded
-  up, + 1), file size (``file_mb``, which also caps stdout/stderr, written to files), open
-  files, no core dumps, and ``RLIMIT_NPROC = 1`` (no new processes or threads; the kernel
-  does not enforce it for root);
-- **wall timeout**: the whole process group is killed (``SIGKILL``) after ``timeout_s``;
-- **network**: with ``network="auto"`` the child runs in new user and network namespaces
-  (``unshare --user --net``: no interface but a down loopback) when this machine allows it
-  (checked once per process, :func:`network_isolation`), else an audit hook refuses socket
-  connect/bind/send and name lookups. :attr:`SandboxResult.network` says which applied;
-- **audit hook** (always): refuses starting processes (``subprocess``, ``os.system``,
-  ``os.exec*``, ``os.fork``, ``os.posix_spawn``), signalling other processes, changing
-  rlimits, and writing, creating, renaming or deleting files outside the temporary folder.
+``"namespaces"`` (what ``"auto"`` picks; isolation is a property of the operating system)
+    util-linux ``unshare`` starts a small trusted init in new user, mount, PID, network, IPC
+    and UTS namespaces. The init builds a new root: a size-capped tmpfs (``disk_mb``: the only
+    writable place, so also the total disk cap) holding read-only binds of ``/usr``, ``/lib*``,
+    ``/bin``, ``/sbin``, ``/etc/ld.so.cache`` and the interpreter's own prefix, the device
+    nodes ``null``, ``zero``, ``full``, ``random`` and ``urandom``, a fresh ``/proc`` of the new
+    PID namespace and no ``/sys``; it ``pivot_root``\\ s into it and detaches the host's tree,
+    so no host file (``/tmp``, ``/home``, ``/root``, the project, sockets) is visible. It
+    forbids further user namespaces (``max_user_namespaces = 0``), then forks the program,
+    which drops every capability (empty bounding set, ``SECBIT_NOROOT`` locked,
+    ``no_new_privs``), sets its limits and execs ``python -I -B main.py`` with an environment
+    of ``PATH``, ``HOME`` and ``TMPDIR`` only. No network of any family exists (a new network
+    namespace has only a down loopback; abstract AF_UNIX names are per network namespace),
+    no process outside can be seen, signalled or traced, and the init kills everything when
+    the program exits, when more than ``max_processes`` processes exist (fork bombs: the
+    kernel does not enforce ``RLIMIT_NPROC`` for root) or at its own deadline.
+``"best_effort"`` (opt-in by name only, where user namespaces are not allowed, as in a default
+    Docker container)
+    the program runs in a temporary folder with the same limits and an audit hook inside the
+    interpreter that refuses new processes, signals, sockets, writes outside the folder,
+    opening host directories, reads of other processes' ``/proc`` entries, ``ctypes``,
+    ``readline``, ``gc`` and function-code swaps. It is **not** isolation:
+    :data:`BEST_EFFORT_GAPS` lists what it does not protect against.
 
-The namespaces and limits are enforced by the kernel; the audit hook is a best effort inside
-the interpreter: code that reaches C directly (``ctypes``, a native extension) or tampers with
-the interpreter's internals can get past it. There is no filesystem isolation for reads, and a
-sandbox started by root runs with root's file permissions (less its capabilities inside a
-namespace): run trainers that execute model code as an unprivileged user, or in a container.
+In both modes: the limits (soft = hard) are address space (``memory_mb``), CPU seconds (the
+timeout rounded up, + 1), file size (``file_mb``), open files, processes and no core dumps;
+stdout and stderr are pipes the parent reads with a size cap (``max_output_bytes`` kept, the
+run killed past :data:`OUTPUT_KILL_BYTES`) and a deadline, never files in the child's reach;
+at ``timeout_s`` the whole tree is killed (SIGKILL to ``unshare``, whose death kills the init,
+whose death kills its PID namespace; in best-effort mode the process group).
 
 Example::
 
     >>> result = run_sandboxed("print(sum(range(10)))", timeout_s=2, memory_mb=256)
-    >>> result.returncode, result.stdout, result.timed_out
-    (0, '45\\n', False)
+    >>> result.returncode, result.stdout, result.timed_out, result.isolation
+    (0, '45\\n', False, 'namespaces')
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ import functools
 import json
 import math
 import os
+import platform
+import selectors
 import shutil
 import signal
 import subprocess
@@ -48,48 +58,155 @@ import time
 from dataclasses import dataclass
 
 __all__ = [
-    "NETWORK_MODES",
+    "BEST_EFFORT_GAPS",
+    "ISOLATION_MODES",
+    "OUTPUT_KILL_BYTES",
     "SandboxResult",
-    "network_isolation",
+    "available_isolation",
+    "namespaces_available",
+    "namespaces_problem",
+    "resolve_isolation",
     "run_sandboxed",
-    "user_namespaces_available",
 ]
 
-NETWORK_MODES = ("auto", "namespace", "audit_hook")
+ISOLATION_MODES = ("auto", "namespaces", "best_effort")
+OUTPUT_KILL_BYTES = 64 << 20  # more stdout + stderr than this: killed ("output_limit")
+
+BEST_EFFORT_GAPS = (
+    "isolation='best_effort' is not isolation: the program runs as this user on this machine "
+    "with only an audit hook inside the interpreter; it can read any file this user can read "
+    "(except other processes' /proc entries), use the CPU and memory within its limits, and "
+    "code that reaches C below the hook (a native extension on sys.path, reloading a builtin "
+    "module to get back a removed function, a bug in the interpreter) can write files, signal "
+    "or trace processes, start detached children that outlive the timeout, and open sockets; "
+    "run it only on a machine or container you are ready to lose, or allow user namespaces"
+)
+_OPT_IN = (
+    "the code sandbox needs user namespaces (`unshare --user` as this user: {why}); allow "
+    "them (sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0, or run "
+    "the container with --security-opt seccomp=unconfined), or opt into the unprotected mode "
+    "by name with isolation='best_effort' (CodeTests(isolation='best_effort')) and read what "
+    "it does not protect against (tunesmith.rl.rewards.sandbox.BEST_EFFORT_GAPS)"
+)
 
 _OPEN_FILES = 64
+_INIT_GRACE_S = 0.5  # the init's own deadline is timeout_s + this (the parent's comes first)
+_READ_GRACE_S = 0.2  # after the program ended, how long the parent still reads its pipes
+_BIND_CANDIDATES = (
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
+)  # fmt: skip
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 
-# Events refused in every sandbox: new processes, signals to others, limit changes.
-_BLOCKED_ALWAYS = (
-    "os.exec",
-    "os.fork",
-    "os.forkpty",
-    "os.posix_spawn",
-    "os.spawn",
-    "os.system",
-    "os.startfile",
-    "pty.spawn",
-    "subprocess.Popen",
-    "resource.setrlimit",
-    "resource.prlimit",
-    "signal.pthread_kill",
-)
-# Refused when no network namespace isolates the child.
-_BLOCKED_NETWORK = (
-    "socket.bind",
-    "socket.connect",
-    "socket.sendmsg",
-    "socket.sendto",
-    "socket.getaddrinfo",
-    "socket.gethostbyname",
-    "socket.gethostbyaddr",
-    "socket.getnameinfo",
-)
+# The init of the namespaces mode: pid 1 of the new PID namespace, run as
+# `python -I -S -B -c _INIT STATUS_FD` with its config (JSON) on stdin. It reports on STATUS_FD
+# (a pipe only the parent reads; the program never holds it): "ready", then "exit N" or
+# "killed REASON"; or "error ..." when the sandbox cannot be built.
+_INIT = r"""
+import ctypes, json, os, resource, sys, time
+status = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+def say(line):
+    status.write(line + "\n")
+try:
+    cfg = json.loads(sys.stdin.buffer.read())
+    libc = ctypes.CDLL(None, use_errno=True)
+    def ok(result, what):
+        if result != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"{what}: {os.strerror(errno)}")
+    def mount(src, dst, fstype, flags, data=None):
+        enc = lambda s: None if s is None else s.encode()
+        ok(libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+           f"mount {src or fstype} on {dst}")
+    RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+    R = cfg["mountpoint"]
+    mount(None, "/", None, REC | PRIVATE)
+    mount("tmpfs", R, "tmpfs", NOSUID | NODEV,
+          f"size={cfg['disk_mb']}m,nr_inodes={cfg['inodes']},mode=0755")
+    for path in cfg["binds"]:
+        dst = R + path
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), dst)
+            continue
+        if os.path.isdir(path):
+            os.makedirs(dst, exist_ok=True)
+        else:
+            open(dst, "w").close()
+        mount(path, dst, None, BIND)
+        st = os.statvfs(path).f_flag  # keep the flags a user namespace may not clear
+        keep = (st & (NOEXEC | 1024 | 2048)) | ((1 << 21) if st & 4096 else 0)
+        mount(None, dst, None, REMOUNT | BIND | RDONLY | NOSUID | NODEV | keep)
+    os.mkdir(R + "/dev")
+    for name in cfg["devices"]:
+        open(R + "/dev/" + name, "w").close()
+        mount("/dev/" + name, R + "/dev/" + name, None, BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, R + "/dev/" + name)
+    os.mkdir(R + "/proc")
+    mount("proc", R + "/proc", "proc", NOSUID | NODEV | NOEXEC)
+    for name in ("work", "tmp", ".old"):
+        os.mkdir(R + "/" + name, 0o777)
+    ok(libc.syscall(cfg["pivot_root"], R.encode(), (R + "/.old").encode()), "pivot_root")
+    os.chdir("/")
+    ok(libc.umount2(b"/.old", 2), "umount the host's root")  # MNT_DETACH
+    os.rmdir("/.old")
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:
+        f.write("0")
+    with open("/work/main.py", "w", encoding="utf-8") as f:
+        f.write(cfg["code"])
+    with open("/stdin", "w", encoding="utf-8") as f:
+        f.write(cfg["stdin"])
+    last_cap = int(open("/proc/sys/kernel/cap_last_cap").read())
+except BaseException as e:
+    say(f"error {type(e).__name__}: {e}".replace("\n", " "))
+    sys.exit(125)
+say("ready")
+pid = os.fork()
+if pid == 0:
+    try:
+        status.close()
+        fd = os.open("/stdin", os.O_RDONLY)
+        os.dup2(fd, 0)
+        os.close(fd)
+        os.chdir("/work")
+        for name, value in cfg["limits"]:
+            resource.setrlimit(getattr(resource, name), (value, value))
+        ok(libc.prctl(28, 0x2F, 0, 0, 0), "securebits")  # NOROOT, NO_SETUID_FIXUP, locked
+        for cap in range(last_cap + 1):
+            ok(libc.prctl(24, cap, 0, 0, 0), "drop from the bounding set")
+        ok(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
+        os.execve(cfg["python"], [cfg["python"], "-I", "-B", "main.py"], cfg["env"])
+    finally:
+        os._exit(126)
+libc.prctl(4, 0, 0, 0, 0)  # not dumpable: the program cannot ptrace its init
+deadline = time.monotonic() + cfg["timeout_s"]
+while True:
+    try:
+        while True:  # reap everything; the program is the one that matters
+            done, code = os.waitpid(-1, os.WNOHANG)
+            if done == 0:
+                break
+            if done == pid:
+                say(f"exit {os.waitstatus_to_exitcode(code)}")
+                sys.exit(0)
+    except ChildProcessError:
+        pass
+    if time.monotonic() > deadline:
+        say("killed wall_timeout")
+        sys.exit(0)
+    if sum(n.isdigit() for n in os.listdir("/proc")) > cfg["max_processes"] + 1:
+        say("killed processes")
+        sys.exit(0)  # the end of pid 1 ends every process of the namespace
+    time.sleep(0.005)
+"""
 
-# Runs in the child (python -I -B -c BOOTSTRAP CONFIG) before the user's main.py: limits, then
-# the audit hook, then main.py as __main__. Paths written to must resolve inside ROOT.
+# The best-effort mode's bootstrap (python -I -B -c _BOOTSTRAP CONFIG) before main.py: limits,
+# then the audit hook, then main.py as __main__. Its state lives in default arguments (changing
+# a function's __code__ / __defaults__ is refused), never in closure cells.
 _BOOTSTRAP = r"""
-import json, os, resource, runpy, sys
+import json, os, posix, resource, runpy, signal, sys
 _cfg = json.loads(sys.argv[1])
 for _name, _value in _cfg["limits"]:
     _which = getattr(resource, _name)
@@ -97,55 +214,80 @@ for _name, _value in _cfg["limits"]:
     if _hard != resource.RLIM_INFINITY:
         _value = min(_value, _hard)
     resource.setrlimit(_which, (_value, _value))
+for _module, _attr in ((os, "pidfd_open"), (posix, "pidfd_open"), (signal, "pidfd_send_signal")):
+    if hasattr(_module, _attr):
+        delattr(_module, _attr)
 
-def _make_hook(root, blocked, own_pid):
-    realpath, join, fspath, fsdecode = os.path.realpath, os.path.join, os.fspath, os.fsdecode
-    getcwd, readlink, O_WRITE = os.getcwd, os.readlink, os.O_WRONLY | os.O_RDWR | os.O_CREAT
-    # event -> (path argument, its dir_fd argument or None) pairs that are written to
-    written = {
-        "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),),
-        "os.rename": ((0, 2), (1, 3)), "os.link": ((0, 2), (1, 3)), "os.symlink": ((1, 2),),
-        "os.chmod": ((0, 2),), "os.chown": ((0, 3),), "os.utime": ((0, 3),),
-        "os.truncate": ((0, None),), "os.mkfifo": ((0, 2),), "os.mknod": ((0, 3),),
-    }
-
-    def inside(path, dir_fd):
-        if isinstance(path, int):
-            return True  # an open descriptor: checked when it was opened
+def _inside(path, dir_fd, root, written=True, realpath=os.path.realpath, join=os.path.join,
+            fspath=os.fspath, fsdecode=os.fsdecode, getcwd=os.getcwd, readlink=os.readlink,
+            isdir=os.path.isdir, getpid=os.getpid):
+    if isinstance(path, int):  # an open descriptor: where does it point?
+        full = readlink(f"/proc/self/fd/{path}")
+    else:
         path = fsdecode(fspath(path))
         real_fd = isinstance(dir_fd, int) and dir_fd >= 0  # negative: the current folder
         base = readlink(f"/proc/self/fd/{dir_fd}") if real_fd else getcwd()
         full = realpath(join(base, path))
-        return full == root or full.startswith(root + "/") or full == "/dev/null"
+    if full == root or full.startswith(root + "/") or full == "/dev/null":
+        return True
+    if full.startswith("/proc/"):  # this process's own entries only
+        own = f"/proc/{getpid()}"
+        return not written and (full == own or full.startswith(own + "/"))
+    return not written and not isdir(full)  # reading a host file: allowed, a folder: not
 
-    def refuse(event, what=""):
-        raise PermissionError(f"sandbox: {event}{what} is not allowed")
+def _hook(event, args, root=_cfg["root"], blocked=frozenset(_cfg["blocked"]),
+          modules=frozenset(_cfg["modules"]), own_pid=os.getpid(), inside=_inside,
+          O_WRITE=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
+          written={
+              "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),),
+              "os.rename": ((0, 2), (1, 3)), "os.link": ((0, 2), (1, 3)),
+              "os.symlink": ((0, 2), (1, 2)), "os.chmod": ((0, 2),), "os.chown": ((0, 3),),
+              "os.utime": ((0, 3),), "os.truncate": ((0, None),), "os.mkfifo": ((0, 2),),
+              "os.mknod": ((0, 3),), "os.chdir": ((0, None),), "sqlite3.connect": ((0, None),),
+              "shutil.rmtree": ((0, 1),),
+          }):
+    if event in blocked:
+        raise PermissionError(f"sandbox: {event} is not allowed")
+    if event == "open":
+        path, mode, flags = args
+        writes = (mode is not None and any(c in mode for c in "wax+")) or (
+            isinstance(flags, int) and flags & O_WRITE)
+        if path is not None and not inside(path, None, root, writes):
+            raise PermissionError(f"sandbox: opening {path!r} is not allowed")
+    elif event == "import" and (args[0] in modules or args[0].split(".")[0] in modules):
+        raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
+    elif event in written:
+        for index, fd_index in written[event]:
+            dir_fd = None if fd_index is None else args[fd_index]
+            if args[index] == ":memory:" or (event == "os.symlink" and index == 0 and dir_fd is None):
+                continue
+            if not inside(args[index], dir_fd, root):
+                raise PermissionError(f"sandbox: {event} {args[index]!r} is not allowed")
+    elif event in ("os.kill", "os.killpg") and args[0] != own_pid:
+        raise PermissionError(f"sandbox: {event} on {args[0]} is not allowed")
+    elif event == "object.__setattr__" and args[1] in ("__code__", "__defaults__", "__kwdefaults__"):
+        raise PermissionError(f"sandbox: setting {args[1]} is not allowed")
 
-    def hook(event, args):
-        if event in blocked:
-            refuse(event)
-        if event == "open":
-            path, mode, flags = args
-            writes = (mode is not None and any(c in mode for c in "wax+")) or (
-                isinstance(flags, int) and flags & O_WRITE
-            )
-            if writes and path is not None and not inside(path, None):
-                refuse("writing", f" {path!r}")
-        elif event in written:
-            for index, fd_index in written[event]:
-                dir_fd = None if fd_index is None else args[fd_index]
-                if not inside(args[index], dir_fd):
-                    refuse(event, f" {args[index]!r}")
-        elif event in ("os.kill", "os.killpg") and args[0] != own_pid:
-            refuse(event, f" on {args[0]}")
-
-    return hook
-
-sys.addaudithook(_make_hook(_cfg["root"], frozenset(_cfg["blocked"]), os.getpid()))
-del _make_hook, _cfg, _name, _value, _which, _hard, json, resource
+sys.addaudithook(_hook)
+del _hook, _inside, _cfg, _name, _value, _which, _hard, _module, _attr, json, resource, posix
 sys.argv = ["main.py"]
 runpy.run_path("main.py", run_name="__main__")
 """
+
+# Events the best-effort hook refuses: new processes, signals, limit changes, sockets, hooks.
+_BLOCKED = (
+    "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system",
+    "os.startfile", "pty.spawn", "subprocess.Popen", "resource.setrlimit", "resource.prlimit",
+    "signal.pthread_kill", "socket.__new__", "socket.bind", "socket.connect", "socket.sendmsg",
+    "socket.sendto", "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
+    "socket.getnameinfo", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+    "sys.addaudithook", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "mmap.__new__",
+    "os.mkfifo",
+)  # fmt: skip
+_BLOCKED_MODULES = (
+    "ctypes", "_ctypes", "readline", "gc", "_posixsubprocess", "_testcapi",
+    "_testinternalcapi", "_xxsubinterpreters", "cffi", "_cffi_backend", "mmap",
+)  # fmt: skip
 
 
 @dataclass
@@ -158,15 +300,16 @@ class SandboxResult:
             ``max_output_bytes`` the middle is cut out and marked.
         timed_out: the wall timeout killed it.
         killed_reason: why it was killed, or None when it exited by itself:
-            ``"wall_timeout"``, ``"cpu_time"`` (RLIMIT_CPU), ``"file_size"`` (RLIMIT_FSIZE)
-            or ``"signal SIGSEGV"``-like. (Over ``memory_mb``, Python raises ``MemoryError``
+            ``"wall_timeout"``, ``"cpu_time"`` (RLIMIT_CPU), ``"file_size"`` (RLIMIT_FSIZE),
+            ``"processes"`` (more than ``max_processes``), ``"output_limit"`` or
+            ``"signal SIGSEGV"``-like. (Over ``memory_mb``, Python raises ``MemoryError``
             and exits with 1.)
-        network: how the network was cut: ``"namespace"`` or ``"audit_hook"``.
+        isolation: ``"namespaces"`` or ``"best_effort"``.
         wall_s: seconds from start to exit.
 
     Example::
 
-        >>> SandboxResult(0, "ok\\n", "", False, None, "namespace", 0.05).ok
+        >>> SandboxResult(0, "ok\\n", "", False, None, "namespaces", 0.05).ok
         True
     """
 
@@ -175,7 +318,7 @@ class SandboxResult:
     stderr: str
     timed_out: bool
     killed_reason: str | None
-    network: str
+    isolation: str
     wall_s: float
 
     @property
@@ -184,58 +327,288 @@ class SandboxResult:
         return self.returncode == 0 and self.killed_reason is None
 
 
+# ----------------------------------------------------------------------------- where we run
+
+
+def _python() -> str:
+    """The base interpreter (a venv's ``python`` needs the venv's folder; its base does not)."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+def _binds() -> list[str]:
+    """Host paths the namespaces sandbox shows read-only: the system's and the interpreter's."""
+    python = _python()
+    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}
+    if not any(python.startswith(p + "/") for p in prefixes):
+        prefixes.add(os.path.dirname(python))
+    binds = [p for p in _BIND_CANDIDATES if os.path.lexists(p)]
+    covered = [os.path.realpath(p) for p in binds if os.path.isdir(p) and not os.path.islink(p)]
+    for prefix in sorted(prefixes):
+        if not any(prefix == c or prefix.startswith(c + "/") for c in covered):
+            binds.append(prefix)
+    return binds
+
+
 @functools.cache
-def user_namespaces_available() -> bool:
-    """Whether ``unshare --user --net`` works here (run once per process, then cached).
+def namespaces_problem() -> str | None:
+    """Why the namespaces sandbox cannot run here (one phrase), or None when it can: a real
+    run of ``pass`` through it, done once per process.
 
     Example::
 
-        >>> isinstance(user_namespaces_available(), bool)
+        >>> namespaces_problem() is None or isinstance(namespaces_problem(), str)
         True
     """
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return False
+    if shutil.which("unshare") is None:
+        return "no `unshare` program (util-linux) on PATH"
+    if platform.machine() not in _PIVOT_ROOT:
+        return f"no pivot_root system call number known for {platform.machine()}"
     try:
-        done = subprocess.run(
-            [unshare, "--user", "--net", "true"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return done.returncode == 0
+        result = _run_namespaces("pass", "", 10.0, 256, 4, 16, 16, 1 << 16)
+    except RuntimeError as e:
+        return str(e).removeprefix("the code sandbox did not start: ")
+    if not result.ok:
+        return f"a test run ended with {result.returncode}: {result.stderr.strip()[-200:]}"
+    return None
 
 
-def network_isolation() -> str:
-    """What ``network="auto"`` uses on this machine: ``"namespace"`` or ``"audit_hook"``.
+def namespaces_available() -> bool:
+    """Whether ``isolation="namespaces"`` works on this machine (see :func:`namespaces_problem`).
 
     Example::
 
-        >>> network_isolation() in ("namespace", "audit_hook")
+        >>> isinstance(namespaces_available(), bool)
         True
     """
-    return "namespace" if user_namespaces_available() else "audit_hook"
+    return namespaces_problem() is None
 
 
-def _read_output(path: str, limit: int) -> str:
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        if size <= limit:
-            data = f.read()
-        else:
-            head = f.read(limit // 2)
-            f.seek(size - limit // 2)
-            data = head + f"\n...[{size - limit} bytes cut]...\n".encode() + f.read()
-    return data.decode("utf-8", errors="replace")
+def available_isolation() -> tuple[str, ...]:
+    """The isolation modes this machine offers, strongest first.
+
+    Example::
+
+        >>> available_isolation()[-1]
+        'best_effort'
+    """
+    return ("namespaces", "best_effort") if namespaces_available() else ("best_effort",)
 
 
-def _kill_group(pid: int) -> None:
+def resolve_isolation(isolation: str) -> str:
+    """``"namespaces"`` or ``"best_effort"`` for ``isolation``; ``"auto"`` and ``"namespaces"``
+    raise RuntimeError (one line saying how to opt in) where namespaces cannot run.
+
+    Example::
+
+        >>> resolve_isolation("best_effort")
+        'best_effort'
+    """
+    if isolation not in ISOLATION_MODES:
+        raise ValueError(f"isolation={isolation!r} is not one of {list(ISOLATION_MODES)}")
+    if isolation == "best_effort":
+        return isolation
+    problem = namespaces_problem()
+    if problem is not None:
+        raise RuntimeError(_OPT_IN.format(why=problem))
+    return "namespaces"
+
+
+# ----------------------------------------------------------------------------- the parent side
+
+
+class _Output:
+    """One output pipe's bytes: the first and the last ``limit // 2`` kept, the total counted."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.head, self.tail, self.total = limit, bytearray(), bytearray(), 0
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.limit // 2 - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        self.tail += data
+        del self.tail[: max(0, len(self.tail) - self.limit // 2)]
+
+    def text(self) -> str:
+        cut = self.total - len(self.head) - len(self.tail)
+        mark = f"\n...[{cut} bytes cut]...\n".encode() if cut > 0 else b""
+        return bytes(self.head + mark + self.tail).decode("utf-8", errors="replace")
+
+
+def _pump(proc, feeds, outputs, deadline: float) -> str | None:
+    """Write ``feeds`` (file -> bytes; each closed once written), read ``outputs`` (fd -> _Output) until the process ended
+    and its pipes are drained (or :data:`_READ_GRACE_S` after it ended), or ``deadline``.
+    Returns ``"wall_timeout"``, ``"output_limit"`` or None. Never blocks on the child."""
+    selector = selectors.DefaultSelector()
+    for file, data in feeds.items():
+        os.set_blocking(file.fileno(), False)
+        selector.register(file, selectors.EVENT_WRITE, memoryview(data))
+    for fd in outputs:
+        os.set_blocking(fd, False)
+        selector.register(fd, selectors.EVENT_READ)
+    ended_at = None
+    try:
+        while selector.get_map():
+            now = time.monotonic()
+            if ended_at is None and proc.poll() is not None:
+                ended_at = now
+            if now >= deadline:
+                return "wall_timeout"
+            if ended_at is not None and now - ended_at > _READ_GRACE_S:
+                return None
+            for key, _ in selector.select(timeout=min(0.05, deadline - now)):
+                if key.events & selectors.EVENT_WRITE:
+                    try:
+                        rest = key.data[os.write(key.fd, key.data[:65536]) :]
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:
+                        rest = b""  # it stopped reading: nothing more to give
+                    if len(rest):
+                        selector.modify(key.fileobj, selectors.EVENT_WRITE, rest)
+                    else:
+                        selector.unregister(key.fileobj)
+                        key.fileobj.close()
+                    continue
+                try:
+                    data = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    selector.unregister(key.fd)
+                    continue
+                outputs[key.fd].add(data)
+                if sum(o.total for o in outputs.values()) > OUTPUT_KILL_BYTES:
+                    return "output_limit"
+        return None
+    finally:
+        selector.close()
+
+
+def _kill(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+
+
+def _limits(timeout_s: float, memory_mb: int, file_mb: int, processes: int) -> list:
+    return [
+        ("RLIMIT_AS", memory_mb << 20),
+        ("RLIMIT_CPU", math.ceil(timeout_s) + 1),
+        ("RLIMIT_FSIZE", file_mb << 20),
+        ("RLIMIT_NOFILE", _OPEN_FILES),
+        ("RLIMIT_CORE", 0),
+        ("RLIMIT_NPROC", processes),
+    ]
+
+
+def _signal_reason(returncode: int) -> str | None:
+    if returncode >= 0:
+        return None
+    if -returncode == signal.SIGXCPU:
+        return "cpu_time"
+    if -returncode == signal.SIGXFSZ:
+        return "file_size"
+    try:
+        return f"signal {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def _start(command, cwd, stdin, env, pass_fds=()) -> subprocess.Popen:
+    return subprocess.Popen(
+        command, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+        env=env, start_new_session=True, close_fds=True, pass_fds=pass_fds,
+    )  # fmt: skip
+
+
+def _collect(proc, feeds, limit, deadline) -> tuple[str | None, _Output, _Output]:
+    out, err = _Output(limit), _Output(limit)
+    try:
+        reason = _pump(
+            proc, feeds, {proc.stdout.fileno(): out, proc.stderr.fileno(): err}, deadline
+        )
+    finally:
+        _kill(proc)  # and whatever it left in its group
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    return reason, out, err
+
+
+def _run_namespaces(
+    code, stdin, timeout_s, memory_mb, file_mb, disk_mb, max_processes, max_output_bytes
+) -> SandboxResult:
+    mountpoint = tempfile.mkdtemp(prefix="tunesmith-sandbox-")
+    config = {
+        "mountpoint": mountpoint,
+        "disk_mb": disk_mb,
+        "inodes": 4096,
+        "binds": _binds(),
+        "devices": list(_DEVICES),
+        "pivot_root": _PIVOT_ROOT[platform.machine()],
+        "python": _python(),
+        "code": code,
+        "stdin": stdin,
+        "limits": _limits(timeout_s, memory_mb, file_mb, max_processes),
+        "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp"},
+        "timeout_s": timeout_s + _INIT_GRACE_S,
+        "max_processes": max_processes,
+    }
+    status_r, status_w = os.pipe()
+    unshare = [
+        shutil.which("unshare") or "unshare", "--user", "--map-root-user", "--mount", "--pid",
+        "--fork", "--kill-child", "--net", "--ipc", "--uts", "--",
+        _python(), "-I", "-S", "-B", "-c", _INIT, str(status_w),
+    ]  # fmt: skip
+    try:
+        start = time.monotonic()
+        try:
+            proc = _start(unshare, "/", subprocess.PIPE, {"PATH": os.defpath}, (status_w,))
+        finally:
+            os.close(status_w)
+        status = _Output(1 << 16)
+        feeds = {proc.stdin: json.dumps(config).encode()}
+        out, err = _Output(max_output_bytes), _Output(max_output_bytes)
+        outputs = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, status_r: status}
+        try:
+            reason = _pump(proc, feeds, outputs, start + timeout_s)
+        finally:
+            _kill(proc)
+            proc.wait()
+            for f in (proc.stdin, proc.stdout, proc.stderr):
+                with contextlib.suppress(OSError):
+                    f.close()
+        wall = time.monotonic() - start
+    finally:
+        os.close(status_r)
+        with contextlib.suppress(OSError):
+            os.rmdir(mountpoint)
+    lines = status.text().splitlines()
+    if not lines or lines[0] != "ready":
+        if reason == "wall_timeout" and not lines:
+            raise RuntimeError(f"the code sandbox did not start within {timeout_s} s")
+        why = lines[0].removeprefix("error ") if lines else err.text().strip()[-300:]
+        raise RuntimeError(f"the code sandbox did not start: {why or 'no reason given'}")
+    returncode, killed = -signal.SIGKILL, reason
+    last = lines[-1].split(" ", 1)
+    if last[0] == "exit" and reason is None:
+        returncode = int(last[1])
+        killed = _signal_reason(returncode)
+    elif last[0] == "killed" and reason is None:
+        killed = last[1]
+    return SandboxResult(
+        returncode=returncode,
+        stdout=out.text(),
+        stderr=err.text(),
+        timed_out=killed == "wall_timeout",
+        killed_reason=killed,
+        isolation="namespaces",
+        wall_s=wall,
+    )
 
 
 def _remove_tree(root: str) -> None:
@@ -249,68 +622,7 @@ def _remove_tree(root: str) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _killed_reason(returncode: int, timed_out: bool) -> str | None:
-    if timed_out:
-        return "wall_timeout"
-    if returncode >= 0:
-        return None
-    if -returncode == signal.SIGXCPU:
-        return "cpu_time"
-    if -returncode == signal.SIGXFSZ:
-        return "file_size"
-    try:
-        return f"signal {signal.Signals(-returncode).name}"
-    except ValueError:
-        return f"signal {-returncode}"
-
-
-def run_sandboxed(
-    code: str,
-    *,
-    timeout_s: float,
-    memory_mb: int,
-    stdin: str = "",
-    network: str = "auto",
-    file_mb: int = 16,
-    max_output_bytes: int = 1 << 20,
-) -> SandboxResult:
-    """Run ``code`` as ``__main__`` in a sandbox (see the module docs) and return what it did.
-
-    Args:
-        code: Python source.
-        timeout_s: wall-clock limit in seconds; the process group is killed after it.
-        memory_mb: address-space limit (RLIMIT_AS) in MiB; the interpreter itself takes some
-            tens of MiB of it.
-        stdin: text fed to the program's standard input.
-        network: ``"auto"`` (a network namespace where allowed, else the audit hook),
-            ``"namespace"`` (required: RuntimeError when unavailable) or ``"audit_hook"``.
-        file_mb: largest file the program may write, stdout and stderr included, in MiB.
-        max_output_bytes: most bytes of stdout and of stderr kept in the result.
-
-    Raises RuntimeError when the sandbox itself cannot start (``unshare`` fails to run the
-    interpreter), so that a broken setup is not mistaken for failing programs.
-
-    Example::
-
-        >>> run_sandboxed("while True: pass", timeout_s=1, memory_mb=256).killed_reason
-        'wall_timeout'
-    """
-    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
-    if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb < 1:
-        raise ValueError(f"memory_mb must be a positive int, got {memory_mb!r}")
-    if isinstance(file_mb, bool) or not isinstance(file_mb, int) or file_mb < 1:
-        raise ValueError(f"file_mb must be a positive int, got {file_mb!r}")
-    if network not in NETWORK_MODES:
-        raise ValueError(f"network={network!r} is not one of {list(NETWORK_MODES)}")
-    if network == "auto":
-        network = network_isolation()
-    elif network == "namespace" and not user_namespaces_available():
-        raise RuntimeError(
-            "network='namespace': this machine does not allow `unshare --user --net` "
-            "(no unshare binary, or unprivileged user namespaces are disabled)"
-        )
-
+def _run_best_effort(code, stdin, timeout_s, memory_mb, file_mb, max_output_bytes) -> SandboxResult:
     root = os.path.realpath(tempfile.mkdtemp(prefix="tunesmith-sandbox-"))
     try:
         work = os.path.join(root, "work")
@@ -319,59 +631,84 @@ def run_sandboxed(
             f.write(code)
         with open(os.path.join(root, "stdin"), "w", encoding="utf-8") as f:
             f.write(stdin)
-        blocked = _BLOCKED_ALWAYS + (_BLOCKED_NETWORK if network == "audit_hook" else ())
         config = {
             "root": work,
-            "blocked": list(blocked),
-            "limits": [
-                ("RLIMIT_AS", memory_mb << 20),
-                ("RLIMIT_CPU", math.ceil(timeout_s) + 1),
-                ("RLIMIT_FSIZE", file_mb << 20),
-                ("RLIMIT_NOFILE", _OPEN_FILES),
-                ("RLIMIT_CORE", 0),
-                ("RLIMIT_NPROC", 1),
-            ],
+            "blocked": list(_BLOCKED),
+            "modules": list(_BLOCKED_MODULES),
+            "limits": _limits(timeout_s, memory_mb, file_mb, 1),
         }
-        command = [sys.executable, "-I", "-B", "-c", _BOOTSTRAP, json.dumps(config)]
-        if network == "namespace":
-            command = [shutil.which("unshare") or "unshare", "--user", "--net", "--", *command]
+        command = [_python(), "-I", "-B", "-c", _BOOTSTRAP, json.dumps(config)]
         env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": work, "TMPDIR": work}
-        out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
-        with (
-            open(os.path.join(root, "stdin"), "rb") as fin,
-            open(out_path, "wb") as fout,
-            open(err_path, "wb") as ferr,
-        ):
+        with open(os.path.join(root, "stdin"), "rb") as fin:
             start = time.monotonic()
-            proc = subprocess.Popen(
-                command, stdin=fin, stdout=fout, stderr=ferr, cwd=work, env=env,
-                start_new_session=True, close_fds=True,
-            )  # fmt: skip
-            timed_out = False
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc.pid)
-                proc.wait()
-            finally:
-                _kill_group(proc.pid)  # whatever it left behind in its group
-            wall = time.monotonic() - start
-        stderr = _read_output(err_path, max_output_bytes)
-        if (
-            network == "namespace"
-            and proc.returncode in (126, 127)
-            and stderr.startswith("unshare:")
-        ):
-            raise RuntimeError(f"the sandbox did not start: {stderr.strip()}")
+            proc = _start(command, work, fin, env)
+        reason, out, err = _collect(proc, {}, max_output_bytes, start + timeout_s)
+        wall = time.monotonic() - start
+        returncode = proc.returncode if reason is None else -signal.SIGKILL
         return SandboxResult(
-            returncode=proc.returncode,
-            stdout=_read_output(out_path, max_output_bytes),
-            stderr=stderr,
-            timed_out=timed_out,
-            killed_reason=_killed_reason(proc.returncode, timed_out),
-            network=network,
+            returncode=returncode,
+            stdout=out.text(),
+            stderr=err.text(),
+            timed_out=reason == "wall_timeout",
+            killed_reason=reason or _signal_reason(returncode),
+            isolation="best_effort",
             wall_s=wall,
         )
     finally:
         _remove_tree(root)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def run_sandboxed(
+    code: str,
+    *,
+    timeout_s: float,
+    memory_mb: int,
+    stdin: str = "",
+    isolation: str = "auto",
+    file_mb: int = 16,
+    disk_mb: int = 32,
+    max_processes: int = 16,
+    max_output_bytes: int = 1 << 20,
+) -> SandboxResult:
+    """Run ``code`` as ``__main__`` in a sandbox (see the module docs) and return what it did.
+
+    Args:
+        code: Python source.
+        timeout_s: wall-clock limit in seconds; the whole tree is killed after it.
+        memory_mb: address-space limit (RLIMIT_AS) per process in MiB; the interpreter itself
+            takes some tens of MiB of it.
+        stdin: text fed to the program's standard input.
+        isolation: ``"auto"`` (= ``"namespaces"``: RuntimeError naming the opt-in where this
+            machine cannot), ``"namespaces"`` or ``"best_effort"`` (see
+            :data:`BEST_EFFORT_GAPS`).
+        file_mb: largest file the program may write, in MiB.
+        disk_mb: all files together, in MiB (the tmpfs's size; namespaces mode).
+        max_processes: processes the program may have at once (namespaces mode; best effort
+            allows none).
+        max_output_bytes: most bytes of stdout and of stderr kept in the result.
+
+    Raises RuntimeError when the sandbox itself cannot start, so that a broken setup is not
+    mistaken for failing programs.
+
+    Example::
+
+        >>> run_sandboxed("while True: pass", timeout_s=1, memory_mb=256).killed_reason
+        'wall_timeout'
+    """
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+    for name, value in (("memory_mb", memory_mb), ("file_mb", file_mb), ("disk_mb", disk_mb),
+                        ("max_processes", max_processes),
+                        ("max_output_bytes", max_output_bytes)):  # fmt: skip
+        _positive_int(name, value)
+    mode = resolve_isolation(isolation)
+    if mode == "best_effort":
+        return _run_best_effort(code, stdin, timeout_s, memory_mb, file_mb, max_output_bytes)
+    return _run_namespaces(
+        code, stdin, timeout_s, memory_mb, file_mb, disk_mb, max_processes, max_output_bytes
+    )
