@@ -21,8 +21,10 @@ from typing import IO, Any
 import torch
 from torch import nn
 
+from tunesmith.cli.generate_batch import check_prompt_size, fit_new_tokens
 from tunesmith.data import Tokenizer
 from tunesmith.generation import generate
+from tunesmith.generation.generate import model_positions
 
 __all__ = ["EXIT", "RESET", "ChatSession", "chat_loop"]
 
@@ -79,15 +81,22 @@ class ChatSession:
 
     def reply(self, text: str) -> str:
         """Add ``text`` as the user's turn, generate the assistant's, keep both; returns it."""
-        self.messages.append({"role": "user", "content": text})
-        ids, _ = self.tokenizer.tokenize_conversation(self.messages, add_generation_prompt=True)
+        positions = model_positions(self.model)
+        size = sum(len(m["content"]) for m in self.messages) + len(text)
+        check_prompt_size(size, positions, "the conversation")
+        messages = [*self.messages, {"role": "user", "content": text}]
+        ids, _ = self.tokenizer.tokenize_conversation(messages, add_generation_prompt=True)
+        where = "the conversation (/reset starts a new one)"
+        settings = {**self.settings, "max_new_tokens": fit_new_tokens(
+            len(ids), self.settings["max_new_tokens"], positions, where)}  # fmt: skip
+        self.messages = messages
         out = generate(
             self.model,
             [ids],
             stop_token_ids=self.tokenizer.stop_token_ids,
             pad_id=self.tokenizer.pad_id or 0,
             generator=self.generator,
-            **self.settings,
+            **settings,
         )
         tokens = out.sequences[0]
         if tokens and tokens[-1] in self.tokenizer.stop_token_ids:
@@ -95,6 +104,17 @@ class ChatSession:
         answer = self.tokenizer.decode(tokens, skip_special_tokens=True)
         self.messages.append({"role": "assistant", "content": answer})
         return answer
+
+
+def _read_line(stdin: IO[str], number: int) -> str:
+    """The next line of ``stdin`` ("" at the end), refusing one that is not UTF-8 text."""
+    try:
+        line = stdin.readline()
+        line.encode("utf-8")  # undecodable bytes come as surrogates (surrogateescape)
+    except UnicodeError:
+        raise ValueError(f"stdin: input line {number} is not valid UTF-8 text; "
+                         "give UTF-8 input") from None  # fmt: skip
+    return line
 
 
 def chat_loop(session: ChatSession, stdin: IO[str], stdout: IO[str]) -> int:
@@ -107,12 +127,13 @@ def chat_loop(session: ChatSession, stdin: IO[str], stdout: IO[str]) -> int:
         2
     """
     interactive = stdin.isatty()
-    replies = 0
+    replies = lines = 0
     while True:
         if interactive:
             stdout.write("> ")
             stdout.flush()
-        line = stdin.readline()
+        lines += 1
+        line = _read_line(stdin, lines)
         if not line:  # end of input
             break
         text = line.rstrip("\r\n")

@@ -299,14 +299,19 @@ def _load_checkpoint(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate replies from a checkpoint (model, LoRA adapter or run folder): one prompt or
     chat, or a JSONL file of them (--input, --output)."""
-    from tunesmith.cli.generate_batch import generate_rows, read_prompt_rows, write_rows
+    from tunesmith.cli.generate_batch import (
+        generate_rows,
+        read_chat_file,
+        read_prompt_rows,
+        write_rows,
+    )
 
     if args.input is not None:
         if args.output is None:
             raise CLIError("--input needs --output FILE.jsonl")
         rows = read_prompt_rows(args.input)
     elif args.chat is not None:
-        rows = [{"messages": json.loads(Path(args.chat).read_text())}]
+        rows = read_chat_file(args.chat)
     elif args.prompt is not None:
         rows = [{"prompt": args.prompt}]
     else:

@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -41,11 +42,16 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
+import jinja2.visitor
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = [
+    "MAX_RENDER_CHARS",
+    "MAX_RENDER_STEPS",
+    "MAX_SIZE_ARGUMENT",
     "TEMPLATE_NAMES",
+    "TemplateBudgetError",
     "control_tokens",
     "RenderedChat",
     "compile_template",
@@ -120,6 +126,220 @@ def control_tokens(template: str) -> list[str]:
 def has_generation_tags(template: str) -> bool:
     """Whether the template marks assistant text with ``{% generation %}`` blocks."""
     return _GENERATION_TAG.search(template) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# The rendering budget: a template from a model folder is a program; it must end, and small.
+
+MAX_RENDER_CHARS = 2**26
+"""Characters one render may output, and the longest string a template may build (64 Mi)."""
+MAX_RENDER_STEPS = 1_000_000
+"""Loop iterations plus ``range()`` items one render may run (real templates run hundreds)."""
+MAX_SIZE_ARGUMENT = 4096
+"""The largest width, indent or count a template may give a filter or string method."""
+
+
+class TemplateBudgetError(ValueError):
+    """A chat template went over its rendering budget (steps, output size, recursion).
+
+    Example::
+
+        >>> render("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+        ...        "{% endfor %}", [{"role": "user", "content": "hi"}])
+        Traceback (most recent call last):
+        TemplateBudgetError: chat template stopped: it ran more than 1000000 loop steps ...
+    """
+
+
+class _Budget:
+    """What is left of one render's budget (loop steps)."""
+
+    def __init__(self) -> None:
+        self.steps = MAX_RENDER_STEPS
+
+    def charge(self, steps: int) -> None:
+        self.steps -= steps
+        if self.steps < 0:
+            raise TemplateBudgetError(
+                f"chat template stopped: it ran more than {MAX_RENDER_STEPS} loop steps "
+                "(nested loops or a huge range(); a chat template needs a few hundred)"
+            )
+
+
+_BUDGET: ContextVar[_Budget | None] = ContextVar("tunesmith_template_budget", default=None)
+
+
+def _charge(steps: int) -> None:
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.charge(steps)
+
+
+def _too_big(what: str, size: int, limit: int = MAX_RENDER_CHARS) -> TemplateBudgetError:
+    return TemplateBudgetError(
+        f"chat template stopped: {what} would be {size} long, over the limit of {limit}"
+    )
+
+
+def _check_size(value: Any, what: str) -> Any:
+    """``value`` itself, unless it is a string or sequence over :data:`MAX_RENDER_CHARS`."""
+    if isinstance(value, (str, list, tuple)) and len(value) > MAX_RENDER_CHARS:
+        raise _too_big(what, len(value))
+    return value
+
+
+def _check_argument(value: Any, what: str) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and value > MAX_SIZE_ARGUMENT:
+        raise _too_big(what, value, MAX_SIZE_ARGUMENT)
+
+
+_FORMAT_WIDTH = re.compile(r"[%{:][^%{}:]{0,8}?(\d{5,})")
+
+
+def _check_format(template: Any, what: str) -> None:
+    """Refuse a format string with a width or precision over :data:`MAX_SIZE_ARGUMENT`."""
+    if isinstance(template, str):
+        for digits in _FORMAT_WIDTH.findall(template):
+            _check_argument(int(digits), what)
+
+
+def _check_replace(text: Any, old: Any, new: Any, what: str) -> None:
+    if isinstance(text, str) and isinstance(old, str) and isinstance(new, str):
+        pieces = len(text) + 1 if not old else len(text) // len(old)
+        _check_size_of(len(text) + pieces * len(new), what)
+
+
+def _check_size_of(size: int, what: str) -> None:
+    if size > MAX_RENDER_CHARS:
+        raise _too_big(what, size)
+
+
+def _checked_join(pieces: Any) -> str:
+    """``"".join(pieces)`` that stops once the text would pass :data:`MAX_RENDER_CHARS`."""
+    out: list[str] = []
+    size = 0
+    for piece in pieces:
+        size += len(piece)
+        if size > MAX_RENDER_CHARS:
+            raise _too_big("the rendered text", size)
+        out.append(piece)
+    return "".join(out)
+
+
+def _counted(iterable: Any) -> Any:
+    """A ``{% for %}`` loop's iterable, charging one step per iteration."""
+    for item in iterable:
+        _charge(1)
+        yield item
+
+
+def _concat(values: Sequence[Any]) -> str:
+    """The ``~`` operator, refusing a string over :data:`MAX_RENDER_CHARS`."""
+    texts = [str(v) for v in values]
+    _check_size_of(sum(map(len, texts)), "a string joined with '~'")
+    return "".join(texts)
+
+
+class _Metered(jinja2.visitor.NodeTransformer):
+    """Rewrites a parsed template so every loop counts its steps and every ``~`` its size."""
+
+    def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
+        node = self.generic_visit(node)
+        node.iter = jinja2.nodes.Filter(node.iter, "_tunesmith_counted", [], [], None, None)
+        return node
+
+    def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:
+        node = self.generic_visit(node)
+        items = jinja2.nodes.List(node.nodes)
+        return jinja2.nodes.Filter(items, "_tunesmith_concat", [], [], None, None)
+
+
+def _budget_range(*args: Any) -> range:
+    """``range()`` for templates: charges its length to the budget up front."""
+    numbers = range(*args)
+    _charge(len(numbers))
+    return numbers
+
+
+def _sequence_times(left: Any, right: Any) -> None:
+    for seq, n in ((left, right), (right, left)):
+        if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+            _check_size_of(len(seq) * max(n, 0), "a repeated string or list ('*')")
+    if isinstance(left, int) and isinstance(right, int):
+        _check_bits(left.bit_length() + right.bit_length())
+
+
+def _check_bits(bits: int) -> None:
+    if bits > 8 * MAX_SIZE_ARGUMENT * 2:
+        raise _too_big("an integer (in bits)", bits, 8 * MAX_SIZE_ARGUMENT * 2)
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    if operator == "*":
+        _sequence_times(left, right)
+    elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+        _check_bits(max(left.bit_length() - 1, 0) * right)
+    elif operator == "+" and isinstance(left, (str, list, tuple)):
+        if isinstance(right, type(left)):
+            _check_size_of(len(left) + len(right), "a string or list joined with '+'")
+    elif operator == "%" and isinstance(left, str):
+        _check_format(left, "a '%' format width")
+
+
+_SIZE_ARGUMENTS = {  # filter -> (position after the value, keyword) of its size argument
+    "center": (0, "width"),
+    "indent": (0, "width"),
+    "slice": (0, "slices"),
+    "batch": (0, "linecount"),
+    "tojson": (1, "indent"),
+    "truncate": (0, "length"),
+    "wordwrap": (0, "width"),
+}
+_STR_METHODS = {"center", "ljust", "rjust", "zfill", "expandtabs"}
+
+
+def _check_filter_call(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    if name in _SIZE_ARGUMENTS:
+        position, keyword = _SIZE_ARGUMENTS[name]
+        value = args[position + 1] if len(args) > position + 1 else kwargs.get(keyword)
+        _check_argument(value, f"the {keyword} of filter '{name}'")
+    elif name == "format" and args:
+        _check_format(args[0], "a width in filter 'format'")
+    elif name == "replace" and len(args) >= 3:
+        _check_replace(args[0], args[1], args[2], "the text of filter 'replace'")
+
+
+def _guarded_filter(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` (a filter) with its size arguments and its result checked."""
+
+    @functools.wraps(function)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        plain = args[1:] if getattr(function, "jinja_pass_arg", None) else args
+        _check_filter_call(name, plain, kwargs)
+        return _check_size(function(*args, **kwargs), f"the result of filter '{name}'")
+
+    return guarded
+
+
+def _check_method_call(function: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    method = getattr(function, "__wrapped__", function)  # the sandbox wraps str.format
+    owner = getattr(method, "__self__", None)
+    name = getattr(method, "__name__", "")
+    if not isinstance(owner, str):
+        return
+    if name in _STR_METHODS:
+        for value in (*args, *kwargs.values()):
+            _check_argument(value, f"the width of str.{name}")
+    elif name in ("format", "format_map"):
+        _check_format(owner, f"a width in str.{name}")
+    elif name == "replace" and len(args) >= 2:
+        _check_replace(owner, args[0], args[1], "the text of str.replace")
+
+
+def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
+    for value in (n, min, max):
+        _check_argument(value, "an argument of lipsum")
+    return jinja2.utils.generate_lorem_ipsum(n=n, html=html, min=min, max=max)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,11 +425,35 @@ class _Namespace(jinja2.utils.Namespace):
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
 
+class _BudgetedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox with a budget: loops count their steps, strings and outputs their size."""
+
+    intercepted_binops = frozenset(["*", "**", "+", "%"])
+    concat = staticmethod(_checked_join)  # block ``set``s, macro bodies, ``render()``
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> jinja2.nodes.Template:
+        return _Metered().visit(super()._parse(source, name, filename))
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _check_binop(operator, left, right)
+        return _check_size(super().call_binop(context, operator, left, right), repr(operator))
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        _check_method_call(__obj, args, kwargs)
+        result = super().call(__context, __obj, *args, **kwargs)
+        return _check_size(result, f"the result of {getattr(__obj, '__name__', 'a call')}")
+
+
 def _make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BudgetedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
+    env.filters = {name: _guarded_filter(name, f) for name, f in env.filters.items()}
+    env.filters["_tunesmith_counted"] = _counted
+    env.filters["_tunesmith_concat"] = _concat
+    env.globals["range"] = _budget_range
+    env.globals["lipsum"] = _lipsum
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _DictFactory()
@@ -309,9 +553,7 @@ class _Renderer:
         self.context["tools"] = _plain_tools(tools)
 
     def __call__(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.compiled.render(
-            **self.context, messages=messages, add_generation_prompt=add_generation_prompt
-        )
+        return self._stream(messages, add_generation_prompt, [])
 
     def tracked(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool
@@ -320,20 +562,44 @@ class _Renderer:
         spans: list[tuple[int, int]] = []
         token = _TRACKING.set((pieces, spans))
         try:
+            text = self._stream(messages, add_generation_prompt, pieces)
+        finally:
+            _TRACKING.reset(token)
+        return text, spans
+
+    def _stream(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, pieces: list[str]
+    ) -> str:
+        """Render piece by piece into ``pieces`` within a fresh budget (see
+        :data:`MAX_RENDER_STEPS`, :data:`MAX_RENDER_CHARS`); returns the text."""
+        token = _BUDGET.set(_Budget())
+        size = 0
+        try:
             stream = self.compiled.generate(
                 **self.context, messages=messages, add_generation_prompt=add_generation_prompt
             )
             for piece in stream:
+                size += len(piece)
+                if size > MAX_RENDER_CHARS:
+                    raise _too_big("the rendered text", size)
                 pieces.append(piece)
+        except RecursionError:
+            raise TemplateBudgetError(
+                "chat template stopped: its macros or loops recurse too deep"
+            ) from None
+        except MemoryError:
+            raise TemplateBudgetError("chat template stopped: it ran out of memory") from None
         finally:
-            _TRACKING.reset(token)
-        return "".join(pieces), spans
+            _BUDGET.reset(token)
+        return "".join(pieces)
 
     def try_render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str | None:
         # Probe renders of a prefix may fail on templates that validate the whole conversation
         # (e.g. "roles must alternate"); the caller then locates turns by search instead.
         try:
             return self(messages, add_generation_prompt)
+        except TemplateBudgetError:
+            raise
         except Exception:
             return None
 

@@ -101,6 +101,7 @@ from torch.utils.data import Dataset
 
 from tunesmith.data.formats import check_columns, check_messages, resolve_columns
 from tunesmith.data.labels import count_trained, make_labels
+from tunesmith.data.chat_template import TemplateBudgetError
 from tunesmith.data.report import (
     EMPTY_ASSISTANT_TURN,
     IDENTICAL_RESPONSES,
@@ -397,6 +398,8 @@ def _tokenize(
             return_spans=True,
             **template_kwargs,
         )
+    except TemplateBudgetError:  # the template itself is broken or hostile, not this row
+        raise
     except Exception as e:  # a template's raise_exception, or a template that fails to render
         raise BadRow(
             TEMPLATE_ERROR, f"the chat template failed on the {what}: {type(e).__name__}: {e}"

@@ -37,6 +37,7 @@ __all__ = [
     "ROLES_OUT_OF_ORDER",
     "TEMPLATE_ERROR",
     "TOO_LONG",
+    "ROW_TOO_LARGE",
     "UNKNOWN_ROLE",
     "WRONG_TYPE",
     "BadRow",
@@ -57,6 +58,7 @@ EMPTY_ASSISTANT_TURN = "empty_assistant_turn"
 EMPTY_TEXT = "empty_text"
 TEMPLATE_ERROR = "template_error"
 TOO_LONG = "too_long"
+ROW_TOO_LARGE = "row_too_large"  # a line or row over the reader's byte limit
 NO_TRAINED_TOKENS = "no_trained_tokens"
 # Preference pairs (preference_dataset.py)
 LAST_TURN_NOT_ASSISTANT = "last_turn_not_assistant"
@@ -75,6 +77,7 @@ BAD_ROW_REASONS = (
     EMPTY_TEXT,
     TEMPLATE_ERROR,
     TOO_LONG,
+    ROW_TOO_LARGE,
     NO_TRAINED_TOKENS,
     LAST_TURN_NOT_ASSISTANT,
     PROMPT_MISMATCH,

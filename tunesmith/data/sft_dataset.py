@@ -70,6 +70,7 @@ from tunesmith.data.formats import (
     resolve_columns,
 )
 from tunesmith.data.labels import count_trained, make_labels, truncate
+from tunesmith.data.chat_template import TemplateBudgetError
 from tunesmith.data.report import (
     NO_TRAINED_TOKENS,
     TEMPLATE_ERROR,
@@ -116,6 +117,8 @@ def _encode(
         ids, mask, spans = tokenizer.tokenize_conversation(
             example.messages, tools=example.tools, return_spans=True, **template_kwargs
         )
+    except TemplateBudgetError:  # the template itself is broken or hostile, not this row
+        raise
     except Exception as e:  # a template's raise_exception, or a template that fails to render
         raise BadRow(TEMPLATE_ERROR, f"the chat template failed: {type(e).__name__}: {e}") from e
     if not any(mask):

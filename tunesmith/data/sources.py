@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -37,9 +38,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunesmith.data.report import INVALID_UTF8, MALFORMED_JSON, BadRow, DataError
+from tunesmith.data.report import (
+    INVALID_UTF8,
+    MALFORMED_JSON,
+    ROW_TOO_LARGE,
+    BadRow,
+    DataError,
+)
 
-__all__ = ["FILE_SUFFIXES", "TEXT_SAMPLE_BY", "Rows", "load_rows", "read_text_rows"]
+__all__ = [
+    "FILE_SUFFIXES",
+    "MAX_ROW_BYTES",
+    "TEXT_SAMPLE_BY",
+    "Rows",
+    "load_rows",
+    "read_text_rows",
+]
+
+MAX_ROW_BYTES = 16 * 2**20
+"""The largest row read (a JSON Lines line, a text row, a Parquet/CSV row's text): 16 MiB.
+A larger one is a bad row (``row_too_large``), never held in memory whole; ``load_rows``
+takes another limit as ``max_row_bytes``."""
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".txt")
 """Suffixes of local files read directly; anything else must be a folder or a Hub name."""
@@ -67,13 +86,56 @@ class Rows:
     def __len__(self) -> int:
         return len(self.items)
 
+    max_row_bytes: int = MAX_ROW_BYTES
+
     def __iter__(self) -> Iterator[tuple[int, str, Any]]:
         if isinstance(self.items, list):
             for index, (where, row) in enumerate(self.items):
                 yield index, where, row
         else:
             for index, row in enumerate(self.items):
-                yield index, "", row
+                yield index, "", _sized(row, self.max_row_bytes)
+
+
+def _text_bytes(value: Any) -> int:
+    """About how many bytes of text ``value`` (a row read by ``datasets``) holds."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_text_bytes(v) + len(str(k)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_bytes(v) for v in value)
+    return 8
+
+
+def _sized(row: Any, limit: int) -> Any:
+    """``row``, or a :class:`BadRow` when its text is over ``limit`` bytes."""
+    size = _text_bytes(row)
+    if size > limit:
+        return BadRow(ROW_TOO_LARGE, f"the row holds {size} bytes of text, over the limit of "
+                      f"{limit} (max_row_bytes)")  # fmt: skip
+    return row
+
+
+def _too_large(size: int, limit: int, what: str = "line") -> BadRow:
+    return BadRow(ROW_TOO_LARGE, f"the {what} is {size} bytes, over the limit of {limit} "
+                  "(max_row_bytes); it was not read")  # fmt: skip
+
+
+def _file_lines(path: Path, limit: int) -> Iterator[tuple[int, bytes | int]]:
+    """``(number, line)`` of a file read line by line (``\\n`` kept); a line over ``limit``
+    bytes comes as its size instead, its bytes skipped, never held whole."""
+    with open(path, "rb") as f:
+        number = 0
+        while line := f.readline(limit + 1):
+            number += 1
+            if len(line) > limit and not line.endswith(b"\n"):
+                size = len(line)
+                while (rest := f.readline(2**20)) and not rest.endswith(b"\n"):
+                    size += len(rest)
+                yield number, size + len(rest) - rest.endswith(b"\n")
+                continue
+            yield number, line
 
 
 def _line_of(data: bytes, offset: int) -> int:
@@ -98,52 +160,70 @@ def _union_columns(rows: Sequence[tuple[str, Any]]) -> list[str]:
     return list(seen)
 
 
-def _read_json_lines(path: Path, data: bytes) -> list[tuple[str, Any]]:
+def _parse_line(raw: bytes) -> Any:
+    """One JSON Lines row, or a :class:`BadRow` for bytes that are not UTF-8 or not JSON."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return BadRow(INVALID_UTF8, f"bytes are not valid UTF-8 at byte {e.start} of the line")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadRow(MALFORMED_JSON, f"{e.msg} at column {e.colno}")
+    except RecursionError:
+        return BadRow(MALFORMED_JSON, "JSON nested too deep to read")
+
+
+def _read_json_lines(path: Path, limit: int) -> list[tuple[str, Any]]:
     items: list[tuple[str, Any]] = []
-    if data.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark
-        data = data[3:]
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
+    for number, raw in _file_lines(path, limit):
+        if isinstance(raw, int):
+            items.append((f" (line {number})", _too_large(raw, limit)))
             continue
-        where = f" (line {number})"
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            bad = BadRow(INVALID_UTF8, f"bytes are not valid UTF-8 at byte {e.start} of the line")
-            items.append((where, bad))
-            continue
-        try:
-            items.append((where, json.loads(text)))
-        except json.JSONDecodeError as e:
-            items.append((where, BadRow(MALFORMED_JSON, f"{e.msg} at column {e.colno}")))
+        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark
+            raw = raw[3:]
+        if raw.strip():
+            items.append((f" (line {number})", _parse_line(raw)))
     return items
 
 
-def _read_json(path: Path) -> list[tuple[str, Any]]:
-    data = path.read_bytes()
-    if not data.strip():
+def _head(path: Path) -> bytes:
+    """The first byte of ``path`` that is not whitespace or a byte-order mark (b"" if none)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(2**16):
+            rest = chunk.lstrip(b"\xef\xbb\xbf \t\r\n")
+            if rest:
+                return rest[:1]
+    return b""
+
+
+def _read_json(path: Path, limit: int) -> list[tuple[str, Any]]:
+    head = _head(path)
+    if not head:
         raise DataError(f"{path}: file is empty")
-    head = data.lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
     if head == b"[":  # a JSON array of rows
-        text = _decode(path, data)
+        text = _decode(path, path.read_bytes())
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
             raise DataError(
                 f"{path}: line {e.lineno} column {e.colno}: malformed JSON ({e.msg})"
             ) from e
-        return [("", row) for row in rows]
-    if path.suffix == ".json" and head == b"{" and data.strip().count(b"\n") > 0:
-        try:
-            whole = json.loads(_decode(path, data))
-        except (json.JSONDecodeError, DataError):
-            whole = None
+        except RecursionError:
+            raise DataError(f"{path}: JSON nested too deep to read") from None
+        return [("", _sized(row, limit)) for row in rows]
+    if path.suffix == ".json" and head == b"{" and path.stat().st_size <= limit:
+        data = path.read_bytes()
+        whole = None
+        if data.strip().count(b"\n") > 0:
+            with contextlib.suppress(json.JSONDecodeError, DataError, RecursionError):
+                whole = json.loads(_decode(path, data))
         if isinstance(whole, dict):
             raise DataError(
                 f"{path}: holds one JSON object spread over several lines; expected JSON "
                 f"Lines (one row object per line) or a JSON array of row objects"
             )
-    return _read_json_lines(path, data)
+    return _read_json_lines(path, limit)
 
 
 def _text_chunks(data: bytes, sample_by: str) -> Iterator[tuple[int, list[bytes]]]:
@@ -171,7 +251,9 @@ def _text_chunks(data: bytes, sample_by: str) -> Iterator[tuple[int, list[bytes]
         yield start, chunk
 
 
-def read_text_rows(path: str | os.PathLike[str], sample_by: str = "line") -> list[tuple[str, Any]]:
+def read_text_rows(
+    path: str | os.PathLike[str], sample_by: str = "line", max_row_bytes: int = MAX_ROW_BYTES
+) -> list[tuple[str, Any]]:
     """The ``(where, row)`` pairs of a plain text file: ``row`` is ``{"text": ...}`` (or a
     :class:`BadRow` for text that is not UTF-8), ``where`` its first line (``" (line 3)"``).
 
@@ -183,6 +265,10 @@ def read_text_rows(path: str | os.PathLike[str], sample_by: str = "line") -> lis
     if sample_by not in TEXT_SAMPLE_BY:
         raise ValueError(f"sample_by must be one of {TEXT_SAMPLE_BY}, got {sample_by!r}")
     path = Path(path)
+    if sample_by == "line":
+        return _text_lines(path, max_row_bytes)
+    if path.stat().st_size > max_row_bytes and sample_by == "document":
+        return [(" (line 1)", _too_large(path.stat().st_size, max_row_bytes, "document"))]
     data = path.read_bytes()
     if data.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark
         data = data[3:]
@@ -191,12 +277,40 @@ def read_text_rows(path: str | os.PathLike[str], sample_by: str = "line") -> lis
     items: list[tuple[str, Any]] = []
     for number, lines in _text_chunks(data, sample_by):
         raw = b"\n".join(lines)
+        if len(raw) > max_row_bytes:
+            items.append((f" (line {number})", _too_large(len(raw), max_row_bytes, "paragraph")))
+            continue
         try:
             items.append((f" (line {number})", {"text": raw.decode("utf-8")}))
         except UnicodeDecodeError as e:
             line = number + raw.count(b"\n", 0, e.start)
             bad = BadRow(INVALID_UTF8, f"bytes are not valid UTF-8 on line {line}")
             items.append((f" (line {number})", bad))
+    return items
+
+
+def _text_row(raw: bytes, number: int) -> Any:
+    try:
+        return {"text": raw.decode("utf-8")}
+    except UnicodeDecodeError:
+        return BadRow(INVALID_UTF8, f"bytes are not valid UTF-8 on line {number}")
+
+
+def _text_lines(path: Path, limit: int) -> list[tuple[str, Any]]:
+    """The rows of a text file cut by line, read line by line (``sample_by="line"``)."""
+    items: list[tuple[str, Any]] = []
+    for number, raw in _file_lines(path, limit):
+        where = f" (line {number})"
+        if isinstance(raw, int):
+            items.append((where, _too_large(raw, limit)))
+            continue
+        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark
+            raw = raw[3:]
+        raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+        if raw.strip():
+            items.append((where, _text_row(raw, number)))
+    if not items:
+        raise DataError(f"{path}: file is empty")
     return items
 
 
@@ -235,6 +349,7 @@ def load_rows(
     split: str = "train",
     data_files: str | Sequence[str] | Mapping[str, Any] | None = None,
     sample_by: str = "line",
+    max_row_bytes: int = MAX_ROW_BYTES,
 ) -> Rows:
     """Read all rows of ``source``.
 
@@ -243,7 +358,9 @@ def load_rows(
     dataset or a builder like ``"json"`` with ``data_files``). ``split`` and ``data_files`` go
     to ``load_dataset``; a single local file is one split (``"train"``). ``sample_by`` cuts a
     ``.txt`` file into ``{"text": ...}`` rows: ``"line"``, ``"paragraph"`` or ``"document"``
-    (see the module docs); other sources ignore it.
+    (see the module docs); other sources ignore it. A row over ``max_row_bytes`` (a line of
+    a JSON Lines or text file, the text of a Parquet/CSV row) is a bad row
+    (``row_too_large``), skipped unread.
 
     Example::
 
@@ -267,10 +384,10 @@ def load_rows(
                 f"folders and Hub datasets (use val_fraction to hold out validation rows)"
             )
         if suffix in (".jsonl", ".json"):
-            items = _read_json(path)
+            items = _read_json(path, max_row_bytes)
             rows = Rows(str(path), _union_columns(items), items)
         elif suffix == ".txt":
-            rows = Rows(str(path), ["text"], read_text_rows(path, sample_by))
+            rows = Rows(str(path), ["text"], read_text_rows(path, sample_by, max_row_bytes))
         elif suffix == ".parquet":
             rows = _load_with_datasets(str(path), "parquet", data_files=str(path), split="train")
         else:
@@ -284,4 +401,5 @@ def load_rows(
         rows = _load_with_datasets(str(source), str(source), split=split, data_files=data_files)
     if len(rows) == 0:
         raise DataError(f"{rows.name}: has no rows")
+    rows.max_row_bytes = max_row_bytes
     return rows

@@ -55,6 +55,7 @@ import tokenizers
 
 from tunesmith.data.chat_template import (
     TEMPLATE_NAMES,
+    TemplateBudgetError,
     compile_template,
     control_tokens,
     load_template,
@@ -266,7 +267,7 @@ class Tokenizer:
                     f"{config_file}: {key} {token!r} is not in the vocabulary of {tokenizer_file}"
                 )
 
-        templates = _folder_templates(folder, config, config_file)
+        templates = own_templates = _folder_templates(folder, config, config_file)
         if chat_template is not None:
             templates = {"default": _chosen_template(chat_template, templates, folder)}
             missing = [t for t in control_tokens(templates["default"])
@@ -288,7 +289,7 @@ class Tokenizer:
         max_length = config.get("model_max_length")
         if not isinstance(max_length, (int, float)) or max_length >= _NO_LIMIT:
             max_length = None
-        return cls(
+        tokenizer = cls(
             backend,
             special_tokens={k: v for k, v in special.items() if v is not None},
             chat_template=templates or None,
@@ -296,6 +297,8 @@ class Tokenizer:
             model_max_length=None if max_length is None else int(max_length),
             name=str(folder),
         )
+        tokenizer.template_files = _template_files(folder, own_templates, chat_template)
+        return tokenizer
 
     def fingerprint(self) -> str:
         """A sha256 of everything here that decides token ids and loss masks: the whole
@@ -518,6 +521,12 @@ class Tokenizer:
             "Tokenizer.from_pretrained(..., chat_template=<name>)"
         )
 
+    def _budget_error(self, error: TemplateBudgetError, tools: Any) -> TemplateBudgetError:
+        """``error`` naming the file the template came from (a template over its budget)."""
+        files = getattr(self, "template_files", {})
+        name = "tool_use" if tools is not None and "tool_use" in self.chat_templates else "default"
+        return TemplateBudgetError(f"{files.get(name, self.name)}: {error}")
+
     def _template_kwargs(self, template_kwargs: Mapping[str, Any]) -> dict[str, Any]:
         # Like transformers: the named special tokens are template variables, kwargs win.
         return {**self.special_tokens, **template_kwargs}
@@ -542,13 +551,16 @@ class Tokenizer:
             ...                         add_generation_prompt=True)
             '<|im_start|>system\\nYou are Qwen, ...<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
         """
-        return render(
-            self._template(tools),
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            **self._template_kwargs(template_kwargs),
-        )
+        try:
+            return render(
+                self._template(tools),
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **self._template_kwargs(template_kwargs),
+            )
+        except TemplateBudgetError as e:
+            raise self._budget_error(e, tools) from None
 
     @overload
     def tokenize_conversation(
@@ -605,15 +617,18 @@ class Tokenizer:
             >>> tok.decode(ids[start:end])  # doctest: +SKIP
             'Goodbye!<|im_end|>'
         """
-        chat = render_chat(
-            self._template(tools),
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            control_tokens=self.added_tokens,
-            end_tokens=[self._backend.id_to_token(i) for i in self.stop_token_ids],
-            **self._template_kwargs(template_kwargs),
-        )
+        try:
+            chat = render_chat(
+                self._template(tools),
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                control_tokens=self.added_tokens,
+                end_tokens=[self._backend.id_to_token(i) for i in self.stop_token_ids],
+                **self._template_kwargs(template_kwargs),
+            )
+        except TemplateBudgetError as e:
+            raise self._budget_error(e, tools) from None
         encoding = self._backend.encode(chat.text, add_special_tokens=False)
         mask, spans = _token_spans(encoding.offsets, chat.assistant_spans)
         if return_spans:
@@ -673,6 +688,28 @@ def _folder_templates(folder: Path, config: dict[str, Any], config_file: Path) -
         f"{config_file}: chat_template must be a string or a list of "
         '{"name": ..., "template": ...} objects'
     )
+
+
+def _template_files(
+    folder: Path, templates: Mapping[str, str], choice: str | PathLike[str] | None
+) -> dict[str, str]:
+    """Where each template came from (for errors): ``chat_template.jinja``,
+    ``additional_chat_templates/NAME.jinja``, ``tokenizer_config.json``, or the chosen file."""
+
+    def origin(name: str) -> str:
+        for path in (
+            folder / "chat_template.jinja",
+            folder / f"additional_chat_templates/{name}.jinja",
+        ):
+            if path.is_file() and (name == "default") == (path.name == "chat_template.jinja"):
+                return str(path)
+        return str(folder / "tokenizer_config.json")
+
+    if choice is None:
+        return {name: origin(name) for name in templates}
+    if isinstance(choice, str) and choice in TEMPLATE_NAMES and choice not in templates:
+        return {"default": f"the shipped template {choice!r}"}
+    return {"default": origin(choice) if choice in templates else str(choice)}
 
 
 def _chosen_template(

@@ -51,7 +51,7 @@ from tunesmith.modules.masks import padding_position_ids
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["FinishReason", "GenerationOutput", "generate", "left_pad"]
+__all__ = ["FinishReason", "GenerationOutput", "generate", "left_pad", "model_positions"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -153,6 +153,34 @@ def _check_vocab(rows: list[list[int]], model: nn.Module) -> None:
             bad = low if low < 0 else high
             raise ValueError(
                 f"prompt {i} holds token id {bad}, outside the model's vocabulary [0, {vocab})"
+            )
+
+
+def model_positions(model: nn.Module) -> int | None:
+    """The most positions ``model`` was built for (its ``max_position_embeddings``), if known.
+
+    Example::
+
+        >>> from tunesmith.models import llama3
+        >>> model_positions(llama3.llama3_tiny()) > 0
+        True
+    """
+    for holder in (getattr(model, "spec", None), getattr(model, "config", None)):
+        positions = getattr(holder, "max_position_embeddings", None)
+        if isinstance(positions, int) and not isinstance(positions, bool):
+            return positions
+    return None
+
+
+def _check_positions(rows: list[list[int]], model: nn.Module) -> None:
+    """Refuse a prompt with more tokens than the model has positions (it would be decoded at
+    positions the model never saw, silently)."""
+    positions = model_positions(model)
+    for i, row in enumerate(rows):
+        if positions is not None and len(row) >= positions:
+            raise ValueError(
+                f"prompt {i} has {len(row)} tokens; the model has {positions} positions "
+                "(max_position_embeddings), which leaves no room to generate: shorten it"
             )
 
 
@@ -396,6 +424,7 @@ def generate(
     if keys is not None and keys.numel() != len(rows):
         raise ValueError(f"row_keys has {keys.numel()} keys for {len(rows)} prompts")
     _check_vocab([r for r in rows if r], model)
+    _check_positions(rows, model)
     device = _model_device(model)
     stop_ids = sorted(set(map(int, stop_token_ids)))
     shared = _SharedTokens(tp_group if tp_group is not None else _find_tp_group(model), device)

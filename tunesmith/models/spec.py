@@ -32,9 +32,11 @@ from tunesmith.models.family import (
 )
 
 __all__ = [
+    "SIZE_LIMITS",
     "SUPPORTED_MODEL_TYPES",  # noqa: F822 (module __getattr__, follows the family table)
     "ModelSpec",
     "UnsupportedModelError",
+    "check_sizes",
     "spec_from_hf_config",
     "use_sliding_window_from_config",
     "use_sliding_window_to_config",
@@ -48,6 +50,53 @@ _ROPE_KEYS: dict[str, tuple[str, ...]] = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
 }
+
+
+SIZE_LIMITS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 2**24),
+    "hidden_size": (1, 2**17),
+    "intermediate_size": (1, 2**19),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 2048),
+    "num_key_value_heads": (1, 2048),
+    "head_dim": (2, 4096),
+    "max_position_embeddings": (1, 2**25),
+    "sliding_window": (1, 2**25),
+    "num_experts": (0, 4096),
+    "num_experts_per_tok": (0, 4096),
+    "moe_intermediate_size": (0, 2**19),
+    "decoder_sparse_step": (1, 1024),
+}
+"""Sizes a spec (and a ``config.json``) may have: ``(lowest, highest)``, generous bounds that
+no real model reaches (Llama 3.1 405B: 126 layers, hidden 16384, vocab 128256), so a hostile
+or corrupt config fails before anything is allocated."""
+
+
+def check_sizes(values: Mapping[str, Any], where: str = "") -> None:
+    """Refuse a size in ``values`` (spec fields or ``config.json`` keys) that is not an
+    integer within :data:`SIZE_LIMITS`; missing keys and ``None`` are skipped.
+
+    Example::
+
+        >>> check_sizes({"num_hidden_layers": 10_000_000})
+        Traceback (most recent call last):
+        ValueError: num_hidden_layers = 10000000 is over the limit 1024 (no real model is ...
+    """
+    for key, (low, high) in SIZE_LIMITS.items():
+        value = values.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}{key} must be an integer, got {value!r}")
+        if not low <= value <= high:
+            side = "over the limit" if value > high else "under the minimum"
+            raise ValueError(
+                f"{where}{key} = {value} is {side} {high if value > high else low} "
+                f"(no real model is that size; is the config corrupt?)"
+            )
+    layers = values.get("mlp_only_layers") or ()
+    if isinstance(layers, (list, tuple)) and len(layers) > SIZE_LIMITS["num_hidden_layers"][1]:
+        raise ValueError(f"{where}mlp_only_layers lists {len(layers)} layers, over the limit")
 
 
 def __getattr__(name: str) -> Any:
@@ -102,6 +151,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         family_for(self.model_type)  # an unknown model_type fails here, listing the known
+        check_sizes(dataclasses.asdict(self))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -358,6 +408,7 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     missing = [k for k in _REQUIRED_KEYS if k not in config]
     if missing:
         raise ValueError(f"config.json for {model_type!r} lacks required key(s): {missing}")
+    check_sizes(config)  # before any hook or default reads a size
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?")
         raise UnsupportedModelError(

@@ -38,6 +38,24 @@ RECIPE_PANELS: tuple[tuple[str, str], ...] = (
 """(panel title, regular expression of the metric names it draws), in panel order."""
 
 
+_MAX_LINE = 2**20  # a metrics record is a few hundred bytes
+
+
+def _record(raw: bytes, where: str) -> dict:
+    """One metrics record (a JSON object with a ``step``); errors name ``where``."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where}: not UTF-8 text ({err.reason}); not a metrics file") from None
+    except ValueError as err:
+        raise ValueError(f"{where}: not a metrics record with a step: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deep; not a metrics record") from None
+    if not isinstance(record, dict) or "step" not in record:
+        raise ValueError(f"{where}: not a metrics record with a step: {str(record)[:80]}")
+    return record
+
+
 def read_metrics(path: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
     """Read a ``metrics.jsonl`` into ``{metric: [(step, value), ...]}`` sorted by step.
 
@@ -46,17 +64,15 @@ def read_metrics(path: str | os.PathLike[str]) -> dict[str, list[tuple[int, floa
     """
     path = Path(path)
     series: dict[str, dict[int, float]] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(iter(lambda: f.readline(_MAX_LINE + 1), b""), start=1):
+            if len(raw) > _MAX_LINE:
+                raise ValueError(f"{path}:{lineno}: a line over {_MAX_LINE} bytes; not a "
+                                 "metrics file")  # fmt: skip
+            if not raw.strip():
                 continue
-            try:
-                record = json.loads(line)
-                step = record["step"]
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(
-                    f"{path}:{lineno}: not a metrics record with a step: {err}"
-                ) from err
+            record = _record(raw, f"{path}:{lineno}")
+            step = record["step"]
             if isinstance(step, bool) or not isinstance(step, int):
                 raise ValueError(f"{path}:{lineno}: step must be an int, got {step!r}")
             for key, value in record.items():
