@@ -9,10 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from tunesmith.config.registry import component
+
 if TYPE_CHECKING:  # never imported at runtime: validation must fall back to annotation text
     from collections.abc import NotARealThing  # type: ignore[attr-defined]
 
 
+@component  # tests that add this module's prefix to the allow-list build it
 @dataclass
 class Optim:
     lr: float

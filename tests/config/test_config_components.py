@@ -35,7 +35,6 @@ ALLOWED = [
     "torch.nn.Linear",
     "torch.nn.functional.cross_entropy",  # a Python function
     "torch.zeros",  # a builtin
-    "torch.Tensor.add",  # a method descriptor
     "tunesmith.models.from_hf",
     "tunesmith.data.Tokenizer.from_pretrained",  # a classmethod
     "tunesmith.data.SFTDataset",
@@ -75,6 +74,27 @@ REFUSED = {  # path -> words of the refusal
     "torch.load.__globals__": "names the special attribute '__globals__'",
     "torch.nn.Module.__init__": "names the special attribute '__init__'",
     "torch.storage._load_from_bytes": "names the private attribute '_load_from_bytes'",
+    # unbound methods through a class: a `self:` argument would call them on any object
+    "torch.Tensor.add": "'torch.Tensor.add' is an unbound method of the class 'torch.Tensor'",
+    "torch.nn.Module.register_forward_hook": "is an unbound method of the class "
+    "'torch.nn.modules.module.Module'",
+    "torch.nn.Linear.forward": "is an unbound method of the class",
+    "torch.optim.AdamW.step": "is an unbound method of the class",
+    "transformers.PreTrainedModel.save_pretrained": "is an unbound method of the class",
+    "tunesmith.rl.rewards.CodeTests.score": "is an unbound method of the class "
+    "'tunesmith.rl.rewards.code.CodeTests'",
+    "tunesmith.data.Tokenizer.encode": "is an unbound method of the class",
+    # tunesmith's own callables that carry no mark: code runners, helpers
+    "tunesmith.rl.rewards.run_sandboxed": "is the function "
+    "'tunesmith.rl.rewards.sandbox.run_sandboxed', which is not marked as a component",
+    "tunesmith.rl.rewards.sandbox.run_sandboxed": "which is not marked as a component",
+    "tunesmith.rl.rewards.code.harness": "'tunesmith.rl.rewards.code.harness', which is not marked",
+    "tunesmith.rl.rewards.code.extract_code": "which is not marked as a component",
+    "tunesmith.models.hf.load_hf_weights": "which is not marked as a component",
+    "tunesmith.models.hf.save_hf_checkpoint": "which is not marked as a component",
+    "tunesmith.training.metric_logging.append_record": "which is not marked as a component",
+    "tunesmith.data.tokenizer.Tokenizer": "the class 'tunesmith.data.tokenizer.Tokenizer', "
+    "which is not marked",
 }
 
 
@@ -138,29 +158,41 @@ def packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         class Liar:
             pass
         Liar.__module__ = "tsallowed.nowhere"
+        __import__("tunesmith.config").config.component(Liar)
         """)  # fmt: skip
     _write(root / "tsallowed" / "__init__.py", """
         import functools
         import os
         import torch
+        from tunesmith.config import component
+        @component
         def fine(x=1):
             return x
         fine.__module__ = "tsallowed"
+        def unmarked(x=1):
+            return x
+        wrapped = functools.wraps(fine)(lambda x=1: x)  # copies fine's __dict__, not its mark
+        class Marked:
+            pass
+        component(Marked)
+        class Sub(Marked):
+            pass
         disguised = __import__("tsother").helper  # defined in tsother, whatever it claims
         disguised.__module__ = "tsallowed"
         system_partial = functools.partial(os.system, "true")
         fine_partial = functools.partial(torch.nn.Linear, 2)
-        cached = functools.lru_cache(fine)
+        cached = component(functools.lru_cache(fine))
         @functools.wraps(torch.load)
         def load_wrapper(*args, **kwargs):
             return torch.load(*args, **kwargs)
         class Callable:
             def __call__(self):
                 return 1
-        instance = Callable()
+        instance = component(Callable())
         liar = __import__("tsother").Liar
         """)  # fmt: skip
-    _write(root / "tsallowed" / "safe.py", "def ok():\n    return 1\n")
+    _write(root / "tsallowed" / "safe.py", "import tunesmith.config\n"
+           "@tunesmith.config.component\ndef ok():\n    return 1\n")  # fmt: skip
     _write(root / "tsallowed" / "other.py", f"open({str(tmp_path / 'other')!r}, 'w')\n")
     ALLOWED_COMPONENT_PREFIXES.append("tsallowed.")
     try:
@@ -188,6 +220,24 @@ def _write(path: Path, text: str) -> None:
 def test_objects_are_judged_by_what_they_are(packages: Path, path: str, words: str) -> None:
     refusal = component_refusal(path)
     assert refusal is not None and words in refusal, refusal
+
+
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        ("tsallowed.unmarked", "is the function 'tsallowed.unmarked', which is not marked"),
+        ("tsallowed.wrapped", "which is not marked as a component"),
+        ("tsallowed.Sub", "is the class 'tsallowed.Sub', which is not marked"),
+    ],
+)
+def test_a_package_of_ones_own_needs_the_mark(packages: Path, path: str, words: str) -> None:
+    """In a package added to the list, only marked objects resolve: not an unmarked function,
+    nor a wrapper or a subclass of a marked one (the mark is on the object, not inherited)."""
+    assert component_refusal("tsallowed.fine") is None
+    assert component_refusal("tsallowed.Marked") is None
+    refusal = component_refusal(path)
+    assert refusal is not None and words in refusal, refusal
+    assert "ALLOWED_COMPONENT_PREFIXES" in refusal and "@tunesmith.config.component" in refusal
 
 
 def test_class_not_held_where_it_claims_is_refused(packages: Path) -> None:

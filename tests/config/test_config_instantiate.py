@@ -14,6 +14,7 @@ from tunesmith.config import (
     ALLOW_ANY_COMPONENT_ENV,
     ALLOWED_COMPONENT_PREFIXES,
     ConfigError,
+    component,
     instantiate,
     load_config,
 )
@@ -228,7 +229,10 @@ def test_trust_remote_code_is_refused_under_the_allow_list(monkeypatch: pytest.M
     monkeypatch.delenv(ALLOW_ANY_COMPONENT_ENV, raising=False)
     calls = []
     monkeypatch.setattr(
-        configtest_components, "Loader", lambda **kw: calls.append(kw) or kw, raising=False
+        configtest_components,
+        "Loader",
+        component(lambda **kw: calls.append(kw) or kw),  # marked: the prefix is added below
+        raising=False,
     )
     cfg = OmegaConf.create(
         {"model": {"_component_": f"{HELPERS}.Loader", "path": "x", "trust_remote_code": True}}

@@ -25,6 +25,10 @@ ENV_COMPONENT = "TUNESMITH_TEST_COMPONENT"  # what the interpolation route reads
 _OS = "is the module 'os', outside the allowed packages"
 _DENIED = "loads pickles, TorchScript or downloaded code, or runs code or commands"
 _PRIVATE = "(names starting with '_' are never resolved)"
+_UNMARKED = "which is not marked as a component"
+_UNBOUND = "is an unbound method of the class"
+_NOT_TRUE = "is not true: only true (or leaving it out) is accepted"
+_NOT_FALSE = "is not false: only false (or leaving it out) is accepted"
 
 Payload = Callable[[Path, Path], dict[str, Any]]  # (case folder, marker) -> call arguments
 
@@ -36,9 +40,11 @@ class Route:
     ``component`` is the dotted path, ``payload`` the arguments the call would get, ``placement``
     where the node goes (``loss``, ``list``: ``metric_loggers.0``, ``nested``: ``loss.inner``,
     ``env``: ``loss`` whose path is ``${oc.env:...}``), ``says`` the words of the refusal and
-    ``where`` the config path it names (default: the node's ``_component_``). ``live``: the test
-    shows that calling it (with ``--allow-any-component``) runs the payload. ``never_imported``:
-    a module the refusal must not have imported.
+    ``where`` the config path it names (default: the node's ``_component_``); ``create``,
+    ``create-nested``, ``create-list``: the node made by ``${oc.create:{...}}`` as ``loss``,
+    ``loss.inner`` or ``metric_loggers.0``. ``live``: the test shows that building it (with
+    ``--allow-any-component``) runs the payload. ``never_imported``: a module the refusal must
+    not have imported.
     """
 
     id: str
@@ -53,9 +59,8 @@ class Route:
 
     @property
     def node(self) -> str:
-        return {"loss": "loss", "list": "metric_loggers.0", "nested": "loss.inner"}.get(
-            self.placement, "loss"
-        )
+        return {"list": "metric_loggers.0", "nested": "loss.inner", "create-list":
+                "metric_loggers.0", "create-nested": "loss.inner"}.get(self.placement, "loss")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- payloads
@@ -173,6 +178,62 @@ def _bytes(tmp: Path, marker: Path) -> dict[str, Any]:
     return {"b": "not bytes"}
 
 
+def _folder(tmp: Path, marker: Path) -> dict[str, Any]:
+    return {"folder": str(tmp)}
+
+
+def _sandboxed_code(tmp: Path, marker: Path) -> dict[str, Any]:
+    return {"code": f"open({str(marker)!r}, 'w').write('ran')", "timeout_s": 5,
+            "memory_mb": 256, "isolation": "best_effort"}  # fmt: skip
+
+
+def _harness(tmp: Path, marker: Path) -> dict[str, Any]:
+    return {"solution": f"open({str(marker)!r}, 'w')", "tests": [], "token": "t",
+            "partial": False}  # fmt: skip
+
+
+def _hf_weights(tmp: Path, marker: Path) -> dict[str, Any]:
+    return {"model": {"_component_": "torch.nn.Linear", "in_features": 1, "out_features": 1},
+            "path": str(marker)}  # fmt: skip
+
+
+def _score_through_self(tmp: Path, marker: Path) -> dict[str, Any]:
+    sample = {"prompt": "p", "completion": f"```python\nopen({str(marker)!r}, 'w')\n```",
+              "metadata": {"tests": ["assert True"]}}  # fmt: skip
+    return {"self": {"_component_": "tunesmith.rl.rewards.CodeTests"}, "sample": sample}
+
+
+def _hook_through_self(tmp: Path, marker: Path) -> dict[str, Any]:
+    linear = {"_component_": "torch.nn.Linear", "in_features": 1, "out_features": 1}
+    return {"self": linear, "hook": {"_component_": "torch.nn.Identity"}}
+
+
+def _apply_through_self(tmp: Path, marker: Path) -> dict[str, Any]:
+    linear = {"_component_": "torch.nn.Linear", "in_features": 1, "out_features": 1}
+    return {"self": linear, "fn": {"_component_": "torch.nn.Identity"}}
+
+
+def _to_json_through_self(tmp: Path, marker: Path) -> dict[str, Any]:
+    rows = {"_component_": "datasets.Dataset.from_dict", "mapping": {"a": [1]}}
+    return {"self": rows, "path_or_buf": str(marker)}  # writes (overwrites) any file
+
+
+def _weights_only(value: object) -> Payload:
+    def payload(tmp: Path, marker: Path) -> dict[str, Any]:
+        return {"f": str(_evil_pickle(tmp, marker)), "weights_only": value}
+
+    return payload
+
+
+def _trust_remote_code(value: object) -> Payload:
+    def payload(tmp: Path, marker: Path) -> dict[str, Any]:
+        folder = tmp / "remote"
+        folder.mkdir(exist_ok=True)
+        return {"pretrained_model_name_or_path": str(folder), "trust_remote_code": value}
+
+    return payload
+
+
 # ----------------------------------------------------------------------------- routes
 
 
@@ -260,6 +321,83 @@ ROUTES = [
     Route("component-route-interpolation", f"`loss._component_: ${{oc.env:{ENV_COMPONENT}}}`, "
           "the variable holding `peft.utils.other.os.system`", "peft.utils.other.os.system",
           f"'peft.utils.other.os' {_OS}", _shell, placement="env"),
+    # tunesmith's own callables that carry no @component mark
+    Route("component-run-sandboxed", "`tunesmith.rl.rewards.run_sandboxed` with `code:`: the "
+          "CodeTests sandbox runner runs any Python a config gives it",
+          "tunesmith.rl.rewards.run_sandboxed", f"'tunesmith.rl.rewards.sandbox.run_sandboxed', "
+          f"{_UNMARKED}", _sandboxed_code, live=False),
+    Route("component-run-sandboxed-module", "`tunesmith.rl.rewards.sandbox.run_sandboxed`: the "
+          "runner by its own module", "tunesmith.rl.rewards.sandbox.run_sandboxed", _UNMARKED,
+          _sandboxed_code, live=False),
+    Route("component-code-harness", "`tunesmith.rl.rewards.code.harness`: builds the program "
+          "CodeTests runs", "tunesmith.rl.rewards.code.harness",
+          f"'tunesmith.rl.rewards.code.harness', {_UNMARKED}", _harness, live=False),
+    Route("component-save-hf-checkpoint", "`tunesmith.models.hf.save_hf_checkpoint`: writes a "
+          "checkpoint wherever `path:` says", "tunesmith.models.hf.save_hf_checkpoint",
+          _UNMARKED, _hf_weights, live=False),
+    Route("component-tokenizer-internals", "`tunesmith.data.tokenizer.Tokenizer`: the class "
+          "itself (only its `from_pretrained` is a component)", "tunesmith.data.tokenizer."
+          "Tokenizer", f"'tunesmith.data.tokenizer.Tokenizer', {_UNMARKED}", _folder,
+          live=False),
+    # methods reached through their class, called on an object a `self:` argument builds
+    Route("component-method-through-self", "`tunesmith.rl.rewards.CodeTests.score` with `self: "
+          "{_component_: ...CodeTests}`: any method of an allowed class",
+          "tunesmith.rl.rewards.CodeTests.score",
+          f"{_UNBOUND} 'tunesmith.rl.rewards.code.CodeTests'", _score_through_self, live=False),
+    Route("component-torch-method-through-self", "`torch.nn.Module.register_forward_hook` with "
+          "`self:` a Linear", "torch.nn.Module.register_forward_hook",
+          f"{_UNBOUND} 'torch.nn.modules.module.Module'", _hook_through_self, live=False),
+    Route("component-torch-apply-through-self", "`torch.nn.Module.apply` with `self:` a Linear "
+          "and `fn:`", "torch.nn.Module.apply", f"{_UNBOUND} 'torch.nn.modules.module.Module'",
+          _apply_through_self, live=False),
+    Route("component-datasets-method-through-self", "`datasets.Dataset.to_json` with `self:` a "
+          "`Dataset.from_dict`: writes any file", "datasets.Dataset.to_json",
+          f"{_UNBOUND} 'datasets.arrow_dataset.Dataset'", _to_json_through_self),
+    # safety keywords that are not exactly their safe value
+    *(
+        Route(f"weights-only-{name}", f"`weights_only: {shown}` to an allowed loader "
+              "(`peft.utils.save_and_load.torch_load`)", "peft.utils.save_and_load.torch_load",
+              f"weights_only={said} {_NOT_TRUE}", _weights_only(value),
+              where="loss.weights_only", live=live)
+        for name, shown, said, value, live in (
+            ("zero", "0", "0", 0, True),
+            ("zero-float", "0.0", "0.0", 0.0, True),
+            ("empty-list", "[]", "[]", [], True),
+            ("empty-string", '""', "''", "", True),
+            ("string-false", '"false"', "'false'", "false", False),
+            ("null", "null", "null", None, False),
+        )
+    ),
+    Route("weights-only-zero-nested", "`loss.inner.weights_only: 0`: a falsy value one level "
+          "down", "peft.utils.save_and_load.torch_load", f"weights_only=0 {_NOT_TRUE}",
+          _weights_only(0), placement="nested", where="loss.inner.weights_only"),
+    *(
+        Route(f"trust-remote-code-{name}", f"`trust_remote_code: {shown}` to "
+              "`transformers.AutoConfig.from_pretrained`", "transformers.AutoConfig."
+              "from_pretrained", f"trust_remote_code={said} {_NOT_FALSE}",
+              _trust_remote_code(value), where="loss.trust_remote_code", live=False)
+        for name, shown, said, value in (("one", "1", "1", 1), ("null", "null", "null", None),
+                                         ("string", '"yes"', "'yes'", "yes"))
+    ),
+    # nodes made by ${oc.create:{...}}: validate walks them where they are used
+    Route("oc-create-top-level", "`loss: ${oc.create:{_component_: os.system, command: ...}}`",
+          "os.system", "'os.system' is outside the allowed packages", _shell,
+          placement="create"),
+    Route("oc-create-nested", "`loss.inner: ${oc.create:{_component_: os.system, ...}}`: an "
+          "argument of an allowed loss", "os.system", "'os.system' is outside the allowed "
+          "packages", _shell, placement="create-nested"),
+    Route("oc-create-list-item", "`metric_loggers: ['${oc.create:{_component_: os.system, "
+          "...}}']`", "os.system", "'os.system' is outside the allowed packages", _shell,
+          placement="create-list"),
+    Route("oc-create-torch-os", "`loss: ${oc.create:{_component_: torch.os.system, ...}}`",
+          "torch.os.system", f"'torch.os' {_OS}", _shell, placement="create"),
+    Route("oc-create-weights-only", "`loss: ${oc.create:{..., weights_only: 0}}`: a falsy "
+          "safety keyword inside a made node", "peft.utils.save_and_load.torch_load",
+          f"weights_only=0 {_NOT_TRUE}", _weights_only(0), placement="create",
+          where="loss.weights_only"),
+    Route("oc-create-unmarked", "`loss: ${oc.create:{_component_: tunesmith.rl.rewards."
+          "run_sandboxed, code: ...}}`", "tunesmith.rl.rewards.run_sandboxed", _UNMARKED,
+          _sandboxed_code, placement="create", live=False),
 ]  # fmt: skip
 
 _ROUTE_CASES = [

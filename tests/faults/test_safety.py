@@ -123,22 +123,47 @@ def allowed_packages_imported() -> None:
     import transformers.utils.hub  # noqa: F401
 
 
+def _grammar(value: object) -> str:
+    """``value`` written in omegaconf's interpolation grammar (keys unquoted), for
+    ``${oc.create:...}``.
+
+    >>> _grammar({"_component_": "os.system", "command": "touch x"})
+    '{_component_: "os.system", command: "touch x"}'
+    """
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key}: {_grammar(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_grammar(item) for item in value) + "]"
+    return json.dumps(value)  # strings quoted, numbers, true/false, null
+
+
 def _route_overrides(route: safety_cases.Route, folder: Path, marker: Path) -> list[str]:
     """The CLI overrides that put ``route`` into the tiny sft config."""
     node = {"_component_": route.component, **route.payload(folder, marker)}
+    loss = "tunesmith.modules.losses.CrossEntropyLoss"
     if route.placement == "env":
         node["_component_"] = f"${{oc.env:{safety_cases.ENV_COMPONENT}}}"
     if route.placement == "list":
         return [f"metric_loggers=[{json.dumps(node)}]"]
     if route.placement == "nested":
-        node = {"_component_": "tunesmith.modules.losses.CrossEntropyLoss", "inner": node}
+        node = {"_component_": loss, "inner": node}
+    if route.placement.startswith("create"):
+        made = f"${{oc.create:{_grammar(node)}}}"
+        if route.placement == "create-list":
+            return [f"metric_loggers=[{json.dumps(made)}]"]
+        if route.placement == "create-nested":
+            return [f"loss={{_component_: {loss}, inner: {json.dumps(made)}}}"]
+        return [f"loss={made}"]
     return [f"loss={json.dumps(node)}"]
 
 
 def _prepare(route: safety_cases.Route, folder: Path, marker: Path, monkeypatch) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     overrides = _route_overrides(route, folder, marker)
-    monkeypatch.setenv(safety_cases.ENV_COMPONENT, route.component)
+    if route.placement == "env":
+        monkeypatch.setenv(safety_cases.ENV_COMPONENT, route.component)
+    else:  # a variable the config once read is redacted from messages while it is set
+        monkeypatch.delenv(safety_cases.ENV_COMPONENT, raising=False)
     if (folder / "pkgs").is_dir():
         monkeypatch.syspath_prepend(str(folder / "pkgs"))
     return overrides
@@ -147,13 +172,13 @@ def _prepare(route: safety_cases.Route, folder: Path, marker: Path, monkeypatch)
 def _show_live(route: safety_cases.Route, folder: Path, marker: Path) -> None:
     """Called as the config would call it, with the allow-list lifted, the route runs its
     payload: the refused route is a real one."""
-    from tunesmith.config import resolve_component
+    from tunesmith.config import instantiate
 
-    target = resolve_component(route.component, allow_any_component=True)
+    node = {"_component_": route.component, **route.payload(folder, marker)}
 
     def call() -> None:
-        try:
-            target(**route.payload(folder, marker))
+        try:  # built as the config would build it: nested nodes (a `self:`) first
+            instantiate(node, allow_any_component=True)
         except KeyboardInterrupt:
             raise
         except BaseException:  # dcp's CheckpointException is one; the payload ran before it

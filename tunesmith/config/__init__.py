@@ -13,6 +13,7 @@ Example::
 from tunesmith.config.components import (
     ALLOW_ANY_COMPONENT_ENV,
     ALLOWED_COMPONENT_PREFIXES,
+    CHECKED_LIBRARIES,
     COMPONENT_KEY,
     DENIED_COMPONENTS,
     any_component_allowed,
@@ -24,6 +25,7 @@ from tunesmith.config.errors import ConfigError, ConfigIssue
 from tunesmith.config.instantiate import instantiate
 from tunesmith.config.loading import config_to_yaml, load_config
 from tunesmith.config.overrides import apply_overrides, parse_override
+from tunesmith.config.registry import component, is_marked
 from tunesmith.config.render import display_config, plain_config
 from tunesmith.config.validate import check_keys, validate_config
 
@@ -31,17 +33,20 @@ __all__ = [
     "ALLOWED_COMPONENT_PREFIXES",
     "DENIED_COMPONENTS",
     "ALLOW_ANY_COMPONENT_ENV",
+    "CHECKED_LIBRARIES",
     "COMPONENT_KEY",
     "ConfigError",
     "ConfigIssue",
     "any_component_allowed",
     "apply_overrides",
     "check_keys",
+    "component",
     "component_refusal",
     "config_to_yaml",
     "display_config",
     "instantiate",
     "is_component_allowed",
+    "is_marked",
     "load_config",
     "parse_override",
     "plain_config",

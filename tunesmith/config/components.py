@@ -9,6 +9,14 @@ started by torchrun) a path is resolved under these rules:
 - the module imported first must lie in a package of :data:`ALLOWED_COMPONENT_PREFIXES`,
   checked on the name before anything is imported;
 - no part of the path may start with ``_`` (private names and ``__globals__``-like ones);
+- what the path resolves to, when it is defined in tunesmith or in another package of the list
+  that is not one of the :data:`CHECKED_LIBRARIES` (a user's own ``mylab.``), must carry the
+  positive mark :func:`tunesmith.config.registry.component` itself: a package's helpers and
+  code runners (the CodeTests sandbox runner) are never built from a config;
+- a plain function or method descriptor reached through a class (``CodeTests.score``,
+  ``torch.nn.Module.register_forward_hook``: an unbound method, which a ``self:`` argument would
+  call on an object of the config's choosing) is refused unless that function is marked; a
+  classmethod bound to its class (``transformers.AutoModel.from_pretrained``) is not unbound;
 - every hop of the chain is judged by what it *is*, not by how it was reached: a module by its
   ``__name__``, a function by the module whose globals it runs in (and what it wraps), a class
   by its defining module and qualified name, a bound method by its function and owner, any
@@ -46,10 +54,12 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from tunesmith.config.errors import ConfigError, did_you_mean, join_path, type_name
+from tunesmith.config.registry import is_marked
 
 __all__ = [
     "ALLOWED_COMPONENT_PREFIXES",
     "ALLOW_ANY_COMPONENT_ENV",
+    "CHECKED_LIBRARIES",
     "COMPONENT_KEY",
     "DENIED_COMPONENTS",
     "any_component_allowed",
@@ -73,6 +83,18 @@ ALLOWED_COMPONENT_PREFIXES: list[str] = [
     "peft.",
     "datasets.",
 ]
+
+# The libraries of the list whose objects are judged by what each hop is (and the deny-list)
+# and need no mark; in every other allowed package (tunesmith's own, a user's) only objects
+# marked with ``@component`` (tunesmith.config.registry) are built.
+CHECKED_LIBRARIES: tuple[str, ...] = (
+    "torch.",
+    "torchao.",
+    "bitsandbytes.",
+    "transformers.",
+    "peft.",
+    "datasets.",
+)
 
 # What a path may not resolve to even inside the allowed packages: a module (and everything
 # defined in it) or a ``module.QualifiedName``. Matched against where an object is *defined*,
@@ -170,7 +192,9 @@ DENIED_COMPONENTS: list[str] = [
     "bitsandbytes.cextension",  # dlopen
     "bitsandbytes.diagnostics",
     "bitsandbytes.__main__",
-    # tunesmith's own entry points: they run (or resolve) other configs and recipes
+    # tunesmith's own entry points: they run (or resolve) other configs and recipes. The mark
+    # already refuses anything unmarked; these stay as a second fence (a mark put there by
+    # mistake is still refused).
     "tunesmith.cli",
     "tunesmith.config",
     "tunesmith.recipes",
@@ -191,6 +215,12 @@ _DESCRIPTORS = (
     types.MemberDescriptorType,
 )
 _WHY_DENIED = "loads pickles, TorchScript or downloaded code, or runs code or commands"
+_UNBOUND = (types.FunctionType, *_DESCRIPTORS)
+_HOW_TO_MARK = (
+    "only callables marked with @tunesmith.config.component are built from a config; for a "
+    "package of your own, add its prefix to tunesmith.config.ALLOWED_COMPONENT_PREFIXES and "
+    "mark what a config may build"
+)
 
 
 class _Refused(Exception):
@@ -282,16 +312,31 @@ def resolve_component(
 
 
 def unsafe_argument(key: object, value: object) -> str | None:
-    """Why passing ``key=value`` to a component is refused without the flag (None if fine):
-    ``trust_remote_code`` true, or ``weights_only`` false, turn on code execution in loaders.
+    """Why passing ``key=value`` to a component is refused without the flag (None if fine).
+    The safety keywords must be exactly their safe value, or absent: ``trust_remote_code``
+    ``False`` and ``weights_only`` ``True`` (``0``, ``[]``, ``""``, ``"false"`` or ``null``
+    are not ``True``: torch's own default can be switched off by an environment variable, and
+    transformers asks on a terminal when ``trust_remote_code`` is ``None``).
 
     >>> unsafe_argument("weights_only", False)
     'weights_only=false would unpickle arbitrary objects (and run their code)'
+    >>> unsafe_argument("weights_only", 0)
+    'weights_only=0 is not true: only true (or leaving it out) is accepted; ...'
     """
-    if key == "trust_remote_code" and value:
-        return "trust_remote_code=true would run Python code downloaded with the model"
-    if key == "weights_only" and value is False:
-        return "weights_only=false would unpickle arbitrary objects (and run their code)"
+    if key == "trust_remote_code" and value is not False:
+        if value is True:
+            return "trust_remote_code=true would run Python code downloaded with the model"
+        return (
+            f"trust_remote_code={_shown(value)} is not false: only false (or leaving it out) "
+            "is accepted; any other value may run Python code downloaded with the model"
+        )
+    if key == "weights_only" and value is not True:
+        if value is False:
+            return "weights_only=false would unpickle arbitrary objects (and run their code)"
+        return (
+            f"weights_only={_shown(value)} is not true: only true (or leaving it out) is "
+            "accepted; any other value may unpickle arbitrary objects (and run their code)"
+        )
     return None
 
 
@@ -306,6 +351,8 @@ def unsafe_arguments(value: object, path: str) -> Iterator[tuple[str, str]]:
         items: Iterable[tuple[object, object]] = value.items()
     elif type(value) in (list, tuple):
         items = enumerate(value)  # type: ignore[arg-type]
+    elif isinstance(value, (DictConfig, ListConfig)):  # a runtime keyword given as a node
+        items = _node_items(value)
     else:
         return
     for key, item in items:
@@ -316,9 +363,22 @@ def unsafe_arguments(value: object, path: str) -> Iterator[tuple[str, str]]:
         yield from unsafe_arguments(item, item_path)
 
 
+def _node_items(node: DictConfig | ListConfig) -> Iterator[tuple[object, object]]:
+    """``node``'s (key, resolved value) pairs; a value that does not resolve is skipped (it is
+    reported where it is read)."""
+    keys: Iterable[object] = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for key in keys:
+        try:
+            yield key, node[key]  # type: ignore[index]
+        except Exception:
+            continue
+
+
 def _shown(value: object) -> str:
     if isinstance(value, (DictConfig, ListConfig)):
         return repr(OmegaConf.to_container(value, resolve=False))
+    if value is None:
+        return "null"
     return repr(value)
 
 
@@ -332,10 +392,44 @@ def _locate(path: str, *, checked: bool) -> object:
         _check_names(parts)
     obj, found = _import_longest(path, parts, checked)
     for index in range(found, len(parts)):
-        obj = _attribute(obj, parts, index)
+        owner, obj = obj, _attribute(obj, parts, index)
         if checked:
-            _judge(".".join(parts[: index + 1]), obj)
+            hop = ".".join(parts[: index + 1])
+            _judge(hop, obj)
+            _check_unbound(hop, owner, obj)
+    if checked:
+        _check_mark(path, obj)
     return obj
+
+
+def _check_unbound(hop: str, owner: object, obj: object) -> None:
+    """Refuse a plain function or method descriptor taken from a class (an unbound method,
+    which a ``self`` argument would call on any object), unless it is marked.
+
+    >>> _check_unbound("torch.nn.Module.register_forward_hook", torch.nn.Module, fn)
+    Traceback (most recent call last):
+    _Refused: 'torch.nn.Module.register_forward_hook' is an unbound method of the class ...
+    """
+    if isinstance(owner, type) and isinstance(obj, _UNBOUND) and not is_marked(obj):
+        where = f"{owner.__module__}.{owner.__qualname__}"
+        raise _Refused(
+            f"{hop!r} is an unbound method of the class {where!r} (a `self` argument would "
+            "call it on any object); only a method marked with @tunesmith.config.component is "
+            "built through its class"
+        )
+
+
+def _check_mark(path: str, obj: object) -> None:
+    """Refuse ``obj`` defined in a package that needs the mark (tunesmith's own, a user's)
+    unless it carries it (see :mod:`tunesmith.config.registry`)."""
+    if is_marked(obj):
+        return
+    for origin in _origins(obj):
+        if _needs_mark(origin.module):
+            raise _Refused(
+                f"{path!r} is the {origin.kind} {origin.name!r}, which is not marked as a "
+                f"component ({_HOW_TO_MARK})"
+            )
 
 
 def _check_names(parts: list[str]) -> None:
@@ -535,6 +629,13 @@ def _prefixes() -> list[str]:
 
 def _packages() -> str:
     return ", ".join(p.rstrip(".") for p in ALLOWED_COMPONENT_PREFIXES)
+
+
+def _needs_mark(module: str) -> bool:
+    """Whether objects defined in ``module`` are built only when marked: an allowed package
+    that is not one of :data:`CHECKED_LIBRARIES` (``tunesmith``, a user's ``mylab``)."""
+    checked = any(f"{module}.".startswith(prefix) for prefix in CHECKED_LIBRARIES)
+    return _in_allowed_package(module) and not checked
 
 
 def _in_allowed_package(name: str) -> bool:

@@ -95,23 +95,47 @@ def _call_component(
         target = resolve_component(spec, allow_any_component=allow_any)
     except ConfigError as exc:
         raise ConfigError(exc.message, path=component_path) from exc.__cause__
+    if not any_component_allowed(allow_any):  # before anything nested is built
+        _refuse_unsafe(node, spec, path, kwargs)
     call_kwargs = {
         key: _child(node, key, path, allow_any)
         for key in node
         if key != COMPONENT_KEY and key not in kwargs
     }
     call_kwargs.update(kwargs)
-    unsafe = next(unsafe_arguments(call_kwargs, path), None)  # trust_remote_code, weights_only
-    if unsafe is not None and not any_component_allowed(allow_any):
-        arg_path, reason = unsafe
-        raise ConfigError(
-            f"{reason} ({spec}); refused unless any component is allowed "
-            f"(--allow-any-component, or {ALLOW_ANY_COMPONENT_ENV}=1)",
-            path=arg_path,
-        )
     try:
         return target(*args, **call_kwargs)
     except ConfigError as exc:
         raise ConfigError(f"building {spec}: {exc}", path=path) from exc
     except Exception as exc:
         raise ConfigError(f"{type(exc).__name__}: {exc}", path=path) from exc
+
+
+def _refuse_unsafe(node: DictConfig, spec: object, path: str, kwargs: dict[str, Any]) -> None:
+    """Raise for the first ``trust_remote_code`` / ``weights_only`` other than its safe value
+    among the node's resolved values (at any depth; keys the caller passes are judged on what
+    the caller passes)."""
+    own = ((key, value) for key, value in _resolved_items(node) if key not in kwargs)
+    found = next(unsafe_arguments(dict(own), path), None)
+    found = found or next(unsafe_arguments(kwargs, path), None)
+    if found is not None:
+        arg_path, reason = found
+        raise ConfigError(
+            f"{reason} ({spec}); refused unless any component is allowed "
+            f"(--allow-any-component, or {ALLOW_ANY_COMPONENT_ENV}=1)",
+            path=arg_path,
+        )
+
+
+def _resolved_items(node: DictConfig) -> list[tuple[Any, Any]]:
+    """(key, resolved value) of ``node``'s keys but ``_component_``; a value that does not
+    resolve is left out (reading it for the call reports it)."""
+    items = []
+    for key in node:
+        if key == COMPONENT_KEY:
+            continue
+        try:
+            items.append((key, node[key]))
+        except Exception:
+            continue
+    return items

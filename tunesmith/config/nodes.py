@@ -20,7 +20,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from tunesmith.config.errors import ConfigError
 
-__all__ = ["has_key", "node_path", "read_child", "raw_child"]
+__all__ = ["has_key", "is_tree_node", "node_path", "read_child", "raw_child"]
 
 
 def has_key(node: DictConfig, key: Any) -> bool:
@@ -29,7 +29,8 @@ def has_key(node: DictConfig, key: Any) -> bool:
 
 
 def node_path(node: object) -> str:
-    """Dotted path of ``node`` inside its root config (``""`` for a root or a plain object).
+    """Dotted path of ``node`` inside its root config (``""`` for a root or a plain object, or
+    for a node a resolver made, ``${oc.create:...}``, which has no key in the tree).
 
     List indices are path segments too: ``cfg.stages[0].heads[1]`` is ``"stages.0.heads.1"``.
     """
@@ -38,11 +39,32 @@ def node_path(node: object) -> str:
     parts: list[str] = []
     try:
         while node._get_parent() is not None:
-            parts.append(str(node._key()))
+            key = node._key()
+            if key is None:  # made by a resolver: its place in the tree is not known here
+                return ""
+            parts.append(str(key))
             node = node._get_parent()
     except Exception:  # an unusual node: report paths relative to it
         return ""
     return ".".join(reversed(parts))
+
+
+def is_tree_node(node: Container) -> bool:
+    """Whether ``node`` is a node of its config tree (what ``${a.b}`` resolves to), not one a
+    resolver made (``${oc.create:{...}}``: no key, a new object at every access).
+
+    >>> cfg = OmegaConf.create({"a": {"x": 1}, "b": "${a}", "c": "${oc.create:{x: 1}}"})
+    >>> is_tree_node(cfg.b), is_tree_node(cfg.c)
+    (True, False)
+    """
+    try:
+        while node._get_parent() is not None:
+            if node._key() is None:
+                return False
+            node = node._get_parent()
+    except Exception:
+        return False
+    return True
 
 
 def raw_child(parent: DictConfig | ListConfig, key: Any) -> Any:

@@ -5,10 +5,13 @@ checks that the path is allowed and imports (suggesting the closest name), that 
 a parameter of the callable (suggesting the closest parameter) unless it takes ``**kwargs``,
 that required parameters are present, and that values fit plain ``int``/``float``/``bool``/
 ``str`` annotations (and ``Optional``/unions of those; ``Tensor`` members are ignored since a
-YAML value never is one). Everywhere it reports interpolations that do not resolve (missing
+YAML value never is one). Containers a resolver makes (``${oc.create:{_component_: ...}}`` as a
+value, an argument or a list item) are walked where they are used, under that dotted path.
+Everywhere it reports interpolations that do not resolve (missing
 target, circular reference) and missing ``???`` values (once: not again at every
 interpolation that refers to one), and (unless any component is allowed)
-``trust_remote_code: true`` / ``weights_only: false``, which ``instantiate`` refuses too. A
+``trust_remote_code`` other than false / ``weights_only`` other than true, at any depth and on
+the resolved value, which ``instantiate`` refuses too. A
 component path is resolved by :func:`resolve_component`, the very check ``instantiate`` makes,
 so ``tunesmith validate`` refuses exactly what ``tunesmith run`` would.
 
@@ -46,7 +49,7 @@ from tunesmith.config.components import (
     unsafe_argument,
 )
 from tunesmith.config.errors import ConfigError, ConfigIssue, join_path, suggestion
-from tunesmith.config.nodes import has_key, read_child
+from tunesmith.config.nodes import has_key, is_tree_node, read_child
 from tunesmith.config.typecheck import type_problem
 
 __all__ = ["check_keys", "validate_config"]
@@ -149,9 +152,10 @@ class _Walker:
         if reason is not None and not any_component_allowed(self.allow_any):
             hint = f"(--allow-any-component, or {ALLOW_ANY_COMPONENT_ENV}=1)"
             self.add(child_path, f"{reason}; refused unless any component is allowed {hint}")
-        # An interpolated container is validated where it is defined, not again here.
-        if isinstance(value, (DictConfig, ListConfig)) and not OmegaConf.is_interpolation(
-            parent, key
+        # A reference to another node of the tree is validated where that node is defined; a
+        # container a resolver made (`${oc.create:{...}}`) exists only here: validated here.
+        if isinstance(value, (DictConfig, ListConfig)) and not (
+            OmegaConf.is_interpolation(parent, key) and is_tree_node(value)
         ):
             self.node(value, child_path)
         return True, value

@@ -49,6 +49,7 @@ from torch.utils.data import Dataset
 
 from tunesmith.config.components import resolve_component
 from tunesmith.config.errors import suggestion
+from tunesmith.config.registry import component
 from tunesmith.data.report import DataError
 
 if TYPE_CHECKING:
@@ -253,6 +254,7 @@ def _part_builder(
     return build
 
 
+@component
 class DatasetMix(Dataset):
     """Several datasets, of any format, mixed by ``weights`` or ``epochs`` (module docs).
 

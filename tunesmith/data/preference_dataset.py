@@ -99,6 +99,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Dataset
 
+from tunesmith.config.registry import component
 from tunesmith.data.formats import check_columns, check_messages, resolve_columns
 from tunesmith.data.labels import count_trained, make_labels
 from tunesmith.data.chat_template import TemplateBudgetError
@@ -511,6 +512,7 @@ def tokenize_pair(
 # ---------------------------------------------------------------------------- dataset
 
 
+@component
 class PreferenceDataset(Dataset):
     """Preference pairs (chosen / rejected replies to one prompt) from a file or Hub dataset.
 

@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Dataset
 
+from tunesmith.config.registry import component
 from tunesmith.data.formats import (
     PROMPT_STYLES,
     Conversation,
@@ -161,6 +162,7 @@ def tokenize_example(
     return {"input_ids": ids, "labels": labels}, bool(cut)
 
 
+@component
 class SFTDataset(Dataset):
     """Supervised fine-tuning samples from a local file or a Hub dataset.
 

@@ -53,6 +53,7 @@ from typing import Any, Literal, overload
 import jinja2
 import tokenizers
 
+from tunesmith.config import registry
 from tunesmith.data.chat_template import (
     TEMPLATE_NAMES,
     TemplateBudgetError,
@@ -201,6 +202,7 @@ class Tokenizer:
     # -----------------------------------------------------------------------------------------
     # Loading
 
+    @registry.component
     @classmethod
     def from_pretrained(
         cls, folder: str | PathLike[str], *, chat_template: str | PathLike[str] | None = None

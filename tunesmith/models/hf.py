@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tunesmith.config.registry import component
 from tunesmith.models.builder import build_model
 from tunesmith.models.manifest import has_manifest, manifest_problem
 from tunesmith.models.safetensors_io import (
@@ -190,6 +191,7 @@ def verify_own_checkpoint(folder: str | os.PathLike) -> None:
         raise CheckpointError(problem)
 
 
+@component
 def from_hf(
     path: str | os.PathLike,
     *,

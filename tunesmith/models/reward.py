@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tunesmith.config.registry import component
 from tunesmith.models.builder import build_model
 from tunesmith.models.hf import (
     CONFIG_NAME,
@@ -273,6 +274,7 @@ def _stored_num_labels(folder: Path, num_labels: int) -> int | None:
     return stored
 
 
+@component
 def reward_model_from_hf(
     path: str | os.PathLike,
     *,

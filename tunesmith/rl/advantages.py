@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tunesmith.config.registry import component
+
 __all__ = ["BatchNormalized", "GroupNormalized", "LeaveOneOut", "gae", "whiten"]
 
 
@@ -53,6 +55,7 @@ def _centered(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return centered.masked_fill(tied, 0.0), tied
 
 
+@component
 @dataclass(frozen=True)
 class GroupNormalized:
     """GRPO's advantage (Shao et al. 2024): ``(r - mean_g) / (std_g + eps)`` over each
@@ -86,6 +89,7 @@ class GroupNormalized:
         return centered.reshape(-1)
 
 
+@component
 @dataclass(frozen=True)
 class LeaveOneOut:
     """RLOO's advantage (Ahmadian et al. 2024): each completion's reward minus the mean of the
@@ -110,6 +114,7 @@ class LeaveOneOut:
         return (groups - others).masked_fill(tied, 0.0).reshape(-1)
 
 
+@component
 @dataclass(frozen=True)
 class BatchNormalized:
     """REINFORCE++ with a group baseline (Hu et al. 2025): subtract each group's mean, then

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
+from tunesmith.config.registry import component
 from tunesmith.data.formats import check_messages
 from tunesmith.data.report import (
     EMPTY_TEXT,
@@ -194,6 +195,7 @@ class _PromptSequence(Sequence[Prompt]):
 # Prompt datasets
 
 
+@component
 class PromptDataset(_PromptSequence):
     """RL prompts (and reference answers) from a local file or a Hub dataset.
 
@@ -313,6 +315,7 @@ def _jsonable(entry: Any) -> Any:
     return json.loads(json.dumps(entry, default=str))
 
 
+@component
 class ReasoningGymPrompts(_PromptSequence):
     """Prompts of procedurally generated ``reasoning_gym`` tasks (generated here, no download).
 

@@ -43,6 +43,8 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
+from tunesmith.config.registry import component
+
 __all__ = [
     "constant_with_warmup",
     "cosine_with_warmup",
@@ -95,6 +97,7 @@ class _WarmupDecay:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * max(0.0, factor)
 
 
+@component
 def cosine_with_warmup(
     optimizer: Optimizer,
     *,
@@ -121,6 +124,7 @@ def cosine_with_warmup(
     return LambdaLR(optimizer, fn, last_epoch=last_epoch)
 
 
+@component
 def linear_with_warmup(
     optimizer: Optimizer,
     *,
@@ -140,6 +144,7 @@ def linear_with_warmup(
     return LambdaLR(optimizer, fn, last_epoch=last_epoch)
 
 
+@component
 def constant_with_warmup(
     optimizer: Optimizer,
     *,

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tunesmith.config.registry import component
 from tunesmith.models.builder import build_model, family_spec
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import ModelSpec
@@ -105,6 +106,7 @@ def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) ->
     return build_model(spec(size, **overrides), device=device, dtype=dtype)
 
 
+@component
 def llama3_1_8b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -112,6 +114,7 @@ def llama3_1_8b(
     return _build("llama3_1_8b", device, dtype, overrides)
 
 
+@component
 def llama3_1_70b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -119,6 +122,7 @@ def llama3_1_70b(
     return _build("llama3_1_70b", device, dtype, overrides)
 
 
+@component
 def llama3_1_405b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -126,6 +130,7 @@ def llama3_1_405b(
     return _build("llama3_1_405b", device, dtype, overrides)
 
 
+@component
 def llama3_2_1b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -133,6 +138,7 @@ def llama3_2_1b(
     return _build("llama3_2_1b", device, dtype, overrides)
 
 
+@component
 def llama3_2_3b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -140,6 +146,7 @@ def llama3_2_3b(
     return _build("llama3_2_3b", device, dtype, overrides)
 
 
+@component
 def llama3_3_70b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -147,6 +154,7 @@ def llama3_3_70b(
     return _build("llama3_3_70b", device, dtype, overrides)
 
 
+@component
 def llama3_tiny(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:

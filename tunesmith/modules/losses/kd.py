@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tunesmith.config.registry import component
 from tunesmith.modules.losses import vocab_parallel as vp
 from tunesmith.modules.losses.token import IGNORE_INDEX, rows_per_chunk
 
@@ -114,6 +115,7 @@ def _projection_dtype(rows: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(rows.dtype, weight.dtype)
 
 
+@component
 class KDLoss(nn.Module):
     """Knowledge distillation from hidden states: ``(Σ divergence, Σ student CE)`` over the
     positions whose label is not ``ignore_index``, both float32 scalars (float64 for float64

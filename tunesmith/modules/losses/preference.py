@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tunesmith.config.registry import component
+
 __all__ = [
     "BradleyTerryLoss",
     "DPOLoss",
@@ -199,6 +201,7 @@ class _PairLoss(nn.Module):
         return ", ".join(f"{name}={getattr(self, name)}" for name in self._shown)
 
 
+@component
 class DPOLoss(_PairLoss):
     """Sigmoid DPO (Rafailov et al. 2023), with conservative label smoothing (cDPO, Mitchell
     2023): ``-(1-ε)·logσ(β·h) - ε·logσ(-β·h)``.
@@ -239,6 +242,7 @@ class DPOLoss(_PairLoss):
         return _output(losses, self.beta * (pi_c - ref_c), self.beta * (pi_r - ref_r))
 
 
+@component
 class IPOLoss(_PairLoss):
     """IPO (Azar et al. 2023): ``(h - 1/(2β))²``, a squared loss that pulls the reward margin
     to ``1/(2β)`` instead of pushing it to infinity.
@@ -277,6 +281,7 @@ class IPOLoss(_PairLoss):
         return _output(losses, self.beta * chosen_margin, self.beta * rejected_margin)
 
 
+@component
 class HingeLoss(_PairLoss):
     """Hinge loss of RSO (Liu et al. 2023): ``relu(1 - β·h)``. Rewards are ``β·(π - ref)``.
 
@@ -307,6 +312,7 @@ class HingeLoss(_PairLoss):
 # -- reference-free losses ---------------------------------------------------------------------
 
 
+@component
 class SimPOLoss(_PairLoss):
     """SimPO (Meng et al. 2024): ``-logσ(β·π_c/|y_c| - β·π_r/|y_r| - γ)``, reference-free
     (a passed ``reference`` is ignored). The length-normalised log-probability is the implicit
@@ -336,6 +342,7 @@ class SimPOLoss(_PairLoss):
         return _output(losses, chosen_rewards, rejected_rewards)
 
 
+@component
 class ORPOLoss(_PairLoss):
     """ORPO (Hong et al. 2024), reference-free: per pair
     ``NLL_c - β·logσ(log odds(y_c) - log odds(y_r))``.
@@ -379,6 +386,7 @@ def _log_odds(avg_logp: torch.Tensor) -> torch.Tensor:
 # -- reward models ----------------------------------------------------------------------------
 
 
+@component
 class BradleyTerryLoss(nn.Module):
     """Bradley-Terry loss of a reward model: ``-logσ(s_c - s_r - margin)`` per pair.
 

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tunesmith.config.registry import component
+
 __all__ = [
     "AGGREGATIONS",
     "KL_KINDS",
@@ -194,6 +196,7 @@ def _check_clip(name: str, value: float | None, optional: bool = False) -> None:
         raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
 
+@component
 class PolicyLoss(nn.Module):
     """PPO's clipped surrogate (Schulman et al. 2017) per token, with DAPO's asymmetric
     "clip-higher" range, optional dual clip, and GSPO's sequence-level ratio.
@@ -374,6 +377,7 @@ def kl_penalty(
     return torch.expm1(diff) - diff
 
 
+@component
 class KLPenalty(nn.Module):
     """``coef ·`` the aggregated :func:`kl_penalty` of the policy against a frozen reference:
     a loss term summed with the same ``aggregation`` (and ``max_tokens``) as the policy loss,
@@ -483,6 +487,7 @@ def value_loss(
     return ValueLossOutput(loss, {"value_clip_fraction": fraction})
 
 
+@component
 class ValueLoss(nn.Module):
     """:func:`value_loss` with its ``clip`` and aggregation fixed, for a config's
     ``_component_``.

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from tunesmith.config.registry import component
 from tunesmith.modules.losses import vocab_parallel as vp
 
 __all__ = [
@@ -39,6 +40,7 @@ IGNORE_INDEX = -100
 definition, re-exported by :mod:`tunesmith.data.labels`."""
 
 
+@component
 class CrossEntropyLoss(nn.Module):
     """Summed cross-entropy over positions whose label is not ``ignore_index`` (in float32)."""
 
@@ -258,6 +260,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
+@component
 class LinearCrossEntropyLoss(nn.Module):
     """Cross-entropy that owns the output projection: ``CE(hidden @ weight.T, labels)``
     without ever materialising the ``[batch, seq, vocab]`` logits.

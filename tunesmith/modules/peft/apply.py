@@ -38,6 +38,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from tunesmith.config.registry import component
 from tunesmith.modules.dtypes import dtype_from_name
 from tunesmith.modules.moe import PROJECTIONS, ExpertLoRA, GroupedExperts, MoE
 from tunesmith.modules.peft.dora import DoRALinear
@@ -300,6 +301,7 @@ def add_adapter(
     return layer
 
 
+@component
 def apply_lora(
     model: nn.Module,
     *,

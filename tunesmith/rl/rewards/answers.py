@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
+from tunesmith.config.registry import component
 from tunesmith.rl.rewards.base import Sample
 
 __all__ = ["EXTRACT_MODES", "ExactAnswer", "MathAnswer", "extract_answer", "parse_number"]
@@ -149,6 +150,7 @@ def _references(answer: Any) -> list[Any]:
     return list(answer) if isinstance(answer, (list, tuple)) else [answer]
 
 
+@component
 class ExactAnswer:
     """1.0 when the extracted answer equals the reference, else 0.0.
 
@@ -213,6 +215,7 @@ class ExactAnswer:
 _THREAD_WARNED = False
 
 
+@component
 class MathAnswer:
     """1.0 when the completion's answer is mathematically equal to the reference
     (``math_verify.parse`` + ``math_verify.verify``), else 0.0.

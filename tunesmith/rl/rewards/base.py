@@ -31,6 +31,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from tunesmith.config.registry import component
+
 __all__ = ["Reward", "RewardResult", "RewardSet", "Sample"]
 
 logger = logging.getLogger(__name__)
@@ -103,6 +105,7 @@ class RewardResult:
     failures: dict[str, int]
 
 
+@component
 class RewardSet:
     """Several rewards, each with a weight; ``__call__`` scores a batch with all of them.
 

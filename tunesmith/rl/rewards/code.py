@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from tunesmith.config.registry import component
 from tunesmith.rl.rewards.base import Sample
 from tunesmith.rl.rewards.sandbox import (
     BEST_EFFORT_GAPS,
@@ -352,6 +353,7 @@ def _same_output(got: str, expected: str) -> bool:
     return norm(got) == norm(expected)
 
 
+@component
 class CodeTests:
     """Score code completions by running their tests in a sandbox (see the module docs).
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from tunesmith.config.registry import component
 from tunesmith.rl.rewards.base import Sample
 
 __all__ = ["THINK_ANSWER_PATTERN", "ThinkAnswerFormat"]
@@ -30,6 +31,7 @@ THINK_ANSWER_PATTERN = (
 )
 
 
+@component
 class ThinkAnswerFormat:
     """1.0 when the whole completion matches ``pattern`` (``re.fullmatch``, ``re.DOTALL``),
     else 0.0.

@@ -21,12 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tunesmith.config.registry import component
 from tunesmith.rl.rewards.answers import check_extract_mode, extract_answer
 from tunesmith.rl.rewards.base import Sample
 
 __all__ = ["ReasoningGymScore"]
 
 
+@component
 class ReasoningGymScore:
     """The reasoning-gym task's score of the completion's answer.
 

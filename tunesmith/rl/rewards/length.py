@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tunesmith.config.registry import component
 from tunesmith.rl.rewards.base import Sample
 
 __all__ = ["OverlongPenalty"]
@@ -28,6 +29,7 @@ def _positive_int(value: object, what: str) -> int:
     return value
 
 
+@component
 class OverlongPenalty:
     """DAPO's soft overlong punishment on :attr:`Sample.completion_tokens` (see the module
     docs), in ``[-1, 0]``.

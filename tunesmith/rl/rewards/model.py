@@ -27,11 +27,13 @@ from collections.abc import Sequence
 
 import torch
 
+from tunesmith.config.registry import component
 from tunesmith.rl.rewards.base import Sample
 
 __all__ = ["RewardModelScore"]
 
 
+@component
 class RewardModelScore:
     """The score a reward model gives ``prompt + completion + suffix``.
 

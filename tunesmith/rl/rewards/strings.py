@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tunesmith.config.registry import component
 from tunesmith.rl.rewards.base import Sample
 
 __all__ = ["CharacterMatch", "StringMatch", "character_match"]
@@ -77,6 +78,7 @@ class _StrippedText:
         raise NotImplementedError
 
 
+@component
 class StringMatch(_StrippedText):
     """1.0 when the completion is exactly the reference string, else 0.0.
 
@@ -96,6 +98,7 @@ class StringMatch(_StrippedText):
         return 1.0 if self.text(sample) in _references(sample.answer) else 0.0
 
 
+@component
 class CharacterMatch(_StrippedText):
     """Partial credit: :func:`character_match` of the completion and the reference (the best
     over a list of references), in [0, 1], 1.0 only for an exact match.
