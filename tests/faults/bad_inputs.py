@@ -582,6 +582,12 @@ BAD_INPUTS: list[BadInput] = [
 ]
 
 # Cases that live in their own modules (each area of the suite keeps its builders together).
-from tests.faults import bad_inputs_checkpoints, bad_inputs_errors, bad_inputs_loop  # noqa: E402
+from tests.faults import (  # noqa: E402
+    bad_inputs_checkpoints,
+    bad_inputs_errors,
+    bad_inputs_loop,
+    file_cases,
+)
 
 BAD_INPUTS += [*bad_inputs_loop.CASES, *bad_inputs_checkpoints.CASES, *bad_inputs_errors.CASES]
+BAD_INPUTS += file_cases.BAD_INPUTS

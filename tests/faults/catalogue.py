@@ -13,6 +13,7 @@ from __future__ import annotations
 from tests.faults.bad_inputs import BAD_INPUTS
 from tests.faults.checkpoint_cases import CHECKPOINT_FAULTS
 from tests.faults.error_cases import ERROR_FAULTS
+from tests.faults.file_cases import CASES as FILE_CASES
 from tests.faults.kit import Case
 from tests.faults.safety_cases import SAFETY
 
@@ -204,6 +205,7 @@ CASES: list[Case] = [
         for b in BAD_INPUTS  # the builders live in tests/faults/bad_inputs.py
     ),
     *SAFETY,
+    *FILE_CASES,
     *DETERMINISM,
 ]
 

@@ -27,6 +27,8 @@ from typing import Any, TextIO
 
 from tunesmith.cli.torchrun import RUN_LOG_ENV
 from tunesmith.config import load_config
+from tunesmith.config.secrets import redact
+from tunesmith.models.atomic import open_no_follow
 from tunesmith.recipes import load_recipe_module, run_recipe
 from tunesmith.training.console import Tee
 
@@ -75,7 +77,7 @@ class _Prefixed:
             if piece:
                 out.append(self.prefix + piece if self.at_start else piece)
                 self.at_start = piece.endswith("\n")
-        self.file.write("".join(out))
+        self.file.write(redact("".join(out)))  # the run's secret values never reach the log
         self.file.flush()
         return len(text)
 
@@ -89,7 +91,7 @@ class _Prefixed:
 def _route_output(log: Path, rank: int, *, console: bool) -> _Prefixed:
     """Send this rank's output to ``log`` (lines prefixed ``[rankN]: ``); with ``console`` to
     the console as well, else only to the log (C/C++ output too, unprefixed)."""
-    file = open(log, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
+    file = open_no_follow(log, "a", buffering=1, errors="replace")  # a planted link: refused
     prefixed = _Prefixed(file, f"[rank{rank}]: ")
     sys.stdout.flush()
     sys.stderr.flush()
@@ -110,13 +112,13 @@ def _record_failure(error: Exception, log: _Prefixed, rank: int, world_size: int
         >>> _record_failure(ValueError("batch_size: expected > 0"), log, 1, 2)  # doctest: +SKIP
         # error.json: {"message": {"message": "batch_size: expected > 0", "extraInfo": ...}}
     """
-    trace = "".join(traceback.format_exception(error))
+    trace = redact("".join(traceback.format_exception(error)))
     log.write(f"rank {rank} of {world_size} failed:\n{trace}")
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     now = time.time()
-    message = str(error).strip() or type(error).__name__
+    message = redact(str(error).strip() or type(error).__name__)
     data = {"message": {"message": message, "extraInfo": {
         "py_callstack": trace, "timestamp": str(int(now)), "time": now}}}  # fmt: skip
     with open(path, "w") as f:

@@ -157,7 +157,7 @@ def _run_torchrun(args: argparse.Namespace, cfg, recipe_file: Path, config_file:
     print(f"tunesmith: {world_size} ranks through torchrun; the full output of every rank and "
           f"of torchrun goes to {log}", file=sys.stderr)  # fmt: skip
     try:
-        env = {**os.environ, RUN_LOG_ENV: str(log), FAILURES_ENV: failures}
+        env = {**os.environ, RUN_LOG_ENV: str(log), FAILURES_ENV: failures, **_secret_env()}
         launcher = subprocess.Popen(command, env=env)
         # SIGTERM to this process goes to every rank (each then saves a checkpoint and exits 0,
         # so torchrun, and this command, exit 0); torchrun itself, signalled, would fail.
@@ -169,33 +169,57 @@ def _run_torchrun(args: argparse.Namespace, cfg, recipe_file: Path, config_file:
     if code == 0:
         return 0
     for line in failure_lines(records, world_size) or [f"torchrun exited with code {code}"]:
-        print(f"tunesmith: error: {line}", file=sys.stderr)
+        print(f"tunesmith: error: {_redacted(line)}", file=sys.stderr)
     print(f"tunesmith: the full output of every rank and of torchrun is in {log}", file=sys.stderr)
     return 1
 
 
 def _run_log(cfg, nnodes: int) -> Path:
     """Where a torchrun run's full output goes: ``<output_dir>/logs/torchrun-<date>-<time>.log``
-    (the host name added on several nodes), or a temp file when there is no output_dir.
+    (the host name added on several nodes), or a temp file when there is no output_dir. A
+    symbolic link planted as ``logs/`` is refused (the log file itself is opened without
+    following a link by :mod:`tunesmith.cli.torchrun` and every rank).
 
     Example::
 
         >>> _run_log(OmegaConf.create({"output_dir": "out"}), 1)  # doctest: +SKIP
         PosixPath('out/logs/torchrun-20261130-204637.log')
     """
+    from tunesmith.models.atomic import UnsafePathError, open_no_follow, real_folder
+
     name = "torchrun-" + time.strftime("%Y%m%d-%H%M%S")
     name += f"-{socket.gethostname()}" if nnodes > 1 else ""
     try:
         output_dir = cfg.get("output_dir")
         if output_dir:
-            folder = Path(str(output_dir)) / "logs"
-            folder.mkdir(parents=True, exist_ok=True)
-            return folder / f"{name}.log"
+            log = real_folder(Path(str(output_dir)) / "logs") / f"{name}.log"
+            open_no_follow(log, "a").close()  # here, so a planted link is refused in one line
+            return log
+    except UnsafePathError:  # a link planted as logs/: refused, never written through
+        raise
     except Exception:  # no output_dir, or not writable: a temp file instead
         pass
     fd, path = tempfile.mkstemp(prefix=f"tunesmith-{name}-", suffix=".log")
     os.close(fd)
     return Path(path)
+
+
+def _secret_env() -> dict[str, str]:
+    """For torchrun and the ranks: the names (never the values) of the environment variables
+    the config read, so their logs redact those values (:mod:`tunesmith.config.secrets`)."""
+    from tunesmith.config.secrets import SECRET_NAMES_ENV, secret_names
+
+    names = secret_names()
+    return {SECRET_NAMES_ENV: ",".join(names)} if names else {}
+
+
+def _redacted(line: str) -> str:
+    """``line`` with the run's secret values (``${oc.env:...}`` reads) shown as their names."""
+    if "tunesmith.config" not in sys.modules:  # nothing resolved: nothing to hide
+        return line
+    from tunesmith.config.secrets import redact
+
+    return redact(line)
 
 
 def _read_failures(path: Path) -> list[dict]:
@@ -574,7 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         message = str(e).strip() or type(e).__name__
-        print(f"tunesmith: error: {message}", file=sys.stderr)
+        print(f"tunesmith: error: {_redacted(message)}", file=sys.stderr)
         return 1
 
 

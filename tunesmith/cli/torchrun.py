@@ -28,6 +28,9 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from tunesmith.config.secrets import redact
+from tunesmith.models.atomic import open_no_follow
+
 __all__ = ["FAILURES_ENV", "RUN_LOG_ENV", "failure_lines", "main"]
 
 RUN_LOG_ENV = "TUNESMITH_RUN_LOG"
@@ -41,7 +44,7 @@ _RANK_PREFIX = re.compile(r"^rank \d+ of \d+: ")
 def main(argv: Sequence[str]) -> int:
     """Run torchrun with ``argv``; 0 when every rank succeeded, else 1 (failures recorded)."""
     path = os.environ[RUN_LOG_ENV]
-    log = open(path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
+    log = _RedactingLog(open_no_follow(path, "a", buffering=1, errors="replace"))
     sys.stdout = sys.stderr = log  # torchrun's prints and warnings; the ranks keep the console
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -62,6 +65,28 @@ def main(argv: Sequence[str]) -> int:
             _write_failures([{"rank": None, "message": message[0] if message else repr(error)}])
             return 1
     return 0
+
+
+class _RedactingLog:
+    """The run's log file, with the run's secret values (the environment variables the config
+    read, named by the CLI in ``TUNESMITH_SECRET_ENV``) written as ``${oc.env:NAME}``.
+
+    Example::
+
+        >>> log = _RedactingLog(open_no_follow("out/logs/torchrun.log", "a"))  # doctest: +SKIP
+        >>> log.write("token hf_abcdefghijkl refused")  # doctest: +SKIP
+        # the file gets: token ${oc.env:HF_TOKEN} refused
+    """
+
+    def __init__(self, file: TextIO) -> None:
+        self.file = file
+
+    def write(self, text: str) -> int:
+        self.file.write(redact(text))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, encoding, ...
+        return getattr(self.file, name)
 
 
 def _log_to(log: TextIO) -> None:
@@ -98,6 +123,7 @@ def _record(rank: int, failure: Any) -> dict[str, Any]:
 def _write_failures(records: list[dict[str, Any]]) -> None:
     path = os.environ.get(FAILURES_ENV)
     if path:
+        records = [{**r, "message": redact(r["message"])} for r in records]
         with open(path, "w") as f:
             json.dump(records, f)
 

@@ -32,6 +32,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.basecontainer import BaseContainer
 from omegaconf.errors import OmegaConfBaseException
 
+from tunesmith.config.secrets import install_env_recorder
+
 __all__ = ["ENV_RESOLVERS", "display_config", "plain_config"]
 
 # Resolvers that read the environment: rendered as their own text, never as the value.
@@ -112,3 +114,6 @@ def _as_text(name: str):
         return f"${{{name}:{key},{'null' if default is None else default}}}"
 
     return resolver
+
+
+install_env_recorder()  # every ${oc.env:...} value resolved is remembered: logs redact it

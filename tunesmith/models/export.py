@@ -12,7 +12,6 @@ Example::
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from tunesmith.models.hf import (
     CONFIG_NAME,
     TOKENIZER_FILES,
+    copy_model_files,
     from_hf,
     read_hf_config,
     resolve_dtype,
@@ -34,13 +34,7 @@ __all__ = ["export_merged"]
 
 
 def _overlay_tokenizer_files(source: Path, folder: Path) -> None:
-    for name in TOKENIZER_FILES:
-        src, dst = source / name, folder / name
-        if src.is_dir():
-            shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(src, dst)
-        elif src.is_file():
-            shutil.copy2(src, dst)
+    copy_model_files(source, folder, TOKENIZER_FILES)  # links leaving ``source``: refused
 
 
 def _merge_dtype(base: str | os.PathLike, out_dtype: torch.dtype | None) -> torch.dtype:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+import stat
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from tunesmith.config.registry import component
+from tunesmith.models.atomic import UnsafePathError, open_no_follow, real_folder, refuse_unsafe
 from tunesmith.models.builder import build_model
 from tunesmith.models.manifest import has_manifest, manifest_problem
 from tunesmith.models.safetensors_io import (
@@ -45,6 +47,8 @@ __all__ = [
     "GENERATION_CONFIG_NAME",
     "SCORE_WEIGHT",
     "TOKENIZER_FILES",
+    "check_model_files",
+    "copy_model_files",
     "CheckpointError",
     "from_hf",
     "hf_folder_spec",
@@ -295,15 +299,121 @@ def _generation_config(spec: ModelSpec) -> dict[str, Any]:
 
 
 def _copy_tokenizer_files(source_dir: Path, folder: Path) -> list[Path]:
-    copied = []
-    for name in TOKENIZER_FILES:
-        src = source_dir / name
-        if src.is_dir():
-            shutil.copytree(src, folder / name)
-        elif src.is_file():
-            shutil.copy2(src, folder / name)
+    return copy_model_files(source_dir, folder, TOKENIZER_FILES)
+
+
+def _hub_blob(source: Path, target: Path) -> bool:
+    """Whether ``target`` is a blob of the Hugging Face cache repo whose snapshot ``source`` is
+    (``models--org--name/snapshots/<rev>/vocab.json -> ../../blobs/<hash>``: the hub's layout)."""
+    snapshots = source.parent
+    repo = snapshots.parent
+    return (
+        snapshots.name == "snapshots"
+        and repo.name.startswith(("models--", "datasets--"))
+        and target.parent == repo / "blobs"
+    )
+
+
+def model_file_source(root: Path, path: Path) -> Path:
+    """The real file or folder to copy for ``path`` of the model folder ``root`` (both
+    resolved by the caller for ``root``): ``path`` itself, or where a symbolic link at
+    ``path`` points when that stays inside ``root`` (or is a blob of the Hugging Face cache
+    repo ``root`` is a snapshot of). A link that leaves the folder, and anything that is not a
+    regular file or a folder (a FIFO, a device), is refused with one line naming it.
+
+    Example::
+
+        >>> model_file_source(Path("/m/Qwen3"), Path("/m/Qwen3/vocab.txt"))  # doctest: +SKIP
+        Traceback (most recent call last):
+        UnsafePathError: /m/Qwen3/vocab.txt: is a symbolic link to /etc/passwd, outside the ...
+    """
+    target = path
+    if path.is_symlink():
+        target = path.resolve()
+        if not (target.is_relative_to(root) or _hub_blob(root, target)):
+            raise UnsafePathError(
+                f"{path}: is a symbolic link to {os.readlink(path)}, outside the model folder "
+                f"{root}: refused (copy the file into the folder instead)"
+            )
+    st = os.stat(target)
+    if not stat.S_ISDIR(st.st_mode):
+        refuse_unsafe(path, st)
+    return target
+
+
+def _copy_model_file(src: Path, dst: Path) -> None:
+    """Copy the regular file ``src`` to ``dst`` (never through a link at either end)."""
+    with open_no_follow(src, "rb") as f, open_no_follow(dst, "wb") as out:
+        shutil.copyfileobj(f, out, 1 << 20)
+
+
+def _copy_model_tree(root: Path, src: Path, dst: Path) -> None:
+    """Copy the folder ``src`` (inside ``root``) to ``dst``: its regular files, each link
+    checked as :func:`model_file_source` does (a link to a folder is refused)."""
+    real_folder(dst)
+    for entry in sorted(src.iterdir()):
+        target = model_file_source(root, entry)
+        if target.is_dir():
+            if entry.is_symlink():
+                raise UnsafePathError(f"{entry}: is a symbolic link to a folder: refused")
+            _copy_model_tree(root, target, dst / entry.name)
         else:
+            _copy_model_file(target, dst / entry.name)
+
+
+def check_model_files(
+    source_dir: str | os.PathLike, names: Iterable[str] = (*TOKENIZER_FILES, GENERATION_CONFIG_NAME)
+) -> None:
+    """Refuse now (one line naming the link and its target) what :func:`copy_model_files`
+    would refuse when the first checkpoint is written: a training run checks its model folder
+    before it trains.
+
+    Example::
+
+        >>> check_model_files("models/Qwen3-0.6B")  # doctest: +SKIP
+    """
+    root = Path(source_dir).resolve()
+    for name in names:
+        path = root / name
+        if not os.path.lexists(path):
             continue
+        target = model_file_source(root, path)
+        if target.is_dir():
+            if path.is_symlink():
+                raise UnsafePathError(f"{Path(source_dir) / name}: is a symbolic link to a "
+                                      "folder: refused (copy the folder in instead)")  # fmt: skip
+            for entry in target.rglob("*"):
+                if model_file_source(root, entry).is_dir() and entry.is_symlink():
+                    raise UnsafePathError(f"{entry}: is a symbolic link to a folder: refused")
+
+
+def copy_model_files(source_dir: Path, folder: Path, names: Iterable[str]) -> list[Path]:
+    """Copy the files (and folders) of ``names`` that the model folder ``source_dir`` has into
+    ``folder``, and nothing else of it: a checkpoint holds only the known files of a model
+    folder. A symbolic link is copied as the file it points to when that stays inside the
+    folder (or is the Hugging Face cache's blob); one that leaves it is refused, naming the
+    link and its target. Returns the paths written.
+
+    Example::
+
+        >>> copy_model_files(Path("Qwen3-0.6B"), tmp, TOKENIZER_FILES)  # doctest: +SKIP
+        [PosixPath('.../tokenizer.json'), PosixPath('.../tokenizer_config.json')]
+    """
+    root = Path(source_dir).resolve()  # the user's folder: a link to it is followed once
+    copied = []
+    for name in names:
+        path = root / name
+        if not os.path.lexists(path):
+            continue
+        target = model_file_source(root, path)
+        if target.is_dir():
+            if path.is_symlink():
+                raise UnsafePathError(f"{Path(source_dir) / name}: is a symbolic link to a "
+                                      "folder: refused (copy the folder in instead)")  # fmt: skip
+            shutil.rmtree(folder / name, ignore_errors=True)
+            _copy_model_tree(root, target, folder / name)
+        else:
+            _copy_model_file(target, folder / name)
         copied.append(folder / name)
     return copied
 
@@ -354,8 +464,8 @@ def write_hf_checkpoint(
         gen_path.write_text(json.dumps(dict(generation_config), indent=2) + "\n")
         written.append(gen_path)
     elif num_labels is None:  # a classifier does not generate; transformers writes none either
-        if source is not None and (source / GENERATION_CONFIG_NAME).is_file():
-            shutil.copy2(source / GENERATION_CONFIG_NAME, gen_path)
+        if source is not None and os.path.lexists(source / GENERATION_CONFIG_NAME):
+            copy_model_files(source, folder, [GENERATION_CONFIG_NAME])
         else:
             gen_path.write_text(json.dumps(_generation_config(spec), indent=2) + "\n")
         written.append(gen_path)

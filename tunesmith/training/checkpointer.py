@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from tunesmith.models.hf import write_hf_checkpoint
+from tunesmith.models.hf import check_model_files, write_hf_checkpoint
 from tunesmith.models.manifest import MARKER, has_manifest
 from tunesmith.models.peft_io import load_peft_adapter, write_peft_adapter
 from tunesmith.models.safetensors_io import CheckpointError, find_weight_files
@@ -360,6 +360,8 @@ class Checkpointer:
         save_dtype: torch.dtype | None = None,
     ) -> None:
         self.ctx = ctx
+        if source_dir is not None:  # a link leaving the model folder: refused before training
+            check_model_files(source_dir)
         self.source_dir = source_dir
         self.save_dtype = save_dtype
         self.directory = (

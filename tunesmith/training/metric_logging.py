@@ -46,6 +46,7 @@ import yaml
 from tqdm import tqdm
 
 from tunesmith.config.registry import component
+from tunesmith.config.secrets import redact
 from tunesmith.models.atomic import UnsafePathError, open_fd_no_follow, open_no_follow
 
 __all__ = [
@@ -179,6 +180,7 @@ class StdoutLogger(_ContextManager):
         self._started = time.monotonic()
 
     def _write(self, text: str) -> None:
+        text = redact(text)  # the run's secret values (${oc.env:...} reads) never shown
         if self._stream is not None:
             self._stream.write(text)
             self._stream.flush()
@@ -344,7 +346,7 @@ class JSONLLogger(_ContextManager):
         """
         if self._fd is None:
             raise RuntimeError(f"JSONLLogger for {self.path} is closed")
-        append_record(self._fd, self.path, line.encode("utf-8"), what)
+        append_record(self._fd, self.path, redact(line).encode("utf-8"), what)
 
     def log_config(self, cfg: Mapping[str, Any]) -> None:
         text = yaml.safe_dump(_plain(cfg), sort_keys=False)
