@@ -446,6 +446,25 @@ SAFETY = [
         "exit 1 with the very line `tunesmith run` printed for that route; nothing runs",
     ),
     Case(
+        "cwd-module-safe-path",
+        "safety",
+        "launch",
+        "a `json.py` that creates a file, in the working directory, and the command line "
+        "`tunesmith run --nproc-per-node` starts torchrun and its ranks with "
+        "(`python -m` puts the working directory first on sys.path: checked)",
+        "the working directory is not on the ranks' sys.path (`-P`, PYTHONSAFEPATH=1): the "
+        "stdlib module runs, the file is never created",
+    ),
+    Case(
+        "cwd-module-under-torchrun",
+        "safety",
+        "launch",
+        "`tunesmith run sft --nproc-per-node 2` in a working directory holding a `json.py` "
+        "that creates a file (torchrun itself, started the old way, imports it: checked)",
+        "2 ranks train and checkpoint (exit 0); the file is never created",
+        ci=False,
+    ),
+    Case(
         "component-test-loss-allowed",
         "safety",
         "opt-in",

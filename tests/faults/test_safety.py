@@ -29,7 +29,7 @@ from tests.faults import safety_cases
 from tests.faults.catalogue import params
 from tests.faults.components import Evil
 from tests.faults.kit import reseal
-from tests.recipes.sft_world import REPO_ROOT, checkpoints
+from tests.recipes.sft_world import REPO_ROOT, checkpoints, subprocess_env
 from tunesmith.cli.main import ALLOW_ANY_ENV, main
 
 CASES = {p.id: p for p in params("safety")}
@@ -222,6 +222,62 @@ def test_validate_refuses_what_run_refuses(case, fault_world, tmp_path, marker, 
         assert code == 1 and validated.err.splitlines()[0] == err.splitlines()[0], route.id
         assert not marker.exists() and not (folder / "out").exists(), route.id
     outcome.update(outcome="refused", routes=len(safety_cases.ROUTES))
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+def _planted_json(cwd: Path, marker: Path) -> Path:
+    """A ``json.py`` in ``cwd`` that records its import in ``marker`` (and then fails)."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    (cwd / "json.py").write_text(
+        f"open({str(marker)!r}, 'a').write('imported')\n"
+        "raise ImportError('the working directory json.py was imported')\n"
+    )
+    return cwd
+
+
+def _show_cwd_is_imported(cwd: Path, marker: Path) -> None:
+    """Started the way ranks were (``python -m``), torchrun imports the planted json.py."""
+    env = subprocess_env()
+    old = [sys.executable, "-m", "tunesmith.cli.torchrun", "--help"]
+    _assert_live(marker, lambda: subprocess.run(old, cwd=cwd, env=env, capture_output=True))
+
+
+@pytest.mark.parametrize("case", [CASES["cwd-module-safe-path"]])
+def test_launch_command_keeps_the_working_directory_off_sys_path(case, tmp_path, marker, outcome):  # fmt: skip
+    from tunesmith.cli.main import _torchrun_args, build_parser, python_module
+
+    cwd = _planted_json(tmp_path / "cwd", marker)
+    _show_cwd_is_imported(cwd, marker)
+    done = subprocess.run([*python_module("json.tool"), "--help"], cwd=cwd, env=subprocess_env(),
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0 and "json.tool" in done.stdout, done.stderr
+    assert not marker.exists()
+    args = build_parser().parse_args(["run", "sft", "--config", "tiny", "--nproc-per-node", "2"])
+    torchrun = [*python_module("tunesmith.cli.torchrun"), *_torchrun_args(args), "--no-python"]
+    assert torchrun[1] in ("-P", "-c") and python_module("tunesmith.cli.launch")[1] == torchrun[1]
+    outcome.update(outcome="not imported", command=" ".join(python_module("m")[1:]))
+
+
+@pytest.mark.parametrize("case", [CASES["cwd-module-under-torchrun"]])
+def test_ranks_do_not_import_the_working_directory(case, fault_world, tmp_path, marker, outcome):  # fmt: skip
+    from tunesmith.cli.main import python_module
+
+    cwd = _planted_json(tmp_path / "cwd", marker)
+    _show_cwd_is_imported(cwd, marker)
+    out = tmp_path / "out"
+    script = Path(sys.executable).with_name("tunesmith")  # what a user runs: the console script
+    tunesmith = [str(script)] if script.exists() else python_module("tunesmith.cli.main")
+    command = [*tunesmith, "run", "sft", "--config", "tiny", "--nproc-per-node", "2",
+               f"model_dir={fault_world.model_dir}", f"dataset.source={fault_world.chat}",
+               f"output_dir={out}", "max_steps=2", "progress_bar=false"]  # fmt: skip
+    done = subprocess.run(command, cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not marker.exists(), "a rank imported the working directory's json.py"
+    assert [p.name for p in checkpoints(out)] == ["step_000002"]
+    outcome.update(outcome="not imported", exit_code=0, ranks=2)
 
 
 # ----------------------------------------------------------------------------- pickles

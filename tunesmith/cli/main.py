@@ -149,8 +149,11 @@ def _run_torchrun(args: argparse.Namespace, cfg, recipe_file: Path, config_file:
     traceback, torchrun's own) in a log file whose path is printed at the start and the end."""
     from tunesmith.cli.torchrun import FAILURES_ENV, RUN_LOG_ENV, failure_lines
 
-    command = [sys.executable, "-m", "tunesmith.cli.torchrun", *_torchrun_args(args)]
-    command += ["-m", "tunesmith.cli.launch", str(recipe_file), str(config_file), *args.overrides]
+    # torchrun and every rank start with a safe path (see python_module): a json.py in the
+    # working directory is not imported; PYTHONPATH=... adds a folder of one's own deliberately
+    command = [*python_module("tunesmith.cli.torchrun"), *_torchrun_args(args), "--no-python"]
+    command += [*python_module("tunesmith.cli.launch"), str(recipe_file), str(config_file)]
+    command += args.overrides
     log, world_size = _run_log(cfg, args.nnodes), args.nproc_per_node * args.nnodes
     fd, failures = tempfile.mkstemp(prefix="tunesmith-failures-", suffix=".json")
     os.close(fd)
@@ -158,6 +161,7 @@ def _run_torchrun(args: argparse.Namespace, cfg, recipe_file: Path, config_file:
           f"of torchrun goes to {log}", file=sys.stderr)  # fmt: skip
     try:
         env = {**os.environ, RUN_LOG_ENV: str(log), FAILURES_ENV: failures, **_secret_env()}
+        env["PYTHONSAFEPATH"] = "1"  # and whatever Python the ranks start (3.11+)
         launcher = subprocess.Popen(command, env=env)
         # SIGTERM to this process goes to every rank (each then saves a checkpoint and exits 0,
         # so torchrun, and this command, exit 0); torchrun itself, signalled, would fail.
@@ -172,6 +176,28 @@ def _run_torchrun(args: argparse.Namespace, cfg, recipe_file: Path, config_file:
         print(f"tunesmith: error: {_redacted(line)}", file=sys.stderr)
     print(f"tunesmith: the full output of every rank and of torchrun is in {log}", file=sys.stderr)
     return 1
+
+
+_SAFE_PATH_BOOT = (  # Python 3.10 has no -P: drop the '' (cwd) that -c put first, then run
+    "import sys; del sys.path[0]; import runpy; runpy.run_module(sys.argv.pop(1), "
+    "run_name='__main__', alter_sys=True)"
+)
+
+
+def python_module(module: str) -> list[str]:
+    """The command line that runs ``module`` like ``python -m`` but with no working directory
+    (nor script folder) on ``sys.path``: ``-P`` (``PYTHONSAFEPATH``), or on Python 3.10 a
+    ``-c`` that removes it before anything is imported from there. Folders on ``PYTHONPATH``
+    are kept: that is how a user adds their own modules deliberately.
+
+    Example::
+
+        >>> python_module("tunesmith.cli.launch")[1:]  # Python >= 3.11
+        ['-P', '-m', 'tunesmith.cli.launch']
+    """
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", module]
+    return [sys.executable, "-c", _SAFE_PATH_BOOT, module]
 
 
 def _run_log(cfg, nnodes: int) -> Path:
