@@ -230,7 +230,7 @@ def open_fd_no_follow(
     try:
         fd = os.open(path, flags, perms)
     except OSError as err:
-        if err.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENOTDIR):
+        if err.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENOTDIR, errno.EEXIST):
             refuse_unsafe(path, os.lstat(path))
         raise
     try:
