@@ -14,6 +14,7 @@ from tests.faults.bad_inputs import BAD_INPUTS
 from tests.faults.checkpoint_cases import CHECKPOINT_FAULTS
 from tests.faults.error_cases import ERROR_FAULTS
 from tests.faults.file_cases import CASES as FILE_CASES
+from tests.faults.hostile_cases import HOSTILE_CASES
 from tests.faults.kit import Case
 from tests.faults.safety_cases import SAFETY
 
@@ -206,6 +207,7 @@ CASES: list[Case] = [
     ),
     *SAFETY,
     *FILE_CASES,
+    *HOSTILE_CASES,  # tests/faults/test_hostile_inputs.py
     *DETERMINISM,
 ]
 

@@ -350,6 +350,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Generate replies from a checkpoint (model, LoRA adapter or run folder): one prompt or
     chat, or a JSONL file of them (--input, --output)."""
     from tunesmith.cli.generate_batch import (
+        PromptRows,
         generate_rows,
         read_chat_file,
         read_prompt_rows,
@@ -363,7 +364,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elif args.chat is not None:
         rows = read_chat_file(args.chat)
     elif args.prompt is not None:
-        rows = [{"prompt": args.prompt}]
+        rows = PromptRows([{"prompt": args.prompt}], ["--prompt"])
     else:
         raise CLIError("give --prompt TEXT, --chat FILE.json (a list of messages) or --input "
                        "FILE.jsonl --output FILE.jsonl")  # fmt: skip

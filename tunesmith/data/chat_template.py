@@ -176,9 +176,7 @@ def _charge(steps: int) -> None:
 
 
 def _too_big(what: str, size: int, limit: int = MAX_RENDER_CHARS) -> TemplateBudgetError:
-    return TemplateBudgetError(
-        f"chat template stopped: {what} would be {size} long, over the limit of {limit}"
-    )
+    return TemplateBudgetError(f"chat template stopped: {what}: {size}, over the limit of {limit}")
 
 
 def _check_size(value: Any, what: str) -> Any:
