@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tunesmith.config import ALLOW_ANY_COMPONENT_ENV, ALLOWED_COMPONENT_PREFIXES, component_refusal
+from tunesmith.config.registry import is_marked, marked_objects
 
 ROOT = Path(__file__).resolve().parents[2]
 # the configs, the docs and the package's own code (defaults a recipe builds, docstrings)
@@ -55,3 +56,65 @@ def test_every_shipped_component_resolves_without_the_flag(path: str, monkeypatc
     monkeypatch.delenv(ALLOW_ANY_COMPONENT_ENV, raising=False)
     refusal = component_refusal(path)
     assert refusal is None, f"{SHIPPED_COMPONENTS[path][0]}: {refusal}"
+
+
+# ----------------------------------------------------------------------------- what is unmarked
+
+UNMARKED = {  # tunesmith callables that run code, write files or are internals: never built
+    "tunesmith.rl.rewards.run_sandboxed": "runs any Python it is given",
+    "tunesmith.rl.rewards.sandbox.run_sandboxed": "the same, by its own module",
+    "tunesmith.rl.rewards.code.harness": "builds the program CodeTests runs",
+    "tunesmith.rl.rewards.code.extract_code": "a helper of CodeTests",
+    "tunesmith.data.tokenizer.Tokenizer": "the class (only from_pretrained is a component)",
+    "tunesmith.models.hf.save_hf_checkpoint": "writes a folder wherever it is told",
+    "tunesmith.models.hf.load_hf_weights": "a helper of from_hf",
+    "tunesmith.training.metric_logging.append_record": "appends to any open file",
+    "tunesmith.training.lr_schedules.set_schedule_params": "mutates a scheduler",
+}
+
+
+@pytest.mark.parametrize("path", sorted(UNMARKED))
+def test_unmarked_tunesmith_callables_are_refused(path: str, monkeypatch) -> None:
+    monkeypatch.delenv(ALLOW_ANY_COMPONENT_ENV, raising=False)
+    refusal = component_refusal(path)
+    assert refusal is not None and "which is not marked as a component" in refusal, refusal
+    assert "@tunesmith.config.component" in refusal and "ALLOWED_COMPONENT_PREFIXES" in refusal
+
+
+def test_no_code_runner_is_marked() -> None:
+    """Every marked object, once the packages that define components are imported: none is
+    defined in the sandbox module, none is the harness."""
+    import tunesmith.data
+    import tunesmith.models
+    import tunesmith.modules.losses
+    import tunesmith.rl.advantages
+    import tunesmith.rl.prompts
+    import tunesmith.rl.rewards
+    import tunesmith.training  # noqa: F401
+
+    marked = marked_objects()
+    assert len(marked) >= 40, marked
+    places = {(getattr(o, "__module__", ""), getattr(o, "__qualname__", "")) for o in marked}
+    assert not [p for p in places if p[0].endswith(".sandbox") or "harness" in p[1]], places
+    assert ("tunesmith.rl.rewards.code", "CodeTests") in places  # the reward class itself is
+
+
+def test_the_mark_is_on_the_object_not_inherited() -> None:
+    """A subclass, a ``functools.wraps`` wrapper (which copies ``__dict__``) and a method of a
+    marked class are not marked; a re-export is the same object, so it is."""
+    import functools
+
+    from tunesmith.data import Tokenizer
+    from tunesmith.modules.losses import CrossEntropyLoss
+    from tunesmith.training import cosine_with_warmup
+    from tunesmith.training.lr_schedules import cosine_with_warmup as defined
+
+    class Sub(CrossEntropyLoss):
+        pass
+
+    wrapper = functools.wraps(cosine_with_warmup)(lambda *a, **k: None)
+    assert is_marked(CrossEntropyLoss) and not is_marked(Sub)
+    assert is_marked(cosine_with_warmup) and cosine_with_warmup is defined
+    assert not is_marked(wrapper) and wrapper.__wrapped__ is cosine_with_warmup
+    assert is_marked(Tokenizer.from_pretrained) and not is_marked(Tokenizer)
+    assert not is_marked(Tokenizer.encode)
