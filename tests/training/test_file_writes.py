@@ -139,3 +139,17 @@ def test_metrics_past_the_file_size_limit_keep_every_whole_record(tmp_path):
     ), message
     assert f"the file size limit (ulimit -f) is {limit} bytes" in message
     assert f"the {len(data)} bytes written before it are kept" in message
+
+
+def test_plot_refuses_a_link_planted_as_its_default_png(tmp_path, victim):
+    from tunesmith.training import plot_run
+
+    with JSONLLogger(tmp_path, timestamps=False) as logger:
+        logger.log(1, {"loss": 2.0})
+        logger.log(2, {"loss": 1.0})
+    assert plot_run(tmp_path).read_bytes().startswith(b"\x89PNG")
+    (tmp_path / "loss.png").unlink()
+    os.symlink(victim, tmp_path / "loss.png")
+    with pytest.raises(UnsafePathError, match="loss.png: is a symbolic link"):
+        plot_run(tmp_path)
+    assert victim.read_text() == "precious\n"

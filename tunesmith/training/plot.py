@@ -23,6 +23,8 @@ import os
 import re
 from pathlib import Path
 
+from tunesmith.models.atomic import open_no_follow
+
 __all__ = ["RECIPE_PANELS", "metric_panels", "plot_run", "read_metrics"]
 
 _LOSS_KEYS = ("loss", "val_loss")
@@ -159,5 +161,9 @@ def plot_run(
 
     out = Path(out_png) if out_png is not None else run_dir / "loss.png"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=100)
+    if out_png is not None:  # the user's own path
+        fig.savefig(out, format="png", dpi=100)
+        return out
+    with open_no_follow(out, "wb") as f:  # in the run's folder: a planted link is refused
+        fig.savefig(f, format="png", dpi=100)
     return out
