@@ -108,7 +108,10 @@ class ChatSession:
 
 def _read_line(stdin: IO[str], number: int) -> str:
     """The next line of ``stdin`` ("" at the end), refusing one that is not UTF-8 text."""
+    buffer = getattr(stdin, "buffer", None)  # read bytes: a text layer decodes whole chunks
     try:
+        if buffer is not None:
+            return buffer.readline().decode("utf-8")
         line = stdin.readline()
         line.encode("utf-8")  # undecodable bytes come as surrogates (surrogateescape)
     except UnicodeError:
