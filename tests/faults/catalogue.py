@@ -16,6 +16,7 @@ from tests.faults.error_cases import ERROR_FAULTS
 from tests.faults.file_cases import CASES as FILE_CASES
 from tests.faults.hostile_cases import HOSTILE_CASES
 from tests.faults.kit import Case
+from tests.faults.ray_cases import RAY
 from tests.faults.safety_cases import SAFETY
 
 __all__ = [
@@ -206,6 +207,7 @@ CASES: list[Case] = [
         for b in BAD_INPUTS  # the builders live in tests/faults/bad_inputs.py
     ),
     *SAFETY,
+    *RAY,  # tests/faults/ray_cases.py
     *FILE_CASES,
     *HOSTILE_CASES,  # tests/faults/test_hostile_inputs.py
     *DETERMINISM,

@@ -28,6 +28,7 @@ from pathlib import Path
 from tunesmith.cli import catalog, data_cmd
 
 ALLOW_ANY_ENV = "TUNESMITH_ALLOW_ANY_COMPONENT"
+ALLOW_RUNTIME_ENV = "TUNESMITH_ALLOW_RUNTIME_ENV"  # tunesmith.rl.pipeline.ALLOW_RUNTIME_ENV_ENV
 
 
 class CLIError(Exception):
@@ -499,6 +500,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let configs instantiate _component_ paths outside the allow-list (runs their code)",
     )
+    parser.add_argument(
+        "--allow-runtime-env",
+        action="store_true",
+        help="let configs give Ray workers a runtime_env (py_executable, env_vars, pip, "
+        "working_dir...: runs their code)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
@@ -616,6 +623,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     if args.allow_any_component:
         os.environ[ALLOW_ANY_ENV] = "1"  # inherited by torchrun ranks
+    if args.allow_runtime_env:
+        os.environ[ALLOW_RUNTIME_ENV] = "1"  # inherited by torchrun ranks and Ray workers
     try:
         return args.func(args)
     except KeyboardInterrupt:

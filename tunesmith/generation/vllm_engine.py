@@ -3,7 +3,8 @@
 vLLM is optional, CUDA-only, and pins its own torch: nothing imports it but
 :class:`VLLMEngine`'s constructor, so this module imports (and its conversion functions run)
 without it. In an async RL run the engine lives in a rollout actor, which gets vLLM's own
-environment (``runtime_env={"pip": ["vllm==..."]}``) when its torch differs from the trainer's.
+environment (``rollout.runtime_env: {pip: [vllm==...]}``, which runs code and so needs
+``tunesmith --allow-runtime-env run ...``) when its torch differs from the trainer's.
 
 Needs vLLM >= 0.10.2 (:data:`MIN_VLLM_VERSION`): the engine is created with
 ``logprobs_mode="processed_logprobs"``, so the log-prob vLLM returns for a sampled token

@@ -48,18 +48,24 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import socket
+import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
+import tunesmith
+from tunesmith.config import ALLOW_ANY_COMPONENT_ENV, any_component_allowed
 from tunesmith.rl.groups import Group
 from tunesmith.rl.prompts import Prompt, PromptStream
 from tunesmith.rl.replay import ReplayBuffer
@@ -73,8 +79,10 @@ from tunesmith.rl.weight_sync import (
 from tunesmith.rl.workers import RewardWorker, RolloutWorker
 
 __all__ = [
-    "MODES", "RolloutPipeline", "actor_cause", "dynamic_selection", "init_ray", "lead_versions",
-    "require_ray", "runtime_env",
+    "ALLOW_RUNTIME_ENV_ENV", "CONNECT_TIMEOUT_S", "MODES", "RAY_KEYS", "RolloutPipeline",
+    "actor_cause", "check_runtime_env", "dynamic_selection", "init_ray", "lead_versions",
+    "ray_address_problem", "require_ray", "runtime_env", "runtime_env_allowed",
+    "runtime_env_problem",
 ]  # fmt: skip
 
 MODES = ("sync", "overlap", "off_policy")
@@ -91,11 +99,23 @@ def require_ray() -> Any:
     return ray
 
 
+ALLOW_RUNTIME_ENV_ENV = "TUNESMITH_ALLOW_RUNTIME_ENV"  # set by --allow-runtime-env
+CONNECT_TIMEOUT_S = 30.0  # ray.connect_timeout_s: how long joining ray.address may take
+RAY_KEYS = ("address", "num_cpus", "temp_dir", "log_to_driver", "connect_timeout_s")
+_RAY_SECTION = "ray.address"
+
+
 def init_ray(ray: Any, options: Mapping[str, Any]) -> bool:
     """Connect this process to Ray as the run's ``ray:`` options say: join the cluster at
-    ``address`` (``auto``, ``host:port``), else start a local instance of ``num_cpus`` CPUs
-    (null: the machine's) in ``temp_dir``. Whether it started a local instance (which the run
-    then shuts down); an already connected process (a test's instance) is left as it is.
+    ``address`` (``auto``, ``host:port``; refused with one line within ``connect_timeout_s``
+    when nothing answers there), else start a local instance of ``num_cpus`` CPUs (null: the
+    machine's) in ``temp_dir``. Whether it started a local instance (which the run then shuts
+    down); an already connected process (a test's instance) is left as it is.
+
+    Ray puts the working directory of the process that calls ``ray.init`` first on every
+    worker's ``sys.path``; it is called from the folder that holds the ``tunesmith`` package
+    instead (:func:`_code_dir`), so a ``torch.py`` or ``json.py`` in the run's folder is never
+    imported by a worker.
 
     >>> init_ray(ray, {"address": "auto"})  # doctest: +SKIP
     False
@@ -104,14 +124,139 @@ def init_ray(ray: Any, options: Mapping[str, Any]) -> bool:
         return False
     kwargs: dict[str, Any] = {"include_dashboard": False, "namespace": "tunesmith",
                               "log_to_driver": bool(options.get("log_to_driver", False))}  # fmt: skip
-    if options.get("address"):
-        kwargs["address"] = options["address"]
+    address = options.get("address")
+    timeout_s = float(options.get("connect_timeout_s") or CONNECT_TIMEOUT_S)
+    if address:
+        kwargs["address"] = _reachable(str(address), timeout_s, options.get("temp_dir"))
     else:
         kwargs["num_cpus"] = options.get("num_cpus")
         if options.get("temp_dir"):
-            kwargs["_temp_dir"] = str(options["temp_dir"])
-    ray.init(**kwargs)
-    return not options.get("address")
+            kwargs["_temp_dir"] = str(Path(str(options["temp_dir"])).resolve())
+    with _working_directory(_code_dir()):
+        if address:
+            _init_within(ray, kwargs, timeout_s, str(address))
+        else:
+            ray.init(**kwargs)
+    return not address
+
+
+def _code_dir() -> str:
+    """The folder that holds the imported ``tunesmith`` package: a source checkout's root, or
+    ``site-packages``; what Ray may put on its workers' ``sys.path`` instead of the run's folder.
+
+    >>> Path(_code_dir(), "tunesmith", "__init__.py").is_file()
+    True
+    """
+    return str(Path(tunesmith.__file__).resolve().parent.parent)
+
+
+@contextlib.contextmanager
+def _working_directory(folder: str) -> Iterator[None]:
+    """Run the block in ``folder``, then go back to the working directory of before."""
+    before = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def ray_address_problem(address: Any) -> str | None:
+    """What is wrong with a ``ray.address`` as written (before anything connects), or None.
+
+    >>> ray_address_problem("head-node")
+    "expected null, 'auto' or HOST:PORT (e.g. 10.0.0.5:6379, ray://head:10001), got 'head-node'"
+    """
+    if address is None or address == "auto":
+        return None
+    if isinstance(address, str) and _host_port(address) is not None:
+        return None
+    return (f"expected null, 'auto' or HOST:PORT (e.g. 10.0.0.5:6379, ray://head:10001), "
+            f"got {address!r}")  # fmt: skip
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of ``host:port`` or ``ray://host:port``, or None.
+
+    >>> _host_port("ray://[::1]:10001"), _host_port("10.0.0.5:6379"), _host_port("auto")
+    (('::1', 10001), ('10.0.0.5', 6379), None)
+    """
+    rest = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _reachable(address: str, timeout_s: float, temp_dir: Any) -> str:
+    """``address`` once a TCP connection to it (for ``auto``: to the cluster Ray would find)
+    succeeds within ``timeout_s``; else one line naming ``ray.address``: Ray itself would retry
+    for many minutes."""
+    target = address
+    if address == "auto":
+        target = _auto_address(temp_dir)
+    where = _host_port(target)
+    if where is None:
+        raise ConnectionError(f"{_RAY_SECTION}: {ray_address_problem(target)}")
+    shown = address if target == address else f"auto (the cluster at {target})"
+    try:
+        with socket.create_connection(where, timeout=timeout_s):
+            pass
+    except TimeoutError:
+        raise ConnectionError(
+            f"{_RAY_SECTION}: {shown}: no answer within {timeout_s:g} s (ray.connect_timeout_s); "
+            "is the Ray head running there and reachable? (null: a Ray instance of this run)"
+        ) from None
+    except OSError as error:
+        raise ConnectionError(
+            f"{_RAY_SECTION}: {shown}: cannot connect ({error.strerror or error}); start the "
+            f"cluster (`ray start --head --port {where[1]}` on {where[0]}) or set ray.address "
+            "to null (a Ray instance of this run)"
+        ) from None
+    return address
+
+
+def _auto_address(temp_dir: Any) -> str:
+    """The ``host:port`` ``ray.address: auto`` means here (``RAY_ADDRESS``, or the cluster
+    ``ray start`` last started on this machine), or one line saying there is none."""
+    from ray._private.services import get_ray_address_from_environment
+
+    try:
+        found = get_ray_address_from_environment("auto", str(temp_dir) if temp_dir else None)
+    except ConnectionError:
+        found = None
+    if not found or found == "auto":
+        raise ConnectionError(
+            f"{_RAY_SECTION}: auto, but no Ray cluster runs on this machine (none started with "
+            "`ray start`, RAY_ADDRESS unset): start one (`ray start --head`), give its "
+            "HOST:PORT, or set ray.address to null (a Ray instance of this run)"
+        )
+    return str(found)
+
+
+def _init_within(ray: Any, kwargs: Mapping[str, Any], timeout_s: float, address: str) -> None:
+    """``ray.init(**kwargs)`` joining ``address``, refused with one line when it has not
+    connected within ``timeout_s`` (something answers there, but not a Ray head)."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            ray.init(**kwargs)
+        except BaseException as error:  # handed to the caller
+            failure.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=connect, name="tunesmith-ray-init", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise ConnectionError(
+            f"{_RAY_SECTION}: {address}: Ray did not connect within {timeout_s:g} s "
+            "(ray.connect_timeout_s): something answers there, but not a Ray head"
+        )
+    if failure:
+        first = (str(failure[0]).strip().splitlines() or [type(failure[0]).__name__])[0]
+        raise ConnectionError(f"{_RAY_SECTION}: {address}: {first}") from failure[0]
 
 
 def actor_cause(error: BaseException) -> str:
@@ -148,21 +293,109 @@ def _flat(group: Group) -> bool:
 
 
 def _worker_env() -> dict[str, str]:
-    """What a worker needs of this process's environment: the component allow-list decision
-    (so the workers build exactly what the trainer's config check allowed) and the import path
-    of this directory (a project's own reward functions import there as here)."""
-    env = {
-        "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)
-    }
-    if os.environ.get(ALLOW_ANY_COMPONENT_ENV):
-        env[ALLOW_ANY_COMPONENT_ENV] = os.environ[ALLOW_ANY_COMPONENT_ENV]
+    """What a worker needs of this process's environment: the allow-list decisions (so the
+    workers build exactly what the trainer's config check allowed), a safe import path
+    (``PYTHONSAFEPATH``: no script or working folder put first on ``sys.path``) and this
+    process's own ``PYTHONPATH`` (how a user adds a module folder deliberately), less its
+    empty entries, which would mean the working folder.
+
+    >>> _worker_env()["PYTHONSAFEPATH"]
+    '1'
+    """
+    env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": _python_path(os.environ.get("PYTHONPATH", ""))}
+    for name in (ALLOW_ANY_COMPONENT_ENV, ALLOW_RUNTIME_ENV_ENV):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
     return env
 
 
-def runtime_env(resources: Mapping[str, Any]) -> dict[str, Any]:
-    """A role's Ray runtime environment: its ``runtime_env`` from the config (e.g. vLLM's own
-    ``pip`` packages when its torch differs from the trainer's) with :func:`_worker_env`."""
-    env = dict(resources.get("runtime_env") or {})
+def _python_path(value: str) -> str:
+    """A ``PYTHONPATH`` with its empty entries (the working folder) dropped and its relative
+    ones made absolute (a worker may run in another folder).
+
+    >>> _python_path(":/opt/mine::")
+    '/opt/mine'
+    """
+    parts = [os.path.abspath(p) for p in value.split(os.pathsep) if p.strip()]
+    return os.pathsep.join(parts)
+
+
+def runtime_env_allowed() -> bool:
+    """Whether a config may give Ray workers a runtime environment: ``--allow-runtime-env``
+    (``TUNESMITH_ALLOW_RUNTIME_ENV=1``) or ``--allow-any-component``."""
+    flag = os.environ.get(ALLOW_RUNTIME_ENV_ENV, "").strip().lower()
+    return flag in {"1", "true", "yes", "on"} or any_component_allowed()
+
+
+_RUNS = {  # what each runtime_env key of Ray does in a worker (each one runs code)
+    "py_executable": "runs its command as the workers' Python interpreter",
+    "env_vars": "sets the workers' environment (PYTHONWARNINGS, PYTHONSTARTUP, LD_PRELOAD, "
+    "BROWSER... run code)",
+    "pip": "installs packages (their build and import code runs)",
+    "uv": "installs packages (their build and import code runs)",
+    "conda": "installs an environment (its packages' code runs)",
+    "working_dir": "puts its files first on the workers' import path",
+    "py_modules": "puts its modules on the workers' import path",
+    "container": "runs the workers in that container image",
+    "image_uri": "runs the workers in that container image",
+    "worker_process_setup_hook": "calls that function in every worker",
+}
+
+
+def runtime_env_problem(value: Any) -> str | None:
+    """Why a section's ``runtime_env`` (resolved) is refused, as ``runtime_env.KEY: ...``, or
+    None: null and ``{}`` pass; anything else is code execution, allowed by
+    :func:`runtime_env_allowed` only.
+
+    >>> print(runtime_env_problem({"env_vars": {"LD_PRELOAD": "/tmp/x.so"}}))  # doctest: +ELLIPSIS
+    runtime_env.env_vars.LD_PRELOAD: a Ray runtime environment runs code: env_vars sets ...
+    """
+    try:
+        value = _plain(value)
+    except Exception as error:  # an interpolation that does not resolve
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return f"runtime_env: cannot be resolved: {first}"
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        return f"runtime_env: expected a mapping of Ray runtime_env keys, or null, got {value!r}"
+    if runtime_env_allowed():
+        return None
+    key = str(next(iter(value)))
+    where = f"runtime_env.{key}"
+    inner = value[key]
+    if key == "env_vars" and isinstance(inner, dict) and inner:
+        where += f".{next(iter(inner))}"
+    what = _RUNS.get(key, "is part of a Ray runtime environment")
+    return (f"{where}: a Ray runtime environment runs code: {key} {what}; pass "
+            f"--allow-runtime-env (or --allow-any-component; {ALLOW_RUNTIME_ENV_ENV}=1) "
+            "to use it")  # fmt: skip
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain data, interpolations resolved."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def check_runtime_env(resources: Mapping[str, Any], section: str) -> None:
+    """Raise one line (as the config check does) when ``resources`` (``config[section]``)
+    holds a runtime environment that is not allowed.
+
+    >>> check_runtime_env({"runtime_env": None}, "rollout")
+    """
+    problem = runtime_env_problem(resources.get("runtime_env"))
+    if problem is not None:
+        raise ValueError(f"{section}.{problem}")
+
+
+def runtime_env(resources: Mapping[str, Any], section: str = "rollout") -> dict[str, Any]:
+    """A role's Ray runtime environment: :func:`_worker_env`, with the ``runtime_env`` of
+    ``config[section]`` when it is allowed (e.g. vLLM's own ``pip`` packages when its torch
+    differs from the trainer's, with ``--allow-runtime-env``)."""
+    check_runtime_env(resources, section)
+    env = dict(_plain(resources.get("runtime_env")) or {})
     env["env_vars"] = {**_worker_env(), **dict(env.get("env_vars") or {})}
     return env
 
@@ -306,8 +539,10 @@ class RolloutPipeline:
             self._owns_ray = True  # a joined cluster: disconnect at the end
         rollout = dict(self.config.get("rollout") or {})
         reward = dict(self.config.get("reward_workers") or {})
-        self.rollout_workers = [self._actor(RolloutWorker, rollout) for _ in range(self.n_rollout)]
-        self.reward_workers = [self._actor(RewardWorker, reward) for _ in range(self.n_reward)]
+        self.rollout_workers = [self._actor(RolloutWorker, rollout, "rollout")
+                                for _ in range(self.n_rollout)]  # fmt: skip
+        self.reward_workers = [self._actor(RewardWorker, reward, "reward_workers")
+                               for _ in range(self.n_reward)]  # fmt: skip
         built = [("rollout", w.pid.remote()) for w in self.rollout_workers]
         built += [("reward", w.pid.remote()) for w in self.reward_workers]
         self.pids = {"rollout": [], "reward": []}
@@ -320,13 +555,14 @@ class RolloutPipeline:
                     f"a {role} worker could not start: {actor_cause(error)}"
                 ) from error
 
-    def _actor(self, role: type, resources: Mapping[str, Any]) -> Any:
+    def _actor(self, role: type, resources: Mapping[str, Any], section: str) -> Any:
         cpus = float(resources.get("num_cpus", 1))
         actor = self._ray.remote(
             num_cpus=cpus, num_gpus=float(resources.get("num_gpus", 0)),
-            max_restarts=-1, max_task_retries=0, runtime_env=runtime_env(resources),
+            max_restarts=-1, max_task_retries=0, runtime_env=runtime_env(resources, section),
         )(role)  # fmt: skip
-        return actor.remote(self.config, threads=max(1, int(cpus)))
+        # relative paths of the config mean what they mean here
+        return actor.remote(self.config, threads=max(1, int(cpus)), cwd=os.getcwd())
 
     def worker_pids(self) -> dict[str, list[int]]:
         """The process ids of the rollout and reward workers."""

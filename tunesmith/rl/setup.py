@@ -33,7 +33,12 @@ from torch import nn
 from tunesmith.config import instantiate
 from tunesmith.rl.async_source import AsyncRolloutSource
 from tunesmith.rl.evaluate import evaluate_rewards
-from tunesmith.rl.pipeline import RolloutPipeline
+from tunesmith.rl.pipeline import (
+    RAY_KEYS,
+    RolloutPipeline,
+    ray_address_problem,
+    runtime_env_problem,
+)
 from tunesmith.rl.prompts import Prompt, PromptStream
 from tunesmith.rl.rewards import RewardSet
 from tunesmith.rl.source import GenerationConfig, RolloutSource
@@ -76,6 +81,24 @@ def mapping(what: str) -> Rule:
     return Rule(what, lambda v: v is None or type_name(v) == "mapping")
 
 
+_ROLLOUT_KEYS = ("workers", "num_cpus", "num_gpus", "engine", "vllm", "merge_adapters",
+                 "runtime_env", "weight_sync", "weight_sync_timeout_s")  # fmt: skip
+_REWARD_KEYS = ("workers", "num_cpus", "num_gpus", "runtime_env")
+_RUNTIME_ENV_ONLY = (
+    ": a Ray runtime environment runs code and is only for rollout and reward workers (with "
+    "--allow-runtime-env)"
+)
+
+
+def _unknown_key(section: Any, keys: Sequence[str]) -> str | None:
+    """``KEY: unknown key (allowed: ...)`` for the first key of ``section`` not in ``keys``."""
+    for key in section.keys():  # noqa: SIM118 (a DictConfig or a dict)
+        if key not in keys:
+            why = _RUNTIME_ENV_ONLY if key == "runtime_env" else ""
+            return f"{key}: unknown key (allowed: {', '.join(keys)}){why}"
+    return None
+
+
 def _weight_sync_problem(rollout: Any) -> str | None:
     """What is wrong with ``rollout.weight_sync`` / ``weight_sync_timeout_s``, or None.
 
@@ -89,6 +112,39 @@ def _weight_sync_problem(rollout: Any) -> str | None:
         if problem is not None:
             return f"{key}: {problem}"
     return None
+
+
+def _workers_problem(keys: Sequence[str]) -> Callable[[Any], str | None]:
+    """What is wrong in a ``rollout`` / ``reward_workers`` section: a key it does not have, a
+    ``runtime_env`` without the opt-in (:func:`~tunesmith.rl.pipeline.runtime_env_problem`),
+    the rollout's weight sync."""
+
+    def problem(section: Any) -> str | None:
+        if section is None:
+            return None
+        return (_unknown_key(section, keys) or runtime_env_problem(section.get("runtime_env"))
+                or (_weight_sync_problem(section) if "weight_sync" in keys else None))  # fmt: skip
+
+    return problem
+
+
+def _ray_problem(section: Any) -> str | None:
+    """What is wrong in the ``ray`` section: an unknown key, an address that is not one, a
+    connect timeout that is not a positive number.
+
+    >>> _ray_problem({"address": "auto", "num_gpus": 1})
+    'num_gpus: unknown key (allowed: address, num_cpus, temp_dir, log_to_driver, connect_timeout_s)'
+    """
+    if section is None:
+        return None
+    unknown = _unknown_key(section, RAY_KEYS)
+    if unknown is not None:
+        return unknown
+    address = ray_address_problem(section.get("address"))
+    if address is not None:
+        return f"address: {address}"
+    timeout = number(above=0, null="30 s").problem(section.get("connect_timeout_s"))
+    return None if timeout is None else f"connect_timeout_s: {timeout}"
 
 
 RL_RULES: dict[str, Rule] = {  # the keys every RL recipe reads besides the loop's
@@ -109,10 +165,14 @@ ASYNC_RULES: dict[str, Rule] = {  # asynchronous GRPO (grpo_async): the rollout 
     "max_staleness": integer(0), "buffer_size": integer(1, null="enough for the mode"),
     "max_worker_restarts": integer(0),
     "rollout": replace(
-        mapping("workers, num_cpus, num_gpus, engine (local or vllm), vllm, merge_adapters, runtime_env, weight_sync (object_store or collective), weight_sync_timeout_s"),
-        extra=_weight_sync_problem),
-    "reward_workers": mapping("workers, num_cpus, runtime_env"),
-    "ray": mapping("address (null: a local instance), num_cpus, temp_dir, log_to_driver"),
+        mapping("workers, num_cpus, num_gpus, engine (local or vllm), vllm, merge_adapters, runtime_env (with --allow-runtime-env), weight_sync (object_store or collective), weight_sync_timeout_s"),
+        extra=_workers_problem(_ROLLOUT_KEYS), nested=True),
+    "reward_workers": replace(
+        mapping("workers, num_cpus, num_gpus, runtime_env (with --allow-runtime-env)"),
+        extra=_workers_problem(_REWARD_KEYS), nested=True),
+    "ray": replace(
+        mapping("address (null: a local instance; auto or HOST:PORT: a cluster), num_cpus, temp_dir, log_to_driver, connect_timeout_s"),
+        extra=_ray_problem, nested=True),
     "trainer_group": TRAINER_GROUP_RULE,  # torchrun's ranks (default) or Ray actors
 }  # fmt: skip
 

@@ -81,6 +81,10 @@ _GRACE_S = 10.0  # how long a collective's failure waits for the rank that cause
 _POLL_S = 0.2  # how often the driver looks at the actors, its signals and rank 0's console
 
 Train = Callable[[DictConfig, DistributedContext], None]
+_NO_RUNTIME_ENV = (
+    ": the trainer actors run in this process's Python environment; a Ray runtime environment "
+    "runs code and is only for rollout and reward workers (with --allow-runtime-env)"
+)
 
 
 def _group_problem(value: Any) -> str | None:
@@ -89,7 +93,8 @@ def _group_problem(value: Any) -> str | None:
         return None
     for key in value.keys():  # noqa: SIM118 (a DictConfig or a dict)
         if key not in _KEY_RULES:
-            return f"unknown key {key!r} (allowed: {', '.join(_KEY_RULES)})"
+            why = _NO_RUNTIME_ENV if key == "runtime_env" else ""
+            return f"unknown key {key!r} (allowed: {', '.join(_KEY_RULES)}){why}"
     for key, rule in _KEY_RULES.items():
         problem = rule.problem(value[key]) if key in value else None
         if problem is not None:

@@ -53,7 +53,9 @@ def local_context(device: str = "cpu") -> DistributedContext:
 class _Role:
     """What both roles share: the config, threads, tokenizer and busy time."""
 
-    def __init__(self, config: Mapping[str, Any], threads: int = 1) -> None:
+    def __init__(self, config: Mapping[str, Any], threads: int = 1, cwd: str | None = None) -> None:
+        if cwd is not None and os.path.isdir(cwd):  # the driver's: relative paths hold
+            os.chdir(cwd)
         torch.set_num_threads(max(1, int(threads)))
         self.cfg: DictConfig = OmegaConf.create(dict(config))
         self.tokenizer = setup.load_tokenizer(self.cfg)
@@ -70,8 +72,8 @@ class _Role:
 class RolloutWorker(_Role):
     """Samples groups with its copy of the policy (see the module docs)."""
 
-    def __init__(self, config: Mapping[str, Any], threads: int = 1) -> None:
-        super().__init__(config, threads)
+    def __init__(self, config: Mapping[str, Any], threads: int = 1, cwd: str | None = None) -> None:
+        super().__init__(config, threads, cwd)
         cfg = self.cfg
         self.generation = GenerationConfig(**dict(cfg.get("generation") or {}))
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.generation.stop_tokens)
@@ -149,8 +151,8 @@ class RolloutWorker(_Role):
 class RewardWorker(_Role):
     """Scores groups and adds the reference's log-probs (see the module docs)."""
 
-    def __init__(self, config: Mapping[str, Any], threads: int = 1) -> None:
-        super().__init__(config, threads)
+    def __init__(self, config: Mapping[str, Any], threads: int = 1, cwd: str | None = None) -> None:
+        super().__init__(config, threads, cwd)
         cfg = self.cfg
         self.rewards = instantiate(cfg.rewards)
         kl = cfg.get("kl") or {}

@@ -106,6 +106,7 @@ class Rule:
     fits: Callable[[Any], bool]
     required: bool = False
     extra: Callable[[Any], str | None] | None = None
+    nested: bool = False  # an ``extra`` problem ``sub.key: ...`` is reported at ``<key>.sub.key``
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` is not allowed, or None."""
@@ -363,8 +364,20 @@ def check_rules(cfg: DictConfig, rules: Mapping[str, Rule]) -> list[ConfigIssue]
             continue
         problem = rule.problem(value)
         if problem is not None:
-            issues.append(ConfigIssue(key, problem))
+            issues.append(_issue(key, problem, rule.nested and rule.fits(value)))
     return issues
+
+
+def _issue(key: str, problem: str, nested: bool) -> ConfigIssue:
+    """The issue of ``problem`` at ``key`` (at ``key.sub`` for a nested ``sub: ...``).
+
+    >>> str(_issue("rollout", "runtime_env.pip: refused", nested=True))
+    'rollout.runtime_env.pip: refused'
+    """
+    sub, sep, rest = problem.partition(": ")
+    if nested and sep and sub and " " not in sub:
+        return ConfigIssue(f"{key}.{sub}", rest)
+    return ConfigIssue(key, problem)
 
 
 # ----------------------------------------------------------------------------- resume
