@@ -220,11 +220,35 @@ def from_hf(
     spec, resolved = hf_folder_spec(path, dtype)
     folder = Path(path)
     if not load_weights:
+        _check_fits(spec, resolved, device, folder)
         return build_model(spec, device=device, dtype=resolved)
     find_weight_files(folder)  # fail on a folder without weights before building anything
     model = build_model(spec, device="meta", dtype=resolved)
     load_hf_weights(model, folder, dtype=resolved, device=device, verify=verify)
     return model
+
+
+def _device_memory(device: torch.device | str) -> int | None:
+    """Bytes of memory of ``device`` (the machine's RAM for the CPU), None when unknown."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
+def _check_fits(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
+                folder: Path) -> None:  # fmt: skip
+    """Refuse to build a model whose weights alone are larger than ``device``'s memory."""
+    memory = _device_memory(device)
+    size = spec.approx_parameters() * dtype.itemsize
+    if memory is not None and size > memory:
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME}: the model has about {spec.approx_parameters():.3g} "
+            f"parameters ({size / 2**30:.1f} GiB in {dtype}), more than the "
+            f"{memory / 2**30:.1f} GiB of memory of {device}"
+        )
 
 
 # ----------------------------------------------------------------------------- saving

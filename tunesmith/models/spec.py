@@ -184,6 +184,25 @@ class ModelSpec:
         """True when at least one layer is a mixture-of-experts layer."""
         return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
+    def approx_parameters(self) -> int:
+        """About how many parameters the model has (weights of embeddings, attention, MLPs or
+        experts and head; norms and biases left out): enough to tell whether it fits.
+
+        Example::
+
+            >>> from tunesmith.models import llama3
+            >>> llama3.spec("llama3_2_1b").approx_parameters() // 10**8
+            12
+        """
+        width, q, kv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
+        attention = 2 * width * (q + kv) * self.head_dim
+        dense = 3 * width * self.intermediate_size
+        experts = self.num_experts * (3 * width * self.moe_intermediate_size + width)
+        layers = sum(experts if self.is_moe_layer(i) else dense
+                     for i in range(self.num_hidden_layers))  # fmt: skip
+        embeddings = self.vocab_size * width * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_hidden_layers * attention + layers
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` uses experts (HF Qwen3-MoE rule)."""
         return (
