@@ -29,6 +29,12 @@ _NO_KEY = (
     "{where}...' (the section takes no runtime environment), before Ray starts; nothing written"
 )
 
+_VLLM = (
+    "`validate` and `run grpo_async` both exit 1 with the same first line 'tunesmith: error: "
+    "{where}: not one of the vLLM settings passed on as they are ...; pass --allow-runtime-env "
+    "...', before Ray starts; nothing written"
+)
+
 
 @dataclass(frozen=True)
 class RuntimeEnvRoute:
@@ -106,6 +112,12 @@ RUNTIME_ENV_ROUTES = [
     RuntimeEnvRoute("runtime-env-setup-hook", "`worker_process_setup_hook`: a function every "
                     "worker calls", _rollout("{{worker_process_setup_hook: os.system}}"),
                     "rollout.runtime_env.worker_process_setup_hook"),
+    RuntimeEnvRoute("vllm-argument-worker-cls", "`rollout.vllm.worker_cls`: vLLM imports that "
+                    "class and runs it as its GPU worker", "rollout.vllm={{worker_cls: "
+                    "tsevil.Worker}}", "rollout.vllm.worker_cls", says="can load or run code"),
+    RuntimeEnvRoute("vllm-argument-logits-processors", "`rollout.vllm.logits_processors`: vLLM "
+                    "imports the dotted paths", "rollout.vllm={{logits_processors: [os.system]}}",
+                    "rollout.vllm.logits_processors", says="can load or run code"),
     RuntimeEnvRoute("runtime-env-trainer-group", "`trainer_group.runtime_env` (the trainer "
                     "actors take none)", "trainer_group.runtime_env={{py_executable: "
                     "{folder}/py.sh}}", "trainer_group", says="unknown key 'runtime_env'"),
@@ -116,7 +128,8 @@ RUNTIME_ENV_ROUTES = [
 
 
 def _route_case(route: RuntimeEnvRoute) -> Case:
-    expect = (_REFUSED if route.says.startswith("a Ray") else _NO_KEY).format(where=route.where)
+    template = {"a Ray runtime environment runs code": _REFUSED, "can load or run code": _VLLM}
+    expect = template.get(route.says, _NO_KEY).format(where=route.where)
     if route.live:
         expect += f"; the payload shown live ({route.live} runs code)"
     return Case(route.id, "safety", "runtime-env", route.what, expect)

@@ -37,6 +37,7 @@ from tunesmith.rl.pipeline import (
     RAY_KEYS,
     RolloutPipeline,
     ray_address_problem,
+    runtime_env_allowed,
     runtime_env_problem,
 )
 from tunesmith.rl.prompts import Prompt, PromptStream
@@ -114,6 +115,34 @@ def _weight_sync_problem(rollout: Any) -> str | None:
     return None
 
 
+_VLLM_KEYS = (  # VLLMEngine's own settings and vLLM's plain engine sizes, passed on as they are
+    "dtype", "gpu_memory_utilization", "max_model_len", "enforce_eager",
+    "allow_filtered_logprobs", "max_update_bytes", "tensor_parallel_size", "max_num_seqs",
+    "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "swap_space",
+    "cpu_offload_gb", "kv_cache_dtype", "block_size", "quantization", "disable_log_stats",
+)  # fmt: skip
+
+
+def _vllm_problem(section: Any) -> str | None:
+    """``vllm.KEY: ...`` for the first ``rollout.vllm`` argument outside :data:`_VLLM_KEYS`
+    without the opt-in: vLLM's other arguments can load or run code (``trust_remote_code``,
+    ``worker_cls``, ``logits_processors``, plugins, ...).
+
+    >>> _vllm_problem({"vllm": {"dtype": "bfloat16"}}) is None
+    True
+    """
+    vllm = section.get("vllm") or {}
+    if type_name(vllm) != "mapping":
+        return f"vllm: expected a mapping of VLLMEngine arguments, got a {type_name(vllm)}"
+    for key in vllm.keys():  # noqa: SIM118 (a DictConfig or a dict)
+        if key not in _VLLM_KEYS and not runtime_env_allowed():
+            return (f"vllm.{key}: not one of the vLLM settings passed on as they are "
+                    f"({', '.join(_VLLM_KEYS)}); vLLM's other arguments can load or run code "
+                    "(trust_remote_code, worker_cls, logits_processors, plugins...): pass "
+                    "--allow-runtime-env (or --allow-any-component) to use them")  # fmt: skip
+    return None
+
+
 def _workers_problem(keys: Sequence[str]) -> Callable[[Any], str | None]:
     """What is wrong in a ``rollout`` / ``reward_workers`` section: a key it does not have, a
     ``runtime_env`` without the opt-in (:func:`~tunesmith.rl.pipeline.runtime_env_problem`),
@@ -122,8 +151,10 @@ def _workers_problem(keys: Sequence[str]) -> Callable[[Any], str | None]:
     def problem(section: Any) -> str | None:
         if section is None:
             return None
+        rollout = "weight_sync" in keys
         return (_unknown_key(section, keys) or runtime_env_problem(section.get("runtime_env"))
-                or (_weight_sync_problem(section) if "weight_sync" in keys else None))  # fmt: skip
+                or (_vllm_problem(section) if rollout else None)
+                or (_weight_sync_problem(section) if rollout else None))  # fmt: skip
 
     return problem
 
