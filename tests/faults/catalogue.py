@@ -18,6 +18,7 @@ from tests.faults.hostile_cases import HOSTILE_CASES
 from tests.faults.kit import Case
 from tests.faults.ray_cases import RAY
 from tests.faults.safety_cases import SAFETY
+from tests.faults.sandbox_cases import SANDBOX
 
 __all__ = [
     "CASES",
@@ -207,6 +208,7 @@ CASES: list[Case] = [
         for b in BAD_INPUTS  # the builders live in tests/faults/bad_inputs.py
     ),
     *SAFETY,
+    *SANDBOX,  # tests/faults/sandbox_cases.py
     *RAY,  # tests/faults/ray_cases.py
     *FILE_CASES,
     *HOSTILE_CASES,  # tests/faults/test_hostile_inputs.py

@@ -186,8 +186,8 @@ def test_files_stay_in_a_temporary_place_that_is_removed(isolation, tmp_path, mo
         assert Path(cwd).parent.parent == Path(tempfile.gettempdir()).resolve()
         assert Path(temp_file).parent == Path(cwd)  # TMPDIR points into the sandbox
         assert not Path(cwd).exists() and not Path(cwd).parent.exists()
-    else:  # its own root: /work and /tmp exist only in the sandbox's tmpfs
-        assert (cwd, str(Path(temp_file).parent)) == ("/work", "/tmp")
+    else:  # its own root: /sandbox and /tmp exist only in the sandbox's tmpfs
+        assert (cwd, str(Path(temp_file).parent)) == ("/sandbox", "/tmp")
     assert list(tmp_path.iterdir()) == []  # nothing landed where the caller was
     assert _sandbox_folders() <= before
 
@@ -319,3 +319,11 @@ def test_no_sandbox_folders_are_left_behind(isolation) -> None:
         [_code_sample(SOLUTION), _code_sample("```python\nwhile 1: pass\n```")]
     )
     assert _sandbox_folders() <= before
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_site_packages_only_when_asked(isolation) -> None:
+    program = "import yaml\nprint('imported')"  # a package of this venv, not of the stdlib
+    assert "No module named 'yaml'" in _run(program, isolation=isolation).stderr
+    result = _run(program, isolation=isolation, site_packages=True, timeout_s=5)
+    assert result.ok and result.stdout == "imported\n", result.stderr

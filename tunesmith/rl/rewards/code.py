@@ -251,7 +251,7 @@ def decode_plain(value: Any) -> Any:
 # Runs in the sandbox: the solution, then each test's steps; every record is one line
 # "<token> <json>" written straight to fd 1. Values are converted to plain data by exact type.
 _HARNESS = r"""
-import json as _json, os as _os
+import json as _json, os as _os, sys as _sys
 def _plain(v, _type=type, _list=list, _sorted=sorted, _repr=repr):
     t = _type(v)
     if t in (int, float, str, bool) or v is None:
@@ -287,8 +287,7 @@ for _t, _steps in enumerate(PLAN):
             else:
                 _say({"t": _t, "s": _s, "v": _plain(eval(compile(_src, f"test_{_t}.py", "eval"), _ns))})
         except BaseException as _e:
-            import traceback as _tb
-            _tb.print_exc()
+            _sys.__excepthook__(type(_e), _e, _e.__traceback__)  # C: no frame is read
             _say({"t": _t, "s": _s, "error": type(_e).__name__})
             if _kind == "exec":
                 break
@@ -368,6 +367,8 @@ class CodeTests:
             this machine has no user namespaces), ``"namespaces"``, or ``"best_effort"``
             (the unprotected opt-in; see
             :data:`~tunesmith.rl.rewards.sandbox.BEST_EFFORT_GAPS`, printed once).
+        site_packages: solutions may import this interpreter's installed packages (default:
+            the standard library only).
 
     A sample without ``metadata["tests"]`` raises (the
     :class:`~tunesmith.rl.rewards.RewardSet` scores it 0 and counts it).
@@ -387,6 +388,7 @@ class CodeTests:
         partial: bool = False,
         max_workers: int = 4,
         isolation: str = "auto",
+        site_packages: bool = False,
         name: str = "code_tests",
     ) -> None:
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
@@ -410,6 +412,7 @@ class CodeTests:
         self.memory_mb = memory_mb
         self.extract = extract
         self.partial = partial
+        self.site_packages = bool(site_packages)
         self.max_workers = max_workers
         self.name = name
 
@@ -423,6 +426,7 @@ class CodeTests:
         return run_sandboxed(
             code, timeout_s=self.timeout_s, memory_mb=self.memory_mb, stdin=stdin,
             isolation=self.isolation, max_output_bytes=_OUTPUT_BYTES,
+            site_packages=self.site_packages,
         )  # fmt: skip
 
     def score(self, sample: Sample) -> float:
