@@ -39,6 +39,8 @@ def _filled(value, shell: str):
          "loss.inner._component_"),
         ({"metric_loggers": ["${oc.create:SHELL}"]}, "metric_loggers.0._component_"),
         ({"a": {"b": ["${oc.create:{c: ${oc.create:SHELL}}}"]}}, "a.b.0.c._component_"),
+        ({"metric_loggers": "${oc.create:[SHELL]}"}, "metric_loggers.0._component_"),
+        ({"loss": "${oc.select:nowhere,${oc.create:SHELL}}"}, "loss._component_"),
     ],
 )  # fmt: skip
 def test_oc_create_nodes_are_validated_where_used(config, where, tmp_path) -> None:
