@@ -1,7 +1,7 @@
 """Model-written code against the CodeTests sandbox: every route of
 ``sandbox_cases.ESCAPES`` in every isolation mode this machine offers.
 
-Each attempt runs in a disposable *trainer*: a child Python (``DRIVER``) that loads
+Each attempt runs in a disposable *trainer*: a child Python (``DRIVER``, ``-I -S``) that loads
 ``tunesmith/rl/rewards/sandbox.py`` by path (stdlib only: no torch, so ~50 ms), holds a secret in
 its environment and calls ``run_sandboxed`` with the route's program, as a reward worker would;
 the route's own harms (it killing or tracing that trainer, reading its environment) land on that
@@ -48,7 +48,7 @@ code = cfg["code"].replace("TRAINER_PID", str(os.getpid()))
 if cfg["mode"] == "none":  # the payload run as a plain child: does its harm happen?
     start = time.monotonic()
     try:
-        done = subprocess.run([sys.executable, "-c", code], cwd=tempfile.mkdtemp(),
+        done = subprocess.run([sys.executable, "-S", "-c", code], cwd=tempfile.mkdtemp(),
                               capture_output=True, timeout=cfg["timeout_s"])
         out, err, rc = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace"), done.returncode
     except subprocess.TimeoutExpired:
@@ -158,7 +158,7 @@ def _attempt(route, mode: str, ctx: Context) -> tuple[list[str], dict]:
     outside = ctx.tmp / "outside.txt"
     before = (outside.read_text(), stat.S_IMODE(outside.stat().st_mode))
     start = time.monotonic()
-    trainer = subprocess.Popen([sys.executable, "-I", "-c", DRIVER, json.dumps(cfg)], env=env,
+    trainer = subprocess.Popen([sys.executable, "-I", "-S", "-c", DRIVER, json.dumps(cfg)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
         out, err = trainer.communicate(timeout=route.timeout_s + 20)

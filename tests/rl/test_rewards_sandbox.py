@@ -327,3 +327,27 @@ def test_site_packages_only_when_asked(isolation) -> None:
     assert "No module named 'yaml'" in _run(program, isolation=isolation).stderr
     result = _run(program, isolation=isolation, site_packages=True, timeout_s=5)
     assert result.ok and result.stdout == "imported\n", result.stderr
+
+
+def test_without_user_namespaces_only_the_named_opt_in_runs(monkeypatch, capsys) -> None:
+    """Where the machine has no user namespaces (simulated here: this one has them), auto and
+    namespaces refuse in one line naming the opt-in; best_effort runs and says what it lacks."""
+    import tunesmith.rl.rewards.code as code_module
+    from tunesmith.rl.rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "namespaces_problem", lambda: "unshare: Operation not permitted")
+    monkeypatch.setattr(code_module, "_WARNED", set())
+    for isolation in ("auto", "namespaces"):
+        with pytest.raises(RuntimeError) as refused:
+            run_sandboxed("pass", timeout_s=1, memory_mb=64, isolation=isolation)
+        assert "\n" not in str(refused.value) and "isolation='best_effort'" in str(refused.value)
+        assert "Operation not permitted" in str(refused.value)
+        with pytest.raises(
+            RuntimeError, match="^CodeTests: the code sandbox needs user namespaces"
+        ):
+            CodeTests(isolation=isolation)
+    assert available_isolation() == ("best_effort",)
+    CodeTests(isolation="best_effort")
+    CodeTests(isolation="best_effort")
+    warning = capsys.readouterr().err
+    assert warning.count("is not isolation") == 1 and "read any file" in warning

@@ -333,7 +333,9 @@ def _passed(plan: TestPlan, index: int, records: list[dict]) -> bool:
         elif kind == "exec" and got[0].get("ok") is not True:
             return False
         elif kind == "probe" and "v" in got[0]:
-            with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+            with contextlib.suppress(
+                ValueError, TypeError, KeyError, AttributeError, RecursionError
+            ):
                 values[probe] = decode_plain(got[0]["v"])
         probe += kind == "probe"
     try:
