@@ -100,9 +100,9 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import Dataset
 
 from tunesmith.config.registry import component
+from tunesmith.data.chat_template import TemplateBudgetError
 from tunesmith.data.formats import check_columns, check_messages, resolve_columns
 from tunesmith.data.labels import count_trained, make_labels
-from tunesmith.data.chat_template import TemplateBudgetError
 from tunesmith.data.report import (
     EMPTY_ASSISTANT_TURN,
     IDENTICAL_RESPONSES,

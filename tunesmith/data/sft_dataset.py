@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import Dataset
 
 from tunesmith.config.registry import component
+from tunesmith.data.chat_template import TemplateBudgetError
 from tunesmith.data.formats import (
     PROMPT_STYLES,
     Conversation,
@@ -71,7 +72,6 @@ from tunesmith.data.formats import (
     resolve_columns,
 )
 from tunesmith.data.labels import count_trained, make_labels, truncate
-from tunesmith.data.chat_template import TemplateBudgetError
 from tunesmith.data.report import (
     NO_TRAINED_TOKENS,
     TEMPLATE_ERROR,
