@@ -157,6 +157,15 @@ RAY = [
         ci=False,
     ),
     Case(
+        "ray-worker-env-cwd-files",
+        "safety",
+        "working-dir-import",
+        "a Python process started as the pipeline starts a Ray worker (its runtime_env's "
+        "env_vars) in a folder holding `sitecustomize.py` and `json.py` (each creates a marker)",
+        "no marker: neither file is imported (PYTHONSAFEPATH, no working folder in PYTHONPATH); "
+        "both shown live with the workers' former PYTHONPATH=<cwd> and a plain `python -c`",
+    ),
+    Case(
         "ray-workers-cwd-sitecustomize",
         "safety",
         "working-dir-import",

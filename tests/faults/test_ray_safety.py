@@ -204,6 +204,47 @@ def test_opt_in_runs_the_runtime_env(case, ray_world, tmp_path, no_opt_in, outco
 # ----------------------------------------------------------------------------- working folder
 
 
+def _plant(folder: Path, names: tuple[str, ...], tmp_path: Path) -> dict[str, Path]:
+    """``NAME.py`` in ``folder`` for each name, creating ``tmp_path/NAME-imported`` (then
+    failing) when imported; returns the markers."""
+    folder.mkdir(exist_ok=True)
+    markers = {name: tmp_path / f"{name}-imported" for name in names}
+    for name, marker in markers.items():
+        (folder / f"{name}.py").write_text(
+            f"open({str(marker)!r}, 'w').write('imported')\nraise ImportError('planted')\n"
+        )
+    return markers
+
+
+def _imported(markers: dict[str, Path]) -> list[str]:
+    """The planted files that ran (their markers removed)."""
+    ran = [name for name, marker in markers.items() if marker.exists()]
+    for name in ran:
+        markers[name].unlink()
+    return ran
+
+
+@pytest.mark.parametrize("case", [CASES["ray-worker-env-cwd-files"]])
+def test_the_worker_environment_imports_nothing_from_the_folder(case, tmp_path, monkeypatch, no_opt_in, outcome):  # fmt: skip
+    from tunesmith.rl.pipeline import runtime_env
+
+    here = tmp_path / "run_here"
+    markers = _plant(here, ("sitecustomize", "json"), tmp_path)
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    probe = [sys.executable, "-c", "import json"]
+    run = {"cwd": here, "capture_output": True, "timeout": 60}
+    subprocess.run(probe, env={**base, "PYTHONPATH": str(here)}, **run)  # the former workers'
+    assert _imported(markers) == ["sitecustomize", "json"], "the planted files did not run"
+    monkeypatch.chdir(here)  # the pipeline makes its actors from the run's folder
+    worker = runtime_env({}, "rollout")["env_vars"]
+    assert str(here) not in worker["PYTHONPATH"].split(os.pathsep)
+    done = subprocess.run(probe, env={**base, **worker}, **run)
+    assert done.returncode == 0, done.stderr
+    assert _imported(markers) == []
+    outcome.update(outcome="refused", imported="neither sitecustomize.py nor json.py",
+                   env="PYTHONSAFEPATH=1, PYTHONPATH=" + (worker["PYTHONPATH"] or "''"))  # fmt: skip
+
+
 @pytest.mark.parametrize("case", [CASES["ray-workers-cwd-sitecustomize"]])
 def test_workers_import_nothing_from_the_working_folder(case, ray_world, tmp_path, no_opt_in, outcome):  # fmt: skip
     here, out = tmp_path / "run_here", tmp_path / "out"
