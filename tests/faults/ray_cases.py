@@ -205,7 +205,7 @@ RAY = [
     Case(
         "ray-address-malformed",
         "bad_input",
-        "config",
+        "ray-config",
         "`ray.address=head-node` (no port)",
         "`validate` and `run` both exit 1 with the same first line 'ray.address: expected "
         "null, 'auto' or HOST:PORT ...'; nothing written",

@@ -34,6 +34,12 @@ TITLES = {
 # Safety kinds that are not attempts to run code: a component built with the opt-in flag, and
 # the scan of the package source. They are counted on a line of their own.
 NOT_REFUSALS = ("opt-in", "static")
+# Safety kinds counted on lines of their own: model-written code trying to leave the sandbox, and
+# files planted to redirect what a run writes (or secrets that would reach its logs).
+SANDBOX = ("sandbox-escape",)
+FILES = ("symlink", "secret")
+# Bad inputs that hung or exhausted memory before: each must end within the bound its case states.
+BOUNDED = ("hang", "size")
 
 GPU_DETERMINISM = """\
 ## Determinism on GPUs
@@ -109,6 +115,11 @@ def _outcome(case: Case, results: Mapping[str, Mapping[str, Any]]) -> str:
     return "passed: " + _detail(case, result)  # cell-safe already
 
 
+def _best_effort(result: Mapping[str, Any]) -> str | None:
+    """The outcome of a sandbox case in the best-effort mode (None when it did not run)."""
+    return result.get("modes", {}).get("best_effort", {}).get("outcome")
+
+
 def summary(cases: Sequence[Case], results: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
     """The headline counts."""
 
@@ -117,6 +128,9 @@ def summary(cases: Sequence[Case], results: Mapping[str, Mapping[str, Any]]) -> 
 
     faults, bad = ran("fault"), ran("bad_input")
     safety = [(c.kind, results[c.id]) for c in cases if c.group == "safety" and c.id in results]
+    bad_kinds = [
+        (c.kind, results[c.id]) for c in cases if c.group == "bad_input" and c.id in results
+    ]
     return {
         "faults injected": len(faults),
         "faults survived": sum(r["passed"] for r in faults),
@@ -128,8 +142,21 @@ def summary(cases: Sequence[Case], results: Mapping[str, Mapping[str, Any]]) -> 
         "bad rows skipped and counted (on_bad_row=skip)": sum(
             r["passed"] and r.get("outcome") == "counted skip" for r in bad
         ),
+        "bad inputs that hung or exhausted memory before, ended within their bound": sum(
+            r["passed"] for kind, r in bad_kinds if kind in BOUNDED
+        ),
+        "hangs past their bound": sum(not r["passed"] for kind, r in bad_kinds if kind in BOUNDED),
         "code-execution attempts and unsafe loads refused": sum(
-            r["passed"] for kind, r in safety if kind not in NOT_REFUSALS
+            r["passed"] for kind, r in safety if kind not in (*NOT_REFUSALS, *SANDBOX, *FILES)
+        ),
+        "sandbox escape attempts contained (OS isolation where the machine offers it)": sum(
+            r["passed"] and r.get("outcome") == "contained" for kind, r in safety if kind in SANDBOX
+        ),
+        "sandbox escapes the opt-in best-effort mode lets through (documented gaps)": sum(
+            r["passed"] and _best_effort(r) == "documented" for kind, r in safety if kind in SANDBOX
+        ),
+        "planted links refused, secrets kept out of logs": sum(
+            r["passed"] for kind, r in safety if kind in FILES
         ),
         "other safety checks passed (the opt-in build, the source scan)": sum(
             r["passed"] for kind, r in safety if kind in NOT_REFUSALS
