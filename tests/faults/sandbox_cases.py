@@ -136,6 +136,16 @@ ESCAPES = [
         "remounts the read-only `/usr` read-write (mount(2) through ctypes)",
         _CTYPES + "if libc.mount(None, b'/usr', None, 32 | 4096, None) == 0:\n    print('ESCAPED')",
     ),
+    Escape(
+        "proc-sys-write",
+        "opens the kernel's global settings for writing (`/proc/sys/kernel/core_pattern`, "
+        "`panic`, `vm/drop_caches`, `/proc/sysrq-trigger`): as the caller's uid, root for a "
+        "trainer run as root, the owner checks would pass",
+        "import os\nfor p in ('/proc/sys/kernel/core_pattern', '/proc/sys/kernel/panic', "
+        "'/proc/sys/vm/drop_caches', '/proc/sysrq-trigger'):\n    try:\n"
+        "        os.close(os.open(p, os.O_WRONLY))\n        print('ESCAPED', p)\n"
+        "    except OSError:\n        pass",
+    ),
     # ---------------------------------------------------------------- reading the host
     Escape(
         "proc-1-environ",
