@@ -40,7 +40,7 @@ packages, a venv's included, shown read-only).
 Cost per call on a loaded 2-core machine (median of 15 runs of ``pass``): namespaces about
 0.17-0.2 s, best effort about 0.1-0.13 s, the former ``unshare --user --net`` + audit hook
 mode 0.14-0.23 s (two interpreter starts and the mounts; the tests in
-``tests/faults/test_sandbox_escapes.py`` try 51 escape routes in each mode).
+``tests/faults/test_sandbox_escapes.py`` try 52 escape routes in each mode).
 
 Example::
 
