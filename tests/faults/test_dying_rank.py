@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -71,7 +72,9 @@ def test_survivor_exits_with_a_clear_error(case, fault_world, tmp_path, outcome)
 
 
 @pytest.mark.parametrize("case", [p for p in params("fault", "rank_death") if "torchrun" in p.id])
-def test_rank_dying_under_torchrun_fails_the_cli(case, fault_world, tmp_path, outcome):
+def test_rank_dying_under_torchrun_fails_the_cli(case, fault_world, tmp_path, outcome, monkeypatch):
+    # ranks start with a safe sys.path: the test's own components are added deliberately
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
     overrides = sft_overrides(
         fault_world.model_dir, fault_world.count, tmp_path / "out", "batch_size=2",
         "max_steps=50", f"distributed_timeout_s={TIMEOUT_S}",
