@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -385,6 +385,23 @@ def _copy_model_tree(root: Path, src: Path, dst: Path) -> None:
             _copy_model_file(target, dst / entry.name)
 
 
+def _model_sources(
+    source_dir: str | os.PathLike, names: Iterable[str]
+) -> Iterator[tuple[str, Path]]:
+    """(name, what to read) for each of ``names`` the model folder has; a top-level link to a
+    folder, or a link leaving the folder (:func:`model_file_source`), is refused."""
+    root = Path(source_dir).resolve()
+    for name in names:
+        path = root / name
+        if not os.path.lexists(path):
+            continue
+        target = model_file_source(root, path)
+        if target.is_dir() and path.is_symlink():
+            raise UnsafePathError(f"{Path(source_dir) / name}: is a symbolic link to a "
+                                  "folder: refused (copy the folder in instead)")  # fmt: skip
+        yield name, target
+
+
 def check_model_files(
     source_dir: str | os.PathLike, names: Iterable[str] = (*TOKENIZER_FILES, GENERATION_CONFIG_NAME)
 ) -> None:
@@ -397,15 +414,8 @@ def check_model_files(
         >>> check_model_files("models/Qwen3-0.6B")  # doctest: +SKIP
     """
     root = Path(source_dir).resolve()
-    for name in names:
-        path = root / name
-        if not os.path.lexists(path):
-            continue
-        target = model_file_source(root, path)
+    for _, target in _model_sources(source_dir, names):
         if target.is_dir():
-            if path.is_symlink():
-                raise UnsafePathError(f"{Path(source_dir) / name}: is a symbolic link to a "
-                                      "folder: refused (copy the folder in instead)")  # fmt: skip
             for entry in target.rglob("*"):
                 if model_file_source(root, entry).is_dir() and entry.is_symlink():
                     raise UnsafePathError(f"{entry}: is a symbolic link to a folder: refused")
@@ -425,15 +435,8 @@ def copy_model_files(source_dir: Path, folder: Path, names: Iterable[str]) -> li
     """
     root = Path(source_dir).resolve()  # the user's folder: a link to it is followed once
     copied = []
-    for name in names:
-        path = root / name
-        if not os.path.lexists(path):
-            continue
-        target = model_file_source(root, path)
+    for name, target in _model_sources(source_dir, names):
         if target.is_dir():
-            if path.is_symlink():
-                raise UnsafePathError(f"{Path(source_dir) / name}: is a symbolic link to a "
-                                      "folder: refused (copy the folder in instead)")  # fmt: skip
             shutil.rmtree(folder / name, ignore_errors=True)
             _copy_model_tree(root, target, folder / name)
         else:
