@@ -64,7 +64,6 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-import tunesmith
 from tunesmith.config import ALLOW_ANY_COMPONENT_ENV, any_component_allowed
 from tunesmith.rl.groups import Group
 from tunesmith.rl.prompts import Prompt, PromptStream
@@ -147,7 +146,7 @@ def _code_dir() -> str:
     >>> Path(_code_dir(), "tunesmith", "__init__.py").is_file()
     True
     """
-    return str(Path(tunesmith.__file__).resolve().parent.parent)
+    return str(Path(__file__).resolve().parents[2])  # tunesmith/rl/pipeline.py -> its root
 
 
 @contextlib.contextmanager
