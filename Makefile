@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv demo demo-rl test test-slow test-faults test-gpu lint format clean
+.PHONY: venv demo demo-rl test test-durations test-slow test-faults test-gpu lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,7 +33,16 @@ format: venv
 	$(VENV)/bin/ruff format .
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# `make test` measured: its wall time, load average and slowest tests written to
+# benchmarks/results/test_durations.md (LABEL=before|after|... keeps runs side by side).
+LABEL ?= latest
+test-durations: venv
+	@load="$$(cut -d' ' -f1-3 /proc/loadavg)"; start=$$(date +%s); \
+	$(MAKE) --no-print-directory test PYTEST_ARGS="--junitxml=$(CURDIR)/.test-durations.xml"; \
+	status=$$?; $(PY) benchmarks/test_durations.py --junit .test-durations.xml \
+		--wall $$(( $$(date +%s) - start )) --load-start "$$load" --label $(LABEL); exit $$status
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow
