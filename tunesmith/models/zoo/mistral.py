@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tunesmith.config.registry import component
 from tunesmith.models.builder import build_model, family_spec
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import ModelSpec
@@ -82,6 +83,7 @@ def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) ->
     return build_model(spec(size, **overrides), device=device, dtype=dtype)
 
 
+@component
 def mistral_7b_v0_3(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -89,6 +91,7 @@ def mistral_7b_v0_3(
     return _build("mistral_7b_v0_3", device, dtype, overrides)
 
 
+@component
 def mistral_nemo_12b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -96,6 +99,7 @@ def mistral_nemo_12b(
     return _build("mistral_nemo_12b", device, dtype, overrides)
 
 
+@component
 def mistral_tiny(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tunesmith.config.registry import component
 from tunesmith.models.builder import build_model, family_spec
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import (
@@ -106,6 +107,7 @@ def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) ->
     return build_model(spec(size, **overrides), device=device, dtype=dtype)
 
 
+@component
 def qwen2_5_0_5b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -113,6 +115,7 @@ def qwen2_5_0_5b(
     return _build("qwen2_5_0_5b", device, dtype, overrides)
 
 
+@component
 def qwen2_5_1_5b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -120,6 +123,7 @@ def qwen2_5_1_5b(
     return _build("qwen2_5_1_5b", device, dtype, overrides)
 
 
+@component
 def qwen2_5_3b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -127,6 +131,7 @@ def qwen2_5_3b(
     return _build("qwen2_5_3b", device, dtype, overrides)
 
 
+@component
 def qwen2_5_7b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -134,6 +139,7 @@ def qwen2_5_7b(
     return _build("qwen2_5_7b", device, dtype, overrides)
 
 
+@component
 def qwen2_5_14b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -141,6 +147,7 @@ def qwen2_5_14b(
     return _build("qwen2_5_14b", device, dtype, overrides)
 
 
+@component
 def qwen2_5_32b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -148,6 +155,7 @@ def qwen2_5_32b(
     return _build("qwen2_5_32b", device, dtype, overrides)
 
 
+@component
 def qwen2_5_72b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -155,6 +163,7 @@ def qwen2_5_72b(
     return _build("qwen2_5_72b", device, dtype, overrides)
 
 
+@component
 def qwen2_5_tiny(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:

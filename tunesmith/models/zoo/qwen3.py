@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tunesmith.config.registry import component
 from tunesmith.models.builder import build_model, family_spec
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import (
@@ -99,6 +100,7 @@ def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) ->
     return build_model(spec(size, **overrides), device=device, dtype=dtype)
 
 
+@component
 def qwen3_0_6b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -106,6 +108,7 @@ def qwen3_0_6b(
     return _build("qwen3_0_6b", device, dtype, overrides)
 
 
+@component
 def qwen3_1_7b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -113,6 +116,7 @@ def qwen3_1_7b(
     return _build("qwen3_1_7b", device, dtype, overrides)
 
 
+@component
 def qwen3_4b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -120,6 +124,7 @@ def qwen3_4b(
     return _build("qwen3_4b", device, dtype, overrides)
 
 
+@component
 def qwen3_8b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -127,6 +132,7 @@ def qwen3_8b(
     return _build("qwen3_8b", device, dtype, overrides)
 
 
+@component
 def qwen3_14b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -134,6 +140,7 @@ def qwen3_14b(
     return _build("qwen3_14b", device, dtype, overrides)
 
 
+@component
 def qwen3_32b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -141,6 +148,7 @@ def qwen3_32b(
     return _build("qwen3_32b", device, dtype, overrides)
 
 
+@component
 def qwen3_tiny(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tunesmith.config.registry import component
 from tunesmith.models.builder import build_model, family_spec
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import (
@@ -117,6 +118,7 @@ def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) ->
     return build_model(spec(size, **overrides), device=device, dtype=dtype)
 
 
+@component
 def qwen3_30b_a3b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -124,6 +126,7 @@ def qwen3_30b_a3b(
     return _build("qwen3_30b_a3b", device, dtype, overrides)
 
 
+@component
 def qwen3_235b_a22b(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
@@ -131,6 +134,7 @@ def qwen3_235b_a22b(
     return _build("qwen3_235b_a22b", device, dtype, overrides)
 
 
+@component
 def qwen3_moe_tiny(
     *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
 ) -> TransformerLM:
