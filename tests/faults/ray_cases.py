@@ -7,7 +7,9 @@ environment, each one catalogue case (group ``safety``, kind ``runtime-env``) th
 ``test_ray_safety.py`` runs through ``tunesmith validate`` and ``tunesmith run grpo_async
 --config tiny`` in this process (the same first line, before Ray starts and before anything is
 written). Each route is the override that puts it into the config and the key path the
-refusal must name. Nothing here imports Ray, so the report script lists the catalogue cheaply.
+refusal must name. Routes of kind ``config-route`` (group ``bad_input``) are runtime
+environments given as an interpolation that cannot be resolved: the same first line names
+the key. Nothing here imports Ray, so the report script lists the catalogue cheaply.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tests.faults.kit import Case
+from tests.faults.safety_cases import ENV_UNSET, UNRESOLVED_KIND
 
 __all__ = ["ENV_RUNTIME_ENV", "RAY", "RUNTIME_ENV_ROUTES", "RuntimeEnvRoute"]
 
@@ -29,6 +32,12 @@ _NO_KEY = (
     "{where}...' (the section takes no runtime environment), before Ray starts; nothing written"
 )
 
+_UNRESOLVED = (
+    "`validate` and `run grpo_async` both exit 1 with the same first line 'tunesmith: error: "
+    "{where}: interpolation ... cannot be resolved: ...' (the key named, not a bare resolver "
+    "error), before Ray starts; nothing written"
+)
+
 _VLLM = (
     "`validate` and `run grpo_async` both exit 1 with the same first line 'tunesmith: error: "
     "{where}: not one of the vLLM settings passed on as they are ...; pass --allow-runtime-env "
@@ -41,7 +50,8 @@ class RuntimeEnvRoute:
     """A runtime environment in a config: ``override`` (``{marker}`` and ``{folder}`` filled in
     by the test) and ``where``, the key path the first line must start with. ``live`` names
     the check in the test that shows the payload runs code (``None``: by Ray's design only,
-    not shown here)."""
+    not shown here). ``kind``: ``runtime-env`` (a refusal that names the opt-in) or
+    ``config-route`` (a value that cannot be resolved)."""
 
     id: str
     what: str
@@ -49,10 +59,15 @@ class RuntimeEnvRoute:
     where: str
     live: str | None = None
     says: str = "a Ray runtime environment runs code"
+    kind: str = "runtime-env"
 
 
 def _rollout(value: str) -> str:
     return f"rollout.runtime_env={value}"
+
+
+_UNSET = "${{oc.env:" + ENV_UNSET + "}}"  # doubled braces: the test formats the override
+_CANNOT = "cannot be resolved"
 
 
 RUNTIME_ENV_ROUTES = [
@@ -124,10 +139,23 @@ RUNTIME_ENV_ROUTES = [
     RuntimeEnvRoute("runtime-env-ray-section", "`ray.runtime_env` (Ray's job-wide one: not "
                     "read, refused)", "ray.runtime_env={{py_executable: {folder}/py.sh}}",
                     "ray.runtime_env", says="unknown key"),
+    RuntimeEnvRoute("runtime-env-unresolvable", f"`rollout.runtime_env: ${{oc.env:{ENV_UNSET}}}`"
+                    ": an interpolation that cannot be resolved (the line named no key)",
+                    _rollout(_UNSET), "rollout.runtime_env", says=_CANNOT, kind=UNRESOLVED_KIND),
+    RuntimeEnvRoute("runtime-env-unresolvable-reward-workers", "`reward_workers.runtime_env: "
+                    f"${{oc.env:{ENV_UNSET}}}`", f"reward_workers.runtime_env={_UNSET}",
+                    "reward_workers.runtime_env", says=_CANNOT, kind=UNRESOLVED_KIND),
+    RuntimeEnvRoute("runtime-env-unresolvable-inside", "`rollout.runtime_env: "
+                    f"${{oc.create:{{py_executable: ${{oc.env:{ENV_UNSET}}}}}}}`: a made node "
+                    "whose value cannot be resolved", _rollout("${{oc.create:{{py_executable: "
+                    + _UNSET + "}}}}"), "rollout.runtime_env", says=_CANNOT, kind=UNRESOLVED_KIND),
 ]  # fmt: skip
 
 
 def _route_case(route: RuntimeEnvRoute) -> Case:
+    if route.kind == UNRESOLVED_KIND:
+        expect = _UNRESOLVED.format(where=route.where)
+        return Case(route.id, "bad_input", route.kind, route.what, expect)
     template = {"a Ray runtime environment runs code": _REFUSED, "can load or run code": _VLLM}
     expect = template.get(route.says, _NO_KEY).format(where=route.where)
     if route.live:

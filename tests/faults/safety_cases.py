@@ -11,6 +11,7 @@ own folder and import nothing heavy, so the report script lists the catalogue ch
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,9 +20,21 @@ from typing import Any
 
 from tests.faults.kit import Case
 
-__all__ = ["ENV_COMPONENT", "ROUTES", "SAFETY", "Route", "evil_package"]
+__all__ = [
+    "ENV_COMPONENT",
+    "ENV_UNSET",
+    "ROUTES",
+    "SAFETY",
+    "UNRESOLVED",
+    "UNRESOLVED_KIND",
+    "Route",
+    "Unresolved",
+    "evil_package",
+]
 
 ENV_COMPONENT = "TUNESMITH_TEST_COMPONENT"  # what the interpolation route reads
+ENV_UNSET = "TUNESMITH_TEST_UNSET"  # never set: `${oc.env:...}` of it cannot be resolved
+UNRESOLVED_KIND = "config-route"  # the kind of the unresolvable-interpolation cases
 _OS = "is the module 'os', outside the allowed packages"
 _DENIED = "loads pickles, TorchScript or downloaded code, or runs code or commands"
 _PRIVATE = "(names starting with '_' are never resolved)"
@@ -400,6 +413,90 @@ ROUTES = [
           _sandboxed_code, placement="create", live=False),
 ]  # fmt: skip
 
+# ----------------------------------------------------------------------------- unresolvable
+
+
+@dataclass(frozen=True)
+class Unresolved:
+    """A safety-relevant key (``_component_``, ``weights_only``, ``trust_remote_code``, or a
+    node that would hold one) whose value is an interpolation that cannot be resolved:
+    ``override`` puts it into the tiny sft config, ``where`` is the key the first line of
+    ``validate`` and ``run`` must name (the node itself for one ``${oc.create:...}`` makes)."""
+
+    id: str
+    what: str
+    override: str
+    where: str
+
+
+_UNSET = f"${{oc.env:{ENV_UNSET}}}"
+_LOSS = "tunesmith.modules.losses.CrossEntropyLoss"
+_LOADER = "peft.utils.save_and_load.torch_load"
+
+
+def _loss(**node: Any) -> str:
+    return f"loss={json.dumps(node)}"
+
+
+def _loggers(item: object) -> str:
+    return f"metric_loggers=[{json.dumps(item)}]"
+
+
+def _create(component: str, *arguments: str) -> str:
+    """``${oc.create:{_component_: COMPONENT, ARGUMENT...}}``."""
+    return "${oc.create:{" + ", ".join([f"_component_: {component}", *arguments]) + "}}"
+
+
+UNRESOLVED = [
+    Unresolved("unresolved-component", f"`loss._component_: {_UNSET}`",
+               f"loss._component_={_UNSET}", "loss._component_"),
+    Unresolved("unresolved-component-decoded", f"`loss._component_: ${{oc.decode:{_UNSET}}}`",
+               f"loss._component_=${{oc.decode:{_UNSET}}}", "loss._component_"),
+    Unresolved("unresolved-component-nested", "`loss.inner._component_` an unresolvable "
+               "interpolation", _loss(_component_=_LOSS, inner={"_component_": _UNSET}),
+               "loss.inner._component_"),
+    Unresolved("unresolved-component-list-item", "`metric_loggers.0._component_` an "
+               "unresolvable interpolation", _loggers({"_component_": _UNSET}),
+               "metric_loggers.0._component_"),
+    Unresolved("unresolved-list-item", f"`metric_loggers: ['{_UNSET}']`: a list item (the "
+               "list check used to raise a bare resolver error)",
+               _loggers(_UNSET), "metric_loggers.0"),
+    Unresolved("unresolved-create-list-item", f"`metric_loggers: ['{_create(_UNSET)}']`",
+               _loggers(_create(_UNSET)), "metric_loggers.0"),
+    Unresolved("unresolved-create-list-weights-only", "a list item made by `${oc.create:...}` "
+               f"whose `weights_only` is `{_UNSET}`",
+               _loggers(_create(_LOADER, f"weights_only: {_UNSET}")), "metric_loggers.0"),
+    Unresolved("unresolved-create", f"`loss: {_create(_UNSET)}`", f"loss={_create(_UNSET)}",
+               "loss"),
+    Unresolved("unresolved-weights-only", f"`weights_only: {_UNSET}` to an allowed loader "
+               f"(`{_LOADER}`)", _loss(_component_=_LOADER, f="x.pt", weights_only=_UNSET),
+               "loss.weights_only"),
+    Unresolved("unresolved-weights-only-nested", f"`loss.inner.weights_only: {_UNSET}`",
+               _loss(_component_=_LOSS, inner={"_component_": _LOADER, "weights_only": _UNSET}),
+               "loss.inner.weights_only"),
+    Unresolved("unresolved-trust-remote-code", f"`trust_remote_code: {_UNSET}` to "
+               "`transformers.AutoConfig.from_pretrained`", _loss(
+                   _component_="transformers.AutoConfig.from_pretrained",
+                   pretrained_model_name_or_path="x", trust_remote_code=_UNSET),
+               "loss.trust_remote_code"),
+    Unresolved("unresolved-trust-remote-code-tokenizer", f"`tokenizer.trust_remote_code: "
+               f"{_UNSET}`", f"tokenizer.trust_remote_code={_UNSET}",
+               "tokenizer.trust_remote_code"),
+]  # fmt: skip
+
+_UNRESOLVED_CASES = [
+    Case(
+        u.id,
+        "bad_input",
+        UNRESOLVED_KIND,
+        u.what,
+        "`validate` and `run sft` both exit 1 with the same first line 'tunesmith: error: "
+        f"{u.where}: interpolation ... cannot be resolved: ...' (the key named, not a bare "
+        "resolver error); nothing built, nothing written",
+    )
+    for u in UNRESOLVED
+]
+
 _ROUTE_CASES = [
     Case(
         r.id,
@@ -547,4 +644,5 @@ SAFETY = [
         "torch.load and dcp.load only in tunesmith.training.safe_dcp (weights_only=True, "
         "registered safe globals set aside), no pickle/dill loads, no trust_remote_code",
     ),
+    *_UNRESOLVED_CASES,
 ]

@@ -39,8 +39,8 @@ def shown(text: str, world: World, shared: Path) -> str:
 
 
 # Kinds with tests of their own (other commands than `run sft`, a bound in seconds, a memory
-# limit): test_hostile_inputs.py, test_ray_safety.py.
-RUN_ELSEWHERE = ("hang", "size", "cli-input", "ray-config")  # tested in their own modules
+# limit, `validate` beside `run`): test_hostile_inputs.py, test_ray_safety.py, test_safety.py.
+RUN_ELSEWHERE = ("hang", "size", "cli-input", "ray-config", "config-route")
 
 
 def test_every_catalogue_case_has_a_builder():

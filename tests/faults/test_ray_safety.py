@@ -1,11 +1,12 @@
 """Ray and code execution, end to end through ``tunesmith``:
 
 * every route of ``ray_cases.RUNTIME_ENV_ROUTES`` (a Ray ``runtime_env`` in ``rollout``,
-  ``reward_workers``, ``trainer_group`` or ``ray``, written out, interpolated or decoded from
-  the environment) is refused by ``tunesmith validate`` and ``tunesmith run grpo_async`` in
-  this process with the same first line naming the key, before Ray starts and before anything
-  is written; each payload that is cheap to run is shown live (the script, the module
-  ``PYTHONWARNINGS`` imports, the startup file, the preloaded library, the browser command);
+  ``reward_workers``, ``trainer_group`` or ``ray``, written out, interpolated, decoded from
+  the environment, or an interpolation that cannot be resolved) is refused by ``tunesmith
+  validate`` and ``tunesmith run grpo_async`` in this process with the same first line naming
+  the key, before Ray starts and before anything is written; each payload that is cheap to
+  run is shown live (the script, the module ``PYTHONWARNINGS`` imports, the startup file, the
+  preloaded library, the browser command);
 * with ``--allow-runtime-env`` (or ``--allow-any-component``) the config validates, and a run
   whose ``py_executable`` creates a marker trains with it (Ray);
 * a run started in a folder holding ``sitecustomize.py`` and ``torch.py`` imports neither in
@@ -31,6 +32,7 @@ import pytest
 
 from tests.faults import ray_cases
 from tests.faults.catalogue import params
+from tests.faults.safety_cases import ENV_UNSET, UNRESOLVED_KIND
 from tests.recipes.sft_world import REPO_ROOT, make_model_dir
 from tests.rl.rl_world import make_prompts, ray_temp_dir
 from tunesmith.cli.main import ALLOW_ANY_ENV, ALLOW_RUNTIME_ENV, main
@@ -144,12 +146,18 @@ def _live(what: str, folder: Path, marker: Path) -> str:
 # ----------------------------------------------------------------------------- runtime_env
 
 
-@pytest.mark.parametrize("case", params("safety", "runtime-env"))
+# the routes that name the opt-in, and those whose value cannot be resolved (bad inputs)
+REFUSED = [*params("safety", "runtime-env"),
+           *(p for p in params("bad_input", UNRESOLVED_KIND) if p.id in ROUTES)]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REFUSED)
 def test_runtime_env_is_refused(case, ray_world, tmp_path, capsys, monkeypatch, no_opt_in, outcome):  # fmt: skip
     route = ROUTES[case.id]
     folder, marker, out = tmp_path / "case", tmp_path / "payload-ran", tmp_path / "out"
     _payloads(folder, marker)
     monkeypatch.setenv(ray_cases.ENV_RUNTIME_ENV, f"{{py_executable: {folder}/py.sh}}")
+    monkeypatch.delenv(ENV_UNSET, raising=False)
     override = route.override.format(folder=folder, marker=marker)
     common = _common(ray_world, out, override)
     code, stdout, err = _cli(capsys, ["validate", str(TINY), *common])
@@ -158,7 +166,8 @@ def test_runtime_env_is_refused(case, ray_world, tmp_path, capsys, monkeypatch, 
     code, _, err = _cli(capsys, ["run", "grpo_async", "--config", "tiny", *common])
     assert _first_line(code, err) == validated, (validated, err)
     assert validated.startswith(f"tunesmith: error: {route.where}"), validated
-    assert route.says in validated and "--allow-runtime-env" in validated, validated
+    assert route.says in validated, validated
+    assert ("--allow-runtime-env" in validated) == (route.kind == "runtime-env"), validated
     assert not marker.exists() and not out.exists() and not _ray_started()
     details = {"outcome": "refused", "error": validated.replace(str(folder), "<case>")}
     if route.live:

@@ -224,6 +224,33 @@ def test_validate_refuses_what_run_refuses(case, fault_world, tmp_path, marker, 
     outcome.update(outcome="refused", routes=len(safety_cases.ROUTES))
 
 
+UNRESOLVED = {u.id: u for u in safety_cases.UNRESOLVED}
+
+
+@pytest.mark.parametrize(
+    "case", [p for p in params("bad_input", safety_cases.UNRESOLVED_KIND) if p.id in UNRESOLVED]
+)
+def test_unresolvable_safety_key_is_named(case, fault_world, tmp_path, capsys, monkeypatch, allowed_packages_imported, outcome):  # fmt: skip
+    """A ``_component_``, ``weights_only`` or ``trust_remote_code`` (or a node holding one)
+    that is an interpolation that cannot be resolved: ``validate`` and ``run`` give the same
+    first line, naming the key."""
+    route = UNRESOLVED[case.id]
+    monkeypatch.delenv(ALLOW_ANY_ENV, raising=False)
+    monkeypatch.delenv(safety_cases.ENV_UNSET, raising=False)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    data = [f"model_dir={fault_world.model_dir}", f"dataset.source={fault_world.chat}"]
+    code = main(["validate", str(SFT_TINY), *data, f"output_dir={out}", route.override])
+    validated = capsys.readouterr()
+    assert "OK" not in validated.out and "Traceback" not in validated.err, validated
+    line = _refused(code, validated.err)
+    assert _refused(*_run(capsys, fault_world, out, route.override)) == line
+    assert line.startswith(f"tunesmith: error: {route.where}: interpolation "), line
+    assert "cannot be resolved" in line and safety_cases.ENV_UNSET in line, line
+    assert not out.exists()
+    outcome.update(outcome="refused", error=line)
+
+
 # ----------------------------------------------------------------------------- launch
 
 

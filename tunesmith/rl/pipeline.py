@@ -64,7 +64,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from tunesmith.config import ALLOW_ANY_COMPONENT_ENV, any_component_allowed
+from tunesmith.config import ALLOW_ANY_COMPONENT_ENV, ConfigError, any_component_allowed
+from tunesmith.config.nodes import read_child
 from tunesmith.rl.groups import Group
 from tunesmith.rl.prompts import Prompt, PromptStream
 from tunesmith.rl.replay import ReplayBuffer
@@ -81,7 +82,7 @@ __all__ = [
     "ALLOW_RUNTIME_ENV_ENV", "CONNECT_TIMEOUT_S", "MODES", "RAY_KEYS", "RolloutPipeline",
     "actor_cause", "check_runtime_env", "dynamic_selection", "init_ray", "lead_versions",
     "ray_address_problem", "require_ray", "runtime_env", "runtime_env_allowed",
-    "runtime_env_problem",
+    "runtime_env_problem", "section_runtime_env_problem",
 ]  # fmt: skip
 
 MODES = ("sync", "overlap", "off_policy")
@@ -371,6 +372,24 @@ def runtime_env_problem(value: Any) -> str | None:
             "to use it")  # fmt: skip
 
 
+def section_runtime_env_problem(section: Mapping[str, Any]) -> str | None:
+    """:func:`runtime_env_problem` of ``section``'s ``runtime_env``, read here so that a value
+    that does not resolve is named by its key too (a ``DictConfig``'s ``get`` would raise a
+    bare resolver error).
+
+    >>> cfg = OmegaConf.create({"runtime_env": "${oc.env:UNSET}"})
+    >>> print(section_runtime_env_problem(cfg))  # doctest: +ELLIPSIS
+    runtime_env: interpolation '${oc.env:UNSET}' cannot be resolved: ...
+    """
+    if "runtime_env" not in section.keys():  # noqa: SIM118 (a DictConfig or a dict)
+        return None
+    try:
+        value = read_child(section, "runtime_env", "runtime_env")
+    except ConfigError as error:  # missing (???), or an interpolation that does not resolve
+        return str(error)
+    return runtime_env_problem(value)
+
+
 def _plain(value: Any) -> Any:
     """A config value as plain data, interpolations resolved."""
     if isinstance(value, (DictConfig, ListConfig)):
@@ -384,7 +403,7 @@ def check_runtime_env(resources: Mapping[str, Any], section: str) -> None:
 
     >>> check_runtime_env({"runtime_env": None}, "rollout")
     """
-    problem = runtime_env_problem(resources.get("runtime_env"))
+    problem = section_runtime_env_problem(resources)
     if problem is not None:
         raise ValueError(f"{section}.{problem}")
 

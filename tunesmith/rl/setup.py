@@ -38,7 +38,7 @@ from tunesmith.rl.pipeline import (
     RolloutPipeline,
     ray_address_problem,
     runtime_env_allowed,
-    runtime_env_problem,
+    section_runtime_env_problem,
 )
 from tunesmith.rl.prompts import Prompt, PromptStream
 from tunesmith.rl.rewards import RewardSet
@@ -145,14 +145,14 @@ def _vllm_problem(section: Any) -> str | None:
 
 def _workers_problem(keys: Sequence[str]) -> Callable[[Any], str | None]:
     """What is wrong in a ``rollout`` / ``reward_workers`` section: a key it does not have, a
-    ``runtime_env`` without the opt-in (:func:`~tunesmith.rl.pipeline.runtime_env_problem`),
+    ``runtime_env`` without the opt-in (:func:`~tunesmith.rl.pipeline.section_runtime_env_problem`),
     the rollout's weight sync."""
 
     def problem(section: Any) -> str | None:
         if section is None:
             return None
         rollout = "weight_sync" in keys
-        return (_unknown_key(section, keys) or runtime_env_problem(section.get("runtime_env"))
+        return (_unknown_key(section, keys) or section_runtime_env_problem(section)
                 or (_vllm_problem(section) if rollout else None)
                 or (_weight_sync_problem(section) if rollout else None))  # fmt: skip
 

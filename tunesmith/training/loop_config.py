@@ -60,7 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from tunesmith.config import COMPONENT_KEY, ConfigError, ConfigIssue, resolve_component
 from tunesmith.config.errors import type_name
@@ -346,7 +347,9 @@ MODEL_RULES: dict[str, Rule] = {
 
 def check_rules(cfg: DictConfig, rules: Mapping[str, Rule]) -> list[ConfigIssue]:
     """One issue per top-level key of ``cfg`` whose value breaks its rule, and per required
-    key that is absent. Keys without a rule are not looked at.
+    key that is absent. Keys without a rule are not looked at. A value whose check meets an
+    interpolation inside it that does not resolve is reported at that inner value's key, as
+    :func:`~tunesmith.config.validate_config` reports it.
 
     >>> [str(i) for i in check_rules(OmegaConf.create({"seed": "abc"}), {"seed": integer(0)})]
     ["seed: expected an int >= 0, got 'abc' (a string)"]
@@ -362,10 +365,39 @@ def check_rules(cfg: DictConfig, rules: Mapping[str, Rule]) -> list[ConfigIssue]
         except ConfigError as error:  # missing (???) or an interpolation that does not resolve
             issues.append(ConfigIssue(key, error.message))
             continue
-        problem = rule.problem(value)
+        try:
+            problem = rule.problem(value)
+        except (OmegaConfBaseException, RecursionError) as error:  # a value inside `value`
+            line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            inside = ConfigIssue(key, f"a value inside cannot be resolved: {line}")
+            issues.append(_unresolved(value, key, set()) or inside)
+            continue
         if problem is not None:
             issues.append(_issue(key, problem, rule.nested and rule.fits(value)))
     return issues
+
+
+def _unresolved(node: Any, path: str, seen: set[int]) -> ConfigIssue | None:
+    """The first value inside ``node`` that does not resolve (or is ``???``), at its dotted path,
+    as ``validate_config`` reports it; None if every one resolves. Each node is walked once.
+
+    >>> cfg = OmegaConf.create({"a": [1, "${nowhere}"]})
+    >>> str(_unresolved(cfg, "cfg", set()))  # doctest: +ELLIPSIS
+    "cfg.a.1: interpolation '${nowhere}' cannot be resolved: ..."
+    """
+    if not isinstance(node, (DictConfig, ListConfig)) or id(node) in seen:
+        return None
+    seen.add(id(node))
+    for key in node.keys() if isinstance(node, DictConfig) else range(len(node)):  # noqa: SIM118
+        where = f"{path}.{key}"
+        try:
+            child = read_child(node, key, where)
+        except ConfigError as error:
+            return ConfigIssue(where, error.message)
+        found = _unresolved(child, where, seen)
+        if found is not None:
+            return found
+    return None
 
 
 def _issue(key: str, problem: str, nested: bool) -> ConfigIssue:
