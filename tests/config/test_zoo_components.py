@@ -76,7 +76,9 @@ def test_helpers_of_a_family_file_are_refused(name: str, module: ModuleType) -> 
 
 
 @pytest.mark.parametrize(("name", "module", "size"), BUILDERS, ids=[s for _, _, s in BUILDERS])
-def test_a_config_naming_the_builder_validates_and_builds(name: str, module: ModuleType, size: str) -> None:  # fmt: skip
+def test_a_config_naming_the_builder_validates_and_builds(
+    name: str, module: ModuleType, size: str
+) -> None:
     expected = getattr(module, size)(device="meta")
     for path in _paths(name, size):
         assert component_refusal(path) is None, component_refusal(path)
