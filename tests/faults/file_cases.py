@@ -3,11 +3,14 @@ that lie, devices and FIFOs in a checkpoint, a full disk under ``metrics.jsonl``
 values (``${oc.env:...}``) in the errors a run logs.
 
 * :data:`SAFETY`: group ``safety``. Kind ``symlink``: a link planted where the run writes (its
-  lock, ``config.yaml``, ``metrics.jsonl``, ``checkpoints/``, a step folder, ``logs/``) or in
-  the model folder whose files every checkpoint copies; each is a refused attempt to write or
-  read through the link (``test_file_safety.py`` shows the target would be reached, then that
-  it is untouched). Kind ``secret``: a value read from the environment that ends up in a
-  rank's error is written to no log.
+  lock, ``config.yaml``, ``metrics.jsonl``, ``checkpoints/``, a step folder, ``logs/``, a Ray
+  trainer group's ``rank<N>.log``, ``console.log``, ``driver.log``) or in the model folder
+  whose files every checkpoint copies; each is a refused attempt to write or read through the
+  link (``test_file_safety.py`` and ``test_trainer_group_files.py`` show the target would be
+  reached, then that it is untouched). Kind ``hardlink``: a hard link planted as a file the
+  run appends to or writes in place (:data:`HARD_LINKS`; a model folder's hard links are read
+  as its files). Kind ``secret``: a value read from the environment that ends up in a rank's
+  error is written to no log.
 * :data:`BAD_INPUTS`: group ``bad_input`` (kinds ``manifest`` and ``device``): checkpoints
   whose ``COMPLETE`` manifest leaves a file out, lists a file outside the folder or a device,
   or whose files are a FIFO or a link; ``resume=true`` refuses each with one line naming the
@@ -25,11 +28,116 @@ from pathlib import Path
 
 from tests.faults.kit import REFUSED, BadInput, Case, Setup, World, reseal, resume_copy
 
-__all__ = ["BAD_INPUTS", "CASES", "FAULTS", "SAFETY", "SECRET_ENV"]
+__all__ = ["BAD_INPUTS", "CASES", "FAULTS", "HARD_LINKS", "SAFETY", "SECRET_ENV", "TRAINER_GROUP"]
 
 SECRET_ENV = "TUNESMITH_TEST_SECRET"  # what the secret cases put in the environment
 
 _NOT_THROUGH = "refused with one line naming the link and its target; the target unchanged"
+
+_NOT_HARD = (
+    "refused with one line naming the file ('is a hard link (the file has 2 names)'); the other "
+    "file unchanged"
+)
+
+HARD_LINKS: list[Case] = [
+    Case(
+        "hardlink-metrics-jsonl",
+        "safety",
+        "hardlink",
+        "output_dir/metrics.jsonl is a hard link to a file of the user's (records would be "
+        "appended to it: a no-follow open does not see a hard link)",
+        _NOT_HARD,
+    ),
+    Case(
+        "hardlink-run-lock",
+        "safety",
+        "hardlink",
+        "output_dir/.tunesmith.lock is a hard link to a file of the user's (the lock's JSON "
+        "would be written into it)",
+        _NOT_HARD,
+    ),
+    Case(
+        "hardlink-config-yaml",
+        "safety",
+        "hardlink",
+        "output_dir/config.yaml is a hard link to a file of the user's (it would be truncated "
+        "and overwritten in place)",
+        _NOT_HARD,
+    ),
+]
+"""Hard links planted where a run appends or writes in place (``test_file_safety.py``)."""
+
+_GROUP_RUN = "`tunesmith run grpo_async` with `trainer_group.launcher=ray` (2 trainer actors)"
+_GROUP_REFUSED = (
+    "refused with one line naming the link and its target, by the driver before Ray starts "
+    "and by the rank when it opens its log (nothing redirected); the target unchanged"
+)
+
+TRAINER_GROUP: list[Case] = [
+    Case(
+        "symlink-trainer-group-logs-dir",
+        "safety",
+        "symlink",
+        f"{_GROUP_RUN} where output_dir/logs is a symbolic link to a folder outside (the "
+        "group's logs used to be written there)",
+        "refused by the driver with one line naming the link, before Ray starts; nothing "
+        "written in the folder outside",
+    ),
+    Case(
+        "symlink-trainer-group-rank-log",
+        "safety",
+        "symlink",
+        "a trainer group's rank0.log is a symbolic link to a file outside (every line of the "
+        "rank, its C++ output and traceback used to be appended to it)",
+        _GROUP_REFUSED,
+    ),
+    Case(
+        "symlink-trainer-group-console-log",
+        "safety",
+        "symlink",
+        "a trainer group's console.log is a symbolic link to a file outside (rank 0's console "
+        "used to be appended to it, and shown by the driver)",
+        _GROUP_REFUSED,
+    ),
+    Case(
+        "symlink-trainer-group-driver-log",
+        "safety",
+        "symlink",
+        "a trainer group's driver.log is a symbolic link to a file outside (Ray's messages used "
+        "to be appended to it)",
+        "refused by the driver with one line naming the link and its target, before Ray "
+        "starts; the target unchanged",
+    ),
+    Case(
+        "hardlink-trainer-group-rank-log",
+        "safety",
+        "hardlink",
+        "a trainer group's rank1.log is a hard link to a file of the user's",
+        "refused with one line naming the file, by the driver before Ray starts and by the "
+        "rank when it opens its log; the other file unchanged",
+    ),
+    Case(
+        "secret-in-rank-log-trainer-group",
+        "safety",
+        "secret",
+        f"a trainer-group rank (as its actor runs it) whose config reads a token with "
+        f"${{oc.env:{SECRET_ENV}}}, prints it and fails naming it",
+        "rank0.log (its output, traceback) and console.log hold `${oc.env:...}`, never the "
+        "value, and so does its one-line error; shown live with redaction off",
+    ),
+    Case(
+        "secret-in-rank-error-ray",
+        "safety",
+        "secret",
+        f"{_GROUP_RUN} whose prompts.source is ${{oc.env:{SECRET_ENV}}} (a token-like path that "
+        "does not exist): the ranks fail with the value in their error",
+        "the console line and the failed rank's rank<N>.log (its traceback) hold "
+        "`${oc.env:...}`; no file of the run (every rank's log, console.log, driver.log) holds "
+        "the value",
+        ci=False,
+    ),
+]
+"""A Ray trainer group's logs (``test_trainer_group_files.py``)."""
 
 SAFETY: list[Case] = [
     Case(
@@ -115,6 +223,8 @@ SAFETY: list[Case] = [
         "hold `${oc.env:...}`, never the value",
         ci=False,
     ),
+    *HARD_LINKS,
+    *TRAINER_GROUP,
 ]
 
 FAULTS: list[Case] = [

@@ -37,7 +37,7 @@ NOT_REFUSALS = ("opt-in", "static")
 # Safety kinds counted on lines of their own: model-written code trying to leave the sandbox, and
 # files planted to redirect what a run writes (or secrets that would reach its logs).
 SANDBOX = ("sandbox-escape",)
-FILES = ("symlink", "secret")
+FILES = ("symlink", "hardlink", "secret")
 # Bad inputs that hung or exhausted memory before: each must end within the bound its case states.
 BOUNDED = ("hang", "size")
 

@@ -5,6 +5,9 @@ device, through ``tunesmith run`` (``tests/faults/file_cases.py`` lists the case
   ``checkpoints/``, a step folder or ``logs/``, or in the model folder whose files every
   checkpoint copies: each target is shown to be reachable through the link, the run is
   refused with one line naming the link, and the target is unchanged afterwards;
+* a hard link planted as the lock, ``config.yaml`` or ``metrics.jsonl`` (the files a run
+  appends to or writes in place): refused with one line naming the file, the other file
+  unchanged; a hard-linked file in the model folder is read as its file (the run trains);
 * a value read with ``${oc.env:...}`` that ends up in an error (one process, or every rank
   under torchrun) is written to no log and no console line: shown as ``${oc.env:NAME}``;
 * a full disk under ``metrics.jsonl``: one line naming the file and 'disk full', the earlier
@@ -38,9 +41,11 @@ from tunesmith.cli.main import main
 from tunesmith.config import secrets
 from tunesmith.training import CheckpointDirectory
 
-CASES = {p.id: p for p in params("safety", "symlink") + params("safety", "secret")}
+CASES = {p.id: p for p in [*params("safety", "symlink"), *params("safety", "hardlink"),
+                           *params("safety", "secret")]}  # fmt: skip
 _LINK = "is a symbolic link"
 _REFUSAL = "tunesmith does not write or read through links inside its own folders"
+_HARD = "tunesmith does not write to hard-linked files inside its own folders"
 
 
 def _run(capsys, world, out: Path, *overrides: str, flags: tuple[str, ...] = (),
@@ -89,7 +94,23 @@ _RUN_FILES = {
     "symlink-run-lock": ".tunesmith.lock",
     "symlink-config-yaml": "config.yaml",
     "symlink-metrics-jsonl": "metrics.jsonl",
+    "hardlink-run-lock": ".tunesmith.lock",
+    "hardlink-config-yaml": "config.yaml",
+    "hardlink-metrics-jsonl": "metrics.jsonl",
 }
+
+
+def _plant(link: Path, victim: Path, *, hard: bool) -> tuple[str, ...]:
+    """``link`` made a symbolic (or a hard) link to ``victim``, shown live; what the refusal
+    line must hold."""
+    if not hard:
+        os.symlink(victim, link)
+        _reachable(link, victim)
+        return f"{link}: {_LINK} (to {victim})", _REFUSAL
+    os.link(victim, link)
+    with open(link, "a") as f:  # live: a no-follow open would not see it (no link by name)
+        assert os.fstat(f.fileno()).st_ino == os.stat(victim).st_ino
+    return f"{link}: is a hard link (the file has 2 names)", _HARD, f"remove {link.name}"
 
 
 @pytest.mark.parametrize("case", [CASES[name] for name in _RUN_FILES])
@@ -97,13 +118,27 @@ def test_a_link_planted_as_a_run_file_is_refused(case, fault_world, tmp_path, vi
     out = tmp_path / "out"
     out.mkdir()
     link = out / _RUN_FILES[case.id]
-    os.symlink(victim, link)
-    _reachable(link, victim)
+    says = _plant(link, victim, hard=case.kind == "hardlink")
     code, err = _run(capsys, fault_world, out)
-    line = _refused(code, err, f"{link}: {_LINK} (to {victim})", _REFUSAL)
-    assert victim.read_text() == "precious\n" and link.is_symlink()
+    line = _refused(code, err, *says)
+    assert victim.read_text() == "precious\n"
+    assert link.is_symlink() if case.kind == "symlink" else os.stat(link).st_nlink == 2
     assert checkpoints(out) == []
     outcome.update(outcome="refused", error=_shown(line, tmp_path))
+
+
+def test_a_hard_linked_model_file_is_read_as_its_file(fault_world, tmp_path, capsys):
+    """Hard links in a model folder (tools that deduplicate identical files make them) are
+    read, never refused: reading changes nothing; the checkpoint gets a file of its own."""
+    model = Path(shutil.copytree(fault_world.model_dir, tmp_path / "model"))
+    shared = tmp_path / "shared-tokenizer.json"
+    os.link(model / "tokenizer.json", shared)
+    assert os.stat(model / "tokenizer.json").st_nlink == 2
+    code, err = _run(capsys, fault_world, tmp_path / "out", model_dir=model)
+    assert code == 0, err
+    (step,) = checkpoints(tmp_path / "out")
+    copied = step / "tokenizer.json"
+    assert copied.read_bytes() == shared.read_bytes() and os.stat(copied).st_nlink == 1
 
 
 @pytest.mark.parametrize("case", [CASES["symlink-checkpoints-dir"]])

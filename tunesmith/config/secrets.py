@@ -3,12 +3,15 @@
 A value a config reads from the environment (``${oc.env:HF_TOKEN}``) is a secret: the config
 files we write keep the interpolation's text (:func:`~tunesmith.config.plain_config`), and the
 logs (the torchrun log, each rank's lines and error, the metrics and console loggers, the
-``tunesmith: error:`` line) show it as that text too: :func:`redact` replaces each value by
-``${oc.env:NAME}``. The values are collected when the config is resolved: the ``oc.env``
-resolver is wrapped (:func:`install_env_recorder`, done when :mod:`tunesmith.config` is
-imported) so that each value it returns from the environment is remembered. A process that
-never resolves the config (the torchrun launcher) learns the variables' names, never their
-values, from :data:`SECRET_NAMES_ENV`, which the CLI sets for it.
+``tunesmith: error:`` line, a Ray trainer group's ``rank<N>.log``, ``console.log`` and
+``driver.log``) show it as that text too: :func:`redact` replaces each value by
+``${oc.env:NAME}``, and :class:`RedactingStream` is a log file that writes every text so.
+The values are collected when the config is resolved: the ``oc.env`` resolver is wrapped
+(:func:`install_env_recorder`, done when :mod:`tunesmith.config` is imported) so that each
+value it returns from the environment is remembered. A process that never resolves the config
+(the torchrun launcher) learns the variables' names, never their values, from
+:data:`SECRET_NAMES_ENV`, which the CLI sets for it (and the Ray trainer-group driver for each
+rank).
 
 Values shorter than :data:`MIN_SECRET_CHARS` are not redacted: they would blank out ordinary
 words and numbers everywhere (``${oc.env:WORLD,1}``); keys and tokens are longer.
@@ -22,6 +25,7 @@ Example::
     'hf_abcdefghijkl'
     >>> redact("401 Unauthorized for token hf_abcdefghijkl")
     '401 Unauthorized for token ${oc.env:DEMO_TOKEN}'
+    >>> del os.environ["DEMO_TOKEN"]
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from omegaconf.resolvers import oc
 __all__ = [
     "MIN_SECRET_CHARS",
     "SECRET_NAMES_ENV",
+    "RedactingStream",
     "install_env_recorder",
     "redact",
     "remember",
@@ -112,3 +117,27 @@ def redact(text: str) -> str:
         if value in text:
             text = text.replace(value, f"${{oc.env:{name}}}")
     return text
+
+
+class RedactingStream:
+    """A text stream that writes to ``file`` with :func:`redact` applied to every text; other
+    attributes (``flush``, ``fileno``, ``close``, ...) are the file's.
+
+    >>> import io
+    >>> remember("DEMO_PASS", "p4ssw0rd-long-enough")
+    >>> log = RedactingStream(io.StringIO())
+    >>> log.write("login p4ssw0rd-long-enough\\n")
+    27
+    >>> log.getvalue()
+    'login ${oc.env:DEMO_PASS}\\n'
+    """
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+
+    def write(self, text: str) -> int:
+        self.file.write(redact(text))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)

@@ -12,6 +12,16 @@ It also holds the no-follow helpers every writer of a run's folders uses
 ``config.yaml``, ``metrics.jsonl``, a log, ``checkpoints/`` or ``logs/`` is refused with one
 line naming it instead of being written through.
 
+Hard links: a file opened to write in place (every mode but ``r``: the lock, ``config.yaml``,
+``metrics.jsonl``, ``samples.jsonl``/``rollouts.jsonl``, the torchrun log, a trainer group's
+``rank<N>.log``/``console.log``/``driver.log``) is refused when it has more than one name
+(``st_nlink > 1``): a hard link planted there is another file of the user's, which appending
+or truncating would change. Reading is not refused: a model folder or a checkpoint whose
+files are hard links (tools that deduplicate identical files, HF caches on some setups) is
+read as its files, since reading changes nothing. Files written atomically (a temp file
+renamed into place: checkpoints, exports) replace the name and never write into what it named,
+so they need no check.
+
 Example::
 
     >>> tmp = Path("out/.ckpt.tmp")  # doctest: +SKIP
@@ -41,6 +51,7 @@ __all__ = [
     "open_fd_no_follow",
     "open_no_follow",
     "real_folder",
+    "refuse_hard_link",
     "refuse_unsafe",
     "replace_directory",
 ]
@@ -145,9 +156,10 @@ def replace_directory(new: Path, final: Path, *, aside: Path, exchange: bool = T
 
 
 class UnsafePathError(OSError):
-    """A file or folder of the run's own folders (or of a checkpoint) is a symbolic link, or not
-    a regular file / folder (a FIFO, a device): refused, because writing or reading it would
-    reach something else. The message is one line naming the path."""
+    """A file or folder of the run's own folders (or of a checkpoint) is a symbolic link, not
+    a regular file / folder (a FIFO, a device), or a file to write with another hard link:
+    refused, because writing or reading it would reach something else. The message is one line
+    naming the path."""
 
 
 _REFUSAL = "tunesmith does not write or read through links inside its own folders"
@@ -185,6 +197,24 @@ def refuse_unsafe(path: Path, st: os.stat_result, *, folder: bool = False) -> No
     raise UnsafePathError(f"{path}: is {what}, not a regular {'folder' if folder else 'file'}")
 
 
+def refuse_hard_link(path: Path, st: os.stat_result) -> None:
+    """Raise :class:`UnsafePathError` when ``st`` (an ``fstat`` of ``path``, opened to write)
+    says the file has other names: a hard link, whose other name writing here would change.
+
+    Example::
+
+        >>> refuse_hard_link(Path("out/metrics.jsonl"), os.stat("out/metrics.jsonl"))  # doctest: +SKIP
+        Traceback (most recent call last):
+        UnsafePathError: out/metrics.jsonl: is a hard link (the file has 2 names); ...
+    """
+    if st.st_nlink > 1:
+        raise UnsafePathError(
+            f"{path}: is a hard link (the file has {st.st_nlink} names), so writing it would "
+            f"change another file too; tunesmith does not write to hard-linked files inside "
+            f"its own folders: remove {path.name} (its other names keep the content)"
+        )
+
+
 def real_folder(path: str | os.PathLike[str], *, create: bool = True) -> Path:
     """``path`` as a folder the run writes into: created if missing (parents too), refused
     (:class:`UnsafePathError`) when ``path`` itself is a symbolic link or not a folder.
@@ -216,9 +246,10 @@ def open_fd_no_follow(
 ) -> int:
     """A file descriptor of ``path`` opened without following a symbolic link at ``path`` and
     without blocking on a FIFO; refused (:class:`UnsafePathError`, one line naming the file)
-    unless it is a regular file. ``mode`` is ``r``, ``r+``, ``w``, ``w+``, ``a`` or ``x`` (``w``
-    truncates only once the file is known to be a regular file); ``create`` adds ``O_CREAT``
-    (``r+`` with ``create``: read and write, created if missing, never truncated).
+    unless it is a regular file, and, opened to write (every mode but ``r``), unless it has
+    one name only (:func:`refuse_hard_link`). ``mode`` is ``r``, ``r+``, ``w``, ``w+``, ``a``
+    or ``x`` (``w`` truncates only once the file passed both checks); ``create`` adds
+    ``O_CREAT`` (``r+`` with ``create``: read and write, created if missing, never truncated).
 
     Example::
 
@@ -234,7 +265,10 @@ def open_fd_no_follow(
             refuse_unsafe(path, os.lstat(path))
         raise
     try:
-        refuse_unsafe(path, os.fstat(fd))
+        st = os.fstat(fd)
+        refuse_unsafe(path, st)
+        if mode != "r":  # appended to or written in place: no other name may share it
+            refuse_hard_link(path, st)
         os.set_blocking(fd, True)
         if mode.startswith("w"):
             os.ftruncate(fd, 0)
@@ -250,8 +284,9 @@ def open_no_follow(
 ) -> IO[Any]:  # fmt: skip
     """``open(path, mode)`` for the files a run writes (its lock, ``config.yaml``,
     ``metrics.jsonl``, logs) and the checkpoint files it reads, with no-follow semantics: a
-    symbolic link (or a FIFO, a device) at ``path`` is refused with one line naming it.
-    ``mode``: ``r``, ``w``, ``a``, ``x``, ``r+``, ``w+``, optionally with ``b``.
+    symbolic link (or a FIFO, a device) at ``path`` is refused with one line naming it, and so
+    is a hard-linked file in a mode that writes. ``mode``: ``r``, ``w``, ``a``, ``x``, ``r+``,
+    ``w+``, optionally with ``b``.
 
     Example::
 

@@ -18,6 +18,14 @@ actor, so they die with it.
   this process copies to its console as it grows. Ray's own messages go to ``driver.log``
   (unless ``ray.log_to_driver``). On several nodes ``output_dir`` must be a folder every node
   shares, as the checkpoints need.
+* **Log files.** ``logs/`` and the ``trainer-group-<time>`` folder must be real folders, and
+  each log is opened without following a link and refused when it is a hard link
+  (:func:`~tunesmith.models.atomic.open_no_follow`): one planted there is refused with one
+  line naming it, by the driver before Ray starts, and again by each rank when it opens its
+  own. Every line written to the logs by Python has the run's secret values (the config's
+  ``${oc.env:...}`` reads) replaced by their names (:mod:`tunesmith.config.secrets`; the
+  ranks get the names in ``TUNESMITH_SECRET_ENV``); output that C/C++ code writes straight to
+  a rank's file descriptors is not filtered.
 * **Faults.** A rank that raises, or whose process dies (a signal, the OOM killer), ends the
   run with one line (``rank 1 of 2: ...``, the root cause: a dead process before a rank's own
   error before a collective that failed because of another rank). The driver then kills
@@ -56,6 +64,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from tunesmith.config.errors import type_name
+from tunesmith.config.secrets import SECRET_NAMES_ENV, RedactingStream, redact, secret_names
+from tunesmith.models.atomic import UnsafePathError, open_no_follow, real_folder
 from tunesmith.rl.pipeline import actor_cause, init_ray, require_ray, runtime_env
 from tunesmith.training.console import Tee
 from tunesmith.training.distributed import DistributedContext, ParallelDims, PeerFailureError
@@ -183,7 +193,8 @@ class RankJob:
     config: dict[str, Any]  # the run's config, interpolations kept
     keys: list[str]
     rules: dict[str, Rule]
-    env: dict[str, str]  # RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT
+    env: dict[str, str]  # RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT,
+    # TUNESMITH_SECRET_ENV (the names, never the values, of the config's oc.env reads)
     cwd: str  # the driver's: relative paths of the config mean the same
     log_dir: str
     threads: int
@@ -213,7 +224,10 @@ class TrainerRank:
             os.chdir(job.cwd)
         torch.set_num_threads(job.threads)
         rank, world = int(job.env["RANK"]), int(job.env["WORLD_SIZE"])
-        log = _route_output(Path(job.log_dir), rank, job.console_tty)
+        try:
+            log = _route_output(Path(job.log_dir), rank, job.console_tty)
+        except OSError as error:  # a planted link as its log, an unwritable folder: one line
+            return {"message": redact(f"rank {rank} of {world}: {error}"), "peer": False}
         try:
             run_main(job.train, OmegaConf.create(job.config), job.keys, job.rules)
         except Exception as error:
@@ -223,7 +237,7 @@ class TrainerRank:
             message = str(error).strip() or type(error).__name__
             if not message.startswith(f"rank {rank} of {world}:"):
                 message = f"rank {rank} of {world}: {message}"
-            return {"message": message, "peer": isinstance(error, PeerFailureError)}
+            return {"message": redact(message), "peer": isinstance(error, PeerFailureError)}
         finally:
             sys.stdout.flush()
         return None
@@ -231,21 +245,34 @@ class TrainerRank:
 
 def _route_output(log_dir: Path, rank: int, tty: bool) -> TextIO:
     """Send this process's output to ``log_dir/rank<N>.log`` (its file descriptors too, for
-    C++'s output); rank 0's Python output also to ``log_dir/console.log``."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = open(log_dir / f"rank{rank}.log", "a", buffering=1, encoding="utf-8",  # noqa: SIM115
-               errors="replace")  # fmt: skip
+    C++'s output); rank 0's Python output also to ``log_dir/console.log``. Both files are
+    opened (:func:`_open_log`: a planted link refused) before any output is redirected."""
+    real_folder(log_dir)
+    log = _open_log(log_dir / f"rank{rank}.log")
+    try:
+        console = _open_log(log_dir / "console.log") if rank == 0 else None
+    except BaseException:
+        log.close()
+        raise
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    if rank == 0:
-        console = open(log_dir / "console.log", "a", buffering=1, encoding="utf-8",  # noqa: SIM115
-                       errors="replace")  # fmt: skip
-        sys.stdout = sys.stderr = Tee(console, log, tty)
-    else:
-        sys.stdout = sys.stderr = log
+    sys.stdout = sys.stderr = log if console is None else Tee(console, log, tty)
     return log
+
+
+def _open_log(path: Path) -> TextIO:
+    """``path`` opened to append, line by line, as a log of the group: a symbolic link, a
+    FIFO or a hard link there is refused (:class:`~tunesmith.models.atomic.UnsafePathError`,
+    one line naming it), and every text written has the run's secret values redacted.
+
+    Example::
+
+        >>> _open_log(Path("out/logs/trainer-group-20260101-120000/rank1.log"))  # doctest: +SKIP
+    """
+    file = open_no_follow(path, "a", buffering=1, errors="replace")
+    return RedactingStream(file)  # type: ignore[return-value]  # a TextIO with redaction
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -270,8 +297,9 @@ class _Driver:
 
     def run(self) -> None:
         quiet = not bool(self.options.get("log_to_driver", False))
-        driver_log = open(self.log_dir / "driver.log", "a", buffering=1,  # noqa: SIM115
-                          encoding="utf-8", errors="replace")  # fmt: skip
+        for name in ["console.log", *(f"rank{r}.log" for r in range(self.group.workers))]:
+            _open_log(self.log_dir / name).close()  # a planted link: refused before Ray starts
+        driver_log = _open_log(self.log_dir / "driver.log")
         owns = False
         try:
             with _redirected(driver_log, enabled=quiet):
@@ -319,7 +347,8 @@ class _Driver:
             local = 0 if self.group.num_gpus else nodes[:rank].count(node)
             env = {"RANK": str(rank), "WORLD_SIZE": str(len(nodes)), "LOCAL_RANK": str(local),
                    "LOCAL_WORLD_SIZE": str(nodes.count(node)),
-                   "MASTER_ADDR": str(master["ip"]), "MASTER_PORT": str(master["port"])}  # fmt: skip
+                   "MASTER_ADDR": str(master["ip"]), "MASTER_PORT": str(master["port"]),
+                   SECRET_NAMES_ENV: ",".join(secret_names())}  # fmt: skip
             jobs.append(RankJob(
                 self.train, config, self.keys, self.rules, env, os.getcwd(), str(self.log_dir),
                 threads=max(1, int(self.group.num_cpus)), console_tty=self.out.isatty(),
@@ -478,14 +507,20 @@ def _gone(pid: int) -> bool:
 
 
 def _log_dir(cfg: DictConfig) -> Path:
-    """``<output_dir>/logs/trainer-group-<date>-<time>`` (a temp folder without output_dir)."""
+    """``<output_dir>/logs/trainer-group-<date>-<time>`` (a temp folder without output_dir);
+    ``logs/`` or that folder planted as a symbolic link is refused
+    (:func:`~tunesmith.models.atomic.real_folder`).
+
+    Example::
+
+        >>> _log_dir(OmegaConf.create({"output_dir": "out"}))  # doctest: +SKIP
+        PosixPath('out/logs/trainer-group-20260101-120000')
+    """
     name = "trainer-group-" + time.strftime("%Y%m%d-%H%M%S")
     output_dir = cfg.get("output_dir")
     if not output_dir:
         return Path(tempfile.mkdtemp(prefix=f"tunesmith-{name}-"))
-    folder = Path(str(output_dir)) / "logs" / name
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    return real_folder(real_folder(Path(str(output_dir)) / "logs") / name)
 
 
 class _Tail:
@@ -497,10 +532,10 @@ class _Tail:
 
     def pump(self) -> None:
         try:
-            with open(self.path, "rb") as f:
+            with open_no_follow(self.path, "rb") as f:
                 f.seek(self.offset)
                 data = f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, UnsafePathError):  # rank 0 refuses a planted link itself
             return
         if data:
             self.offset += len(data)
