@@ -520,6 +520,70 @@ def _dataset_deep_json(world: World) -> Attempt:
     )
 
 
+def _array_with(world: World, bad: dict) -> Path:
+    """A JSON array file, one row a line: 8 good rows, ``bad`` (row 8, line 10), 8 good."""
+    rows = [GOOD_ROW] * 8 + [bad] + [GOOD_ROW] * 8
+    path = world.tmp / "data.json"
+    path.write_text("[\n" + ",\n".join(json.dumps(row) for row in rows) + "\n]\n")
+    return path
+
+
+def _json_array_element(skip: bool) -> Callable[[World], Attempt]:
+    def build(world: World) -> Attempt:
+        path = _array_with(world, json.loads(_huge_line()))
+        argv = _sft(
+            world, f"dataset.source={path}", *(() if skip else ("dataset.on_bad_row=error",))
+        )
+        if skip:
+            return Attempt(argv, ["row_too_large"], skipped="row_too_large", isolate=True)
+        words = [str(path), "bad row 8 (line 10)", "row_too_large", "16777216"]
+        return Attempt(argv, words, isolate=True)
+
+    return build
+
+
+def _csv_with(world: World, bad: bytes) -> Path:
+    """A prompt/completion CSV file: its header, 8 good rows, ``bad`` (row 8, line 10)."""
+    path = world.tmp / "data.csv"
+    path.write_bytes(b"prompt,completion\n" + b"add 1 and 2,3\n" * 8 + bad + b"\n")
+    return path
+
+
+def _csv_field(world: World) -> Attempt:
+    path = _csv_with(world, b"x" * (20 * MIB) + b",3\nadd 2 and 2,4")
+    argv = _sft(world, f"dataset.source={path}", "dataset.format=prompt_completion")
+    return Attempt(argv, ["row_too_large"], skipped="row_too_large", isolate=True)
+
+
+def _csv_unended_quote(world: World) -> Attempt:
+    path = _csv_with(world, b'x,"' + b"y" * 20_000)
+    argv = _sft(
+        world, f"dataset.source={path}", "dataset.format=prompt_completion",
+        "dataset.max_row_bytes=10000",
+    )  # fmt: skip
+    return Attempt(argv, [str(path), "line 10", "max_row_bytes", "quoted cell does not end"])
+
+
+def _max_row_bytes_key(world: World) -> Attempt:
+    row = {"messages": [{"role": "user", "content": "y" * 5000}, {"role": "assistant", "content": "3"}]}  # fmt: skip
+    path = _rows_with(world, json.dumps(row).encode())
+    argv = _sft(
+        world, f"dataset.source={path}", "dataset.max_row_bytes=2000", "dataset.on_bad_row=error"
+    )
+    return Attempt(argv, [str(path), "bad row 8 (line 9)", "row_too_large", "limit of 2000"])
+
+
+def _max_row_bytes_invalid(world: World) -> Attempt:
+    return Attempt(_sft(world, "dataset.max_row_bytes=0"), ["max_row_bytes", "got 0"])
+
+
+def _json_object_over_cap(world: World) -> Attempt:
+    path = world.tmp / "data.json"
+    path.write_text(json.dumps({"rows": [GOOD_ROW] * 300}, indent=2))
+    argv = _sft(world, f"dataset.source={path}", "dataset.max_row_bytes=10000")
+    return Attempt(argv, [str(path), "max_row_bytes limit of 10000", "not read whole"])
+
+
 _DATASETS = [
     Hostile(
         "dataset-line-20mb-skip",
@@ -550,6 +614,58 @@ _DATASETS = [
         "a JSONL line nested 100,000 deep (RecursionError) with on_bad_row: error",
         _refused(30, "the file, line 9 and 'nested too deep'"),
         _dataset_deep_json,
+    ),
+    Hostile(
+        "dataset-json-array-element-20mb-skip",
+        "size",
+        "a JSON-array dataset (read whole before) whose row 8 is a 20 MB element, with "
+        "on_bad_row: skip",
+        "exit 0: the element is skipped unread and counted (row_too_large); memory-limited",
+        _json_array_element(skip=True),
+    ),
+    Hostile(
+        "dataset-json-array-element-20mb-error",
+        "size",
+        "the same 20 MB JSON-array element with on_bad_row: error",
+        _refused(30, "the file, row 8 and its line, row_too_large and the limit")
+        + "; memory-limited",
+        _json_array_element(skip=False),
+    ),
+    Hostile(
+        "dataset-csv-field-20mb",
+        "size",
+        "a CSV dataset (read whole before) whose row 8 holds a 20 MB cell",
+        "exit 0: the row is skipped unread and counted (row_too_large); memory-limited child",
+        _csv_field,
+    ),
+    Hostile(
+        "dataset-csv-quote-never-ends",
+        "cli-input",
+        "a CSV row over max_row_bytes whose quoted cell never ends (the row's end cannot be found)",
+        _refused(30, "the file, line 10, max_row_bytes and the open quote"),
+        _csv_unended_quote,
+    ),
+    Hostile(
+        "dataset-max-row-bytes-key",
+        "cli-input",
+        "`dataset.max_row_bytes=2000` and a 5 KB JSONL row, with on_bad_row: error",
+        _refused(30, "the file, row 8 and line 9, row_too_large and the limit 2000"),
+        _max_row_bytes_key,
+    ),
+    Hostile(
+        "dataset-max-row-bytes-zero",
+        "cli-input",
+        "`dataset.max_row_bytes=0`",
+        _refused(30, "max_row_bytes and the value"),
+        _max_row_bytes_invalid,
+    ),
+    Hostile(
+        "dataset-json-object-over-cap",
+        "cli-input",
+        "a .json file holding one object over several lines, bigger than max_row_bytes "
+        "(used to be read whole to tell)",
+        _refused(30, "the file and max_row_bytes"),
+        _json_object_over_cap,
     ),
 ]
 

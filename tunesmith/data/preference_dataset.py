@@ -118,7 +118,7 @@ from tunesmith.data.report import (
     raise_if_empty,
     read_samples,
 )
-from tunesmith.data.sources import load_rows
+from tunesmith.data.sources import MAX_ROW_BYTES, check_max_row_bytes, load_rows
 from tunesmith.data.token_cache import CachedRows, tokenize_with_cache, with_progress
 
 if TYPE_CHECKING:
@@ -535,6 +535,9 @@ class PreferenceDataset(Dataset):
             (base models; see the module docs).
         cache_dir: folder of the tokenised-rows cache (:mod:`~tunesmith.data.token_cache`:
             keyed by the data file's bytes, the tokenizer and these settings); None: no cache.
+        max_row_bytes: the largest row read, in bytes (16 MiB by default): a bigger line,
+            JSON array element or CSV record is a ``row_too_large`` bad row, skipped unread
+            (``on_bad_row``).
 
     Attributes:
         samples: the sample dicts (see the module docs), in source order.
@@ -568,8 +571,10 @@ class PreferenceDataset(Dataset):
         template_kwargs: Mapping[str, Any] | None = None,
         use_chat_template: bool = True,
         cache_dir: str | os.PathLike[str] | None = None,
+        max_row_bytes: int = MAX_ROW_BYTES,
     ) -> None:
         _check_arguments(max_seq_len, max_prompt_len, truncation, on_bad_row)
+        check_max_row_bytes(max_row_bytes)
         if not use_chat_template:
             if format != "prompt_chosen_rejected":
                 raise ValueError(
@@ -601,7 +606,8 @@ class PreferenceDataset(Dataset):
             )  # fmt: skip
 
         def build() -> CachedRows:
-            rows = load_rows(source, split=split, data_files=data_files)
+            rows = load_rows(source, split=split, data_files=data_files,
+                             max_row_bytes=max_row_bytes)  # fmt: skip
             check_columns(format, columns, rows.columns, rows.name, PREFERENCE_FORMAT_FIELDS)
             built = CachedRows([], [], DataReport(source=rows.name))
             progress = with_progress(rows, f"tokenizing {Path(rows.name).name}")
@@ -617,6 +623,7 @@ class PreferenceDataset(Dataset):
             "max_prompt_len": max_prompt_len, "truncation": truncation,
             "on_bad_row": on_bad_row, "system_prompt": system_prompt,
             "template_kwargs": template_kwargs, "use_chat_template": use_chat_template,
+            "max_row_bytes": max_row_bytes,
         }  # fmt: skip
         built, self.cache_note = tokenize_with_cache(cache_dir, source, tokenizer, settings,
                                                      build)  # fmt: skip

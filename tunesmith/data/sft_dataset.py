@@ -81,7 +81,7 @@ from tunesmith.data.report import (
     raise_if_empty,
     read_samples,
 )
-from tunesmith.data.sources import load_rows
+from tunesmith.data.sources import MAX_ROW_BYTES, check_max_row_bytes, load_rows
 from tunesmith.data.token_cache import CachedRows, tokenize_with_cache, with_progress
 
 if TYPE_CHECKING:
@@ -190,6 +190,9 @@ class SFTDataset(Dataset):
         cache_dir: folder of the tokenised-rows cache (see the module docs); None: no cache.
         text_sample_by: how a ``.txt`` file is cut into samples: ``"line"`` (the default),
             ``"paragraph"`` (blank-line separated) or ``"document"`` (the whole file).
+        max_row_bytes: the largest row read, in bytes (16 MiB by default): a bigger line,
+            JSON array element, CSV record or text sample is a ``row_too_large`` bad row,
+            skipped unread (``on_bad_row``).
 
     Attributes:
         samples: the ``{"input_ids", "labels"}`` dicts, in source order.
@@ -224,6 +227,7 @@ class SFTDataset(Dataset):
         prompt_style: str | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         text_sample_by: str = "line",
+        max_row_bytes: int = MAX_ROW_BYTES,
     ) -> None:
         if train_on not in TRAIN_ON:
             raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
@@ -231,6 +235,7 @@ class SFTDataset(Dataset):
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
         if on_bad_row not in BAD_ROW_POLICIES:
             raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {on_bad_row!r}")
+        check_max_row_bytes(max_row_bytes)
         if max_seq_len is not None and max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2 (or None), got {max_seq_len}")
         if prompt_style is None:
@@ -272,7 +277,10 @@ class SFTDataset(Dataset):
             )  # fmt: skip
 
         def build() -> CachedRows:
-            rows = load_rows(source, split=split, data_files=data_files, sample_by=text_sample_by)
+            rows = load_rows(
+                source, split=split, data_files=data_files, sample_by=text_sample_by,
+                max_row_bytes=max_row_bytes,
+            )  # fmt: skip
             check_columns(format, columns, rows.columns, rows.name)
             built = CachedRows([], [], DataReport(source=rows.name))
             report = built.report
@@ -293,7 +301,7 @@ class SFTDataset(Dataset):
             "max_seq_len": max_seq_len, "truncation": truncation, "on_bad_row": on_bad_row,
             "use_chat_template": use_chat_template, "system_prompt": system_prompt,
             "template_kwargs": template_kwargs, "prompt_style": prompt_style,
-            "text_sample_by": text_sample_by,
+            "text_sample_by": text_sample_by, "max_row_bytes": max_row_bytes,
         }  # fmt: skip
         built, self.cache_note = tokenize_with_cache(cache_dir, source, tokenizer, settings,
                                                      build)  # fmt: skip

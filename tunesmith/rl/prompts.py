@@ -52,7 +52,7 @@ from tunesmith.data.report import (
     raise_if_empty,
     read_samples,
 )
-from tunesmith.data.sources import load_rows
+from tunesmith.data.sources import MAX_ROW_BYTES, check_max_row_bytes, load_rows
 
 if TYPE_CHECKING:
     from tunesmith.data.tokenizer import Tokenizer
@@ -216,6 +216,8 @@ class PromptDataset(_PromptSequence):
         split, data_files: passed to ``datasets.load_dataset`` (folders, Hub names).
         max_samples: keep only the first this many good prompts (``None``: all).
         on_bad_row: ``"error"`` (raise at the first bad row) or ``"skip"`` (count it).
+        max_row_bytes: the largest row read, in bytes (16 MiB by default): a bigger line,
+            JSON array element or CSV record is a ``row_too_large`` bad row, skipped unread.
 
     Attributes:
         prompts: the :class:`Prompt` list, in source order (``Prompt.index`` is the row).
@@ -242,9 +244,11 @@ class PromptDataset(_PromptSequence):
         data_files: str | Sequence[str] | Mapping[str, Any] | None = None,
         max_samples: int | None = None,
         on_bad_row: str = "error",
+        max_row_bytes: int = MAX_ROW_BYTES,
     ) -> None:
         if on_bad_row not in BAD_ROW_POLICIES:
             raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {on_bad_row!r}")
+        check_max_row_bytes(max_row_bytes)
         if prompt_column is not None and messages_column is not None:
             raise ValueError(
                 f"give prompt_column ({prompt_column!r}) or messages_column "
@@ -255,7 +259,7 @@ class PromptDataset(_PromptSequence):
         if isinstance(metadata_columns, str):
             metadata_columns = [metadata_columns]
         check_prompt_template(prompt_template)
-        rows = load_rows(source, split=split, data_files=data_files)
+        rows = load_rows(source, split=split, data_files=data_files, max_row_bytes=max_row_bytes)
         available = rows.columns
         column = prompt_column or messages_column
         if column is None:
