@@ -5,8 +5,8 @@
 
 Example::
 
-    >>> import tunesmith
-    >>> tunesmith.run("sft", "demo", ["max_steps=10", "output_dir=outputs/try"])  # doctest: +SKIP
+    import tunesmith
+    tunesmith.run("sft", "demo", ["max_steps=10", "output_dir=outputs/try"])
 """
 
 from typing import Any

@@ -6,12 +6,18 @@ Each line read is a user message; the whole conversation so far goes through the
 ends. It reads any stream, so a pipe works: ``printf 'hi\\n/exit\\n' | tunesmith chat CKPT``.
 On a terminal a ``> `` prompt is shown; on a pipe only the replies are written, one per turn.
 
-Example::
+Example (a tiny untrained model, so its replies are noise)::
 
-    >>> session = ChatSession(model, tokenizer, max_new_tokens=64)  # doctest: +SKIP
-    >>> session.reply("add 2 and 3")  # doctest: +SKIP
-    '5'
-    >>> chat_loop(session, io.StringIO("hi\\n/exit\\n"), sys.stdout)  # doctest: +SKIP
+    >>> import io
+    >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+    >>> from tunesmith.models import build_model, qwen2_5
+    >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+    >>> model = build_model(qwen2_5.spec("qwen2_5_tiny", vocab_size=tok.vocab_size))
+    >>> session = ChatSession(model, tok, system="Be brief.", max_new_tokens=4)
+    >>> isinstance(session.reply("add 2 and 3"), str), [m["role"] for m in session.messages]
+    (True, ['system', 'user', 'assistant'])
+    >>> chat_loop(session, io.StringIO("hi\\n/exit\\n"), io.StringIO())
+    1
 """
 
 from __future__ import annotations
@@ -39,13 +45,13 @@ class ChatSession:
     Sampling (``temperature`` > 0, ``top_k``, ``top_p``) draws from a generator seeded with
     ``seed``, so a scripted session repeats exactly.
 
-    Example::
+    Example (``model`` and ``tok`` as in the module example)::
 
-        >>> session = ChatSession(model, tok, system="Be brief.", temperature=0.7, seed=0)  # doctest: +SKIP
-        >>> session.reply("Hi")  # doctest: +SKIP
-        'Hello!'
-        >>> len(session.messages)  # doctest: +SKIP
-        3
+        session = ChatSession(model, tok, system="Be brief.", temperature=0.7, seed=0)
+        session.reply("Hi")
+        # -> 'Hello!'
+        len(session.messages)
+        # -> 3
     """
 
     def __init__(
@@ -124,9 +130,15 @@ def chat_loop(session: ChatSession, stdin: IO[str], stdout: IO[str]) -> int:
     """Read user lines from ``stdin`` and write the replies to ``stdout`` until ``/exit`` or
     end of input (see the module docs); returns the number of replies.
 
-    Example::
+    Example (any object with ``reply`` and ``reset`` serves as the session)::
 
-        >>> chat_loop(session, io.StringIO("hi\\n/reset\\nhello\\n"), sys.stdout)  # doctest: +SKIP
+        >>> import io, sys
+        >>> class Shout:
+        ...     def reply(self, text): return text.upper()
+        ...     def reset(self): pass
+        >>> chat_loop(Shout(), io.StringIO("hi\\n/reset\\nhello\\n/exit\\nignored\\n"), sys.stdout)
+        HI
+        HELLO
         2
     """
     interactive = stdin.isatty()

@@ -15,9 +15,9 @@ The tokenizer is the checkpoint's own when it holds ``tokenizer.json``, else the
 
 Example::
 
-    >>> loaded = load_checkpoint("outputs/sft-tiny_lora")  # doctest: +SKIP
-    >>> loaded.kind, loaded.path.name  # doctest: +SKIP
-    ('adapter', 'step_000008')
+    loaded = load_checkpoint("outputs/sft-tiny_lora")
+    loaded.kind, loaded.path.name
+    # -> ('adapter', 'step_000008')
 """
 
 from __future__ import annotations
@@ -74,7 +74,10 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
 
     Example::
 
-        >>> resolve_checkpoint("outputs/sft-tiny")  # doctest: +SKIP
+        >>> from tunesmith.training.checkpoint_dir import CheckpointDirectory
+        >>> def save(tmp): (tmp / "config.json").write_text("{}")
+        >>> _ = CheckpointDirectory("outputs/sft-tiny/checkpoints").write(8, save)
+        >>> resolve_checkpoint("outputs/sft-tiny")
         PosixPath('outputs/sft-tiny/checkpoints/step_000008')
     """
     path = Path(path)
@@ -116,8 +119,14 @@ def adapter_base(
 
     Example::
 
-        >>> adapter_base("outputs/sft-tiny_lora/checkpoints/step_000008")  # doctest: +SKIP
-        PosixPath('/home/me/models/Qwen3-0.6B')
+        >>> import json
+        >>> Path("Qwen3-0.6B").mkdir(); _ = Path("Qwen3-0.6B/config.json").write_text("{}")
+        >>> adapter = {"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+        ...            "base_model_name_or_path": "Qwen3-0.6B"}
+        >>> Path("adapter").mkdir()
+        >>> _ = Path("adapter/adapter_config.json").write_text(json.dumps(adapter))
+        >>> adapter_base("adapter")
+        PosixPath('Qwen3-0.6B')
     """
     adapter_dir = Path(adapter_dir)
     if base_dir is not None:
@@ -162,8 +171,8 @@ def load_checkpoint(
 
     Example::
 
-        >>> loaded = load_checkpoint("out/checkpoints/step_000100", dtype="bf16")  # doctest: +SKIP
-        >>> loaded.model, loaded.tokenizer  # doctest: +SKIP
+        loaded = load_checkpoint("out/checkpoints/step_000100", dtype="bf16")
+        loaded.model, loaded.tokenizer
     """
     folder = resolve_checkpoint(path)
     if (folder / ADAPTER_CONFIG_NAME).is_file():

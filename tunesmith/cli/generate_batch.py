@@ -10,12 +10,17 @@ decoded in batches of similar length; each output line is the input row plus ``c
 Sampling with a ``seed`` is keyed per row (see :mod:`tunesmith.generation.keyed`): a row's
 completion depends on the seed, its line number and its prompt, not on the batch size.
 
-Example::
+Example (a tiny untrained model, so the completions are noise)::
 
-    >>> rows = read_prompt_rows("prompts.jsonl")  # doctest: +SKIP
-    >>> out = generate_rows(model, tokenizer, rows, max_new_tokens=64)  # doctest: +SKIP
-    >>> out[0]["completion"]  # doctest: +SKIP
-    '42'
+    >>> from tunesmith.data import Tokenizer
+    >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+    >>> from tunesmith.models import build_model, qwen2_5
+    >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+    >>> model = build_model(qwen2_5.spec("qwen2_5_tiny", vocab_size=tok.vocab_size))
+    >>> _ = write_rows("prompts.jsonl", [{"prompt": "add 2 and 3", "id": 7}])
+    >>> out = generate_rows(model, tok, read_prompt_rows("prompts.jsonl"), max_new_tokens=4)
+    >>> sorted(out[0]), out[0]["id"], out[0]["new_tokens"] <= 4
+    (['completion', 'finish_reason', 'id', 'new_tokens', 'prompt'], 7, True)
 """
 
 from __future__ import annotations
@@ -141,7 +146,9 @@ def read_prompt_rows(path: str | os.PathLike[str]) -> PromptRows:
 
     Example::
 
-        >>> read_prompt_rows("prompts.jsonl")  # doctest: +SKIP
+        >>> _ = Path("prompts.jsonl").write_text(
+        ...     '"Hi"\\n\\n{"messages": [{"role": "user", "content": "Hi"}], "id": 7}\\n')
+        >>> read_prompt_rows("prompts.jsonl")
         [{'prompt': 'Hi'}, {'messages': [{'role': 'user', 'content': 'Hi'}], 'id': 7}]
     """
     rows = PromptRows()
@@ -162,7 +169,8 @@ def read_chat_file(path: str | os.PathLike[str]) -> PromptRows:
 
     Example::
 
-        >>> read_chat_file("chat.json")  # doctest: +SKIP
+        >>> _ = Path("chat.json").write_text('[{"role": "user", "content": "Hi"}]')
+        >>> read_chat_file("chat.json")
         [{'messages': [{'role': 'user', 'content': 'Hi'}]}]
     """
     path = Path(path)
@@ -205,8 +213,7 @@ def fit_new_tokens(n_prompt: int, max_new_tokens: int, positions: int | None, wh
 
     Example::
 
-        >>> fit_new_tokens(500, 64, 512, "prompt")  # doctest: +SKIP
-        tunesmith: warning: prompt: 500 prompt tokens leave room for 12 new tokens ...
+        >>> fit_new_tokens(500, 64, 512, "prompt")  # stderr: ... leave room for 12 new tokens ...
         12
     """
     if positions is None:
@@ -246,10 +253,11 @@ def generate_rows(
 ) -> list[dict[str, Any]]:
     """Complete every row (see the module docs); returns the output rows in input order.
 
-    Example::
+    Example (a trained model; the module example runs an untrained one)::
 
-        >>> generate_rows(model, tok, [{"prompt": "Hi", "id": 1}], max_new_tokens=8)  # doctest: +SKIP
-        [{'prompt': 'Hi', 'id': 1, 'completion': 'Hello!', 'finish_reason': 'stop', 'new_tokens': 3}]
+        generate_rows(model, tok, [{"prompt": "Hi", "id": 1}], max_new_tokens=8)
+        # -> [{'prompt': 'Hi', 'id': 1, 'completion': 'Hello!', 'finish_reason': 'stop',
+        #      'new_tokens': 3}]
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
@@ -297,8 +305,10 @@ def write_rows(path: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]]) 
 
     Example::
 
-        >>> write_rows("out.jsonl", [{"completion": "Hi"}])  # doctest: +SKIP
-        PosixPath('out.jsonl')
+        >>> write_rows("out/rows.jsonl", [{"completion": "Hi"}])
+        PosixPath('out/rows.jsonl')
+        >>> Path("out/rows.jsonl").read_text()
+        '{"completion": "Hi"}\\n'
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

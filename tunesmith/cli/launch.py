@@ -11,7 +11,7 @@ nothing, and exits 1; the CLI prints one line per failure (see :mod:`tunesmith.c
 
 Example::
 
-    >>> run_recipe(Path("my_recipe.py"), load_config("my.yaml"))  # doctest: +SKIP
+    run_recipe(Path("my_recipe.py"), load_config("my.yaml"))
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ class _Prefixed:
 
     Example::
 
-        >>> out = _Prefixed(sys.stdout, "[rank1]: ")  # doctest: +SKIP
-        >>> out.write("a\\nb\\n")  # doctest: +SKIP
+        >>> out = _Prefixed(sys.stdout, "[rank1]: ")
+        >>> _ = out.write("a\\nb\\n")
         [rank1]: a
         [rank1]: b
     """
@@ -109,8 +109,13 @@ def _record_failure(error: Exception, log: _Prefixed, rank: int, world_size: int
 
     Example::
 
-        >>> _record_failure(ValueError("batch_size: expected > 0"), log, 1, 2)  # doctest: +SKIP
-        # error.json: {"message": {"message": "batch_size: expected > 0", "extraInfo": ...}}
+        >>> import io
+        >>> log = io.StringIO()
+        >>> os.environ["TORCHELASTIC_ERROR_FILE"] = "error.json"
+        >>> _record_failure(ValueError("batch_size: expected > 0"), log, 1, 2)
+        >>> del os.environ["TORCHELASTIC_ERROR_FILE"]
+        >>> log.getvalue().splitlines()[0], json.load(open("error.json"))["message"]["message"]
+        ('rank 1 of 2 failed:', 'batch_size: expected > 0')
     """
     trace = redact("".join(traceback.format_exception(error)))
     log.write(f"rank {rank} of {world_size} failed:\n{trace}")

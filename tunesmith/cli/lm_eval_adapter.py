@@ -25,9 +25,9 @@ With ``--apply_chat_template`` lm-eval renders prompts through :meth:`apply_chat
 
 Example::
 
-    >>> import lm_eval
-    >>> lm = TunesmithLM.from_checkpoint("outputs/sft-tiny_lora", batch_size=8)  # doctest: +SKIP
-    >>> out = lm_eval.simple_evaluate(model=lm, tasks=["hellaswag"], limit=20)  # doctest: +SKIP
+    import lm_eval
+    lm = TunesmithLM.from_checkpoint("outputs/sft-tiny_lora", batch_size=8)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["hellaswag"], limit=20)
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ class TunesmithLM(TemplateLM):
 
     Example::
 
-        >>> lm = TunesmithLM(model, tokenizer, batch_size=4)  # doctest: +SKIP
-        >>> lm_eval.simple_evaluate(model=lm, tasks=["arc_easy"], limit=10)  # doctest: +SKIP
+        lm = TunesmithLM(model, tokenizer, batch_size=4)
+        lm_eval.simple_evaluate(model=lm, tasks=["arc_easy"], limit=10)
     """
 
     def __init__(
@@ -150,7 +150,7 @@ class TunesmithLM(TemplateLM):
 
         Example::
 
-            >>> lm = TunesmithLM.from_checkpoint("out/checkpoints/step_000100", batch_size=8)  # doctest: +SKIP
+            lm = TunesmithLM.from_checkpoint("out/checkpoints/step_000100", batch_size=8)
         """
         loaded = load_checkpoint(
             path, base_dir=base_dir, dtype=dtype, device=device, chat_template=chat_template
@@ -364,7 +364,7 @@ def task_manager(tasks: Sequence[str], include_path: str | os.PathLike[str] | No
 
     Example::
 
-        >>> tm = task_manager(["my_task"], include_path="eval_tasks/")  # doctest: +SKIP
+        tm = task_manager(["my_task"], include_path="eval_tasks/")
     """
     from lm_eval.tasks import TaskManager
 
@@ -405,9 +405,9 @@ def run_lm_eval(
 
     Example::
 
-        >>> out = run_lm_eval(load_checkpoint("out"), ["my_task"], include_path="tasks/")  # doctest: +SKIP
-        >>> out["results"]["my_task"]["acc,none"]  # doctest: +SKIP
-        0.75
+        out = run_lm_eval(load_checkpoint("out"), ["my_task"], include_path="tasks/")
+        out["results"]["my_task"]["acc,none"]
+        # -> 0.75
     """
     import lm_eval
     from lm_eval.utils import make_table

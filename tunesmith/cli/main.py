@@ -209,8 +209,9 @@ def _run_log(cfg, nnodes: int) -> Path:
 
     Example::
 
-        >>> _run_log(OmegaConf.create({"output_dir": "out"}), 1)  # doctest: +SKIP
-        PosixPath('out/logs/torchrun-20261130-204637.log')
+        >>> from omegaconf import OmegaConf
+        >>> _run_log(OmegaConf.create({"output_dir": "out"}), 1)
+        PosixPath('out/logs/torchrun-...-....log')
     """
     from tunesmith.models.atomic import UnsafePathError, open_no_follow, real_folder
 

@@ -73,9 +73,14 @@ class _RedactingLog:
 
     Example::
 
-        >>> log = _RedactingLog(open_no_follow("out/logs/torchrun.log", "a"))  # doctest: +SKIP
-        >>> log.write("token hf_abcdefghijkl refused")  # doctest: +SKIP
-        # the file gets: token ${oc.env:HF_TOKEN} refused
+        >>> import io
+        >>> os.environ.update(TUNESMITH_SECRET_ENV="DEMO_TOKEN", DEMO_TOKEN="hf_abcdefghijkl")
+        >>> log = _RedactingLog(io.StringIO())
+        >>> log.write("token hf_abcdefghijkl refused")
+        29
+        >>> log.getvalue()
+        'token ${oc.env:DEMO_TOKEN} refused'
+        >>> del os.environ["TUNESMITH_SECRET_ENV"], os.environ["DEMO_TOKEN"]
     """
 
     def __init__(self, file: TextIO) -> None:

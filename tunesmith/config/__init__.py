@@ -2,12 +2,18 @@
 
 Example::
 
+    >>> import torch
+    >>> from pathlib import Path
     >>> from tunesmith.config import load_config, validate_config, instantiate, ConfigError
+    >>> _ = Path("sft.yaml").write_text(
+    ...     "optimizer: {_component_: torch.optim.AdamW, lr: 2.0e-5}\\nprofiler: {enabled: true}\\n")
     >>> cfg = load_config("sft.yaml", ["optimizer.lr=1e-4", "~profiler"])
     >>> issues = validate_config(cfg, runtime_args={"optimizer": 1})
     >>> if issues:
     ...     raise ConfigError.from_issues(issues)
-    >>> optimizer = instantiate(cfg.optimizer, model.parameters())
+    >>> optimizer = instantiate(cfg.optimizer, torch.nn.Linear(2, 2).parameters())
+    >>> optimizer.defaults["lr"], "profiler" in cfg
+    (0.0001, False)
 """
 
 from tunesmith.config.components import (

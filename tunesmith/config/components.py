@@ -406,9 +406,11 @@ def _check_unbound(hop: str, owner: object, obj: object) -> None:
     """Refuse a plain function or method descriptor taken from a class (an unbound method,
     which a ``self`` argument would call on any object), unless it is marked.
 
-    >>> _check_unbound("torch.nn.Module.register_forward_hook", torch.nn.Module, fn)
+    >>> import torch
+    >>> hook = torch.nn.Module.register_forward_hook
+    >>> _check_unbound("torch.nn.Module.register_forward_hook", torch.nn.Module, hook)
     Traceback (most recent call last):
-    _Refused: 'torch.nn.Module.register_forward_hook' is an unbound method of the class ...
+    tunesmith.config.components._Refused: 'torch.nn.Module.register_forward_hook' is an unbound ...
     """
     if isinstance(owner, type) and isinstance(obj, _UNBOUND) and not is_marked(obj):
         where = f"{owner.__module__}.{owner.__qualname__}"
@@ -507,9 +509,10 @@ def _public_names(obj: object) -> list[str]:
 def _judge(hop: str, obj: object) -> None:
     """Raise :class:`_Refused` unless everything ``obj`` is defined by is allowed.
 
+    >>> import torch
     >>> _judge("torch.os", torch.os)
     Traceback (most recent call last):
-    _Refused: 'torch.os' is the module 'os', outside the allowed packages (...)
+    tunesmith.config.components._Refused: 'torch.os' is the module 'os', outside the allowed ...
     """
     origins = _origins(obj)
     if not origins:
@@ -528,6 +531,7 @@ def _judge(hop: str, obj: object) -> None:
 def _origins(obj: object, depth: int = 0) -> list[_Origin]:
     """Where ``obj`` is defined: every origin that must be allowed ([] when unknown).
 
+    >>> import torch
     >>> _origins(torch.load)
     [_Origin(kind='function', module='torch.serialization', qualname='load', verified=True)]
     """

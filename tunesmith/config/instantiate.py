@@ -11,6 +11,7 @@ original exception as its ``__cause__``.
 
 Example::
 
+    >>> import torch
     >>> cfg = OmegaConf.create({"optimizer": {"_component_": "torch.optim.SGD", "lr": 0.1}})
     >>> model = torch.nn.Linear(2, 2)
     >>> opt = instantiate(cfg.optimizer, model.parameters(), momentum=0.9)

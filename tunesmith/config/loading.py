@@ -2,8 +2,14 @@
 
 Example::
 
-    >>> cfg = load_config("recipes/configs/demo.yaml", ["optimizer.lr=1e-4", "~profiler"])
+    >>> _ = Path("demo.yaml").write_text(
+    ...     "base_lr: 2.0e-5\\noptimizer: {lr: '${base_lr}'}\\nprofiler: {enabled: true}\\n")
+    >>> cfg = load_config("demo.yaml", ["base_lr=1e-4", "~profiler"])
     >>> print(config_to_yaml(cfg))  # interpolations resolved
+    base_lr: 0.0001
+    optimizer:
+      lr: 0.0001
+    <BLANKLINE>
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ class TemplateBudgetError(ValueError):
         >>> render("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
         ...        "{% endfor %}", [{"role": "user", "content": "hi"}])
         Traceback (most recent call last):
-        TemplateBudgetError: chat template stopped: it ran more than 1000000 loop steps ...
+        tunesmith.data.chat_template.TemplateBudgetError: chat template stopped: it ran more ...
     """
 
 

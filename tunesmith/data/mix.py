@@ -81,13 +81,13 @@ class MixPart:
 class MixReport:
     """What each part of a mix gave: ``summary()`` for the training log.
 
-    Example::
+    Example (:class:`DatasetMix`'s example prints a real one)::
 
-        >>> print(mix.report.summary())  # doctest: +SKIP
-        mix of 2 parts -> 60 samples (seed 0)
-          chat: 40 samples x 1.0 epochs -> 40 samples (67%)
-            data/chat.jsonl: 40 rows -> 40 samples (812 tokens, 160 trained), 0 truncated, ...
-          ...
+        print(mix.report.summary())
+        # mix of 2 parts -> 60 samples (seed 0)
+        #   chat: 40 samples x 1.0 epochs -> 40 samples (67%)
+        #     data/chat.jsonl: 40 rows -> 40 samples (812 tokens, 160 trained), 0 truncated, ...
+        #   ...
     """
 
     parts: list[MixPart] = field(repr=False)
@@ -275,11 +275,26 @@ class DatasetMix(Dataset):
 
     Example::
 
+        >>> import json
+        >>> from pathlib import Path
+        >>> from tunesmith.data import Tokenizer
+        >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+        >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+        >>> _ = Path("chat.jsonl").write_text("".join(json.dumps({"messages": [
+        ...     {"role": "user", "content": f"add {i} and 1"},
+        ...     {"role": "assistant", "content": str(i + 1)}]}) + "\\n" for i in range(4)))
+        >>> _ = Path("books.txt").write_text("Once upon a time.\\nThe end.\\n")
         >>> mix = DatasetMix(tok, parts={"chat": {"source": "chat.jsonl"},
         ...                              "books": {"source": "books.txt", "format": "text"}},
-        ...                  epochs={"books": 0.5})  # doctest: +SKIP
-        >>> mix.origin(0)  # doctest: +SKIP
-        ('chat', 0)
+        ...                  epochs={"books": 0.5})
+        >>> mix.origin(0), len(mix)
+        (('chat', 0), 5)
+        >>> print(mix.report.summary())
+        mix of 2 parts -> 5 samples (seed 0)
+          chat: 4 samples x 1 epochs -> 4 samples (80%)
+            chat.jsonl: 4 rows -> 4 samples (... tokens, 8 trained), 0 truncated, 0 skipped
+          books: 2 samples x 0.5 epochs -> 1 samples (20%)
+            books.txt: 2 rows -> 2 samples (... tokens, ... trained), 0 truncated, 0 skipped
     """
 
     def __init__(

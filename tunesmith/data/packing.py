@@ -151,8 +151,14 @@ class PackedDataset(Dataset):
 
     Example::
 
-        >>> packed = PackedDataset(sft_dataset, max_seq_len=2048, pad_id=tok.pad_id)  # doctest: +SKIP
-        >>> loader = DataLoader(packed, batch_size=4, collate_fn=collate_packed)        # doctest: +SKIP
+        >>> from torch.utils.data import DataLoader
+        >>> packed = PackedDataset([{"input_ids": [1, 2], "labels": [2, -100]}] * 3, 4, pad_id=0)
+        >>> packed.members, packed.fill
+        ([[0, 1], [2]], 0.75)
+        >>> loader = DataLoader(packed, batch_size=2, collate_fn=collate_packed)
+        >>> next(iter(loader))["document_ids"]  # -1: padding
+        tensor([[ 0,  0,  1,  1],
+                [ 0,  0, -1, -1]])
     """
 
     def __init__(self, dataset: Sequence[Sample], max_seq_len: int, pad_id: int) -> None:
@@ -178,7 +184,15 @@ def packed_or_padded(
 
     Example::
 
-        >>> data, collate = packed_or_padded(dataset, packed=True, max_seq_len=512, pad_id=0)  # doctest: +SKIP
+        >>> samples = [{"input_ids": [1, 2, 3], "labels": [2, 3, -100]},
+        ...            {"input_ids": [4], "labels": [-100]}]
+        >>> data, collate = packed_or_padded(samples, packed=False, max_seq_len=None, pad_id=0)
+        >>> collate(list(data))["input_ids"]
+        tensor([[1, 2, 3],
+                [4, 0, 0]])
+        >>> data, collate = packed_or_padded(samples, packed=True, max_seq_len=4, pad_id=0)
+        >>> collate(list(data))["input_ids"]
+        tensor([[1, 2, 3, 4]])
     """
     if not packed:
         return dataset, partial(collate_padded, pad_id=pad_id)

@@ -7,11 +7,34 @@ trained run wrapped in ``[[...]]`` (``color=False``) or in ANSI bold green (``co
 for a terminal). Token ``j`` is trained when ``labels[j - 1]`` is a label (labels are
 shifted: see ``labels.py``). Preference samples show each side (``chosen``, ``rejected``).
 
-Example::
+Example (a tokenizer trained on the spot; the other examples use its ``tok`` and ``dataset``)::
 
-    >>> print(preview(tokenizer, dataset, n=2))  # doctest: +SKIP
-    >>> render_tokens(tok, [5, 6, 7], [False, True, True])  # doctest: +SKIP
-    'a[[bc]]'
+    >>> import json
+    >>> from pathlib import Path
+    >>> from tunesmith.data import SFTDataset, Tokenizer
+    >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+    >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+    >>> _ = Path("chat.jsonl").write_text(json.dumps({"messages": [
+    ...     {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}))
+    >>> dataset = SFTDataset(tok, source="chat.jsonl")
+    >>> print(preview(tok, dataset, n=1))
+    chat.jsonl: 1 rows -> 1 samples (79 tokens, 2 trained), 0 truncated, 0 skipped
+    <BLANKLINE>
+    --- sample 0 (chat.jsonl row 0): 79 tokens, 2 trained
+    <|im_start|>system
+    You are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>
+    <|im_start|>user
+    2+2?<|im_end|>
+    <|im_start|>assistant
+    [[4<|im_end|>]]
+    <BLANKLINE>
+    <BLANKLINE>
+    truncation: no max_seq_len, 1 samples kept whole
+      chat.jsonl: 1 rows -> 1 samples, 0 cut to max_seq_len, 0 dropped as too long
+    <BLANKLINE>
+    token lengths: 1 samples, min 79, mean 79.0, max 79
+      79-79 1 ########################################
+    <BLANKLINE>
 """
 
 from __future__ import annotations
@@ -62,9 +85,9 @@ def render_tokens(
 
     Example::
 
-        >>> render_tokens(tok, tok.encode("2+2=4", add_special_tokens=False),
-        ...               [False, False, False, False, True])  # doctest: +SKIP
-        '2+2=[[4]]'
+        render_tokens(tok, tok.encode("2+2=4", add_special_tokens=False),
+                      [False, False, False, False, True])
+        # -> '2+2=[[4]]'
     """
     if len(ids) != len(trained):
         raise ValueError(f"{len(ids)} ids but {len(trained)} trained flags")
@@ -117,8 +140,8 @@ def describe_sample(dataset: Any, index: int) -> str:
 
     Example::
 
-        >>> describe_sample(mix, 5)  # doctest: +SKIP
-        'alpaca: data/alpaca.jsonl row 1'
+        describe_sample(mix, 5)
+        # -> 'alpaca: data/alpaca.jsonl row 1'
     """
     if hasattr(dataset, "origin"):  # a DatasetMix
         name, row = dataset.origin(index)
@@ -139,10 +162,10 @@ def render_sample(
 
     Example::
 
-        >>> print(render_sample(tok, dataset[0], title="sample 0"))  # doctest: +SKIP
-        --- sample 0: 41 tokens, 3 trained
-        <|im_start|>user ... <|im_start|>assistant
-        [[7<|im_end|>]]
+        print(render_sample(tok, dataset[0], title="sample 0"))
+        # --- sample 0: 41 tokens, 3 trained
+        # <|im_start|>user ... <|im_start|>assistant
+        # [[7<|im_end|>]]
     """
     blocks = []
     for side, ids, labels in sequences(sample):
@@ -172,9 +195,9 @@ def truncation_stats(dataset: Any) -> str:
 
     Example::
 
-        >>> print(truncation_stats(dataset))  # doctest: +SKIP
-        truncation (max_seq_len 64): 3 of 40 samples at max_seq_len
-          data/chat.jsonl: 40 rows -> 40 samples, 3 cut to max_seq_len, 0 dropped as too long
+        print(truncation_stats(dataset))
+        # truncation (max_seq_len 64): 3 of 40 samples at max_seq_len
+        #   data/chat.jsonl: 40 rows -> 40 samples, 3 cut to max_seq_len, 0 dropped as too long
     """
     limit = getattr(dataset, "max_seq_len", None)
     size = len(dataset)
@@ -240,7 +263,7 @@ def preview(
 
     Example::
 
-        >>> print(preview(tok, SFTDataset(tok, source="chat.jsonl"), n=2))  # doctest: +SKIP
+        print(preview(tok, SFTDataset(tok, source="chat.jsonl"), n=2))
     """
     size = len(dataset)
     chosen = list(range(min(n, size))) if indices is None else list(indices)

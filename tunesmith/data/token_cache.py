@@ -16,10 +16,10 @@ is ignored with a warning and rebuilt.
 
 Example::
 
-    >>> cache = TokenCache("~/.cache/tunesmith/tokenized")
-    >>> key = cache.key("train.jsonl", tok, {"format": "messages"})  # doctest: +SKIP
-    >>> cache.load(key) is None  # doctest: +SKIP
-    True
+    cache = TokenCache("~/.cache/tunesmith/tokenized")
+    key = cache.key("train.jsonl", tok, {"format": "messages"})
+    cache.load(key) is None
+    # -> True
 """
 
 from __future__ import annotations
@@ -107,11 +107,19 @@ class TokenCache:
 
     Example::
 
-        >>> cache = TokenCache(tmp_path)  # doctest: +SKIP
-        >>> key = cache.key("train.jsonl", tok, {"format": "messages", "max_seq_len": 512})  # doctest: +SKIP
-        >>> cache.store(key, CachedRows(samples, rows, report))  # doctest: +SKIP
-        >>> cache.load(key).samples == samples  # doctest: +SKIP
+        >>> from tunesmith.data import Tokenizer
+        >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+        >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+        >>> _ = Path("train.jsonl").write_text('{"text": "hi"}\\n')
+        >>> cache = TokenCache("cache")
+        >>> key = cache.key("train.jsonl", tok, {"format": "text", "max_seq_len": 512})
+        >>> samples = [{"input_ids": [1, 2], "labels": [2, -100]}]
+        >>> cache.store(key, CachedRows(samples, [0], DataReport("train.jsonl", rows=1)))
+        PosixPath('/.../cache/train-....npz')
+        >>> cache.load(key).samples == samples
         True
+        >>> cache.key("train.jsonl", tok, {"format": "text", "max_seq_len": 64}) == key
+        False
     """
 
     def __init__(self, cache_dir: str | os.PathLike[str]) -> None:
@@ -235,7 +243,9 @@ def tokenize_with_cache(
 
     Example::
 
-        >>> rows, note = tokenize_with_cache(None, "a.jsonl", tok, {}, lambda: rows)  # doctest: +SKIP
+        >>> rows = CachedRows([{"input_ids": [1]}], [0], DataReport("a.jsonl", rows=1))
+        >>> tokenize_with_cache(None, "a.jsonl", None, {}, lambda: rows) == (rows, None)  # no cache
+        True
     """
     cache = TokenCache(cache_dir) if cache_dir is not None else None
     key = cache.key(source, tokenizer, settings) if cache is not None else None

@@ -34,10 +34,12 @@ tokens it gets at the start of a text; the datasets warn with it when they build
 
 Example::
 
-    >>> tok = Tokenizer.from_pretrained("path/to/Qwen2.5-0.5B-Instruct")  # doctest: +SKIP
-    >>> ids, mask = tok.tokenize_conversation(  # doctest: +SKIP
+    >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+    >>> folder = build_tokenizer("tok", make_splits(50, 0)[0])  # a tiny Qwen2.5-style folder
+    >>> tok = Tokenizer.from_pretrained(folder)  # e.g. "path/to/Qwen2.5-0.5B-Instruct"
+    >>> ids, mask = tok.tokenize_conversation(
     ...     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}])
-    >>> tok.decode([i for i, m in zip(ids, mask) if m])  # doctest: +SKIP
+    >>> tok.decode([i for i, m in zip(ids, mask) if m])
     'Hello!<|im_end|>'
 """
 
@@ -150,8 +152,9 @@ class Tokenizer:
 
     Example::
 
-        >>> tok = Tokenizer.from_pretrained(folder)  # doctest: +SKIP
-        >>> tok.decode(tok.encode("Hello world", add_special_tokens=False))  # doctest: +SKIP
+        >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+        >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+        >>> tok.decode(tok.encode("Hello world", add_special_tokens=False))
         'Hello world'
     """
 
@@ -231,8 +234,8 @@ class Tokenizer:
 
         Example::
 
-            >>> tok = Tokenizer.from_pretrained("Llama-3.2-1B-Instruct")  # doctest: +SKIP
-            >>> tok = Tokenizer.from_pretrained("Llama-3.2-1B", chat_template="llama3")  # doctest: +SKIP
+            tok = Tokenizer.from_pretrained("Llama-3.2-1B-Instruct")
+            tok = Tokenizer.from_pretrained("Llama-3.2-1B", chat_template="llama3")
         """
         folder = Path(folder)
         if not folder.is_dir():
@@ -309,7 +312,9 @@ class Tokenizer:
 
         Example::
 
-            >>> len(Tokenizer.from_pretrained(folder).fingerprint())  # doctest: +SKIP
+            >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+            >>> folder = build_tokenizer("tok", make_splits(50, 0)[0])
+            >>> len(Tokenizer.from_pretrained(folder).fingerprint())
             64
         """
         if getattr(self, "_fingerprint", None) is None:
@@ -410,8 +415,10 @@ class Tokenizer:
 
         Example::
 
-            >>> ids, n = tok.encode_split("Q: 2+2=", "4")  # doctest: +SKIP
-            >>> ids == tok.encode("Q: 2+2=4"), tok.decode(ids[n:])  # doctest: +SKIP
+            >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+            >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+            >>> ids, n = tok.encode_split("Q: 2+2=", "4")
+            >>> ids == tok.encode("Q: 2+2=4"), tok.decode(ids[n:])
             (True, '4')
         """
         for name, value in (("prompt", prompt), ("completion", completion)):
@@ -445,10 +452,10 @@ class Tokenizer:
         or ``"ByteLevel(add_prefix_space=True)"``; None for Llama 3, Qwen, GPT-2 and BERT.
         See the module docs for what it means for text after special tokens.
 
-        Example::
+        Example (a Mistral tokenizer)::
 
-            >>> tok.prefix_space  # doctest: +SKIP
-            "Metaspace(prepend_scheme='first')"
+            tok.prefix_space
+            # -> "Metaspace(prepend_scheme='first')"
         """
         data = json.loads(self._backend.to_str())
         for component in (data.get("normalizer"), data.get("pre_tokenizer")):
@@ -466,10 +473,10 @@ class Tokenizer:
         encoded on its own (leading spaces removed). A template that fails to render on that
         conversation is not judged (None).
 
-        Example::
+        Example (a Mistral tokenizer)::
 
-            >>> tok.bos_spacing_warning()  # doctest: +SKIP
-            "...: the chat template writes '<s>' directly before 'Hello'..."
+            tok.bos_spacing_warning()
+            # -> "...: the chat template writes '<s>' directly before 'Hello'..."
         """
         bos = self.special_tokens.get("bos_token")
         kind = self.prefix_space
@@ -549,7 +556,9 @@ class Tokenizer:
 
         Example::
 
-            >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}],  # doctest: +SKIP
+            >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+            >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+            >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}],
             ...                         add_generation_prompt=True)
             '<|im_start|>system\\nYou are Qwen, ...<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
         """
@@ -614,10 +623,14 @@ class Tokenizer:
 
         Example::
 
-            >>> ids, mask, spans = tok.tokenize_conversation(messages, return_spans=True)  # doctest: +SKIP
-            >>> start, end = spans[-1]  # doctest: +SKIP
-            >>> tok.decode(ids[start:end])  # doctest: +SKIP
-            'Goodbye!<|im_end|>'
+            >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+            >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+            >>> messages = [{"role": role, "content": text} for role, text in [
+            ...     ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye"), ("assistant", "Goodbye!")]]
+            >>> ids, mask, spans = tok.tokenize_conversation(messages, return_spans=True)
+            >>> start, end = spans[-1]
+            >>> tok.decode(ids[start:end]), all(mask[start:end]), len(spans)
+            ('Goodbye!<|im_end|>', True, 2)
         """
         try:
             chat = render_chat(
