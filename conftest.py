@@ -1,10 +1,12 @@
 """Doctest settings: each docstring example of ``tunesmith/`` runs in an empty temporary
 folder (so ``runs/exp1`` or ``out/`` in an example land there, never in the repository), on
-one intra-op thread, and fails if it leaves ``os.environ`` or torch's default dtype changed
-(both are put back first, so the next test starts clean).
+one intra-op thread, with torch's and Python's random state put back after it; it fails if
+it leaves ``os.environ`` or torch's default dtype changed (both are put back first, so the
+next test starts clean).
 """
 
 import os
+import random
 
 import pytest
 import torch
@@ -21,9 +23,12 @@ def _doctest_sandbox(request):
         return
     request.getfixturevalue("monkeypatch").chdir(request.getfixturevalue("tmp_path"))
     environ, dtype, threads = dict(os.environ), torch.get_default_dtype(), torch.get_num_threads()
+    rng, py_rng = torch.random.get_rng_state(), random.getstate()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+    torch.random.set_rng_state(rng)
+    random.setstate(py_rng)
     changed = _restore_environ(environ)
     left_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

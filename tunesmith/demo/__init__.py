@@ -8,8 +8,8 @@ way round): it trains through :func:`tunesmith.run`, as ``tunesmith run`` does.
 
 Example::
 
-    >>> from tunesmith.demo import run_demo
-    >>> result = run_demo("outputs/demo", threads=1)  # doctest: +SKIP
+    from tunesmith.demo import run_demo
+    result = run_demo("outputs/demo", threads=1)
 """
 
 from tunesmith.demo.assets import AssetSettings, DemoAssets, make_assets

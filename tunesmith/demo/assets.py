@@ -14,8 +14,13 @@ A ``manifest.json`` records the settings; a second call with the same settings r
 
 Example::
 
-    >>> assets = make_assets("outputs/demo")  # doctest: +SKIP
-    >>> from_hf(assets.model_dir)  # doctest: +SKIP
+    >>> from tunesmith.models import from_hf
+    >>> assets = make_assets("outputs/demo", AssetSettings(num_train=100, num_held_out=10))
+    >>> sorted(p.name for p in assets.model_dir.iterdir())  # doctest: +NORMALIZE_WHITESPACE
+    ['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json',
+     'tokenizer_config.json']
+    >>> type(from_hf(assets.model_dir)).__name__
+    'TransformerLM'
 """
 
 from __future__ import annotations
@@ -121,8 +126,11 @@ def build_tokenizer(
 
     Example::
 
-        >>> build_tokenizer("tok", make_splits(100, 0)[0])  # doctest: +SKIP
+        >>> build_tokenizer("tok", make_splits(100, 0)[0])
         PosixPath('tok')
+        >>> tok = Tokenizer.from_pretrained("tok")
+        >>> [tok.decode([i]) for i in tok.encode("sort CBA", add_special_tokens=False)]
+        ['sort', ' ', 'C', 'B', 'A']
     """
     backend = BackendTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -187,7 +195,11 @@ def build_base_model(
 
     Example::
 
-        >>> build_base_model("base", "tok", seed=0, num_hidden_layers=3)  # doctest: +SKIP
+        >>> _ = build_tokenizer("tok", make_splits(100, 0)[0])
+        >>> build_base_model("base", "tok", seed=0, num_hidden_layers=3)
+        PosixPath('base')
+        >>> json.loads(Path("base/config.json").read_text())["num_hidden_layers"]
+        3
     """
     tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
     sizes = {**DEFAULT_MODEL, **spec_overrides}

@@ -21,9 +21,9 @@ model, but only a few demonstrations (96 by default) are available. Steps:
 
 Example::
 
-    >>> result = run_rl_demo("outputs/demo_rl", threads=1)  # doctest: +SKIP
-    >>> result.accuracy_before, result.accuracy_after  # doctest: +SKIP
-    (0.36, 0.8)
+    result = run_rl_demo("outputs/demo_rl", threads=1)
+    result.accuracy_before, result.accuracy_after
+    # -> (0.36, 0.8)
 """
 
 from __future__ import annotations
@@ -155,8 +155,10 @@ def write_prompts(examples: Iterable[Example], path: str | os.PathLike[str]) -> 
 
     Example::
 
-        >>> write_prompts([Example("CBA")], "p.jsonl")  # doctest: +SKIP
+        >>> write_prompts([Example("CBA")], "p.jsonl")
         PosixPath('p.jsonl')
+        >>> json.loads(Path("p.jsonl").read_text())["answer"]
+        'ABC'
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,9 +175,10 @@ def write_rl_data(root: str | os.PathLike[str], settings: RLDemoSettings) -> RLD
 
     Example::
 
-        >>> data = write_rl_data("outputs/demo_rl", RLDemoSettings())  # doctest: +SKIP
-        >>> len(data.demonstrations)  # doctest: +SKIP
-        96
+        >>> settings = RLDemoSettings(num_demonstrations=4, num_prompts=8, num_held_out=2)
+        >>> data = write_rl_data("outputs/demo_rl", settings)
+        >>> len(data.demonstrations), data.prompts_file
+        (4, PosixPath('outputs/demo_rl/data/prompts.jsonl'))
     """
     assets = make_assets(root, settings.assets())
     train = read_jsonl(assets.train_file)
@@ -215,8 +218,8 @@ def greedy_accuracy(
 
     Example::
 
-        >>> acc, replies = greedy_accuracy(
-        ...     model, tok, prompts, rewards, max_new_tokens=10)  # doctest: +SKIP
+        acc, replies = greedy_accuracy(
+            model, tok, prompts, rewards, max_new_tokens=10)
     """
     if reward not in rewards.rewards:
         raise ValueError(
@@ -436,7 +439,12 @@ def plot_rewards(
 
     Example::
 
-        >>> plot_rewards("outputs/demo_rl/grpo", start=0.36)  # doctest: +SKIP
+        >>> from tunesmith.training import JSONLLogger
+        >>> with JSONLLogger("outputs/demo_rl/grpo", timestamps=False) as logger:
+        ...     for step in (1, 2):
+        ...         logger.log(step, {"reward": 0.5 * step, "reward/correct": 0.4 * step,
+        ...                           "val_reward/correct": 0.5})
+        >>> plot_rewards("outputs/demo_rl/grpo", start=0.36)
         PosixPath('outputs/demo_rl/grpo/rewards.png')
     """
     run_dir = Path(run_dir)

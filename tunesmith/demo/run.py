@@ -7,9 +7,9 @@ the same code path as ``tunesmith run sft --config demo``, load the saved checkp
 
 Example::
 
-    >>> result = run_demo("outputs/demo")  # doctest: +SKIP
-    >>> result.accuracy_before, result.accuracy_after  # doctest: +SKIP
-    (0.0, 0.99)
+    result = run_demo("outputs/demo")
+    result.accuracy_before, result.accuracy_after
+    # -> (0.0, 0.99)
 """
 
 from __future__ import annotations
@@ -66,7 +66,12 @@ def evaluate(
 
     Example::
 
-        >>> acc, replies = evaluate(model, tokenizer, held_out)  # doctest: +SKIP
+        >>> from tunesmith.demo.task import make_splits
+        >>> assets = make_assets("demo", AssetSettings(num_train=100, num_held_out=4))
+        >>> model, tok = from_hf(assets.model_dir), Tokenizer.from_pretrained(assets.tokenizer_dir)
+        >>> acc, replies = evaluate(model, tok, make_splits(0, 4)[1])
+        >>> acc, len(replies)  # an untrained model
+        (0.0, 4)
     """
     model.eval()
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
@@ -109,7 +114,9 @@ def run_to_checkpoint(recipe: str, config: str, overrides: Sequence[str], run_di
     """``tunesmith.run(recipe, config, overrides)`` in this process into ``run_dir`` (emptied
     first, so its metrics and checkpoints are this run's only); returns the last checkpoint.
 
-    >>> run_to_checkpoint("sft", "demo", [f"output_dir={out}"], out)  # doctest: +SKIP
+    Example::
+
+        run_to_checkpoint("sft", "demo", [f"output_dir={out}"], out)
     """
     shutil.rmtree(run_dir, ignore_errors=True)
     with warnings.catch_warnings():

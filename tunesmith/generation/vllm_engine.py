@@ -32,11 +32,11 @@ cache is reset after. A LoRA policy must send merged weights
 
 Example::
 
-    >>> engine = VLLMEngine("path/to/hf_folder", gpu_memory_utilization=0.3)  # doctest: +SKIP
-    >>> out = engine.generate([[1, 5, 7]], row_keys=[3], max_new_tokens=16, temperature=1.0,
-    ...                       top_p=None, top_k=None, min_p=None, stop_token_ids=[2],
-    ...                       stop_strings=[])  # doctest: +SKIP
-    >>> engine.load_weights(dict(policy.named_parameters()))  # doctest: +SKIP
+    engine = VLLMEngine("path/to/hf_folder", gpu_memory_utilization=0.3)
+    out = engine.generate([[1, 5, 7]], row_keys=[3], max_new_tokens=16, temperature=1.0,
+                          top_p=None, top_k=None, min_p=None, stop_token_ids=[2],
+                          stop_strings=[])
+    engine.load_weights(dict(policy.named_parameters()))
 """
 
 from __future__ import annotations
@@ -405,7 +405,7 @@ class VLLMEngine:
 
     Example::
 
-        >>> engine = VLLMEngine("path/to/hf_folder")  # doctest: +SKIP
+        engine = VLLMEngine("path/to/hf_folder")
     """
 
     def __init__(

@@ -5,8 +5,11 @@ Example::
     >>> from tunesmith.models import build_model, qwen3
     >>> model = build_model(qwen3.spec("qwen3_tiny"))
     >>> model = qwen3.qwen3_8b(device="meta")           # real size, instant
-    >>> model = from_hf("path/to/Qwen3-8B")              # doctest: +SKIP
-    >>> rm = reward_model_from_hf("path/to/Qwen3-8B")    # doctest: +SKIP
+
+From Hugging Face folders::
+
+    model = from_hf("path/to/Qwen3-8B")
+    rm = reward_model_from_hf("path/to/Qwen3-8B")
 """
 
 import importlib

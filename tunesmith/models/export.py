@@ -6,7 +6,7 @@ from the base folder's dense weights.
 
 Example::
 
-    >>> export_merged("out/adapter", "out/merged", base_dir="Qwen3-0.6B", dtype="bf16")  # doctest: +SKIP
+    export_merged("out/adapter", "out/merged", base_dir="Qwen3-0.6B", dtype="bf16")
 """
 
 from __future__ import annotations
@@ -67,7 +67,17 @@ def export_merged(
 
     Example::
 
-        >>> export_merged("ckpt/step_1000", "out/merged", base_dir="Qwen3-0.6B", dtype="bf16")  # doctest: +SKIP
+        >>> import json
+        >>> from tunesmith.models import build_model, qwen3
+        >>> _ = save_hf_checkpoint(build_model(qwen3.spec("qwen3_tiny")), "Qwen3-tiny")
+        >>> export_merged("Qwen3-tiny", "out/merged", dtype="bf16")  # a model folder: re-saved
+        PosixPath('out/merged')
+        >>> json.loads(Path("out/merged/config.json").read_text())["torch_dtype"]
+        'bfloat16'
+
+    With a LoRA run's checkpoint::
+
+        export_merged("ckpt/step_1000", "out/merged", base_dir="Qwen3-0.6B", dtype="bf16")
     """
     src = Path(adapter_or_model_dir)
     if not src.is_dir():

@@ -12,10 +12,14 @@ is translated generically; an entry holds only what differs:
 
 Example::
 
-    >>> from tunesmith.models.family import Family, family_for, register_family
+    >>> from tunesmith.models.family import Family, family_for, register_family, unregister_family
     >>> family_for("qwen3").architecture
     'Qwen3ForCausalLM'
-    >>> toy = register_family(Family("toy", "toy", "LlamaForCausalLM"))  # doctest: +SKIP
+    >>> toy = register_family(Family("toy", "toy", "LlamaForCausalLM"))
+    >>> family_for("toy") is toy
+    True
+    >>> unregister_family("toy") is toy  # a family file registers for good; an example cleans up
+    True
 """
 
 from __future__ import annotations
@@ -131,7 +135,11 @@ def register_family(family: Family) -> Family:
 
     Example::
 
-        >>> FAMILY = register_family(Family("toy", "toy", "LlamaForCausalLM"))  # doctest: +SKIP
+        >>> FAMILY = register_family(Family("toy", "toy", "LlamaForCausalLM"))
+        >>> register_family(Family("toy", "toy", "LlamaForCausalLM"))
+        Traceback (most recent call last):
+        ValueError: family 'toy' (model_type 'toy') clashes with the registered family 'toy' ...
+        >>> _ = unregister_family("toy")
     """
     if not isinstance(family, Family):
         raise TypeError(f"register_family expects a Family, got {type(family).__name__}")

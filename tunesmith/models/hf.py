@@ -7,8 +7,12 @@ shard into a meta-built model, and writing a folder transformers/vLLM load as is
 
 Example::
 
-    >>> model = from_hf("Qwen3-0.6B", dtype=torch.bfloat16)  # doctest: +SKIP
-    >>> save_hf_checkpoint(model, "out/qwen3-sft", source_dir="Qwen3-0.6B")  # doctest: +SKIP
+    >>> from tunesmith.models import qwen3
+    >>> save_hf_checkpoint(build_model(qwen3.spec("qwen3_tiny")), "Qwen3-tiny")  # a HF folder
+    PosixPath('Qwen3-tiny')
+    >>> model = from_hf("Qwen3-tiny", dtype=torch.bfloat16)  # e.g. "Qwen3-0.6B"
+    >>> save_hf_checkpoint(model, "out/qwen3-sft", source_dir="Qwen3-tiny")
+    PosixPath('out/qwen3-sft')
 """
 
 from __future__ import annotations
@@ -133,7 +137,12 @@ def hf_folder_spec(
 
     Example::
 
-        >>> spec, dtype = hf_folder_spec("Qwen3-0.6B")  # doctest: +SKIP
+        >>> from tunesmith.models import qwen3
+        >>> model = build_model(qwen3.spec("qwen3_tiny"))
+        >>> _ = save_hf_checkpoint(model, "Qwen3-tiny", dtype="bf16")
+        >>> spec, dtype = hf_folder_spec("Qwen3-tiny")
+        >>> spec.num_hidden_layers, dtype
+        (2, torch.bfloat16)
     """
     folder = Path(path)
     config = read_hf_config(folder)
@@ -161,8 +170,13 @@ def load_hf_weights(
 
     Example::
 
-        >>> model = build_model(spec, device="meta")  # doctest: +SKIP
-        >>> load_hf_weights(model, "Qwen3-0.6B", dtype=torch.bfloat16, device="cuda")  # doctest: +SKIP
+        >>> from tunesmith.models import qwen3
+        >>> spec = qwen3.spec("qwen3_tiny")
+        >>> _ = save_hf_checkpoint(build_model(spec), "Qwen3-tiny")
+        >>> model = build_model(spec, device="meta")
+        >>> _ = load_hf_weights(model, "Qwen3-tiny", dtype=torch.bfloat16, device="cpu")
+        >>> next(model.parameters()).dtype, next(model.parameters()).device
+        (torch.bfloat16, device(type='cpu'))
     """
     resolved = None if dtype is None else resolve_dtype(dtype)
     if verify:
@@ -183,7 +197,16 @@ def verify_own_checkpoint(folder: str | os.PathLike) -> None:
 
     Example::
 
-        >>> verify_own_checkpoint("out/checkpoints/step_000100")  # doctest: +SKIP
+        >>> from tunesmith.models import qwen3
+        >>> from tunesmith.training.checkpoint_dir import CheckpointDirectory
+        >>> model = build_model(qwen3.spec("qwen3_tiny"))
+        >>> step = CheckpointDirectory("out/checkpoints").write(
+        ...     100, lambda tmp: save_hf_checkpoint(model, tmp))
+        >>> verify_own_checkpoint(step)  # as written: passes
+        >>> _ = (step / "config.json").write_text("{}")
+        >>> verify_own_checkpoint(step)
+        Traceback (most recent call last):
+        tunesmith.models.safetensors_io.CheckpointError: out/.../config.json: 2 bytes, the ...
     """
     folder = Path(folder)
     if not has_manifest(folder):
@@ -215,7 +238,11 @@ def from_hf(
 
     Example::
 
-        >>> model = from_hf("Qwen3-0.6B", dtype="bf16", device="cuda")  # doctest: +SKIP
+        >>> from tunesmith.models import qwen3
+        >>> _ = save_hf_checkpoint(build_model(qwen3.spec("qwen3_tiny")), "Qwen3-tiny")
+        >>> model = from_hf("Qwen3-tiny", dtype="bf16", device="cpu")  # or device="cuda"
+        >>> type(model).__name__, next(model.parameters()).dtype
+        ('TransformerLM', torch.bfloat16)
     """
     spec, resolved = hf_folder_spec(path, dtype)
     folder = Path(path)
@@ -347,9 +374,12 @@ def model_file_source(root: Path, path: Path) -> Path:
 
     Example::
 
-        >>> model_file_source(Path("/m/Qwen3"), Path("/m/Qwen3/vocab.txt"))  # doctest: +SKIP
+        >>> root = Path("Qwen3").resolve()
+        >>> root.mkdir(); _ = Path("elsewhere.txt").write_text("not the model's")
+        >>> (root / "vocab.txt").symlink_to(Path("elsewhere.txt").resolve())
+        >>> model_file_source(root, root / "vocab.txt")
         Traceback (most recent call last):
-        UnsafePathError: /m/Qwen3/vocab.txt: is a symbolic link to /etc/passwd, outside the ...
+        tunesmith.models.atomic.UnsafePathError: ... symbolic link to ..., outside the model folder ...
     """
     target = path
     if path.is_symlink():
@@ -411,7 +441,12 @@ def check_model_files(
 
     Example::
 
-        >>> check_model_files("models/Qwen3-0.6B")  # doctest: +SKIP
+        >>> Path("Qwen3").mkdir(); _ = Path("Qwen3/tokenizer.json").write_text("{}")
+        >>> check_model_files("Qwen3")  # passes
+        >>> Path("Qwen3/tokenizer").symlink_to(Path("Qwen3").resolve())
+        >>> check_model_files("Qwen3", ["tokenizer"])
+        Traceback (most recent call last):
+        tunesmith.models.atomic.UnsafePathError: Qwen3/tokenizer: is a symbolic link to a folder...
     """
     root = Path(source_dir).resolve()
     for _, target in _model_sources(source_dir, names):
@@ -430,8 +465,11 @@ def copy_model_files(source_dir: Path, folder: Path, names: Iterable[str]) -> li
 
     Example::
 
-        >>> copy_model_files(Path("Qwen3-0.6B"), tmp, TOKENIZER_FILES)  # doctest: +SKIP
-        [PosixPath('.../tokenizer.json'), PosixPath('.../tokenizer_config.json')]
+        >>> Path("Qwen3").mkdir(); Path("ckpt").mkdir()
+        >>> for name in ("tokenizer.json", "tokenizer_config.json", "notes.txt"):
+        ...     _ = (Path("Qwen3") / name).write_text("{}")
+        >>> copy_model_files(Path("Qwen3"), Path("ckpt"), TOKENIZER_FILES)
+        [PosixPath('ckpt/tokenizer.json'), PosixPath('ckpt/tokenizer_config.json')]
     """
     root = Path(source_dir).resolve()  # the user's folder: a link to it is followed once
     copied = []
@@ -535,7 +573,11 @@ def save_hf_checkpoint(
 
     Example::
 
-        >>> save_hf_checkpoint(model, "out/final", dtype="bf16", source_dir="Qwen3-0.6B")  # doctest: +SKIP
+        >>> from tunesmith.models import qwen3
+        >>> save_hf_checkpoint(build_model(qwen3.spec("qwen3_tiny")), "out/final", dtype="bf16")
+        PosixPath('out/final')
+        >>> sorted(p.name for p in Path("out/final").iterdir())
+        ['config.json', 'generation_config.json', 'model.safetensors']
     """
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:

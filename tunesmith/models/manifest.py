@@ -27,11 +27,18 @@ must be listed (an unlisted file is refused naming it: a manifest that leaves ou
 
 Example::
 
-    >>> entry = file_entry(Path("ckpt/model.safetensors"))  # doctest: +SKIP
+    >>> ckpt = Path("ckpt"); ckpt.mkdir()
+    >>> _ = (ckpt / "model.safetensors").write_bytes(b"weights")
+    >>> entry = file_entry(ckpt / "model.safetensors")
     >>> entry
-    {'size': 1391720, 'crc32': '5f1c2a3b'}
-    >>> manifest_problem(Path("ckpt"))  # doctest: +SKIP
-    'ckpt/model.safetensors: content differs from the COMPLETE manifest (crc32 0c1d..., ...)'
+    {'size': 7, 'crc32': '1ad27358'}
+    >>> manifest = {"step": 2, "files": {"model.safetensors": entry}}
+    >>> _ = (ckpt / MARKER).write_text(json.dumps(manifest))
+    >>> manifest_problem(ckpt) is None
+    True
+    >>> _ = (ckpt / "model.safetensors").write_bytes(b"WEIGHTS")  # same size, other bytes
+    >>> manifest_problem(ckpt)
+    'ckpt/model.safetensors: content differs from the COMPLETE manifest (crc32 25978d42, ...'
 """
 
 from __future__ import annotations
@@ -96,8 +103,9 @@ def file_entry(path: Path, *, sha256: bool = False) -> dict[str, Any]:
 
     Example::
 
-        >>> file_entry(Path("ckpt/config.json"))  # doctest: +SKIP
-        {'size': 812, 'crc32': '9c0e12aa'}
+        >>> _ = Path("config.json").write_text("{}")
+        >>> file_entry(Path("config.json"))
+        {'size': 2, 'crc32': 'a3a6bf43'}
     """
     fd = open_fd_no_follow(path)
     try:
@@ -230,7 +238,10 @@ def unlisted_problem(folder: Path, files: Iterable[str]) -> str | None:
 
     Example::
 
-        >>> unlisted_problem(Path("ckpt"), ["config.json"])  # doctest: +SKIP
+        >>> Path("ckpt").mkdir()
+        >>> for name in ("config.json", "model.safetensors"):
+        ...     _ = (Path("ckpt") / name).write_text("{}")
+        >>> unlisted_problem(Path("ckpt"), ["config.json"])
         'ckpt/model.safetensors: not listed in the COMPLETE manifest: ...'
     """
     listed = set(files) | {MARKER}
@@ -267,7 +278,12 @@ def manifest_problem(
 
     Example::
 
-        >>> manifest_problem("out/checkpoints/step_000002")  # doctest: +SKIP
+        >>> step = Path("out/checkpoints/step_000002"); step.mkdir(parents=True)
+        >>> _ = (step / "model.safetensors").write_bytes(bytes(4096))
+        >>> files = {"model.safetensors": file_entry(step / "model.safetensors")}
+        >>> _ = (step / MARKER).write_text(json.dumps({"step": 2, "files": files}))
+        >>> _ = (step / "model.safetensors").write_bytes(bytes(1024))  # truncated
+        >>> manifest_problem("out/checkpoints/step_000002")
         '.../step_000002/model.safetensors: 1024 bytes, the COMPLETE manifest records 4096'
     """
     folder = Path(folder)

@@ -13,8 +13,16 @@ trained with ``peft``.
 
 Example::
 
-    >>> save_peft_adapter(model, "out/adapter", base_model_name_or_path="Qwen3-0.6B")  # doctest: +SKIP
-    >>> model = load_peft_adapter(from_hf("Qwen3-0.6B"), "out/adapter")  # doctest: +SKIP
+    >>> from tunesmith.models import build_model, from_hf, qwen3
+    >>> from tunesmith.models.hf import save_hf_checkpoint
+    >>> from tunesmith.modules.peft import apply_lora
+    >>> _ = save_hf_checkpoint(build_model(qwen3.spec("qwen3_tiny")), "Qwen3-tiny")  # the base
+    >>> model = apply_lora(from_hf("Qwen3-tiny"), target_modules=["q_proj"], rank=4, alpha=8)
+    >>> save_peft_adapter(model, "out/adapter", base_model_name_or_path="Qwen3-tiny")
+    PosixPath('out/adapter')
+    >>> model = load_peft_adapter(from_hf("Qwen3-tiny"), "out/adapter")
+    >>> sorted(adapter_state_dict(model))[0]
+    'model.layers.0.self_attn.q_proj.lora_A.weight'
 """
 
 from __future__ import annotations
@@ -409,7 +417,13 @@ def save_peft_adapter(
 
     Example::
 
-        >>> save_peft_adapter(model, "out/adapter", base_model_name_or_path="Qwen3-0.6B")  # doctest: +SKIP
+        >>> from tunesmith.models import llama3
+        >>> from tunesmith.modules.peft import apply_lora
+        >>> model = apply_lora(llama3.llama3_tiny(), target_modules=["q_proj"], rank=4, alpha=8)
+        >>> save_peft_adapter(model, "out/adapter", base_model_name_or_path="Llama-3.2-1B")
+        PosixPath('out/adapter')
+        >>> sorted(p.name for p in Path("out/adapter").iterdir())
+        ['adapter_config.json', 'adapter_model.safetensors']
     """
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:

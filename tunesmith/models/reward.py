@@ -11,9 +11,19 @@ A :class:`RewardModel` is the tunesmith twin of transformers' ``*ForSequenceClas
 
 Example::
 
-    >>> rm = reward_model_from_hf("Qwen3-0.6B", pad_token_id=151643)  # doctest: +SKIP
-    >>> rewards = rm(input_ids, attention_mask=attention_mask)[:, 0]  # doctest: +SKIP
-    >>> save_hf_checkpoint(rm, "out/rm", source_dir="Qwen3-0.6B")  # doctest: +SKIP
+    >>> import json
+    >>> from tunesmith.models import build_model, qwen3
+    >>> from tunesmith.models.hf import save_hf_checkpoint
+    >>> _ = save_hf_checkpoint(build_model(qwen3.spec("qwen3_tiny")), "Qwen3-tiny")  # a causal LM
+    >>> rm = reward_model_from_hf("Qwen3-tiny", pad_token_id=0)  # warns: a new score head
+    >>> input_ids, attention_mask = torch.tensor([[5, 6, 7, 0]]), torch.tensor([[1, 1, 1, 0]])
+    >>> rewards = rm(input_ids, attention_mask=attention_mask)[:, 0]
+    >>> rewards.shape
+    torch.Size([1])
+    >>> save_hf_checkpoint(rm, "out/rm", source_dir="Qwen3-tiny")
+    PosixPath('out/rm')
+    >>> json.loads(Path("out/rm/config.json").read_text())["architectures"]
+    ['Qwen3ForSequenceClassification']
 """
 
 from __future__ import annotations
@@ -294,7 +304,12 @@ def reward_model_from_hf(
 
     Example::
 
-        >>> rm = reward_model_from_hf("Qwen3-0.6B", dtype="bf16", device="cuda")  # doctest: +SKIP
+        >>> from tunesmith.models import build_model, qwen3
+        >>> from tunesmith.models.hf import save_hf_checkpoint
+        >>> _ = save_hf_checkpoint(build_model(qwen3.spec("qwen3_tiny")), "Qwen3-tiny")
+        >>> rm = reward_model_from_hf("Qwen3-tiny", dtype="bf16", device="cpu")  # or "cuda"
+        >>> rm.score.weight.shape, rm.score.weight.dtype
+        (torch.Size([1, 64]), torch.bfloat16)
     """
     _check_num_labels(num_labels)
     folder = Path(path)

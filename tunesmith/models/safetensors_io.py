@@ -10,10 +10,17 @@ file's private mapping, so the model costs no anonymous memory until it is writt
 
 Example::
 
-    >>> model = build_model(spec, device="meta")  # doctest: +SKIP
-    >>> load_into_module(model, "ckpt/", device="cpu", dtype=torch.bfloat16)  # doctest: +SKIP
-    >>> with atomic_directory("out/") as tmp:  # doctest: +SKIP
-    ...     write_safetensors_shards(model.state_dict(), tmp, max_shard_size="2GB")
+    >>> from tunesmith.models import build_model, qwen3
+    >>> spec = qwen3.spec("qwen3_tiny")  # 115k parameters
+    >>> with atomic_directory("ckpt/") as tmp:
+    ...     _ = write_safetensors_shards(build_model(spec).state_dict(), tmp, max_shard_size="200KB")
+    >>> sorted(p.name for p in Path("ckpt").iterdir())  # doctest: +NORMALIZE_WHITESPACE
+    ['model-00001-of-00003.safetensors', 'model-00002-of-00003.safetensors',
+     'model-00003-of-00003.safetensors', 'model.safetensors.index.json']
+    >>> model = build_model(spec, device="meta")
+    >>> load_into_module(model, "ckpt/", device="cpu", dtype=torch.bfloat16)
+    >>> next(model.parameters()).dtype
+    torch.bfloat16
 """
 
 from __future__ import annotations
@@ -300,7 +307,14 @@ def load_into_module(
 
     Example::
 
-        >>> load_into_module(build_model(spec, device="meta"), "ckpt/")  # doctest: +SKIP
+        >>> from tunesmith.models import build_model, qwen3
+        >>> spec = qwen3.spec("qwen3_tiny")
+        >>> write_safetensors_shards(build_model(spec).state_dict(), "ckpt")
+        [PosixPath('ckpt/model.safetensors')]
+        >>> model = build_model(spec, device="meta")
+        >>> load_into_module(model, "ckpt/")
+        >>> {p.device.type for p in model.parameters()}
+        {'cpu'}
     """
     folder = Path(folder)
     infos = read_tensor_index(folder)
@@ -552,8 +566,17 @@ def atomic_directory(out_dir: str | os.PathLike) -> Iterator[Path]:
 
     Example::
 
-        >>> with atomic_directory("ckpt/step_100") as tmp:  # doctest: +SKIP
-        ...     (tmp / "notes.txt").write_text("hello")
+        >>> with atomic_directory("ckpt/step_100") as tmp:
+        ...     _ = (tmp / "notes.txt").write_text("hello")
+        >>> Path("ckpt/step_100/notes.txt").read_text()
+        'hello'
+        >>> with atomic_directory("ckpt/step_100") as tmp:
+        ...     _ = (tmp / "notes.txt").write_text("half")
+        ...     raise OSError("disk full")
+        Traceback (most recent call last):
+        OSError: disk full
+        >>> Path("ckpt/step_100/notes.txt").read_text(), list(Path("ckpt").iterdir())
+        ('hello', [PosixPath('ckpt/step_100')])
     """
     out_dir = Path(out_dir).absolute()
     out_dir.parent.mkdir(parents=True, exist_ok=True)

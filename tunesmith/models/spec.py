@@ -417,7 +417,12 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     Example::
 
         >>> import json
-        >>> spec = spec_from_hf_config(json.load(open("Qwen3-0.6B/config.json")))  # doctest: +SKIP
+        >>> from tunesmith.models import qwen3
+        >>> with open("config.json", "w") as f:  # what a Qwen3 folder holds
+        ...     json.dump(qwen3.spec("qwen3_tiny").to_hf_config(), f)
+        >>> spec = spec_from_hf_config(json.load(open("config.json")))
+        >>> spec == qwen3.spec("qwen3_tiny"), spec.qk_norm
+        (True, True)
     """
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict (parsed config.json), got {type(config).__name__}")

@@ -393,7 +393,9 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors of ``model`` under their state-dict names (detached, not copied).
 
-    >>> sorted(adapter_state_dict(model))[0]  # doctest: +SKIP
+    >>> from tunesmith.models import llama3
+    >>> model = apply_lora(llama3.llama3_tiny(), target_modules=["q_proj"], rank=4, alpha=8)
+    >>> sorted(adapter_state_dict(model))[0]
     'model.layers.0.self_attn.q_proj.lora_A.weight'
     """
     state = {}
