@@ -482,10 +482,13 @@ def tokenize_pair(
 
     Example::
 
+        >>> from tunesmith.data import Tokenizer
+        >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+        >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
         >>> pair = convert_preference_row(
         ...     {"prompt": "2+2?", "chosen": "4", "rejected": "5"}, "prompt_chosen_rejected")
-        >>> sample, cut = tokenize_pair(tok, pair, max_seq_len=512)  # doctest: +SKIP
-        >>> sample["chosen_input_ids"][: sample["prompt_len"]] == (  # doctest: +SKIP
+        >>> sample, cut = tokenize_pair(tok, pair, max_seq_len=512)
+        >>> sample["chosen_input_ids"][: sample["prompt_len"]] == (
         ...     sample["rejected_input_ids"][: sample["prompt_len"]])
         True
     """
@@ -549,9 +552,18 @@ class PreferenceDataset(Dataset):
 
     Example::
 
-        >>> ds = PreferenceDataset(tok, source="prefs.jsonl", max_seq_len=1024)  # doctest: +SKIP
-        >>> sorted(ds[0])  # doctest: +SKIP
-        ['chosen_input_ids', 'chosen_labels', 'prompt_len', 'rejected_input_ids', 'rejected_labels']
+        >>> import json
+        >>> from pathlib import Path
+        >>> from tunesmith.data import Tokenizer
+        >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+        >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+        >>> _ = Path("prefs.jsonl").write_text(
+        ...     json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}) + "\\n")
+        >>> ds = PreferenceDataset(tok, source="prefs.jsonl", format="prompt_chosen_rejected",
+        ...                        max_seq_len=1024)
+        >>> sorted(ds[0])  # doctest: +NORMALIZE_WHITESPACE
+        ['chosen_input_ids', 'chosen_labels', 'prompt_len', 'rejected_input_ids',
+         'rejected_labels']
     """
 
     def __init__(

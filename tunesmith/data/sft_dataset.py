@@ -145,9 +145,14 @@ def tokenize_example(
 
     Example::
 
+        >>> from tunesmith.data import Tokenizer
+        >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+        >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
         >>> conv = Conversation([{"role": "user", "content": "hi"},
         ...                      {"role": "assistant", "content": "hello"}])
-        >>> sample, cut = tokenize_example(tok, conv, max_seq_len=64)   # doctest: +SKIP
+        >>> sample, cut = tokenize_example(tok, conv, max_seq_len=128)
+        >>> tok.decode([t for t in sample["labels"] if t != -100]), cut
+        ('hello<|im_end|>', False)
     """
     ids, mask = _encode(tokenizer, example, train_on, template_kwargs or {})
     cut = max_seq_len is not None and len(ids) > max_seq_len
@@ -203,9 +208,17 @@ class SFTDataset(Dataset):
 
     Example::
 
-        >>> ds = SFTDataset(tok, source="train.jsonl", max_seq_len=512)  # doctest: +SKIP
-        >>> ds[0].keys()  # doctest: +SKIP
+        >>> import json
+        >>> from tunesmith.data import Tokenizer
+        >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+        >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+        >>> _ = Path("train.jsonl").write_text(json.dumps({"messages": [
+        ...     {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}))
+        >>> ds = SFTDataset(tok, source="train.jsonl", max_seq_len=512)
+        >>> ds[0].keys()
         dict_keys(['input_ids', 'labels'])
+        >>> ds.report.summary()
+        'train.jsonl: 1 rows -> 1 samples (80 tokens, 5 trained), 0 truncated, 0 skipped'
     """
 
     def __init__(

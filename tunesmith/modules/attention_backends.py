@@ -403,10 +403,10 @@ def flex_attention(
 
     Example::
 
-        >>> q = k = v = torch.randn(1, 2, 4, 8)
-        >>> docs = torch.tensor([[0, 0, 1, -1]])
-        >>> flex_attention(q, k, v, AttentionBatch("flex", document_ids=docs)).shape  # doctest: +SKIP
-        torch.Size([1, 2, 4, 8])
+        q = k = v = torch.randn(1, 2, 4, 8)
+        docs = torch.tensor([[0, 0, 1, -1]])
+        flex_attention(q, k, v, AttentionBatch("flex", document_ids=docs)).shape
+        # -> torch.Size([1, 2, 4, 8])
     """
     if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
         raise NotImplementedError(

@@ -10,7 +10,10 @@ Example::
 
     >>> recipe_path("sft").name
     'sft.py'
-    >>> run("sft", "demo", ["max_steps=2", "output_dir=out"])  # doctest: +SKIP
+
+Training (it builds the model and runs every step in this process)::
+
+    run("sft", "demo", ["max_steps=2", "output_dir=out"])
 """
 
 from __future__ import annotations
@@ -168,7 +171,9 @@ def infer_recipe(cfg: Any) -> str | None:
 
     Example::
 
-        >>> infer_recipe(load_config("my_sft.yaml"))  # doctest: +SKIP
+        >>> from tunesmith.config import load_config
+        >>> _ = Path("my_sft.yaml").write_text("packed: true\\nbatch_size: 4\\n")
+        >>> infer_recipe(load_config("my_sft.yaml"))
         'sft'
     """
     fits: list[tuple[int, str]] = []
@@ -210,7 +215,14 @@ def check_config(cfg: Any, recipe_file: Path | None) -> None:
 
     Example::
 
-        >>> check_config(load_config("my.yaml"), recipe_path("sft"))  # doctest: +SKIP
+        >>> from tunesmith.config import load_config
+        >>> _ = Path("my.yaml").write_text("batch_size: 0\\nshufle: true\\n")
+        >>> check_config(load_config("my.yaml"), recipe_path("sft"))
+        Traceback (most recent call last):
+        tunesmith.config.errors.ConfigError: shufle: unknown key; did you mean 'shuffle'?
+        output_dir: required key is missing (a non-empty string)
+        batch_size: expected an int >= 1, got 0
+        ...
     """
     from tunesmith.config import ConfigError, check_keys, validate_config
 
@@ -239,7 +251,9 @@ def prepare_run(
 
     Example::
 
-        >>> recipe_file, config_file, cfg = prepare_run("sft", "demo", ["max_steps=2"])  # doctest: +SKIP
+        >>> recipe_file, config_file, cfg = prepare_run("sft", "demo", ["max_steps=2"])
+        >>> recipe_file.name, config_file.name, cfg.max_steps
+        ('sft.py', 'demo.yaml', 2)
     """
     from tunesmith.config import load_config
 
@@ -269,7 +283,8 @@ def check_local_folders(cfg: Any) -> None:
 
     Example::
 
-        >>> check_local_folders(OmegaConf.create({"model_dir": "Qwen/Qwen3-0.6B"}))  # doctest: +SKIP
+        >>> from omegaconf import OmegaConf
+        >>> check_local_folders(OmegaConf.create({"model_dir": "Qwen/Qwen3-0.6B"}))
         Traceback (most recent call last):
         ...
         FileNotFoundError: model_dir 'Qwen/Qwen3-0.6B' is not a local folder; ...
@@ -302,8 +317,8 @@ def run(
 
     Example::
 
-        >>> import tunesmith
-        >>> tunesmith.run("sft", "demo", ["max_steps=10", "output_dir=outputs/try"])  # doctest: +SKIP
+        import tunesmith
+        tunesmith.run("sft", "demo", ["max_steps=10", "output_dir=outputs/try"])
     """
     recipe_file, _, cfg = prepare_run(recipe, config, overrides)
     run_recipe(recipe_file, cfg)

@@ -17,11 +17,11 @@ as there, the share of all the groups drawn for the batch whose rewards were all
 
 Example::
 
-    >>> source = AsyncRolloutSource(pipeline=pipeline, model=model, tokenizer=tok,
-    ...                             prompts=stream, rewards=rewards, advantage=adv,
-    ...                             group_size=4, ctx=ctx, total_steps=10)  # doctest: +SKIP
-    >>> trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source,
-    ...                   on_step_end=[source.on_step_end])                # doctest: +SKIP
+    source = AsyncRolloutSource(pipeline=pipeline, model=model, tokenizer=tok,
+                                prompts=stream, rewards=rewards, advantage=adv,
+                                group_size=4, ctx=ctx, total_steps=10)
+    trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source,
+                      on_step_end=[source.on_step_end])
 """
 
 from __future__ import annotations

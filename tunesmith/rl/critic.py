@@ -15,10 +15,10 @@ step_N`` (:func:`critic_checkpoint`, :func:`critic_config`).
 
 Example::
 
-    >>> critic = build_critic(cfg, ctx, policy, tokenizer)           # doctest: +SKIP
-    >>> values, _ = critic_values(critic, batch)  # [b, L] float32    # doctest: +SKIP
-    >>> trainer = Trainer(critic_config(cfg), ctx, model=critic,
-    ...                   objective=ValueObjective(ValueLoss(clip=0.2)))  # doctest: +SKIP
+    critic = build_critic(cfg, ctx, policy, tokenizer)
+    values, _ = critic_values(critic, batch)  # [b, L] float32
+    trainer = Trainer(critic_config(cfg), ctx, model=critic,
+                      objective=ValueObjective(ValueLoss(clip=0.2)))
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def build_critic(
 
     Example::
 
-        >>> critic = parallelize(build_critic(cfg, ctx, policy, tokenizer), ctx, cfg)  # doctest: +SKIP
+        critic = parallelize(build_critic(cfg, ctx, policy, tokenizer), ctx, cfg)
     """
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     if cfg.get("critic_model"):
@@ -124,7 +124,7 @@ def critic_values(
 
     Example::
 
-        >>> values, _ = critic_values(critic, batch)  # doctest: +SKIP
+        values, _ = critic_values(critic, batch)
     """
     scores, router_logits = forward_batch(critic, batch, every_position=True)
     return scores[..., 0], router_logits

@@ -6,10 +6,10 @@ the numbers do not depend on the number of ranks.
 
 Example::
 
-    >>> scores = evaluate_rewards(model, tokenizer, prompts, rewards, ctx,
-    ...                           max_new_tokens=64)         # doctest: +SKIP
-    >>> scores["val_reward/correct"]                         # doctest: +SKIP
-    0.62
+    scores = evaluate_rewards(model, tokenizer, prompts, rewards, ctx,
+                              max_new_tokens=64)
+    scores["val_reward/correct"]
+    # -> 0.62
 """
 
 from __future__ import annotations

@@ -10,11 +10,21 @@ the groups, as the synchronous recipe scores a collection).
 
 Example::
 
+    >>> from tunesmith.data import Tokenizer
+    >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+    >>> from tunesmith.rl.rewards import RewardSet
+    >>> from tunesmith.rl.rewards.strings import StringMatch
+    >>> tokenizer = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+    >>> def generate_fn(rows, keys):  # the policy's stand-in: "4" for an odd key, else "5"
+    ...     seqs = [tokenizer.encode(str(4 + key % 2), add_special_tokens=False) for key in keys]
+    ...     return GenerationOutput(seqs, [[-0.7] * len(s) for s in seqs],
+    ...                             [len(r) for r in rows], ["stop"] * len(seqs))
+    >>> prompts = [Prompt(0, [{"role": "user", "content": "2+2?"}], answer="4")]
     >>> groups = sample_groups(generate_fn, tokenizer, prompts, round=0, group_size=4,
-    ...                        seed=0)                                   # doctest: +SKIP
-    >>> failures = score_groups(rewards, groups)                         # doctest: +SKIP
-    >>> groups[0].rewards                                                # doctest: +SKIP
-    tensor([1., 0., 0., 1.])
+    ...                        seed=0)
+    >>> failures = score_groups(RewardSet({"correct": StringMatch()}), groups)
+    >>> groups[0].texts, groups[0].rewards
+    (['5', '4', '5', '5'], tensor([0., 1., 0., 0.]))
 """
 
 from __future__ import annotations

@@ -13,8 +13,13 @@ sampler's log-probs (for a generator that is not the trained policy bit for bit)
 Example::
 
     >>> objective = PolicyGradient(PolicyLoss(clip_low=0.2, clip_high=0.28),
-    ...                            kl=KLPenalty(0.01, "k3"), temperature=1.0)  # doctest: +SKIP
-    >>> trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source)  # doctest: +SKIP
+    ...                            kl=KLPenalty(0.01, "k3"), temperature=1.0)
+    >>> objective.unit  # what its per-step metrics are means over
+    'completion_tokens'
+
+The Trainer then optimises it on the rollout source's batches::
+
+    trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source)
 """
 
 from __future__ import annotations

@@ -22,12 +22,12 @@ same step, and resuming loads both (refused when the two disagree on the step).
 
 Example::
 
-    >>> source = PPORolloutSource(critic=critic, gamma=1.0, lam=0.95, kl_coef=0.05,
-    ...                           model=policy, tokenizer=tok, prompts=stream, ...)  # doctest: +SKIP
-    >>> critic_trainer = Trainer(critic_config(cfg), ctx, model=critic,
-    ...                          objective=ValueObjective(ValueLoss(clip=0.2)))     # doctest: +SKIP
-    >>> fit(cfg, ctx, model=policy, objective=PolicyGradient(loss), source=source,
-    ...     make_trainer=partial(PPOTrainer, critic=critic_trainer, warmup_steps=4))  # doctest: +SKIP
+    source = PPORolloutSource(critic=critic, gamma=1.0, lam=0.95, kl_coef=0.05,
+                              model=policy, tokenizer=tok, prompts=stream, ...)
+    critic_trainer = Trainer(critic_config(cfg), ctx, model=critic,
+                             objective=ValueObjective(ValueLoss(clip=0.2)))
+    fit(cfg, ctx, model=policy, objective=PolicyGradient(loss), source=source,
+        make_trainer=partial(PPOTrainer, critic=critic_trainer, warmup_steps=4))
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ def whiten_across_ranks(
 
     Example::
 
-        >>> whiten_across_ranks(torch.tensor([[1.0, 3.0]]), torch.ones(1, 2), ctx)  # doctest: +SKIP
+        >>> from tunesmith.rl.workers import local_context
+        >>> ctx = local_context()  # one process: as whiten() on the batch
+        >>> whiten_across_ranks(torch.tensor([[1.0, 3.0]]), torch.ones(1, 2), ctx)
         tensor([[-0.7071,  0.7071]])
     """
     mask = mask.bool()
@@ -232,10 +234,10 @@ class PPOTrainer(Trainer):
 
     Example::
 
-        >>> trainer = PPOTrainer(cfg, ctx, model=policy, objective=objective, source=source,
-        ...                      critic=critic_trainer, warmup_steps=2)     # doctest: +SKIP
-        >>> trainer.start(); trainer.step(source.next_step())["critic/loss"]  # doctest: +SKIP
-        0.41
+        trainer = PPOTrainer(cfg, ctx, model=policy, objective=objective, source=source,
+                             critic=critic_trainer, warmup_steps=2)
+        trainer.start(); trainer.step(source.next_step())["critic/loss"]
+        # -> 0.41
     """
 
     def __init__(
@@ -347,9 +349,9 @@ def offload_reward_models(rewards: RewardSet) -> list[str]:
 
     Example::
 
-        >>> rewards = RewardSet({"rm": RewardModelScore("out/rm", device="cuda")})  # doctest: +SKIP
-        >>> offload_reward_models(rewards)                                         # doctest: +SKIP
-        ['rm']
+        rewards = RewardSet({"rm": RewardModelScore("out/rm", device="cuda")})
+        offload_reward_models(rewards)
+        # -> ['rm']
     """
     wrapped = []
     for name, reward in rewards.rewards.items():

@@ -225,8 +225,10 @@ class PromptDataset(_PromptSequence):
 
     Example::
 
-        >>> ds = PromptDataset("math.jsonl", prompt_template="{prompt} Think.")  # doctest: +SKIP
-        >>> ds[0].messages, ds[0].answer  # doctest: +SKIP
+        >>> from pathlib import Path
+        >>> _ = Path("math.jsonl").write_text(json.dumps({"prompt": "1+1?", "answer": "2"}))
+        >>> ds = PromptDataset("math.jsonl", prompt_template="{prompt} Think.")
+        >>> ds[0].messages, ds[0].answer
         ([{'role': 'user', 'content': '1+1? Think.'}], '2')
     """
 
@@ -441,10 +443,21 @@ def encode_prompt(
 
     Example::
 
-        >>> prompt = Prompt(0, [{"role": "user", "content": "Hi"}])
-        >>> ids, text = encode_prompt(tok, prompt)  # doctest: +SKIP
-        >>> text  # doctest: +SKIP
-        '<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
+        >>> from tunesmith.data import Tokenizer
+        >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+        >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+        >>> prompt = Prompt(0, [{"role": "system", "content": "Be brief."},
+        ...                     {"role": "user", "content": "Hi"}])
+        >>> ids, text = encode_prompt(tok, prompt)
+        >>> print(text)
+        <|im_start|>system
+        Be brief.<|im_end|>
+        <|im_start|>user
+        Hi<|im_end|>
+        <|im_start|>assistant
+        <BLANKLINE>
+        >>> ids == tok.encode(text, add_special_tokens=False)
+        True
     """
     if not chat_template:
         text = "\n\n".join(m["content"] for m in prompt.messages)

@@ -12,12 +12,15 @@ were waiting); the prompts are looked up again by index on load.
 
 Example::
 
+    >>> group = Group(Prompt(0, [{"role": "user", "content": "2+2?"}]), round=0, prompt_ids=[1],
+    ...               prompt_text="2+2?", completions=[[4]], logprobs=[[-0.1]], finish=["stop"],
+    ...               texts=["4"], version=0, rewards=torch.tensor([1.0]))  # a scored group
     >>> buffer = ReplayBuffer(max_staleness=1, capacity=8)
-    >>> buffer.put(group)                                   # doctest: +SKIP
-    >>> stale = buffer.drop_stale(version=1)                # doctest: +SKIP
-    >>> groups = buffer.take([group.id], version=1)         # doctest: +SKIP
-    >>> buffer.staleness                                    # doctest: +SKIP
-    Counter({1: 1})
+    >>> buffer.put(group)
+    >>> stale = buffer.drop_stale(version=1)
+    >>> groups = buffer.take([group.id], version=1)
+    >>> stale, groups == [group], buffer.staleness
+    ([], True, Counter({1: 1}))
 """
 
 from __future__ import annotations

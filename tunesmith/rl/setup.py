@@ -15,9 +15,9 @@ keeps only its algorithm:
 
 Example (the prologue of an RL recipe)::
 
-    >>> KEYS, RULES = rl_keys(extra={"advantage": component(required=True)})  # doctest: +SKIP
-    >>> stream = prompt_stream(cfg, ctx, prompts)                             # doctest: +SKIP
-    >>> source = RolloutSource(model=model, ..., **source_options(cfg))       # doctest: +SKIP
+    KEYS, RULES = rl_keys(extra={"advantage": component(required=True)})
+    stream = prompt_stream(cfg, ctx, prompts)
+    source = RolloutSource(model=model, ..., **source_options(cfg))
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ on) is saved with every checkpoint, so a resumed run continues exactly.
 
 Example::
 
-    >>> source = RolloutSource(model=model, tokenizer=tok, prompts=stream, rewards=rewards,
-    ...                        advantage=GroupNormalized(), group_size=8, ctx=ctx,
-    ...                        generation=GenerationConfig(max_new_tokens=64))  # doctest: +SKIP
-    >>> micro_batches = source.next_step()                                        # doctest: +SKIP
+    source = RolloutSource(model=model, tokenizer=tok, prompts=stream, rewards=rewards,
+                           advantage=GroupNormalized(), group_size=8, ctx=ctx,
+                           generation=GenerationConfig(max_new_tokens=64))
+    micro_batches = source.next_step()
 """
 
 from __future__ import annotations

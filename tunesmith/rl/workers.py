@@ -14,9 +14,9 @@ makes a Ray actor of one. Neither imports Ray: the pipeline that drives them doe
 
 Example::
 
-    >>> worker = RolloutWorker(config, threads=1)                     # doctest: +SKIP
-    >>> groups, stats = worker.rollout(prompts, round=0)              # doctest: +SKIP
-    >>> groups, failures, stats = RewardWorker(config).score((groups, stats))  # doctest: +SKIP
+    worker = RolloutWorker(config, threads=1)
+    groups, stats = worker.rollout(prompts, round=0)
+    groups, failures, stats = RewardWorker(config).score((groups, stats))
 """
 
 from __future__ import annotations

@@ -185,8 +185,8 @@ def copy_to_ranks(x: torch.Tensor, shard: VocabShard) -> torch.Tensor:
 
     Example::
 
-        >>> rows = copy_to_ranks(hidden_rows, shard)  # doctest: +SKIP
-        >>> local_logits = rows @ local_weight.T  # doctest: +SKIP
+        rows = copy_to_ranks(hidden_rows, shard)
+        local_logits = rows @ local_weight.T
     """
     return _CopyToRanks.apply(x, shard.group)
 
@@ -197,7 +197,7 @@ def sum_over_ranks(x: torch.Tensor, shard: VocabShard) -> torch.Tensor:
 
     Example::
 
-        >>> sum_exp = sum_over_ranks(local_exp.sum(1), shard)  # doctest: +SKIP
+        sum_exp = sum_over_ranks(local_exp.sum(1), shard)
     """
     return _SumOverRanks.apply(x, shard.group)
 
@@ -208,7 +208,7 @@ def max_over_ranks(x: torch.Tensor, shard: VocabShard) -> torch.Tensor:
 
     Example::
 
-        >>> best = max_over_ranks(local_logits.amax(1), shard)  # doctest: +SKIP
+        best = max_over_ranks(local_logits.amax(1), shard)
     """
     best = x.detach().clone(memory_format=torch.contiguous_format)
     dist.all_reduce(best, op=dist.ReduceOp.MAX, group=shard.group)
@@ -227,8 +227,8 @@ def logsumexp_over_ranks(
 
     Example::
 
-        >>> (lse,), (target,) = logsumexp_over_ranks(  # doctest: +SKIP
-        ...     [local_logits], shard, [shard.target_logits(local_logits, targets)])
+        (lse,), (target,) = logsumexp_over_ranks(
+            [local_logits], shard, [shard.target_logits(local_logits, targets)])
     """
     extra = extra or []
     best = max_over_ranks(torch.stack([z.detach().amax(1) for z in logits]), shard)

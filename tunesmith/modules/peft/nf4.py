@@ -9,10 +9,10 @@ dtype. torchao is imported on first use, so tunesmith runs without it unless QLo
 
 Example::
 
-    >>> w = torch.randn(128, 128)
-    >>> q = quantize_nf4(w)                      # doctest: +SKIP
-    >>> linear_nf4(torch.randn(2, 128), q).shape  # doctest: +SKIP
-    torch.Size([2, 128])
+    w = torch.randn(128, 128)
+    q = quantize_nf4(w)
+    linear_nf4(torch.randn(2, 128), q).shape
+    # -> torch.Size([2, 128])
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ trained on turns that end with it.
 
 Example::
 
-    >>> rm = RewardModelScore("out/rm/step_001000", batch_size=16, device="cuda")  # doctest: +SKIP
-    >>> rm([Sample("<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n", "Hello!")])  # doctest: +SKIP
-    [0.83]
+    rm = RewardModelScore("out/rm/step_001000", batch_size=16, device="cuda")
+    rm([Sample("<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n", "Hello!")])
+    # -> [0.83]
 """
 
 from __future__ import annotations
