@@ -47,7 +47,7 @@ Example::
 
     >>> ckpts = CheckpointDirectory("runs/exp1/checkpoints", keep_last=2)
     >>> def save(tmp: Path) -> None:
-    ...     (tmp / "model.safetensors").write_bytes(data)
+    ...     _ = (tmp / "model.safetensors").write_bytes(b"weights")
     >>> ckpts.write(100, save)
     PosixPath('runs/exp1/checkpoints/step_000100')
     >>> ckpts.latest()
@@ -141,8 +141,8 @@ def aside_folder(parent: Path, label: str) -> Path:
 
     Example::
 
-        >>> aside_folder(Path("out/checkpoints"), "rolled-back")  # doctest: +SKIP
-        PosixPath('out/checkpoints/rolled-back-20260101-120000')
+        >>> aside_folder(Path("out/checkpoints"), "rolled-back")
+        PosixPath('out/checkpoints/rolled-back-...')
     """
     base = parent / f"{label}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     folder, n = base, 1
@@ -167,7 +167,7 @@ class CheckpointDirectory:
 
     Example::
 
-        >>> ckpts = CheckpointDirectory(tmp_path, keep_last=1)
+        >>> ckpts = CheckpointDirectory("out/checkpoints", keep_last=1)
         >>> _ = ckpts.write(1, lambda d: (d / "a.txt").write_text("hi"))
         >>> [p.name for p in ckpts.list()]
         ['step_000001']
@@ -234,8 +234,10 @@ class CheckpointDirectory:
 
         Example::
 
-            >>> CheckpointDirectory.link_problem("out/checkpoints/step_000002")  # doctest: +SKIP
-            '.../step_000002: is a symbolic link (to /elsewhere); tunesmith does not ...'
+            >>> Path("elsewhere").mkdir(); Path("out/checkpoints").mkdir(parents=True)
+            >>> Path("out/checkpoints/step_000002").symlink_to(Path("elsewhere").resolve())
+            >>> CheckpointDirectory.link_problem("out/checkpoints/step_000002")
+            'out/checkpoints/step_000002: is a symbolic link (to /.../elsewhere); tunesmith ...'
         """
         path = Path(path)
         try:
@@ -253,7 +255,12 @@ class CheckpointDirectory:
 
         Example::
 
-            >>> CheckpointDirectory.problem("out/checkpoints/step_000004")  # doctest: +SKIP
+            >>> ckpts = CheckpointDirectory("out/checkpoints")
+            >>> step = ckpts.write(4, lambda d: (d / "model.safetensors").write_bytes(b"weights"))
+            >>> CheckpointDirectory.problem(step) is None
+            True
+            >>> _ = (step / "model.safetensors").write_bytes(b"WEIGHTS")
+            >>> CheckpointDirectory.problem(step)
             '.../step_000004/model.safetensors: content differs from the COMPLETE manifest ...'
         """
         path = Path(path)
@@ -432,8 +439,13 @@ class CheckpointDirectory:
 
         Example::
 
-            >>> ckpts.set_aside(ckpts.step_dirs()[2:], aside_folder(ckpts.root, "rolled-back"))  # doctest: +SKIP
-            PosixPath('out/checkpoints/rolled-back-20260101-120000')
+            >>> ckpts = CheckpointDirectory("out/checkpoints")
+            >>> for step in (1, 2, 3):
+            ...     _ = ckpts.write(step, lambda d: (d / "a.txt").write_text("hi"))
+            >>> ckpts.set_aside(ckpts.step_dirs()[2:], aside_folder(ckpts.root, "rolled-back"))
+            PosixPath('out/checkpoints/rolled-back-...')
+            >>> [p.name for p in ckpts.step_dirs()]
+            ['step_000001', 'step_000002']
         """
         into.mkdir(parents=True)
         for path in paths:

@@ -11,10 +11,10 @@ The folder appears under its final name only once every file is written and fsyn
 
 Example::
 
-    >>> ckpt = Checkpointer("out/checkpoints", ctx, keep_last=2, source_dir="Qwen3-0.6B")
-    >>> path = ckpt.save(100, model, optimizer, {"scheduler": sched, "dataloader": loader},
-    ...                  progress={"step": 100})  # doctest: +SKIP
-    >>> progress = ckpt.load(path, model, optimizer, {"scheduler": sched, "dataloader": loader})  # doctest: +SKIP
+    ckpt = Checkpointer("out/checkpoints", ctx, keep_last=2, source_dir="Qwen3-0.6B")
+    path = ckpt.save(100, model, optimizer, {"scheduler": sched, "dataloader": loader},
+                     progress={"step": 100})
+    progress = ckpt.load(path, model, optimizer, {"scheduler": sched, "dataloader": loader})
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ def layout(ctx: DistributedContext) -> dict[str, Any]:
 
     Example::
 
-        >>> layout(ctx)  # 4 ranks of tp 2 x dp_shard 2  # doctest: +SKIP
-        {'world_size': 4, 'dp_size': 2, 'dp_ranks': [0, 0, 1, 1], 'mesh': {'dp_shard': 2, 'tp': 2}}
+        layout(ctx)  # 4 ranks of tp 2 x dp_shard 2
+        # -> {'world_size': 4, 'dp_size': 2, 'dp_ranks': [0, 0, 1, 1],
+        #     'mesh': {'dp_shard': 2, 'tp': 2}}
     """
     dims, names = ctx.dims, getattr(ctx.mesh, "mesh_dim_names", None) or ()
     return {
@@ -97,8 +98,8 @@ def saved_layout(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
     Example::
 
-        >>> saved_layout("out/checkpoints/step_000002")["mesh"]  # doctest: +SKIP
-        {'dp_shard': 2, 'tp': 2}
+        saved_layout("out/checkpoints/step_000002")["mesh"]
+        # -> {'dp_shard': 2, 'tp': 2}
     """
     file = Path(path) / STATE_DIR / "rank0.pt"
     found = _read_rank_file(file).get(LAYOUT_KEY)
@@ -257,9 +258,15 @@ def _write_error(
 
     Example::
 
-        >>> str(_write_error(4, root, RuntimeError("unexpected pos 704 vs 598"), 10**9, 2**20))
-        ... # with `ulimit -f 100`  # doctest: +SKIP
-        'failed to write checkpoint step 4 in ... (file too large: the process's file size limit (ulimit -f) is 102400 bytes ...'
+        >>> root, err = Path("out/checkpoints"), RuntimeError("unexpected pos 704 vs 598")
+        >>> error = _write_error(4, root, err, free=10**6, needed=2**30)
+        >>> print(error)  # doctest: +NORMALIZE_WHITESPACE
+        failed to write checkpoint step 4 in out/checkpoints (disk full: 976.6 KiB free, the
+        checkpoint needs about 1.0 GiB): RuntimeError: unexpected pos 704 vs 598. Older
+        checkpoints in out/checkpoints are untouched.
+
+    With ``ulimit -f 100`` and room on the disk it says ``(file too large: the process's file
+    size limit (ulimit -f) is 102400 bytes ...)`` instead.
     """
     code = next((e.errno for e in _chain(err) if isinstance(e, OSError) and e.errno), None)
     limit = _file_size_limit()
@@ -292,8 +299,8 @@ def _file_size_limit() -> int | None:
 
     Example::
 
-        >>> _file_size_limit()  # doctest: +SKIP
-        None
+        _file_size_limit()
+        # -> None
     """
     soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     return None if soft == resource.RLIM_INFINITY else soft
@@ -407,7 +414,7 @@ class Checkpointer:
 
         Example::
 
-            >>> path = ckpt.start(cfg.resume, overwrite=cfg.overwrite)  # doctest: +SKIP
+            path = ckpt.start(cfg.resume, overwrite=cfg.overwrite)
         """
         path = self._decided_by_rank_zero(lambda: self._choose(resume, log))
         if path is not None and check is not None:

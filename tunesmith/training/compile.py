@@ -12,6 +12,8 @@ fresh cache; inductor caches the result on disk); a new input shape may compile 
 
 Example::
 
+    >>> from tunesmith.models import llama3
+    >>> from tunesmith.modules.losses import CrossEntropyLoss
     >>> model = llama3.llama3_tiny()
     >>> compile_model(model, backend="eager")      # 2 layers, compiled on first call
     2

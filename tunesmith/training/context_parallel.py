@@ -27,9 +27,9 @@ DPO; the Trainer logs the unit count divided by ``cp``); the Trainer refuses the
 
 Example::
 
-    >>> local = shard_batch(batch, cp_rank=ctx.cp_rank, cp_size=ctx.cp_size)  # doctest: +SKIP
-    >>> model(local["input_ids"], position_ids=local["position_ids"],
-    ...       cp_index=local["cp_index"])                                     # doctest: +SKIP
+    local = shard_batch(batch, cp_rank=ctx.cp_rank, cp_size=ctx.cp_size)
+    model(local["input_ids"], position_ids=local["position_ids"],
+          cp_index=local["cp_index"])
 """
 
 from __future__ import annotations
@@ -127,7 +127,9 @@ def install_context_parallel(model: nn.Module, group: ProcessGroup | None) -> nn
     ``group`` (None: the default group): a forward with ``cp_index`` then attends by
     :func:`~tunesmith.modules.ring_attention.ring_attention` over it. Returns ``model``.
 
-    >>> install_context_parallel(model, ctx.cp_group)  # doctest: +SKIP
+    Example::
+
+        install_context_parallel(model, ctx.cp_group)
     """
     for module in model.modules():
         if isinstance(module, DecoderModel):
@@ -138,7 +140,9 @@ def install_context_parallel(model: nn.Module, group: ProcessGroup | None) -> nn
 def context_parallel_group(model: nn.Module) -> ProcessGroup | None:
     """The ring's group installed on ``model`` (None: the default group or none installed).
 
-    >>> context_parallel_group(model)  # doctest: +SKIP
+    Example::
+
+        context_parallel_group(model)
     """
     for module in model.modules():
         if isinstance(module, DecoderModel):
@@ -169,7 +173,9 @@ def cp_sum(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     every rank of the group (each counting ``1 / cp`` of it, as the Trainer's unit count over
     ``dp x cp`` makes it), the update is that of one process holding the whole rows.
 
-    >>> totals = cp_sum(partial_logps, ctx.cp_group)  # doctest: +SKIP
+    Example::
+
+        totals = cp_sum(partial_logps, ctx.cp_group)
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return tensor
@@ -182,7 +188,12 @@ def check_objective(objective: Any, cp_size: int) -> None:
     not ``"tokens"`` or ``"rows"`` (see the module docs; sequence-level losses whose pieces need the whole row: reward models' last-token
     score, the RL recipes' per-sequence normalisation and generation).
 
-    >>> check_objective(objective, ctx.cp_size)  # doctest: +SKIP
+    >>> class LastTokenScore:  # a loss of whole rows: it declares no context_parallel
+    ...     pass
+    >>> check_objective(LastTokenScore(), 1)  # one rank: nothing to split
+    >>> check_objective(LastTokenScore(), 2)
+    Traceback (most recent call last):
+    tunesmith.config.errors.ConfigError: parallelism: cp 2: LastTokenScore (...) does not ...
     """
     if cp_size == 1 or getattr(objective, "context_parallel", None) in ("tokens", "rows"):
         return

@@ -328,8 +328,10 @@ def expert_mesh_of(dims: ParallelDims, device_type: str) -> DeviceMesh:
     coordinates); ``expert_dp`` are the ``dp / ep x cp`` ranks that hold the same experts
     (their gradients are summed). Every rank must call it (it creates process groups).
 
-    >>> expert_mesh_of(ParallelDims(dp_shard=4, ep=2), "cpu").mesh.tolist()  # doctest: +SKIP
-    [[0, 1], [2, 3]]
+    Example::
+
+        expert_mesh_of(ParallelDims(dp_shard=4, ep=2), "cpu").mesh.tolist()
+        # -> [[0, 1], [2, 3]]
     """
     ranks = expert_rank_layout(dims)
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("ep_tp", "expert_dp", "ep"))
@@ -373,8 +375,14 @@ def peer_failure(error: BaseException, ctx: DistributedContext) -> PeerFailureEr
     Example::
 
         >>> err = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. ...")
-        >>> str(peer_failure(err, ctx))  # doctest: +SKIP
-        'rank 0 of 2: a collective operation failed (Connection closed by peer ...); ...'
+        >>> ctx = DistributedContext(rank=0, world_size=2, local_rank=0,  # rank 0 of 2
+        ...                          device=torch.device("cpu"), mesh=None, timeout_s=60)
+        >>> print(peer_failure(err, ctx))  # doctest: +NORMALIZE_WHITESPACE
+        rank 0 of 2: a collective operation with the other ranks failed (Connection closed by
+        peer [127.0.0.1]:1234); another rank has probably died or hangs, see its log
+        (collectives wait at most distributed_timeout_s: 60 s)
+        >>> peer_failure(ValueError("batch_size: expected > 0"), ctx) is None  # not a collective
+        True
     """
     text = str(error).strip()
     if ctx.world_size == 1 or not (

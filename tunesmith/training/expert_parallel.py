@@ -29,9 +29,9 @@ model on a 2-D expert mesh ``("expert_dp", "ep")`` (``DistributedContext.expert_
 
 Example::
 
-    >>> apply_expert_parallel(model, ctx.expert_mesh)  # doctest: +SKIP
-    >>> model.model.layers[0].mlp.experts.gate_proj.placements  # doctest: +SKIP
-    (Replicate(), Shard(dim=0))
+    apply_expert_parallel(model, ctx.expert_mesh)
+    model.model.layers[0].mlp.experts.gate_proj.placements
+    # -> (Replicate(), Shard(dim=0))
 """
 
 from __future__ import annotations
@@ -97,7 +97,9 @@ def all_to_all(
     sum(send[:j + 1])]`` go to rank ``j`` of ``group``; the result holds ``recv[j]`` rows from
     each rank ``j``, in rank order. The gradient takes the reverse route.
 
-    >>> received = all_to_all(rows, send=[2, 1], recv=[2, 3], group=ep_group)  # doctest: +SKIP
+    Example::
+
+        received = all_to_all(rows, send=[2, 1], recv=[2, 3], group=ep_group)
     """
     return _AllToAll.apply(x, send, recv, group)
 
@@ -131,8 +133,8 @@ class ExpertParallel:
 
     Example::
 
-        >>> experts = model.model.layers[0].mlp.experts  # doctest: +SKIP
-        >>> out = experts(tokens_sorted, counts)          # doctest: +SKIP
+        experts = model.model.layers[0].mlp.experts
+        out = experts(tokens_sorted, counts)
     """
 
     _ep_plan: _Plan
@@ -198,7 +200,9 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     and after loading the full weights (each rank keeps its slice). Returns ``model``.
     Refuses, naming the numbers, experts that ``ep`` does not divide.
 
-    >>> apply_expert_parallel(model, ctx.expert_mesh)  # doctest: +SKIP
+    Example::
+
+        apply_expert_parallel(model, ctx.expert_mesh)
     """
     if tuple(mesh.mesh_dim_names or ()) != ("expert_dp", "ep"):
         raise ValueError(f"expected an ('expert_dp', 'ep') mesh, got {mesh.mesh_dim_names}")

@@ -6,7 +6,14 @@ trained). MoE models also return their router logits, for the load-balancing los
 
 Example::
 
-    >>> out, router_logits = forward_batch(model, batch, return_hidden_states=True)  # doctest: +SKIP
+    >>> from tunesmith.data.collate import collate_padded
+    >>> from tunesmith.models import llama3
+    >>> model = llama3.llama3_tiny()
+    >>> batch = collate_padded([{"input_ids": [1, 2, 3], "labels": [2, 3, -100]},
+    ...                         {"input_ids": [4], "labels": [-100]}], pad_id=0)
+    >>> out, router_logits = forward_batch(model, batch, return_hidden_states=True)
+    >>> out.shape, router_logits  # [batch, seq, hidden]; a dense model has no routers
+    (torch.Size([2, 3, 64]), ())
 """
 
 from __future__ import annotations
@@ -49,7 +56,13 @@ def head_weight(model: nn.Module) -> torch.Tensor:
     ``lm_head`` weight, or, for an adapted head (LoRA/DoRA on ``lm_head``), the weight it
     effectively multiplies by (differentiable in the adapters).
 
-    >>> loss = loss_fn(hidden, head_weight(model), batch["labels"])  # doctest: +SKIP
+    >>> from tunesmith.models import llama3
+    >>> from tunesmith.modules.losses import LinearCrossEntropyLoss
+    >>> model = llama3.llama3_tiny()
+    >>> hidden = model(torch.tensor([[1, 2, 3]]), return_hidden_states=True)
+    >>> loss = LinearCrossEntropyLoss()(hidden, head_weight(model), torch.tensor([[2, 3, -100]]))
+    >>> head_weight(model) is model.lm_head.weight  # a plain head
+    True
     """
     head = model.lm_head
     effective = getattr(head, "effective_weight", None)

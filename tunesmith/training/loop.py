@@ -22,9 +22,9 @@ when there is one and starts fresh otherwise.
 
 Example (the core of a recipe)::
 
-    >>> ctx = init_distributed("cpu")                                        # doctest: +SKIP
-    >>> source = DatasetSource.build(dataset, collate, cfg, ctx)             # doctest: +SKIP
-    >>> fit(cfg, ctx, model=model, objective=objective, source=source, name="sft")  # doctest: +SKIP
+    ctx = init_distributed("cpu")
+    source = DatasetSource.build(dataset, collate, cfg, ctx)
+    fit(cfg, ctx, model=model, objective=objective, source=source, name="sft")
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ samples (the data file changed in place) is refused too. Allowed changes are log
 
 Example::
 
+    >>> from omegaconf import OmegaConf
     >>> cfg = OmegaConf.create({"max_steps": 0, "shuffle": "yes"})
     >>> for issue in check_rules(cfg, {k: LOOP_RULES[k] for k in cfg}):
     ...     print(issue)
@@ -351,6 +352,7 @@ def check_rules(cfg: DictConfig, rules: Mapping[str, Rule]) -> list[ConfigIssue]
     interpolation inside it that does not resolve is reported at that inner value's key, as
     :func:`~tunesmith.config.validate_config` reports it.
 
+    >>> from omegaconf import OmegaConf
     >>> [str(i) for i in check_rules(OmegaConf.create({"seed": "abc"}), {"seed": integer(0)})]
     ["seed: expected an int >= 0, got 'abc' (a string)"]
     """
@@ -381,6 +383,7 @@ def _unresolved(node: Any, path: str, seen: set[int]) -> ConfigIssue | None:
     """The first value inside ``node`` that does not resolve (or is ``???``), at its dotted path,
     as ``validate_config`` reports it; None if every one resolves. Each node is walked once.
 
+    >>> from omegaconf import OmegaConf
     >>> cfg = OmegaConf.create({"a": [1, "${nowhere}"]})
     >>> str(_unresolved(cfg, "cfg", set()))  # doctest: +ELLIPSIS
     "cfg.a.1: interpolation '${nowhere}' cannot be resolved: ..."
@@ -471,8 +474,13 @@ def read_record(checkpoint: Path, rank: int) -> RunRecord | None | bool:
     loading anything else; False when the checkpoint predates run records; None when the file
     cannot be read (the checkpoint loader then says why).
 
-    >>> read_record(Path("out/checkpoints/step_000004"), 0).total_steps  # doctest: +SKIP
-    8
+    >>> import torch
+    >>> state = Path("out/checkpoints/step_000004/training_state"); state.mkdir(parents=True)
+    >>> torch.save({RECORD_KEY: RunRecord({"seed": 0}, 8, 32).state_dict(),
+    ...             "progress": {"step": 4}}, state / "rank0.pt")
+    >>> record = read_record(Path("out/checkpoints/step_000004"), 1)  # rank 1: rank 0's file
+    >>> record.total_steps, record.step
+    (8, 4)
     """
     from tunesmith.training import safe_dcp
 
@@ -589,8 +597,14 @@ def check_resume(
     records' ``data_parallel``, when both have one) may change if the global batch stays the
     same. Returns the lines to log about the changes that are applied.
 
-    >>> check_resume(path, saved, RunRecord(cfg | {"max_steps": 12}, 12, 32))  # doctest: +SKIP
-    ['max_steps 8 -> 12: the LR schedule now ends at step 12', ...]
+    >>> cfg = {"seed": 0, "max_steps": 8, "batch_size": 4}
+    >>> saved = RunRecord(cfg, total_steps=8, samples=32, step=4)
+    >>> check_resume(Path("ckpt"), saved, RunRecord(cfg | {"max_steps": 12}, 12, 32))
+    ['max_steps 8 -> 12: the LR schedule now ends at step 12 (was 8)']
+    >>> check_resume(Path("ckpt"), saved, RunRecord(cfg | {"seed": 1}, 8, 32))
+    Traceback (most recent call last):
+    tunesmith.config.errors.ConfigError: resume from ckpt: the config differs from the ...
+    seed: 0 -> 1
     """
     changes = config_changes(saved.config, current.config)
     same_batch = _global_batch(saved) is not None and _global_batch(saved) == _global_batch(current)

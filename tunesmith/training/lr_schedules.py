@@ -26,10 +26,15 @@ scheduler after loading the optimizer would reset the groups' ``lr``). Everythin
 
 Example::
 
+    >>> model = torch.nn.Linear(4, 2)
     >>> opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
-    >>> sched = cosine_with_warmup(opt, num_warmup_steps=100, num_training_steps=1000)
-    >>> for batch in loader:
-    ...     loss.backward(); opt.step(); sched.step()
+    >>> sched = cosine_with_warmup(opt, num_warmup_steps=2, num_training_steps=10)
+    >>> lrs = []
+    >>> for step in range(4):
+    ...     lrs.append(opt.param_groups[0]["lr"])
+    ...     model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad(); sched.step()
+    >>> lrs  # 0 at step 0, the peak at step num_warmup_steps, then the cosine
+    [0.0, 1e-05, 2e-05, 1.92...e-05]
 """
 
 from __future__ import annotations
@@ -113,7 +118,10 @@ def cosine_with_warmup(
 
     Example::
 
+        >>> opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
         >>> sched = cosine_with_warmup(opt, num_warmup_steps=10, num_training_steps=100)
+        >>> [round(sched.lr_lambdas[0](step), 4) for step in (0, 5, 10, 55, 100, 200)]
+        [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
     """
     _check_args(num_warmup_steps, num_training_steps, min_lr_ratio)
     if not num_cycles > 0:
@@ -137,7 +145,10 @@ def linear_with_warmup(
 
     Example::
 
+        >>> opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
         >>> sched = linear_with_warmup(opt, num_warmup_steps=10, num_training_steps=100)
+        >>> [sched.lr_lambdas[0](step) for step in (0, 5, 10, 55, 100, 200)]
+        [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
     """
     _check_args(num_warmup_steps, num_training_steps, min_lr_ratio)
     fn = _WarmupDecay("linear", num_warmup_steps, num_training_steps, float(min_lr_ratio))
@@ -159,7 +170,10 @@ def constant_with_warmup(
 
     Example::
 
+        >>> opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
         >>> sched = constant_with_warmup(opt, num_warmup_steps=10)
+        >>> [sched.lr_lambdas[0](step) for step in (0, 5, 10, 1000)]
+        [0.0, 0.5, 1.0, 1.0]
     """
     _check_args(num_warmup_steps, num_training_steps)
     return LambdaLR(optimizer, _WarmupDecay("constant", num_warmup_steps), last_epoch=last_epoch)
@@ -172,6 +186,7 @@ def schedule_params(scheduler: LRScheduler) -> list[dict[str, Any]] | None:
 
     Example::
 
+        >>> opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
         >>> schedule_params(cosine_with_warmup(opt, num_warmup_steps=2, num_training_steps=8))
         [{'decay': 'cosine', 'num_warmup_steps': 2, 'num_training_steps': 8, ...}]
     """
@@ -189,9 +204,19 @@ def set_schedule_params(scheduler: LambdaLR, params: list[dict[str, Any]]) -> No
 
     Example (resume with a new length)::
 
+        >>> def build(steps):
+        ...     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
+        ...     return opt, linear_with_warmup(opt, num_warmup_steps=0, num_training_steps=steps)
+        >>> opt, sched = build(8)
+        >>> for _ in range(4):
+        ...     opt.step(); sched.step()
+        >>> saved = sched.state_dict()                # a checkpoint at step 4 of 8
+        >>> opt, sched = build(12)
         >>> fresh = schedule_params(sched)            # built for the new num_training_steps
         >>> sched.load_state_dict(saved)              # the old length's parameters come back
         >>> set_schedule_params(sched, fresh)         # the new length's schedule from here on
+        >>> opt.param_groups[0]["lr"]                 # step 4 of 12
+        0.666...
     """
     for fn, values in zip(scheduler.lr_lambdas, params, strict=True):
         vars(fn).update(values)

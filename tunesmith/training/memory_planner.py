@@ -90,8 +90,19 @@ shapes ``benchmarks/parallel_memory.py`` checks the model on (its measured per-r
 
 Example::
 
+    >>> from tunesmith.models import qwen3
+    >>> model = qwen3.qwen3_0_6b(device="meta")  # real size, no memory
     >>> plan = estimate_memory(model, batch_size=4, seq_len=1024, optimizer="adamw")
-    >>> print(plan.table())                                                 # doctest: +SKIP
+    >>> print(plan.table())
+    memory plan: batch 4 x seq 1024
+      weights                                 2.22 GiB
+      gradients                               2.22 GiB
+      optimizer states                        4.44 GiB
+      activations (120.16 KiB/token/layer)   13.19 GiB
+      logits / loss                           6.96 GiB
+      head gradient (start of backward)     593.50 MiB
+      optimizer step temporaries              1.16 GiB
+      estimated peak (backward)              27.39 GiB
     >>> plan.total > plan.weights
     True
     >>> per_rank = estimate_memory(model, batch_size=1, seq_len=1024,
@@ -325,8 +336,12 @@ def activation_bytes_per_token(
 
     Example::
 
+        >>> from tunesmith.models import qwen3
+        >>> spec = qwen3.spec("qwen3_0_6b")
         >>> per_token = activation_bytes_per_token(spec, act_bytes=4, residual_bytes=4,
-        ...                                        seq_len=1024)           # doctest: +SKIP
+        ...                                        seq_len=1024)
+        >>> per_token / 2**10  # KiB per token per layer, as the plan's table shows it
+        120.16...
     """
     a, r = act_bytes, residual_bytes
     h, nh, nkv, hd = _dims(spec)

@@ -342,7 +342,10 @@ class JSONLLogger(_ContextManager):
 
         Example::
 
-            >>> logger.append('{"step": 1, "samples": []}\\n')  # doctest: +SKIP
+            >>> with JSONLLogger("runs/exp1", timestamps=False) as logger:
+            ...     logger.append('{"step": 1, "samples": []}\\n')
+            >>> open("runs/exp1/metrics.jsonl").read()
+            '{"step": 1, "samples": []}\\n'
         """
         if self._fd is None:
             raise RuntimeError(f"JSONLLogger for {self.path} is closed")
@@ -392,11 +395,11 @@ def append_record(fd: int, path: Path, data: bytes, what: str = "a record") -> N
     limit is reached part-way, the part written is cut off again (the file keeps the records
     before it, whole) and :class:`MetricsWriteError` names ``path``.
 
-    Example::
+    Example (on a full disk)::
 
-        >>> append_record(fd, Path("out/metrics.jsonl"), b'{"step": 3}\\n')  # doctest: +SKIP
-        Traceback (most recent call last):
-        MetricsWriteError: out/metrics.jsonl: cannot append the record of step 3: disk full ...
+        append_record(fd, Path("out/metrics.jsonl"), b'{"step": 3}\\n')
+        # raises MetricsWriteError: out/metrics.jsonl: cannot append the record of step 3:
+        #   disk full ...
     """
     size = os.fstat(fd).st_size
     view = memoryview(data)
@@ -473,10 +476,10 @@ class WandBLogger(_ContextManager):
     Needs ``wandb`` (``pip install tunesmith[wandb]``), imported only when this class is
     constructed. ``log`` passes ``step`` through, so W&B's x-axis is the training step.
 
-    Example::
+    Example (needs ``wandb`` and a W&B login)::
 
-        >>> logger = WandBLogger("my-project", name="sft-llama3-1b")
-        >>> logger.log(1, {"loss": 2.5}); logger.close()
+        logger = WandBLogger("my-project", name="sft-llama3-1b")
+        logger.log(1, {"loss": 2.5}); logger.close()
     """
 
     def __init__(

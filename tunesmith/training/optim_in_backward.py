@@ -24,11 +24,15 @@ cannot be undone after a non-finite loss: :func:`check_compatible` turns such co
 Example::
 
     >>> from functools import partial
+    >>> from tunesmith.training.lr_schedules import cosine_with_warmup
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = OptimizerInBackward(model.parameters(), partial(torch.optim.AdamW, lr=1e-3))
     >>> sched = cosine_with_warmup(opt, num_warmup_steps=2, num_training_steps=10)
+    >>> before = model.bias.detach().clone()
     >>> model(torch.randn(3, 4)).sum().backward()   # parameters are updated here
     >>> sched.step()
+    >>> model.bias.grad is None, torch.equal(model.bias, before)  # step 0 of warmup: lr 0
+    (True, True)
 """
 
 from __future__ import annotations
@@ -80,8 +84,16 @@ class OptimizerInBackward(Optimizer):
 
     Example::
 
+        >>> from functools import partial
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> with torch.no_grad():
+        ...     _ = model.weight.fill_(1.0)
         >>> opt = OptimizerInBackward(model.parameters(), partial(torch.optim.SGD, lr=0.1))
+        >>> loss = model(torch.tensor([[1.0, 2.0]])).sum()
         >>> loss.backward()              # every parameter has been updated, grads are None
+        >>> model.weight, model.weight.grad  # 1 - 0.1 * x
+        (Parameter containing:
+        tensor([[0.9000, 0.8000]], requires_grad=True), None)
     """
 
     def __init__(
@@ -218,8 +230,11 @@ def check_compatible(
     Example::
 
         >>> check_compatible(1, None)                      # fine
-        >>> check_compatible(4, 1.0)                       # doctest: +SKIP
-        ConfigError: gradient_accumulation_steps: ... max_grad_norm: ...
+        >>> check_compatible(4, 1.0)
+        Traceback (most recent call last):
+        tunesmith.config.errors.ConfigError: optimizer_in_backward cannot be used:
+        gradient_accumulation_steps: is 4, but optimizer_in_backward updates each parameter ...
+        max_grad_norm: is 1.0, but optimizer_in_backward updates each parameter before the ...
     """
     issues = []
     if int(gradient_accumulation_steps) != 1:

@@ -24,8 +24,8 @@ the checkpointed forward, and FSDP2's hooks go outermost.
 
 Example::
 
-    >>> model = parallelize(instantiate(cfg.model).to(ctx.device), ctx, cfg)   # doctest: +SKIP
-    >>> teacher = parallelize(teacher, ctx, frozen=True, cpu_offload=True)     # doctest: +SKIP
+    model = parallelize(instantiate(cfg.model).to(ctx.device), ctx, cfg)
+    teacher = parallelize(teacher, ctx, frozen=True, cpu_offload=True)
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def parallelize(
     ``activation_checkpointing`` and ``compile`` keys say (``frozen``: neither, a model that
     is never trained); returns the (sharded) model.
 
-    >>> model = parallelize(model, ctx, {"activation_checkpointing": {"mode": "full"}})  # doctest: +SKIP
+    Example::
+
+        model = parallelize(model, ctx, {"activation_checkpointing": {"mode": "full"}})
     """
     cfg = cfg or {}
     if ctx.dims is not None:  # 1. tensor / sequence parallel: the sizes must fit
@@ -79,8 +81,13 @@ def check_model_fits(spec: Any, dims: ParallelDims) -> None:
     attention heads or kv heads do not divide by ``tp`` or whose experts do not divide by
     ``ep``; call it on the spec before loading weights. A model without a spec passes.
 
-    >>> check_model_fits(spec, ParallelDims(tp=3))  # doctest: +SKIP
-    ConfigError: parallelism: tp 3 does not divide num_attention_heads 16 ...
+    >>> from tunesmith.models import qwen3
+    >>> from tunesmith.training.distributed import ParallelDims
+    >>> check_model_fits(qwen3.spec("qwen3_0_6b"), ParallelDims(tp=2))  # fits
+    >>> check_model_fits(qwen3.spec("qwen3_0_6b"), ParallelDims(tp=3))
+    Traceback (most recent call last):
+    tunesmith.config.errors.ConfigError: parallelism: tp 3 does not divide num_attention_heads ...
+    parallelism: tp 3 does not divide num_key_value_heads 8 of the model
     """
     if spec is None:
         return

@@ -12,6 +12,10 @@ drawn with matplotlib's object API and the Agg canvas, so pyplot's global backen
 
 Example::
 
+    >>> from tunesmith.training import JSONLLogger
+    >>> with JSONLLogger("runs/exp1", timestamps=False) as logger:
+    ...     for step in (1, 2, 3):
+    ...         logger.log(step, {"loss": 3.0 / step, "lr": 1e-3})
     >>> plot_run("runs/exp1")
     PosixPath('runs/exp1/loss.png')
 """
@@ -116,8 +120,14 @@ def plot_run(
 
     Example::
 
+        >>> from tunesmith.training import JSONLLogger
+        >>> with JSONLLogger("runs/exp1", timestamps=False) as logger:
+        ...     logger.log(1, {"loss": 2.5, "val_loss": 2.7})
         >>> plot_run("runs/exp1", "loss.png")
         PosixPath('loss.png')
+        >>> plot_run("runs/none")
+        Traceback (most recent call last):
+        FileNotFoundError: no metrics file runs/none/metrics.jsonl (written by JSONLLogger)
     """
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.jsonl"

@@ -11,10 +11,22 @@ is complete, as an optimizer in backward would, so the measured peak matches tha
 
 Example::
 
-    >>> batch = longest_batch(dataset, batch_size=8, collate=collate_packed)  # doctest: +SKIP
+    >>> from tunesmith.data import PackedDataset, collate_packed
+    >>> from tunesmith.models import llama3
+    >>> from tunesmith.modules.losses import CrossEntropyLoss
+    >>> from tunesmith.training.memory_planner import estimate_memory
+    >>> model, loss_fn = llama3.llama3_tiny(), CrossEntropyLoss()
+    >>> dataset = PackedDataset([{"input_ids": [1, 2, 3], "labels": [2, 3, -100]}] * 5, 8, 0)
+    >>> batch = longest_batch(dataset, batch_size=2, collate=collate_packed)
     >>> report = preflight(model, batch, lambda b: loss_fn(model(b["input_ids"]), b["labels"]),
-    ...                    device=torch.device("cpu"))                         # doctest: +SKIP
-    >>> print(report.summary(plan))                                            # doctest: +SKIP
+    ...                    device=torch.device("cpu"))
+    >>> plan = estimate_memory(model, batch_size=2, seq_len=8)
+    >>> print(report.summary(plan))  # doctest: +NORMALIZE_WHITESPACE
+    preflight: forward+backward on the longest batch (2 x 8) in ... s, peak ... MiB measured
+    vs ... MiB estimated (weights + activations + logits)
+    preflight: with optimizer states and gradients the estimated peak is ... MiB
+    >>> all(p.grad is None for p in model.parameters())  # nothing left behind
+    True
 """
 
 from __future__ import annotations

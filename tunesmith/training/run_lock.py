@@ -21,10 +21,15 @@ the outcome from it, so every rank refuses with the same line.
 
 Example::
 
-    >>> lock = RunLock.acquire(Path("runs/exp1"))  # doctest: +SKIP
+    >>> lock = RunLock.acquire(Path("runs/exp1"))
     >>> lock.path
     PosixPath('runs/exp1/.tunesmith.lock')
-    >>> lock.release()  # doctest: +SKIP
+    >>> RunLock.acquire(Path("runs/exp1"))  # a second run while the first holds it
+    Traceback (most recent call last):
+    tunesmith.training.run_lock.OutputDirInUseError: runs/exp1 is in use by another run (pid ...
+    >>> lock.release()
+    >>> lock.path.exists()
+    False
 """
 
 from __future__ import annotations
@@ -92,8 +97,11 @@ class RunLock:
 
         Example::
 
-            >>> with RunLock.acquire(Path("runs/exp1")):  # doctest: +SKIP
-            ...     train()
+            >>> with RunLock.acquire(Path("runs/exp1")) as lock:
+            ...     lock.path.exists()  # train here
+            True
+            >>> lock.path.exists()
+            False
         """
         created = not output_dir.exists()
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -184,9 +192,9 @@ def hold_run_lock(output_dir: str | os.PathLike[str], ctx: DistributedContext) -
 
     Example::
 
-        >>> lock = hold_run_lock(cfg.output_dir, ctx)  # doctest: +SKIP
-        >>> try: train(cfg, ctx)                         # doctest: +SKIP
-        ... finally: lock and lock.release()
+        lock = hold_run_lock(cfg.output_dir, ctx)
+        try: train(cfg, ctx)
+        finally: lock and lock.release()
     """
     lock, refusal = None, None
     if ctx.is_rank_zero:

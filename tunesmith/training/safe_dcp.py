@@ -19,9 +19,9 @@ wanted to build, the others with torch's error, which the caller names the file 
 
 Example::
 
-    >>> state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # doctest: +SKIP
-    >>> load(state, "out/checkpoints/step_000100/training_state/optimizer")  # doctest: +SKIP
-    >>> load_plain("out/checkpoints/step_000100/training_state/rank0.pt")  # doctest: +SKIP
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    load(state, "out/checkpoints/step_000100/training_state/optimizer")
+    load_plain("out/checkpoints/step_000100/training_state/rank0.pt")
 """
 
 from __future__ import annotations
@@ -198,8 +198,15 @@ def load_plain(file: str | os.PathLike[str] | IO[bytes], map_location: Any = Non
     (``map_location`` as in ``torch.load``). A refusal is torch's ``pickle.UnpicklingError``:
     the caller names the file, and :func:`refusal_reason` says what was refused.
 
-    >>> load_plain("out/checkpoints/step_000100/training_state/rank0.pt")  # doctest: +SKIP
-    {'scheduler': {...}, 'dataloader': {...}, 'rng': {...}, 'progress': {...}}
+    >>> torch.save({"progress": {"step": 100}}, "rank0.pt")  # e.g. training_state/rank0.pt
+    >>> load_plain("rank0.pt")
+    {'progress': {'step': 100}}
+    >>> torch.save({"hook": print}, "hostile.pt")  # a pickled function is not plain data
+    >>> try:
+    ...     load_plain("hostile.pt")
+    ... except Exception as error:
+    ...     print(refusal_reason(error))
+    WeightsUnpickler error: Unsupported global: GLOBAL print was not an allowed global by default...
     """
     with _only_builtin_safe_globals():
         return torch.load(file, map_location=map_location, weights_only=True)

@@ -18,9 +18,17 @@ JSONL file, a text entry in TensorBoard, a table in W&B.
 
 Example::
 
-    >>> hook = SamplePrompts(model, tokenizer, ["add 2 and 3"], every=50)  # doctest: +SKIP
-    >>> hook.maybe_log(step=50, total_steps=200, logger=logger)  # doctest: +SKIP
-    step 50 | sample 0 | add 2 and 3 -> 5
+    >>> from tunesmith.data import Tokenizer
+    >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+    >>> from tunesmith.models import build_model, qwen2_5
+    >>> from tunesmith.training import StdoutLogger
+    >>> tokenizer = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+    >>> model = build_model(qwen2_5.spec("qwen2_5_tiny", vocab_size=tokenizer.vocab_size))
+    >>> hook = SamplePrompts(model, tokenizer, ["add 2 and 3"], every=50, max_new_tokens=4)
+    >>> _ = hook.maybe_log(step=50, total_steps=200, logger=StdoutLogger())  # untrained: noise
+    step 50 | sample 0 | add 2 and 3 -> ...
+    >>> hook.maybe_log(step=51, total_steps=200, logger=StdoutLogger()) is None  # not due
+    True
 """
 
 from __future__ import annotations
@@ -84,7 +92,10 @@ def prompt_ids(
 
     Example::
 
-        >>> prompt_ids(tok, {"text": "Once upon"}) == tok.encode("Once upon")  # doctest: +SKIP
+        >>> from tunesmith.data import Tokenizer
+        >>> from tunesmith.demo.assets import build_tokenizer, make_splits
+        >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
+        >>> prompt_ids(tok, {"text": "Once upon"}) == tok.encode("Once upon")
         True
     """
     if isinstance(prompt, str):
@@ -162,9 +173,9 @@ class SamplePrompts:
 
     Example::
 
-        >>> hook = SamplePrompts(model, tok, ["add 2 and 3"], every=10, max_new_tokens=8)  # doctest: +SKIP
-        >>> hook()  # doctest: +SKIP
-        [{'prompt': 'add 2 and 3', 'completion': '5'}]
+        hook = SamplePrompts(model, tok, ["add 2 and 3"], every=10, max_new_tokens=8)
+        hook()
+        # -> [{'prompt': 'add 2 and 3', 'completion': '5'}]
     """
 
     def __init__(
@@ -198,7 +209,7 @@ class SamplePrompts:
 
         Example::
 
-            >>> SamplePrompts.from_config(OmegaConf.create({"sample_prompts": None}), model) is None  # doctest: +SKIP
+            >>> SamplePrompts.from_config(OmegaConf.create({"sample_prompts": None}), None) is None
             True
         """
         prompts = cfg.get("sample_prompts")

@@ -18,13 +18,13 @@ objective and what is its own.
 
 Example (the prologue of a recipe)::
 
-    >>> log = rank_zero_log(ctx)                                             # doctest: +SKIP
-    >>> tokenizer = load_tokenizer(cfg)                                      # doctest: +SKIP
-    >>> dataset, val_dataset = datasets_for(cfg, tokenizer, log)             # doctest: +SKIP
-    >>> dataset, collate = token_batches(cfg, dataset, tokenizer)            # doctest: +SKIP
-    >>> model = build_policy(cfg, ctx, tokenizer)                            # doctest: +SKIP
-    >>> teacher = frozen_model(cfg, ctx, "teacher_model")                    # doctest: +SKIP
-    >>> model = parallelize(model, ctx, cfg)                                 # doctest: +SKIP
+    log = rank_zero_log(ctx)
+    tokenizer = load_tokenizer(cfg)
+    dataset, val_dataset = datasets_for(cfg, tokenizer, log)
+    dataset, collate = token_batches(cfg, dataset, tokenizer)
+    model = build_policy(cfg, ctx, tokenizer)
+    teacher = frozen_model(cfg, ctx, "teacher_model")
+    model = parallelize(model, ctx, cfg)
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ Log = Callable[..., None]
 def rank_zero_log(ctx: DistributedContext) -> Log:
     """``print`` on rank 0, a no-op on the other ranks.
 
-    >>> log = rank_zero_log(ctx); log("dataset: 100 samples")  # doctest: +SKIP
+    Example::
+
+        log = rank_zero_log(ctx); log("dataset: 100 samples")
     """
     return print if ctx.is_rank_zero else (lambda *a, **k: None)
 
@@ -87,7 +89,9 @@ def rank_zero_log(ctx: DistributedContext) -> Log:
 def load_tokenizer(cfg: DictConfig) -> Any:
     """The tokenizer of ``cfg.tokenizer``.
 
-    >>> tokenizer = load_tokenizer(cfg)  # doctest: +SKIP
+    Example::
+
+        tokenizer = load_tokenizer(cfg)
     """
     return instantiate(cfg.tokenizer)
 
@@ -95,7 +99,9 @@ def load_tokenizer(cfg: DictConfig) -> Any:
 def pad_id(tokenizer: Any) -> int:
     """The tokenizer's pad id, 0 when it has none (padding is masked out of every loss).
 
-    >>> pad_id(tokenizer)  # doctest: +SKIP
+    >>> class NoPad:  # a tokenizer without a pad token
+    ...     pad_id = None
+    >>> pad_id(NoPad())
     0
     """
     return tokenizer.pad_id if tokenizer.pad_id is not None else 0
@@ -107,7 +113,9 @@ def datasets_for(
     """The training set and the validation set (or None) of ``cfg``: see
     :func:`~tunesmith.training.loop.build_datasets`.
 
-    >>> dataset, val_dataset = datasets_for(cfg, tokenizer, log)  # doctest: +SKIP
+    Example::
+
+        dataset, val_dataset = datasets_for(cfg, tokenizer, log)
     """
     return build_datasets(cfg, tokenizer, log)
 
@@ -116,8 +124,12 @@ def packing_length(dataset: Sequence[Any]) -> int | None:
     """The length of a pack of ``dataset``: its ``max_seq_len`` (that of the dataset a
     training/validation split was taken from), None when it sets none.
 
-    >>> packing_length(SFTDataset(tok, source="chat.jsonl", max_seq_len=512))  # doctest: +SKIP
+    >>> class Samples(list):  # e.g. SFTDataset(tok, source="chat.jsonl", max_seq_len=512)
+    ...     max_seq_len = 512
+    >>> packing_length(Subset(Samples([{}] * 4), [0, 1]))  # a split: its dataset's length
     512
+    >>> packing_length([{"input_ids": [1]}]) is None
+    True
     """
     while isinstance(dataset, Subset):
         dataset = dataset.dataset
@@ -130,7 +142,9 @@ def token_batches(
     """SFT samples as a loader should draw them, and their collate: with ``packed: true``
     packs of :func:`packing_length` tokens, else the samples padded per batch.
 
-    >>> dataset, collate = token_batches(cfg, dataset, tokenizer)  # doctest: +SKIP
+    Example::
+
+        dataset, collate = token_batches(cfg, dataset, tokenizer)
     """
     packed = bool(cfg.get("packed", False))
     length = packing_length(dataset)
@@ -149,7 +163,9 @@ def build_policy(
     to copy a frozen reference on the host first); a tokenizer whose ids it cannot embed is
     refused. Parallelize it after the recipe's own changes.
 
-    >>> model = parallelize(build_policy(cfg, ctx, tokenizer), ctx, cfg)  # doctest: +SKIP
+    Example::
+
+        model = parallelize(build_policy(cfg, ctx, tokenizer), ctx, cfg)
     """
     model = instantiate(cfg.model)
     cast_weights(model, check_precision(cfg))  # precision.weights: bf16 casts the trained model
@@ -166,9 +182,13 @@ def apply_attention_backend(model: nn.Module, name: str | None) -> nn.Module:
     ``model``; None leaves the models as they are (``auto`` unless built otherwise). A name
     that is no backend, or a model without a decoder to set it on, is refused.
 
-    >>> model = apply_attention_backend(llama3.llama3_tiny(), "sdpa")  # doctest: +SKIP
-    >>> model.model.attention_backend                                   # doctest: +SKIP
+    >>> from tunesmith.models import llama3
+    >>> model = apply_attention_backend(llama3.llama3_tiny(), "sdpa")
+    >>> model.model.attention_backend
     'sdpa'
+    >>> apply_attention_backend(llama3.llama3_tiny(), "fast")
+    Traceback (most recent call last):
+    ValueError: attention_backend must be 'auto' or one of ['flex', 'loop', 'ring', 'sdpa', ...
     """
     if name is None:
         return model
@@ -192,8 +212,10 @@ def frozen_model(
     sharded like the policy, and with ``offload`` on a GPU kept in CPU memory between its
     layers' forwards.
 
-    >>> teacher = frozen_model(cfg, ctx, "teacher_model", offload=True)        # doctest: +SKIP
-    >>> reference = frozen_model(cfg, ctx, "reference_model", copy_of=policy)  # doctest: +SKIP
+    Example::
+
+        teacher = frozen_model(cfg, ctx, "teacher_model", offload=True)
+        reference = frozen_model(cfg, ctx, "reference_model", copy_of=policy)
     """
     if cfg.get(key):
         model = instantiate(cfg[key])
@@ -214,8 +236,10 @@ def frozen_model(
 class FrozenPolicy:
     """A model used without gradient, under ``context`` (e.g. its adapters disabled).
 
-    >>> with reference() as model:                      # doctest: +SKIP
-    ...     logits = model(input_ids)
+    Example::
+
+        with reference() as model:
+            logits = model(input_ids)
     """
 
     model: nn.Module
@@ -238,7 +262,9 @@ def reference_policy(
     this before sharding). With ``tokenizer``, a ``reference_model`` that cannot embed its
     token ids is refused.
 
-    >>> reference = reference_policy(cfg, ctx, model, log, tokenizer=tokenizer)  # doctest: +SKIP
+    Example::
+
+        reference = reference_policy(cfg, ctx, model, log, tokenizer=tokenizer)
     """
     if not cfg.get("reference_model") and adapter_modules(model):
         reference = FrozenPolicy(model, disable_adapters, "the policy with its adapters disabled")
@@ -260,7 +286,11 @@ def compiled_loss(cfg: Mapping[str, Any], loss_fn: nn.Module) -> nn.Module:
     """``loss_fn``, compiled in place when ``cfg.compile`` asks for the loss (see
     :func:`~tunesmith.training.compile.compile_options`).
 
-    >>> loss_fn = compiled_loss({"compile": {"backend": "eager"}}, instantiate(cfg.loss))  # doctest: +SKIP
+    >>> from tunesmith.modules.losses import CrossEntropyLoss
+    >>> loss_fn = CrossEntropyLoss()
+    >>> compiled_loss({"compile": None}, loss_fn) is loss_fn  # compile off: as it is
+    True
+    >>> loss_fn = compiled_loss({"compile": {"backend": "eager"}}, loss_fn)  # compiled in place
     """
     compiling = compile_options(cfg.get("compile"))
     if compiling is None or not compiling.loss:
@@ -279,9 +309,11 @@ def memory_plan(
     linear); for any other ``objective`` (``loss_fn=None``) it logs that it gives no estimate
     and returns None (``preflight: true`` measures a step instead).
 
-    >>> plan = memory_plan(cfg, ctx, model, dataset, collate, log, loss_fn=loss_fn)  # doctest: +SKIP
-    >>> memory_plan(cfg, ctx, model, dataset, collate, log, objective="dpo")         # doctest: +SKIP
-    memory plan: not estimated for dpo (the planner prices token cross-entropy only; ...)
+    Example::
+
+        plan = memory_plan(cfg, ctx, model, dataset, collate, log, loss_fn=loss_fn)
+        memory_plan(cfg, ctx, model, dataset, collate, log, objective="dpo")
+        # -> memory plan: not estimated for dpo (the planner prices token cross-entropy only; ...)
     """
     if loss_fn is None:
         log(f"memory plan: not estimated for {objective} (the planner prices token "

@@ -10,8 +10,23 @@ is another source.
 
 Example::
 
-    >>> source = DatasetSource.build(dataset, collate, cfg, ctx)   # doctest: +SKIP
-    >>> micro_batches = source.next_step()                         # doctest: +SKIP
+    >>> from functools import partial
+    >>> from omegaconf import OmegaConf
+    >>> from tunesmith.data import collate_padded
+    >>> dataset = [{"input_ids": [i, i + 1], "labels": [i + 1, -100]} for i in range(8)]
+    >>> cfg = OmegaConf.create({"batch_size": 2, "gradient_accumulation_steps": 2,
+    ...                         "shuffle": False})
+    >>> ctx = DistributedContext(rank=0, world_size=1, local_rank=0,  # one process
+    ...                          device=torch.device("cpu"), mesh=None)
+    >>> collate = partial(collate_padded, pad_id=0)
+    >>> source = DatasetSource.build(dataset, collate, cfg, ctx)
+    >>> micro_batches = source.next_step()
+    >>> [b["input_ids"].tolist() for b in micro_batches]  # 2 micro-batches of 2 rows
+    [[[0, 1], [1, 2]], [[2, 3], [3, 4]]]
+    >>> resumed = DatasetSource.build(dataset, collate, cfg, ctx)
+    >>> resumed.load_state_dict(source.state_dict())  # as a checkpoint's "dataloader"
+    >>> resumed.next_step()[0]["input_ids"].tolist()  # goes on where the first one stopped
+    [[4, 5], [5, 6]]
 """
 
 from __future__ import annotations
@@ -97,10 +112,15 @@ class DatasetSource:
 
     Example::
 
-        >>> loader, sampler = make_loader(dataset, collate, cfg, ctx)   # doctest: +SKIP
-        >>> source = DatasetSource(loader, sampler, accum=2)            # doctest: +SKIP
-        >>> len(source.next_step())                                     # doctest: +SKIP
-        2
+        >>> from functools import partial
+        >>> from tunesmith.data import collate_padded
+        >>> dataset = [{"input_ids": [1, 2], "labels": [2, -100]}] * 8
+        >>> sampler = DistributedSampler(dataset, num_replicas=1, rank=0)  # make_loader's
+        >>> loader = StatefulDataLoader(dataset, batch_size=2, sampler=sampler,
+        ...                             collate_fn=partial(collate_padded, pad_id=0))
+        >>> source = DatasetSource(loader, sampler, accum=2)
+        >>> len(source.next_step()), source.steps_per_epoch
+        (2, 2)
     """
 
     def __init__(
@@ -161,7 +181,7 @@ class DatasetSource:
 
         Example::
 
-            >>> source.reshard_state_dict(saved, saved_dp_size=2)  # doctest: +SKIP
+            source.reshard_state_dict(saved, saved_dp_size=2)
         """
         position = state.get("_sampler_iter_state")
         if position is None:  # nothing read yet in this epoch

@@ -27,7 +27,7 @@ refuses it by name before any sharding.
 
 Example::
 
-    >>> parallelize_module(layer, mesh, {"q_proj": AdapterColwise()})  # doctest: +SKIP
+    parallelize_module(layer, mesh, {"q_proj": AdapterColwise()})
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class FullMaskDropout(nn.Dropout):
 
     Example::
 
-        >>> layer.lora_dropout = FullMaskDropout(layer.dropout)  # doctest: +SKIP
+        layer.lora_dropout = FullMaskDropout(layer.dropout)
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +108,9 @@ def shard_adapter_layer(
     (:data:`COLWISE_ADAPTER` or :data:`ROWWISE_ADAPTER`), and its dropout a
     :class:`FullMaskDropout`; in place.
 
-    >>> shard_adapter_layer(model.model.layers[0].self_attn.q_proj, mesh, COLWISE_ADAPTER)  # doctest: +SKIP
+    Example::
+
+        shard_adapter_layer(model.model.layers[0].self_attn.q_proj, mesh, COLWISE_ADAPTER)
     """
     if not isinstance(layer, LoRALinear):
         raise TypeError(f"shard_adapter_layer takes a LoRA/DoRA layer, got {type(layer).__name__}")
@@ -130,7 +132,9 @@ class AdapterColwise(ColwiseParallel):
     """``ColwiseParallel`` for a LoRA/DoRA layer (:data:`COLWISE_ADAPTER`); same arguments,
     same input and output layouts. Any other module is left to ``ColwiseParallel``.
 
-    >>> parallelize_module(attn, mesh, {"q_proj": AdapterColwise()})  # doctest: +SKIP
+    Example::
+
+        parallelize_module(attn, mesh, {"q_proj": AdapterColwise()})
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -150,7 +154,9 @@ class AdapterRowwiseToStream(_RowwiseToStream):
     takes the stream's layout) for a LoRA/DoRA layer (:data:`ROWWISE_ADAPTER`): the adapter's
     partial sum joins the base's before the one reduction.
 
-    >>> parallelize_module(attn, mesh, {"o_proj": AdapterRowwiseToStream(stream)})  # doctest: +SKIP
+    Example::
+
+        parallelize_module(attn, mesh, {"o_proj": AdapterRowwiseToStream(stream)})
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

@@ -12,11 +12,11 @@ checkpoint and resume it with its :class:`~tunesmith.training.sources.BatchSourc
 
 Example (a recipe's loop; :func:`~tunesmith.training.loop.fit` adds logging and stopping)::
 
-    >>> source = DatasetSource.build(dataset, collate, cfg, ctx)                # doctest: +SKIP
-    >>> trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source)  # doctest: +SKIP
-    >>> trainer.start()                                # resume=... picks the checkpoint  # doctest: +SKIP
-    >>> while not trainer.done:                                                 # doctest: +SKIP
-    ...     metrics = trainer.step(source.next_step())
+    source = DatasetSource.build(dataset, collate, cfg, ctx)
+    trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source)
+    trainer.start()                                # resume=... picks the checkpoint
+    while not trainer.done:
+        metrics = trainer.step(source.next_step())
 """
 
 from __future__ import annotations
@@ -99,10 +99,10 @@ class Trainer:
 
     Example::
 
-        >>> trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source)  # doctest: +SKIP
-        >>> trainer.on_step_end.append(lambda t, step, metrics: print(step, metrics["loss"]))  # doctest: +SKIP
-        >>> trainer.step(source.next_step())["loss"]                            # doctest: +SKIP
-        2.31
+        trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source)
+        trainer.on_step_end.append(lambda t, step, metrics: print(step, metrics["loss"]))
+        trainer.step(source.next_step())["loss"]
+        # -> 2.31
     """
 
     def __init__(
@@ -241,8 +241,8 @@ class Trainer:
 
         Example::
 
-            >>> Trainer(cfg, ctx, model=model, objective=objective).computes_grad_norm  # doctest: +SKIP
-            True
+            Trainer(cfg, ctx, model=model, objective=objective).computes_grad_norm
+            # -> True
         """
         if self.in_backward:
             return False
