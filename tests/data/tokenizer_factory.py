@@ -12,8 +12,8 @@ Training is cached per (family, vocab size), so a test session trains each famil
 
 Example::
 
-    >>> folder = make_tokenizer_folder(tmp_path / "tok", "qwen2_5")  # doctest: +SKIP
-    >>> Tokenizer.from_pretrained(folder).encode("Hello")  # doctest: +SKIP
+    folder = make_tokenizer_folder(tmp_path / "tok", "qwen2_5")
+    Tokenizer.from_pretrained(folder).encode("Hello")
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ and the parent (pytest) itself never forks after running torch code. Each child 
 
 Example::
 
-    >>> done = run_child(["run", "sft", "--config", "tiny", *overrides], tmp_path / "log")
-    >>> done.exitcode, done.output  # doctest: +SKIP
-    (0, 'dataset: ...')
+    done = run_child(["run", "sft", "--config", "tiny", *overrides], tmp_path / "log")
+    done.exitcode, done.output
+    # -> (0, 'dataset: ...')
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ patching inside the child; the library has no hooks for it.
 
 Example (inside a child)::
 
-    >>> Probes(trace=Path("trace.json")).install()  # doctest: +SKIP
-    >>> main(["run", "sft", "--config", "tiny", ...])  # doctest: +SKIP
+    Probes(trace=Path("trace.json")).install()
+    main(["run", "sft", "--config", "tiny", ...])
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def torchrun_errors(output: str) -> tuple[list[str], Path]:
 
     Example::
 
-        >>> lines, log = torchrun_errors(done.output)  # doctest: +SKIP
+        lines, log = torchrun_errors(done.output)
     """
     for noise in _TORCHRUN_NOISE:
         assert noise not in output, output[-3000:]

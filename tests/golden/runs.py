@@ -11,8 +11,8 @@ goldens should stand for.
 
 Example::
 
-    >>> world = build_world(tmp_path / "world")  # doctest: +SKIP
-    >>> summary = summarize(execute(RUNS["sft"], world, tmp_path / "sft"))  # doctest: +SKIP
+    world = build_world(tmp_path / "world")
+    summary = summarize(execute(RUNS["sft"], world, tmp_path / "sft"))
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """A tiny random transformers Qwen3-MoE for parity tests (ours vs transformers / peft).
 
->>> tiny_hf_qwen3_moe(seed=0).config.num_experts  # doctest: +SKIP
-4
+Example::
+
+    tiny_hf_qwen3_moe(seed=0).config.num_experts
+    # -> 4
 """
 
 from __future__ import annotations

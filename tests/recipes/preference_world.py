@@ -6,9 +6,9 @@ Model folders, recipe runners, metrics and checkpoints are :mod:`tests.recipes.s
 
 Example::
 
-    >>> model_dir = make_model_dir(tmp_path)  # doctest: +SKIP
-    >>> data = make_preference_data(tmp_path / "pairs.jsonl", rows=32, seed=0, task="copy")
-    >>> run_recipe("dpo", "tiny", model_dir, data, tmp_path / "out", "max_steps=2")  # doctest: +SKIP
+    model_dir = make_model_dir(tmp_path)
+    data = make_preference_data(tmp_path / "pairs.jsonl", rows=32, seed=0, task="copy")
+    run_recipe("dpo", "tiny", model_dir, data, tmp_path / "out", "max_steps=2")
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def make_preference_data(
 
     Example::
 
-        >>> make_preference_data(tmp_path / "pairs.jsonl", rows=8, task="sort")  # doctest: +SKIP
+        make_preference_data(tmp_path / "pairs.jsonl", rows=8, task="sort")
     """
     with open(path, "w") as f:
         for row in preference_rows(rows, seed, task, system):
@@ -141,7 +141,7 @@ def make_held_out_data(
 
     Example::
 
-        >>> make_held_out_data(tmp_path / "val.jsonl", train, rows=48, task="sort")  # doctest: +SKIP
+        make_held_out_data(tmp_path / "val.jsonl", train, rows=48, task="sort")
     """
     seen = {
         json.dumps(json.loads(line)["chosen"][:-1]) for line in Path(train).read_text().splitlines()
@@ -173,8 +173,8 @@ def collate_pairs(
 
     Example::
 
-        >>> collate_pairs(model_dir, data, [0, 1])["input_ids"].shape[0]  # doctest: +SKIP
-        4
+        collate_pairs(model_dir, data, [0, 1])["input_ids"].shape[0]
+        # -> 4
     """
     dataset = pair_dataset(model_dir, data)
     indices = list(range(len(dataset))) if indices is None else indices

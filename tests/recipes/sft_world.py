@@ -6,10 +6,10 @@ start them) and read back what it wrote. Preference data lives in
 
 Example::
 
-    >>> model_dir = make_model_dir(tmp_path)  # doctest: +SKIP
-    >>> data = make_chat_data(tmp_path / "chat.jsonl")  # doctest: +SKIP
-    >>> out = run_recipe("sft", "tiny", model_dir, data, tmp_path / "out", "max_steps=2")  # doctest: +SKIP
-    >>> read_metrics(out)[2]["loss"]  # doctest: +SKIP
+    model_dir = make_model_dir(tmp_path)
+    data = make_chat_data(tmp_path / "chat.jsonl")
+    out = run_recipe("sft", "tiny", model_dir, data, tmp_path / "out", "max_steps=2")
+    read_metrics(out)[2]["loss"]
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def recipe_config(
 
     Example::
 
-        >>> cfg = recipe_config("dpo", "tiny", model_dir, data, out, "max_steps=2")  # doctest: +SKIP
+        cfg = recipe_config("dpo", "tiny", model_dir, data, out, "max_steps=2")
     """
     cfg = load_config(
         catalog.config_path(config, recipe),
@@ -159,7 +159,7 @@ def run_config(recipe: str, cfg: DictConfig) -> None:
 
     Example::
 
-        >>> run_config("kd", recipe_config("kd", "tiny", m, d, out))  # doctest: +SKIP
+        run_config("kd", recipe_config("kd", "tiny", m, d, out))
     """
     module = importlib.import_module(f"tunesmith.recipes.{recipe}")
     previous = torch.get_num_threads()
@@ -184,7 +184,7 @@ def run_recipe(
 
     Example::
 
-        >>> run_recipe("dpo", "tiny_lora", model_dir, data, out, "max_steps=4")  # doctest: +SKIP
+        run_recipe("dpo", "tiny_lora", model_dir, data, out, "max_steps=4")
     """
     cfg = recipe_config(recipe, config, model_dir, data, output_dir, *overrides, val=val)
     run_config(recipe, cfg)
@@ -198,7 +198,7 @@ def run_sft(
 
     Example::
 
-        >>> run_sft(model_dir, data, tmp_path / "out", "max_steps=2")  # doctest: +SKIP
+        run_sft(model_dir, data, tmp_path / "out", "max_steps=2")
     """
     return run_recipe("sft", config, model_dir, data, output_dir, *overrides)
 
@@ -236,7 +236,7 @@ def run_recipe_keeping_model(
 
     Example::
 
-        >>> out, policy = run_recipe_keeping_model("dpo", "tiny_lora", m, d, out)  # doctest: +SKIP
+        out, policy = run_recipe_keeping_model("dpo", "tiny_lora", m, d, out)
     """
     cfg = recipe_config(recipe, config, model_dir, data, output_dir, *overrides)
     key = f"{recipe}:{output_dir}"
@@ -255,7 +255,7 @@ def run_sft_keeping_model(
 
     Example::
 
-        >>> out, model = run_sft_keeping_model(m, d, out, config="tiny_lora")  # doctest: +SKIP
+        out, model = run_sft_keeping_model(m, d, out, config="tiny_lora")
     """
     return run_recipe_keeping_model("sft", config, model_dir, data, output_dir, *overrides)
 
@@ -270,7 +270,7 @@ def read_metrics(output_dir: Path) -> dict[int, dict[str, float]]:
 
     Example::
 
-        >>> read_metrics(run_sft(m, d, out, "max_steps=2"))[2]["loss"]  # doctest: +SKIP
+        read_metrics(run_sft(m, d, out, "max_steps=2"))[2]["loss"]
     """
     return {r.pop("step"): r for r in _records(output_dir) if "loss" in r}
 
@@ -281,7 +281,7 @@ def read_eval_metrics(output_dir: Path) -> dict[int, dict[str, float]]:
 
     Example::
 
-        >>> read_eval_metrics(out)[80]["val_rewards/accuracy"]  # doctest: +SKIP
+        read_eval_metrics(out)[80]["val_rewards/accuracy"]
     """
     return {r.pop("step"): r for r in _records(output_dir) if "val_loss" in r}
 
@@ -319,7 +319,7 @@ def assert_same_weights(
 
     Example::
 
-        >>> assert_same_weights(final_weights(accum), final_weights(big), 1e-6)  # doctest: +SKIP
+        assert_same_weights(final_weights(accum), final_weights(big), 1e-6)
     """
     assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
     for name in expected:
@@ -335,7 +335,7 @@ def largest_change(weights: dict[str, torch.Tensor], initial: dict[str, torch.Te
 
     Example::
 
-        >>> assert largest_change(final_weights(out), checkpoint_weights(model_dir)) > 1e-3  # doctest: +SKIP
+        assert largest_change(final_weights(out), checkpoint_weights(model_dir)) > 1e-3
     """
     return max((weights[k] - initial[k]).abs().max().item() for k in initial)
 
@@ -378,7 +378,7 @@ def launch_ranks(
 
     Example::
 
-        >>> launch_ranks(recipe_overrides(m, d, out), tmp_path, recipe="dpo")  # doctest: +SKIP
+        launch_ranks(recipe_overrides(m, d, out), tmp_path, recipe="dpo")
     """
     args = [
         "-m", "tunesmith.cli.launch", str(catalog.recipe_path(recipe)),

@@ -67,7 +67,7 @@ def make_pairs(path: Path, rows: int, seed: int) -> Path:
 
     Example::
 
-        >>> make_pairs(tmp_path / "pairs.jsonl", rows=8, seed=0)  # doctest: +SKIP
+        make_pairs(tmp_path / "pairs.jsonl", rows=8, seed=0)
     """
     return make_preference_data(path, rows, seed, **SAY)
 

@@ -270,7 +270,7 @@ def assert_same_run(single: Path, parallel: Path) -> None:
 
     Example::
 
-        >>> assert_same_run(root / "single", tmp_path / "tp2")  # doctest: +SKIP
+        assert_same_run(root / "single", tmp_path / "tp2")
     """
     assert [p.name for p in checkpoints(parallel)] == [f"step_{STEPS:06d}"]
     logged_1, logged_2 = read_metrics(single), read_metrics(parallel)
