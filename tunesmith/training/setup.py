@@ -313,7 +313,7 @@ def memory_plan(
 
         plan = memory_plan(cfg, ctx, model, dataset, collate, log, loss_fn=loss_fn)
         memory_plan(cfg, ctx, model, dataset, collate, log, objective="dpo")
-        # -> memory plan: not estimated for dpo (the planner prices token cross-entropy only; ...)
+        # logs: memory plan: not estimated for dpo (the planner prices token cross-entropy ...)
     """
     if loss_fn is None:
         log(f"memory plan: not estimated for {objective} (the planner prices token "
