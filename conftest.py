@@ -10,7 +10,6 @@ import random
 
 import pytest
 import torch
-from _pytest.doctest import DoctestItem
 
 # Set by pytest itself, and by torch the first time it looks up its compile cache folder.
 NOT_STATE = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
@@ -18,7 +17,7 @@ NOT_STATE = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
 
 @pytest.fixture(autouse=True)
 def _doctest_sandbox(request):
-    if not isinstance(request.node, DoctestItem):
+    if not isinstance(request.node, pytest.DoctestItem):
         yield
         return
     request.getfixturevalue("monkeypatch").chdir(request.getfixturevalue("tmp_path"))
