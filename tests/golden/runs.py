@@ -113,13 +113,38 @@ def execute(run: GoldenRun, world: dict[str, Path], output_dir: Path) -> Path:
     )
 
 
+_ISA_FLAG = re.compile(r"^(avx|amx|fma|f16c|sse|ssse|bmi|vnni|vaes|vpclmul)")
+
+
+def cpu_model() -> tuple[str, str]:
+    """The CPU's model name and a digest of its instruction-set flags (from ``/proc/cpuinfo``;
+    ``platform.processor()`` and ``unknown`` elsewhere): two CPUs with one torch
+    ``cpu_capability`` can still pick different kernels (blocking, AMX, VNNI), so sums land in
+    other orders.
+
+    Example::
+
+        cpu_model()  # ('Intel(R) Xeon(R) Processor', 'e027004417e3')
+    """
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown", "unknown"
+    first_cpu = info.split("\n\n", 1)[0].splitlines()
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first_cpu)}
+    isa = sorted(f for f in fields.get("flags", "").split() if _ISA_FLAG.match(f))
+    digest = hashlib.sha256(" ".join(isa).encode()).hexdigest()[:12]
+    return fields.get("model name", platform.processor() or "unknown"), digest
+
+
 def fingerprint() -> dict[str, str]:
-    """Where a golden was recorded: a run elsewhere (another torch, another CPU kernel set)
-    need not reproduce it bit for bit."""
+    """Where a golden was recorded: a run elsewhere (another torch, another CPU kernel set,
+    another CPU model) need not reproduce it bit for bit."""
     return {
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "machine": platform.machine(),
+        **dict(zip(("cpu", "cpu_isa"), cpu_model())),
     }
 
 

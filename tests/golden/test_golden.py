@@ -2,7 +2,8 @@
 give the per-step losses (and every other per-step metric recorded) and the final weights that
 were recorded in ``tests/golden/<run>.json`` from an earlier commit (see its ``recorded``).
 
-- On a machine with the recorded fingerprint (torch version, CPU capability, architecture):
+- On a machine with the recorded fingerprint (torch version, CPU capability, architecture,
+  CPU model and instruction-set flags):
   bitwise. Every recorded float is the same double, every int the same, and the final
   weights have the same sha256.
 - Elsewhere (another torch or CPU kernel set cannot reproduce the bits): every float metric
@@ -30,7 +31,7 @@ TOL = 1e-5
 """Approximate comparison: relative tolerance of metrics, absolute tolerance of weights."""
 METRIC_ABS_TOL = 1e-6
 """Approximate comparison: absolute floor for metrics other than losses (rewards, margins)."""
-FINGERPRINT_KEYS = ("torch", "cpu_capability", "machine")
+FINGERPRINT_KEYS = ("torch", "cpu_capability", "machine", "cpu", "cpu_isa")
 
 
 def load_golden(name: str) -> dict:
