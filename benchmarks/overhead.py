@@ -193,7 +193,7 @@ def objective_for(method: str, cfg: DictConfig, frozen):
     from tunesmith.config import instantiate
     from tunesmith.recipes.dpo import PreferenceObjective, _pair_logps
     from tunesmith.recipes.kd import Distillation
-    from tunesmith.recipes.sft import TokenCrossEntropy
+    from tunesmith.training.objectives import TokenCrossEntropy
     from tunesmith.training.setup import FrozenPolicy
 
     loss_fn = instantiate(cfg.loss)
@@ -342,6 +342,7 @@ def phase_clock(models: dict[str, torch.nn.Module]):
 def run_row(shape: str, method: str, dtype: str, rounds: int, profile_steps: int) -> Row:
     from tunesmith.training.distributed import init_distributed
     from tunesmith.training.metric_logging import MetricWindow
+    from tunesmith.training.settings import LoopSettings
     from tunesmith.training.sources import DatasetSource
     from tunesmith.training.trainer import Trainer
 
@@ -356,8 +357,8 @@ def run_row(shape: str, method: str, dtype: str, rounds: int, profile_steps: int
         data = samples(method, 64, SHAPES[shape]["vocab_size"])
         batch = collate(data[:BATCH])
         ctx = init_distributed("cpu")
-        trainer = Trainer(cfg, ctx, model=model, objective=objective_for(method, cfg, frozen),
-                          source=None)  # fmt: skip
+        trainer = Trainer.from_config(cfg, ctx, model=model,
+                                      objective=objective_for(method, cfg, frozen))  # fmt: skip
         base = make_baseline(method, base_model, base_frozen, cfg, batch)
         row.loss = str(cfg.loss._component_).rsplit(".", 1)[-1]
         first_base = baseline_step(base, batch)  # warm-up steps (not timed)
@@ -389,7 +390,7 @@ def run_row(shape: str, method: str, dtype: str, rounds: int, profile_steps: int
         row.baseline_phases = clock.per_step_ms(profile_steps)
 
         # -- outside the step: data, logging, checkpoint
-        source = DatasetSource.build(data, collate, cfg, ctx)
+        source = DatasetSource.build(data, collate, LoopSettings.from_config(cfg), ctx)
         source.next_step()  # the loader's start
         n = 8
         start = time.process_time()

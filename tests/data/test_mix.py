@@ -178,12 +178,12 @@ def test_same_seed_same_mix_and_parts_drawn_independently(world, tok):
 
 
 def test_resumes_through_the_training_loader(world, tok):
-    cfg = OmegaConf.create({"batch_size": 2, "shuffle": True, "seed": 3})
     ctx = SimpleNamespace(dp_size=1, dp_rank=0, is_rank_zero=True)
 
     def loader():
         mix = DatasetMix(tok, parts=_parts(world), epochs={"chat": 1.5, "alpaca": 0.5})
-        return make_loader(mix, lambda b: collate_padded(b, pad_id=0), cfg, ctx)[0]
+        collate = lambda b: collate_padded(b, pad_id=0)  # noqa: E731
+        return make_loader(mix, collate, ctx, batch_size=2, shuffle=True, seed=3)[0]
 
     whole = [b["input_ids"].tolist() for b in loader()]
     first = loader()

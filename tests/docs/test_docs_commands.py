@@ -57,6 +57,11 @@ _EIGHT = "8 ranks: too many for a CI machine's cores; the same layouts run on 2 
 SKIP: dict[str, str] = {
     "make demo": "the whole demo (minutes): tests/demo/test_demo.py runs `tunesmith demo`",
     "make test": "runs this test suite itself",
+    "python train.py": "docs/library.md's script: tests/docs/test_library_page.py writes it to "
+    "train.py and runs it (stopped, resumed, uninterrupted)",
+    "python train.py --resume": "docs/library.md's script: tests/docs/test_library_page.py",
+    "torchrun --standalone --nproc-per-node 2 train.py": "docs/library.md's script on 2 ranks: "
+    "tests/docs/test_library_page.py",
     "source .venv/bin/activate": "shell set-up: these tests put the venv's bin/ first on PATH",
     "tunesmith download Qwen/Qwen3-0.6B": "needs the Hub; the workspace holds a tiny model "
     "where it would write (models/Qwen3-0.6B); tests/cli/test_cli.py checks the offline error",

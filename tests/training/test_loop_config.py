@@ -298,11 +298,10 @@ def test_a_new_schedule_length_gives_the_new_schedule_from_the_resumed_step():
 @pytest.mark.parametrize(("samples", "world", "batch"), [(17, 1, 4), (16, 1, 4), (17, 2, 4),
                                                      (18, 4, 3), (5, 2, 1)])  # fmt: skip
 def test_the_samples_left_out_are_those_no_rank_loads(samples, world, batch, capsys):
-    cfg = OmegaConf.create({"batch_size": batch, "shuffle": True, "seed": 0})
     loaded = 0
     for rank in range(world):
         ctx = SimpleNamespace(dp_size=world, dp_rank=rank, is_rank_zero=rank == 0)
-        loader, _ = make_loader(list(range(samples)), list, cfg, ctx)
+        loader, _ = make_loader(list(range(samples)), list, ctx, batch_size=batch, seed=0)
         loaded += sum(len(b) for b in loader)
     assert dropped_per_epoch(samples, world, batch) == samples - loaded
     said = capsys.readouterr().out
@@ -311,14 +310,13 @@ def test_the_samples_left_out_are_those_no_rank_loads(samples, world, batch, cap
 
 def test_samples_left_out_of_each_epoch_are_reported(capsys):
     ctx = SimpleNamespace(dp_size=1, dp_rank=0, is_rank_zero=True)
-    cfg = OmegaConf.create({"batch_size": 4, "shuffle": False, "seed": 0})
-    make_loader(list(range(17)), list, cfg, ctx)
+    make_loader(list(range(17)), list, ctx, batch_size=4, shuffle=False)
     assert capsys.readouterr().out == (
         "data: 17 samples, 1 data-parallel rank(s) x batch_size 4: 1 sample(s) left out of "
         "each epoch "
         "(drop_last; always the same ones: shuffle is off)\n"
     )
-    make_loader(list(range(16)), list, cfg, ctx)
+    make_loader(list(range(16)), list, ctx, batch_size=4, shuffle=False)
     assert capsys.readouterr().out == ""
 
 

@@ -4,6 +4,7 @@ in the loop); its phases are named profiler ranges."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -23,8 +24,13 @@ STEPS = 3
 def run_trainer(tmp_path, **overrides) -> tuple[Trainer, list[dict[str, float]]]:
     torch.manual_seed(0)
     source = RandomTokens()
-    trainer = Trainer(config(tmp_path, max_steps=STEPS, **overrides), CTX,
-                      model=build_model(SPEC), objective=NextToken(), source=source)  # fmt: skip
+    trainer = Trainer.from_config(
+        config(tmp_path, max_steps=STEPS, **overrides),
+        CTX,
+        model=build_model(SPEC),
+        objective=NextToken(),
+        source=source,
+    )
     return trainer, [trainer.step(source.next_step()) for _ in range(STEPS)]
 
 
@@ -100,14 +106,19 @@ class NaNAtSecondStep(NextToken):
 def test_a_nonfinite_loss_is_still_caught_without_the_norm(tmp_path):
     torch.manual_seed(0)
     source = RandomTokens()
-    trainer = Trainer(config(tmp_path, max_grad_norm=None, on_nonfinite_loss="skip"), CTX,
-                      model=build_model(SPEC), objective=NaNAtSecondStep(), source=source)  # fmt: skip
+    trainer = Trainer.from_config(
+        config(tmp_path, max_grad_norm=None, on_nonfinite_loss="skip"),
+        CTX,
+        model=build_model(SPEC),
+        objective=NaNAtSecondStep(),
+        source=source,
+    )
     trainer.step(source.next_step())
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.step(source.next_step())  # micro-batches 3 and 4: NaN
     for name, tensor in trainer.model.state_dict().items():
         assert torch.equal(tensor, before[name]), name
-    trainer.cfg.on_nonfinite_loss = "stop"
+    trainer.settings = dataclasses.replace(trainer.settings, on_nonfinite_loss="stop")
     with pytest.raises(FloatingPointError, match=r"loss nan at step 3; stopping"):
         trainer.step(source.next_step())
 
@@ -115,8 +126,9 @@ def test_a_nonfinite_loss_is_still_caught_without_the_norm(tmp_path):
 def test_the_step_phases_are_named_profiler_ranges(tmp_path):
     torch.manual_seed(0)
     source = RandomTokens()
-    trainer = Trainer(config(tmp_path), CTX, model=build_model(SPEC), objective=NextToken(),
-                      source=source)  # fmt: skip
+    trainer = Trainer.from_config(
+        config(tmp_path), CTX, model=build_model(SPEC), objective=NextToken(), source=source
+    )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         trainer.step(source.next_step())
     counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith("trainer/")}

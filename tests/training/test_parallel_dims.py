@@ -59,8 +59,8 @@ def test_dp_rank_and_size_skip_the_tp_and_cp_neighbours():
 
 def test_sampler_takes_the_dp_rank_and_size():
     ctx = DistributedContext(3, 4, 3, torch.device("cpu"), None, dims=ParallelDims(2, tp=2))
-    cfg = OmegaConf.create({"batch_size": 2, "shuffle": False, "seed": 0})
-    _, sampler = make_loader(list(range(16)), lambda items: items, cfg, ctx)
+    _, sampler = make_loader(list(range(16)), lambda items: items, ctx, batch_size=2,
+                             shuffle=False, seed=0)  # fmt: skip
     assert (sampler.num_replicas, sampler.rank) == (2, 1)
     assert list(sampler) == list(range(1, 16, 2))
 

@@ -83,8 +83,9 @@ def toy_recipe(out: Path, stop_at: int | None = None, **overrides: Any) -> Train
     torch.manual_seed(0)
     model = build_model(SPEC)
     source = RandomTokens()
-    trainer = Trainer(config(out, **overrides), CTX, model=model, objective=NextToken(),
-                      source=source)  # fmt: skip
+    trainer = Trainer.from_config(
+        config(out, **overrides), CTX, model=model, objective=NextToken(), source=source
+    )
     trainer.start()
     while not trainer.done:
         trainer.step(source.next_step())
@@ -118,8 +119,9 @@ def test_stop_and_resume_equals_an_uninterrupted_run(tmp_path):
 def test_load_restores_a_new_trainer_at_the_saved_step(tmp_path):
     path = toy_recipe(tmp_path / "a", stop_at=2).last_checkpoint
     source = RandomTokens(seed=99)  # another position: load puts it back
-    trainer = Trainer(config(tmp_path / "b"), CTX, model=build_model(SPEC),
-                      objective=NextToken(), source=source)  # fmt: skip
+    trainer = Trainer.from_config(
+        config(tmp_path / "b"), CTX, model=build_model(SPEC), objective=NextToken(), source=source
+    )
     trainer.load(path)
     assert trainer.progress["step"] == 2
     reference = RandomTokens()
@@ -136,8 +138,14 @@ def test_hooks_see_each_step_and_the_step_trains_in_train_mode(tmp_path):
         seen.append((step, metrics))
         trainer.model.eval()  # as an RL step generates between updates
 
-    trainer = Trainer(config(tmp_path, max_steps=3), CTX, model=model, objective=objective,
-                      source=source, on_step_end=[generate_in_eval_mode])  # fmt: skip
+    trainer = Trainer.from_config(
+        config(tmp_path, max_steps=3),
+        CTX,
+        model=model,
+        objective=objective,
+        source=source,
+        on_step_end=[generate_in_eval_mode],
+    )
     returned = [trainer.step(source.next_step()) for _ in range(3)]
     assert [step for step, _ in seen] == [1, 2, 3]
     assert [metrics for _, metrics in seen] == returned
@@ -157,5 +165,10 @@ def test_hooks_see_each_step_and_the_step_trains_in_train_mode(tmp_path):
 
 def test_a_source_without_epochs_needs_max_steps(tmp_path):
     with pytest.raises(ValueError, match="max_steps"):
-        Trainer(config(tmp_path, max_steps=None), CTX, model=build_model(SPEC),
-                objective=NextToken(), source=RandomTokens())  # fmt: skip
+        Trainer.from_config(
+            config(tmp_path, max_steps=None),
+            CTX,
+            model=build_model(SPEC),
+            objective=NextToken(),
+            source=RandomTokens(),
+        )

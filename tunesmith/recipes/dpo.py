@@ -47,11 +47,12 @@ from tunesmith.training.loop import (
     LOOP_RUNTIME_ARGS,
     LOOP_RUNTIME_KWARGS,
     LossOutput,
-    fit,
+    fit_from_config,
     run_main,
 )
 from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES, flag, integer
 from tunesmith.training.parallelize import parallelize
+from tunesmith.training.settings import LoopSettings
 from tunesmith.training.sources import DatasetSource
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
@@ -97,9 +98,9 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     objective = PreferenceObjective(setup.compiled_loss(cfg, loss_fn), reference, chunk_size)
     setup.memory_plan(cfg, ctx, model, dataset, collate, log, objective="preference pairs (dpo)")
 
-    source = DatasetSource.build(dataset, collate, cfg, ctx)
-    fit(cfg, ctx, model=model, objective=objective, source=source,
-        val_dataset=val_dataset, name="dpo")  # fmt: skip
+    source = DatasetSource.build(dataset, collate, LoopSettings.from_config(cfg), ctx)
+    fit_from_config(cfg, ctx, model=model, objective=objective, source=source,
+                    val_dataset=val_dataset, name="dpo")  # fmt: skip
 
 
 class PreferenceObjective:

@@ -42,7 +42,7 @@ from tunesmith.rl.trainer_group import check_launch as check_launch  # read by `
 from tunesmith.rl.trainer_group import run_trainers
 from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
-from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit
+from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit_from_config
 from tunesmith.training.loop_config import component, flag, integer
 from tunesmith.training.parallelize import parallelize
 from tunesmith.training.trainer import Trainer
@@ -97,9 +97,10 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
         )  # fmt: skip
         try:
             evaluator = rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source)
-            fit(cfg, ctx, model=model, objective=objective, source=source, name="grpo",
-                evaluator=evaluator,
-                make_trainer=partial(Trainer, on_step_end=[source.on_step_end]))  # fmt: skip
+            make_trainer = partial(Trainer.from_config, on_step_end=[source.on_step_end])
+            fit_from_config(cfg, ctx, model=model, objective=objective, source=source,
+                            name="grpo", evaluator=evaluator, resumable=rl.ASYNC_RESUMABLE,
+                            make_trainer=make_trainer)  # fmt: skip
         finally:
             if pipeline is not None:
                 pipeline.close()
@@ -110,8 +111,8 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
         max_refills=int(cfg.get("max_refills", 4)), **options,
     )  # fmt: skip
     evaluator = rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source)
-    fit(cfg, ctx, model=model, objective=objective, source=source, name="grpo",
-        evaluator=evaluator)  # fmt: skip
+    fit_from_config(cfg, ctx, model=model, objective=objective, source=source,
+                    name="grpo", evaluator=evaluator, resumable=rl.ASYNC_RESUMABLE)  # fmt: skip
 
 
 def _dp_group_for(node: DictConfig, ctx: DistributedContext) -> dict:

@@ -37,11 +37,12 @@ from tunesmith.training.loop import (
     LOOP_RUNTIME_ARGS,
     LOOP_RUNTIME_KWARGS,
     LossOutput,
-    fit,
+    fit_from_config,
     run_main,
 )
 from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES, flag, number, text
 from tunesmith.training.parallelize import parallelize
+from tunesmith.training.settings import LoopSettings
 from tunesmith.training.sources import DatasetSource
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
@@ -78,9 +79,9 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     objective = Distillation(teacher, loss_fn, float(cfg.get("kd_ratio", 0.5)), vocab_size=vocab)
     setup.memory_plan(cfg, ctx, model, dataset, collate, log, objective="distillation (kd)")
 
-    source = DatasetSource.build(dataset, collate, cfg, ctx)
-    fit(cfg, ctx, model=model, objective=objective, source=source,
-        val_dataset=val_dataset, name="kd")  # fmt: skip
+    source = DatasetSource.build(dataset, collate, LoopSettings.from_config(cfg), ctx)
+    fit_from_config(cfg, ctx, model=model, objective=objective, source=source,
+                    val_dataset=val_dataset, name="kd")  # fmt: skip
 
 
 class Distillation:

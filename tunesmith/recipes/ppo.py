@@ -55,7 +55,7 @@ from tunesmith.rl.objective import PolicyGradient
 from tunesmith.rl.ppo import PPORolloutSource, PPOTrainer, offload_reward_models
 from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
-from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit, run_main
+from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit_from_config, run_main
 from tunesmith.training.loop_config import component, flag, integer, number
 from tunesmith.training.parallelize import parallelize
 from tunesmith.training.trainer import Trainer
@@ -101,8 +101,8 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     objective = PolicyGradient(loss, temperature=options["generation"].temperature,
                                importance_cap=cfg.get("importance_cap"))  # fmt: skip
     value_loss = ValueLoss(cfg.get("value_clip", 0.2), loss.aggregation, loss.max_tokens)
-    critic_trainer = Trainer(critic_config(cfg), ctx, model=critic,
-                             objective=ValueObjective(value_loss))  # fmt: skip
+    critic_trainer = Trainer.from_config(critic_config(cfg), ctx, model=critic,
+                                         objective=ValueObjective(value_loss))  # fmt: skip
     rl.check_one_update_per_backward(cfg, ctx)
 
     # -- rollouts with values and GAE advantages as the trainer's batch source
@@ -114,6 +114,6 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     )  # fmt: skip
     evaluator = rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source)
     warmup = int(cfg.get("critic_warmup_steps", 0)) * options["updates_per_batch"]
-    fit(cfg, ctx, model=model, objective=objective, source=source, name="ppo",
-        evaluator=evaluator,
-        make_trainer=partial(PPOTrainer, critic=critic_trainer, warmup_steps=warmup))  # fmt: skip
+    make_trainer = partial(PPOTrainer.from_config, critic=critic_trainer, warmup_steps=warmup)
+    fit_from_config(cfg, ctx, model=model, objective=objective, source=source, name="ppo",
+                    evaluator=evaluator, make_trainer=make_trainer)  # fmt: skip

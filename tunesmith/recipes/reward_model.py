@@ -35,11 +35,12 @@ from tunesmith.training.loop import (
     LOOP_RUNTIME_ARGS,
     LOOP_RUNTIME_KWARGS,
     LossOutput,
-    fit,
+    fit_from_config,
     run_main,
 )
 from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES
 from tunesmith.training.parallelize import parallelize
+from tunesmith.training.settings import LoopSettings
 from tunesmith.training.sources import DatasetSource
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS
@@ -68,9 +69,9 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     objective = PairwiseRanking(setup.compiled_loss(cfg, instantiate(cfg.loss)))
     setup.memory_plan(cfg, ctx, model, dataset, collate, log, objective="ranking (reward_model)")
 
-    source = DatasetSource.build(dataset, collate, cfg, ctx)
-    fit(cfg, ctx, model=model, objective=objective, source=source,
-        val_dataset=val_dataset, name="reward_model")  # fmt: skip
+    source = DatasetSource.build(dataset, collate, LoopSettings.from_config(cfg), ctx)
+    fit_from_config(cfg, ctx, model=model, objective=objective, source=source,
+                    val_dataset=val_dataset, name="reward_model")  # fmt: skip
 
 
 class PairwiseRanking:

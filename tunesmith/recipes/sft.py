@@ -6,30 +6,29 @@
 The recipe: tokenise the dataset (optionally pack it), build the model (activation
 checkpointing, compile, FSDP2 when world > 1), estimate the memory of the longest batch
 (which ``preflight: true`` also measures), then :func:`~tunesmith.training.loop.fit` the
-objective below: cross-entropy summed over the trained tokens, divided by the trained tokens
-of all micro-batches on all ranks, so the update equals one big batch's token-mean loss.
+objective :class:`~tunesmith.training.objectives.TokenCrossEntropy`: cross-entropy summed over
+the trained tokens, divided by the trained tokens of all micro-batches on all ranks, so the
+update equals one big batch's token-mean loss.
 """
 
 from __future__ import annotations
 
-import torch
 from omegaconf import DictConfig
 
 from tunesmith.config import instantiate
-from tunesmith.modules.losses import IGNORE_INDEX
 from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
-from tunesmith.training.forward import forward_batch, head_weight, router_aux_loss
 from tunesmith.training.loop import (
     LOOP_KEYS,
     LOOP_RUNTIME_ARGS,
     LOOP_RUNTIME_KWARGS,
-    LossOutput,
-    fit,
+    fit_from_config,
     run_main,
 )
 from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES, flag
+from tunesmith.training.objectives import TokenCrossEntropy
 from tunesmith.training.parallelize import parallelize
+from tunesmith.training.settings import LoopSettings
 from tunesmith.training.sources import DatasetSource
 
 # Arguments the recipe passes at run time (for `tunesmith validate`).
@@ -50,7 +49,7 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     tokenizer = setup.load_tokenizer(cfg)
     dataset, val_dataset = setup.datasets_for(cfg, tokenizer, log)
     dataset, collate = setup.token_batches(cfg, dataset, tokenizer)  # packed: true -> packs
-    source = DatasetSource.build(dataset, collate, cfg, ctx)
+    source = DatasetSource.build(dataset, collate, LoopSettings.from_config(cfg), ctx)
 
     # -- model and loss
     model = setup.build_policy(cfg, ctx, tokenizer)
@@ -61,33 +60,5 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     plan = setup.memory_plan(cfg, ctx, model, dataset, collate, log, loss_fn=loss_fn)
 
     # -- train: per step, the token-mean loss of all micro-batches on all ranks
-    fit(cfg, ctx, model=model, objective=objective, source=source,
-        val_dataset=val_dataset, name="sft", memory_plan=plan)  # fmt: skip
-
-
-class TokenCrossEntropy:
-    """The SFT objective: cross-entropy summed over the trained tokens (labels != -100), plus
-    the MoE load-balancing loss (a mean per micro-batch) for MoE models."""
-
-    unit = "trained_tokens"
-    context_parallel = "tokens"  # a sum over tokens: each cp rank sums its share
-
-    def __init__(self, loss_fn: torch.nn.Module) -> None:
-        self.loss_fn = loss_fn
-
-    def units(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["labels"] != IGNORE_INDEX).sum())
-
-    def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
-        loss, router_logits = _loss(model, self.loss_fn, batch)
-        return LossOutput(loss, aux_loss=router_aux_loss(model, router_logits, batch))
-
-
-def _loss(model, loss_fn, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple]:
-    """Summed loss over the batch's trained tokens, and the MoE router logits. A loss that owns
-    the output projection (``needs_hidden_states``) gets hidden states and the head's weight."""
-    if getattr(loss_fn, "needs_hidden_states", False):
-        hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
-        return loss_fn(hidden, head_weight(model), batch["labels"]), router_logits
-    logits, router_logits = forward_batch(model, batch)
-    return loss_fn(logits, batch["labels"]), router_logits
+    fit_from_config(cfg, ctx, model=model, objective=objective, source=source,
+                    val_dataset=val_dataset, name="sft", memory_plan=plan)  # fmt: skip

@@ -17,8 +17,8 @@ Example::
 
     critic = build_critic(cfg, ctx, policy, tokenizer)
     values, _ = critic_values(critic, batch)  # [b, L] float32
-    trainer = Trainer(critic_config(cfg), ctx, model=critic,
-                      objective=ValueObjective(ValueLoss(clip=0.2)))
+    trainer = Trainer.from_config(critic_config(cfg), ctx, model=critic,
+                                  objective=ValueObjective(ValueLoss(clip=0.2)))
 """
 
 from __future__ import annotations

@@ -35,11 +35,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from tunesmith.models.safetensors_io import CheckpointError
@@ -49,7 +49,8 @@ from tunesmith.rl.rewards import RewardSet
 from tunesmith.rl.rollout import completion_mask
 from tunesmith.rl.source import RolloutSource
 from tunesmith.training.distributed import DistributedContext, all_reduce_sum
-from tunesmith.training.trainer import Objective, StepHook, Trainer
+from tunesmith.training.settings import LoopSettings
+from tunesmith.training.trainer import Objective, Trainer
 
 __all__ = [
     "PPORolloutSource",
@@ -234,29 +235,29 @@ class PPOTrainer(Trainer):
 
     Example::
 
-        trainer = PPOTrainer(cfg, ctx, model=policy, objective=objective, source=source,
-                             critic=critic_trainer, warmup_steps=2)
+        trainer = PPOTrainer.from_config(cfg, ctx, model=policy, objective=objective,
+                                         source=source, critic=critic_trainer, warmup_steps=2)
         trainer.start(); trainer.step(source.next_step())["critic/loss"]
         # -> 0.41
     """
 
     def __init__(
-        self, cfg: DictConfig, ctx: DistributedContext, *, model: nn.Module,
+        self, settings: LoopSettings, ctx: DistributedContext, *, model: nn.Module,
         objective: Objective, source: Any = None, critic: Trainer, warmup_steps: int = 0,
-        on_step_end: Sequence[StepHook] = (),
+        **trainer_kwargs: Any,
     ) -> None:  # fmt: skip
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-        total = int(cfg.get("max_steps") or 0)
+        total = settings.max_steps or 0
         if warmup_steps and total and warmup_steps >= total:
             raise ValueError(
                 f"the critic warm-up takes {warmup_steps} steps (critic_warmup_steps x "
                 f"updates_per_batch) but the run has max_steps={total}: no step would update "
                 "the policy"
             )
-        super().__init__(cfg, ctx, model=model, objective=objective, source=source,
-                         on_step_end=on_step_end,
-                         schedule_steps=total - warmup_steps if warmup_steps else None)  # fmt: skip
+        super().__init__(settings, ctx, model=model, objective=objective, source=source,
+                         schedule_steps=total - warmup_steps if warmup_steps else None,
+                         **trainer_kwargs)  # fmt: skip
         self.critic, self.warmup_steps = critic, warmup_steps
 
     def step(self, micro_batches: Sequence[Batch]) -> dict[str, float]:
@@ -290,12 +291,12 @@ class PPOTrainer(Trainer):
 
     def start(self) -> Path | None:
         path = super().start()
-        if path is None:
-            if self.cfg.get("resume", False):  # leftovers of a save that never completed
-                self.critic.cfg.overwrite = True
-            self.critic.cfg.resume = False
+        critic = self.critic.settings
+        if path is None:  # a resume that found nothing: leftovers of a save that never completed
+            overwrite = critic.overwrite or bool(self.settings.resume)
+            self.critic.settings = replace(critic, resume=False, overwrite=overwrite)
         else:
-            self.critic.cfg.resume = str(self._critic_path(path))
+            self.critic.settings = replace(critic, resume=str(self._critic_path(path)))
         self.critic.start()
         self._check_same_step(path)
         return path

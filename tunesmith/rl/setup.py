@@ -46,10 +46,7 @@ from tunesmith.rl.source import GenerationConfig, RolloutSource
 from tunesmith.rl.trainer_group import TRAINER_GROUP_RULE
 from tunesmith.rl.weight_sync import SYNC_MODES
 from tunesmith.training.distributed import DistributedContext
-from tunesmith.training.loop import LOOP_KEYS
 from tunesmith.training.loop_config import (
-    LOOP_RULES,
-    MODEL_RULES,
     Rule,
     choice,
     component,
@@ -58,9 +55,11 @@ from tunesmith.training.loop_config import (
     number,
     type_name,
 )
-from tunesmith.training.setup import MODEL_KEYS, Log
+from tunesmith.training.settings import LOOP_KEYS, LOOP_RULES, MODEL_KEYS, MODEL_RULES
+from tunesmith.training.setup import Log
 
 __all__ = [
+    "ASYNC_RESUMABLE",
     "ASYNC_RULES",
     "RL_RULES",
     "asynchronous_source",
@@ -206,6 +205,12 @@ ASYNC_RULES: dict[str, Rule] = {  # asynchronous GRPO (grpo_async): the rollout 
         extra=_ray_problem, nested=True),
     "trainer_group": TRAINER_GROUP_RULE,  # torchrun's ranks (default) or Ray actors
 }  # fmt: skip
+
+ASYNC_RESUMABLE = frozenset(
+    {"ray", "rollout", "reward_workers", "max_worker_restarts", "buffer_size", "trainer_group"}
+)
+"""Asynchronous GRPO's keys a resume may change: where and with what its workers and trainer
+ranks run (besides the loop's :data:`~tunesmith.training.settings.RESUMABLE_KEYS`)."""
 
 
 def rl_keys(extra: Mapping[str, Rule]) -> tuple[list[str], dict[str, Rule]]:

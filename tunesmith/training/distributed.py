@@ -58,7 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tunesmith.config import ConfigError, ConfigIssue
 from tunesmith.modules.peft.nf4 import is_nf4
-from tunesmith.training.loop_config import LOOP_RULES
+from tunesmith.training.settings import LOOP_RULES
 
 __all__ = [
     "MESH_DIMS",

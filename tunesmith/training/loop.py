@@ -20,11 +20,20 @@ window); ``progress_bar: auto`` (the default) shows a bar when stdout is a termi
 ``resume: true`` with no checkpoint in ``output_dir`` is refused; ``resume: auto`` resumes
 when there is one and starts fresh otherwise.
 
-Example (the core of a recipe)::
+Example (the core of a recipe; :func:`fit_from_config` builds the trainer, its loggers and
+its samples from the config, then calls :func:`fit`)::
 
     ctx = init_distributed("cpu")
-    source = DatasetSource.build(dataset, collate, cfg, ctx)
-    fit(cfg, ctx, model=model, objective=objective, source=source, name="sft")
+    settings = LoopSettings.from_config(cfg)
+    source = DatasetSource.build(dataset, collate, settings, ctx)
+    fit_from_config(cfg, ctx, model=model, objective=objective, source=source, name="sft")
+
+Without a config (see docs/library.md)::
+
+    trainer = Trainer(settings, ctx, model=model, objective=objective, source=source,
+                      optimizer=partial(torch.optim.AdamW, lr=1e-4),
+                      lr_scheduler=partial(cosine_with_warmup, warmup_steps=10))
+    fit(trainer, source, val_dataset=val_dataset, loggers=[JSONLLogger("runs/exp1")])
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +66,14 @@ from tunesmith.training.distributed import (
     init_distributed,
     peer_failure,
 )
-from tunesmith.training.loop_config import LOOP_RULES, Rule, check_rules
 from tunesmith.training.memory import peak_memory_gb
 from tunesmith.training.memory_planner import MemoryPlan
-from tunesmith.training.metric_logging import MetricWindow, MultiLogger, NullLogger
+from tunesmith.training.metric_logging import MetricLogger, MetricWindow, MultiLogger, NullLogger
 from tunesmith.training.preflight import PreflightReport, longest_batch, preflight
+from tunesmith.training.rules import Rule, check_rules
 from tunesmith.training.run_lock import hold_run_lock
-from tunesmith.training.sample_prompts import SAMPLE_KEYS, SamplePrompts
+from tunesmith.training.sample_prompts import SamplePrompts
+from tunesmith.training.settings import LOOP_KEYS, LOOP_RULES, LoopSettings
 from tunesmith.training.sources import BatchSource, DatasetSource, dropped_per_epoch, make_loader
 from tunesmith.training.trainer import LossOutput, Objective, Trainer, evaluate
 
@@ -79,21 +89,13 @@ __all__ = [
     "dropped_per_epoch",
     "evaluate",
     "fit",
+    "fit_from_config",
     "make_loader",
     "run_main",
 ]
 
 Batch = dict[str, torch.Tensor]
 
-# The top-level config keys fit(), make_loader() and build_datasets() read; recipes add theirs.
-LOOP_KEYS = [
-    "output_dir", "model_dir", "seed", "device", "mixed_precision", "precision", "shuffle", "batch_size",
-    "gradient_accumulation_steps", "epochs", "max_steps", "stop_after_steps", "optimizer",
-    "lr_scheduler", "max_grad_norm", "log_grad_norm", "tokenizer", "dataset", "val_dataset", "val_fraction", "metric_loggers", "log_every_n_steps", "eval_every_n_steps",
-    "save_every_n_steps", "save_every_minutes", "keep_last", "resume", "overwrite", "on_nonfinite_loss", "progress_bar",
-    "optimizer_in_backward", "activation_offloading", "distributed_timeout_s", "preflight",
-    "parallelism", *SAMPLE_KEYS,
-]  # fmt: skip
 # Arguments fit() passes at run time (for `tunesmith validate`).
 LOOP_RUNTIME_ARGS = {"tokenizer": 0, "dataset": 1, "val_dataset": 1, "optimizer": 1,
                      "lr_scheduler": 1}  # fmt: skip
@@ -112,21 +114,19 @@ def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictC
     if issues:
         raise ConfigError.from_issues(issues)
     resolve_resume(cfg)  # before anything is written
-    parallelism = cfg.get("parallelism")
-    if isinstance(parallelism, DictConfig):
-        parallelism = OmegaConf.to_container(parallelism, resolve=True)
-    ctx = init_distributed(cfg.get("device", "auto"), cfg.get("distributed_timeout_s"),
-                           parallelism)  # fmt: skip
-    if parallelism is not None and ctx.is_rank_zero:
+    settings = LoopSettings.from_config(cfg)
+    ctx = init_distributed(settings.device, settings.distributed_timeout_s,
+                           settings.parallelism)  # fmt: skip
+    if settings.parallelism is not None and ctx.is_rank_zero:
         print(f"parallelism: {ctx.mesh.mesh_dim_names} mesh of {tuple(ctx.mesh.shape)} ranks, "
               f"{ctx.dp_size} data-parallel")  # fmt: skip
     previous_sigterm = signal.getsignal(signal.SIGTERM)
     previous_sigint = signal.getsignal(signal.SIGINT)
     lock = None
     try:  # one run per output_dir, taken before anything is written into it
-        lock = hold_run_lock(cfg.output_dir, ctx) if cfg.get("output_dir") else None
-        random.seed(int(cfg.get("seed", 0)))
-        torch.manual_seed(int(cfg.get("seed", 0)))
+        lock = hold_run_lock(settings.output_dir, ctx)
+        random.seed(settings.seed)
+        torch.manual_seed(settings.seed)
         train(cfg, ctx)
         if ctx.world_size > 1:  # ranks leave together: none tears its group down mid-collective
             dist.barrier()
@@ -247,7 +247,7 @@ def check_vocab(tokenizer: Any, model: nn.Module, cfg: DictConfig, key: str = "m
         )
 
 
-def fit(
+def fit_from_config(
     cfg: DictConfig,
     ctx: DistributedContext,
     *,
@@ -258,45 +258,70 @@ def fit(
     name: str = "train",
     memory_plan: MemoryPlan | None = None,
     evaluator: Callable[[], Mapping[str, float]] | None = None,
-    make_trainer: Callable[..., Trainer] = Trainer,
+    make_trainer: Callable[..., Trainer] = Trainer.from_config,
+    resumable: Collection[str] = (),
 ) -> None:
-    """Train ``model`` on ``objective`` with the micro-batches of ``source`` as ``cfg`` says
-    (see the module docs).
+    """:func:`fit` with what ``cfg`` asks for: the trainer (``make_trainer(cfg, ctx, model=,
+    objective=, source=, resumable=)``, e.g. a ``functools.partial`` of
+    :meth:`Trainer.from_config` with hooks, or of a subclass's that also trains PPO's critic;
+    ``resumable``: the recipe's own keys a resume may change), its ``metric_loggers`` and
+    ``sample_prompts``.
 
     With ``preflight: true`` (a :class:`DatasetSource`) first runs the objective forward and
     backward once on the longest batch of the data (no update, same RNG) and prints the
-    measured peak, next to ``memory_plan``'s estimate when the recipe gives one. Then builds
-    the :class:`Trainer` (optimizer, schedule, checkpoints; resuming from ``cfg.resume``)
-    and runs it: step, log, validate, checkpoint, stop on SIGTERM or ``stop_after_steps``.
-    A source with a ``step_metrics()`` method (a rollout source: rewards, generation time)
-    has them logged with the trainer's, and the trainer's share of the step as ``train_s``.
-    ``evaluator`` (e.g. held-out rewards) replaces the objective's loss on ``val_dataset``.
-    ``make_trainer`` builds the trainer from ``(cfg, ctx, model=, objective=, source=)`` (e.g. a
-    ``functools.partial`` of a :class:`Trainer` subclass that also trains PPO's critic).
+    measured peak, next to ``memory_plan``'s estimate when the recipe gives one.
     """
-    log = _console(ctx)  # through tqdm.write: never glued to the progress bar
-    if cfg.get("preflight", False):  # before the optimizer exists: nothing may step
+    log = _console(ctx)
+    settings = LoopSettings.from_config(cfg)
+    if settings.preflight:  # before the optimizer exists: nothing may step
         if not isinstance(source, DatasetSource):
             raise ValueError(f"preflight: true measures a dataset's longest batch; this "
                              f"recipe's batches come from a {type(source).__name__}")  # fmt: skip
-        log(_preflight(cfg, ctx, model, objective, source.loader).summary(memory_plan))
-    trainer = make_trainer(cfg, ctx, model=model, objective=objective, source=source)
+        report = _preflight(settings, ctx, model, objective, source.loader)
+        log(report.summary(memory_plan))
+    trainer = make_trainer(cfg, ctx, model=model, objective=objective, source=source,
+                           resumable=resumable)  # fmt: skip
+    loggers = [instantiate(c) for c in cfg.get("metric_loggers") or []]
+    samples = SamplePrompts.from_config(cfg, model, world_size=ctx.world_size)  # sample_prompts
+    fit(trainer, source, loggers=loggers, samples=samples, val_dataset=val_dataset, name=name,
+        evaluator=evaluator)  # fmt: skip
+
+
+def fit(
+    trainer: Trainer,
+    source: BatchSource,
+    *,
+    loggers: Sequence[MetricLogger] = (),
+    samples: SamplePrompts | None = None,
+    val_dataset: Sequence[Any] | None = None,
+    evaluator: Callable[[], Mapping[str, float]] | None = None,
+    name: str = "train",
+) -> None:
+    """Run ``trainer`` to the end on the micro-batches of ``source`` as its settings say (see
+    the module docs): start it (resuming as ``settings.resume`` says), then step, log to
+    ``loggers`` (rank 0's), validate on ``val_dataset``, log ``samples``, checkpoint, and stop
+    on SIGINT/SIGTERM or ``stop_after_steps``.
+
+    A source with a ``step_metrics()`` method (a rollout source: rewards, generation time)
+    has them logged with the trainer's, and the trainer's share of the step as ``train_s``.
+    ``evaluator`` (e.g. held-out rewards) replaces the objective's loss on ``val_dataset``.
+    """
+    ctx, settings, objective = trainer.ctx, trainer.settings, trainer.objective
+    log = _console(ctx)  # through tqdm.write: never glued to the progress bar
     if ctx.is_rank_zero:
         trainer.log = log
     trainer.start()  # verified; refuses another run's checkpoints or a changed config
-    loggers = [instantiate(c) for c in cfg.get("metric_loggers") or []]
-    logger = MultiLogger(loggers) if ctx.is_rank_zero else NullLogger()
+    logger = MultiLogger(list(loggers)) if ctx.is_rank_zero else NullLogger()
     logger.log_config(trainer.record.config)  # environment reads as ${oc.env:...}, never values
-    total_steps, stop_after = trainer.total_steps, cfg.get("stop_after_steps")
+    total_steps, stop_after = trainer.total_steps, settings.stop_after_steps
     logger.begin(total_steps, trainer.progress["step"])  # step N/total, elapsed, ETA
-    samples = SamplePrompts.from_config(cfg, model, world_size=ctx.world_size)  # sample_prompts
-    log_every = int(cfg.get("log_every_n_steps", 1))
-    minutes = cfg.get("save_every_minutes")
+    log_every = settings.log_every_n_steps
+    minutes = settings.save_every_minutes
     save_every_s = None if minutes is None else float(minutes) * 60
-    show_bar = ctx.is_rank_zero and _show_bar(cfg.get("progress_bar", "auto"))
+    show_bar = ctx.is_rank_zero and _show_bar(settings.progress_bar)
     bar = tqdm(total=total_steps, initial=trainer.progress["step"], disable=not show_bar,
                desc=name, dynamic_ncols=True)  # fmt: skip
-    window, timing = MetricWindow(trainer.objective.unit), _Timing()
+    window, timing = MetricWindow(objective.unit), _Timing()
     stop_signal, restore_signals = _install_stop_handlers(announce=ctx.is_rank_zero)
     try:
         step_start = last_save = time.perf_counter()
@@ -319,7 +344,7 @@ def fit(
             elif step == first_step:
                 logger.log(step, {"first_step_s": timing.first_s})
                 timing.first_s = None
-            if _every(step, cfg.get("eval_every_n_steps"), total_steps):
+            if _every(step, settings.eval_every_n_steps, total_steps):
                 if evaluator is not None:
                     logger.log(step, dict(evaluator()))
                 elif val_dataset is not None:
@@ -331,11 +356,11 @@ def fit(
                    and time.perf_counter() - last_save >= save_every_s)  # fmt: skip
             flags = all_reduce_sum([float(stop_signal() is not None), float(due)], ctx.device)
             stop, due = bool(flags[0].item()), bool(flags[1].item())
-            stop_early = stop_after is not None and step == int(stop_after) < total_steps
+            stop_early = stop_after is not None and step == stop_after < total_steps
             if (stop or stop_early) and len(window):  # the steps since the last line
                 logger.log(step, _timed(window.means(), trainer, timing))
                 window.clear()
-            if _every(step, cfg.get("save_every_n_steps"), total_steps) or stop or stop_early \
+            if _every(step, settings.save_every_n_steps, total_steps) or stop or stop_early \
                     or due:  # fmt: skip
                 log(f"checkpoint: {trainer.save()}")
                 last_save = time.perf_counter()
@@ -409,12 +434,12 @@ def _show_bar(setting: Any) -> bool:
     return bool(setting)
 
 
-def _preflight(cfg: DictConfig, ctx: DistributedContext, model: nn.Module, objective: Objective,
-               loader: StatefulDataLoader) -> PreflightReport:  # fmt: skip
+def _preflight(settings: LoopSettings, ctx: DistributedContext, model: nn.Module,
+               objective: Objective, loader: StatefulDataLoader) -> PreflightReport:  # fmt: skip
     """One forward and backward of ``objective`` on the longest batch of the loader's data."""
     dataset = loader.dataset
-    batch = longest_batch(dataset, min(int(cfg.batch_size), len(dataset)), loader.collate_fn)
-    autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
+    batch = longest_batch(dataset, min(settings.batch_size, len(dataset)), loader.collate_fn)
+    autocast_dtype = AUTOCAST[settings.mixed_precision]
 
     def batch_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.autocast(ctx.device.type, autocast_dtype, enabled=bool(autocast_dtype)):
@@ -423,7 +448,7 @@ def _preflight(cfg: DictConfig, ctx: DistributedContext, model: nn.Module, objec
 
     return preflight(
         model, {k: v.to(ctx.device) for k, v in batch.items()}, batch_loss, device=ctx.device,
-        free_grads_in_backward=bool(cfg.get("optimizer_in_backward", False)),
+        free_grads_in_backward=settings.optimizer_in_backward,
     )  # fmt: skip
 
 

@@ -1,20 +1,12 @@
-"""The training loop's own config keys: what each allows, and which may change on resume.
-
-**Up-front check.** :data:`LOOP_RULES` gives every top-level key the loop reads a
-:class:`Rule` (type, range or choices); a recipe adds rules for its own keys (its ``RULES``).
-:func:`check_rules` reports every value that breaks its rule, one ``key: expected ..., got ...``
-issue each, before anything is built: ``tunesmith validate`` and
-:func:`~tunesmith.training.loop.run_main` (before the data is tokenised) both run it.
-Booleans must be YAML booleans (``true``/``false``; YAML 1.1's ``yes``/``no``/``on``/``off``
-load as booleans too), never strings such as ``"true"``; integers must be ints (``4``, not
-``4.0``, ``1e3`` or ``true``); numbers may be ints or floats, never booleans.
+"""What a checkpoint remembers of its run, and which config changes a resume may make.
 
 **Resume.** Each checkpoint stores a :class:`RunRecord`: the run's config as
 :func:`~tunesmith.config.plain_config` renders it (interpolations resolved, environment reads
 kept as ``${oc.env:NAME}``: a changed secret is no change, a changed interpolation is), the
 schedule length and the number of training samples. Before any weight is loaded,
 :func:`check_resume` compares it with the new run's and refuses, listing every changed key as
-``dotted.path: old -> new``, unless each change is to a key of :data:`RESUMABLE_KEYS`:
+``dotted.path: old -> new``, unless each change is to a resumable key
+(:data:`~tunesmith.training.settings.RESUMABLE_KEYS`, and those a recipe declares):
 
 - ``max_steps``, ``epochs``: the schedule length. The LR schedule is recomputed for the new
   length from the step the run resumed at (the learning rate at step ``s`` is then the one a
@@ -42,33 +34,32 @@ schedule length and the number of training samples. Before any weight is loaded,
 Everything else (``optimizer``, ``lr_scheduler``, ``seed``, ``shuffle``, ``dataset``,
 ``model_dir``, a recipe's own keys, ...) must stay as it was; a different number of training
 samples (the data file changed in place) is refused too. Allowed changes are logged.
-
-Example::
-
-    >>> from omegaconf import OmegaConf
-    >>> cfg = OmegaConf.create({"max_steps": 0, "shuffle": "yes"})
-    >>> for issue in check_rules(cfg, {k: LOOP_RULES[k] for k in cfg}):
-    ...     print(issue)
-    max_steps: expected an int >= 1, or null (epochs decide), got 0
-    shuffle: expected true or false, got 'yes' (a string: write true or false, unquoted)
+The rules every value is checked against before a run starts are in
+:mod:`tunesmith.training.rules`, the loop's keys with their rules and defaults in
+:mod:`tunesmith.training.settings`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig
-from omegaconf.errors import OmegaConfBaseException
-
 from tunesmith.config import COMPONENT_KEY, ConfigError, ConfigIssue, resolve_component
-from tunesmith.config.errors import type_name
-from tunesmith.config.nodes import has_key, read_child
-from tunesmith.modules.dtypes import AUTOCAST
-from tunesmith.training.precision import precision_problem
+from tunesmith.training.rules import (  # re-exported: recipes import the rule builders here
+    Rule,
+    check_rules,
+    choice,
+    component,
+    flag,
+    integer,
+    is_int,
+    number,
+    text,
+    type_name,
+)
+from tunesmith.training.settings import LOOP_RULES, MODEL_RULES, RESUMABLE_KEYS
 
 __all__ = [
     "BATCH_KEYS",
@@ -89,346 +80,10 @@ __all__ = [
     "number",
     "read_record",
     "text",
+    "type_name",
 ]
 
-
-# ----------------------------------------------------------------------------- rules
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What one key allows: ``allowed`` in words, ``fits(value)`` whether a value is one of them,
-    ``extra(value)`` a further problem of a fitting value (e.g. a device this machine lacks).
-
-    >>> integer(1).problem(0)
-    'expected an int >= 1, got 0'
-    """
-
-    allowed: str
-    fits: Callable[[Any], bool]
-    required: bool = False
-    extra: Callable[[Any], str | None] | None = None
-    nested: bool = False  # an ``extra`` problem ``sub.key: ...`` is reported at ``<key>.sub.key``
-
-    def problem(self, value: Any) -> str | None:
-        """Why ``value`` is not allowed, or None."""
-        if not self.fits(value):
-            return f"expected {self.allowed}, got {_shown(value)}"
-        return self.extra(value) if self.extra is not None else None
-
-
-def _or_null(allowed: str, null: str | None) -> str:
-    return allowed if null is None else f"{allowed}, or null ({null})"
-
-
-def _nullable(fits: Callable[[Any], bool], null: str | None) -> Callable[[Any], bool]:
-    return lambda v: (v is None and null is not None) or (v is not None and fits(v))
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def integer(minimum: int, *, null: str | None = None, required: bool = False) -> Rule:
-    """An int >= ``minimum`` (or null, meaning ``null``).
-
-    >>> integer(1, null="no limit").allowed
-    'an int >= 1, or null (no limit)'
-    """
-    fits = _nullable(lambda v: _is_int(v) and v >= minimum, null)
-    return Rule(_or_null(f"an int >= {minimum}", null), fits, required)
-
-
-def number(
-    *, above: float | None = None, at_least: float | None = None, below: float | None = None,
-    at_most: float | None = None, null: str | None = None, unit: str = "a number",
-) -> Rule:  # fmt: skip
-    """An int or float in the given bounds (never NaN or a bool).
-
-    >>> number(at_least=0, below=1).allowed
-    'a number >= 0 and < 1'
-    """
-    bounds = [f"> {above:g}" if above is not None else "",
-              f">= {at_least:g}" if at_least is not None else "",
-              f"< {below:g}" if below is not None else "",
-              f"<= {at_most:g}" if at_most is not None else ""]  # fmt: skip
-    words = f"{unit} {' and '.join(b for b in bounds if b)}".strip()
-
-    def fits(v: Any) -> bool:
-        return (
-            _is_number(v) and not math.isnan(v)
-            and (above is None or v > above) and (at_least is None or v >= at_least)
-            and (below is None or v < below) and (at_most is None or v <= at_most)
-        )  # fmt: skip
-
-    return Rule(_or_null(words, null), _nullable(fits, null))
-
-
-def flag() -> Rule:
-    """``true`` or ``false`` (a YAML boolean, not a string)."""
-    return Rule("true or false", lambda v: isinstance(v, bool))
-
-
-def choice(*values: str, null: str | None = None) -> Rule:
-    """One of ``values`` (exactly, case included).
-
-    >>> choice("stop", "skip").problem("STOP")
-    "expected one of 'stop', 'skip', got 'STOP' (a string)"
-    """
-    words = "one of " + ", ".join(repr(v) for v in values)
-    return Rule(
-        _or_null(words, null), _nullable(lambda v: isinstance(v, str) and v in values, null)
-    )
-
-
-def text(*, null: str | None = None, required: bool = False) -> Rule:
-    """A non-empty string (a path, a name)."""
-    fits = _nullable(lambda v: isinstance(v, str) and v.strip() != "", null)
-    return Rule(_or_null("a non-empty string", null), fits, required)
-
-
-def component(*, null: str | None = None, required: bool = False, many: bool = False) -> Rule:
-    """A mapping with a ``_component_`` (``many``: a list of them); its arguments are checked
-    by :func:`~tunesmith.config.validate_config`."""
-    fits = _all_components if many else _is_component
-    words = "a list of mappings with _component_" if many else "a mapping with _component_"
-    return Rule(_or_null(words, null), _nullable(fits, null), required)
-
-
-def _is_component(value: Any) -> bool:
-    return type_name(value) == "mapping" and COMPONENT_KEY in value.keys()  # noqa: SIM118
-
-
-def _all_components(value: Any) -> bool:
-    return type_name(value) == "list" and all(_is_component(item) for item in value)
-
-
-def _cuda_missing(device: Any) -> str | None:
-    import torch
-
-    if device == "cuda" and not torch.cuda.is_available():
-        return (
-            "got 'cuda', but this machine has no CUDA device (torch.cuda.is_available() is "
-            "false); use auto or cpu"
-        )
-    return None
-
-
-def _bool_text_hint(value: Any) -> str:
-    words = {"true", "false", "yes", "no", "on", "off"}
-    return ": write true or false, unquoted" if str(value).lower() in words else ""
-
-
-def _shown(value: Any) -> str:
-    """A value as the user wrote it: ``0``, ``'abc' (a string)``, ``true (a boolean)``."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"{str(value).lower()} (a boolean)"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return f"{value!r} (a string{_bool_text_hint(value)})"
-    return f"a {type_name(value)}"
-
-
-_PARALLEL_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "ep")
-
-
-def _parallelism_problem(value: Any) -> str | None:
-    """What is wrong inside a ``parallelism`` mapping (its sizes against the world are
-    checked when the process group starts: :class:`~tunesmith.training.distributed.ParallelDims`)."""
-    if value is None:
-        return None
-    for key in value.keys():  # noqa: SIM118 (a DictConfig or a dict)
-        if key not in (*_PARALLEL_KEYS, "sequence_parallel"):
-            allowed = ", ".join((*_PARALLEL_KEYS, "sequence_parallel"))
-            return f"unknown key {key!r} (allowed: {allowed})"
-    if not isinstance(value.get("sequence_parallel", True), bool):
-        return (
-            f"sequence_parallel: expected true or false, got {_shown(value['sequence_parallel'])}"
-        )
-    for key in _PARALLEL_KEYS:
-        size = value.get(key, 1)
-        auto = key == "dp_shard" and ((_is_int(size) and size == -1) or size == "auto")
-        if not auto and not (_is_int(size) and size >= 1):
-            also = " (or -1 / 'auto': what is left of the world)" if key == "dp_shard" else ""
-            return f"{key}: expected an int >= 1{also}, got {_shown(size)}"
-    return None
-
-
-LOOP_RULES: dict[str, Rule] = {
-    "output_dir": text(required=True),
-    "model_dir": text(null="no source model folder"),
-    "seed": integer(0),
-    "device": Rule(
-        "one of 'auto', 'cpu', 'cuda'", lambda v: v in ("auto", "cpu", "cuda"), extra=_cuda_missing
-    ),
-    "mixed_precision": choice(*(k for k in AUTOCAST if k), null="full precision"),
-    "precision": Rule(  # tunesmith.training.precision
-        "a mapping of weights, master_weights, optimizer_states, save_dtype, or null (the "
-        "model's own dtype, no master copies)",
-        lambda v: v is None or type_name(v) == "mapping",
-        extra=precision_problem,
-    ),
-    "shuffle": flag(),
-    "batch_size": integer(1, required=True),
-    "gradient_accumulation_steps": integer(1),
-    "epochs": integer(1),
-    "max_steps": integer(1, null="epochs decide"),
-    "stop_after_steps": integer(1, null="no early stop"),
-    "optimizer": component(required=True),
-    "lr_scheduler": component(required=True),
-    "max_grad_norm": number(above=0, null="no clipping"),
-    "log_grad_norm": flag(),
-    "tokenizer": component(required=True),
-    "dataset": component(required=True),
-    "val_dataset": Rule(
-        "a mapping with _component_, a mapping of the training dataset's settings to change "
-        "(e.g. source: held_out.jsonl), or null (no validation set)",
-        lambda v: v is None or type_name(v) == "mapping",
-    ),
-    "val_fraction": number(at_least=0, below=1),
-    "metric_loggers": component(null="no metric logging", many=True),
-    "log_every_n_steps": integer(1),
-    "eval_every_n_steps": integer(1, null="after the last step only"),
-    "sample_prompts": Rule(  # tunesmith.training.sample_prompts
-        "a list of prompts (strings, {messages: [...]} or {text: ...}), or null (no samples)",
-        lambda v: (
-            v is None
-            or type_name(v) == "list"
-            and all(isinstance(p, str) or type_name(p) == "mapping" for p in v)
-        ),
-    ),
-    "sample_every_n_steps": integer(1, null="every eval_every_n_steps"),
-    "sample_max_new_tokens": integer(1),
-    "save_every_n_steps": integer(1, null="after the last step only"),
-    "save_every_minutes": number(above=0, null="no timed saves", unit="a number of minutes"),
-    "keep_last": integer(1, null="keep every checkpoint"),
-    "resume": Rule(
-        "true, false (or null), auto (resume when there is a checkpoint) or a checkpoint folder",
-        lambda v: v is None or isinstance(v, bool) or (isinstance(v, str) and v.strip() != ""),
-    ),
-    "on_nonfinite_loss": choice("stop", "skip"),
-    "progress_bar": Rule(
-        "true, false or auto (a bar when stdout is a terminal)",
-        lambda v: isinstance(v, bool) or v == "auto",
-    ),
-    "optimizer_in_backward": flag(),
-    "activation_offloading": flag(),
-    "distributed_timeout_s": number(
-        above=0, null="the backend's default", unit="a number of seconds"
-    ),
-    "preflight": flag(),
-    "overwrite": flag(),
-    "parallelism": Rule(
-        "a mapping of dp_replicate, dp_shard, tp, cp, ep sizes (and sequence_parallel: "
-        "true/false), or null (every rank data-parallel shard)",
-        lambda v: v is None or type_name(v) == "mapping",
-        extra=_parallelism_problem,
-    ),
-}
-"""One rule per top-level key the loop reads (``LOOP_KEYS``, plus ``overwrite``)."""
-
-MODEL_RULES: dict[str, Rule] = {
-    "compile": Rule(
-        "true, false, null or a mapping of compile options",
-        lambda v: v is None or isinstance(v, bool) or type_name(v) == "mapping",
-    ),
-    "attention_backend": choice(
-        "auto", "sdpa", "varlen", "flex", "loop", null="each model's own setting: auto"
-    ),
-}
-"""Rules of the keys every recipe's model step reads (``setup.MODEL_KEYS``) that have one."""
-
-
-def check_rules(cfg: DictConfig, rules: Mapping[str, Rule]) -> list[ConfigIssue]:
-    """One issue per top-level key of ``cfg`` whose value breaks its rule, and per required
-    key that is absent. Keys without a rule are not looked at. A value whose check meets an
-    interpolation inside it that does not resolve is reported at that inner value's key, as
-    :func:`~tunesmith.config.validate_config` reports it.
-
-    >>> from omegaconf import OmegaConf
-    >>> [str(i) for i in check_rules(OmegaConf.create({"seed": "abc"}), {"seed": integer(0)})]
-    ["seed: expected an int >= 0, got 'abc' (a string)"]
-    """
-    issues: list[ConfigIssue] = []
-    for key, rule in rules.items():
-        if not has_key(cfg, key):
-            if rule.required:
-                issues.append(ConfigIssue(key, f"required key is missing ({rule.allowed})"))
-            continue
-        try:
-            value = read_child(cfg, key, key)
-        except ConfigError as error:  # missing (???) or an interpolation that does not resolve
-            issues.append(ConfigIssue(key, error.message))
-            continue
-        try:
-            problem = rule.problem(value)
-        except (OmegaConfBaseException, RecursionError) as error:  # a value inside `value`
-            line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            inside = ConfigIssue(key, f"a value inside cannot be resolved: {line}")
-            issues.append(_unresolved(value, key, set()) or inside)
-            continue
-        if problem is not None:
-            issues.append(_issue(key, problem, rule.nested and rule.fits(value)))
-    return issues
-
-
-def _unresolved(node: Any, path: str, seen: set[int]) -> ConfigIssue | None:
-    """The first value inside ``node`` that does not resolve (or is ``???``), at its dotted path,
-    as ``validate_config`` reports it; None if every one resolves. Each node is walked once.
-
-    >>> from omegaconf import OmegaConf
-    >>> cfg = OmegaConf.create({"a": [1, "${nowhere}"]})
-    >>> str(_unresolved(cfg, "cfg", set()))  # doctest: +ELLIPSIS
-    "cfg.a.1: interpolation '${nowhere}' cannot be resolved: ..."
-    """
-    if not isinstance(node, (DictConfig, ListConfig)) or id(node) in seen:
-        return None
-    seen.add(id(node))
-    for key in node.keys() if isinstance(node, DictConfig) else range(len(node)):  # noqa: SIM118
-        where = f"{path}.{key}"
-        try:
-            child = read_child(node, key, where)
-        except ConfigError as error:
-            return ConfigIssue(where, error.message)
-        found = _unresolved(child, where, seen)
-        if found is not None:
-            return found
-    return None
-
-
-def _issue(key: str, problem: str, nested: bool) -> ConfigIssue:
-    """The issue of ``problem`` at ``key`` (at ``key.sub`` for a nested ``sub: ...``).
-
-    >>> str(_issue("rollout", "runtime_env.pip: refused", nested=True))
-    'rollout.runtime_env.pip: refused'
-    """
-    sub, sep, rest = problem.partition(": ")
-    if nested and sep and sub and " " not in sub:
-        return ConfigIssue(f"{key}.{sub}", rest)
-    return ConfigIssue(key, problem)
-
-
 # ----------------------------------------------------------------------------- resume
-
-RESUMABLE_KEYS = frozenset({
-    "max_steps", "epochs",
-    "stop_after_steps", "save_every_n_steps", "save_every_minutes", "keep_last",
-    "log_every_n_steps", "log_grad_norm",
-    "eval_every_n_steps", "val_dataset", "metric_loggers", "progress_bar",
-    "sample_prompts", "sample_every_n_steps", "sample_max_new_tokens",
-    "output_dir", "resume", "overwrite", "preflight", "distributed_timeout_s",
-    "activation_checkpointing", "activation_offloading", "compile", "attention_backend",
-    "on_nonfinite_loss",
-    "ray", "rollout", "reward_workers", "max_worker_restarts", "buffer_size", "trainer_group",
-})  # fmt: skip
-"""Top-level keys whose value may differ from the checkpoint's on resume (see the module docs)."""
 
 SCHEDULE_KEYS = ("max_steps", "epochs")
 BATCH_KEYS = ("batch_size", "gradient_accumulation_steps", "parallelism")
@@ -577,22 +232,23 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Chang
     return changes
 
 
-def _resumable(change: Change, new: Mapping[str, Any]) -> bool:
+def _resumable(change: Change, new: Mapping[str, Any], resumable: Collection[str]) -> bool:
     top = change.path.split(".", 1)[0]
     if change.path in ("dataset.cache_dir", "val_dataset.cache_dir"):
         return True  # where tokenised rows are cached: the tokens are the same
     if top == "val_dataset" and new.get("val_fraction"):
         return False  # with a val_fraction, whether val_dataset is set decides the training split
-    return top in RESUMABLE_KEYS
+    return top in resumable
 
 
 def check_resume(
-    checkpoint: Path, saved: RunRecord, current: RunRecord, *, resizable: bool = True
-) -> list[str]:
+    checkpoint: Path, saved: RunRecord, current: RunRecord, *, resizable: bool = True,
+    resumable: Collection[str] = RESUMABLE_KEYS,
+) -> list[str]:  # fmt: skip
     """Refuse (:class:`~tunesmith.config.ConfigError`, one ``path: old -> new`` line per key)
     to resume ``checkpoint`` with a config that differs from ``saved``'s outside
-    :data:`RESUMABLE_KEYS`, with another number of training samples, with a schedule shorter
-    than the checkpoint's step, or with another length when the LR scheduler cannot be given one
+    ``resumable`` (the loop's :data:`RESUMABLE_KEYS` and a recipe's own), with another
+    number of training samples, with a schedule shorter than the checkpoint's step, or with another length when the LR scheduler cannot be given one
     (``resizable`` false). :data:`BATCH_KEYS` and the number of data-parallel ranks (the
     records' ``data_parallel``, when both have one) may change if the global batch stays the
     same. Returns the lines to log about the changes that are applied.
@@ -610,7 +266,8 @@ def check_resume(
     same_batch = _global_batch(saved) is not None and _global_batch(saved) == _global_batch(current)
     issues = [
         ConfigIssue(c.path, c.describe()) for c in changes
-        if not (_resumable(c, current.config) or (same_batch and _top(c) in BATCH_KEYS))
+        if not (_resumable(c, current.config, resumable)
+                or (same_batch and _top(c) in BATCH_KEYS))
     ]  # fmt: skip
     dp_sizes = (saved.data_parallel, current.data_parallel)
     if not same_batch and None not in dp_sizes and dp_sizes[0] != dp_sizes[1]:
@@ -622,7 +279,7 @@ def check_resume(
         raise ConfigError.from_issues(issues, header=(
             f"resume from {checkpoint}: the config differs from the checkpoint's in keys that "
             "cannot change on resume (start a new run in another output_dir, or set them back; "
-            f"may change: {', '.join(sorted(RESUMABLE_KEYS))}; and {', '.join(BATCH_KEYS)} "
+            f"may change: {', '.join(sorted(resumable))}; and {', '.join(BATCH_KEYS)} "
             "with the same global batch):"
         ))  # fmt: skip
     notes = [f"resume: {c.path} {c.describe()}" for c in changes
@@ -651,12 +308,12 @@ def _global_batch(record: RunRecord) -> int | None:
     its rows per step, ``prompts_per_step x group_size``, whatever the mesh (``batch_size`` is
     then only the micro-batch)."""
     prompts, group = record.config.get("prompts_per_step"), record.config.get("group_size")
-    if _is_int(prompts) and _is_int(group):
+    if is_int(prompts) and is_int(group):
         return prompts * group
     batch = record.config.get("batch_size")
     accum = record.config.get("gradient_accumulation_steps")
     accum = 1 if accum is None else accum
-    if record.data_parallel is None or not (_is_int(batch) and _is_int(accum)):
+    if record.data_parallel is None or not (is_int(batch) and is_int(accum)):
         return None
     return batch * accum * record.data_parallel
 
@@ -676,7 +333,7 @@ def _batch_issue(saved: RunRecord, current: RunRecord) -> ConfigIssue:
         f"to {product(current)}"
     )
     old, accum = _global_batch(saved), current.config.get("gradient_accumulation_steps") or 1
-    if old is not None and _is_int(accum) and old % (accum * current.data_parallel) == 0:
+    if old is not None and is_int(accum) and old % (accum * current.data_parallel) == 0:
         message += f": keep it {old} with batch_size={old // (accum * current.data_parallel)}"
     return ConfigIssue("data_parallel", message)
 

@@ -52,6 +52,7 @@ from tunesmith.training.memory_planner import MemoryPlan, estimate_memory, optim
 from tunesmith.training.parallelize import parallelize
 from tunesmith.training.precision import cast_weights, check_precision
 from tunesmith.training.preflight import longest_batch
+from tunesmith.training.settings import MODEL_KEYS  # the keys of the model steps here
 
 __all__ = [
     "MODEL_KEYS",
@@ -70,8 +71,6 @@ __all__ = [
     "token_batches",
 ]
 
-# The top-level config keys of the model steps here and in parallelize(); rules: MODEL_RULES.
-MODEL_KEYS = ["model", "loss", "activation_checkpointing", "compile", "attention_backend"]
 
 Log = Callable[..., None]
 

@@ -11,19 +11,19 @@ is another source.
 Example::
 
     >>> from functools import partial
-    >>> from omegaconf import OmegaConf
     >>> from tunesmith.data import collate_padded
+    >>> from tunesmith.training.settings import LoopSettings
     >>> dataset = [{"input_ids": [i, i + 1], "labels": [i + 1, -100]} for i in range(8)]
-    >>> cfg = OmegaConf.create({"batch_size": 2, "gradient_accumulation_steps": 2,
-    ...                         "shuffle": False})
+    >>> settings = LoopSettings(output_dir="out", batch_size=2, gradient_accumulation_steps=2,
+    ...                         shuffle=False)
     >>> ctx = DistributedContext(rank=0, world_size=1, local_rank=0,  # one process
     ...                          device=torch.device("cpu"), mesh=None)
     >>> collate = partial(collate_padded, pad_id=0)
-    >>> source = DatasetSource.build(dataset, collate, cfg, ctx)
+    >>> source = DatasetSource.build(dataset, collate, settings, ctx)
     >>> micro_batches = source.next_step()
     >>> [b["input_ids"].tolist() for b in micro_batches]  # 2 micro-batches of 2 rows
     [[[0, 1], [1, 2]], [[2, 3], [3, 4]]]
-    >>> resumed = DatasetSource.build(dataset, collate, cfg, ctx)
+    >>> resumed = DatasetSource.build(dataset, collate, settings, ctx)
     >>> resumed.load_state_dict(source.state_dict())  # as a checkpoint's "dataloader"
     >>> resumed.next_step()[0]["input_ids"].tolist()  # goes on where the first one stopped
     [[4, 5], [5, 6]]
@@ -35,11 +35,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from omegaconf import DictConfig
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.settings import LoopSettings
 
 __all__ = ["BatchSource", "DatasetSource", "dropped_per_epoch", "make_loader"]
 
@@ -69,27 +69,23 @@ class BatchSource(Protocol):
 
 
 def make_loader(
-    dataset: Sequence[Any], collate: Callable[[list[Any]], Batch], cfg: DictConfig,
-    ctx: DistributedContext,
+    dataset: Sequence[Any], collate: Callable[[list[Any]], Batch], ctx: DistributedContext,
+    *, batch_size: int, shuffle: bool = True, seed: int = 0,
 ) -> tuple[StatefulDataLoader, DistributedSampler]:  # fmt: skip
     """This rank's resumable loader over ``dataset`` (a new order every epoch when
-    ``cfg.shuffle``, drawn from ``cfg.seed``), its share of the samples that of its
-    data-parallel rank (``ctx.dp_rank`` of ``ctx.dp_size``). Incomplete batches are dropped,
-    and so are the samples past a multiple of the dp size: how many each epoch leaves out is
-    logged."""
-    dropped = dropped_per_epoch(len(dataset), ctx.dp_size, int(cfg.batch_size))
+    ``shuffle``, drawn from ``seed``), its share of the samples that of its data-parallel
+    rank (``ctx.dp_rank`` of ``ctx.dp_size``). Incomplete batches are dropped, and so are the
+    samples past a multiple of the dp size: how many each epoch leaves out is logged."""
+    dropped = dropped_per_epoch(len(dataset), ctx.dp_size, batch_size)
     if dropped and ctx.is_rank_zero:
-        which = ("a different draw each epoch" if cfg.get("shuffle", True)
-                 else "always the same ones: shuffle is off")  # fmt: skip
+        which = "a different draw each epoch" if shuffle else "always the same ones: shuffle is off"
         print(f"data: {len(dataset)} samples, {ctx.dp_size} data-parallel rank(s) x batch_size "
-              f"{cfg.batch_size}: {dropped} sample(s) left out of each epoch (drop_last; "
+              f"{batch_size}: {dropped} sample(s) left out of each epoch (drop_last; "
               f"{which})")  # fmt: skip
-    sampler = DistributedSampler(
-        dataset, num_replicas=ctx.dp_size, rank=ctx.dp_rank,
-        shuffle=bool(cfg.get("shuffle", True)), seed=int(cfg.get("seed", 0)), drop_last=True,
-    )  # fmt: skip
+    sampler = DistributedSampler(dataset, num_replicas=ctx.dp_size, rank=ctx.dp_rank,
+                                 shuffle=shuffle, seed=seed, drop_last=True)  # fmt: skip
     loader = StatefulDataLoader(
-        dataset, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate, drop_last=True
+        dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=True
     )
     return loader, sampler
 
@@ -139,13 +135,14 @@ class DatasetSource:
 
     @classmethod
     def build(
-        cls, dataset: Sequence[Any], collate: Callable[[list[Any]], Batch], cfg: DictConfig,
-        ctx: DistributedContext,
+        cls, dataset: Sequence[Any], collate: Callable[[list[Any]], Batch],
+        settings: LoopSettings, ctx: DistributedContext,
     ) -> DatasetSource:  # fmt: skip
-        """``dataset`` read as ``cfg`` says (``batch_size``, ``shuffle``, ``seed``,
+        """``dataset`` read as ``settings`` say (``batch_size``, ``shuffle``, ``seed``,
         ``gradient_accumulation_steps``) on this data-parallel rank."""
-        loader, sampler = make_loader(dataset, collate, cfg, ctx)
-        return cls(loader, sampler, int(cfg.get("gradient_accumulation_steps", 1)))
+        loader, sampler = make_loader(dataset, collate, ctx, batch_size=settings.batch_size,
+                                      shuffle=settings.shuffle, seed=settings.seed)  # fmt: skip
+        return cls(loader, sampler, settings.gradient_accumulation_steps)
 
     @property
     def dataset(self) -> Sequence[Any]:

@@ -12,9 +12,12 @@ checkpoint and resume it with its :class:`~tunesmith.training.sources.BatchSourc
 
 Example (a recipe's loop; :func:`~tunesmith.training.loop.fit` adds logging and stopping)::
 
-    source = DatasetSource.build(dataset, collate, cfg, ctx)
-    trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source)
-    trainer.start()                                # resume=... picks the checkpoint
+    settings = LoopSettings(output_dir="runs/exp1", batch_size=4, max_steps=100)
+    source = DatasetSource.build(dataset, collate, settings, ctx)
+    trainer = Trainer(settings, ctx, model=model, objective=objective, source=source,
+                      optimizer=partial(torch.optim.AdamW, lr=1e-4),
+                      lr_scheduler=partial(cosine_with_warmup, warmup_steps=10))
+    trainer.start()                                # settings.resume picks the checkpoint
     while not trainer.done:
         metrics = trainer.step(source.next_step())
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -45,12 +48,22 @@ from tunesmith.training.distributed import DistributedContext, all_reduce_sum, f
 from tunesmith.training.loop_config import RECORD_KEY, RunRecord, check_resume, read_record
 from tunesmith.training.lr_schedules import schedule_params, set_schedule_params
 from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
-from tunesmith.training.precision import build_optimizer, check_precision
+from tunesmith.training.precision import build_optimizer
+from tunesmith.training.settings import RESUMABLE_KEYS, LoopSettings
 from tunesmith.training.sources import BatchSource
 
-__all__ = ["LossOutput", "Objective", "StepHook", "Trainer", "evaluate"]
+__all__ = [
+    "LossOutput", "Objective", "OptimizerFactory", "SchedulerFactory", "StepHook", "Trainer",
+    "evaluate",
+]  # fmt: skip
 
 Batch = dict[str, torch.Tensor]
+OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
+"""Builds the optimizer over parameters (or parameter groups): ``partial(torch.optim.AdamW,
+lr=1e-4)``. The trainer calls it (wrapped for master weights or a step in backward)."""
+SchedulerFactory = Callable[..., Any]
+"""``factory(optimizer, num_training_steps=N)`` -> the LR schedule:
+``partial(tunesmith.training.cosine_with_warmup, warmup_steps=10)``."""
 
 
 @dataclass
@@ -88,62 +101,92 @@ generator, bump a policy version)."""
 
 class Trainer:
     """Optimizer, LR schedule, checkpoints and progress counters of one run of ``model`` on
-    ``objective``, as ``cfg`` says (``optimizer``, ``lr_scheduler``, ``max_steps``/``epochs``,
-    ``max_grad_norm``, ``on_nonfinite_loss``, ``mixed_precision``, ``optimizer_in_backward``,
-    ``activation_offloading``, ``output_dir``, ``keep_last``, ``resume``, ``overwrite``...).
+    ``objective``, as ``settings`` say (``max_steps``/``epochs``, ``max_grad_norm``,
+    ``on_nonfinite_loss``, ``mixed_precision``, ``precision``, ``optimizer_in_backward``,
+    ``activation_offloading``, ``output_dir``, ``keep_last``, ``resume``, ``overwrite``...);
+    ``optimizer`` and ``lr_scheduler`` build the two over the trained parameters
+    (:data:`OptimizerFactory`, :data:`SchedulerFactory`). :meth:`from_config` builds it all
+    from a config.
 
     ``source`` is checkpointed with the trainer (its state under ``"dataloader"``, its
-    ``epoch`` in the progress counters); without ``steps_per_epoch`` on it, ``cfg.max_steps``
-    sets the run's length. ``schedule_steps`` is the LR schedule's length when it is not the
-    run's (a subclass whose first steps leave the model alone, e.g. PPO's critic warm-up).
+    ``epoch`` in the progress counters); without ``steps_per_epoch`` on it,
+    ``settings.max_steps`` sets the run's length. ``schedule_steps`` is the LR schedule's
+    length when it is not the run's (a subclass whose first steps leave the model alone, e.g.
+    PPO's critic warm-up). ``run_config`` is what each checkpoint records of the run (a resume
+    refuses changes outside ``resumable``); without it, the settings themselves.
 
     Example::
 
-        trainer = Trainer(cfg, ctx, model=model, objective=objective, source=source)
+        trainer = Trainer(settings, ctx, model=model, objective=objective, source=source,
+                          optimizer=partial(torch.optim.AdamW, lr=1e-4),
+                          lr_scheduler=partial(cosine_with_warmup, warmup_steps=10))
         trainer.on_step_end.append(lambda t, step, metrics: print(step, metrics["loss"]))
         trainer.step(source.next_step())["loss"]
         # -> 2.31
     """
 
     def __init__(
-        self, cfg: DictConfig, ctx: DistributedContext, *, model: nn.Module,
-        objective: Objective, source: BatchSource | None = None,
-        on_step_end: Sequence[StepHook] = (), schedule_steps: int | None = None,
+        self, settings: LoopSettings, ctx: DistributedContext, *, model: nn.Module,
+        objective: Objective, optimizer: OptimizerFactory, lr_scheduler: SchedulerFactory,
+        source: BatchSource | None = None, run_config: Mapping[str, Any] | None = None,
+        resumable: Collection[str] = RESUMABLE_KEYS, on_step_end: Sequence[StepHook] = (),
+        schedule_steps: int | None = None,
     ) -> None:  # fmt: skip
-        self.cfg, self.ctx, self.model, self.objective = cfg, ctx, model, objective
+        self.settings, self.ctx, self.model, self.objective = settings, ctx, model, objective
         check_objective(objective, ctx.cp_size)  # context parallel: refused where not exact
         self.source = source
         self.on_step_end: list[StepHook] = list(on_step_end)
         self.log = print if ctx.is_rank_zero else (lambda *a, **k: None)
-        self.total_steps = int(cfg.get("max_steps") or _steps_per_epoch(source) *
-                               int(cfg.get("epochs", 1)))  # fmt: skip
+        self.total_steps = settings.max_steps or _steps_per_epoch(source) * settings.epochs
         trainable = [p for p in model.parameters() if p.requires_grad]
-        self.in_backward = bool(cfg.get("optimizer_in_backward", False))
-        self.precision = check_precision(cfg)  # bf16 weights, master copies, save dtype
+        self.in_backward = settings.optimizer_in_backward
+        self.precision = settings.precision  # bf16 weights, master copies, save dtype
         if self.in_backward:  # each parameter steps as soon as its gradient is ready
-            check_compatible(int(cfg.get("gradient_accumulation_steps", 1)),
-                             cfg.get("max_grad_norm"),
-                             on_nonfinite_loss=cfg.get("on_nonfinite_loss", "stop"))  # fmt: skip
-            self.optimizer = OptimizerInBackward(trainable, partial(instantiate, cfg.optimizer))
+            check_compatible(settings.gradient_accumulation_steps, settings.max_grad_norm,
+                             on_nonfinite_loss=settings.on_nonfinite_loss)  # fmt: skip
+            self.optimizer = OptimizerInBackward(trainable, optimizer)
         else:
             params = trainable if self.precision.master_weights else _by_kind(trainable)
-            self.optimizer = build_optimizer(self.precision, params,
-                                             partial(instantiate, cfg.optimizer))  # fmt: skip
-        self.scheduler = instantiate(cfg.lr_scheduler, self.optimizer,
-                                     num_training_steps=schedule_steps or self.total_steps)  # fmt: skip
+            self.optimizer = build_optimizer(self.precision, params, optimizer)
+        self.scheduler = lr_scheduler(self.optimizer,
+                                      num_training_steps=schedule_steps or self.total_steps)  # fmt: skip
         self._schedule = schedule_params(self.scheduler)  # this run's: wins over a checkpoint's
-        self.record = RunRecord(plain_config(cfg), self.total_steps,
-                                int(getattr(source, "samples", 0)),
+        record = dict(run_config) if run_config is not None else settings.as_config()
+        self.record = RunRecord(record, self.total_steps, int(getattr(source, "samples", 0)),
                                 data_parallel=ctx.dp_size)  # fmt: skip
-        self.autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
-        self.offload = bool(cfg.get("activation_offloading", False))
+        self.resumable = frozenset(resumable)
+        self.autocast_dtype = AUTOCAST[settings.mixed_precision]
+        self.offload = settings.activation_offloading
         self.checkpointer = Checkpointer(
-            Path(cfg.output_dir) / "checkpoints", ctx, keep_last=cfg.get("keep_last"),
-            source_dir=cfg.get("model_dir"), save_dtype=self.precision.save_dtype,
+            Path(settings.output_dir) / "checkpoints", ctx, keep_last=settings.keep_last,
+            source_dir=settings.model_dir, save_dtype=self.precision.save_dtype,
         )  # fmt: skip
         self.progress = {"step": 0, "tokens_seen": 0}
         self.last_checkpoint: Path | None = None
         self.rank_tokens = 0  # real (non-padding) tokens of the last step on this rank
+
+    @classmethod
+    def from_config(
+        cls, cfg: DictConfig, ctx: DistributedContext, *, model: nn.Module,
+        objective: Objective, source: BatchSource | None = None,
+        resumable: Collection[str] = (), **kwargs: Any,
+    ) -> Trainer:  # fmt: skip
+        """The trainer a config asks for: its :class:`LoopSettings`, its ``optimizer`` and
+        ``lr_scheduler`` components, and the config itself recorded in every checkpoint (a
+        resume compares it; ``resumable``: the recipe's own keys that may change then).
+        ``kwargs`` go to the constructor (``on_step_end``, ``schedule_steps``, a subclass's).
+
+        Example::
+
+            trainer = Trainer.from_config(cfg, ctx, model=model, objective=objective,
+                                          source=source)
+        """
+        return cls(
+            LoopSettings.from_config(cfg), ctx, model=model, objective=objective,
+            optimizer=partial(instantiate, cfg.optimizer),
+            lr_scheduler=partial(instantiate, cfg.lr_scheduler), source=source,
+            run_config=plain_config(cfg), resumable=RESUMABLE_KEYS | set(resumable), **kwargs,
+        )  # fmt: skip
 
     @property
     def done(self) -> bool:
@@ -190,7 +233,7 @@ class Trainer:
         # with the optimizer in backward the update is done and no gradient is left
         with record_function("trainer/grad_norm"):
             grad_norm = (
-                _clip(self.model, self.cfg.get("max_grad_norm"))
+                _clip(self.model, self.settings.max_grad_norm)
                 if self.computes_grad_norm else None
             )  # fmt: skip
         loss_value = step_loss.item()
@@ -198,7 +241,7 @@ class Trainer:
                 and (grad_norm is None or math.isfinite(grad_norm))):  # fmt: skip
             norm_text = "" if grad_norm is None else f" / grad norm {grad_norm}"
             message = f"loss {loss_value}{norm_text} at step {step}"
-            if self.cfg.get("on_nonfinite_loss", "stop") == "stop":
+            if self.settings.on_nonfinite_loss == "stop":
                 raise FloatingPointError(
                     f"{message}; stopping (last good checkpoint: {self.last_checkpoint}). "
                     "Set on_nonfinite_loss=skip to skip such batches."
@@ -241,12 +284,12 @@ class Trainer:
 
         Example::
 
-            Trainer(cfg, ctx, model=model, objective=objective).computes_grad_norm
+            Trainer.from_config(cfg, ctx, model=model, objective=objective).computes_grad_norm
             # -> True
         """
         if self.in_backward:
             return False
-        return bool(self.cfg.get("max_grad_norm")) or bool(self.cfg.get("log_grad_norm", False))
+        return bool(self.settings.max_grad_norm) or self.settings.log_grad_norm
 
     def _empty_step(self, step: int, micro_batches: Sequence[Batch]) -> dict[str, float]:
         """A step whose micro-batches hold no unit to train on anywhere (e.g. an RL batch whose
@@ -273,11 +316,12 @@ class Trainer:
         self, dataset: Sequence[Any], collate: Callable[[list[Any]], Batch] | None = None
     ) -> dict[str, float]:
         """``val_loss`` and ``val_<metric>`` over ``dataset`` (see :func:`evaluate`), batched by
-        ``collate`` (default: the source's) in ``cfg.batch_size``; the model's mode is restored.
+        ``collate`` (default: the source's) in ``settings.batch_size``; the model's mode is
+        restored.
         """
         collate = collate if collate is not None else self.source.collate
         return evaluate(self.model, self.objective, dataset, collate, self.ctx,
-                        int(self.cfg.batch_size), self.autocast_dtype)  # fmt: skip
+                        self.settings.batch_size, self.autocast_dtype)  # fmt: skip
 
     def save(self) -> Path:
         """Checkpoint the current step (a collective); returns its folder."""
@@ -290,7 +334,7 @@ class Trainer:
         return self.last_checkpoint
 
     def start(self) -> Path | None:
-        """Begin the run as ``cfg.resume`` / ``cfg.overwrite`` say (see
+        """Begin the run as ``settings.resume`` / ``settings.overwrite`` say (see
         :meth:`Checkpointer.start`: a changed config is refused before anything moves), loading
         the checkpoint it picks; returns that checkpoint (None: step 0)."""
         resized = False
@@ -300,7 +344,7 @@ class Trainer:
             resized = self._check_config(path)
 
         path = self.checkpointer.start(
-            self.cfg.get("resume", False), overwrite=bool(self.cfg.get("overwrite", False)),
+            self.settings.resume, overwrite=self.settings.overwrite,
             check=check, log=self.log,
         )  # fmt: skip
         if path is not None:
@@ -342,7 +386,7 @@ class Trainer:
                 "continues as saved"
             )
             return False
-        for note in check_resume(checkpoint, saved, self.record,
+        for note in check_resume(checkpoint, saved, self.record, resumable=self.resumable,
                                  resizable=self._schedule is not None):  # fmt: skip
             self.log(note)
         return saved.total_steps != self.record.total_steps
