@@ -55,7 +55,7 @@ def _issues(**values) -> list[str]:
 def test_every_loop_key_has_a_rule():
     assert set(LOOP_KEYS) == set(LOOP_RULES)
     model_keys = {"activation_checkpointing", "compile", "attention_backend"}
-    from tunesmith.rl.setup import ASYNC_RULES  # asynchronous RL's worker keys
+    from tunesmith.rl.settings import ASYNC_RULES  # asynchronous RL's worker keys
 
     assert set(LOOP_KEYS) | model_keys | set(ASYNC_RULES) >= RESUMABLE_KEYS
 

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 import tunesmith
 from tunesmith.config import ConfigError
 from tunesmith.recipes import sft
+from tunesmith.rl.settings import ASYNC_SETTINGS, RL_SETTINGS
 from tunesmith.training.loop_config import RunRecord, check_resume
 from tunesmith.training.precision import Precision
 from tunesmith.training.rules import check_rules
@@ -33,8 +34,13 @@ from tunesmith.training.settings import (
     markdown_table,
 )
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "training_config.md"
-BEGIN, END = "<!-- settings table:", "<!-- end of settings table -->"
+DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
+TABLES = {  # page -> (its opening marker, its closing marker, the declarations it shows)
+    "training_config.md": ("<!-- settings table:", "<!-- end of settings table -->",
+                           (LOOP_SETTINGS, MODEL_SETTINGS)),
+    "rl.md": ("<!-- rl settings table:", "<!-- end of rl settings table -->",
+              (RL_SETTINGS, ASYNC_SETTINGS)),
+}  # fmt: skip
 PACKAGE = Path(tunesmith.__file__).parent
 
 # The reads of the run's config with a default written at the read (``cfg.get("key", 0)``)
@@ -43,27 +49,28 @@ PACKAGE = Path(tunesmith.__file__).parent
 INLINE_DEFAULT_BUDGET = {
     "cli/data_cmd.py": 1,
     "demo/rl.py": 1,
-    "rl/setup.py": 15,
     "rl/workers.py": 4,
     "training/loop.py": 3,
     "training/setup.py": 3,
 }
 SETTINGS_READERS = ("training/trainer.py", "training/sources.py", "training/settings.py",
-                    "rl/ppo.py")  # fmt: skip
+                    "rl/ppo.py", "rl/settings.py")  # fmt: skip
 """Files that read the loop's settings from a :class:`LoopSettings`, never from a config."""
 
 
-def _docs_table() -> str:
-    text = DOCS.read_text()
-    start = text.index(BEGIN)
-    start = text.index("\n", start) + 1
-    return text[start : text.index(END)].rstrip("\n")
+def _span(text: str, begin: str, end: str) -> tuple[int, int]:
+    """Where the table between the two marker lines of ``text`` starts and ends."""
+    start = text.index("\n", text.index(begin)) + 1
+    return start, text.index(end)
 
 
-def test_docs_table_is_the_declared_settings():
-    assert _docs_table() == markdown_table(LOOP_SETTINGS, MODEL_SETTINGS), (
-        "docs/training_config.md's settings table is out of date: "
-        "python -m tests.training.test_settings"
+@pytest.mark.parametrize("page", TABLES)
+def test_docs_tables_are_the_declared_settings(page):
+    begin, end, tables = TABLES[page]
+    text = (DOCS_DIR / page).read_text()
+    start, stop = _span(text, begin, end)
+    assert text[start:stop].rstrip("\n") == markdown_table(*tables), (
+        f"docs/{page}'s settings table is out of date: python -m tests.training.test_settings"
     )
 
 
@@ -170,12 +177,12 @@ def test_the_loop_reads_its_settings_not_the_config(relative):
 
 
 def _write_docs() -> None:
-    text = DOCS.read_text()
-    start = text.index("\n", text.index(BEGIN)) + 1
-    end = text.index(END)
-    table = markdown_table(LOOP_SETTINGS, MODEL_SETTINGS)
-    DOCS.write_text(text[:start] + table + "\n" + text[end:])
-    print(f"wrote the settings table of {DOCS}", file=sys.stderr)
+    for page, (begin, end, tables) in TABLES.items():
+        path = DOCS_DIR / page
+        text = path.read_text()
+        start, stop = _span(text, begin, end)
+        path.write_text(text[:start] + markdown_table(*tables) + "\n" + text[stop:])
+        print(f"wrote the settings table of {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

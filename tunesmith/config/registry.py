@@ -16,6 +16,7 @@ to a bound method whose ``__func__`` carries the mark.
 
 Example::
 
+    >>> import torch
     >>> from tunesmith.config.registry import component, is_marked
     >>> @component
     ... class MyLoss(torch.nn.Module): ...
@@ -59,6 +60,8 @@ def component(obj: T) -> T:
 def is_marked(obj: Any) -> bool:
     """Whether ``obj`` itself (or, for a bound method, the function it binds) carries the mark.
 
+    >>> from tunesmith.data import Tokenizer
+    >>> from tunesmith.rl.rewards.sandbox import run_sandboxed
     >>> is_marked(Tokenizer.from_pretrained), is_marked(run_sandboxed)
     (True, False)
     """

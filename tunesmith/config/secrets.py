@@ -83,8 +83,11 @@ def secret_names() -> list[str]:
 
     Example::
 
-        >>> secret_names()  # doctest: +SKIP
-        ['HF_TOKEN', 'WANDB_API_KEY']
+        >>> remember("DEMO_API_KEY", "k3y-value-long-enough")
+        >>> os.environ[SECRET_NAMES_ENV] = "DEMO_HUB_TOKEN,DEMO_WANDB_KEY"  # set by the CLI
+        >>> secret_names()[-3:]
+        ['DEMO_API_KEY', 'DEMO_HUB_TOKEN', 'DEMO_WANDB_KEY']
+        >>> del os.environ[SECRET_NAMES_ENV]
     """
     with _LOCK:
         names = list(_SEEN)

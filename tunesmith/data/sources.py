@@ -27,9 +27,12 @@ UTF-8 is a bad row naming its line.
 
 Example::
 
-    >>> rows = load_rows("train.jsonl")          # doctest: +SKIP
-    >>> for index, where, row in rows:  # doctest: +SKIP
+    >>> Path("train.jsonl").write_text('{"prompt": "Hi", "answer": "Hello"}\\n{broken\\n')
+    44
+    >>> for index, where, row in load_rows("train.jsonl"):
     ...     print(index, where, row)  # row: a dict, or a BadRow for a broken line
+    0  (line 1) {'prompt': 'Hi', 'answer': 'Hello'}
+    1  (line 2) malformed_json: Expecting property name enclosed in double quotes at column 2
 """
 
 from __future__ import annotations
@@ -571,8 +574,10 @@ def read_text_rows(
 
     Example::
 
-        >>> read_text_rows("notes.txt", sample_by="paragraph")  # doctest: +SKIP
-        [(' (line 1)', {'text': 'First paragraph,\\nover two lines.'}), ...]
+        >>> Path("notes.txt").write_text("First paragraph,\\nover two lines.\\n\\nSecond one.\\n")
+        46
+        >>> read_text_rows("notes.txt", sample_by="paragraph")
+        [(' (line 1)', {'text': 'First paragraph,\\nover two lines.'}), (' (line 4)', {'text': 'Second one.'})]
     """
     if sample_by not in TEXT_SAMPLE_BY:
         raise ValueError(f"sample_by must be one of {TEXT_SAMPLE_BY}, got {sample_by!r}")
@@ -804,9 +809,13 @@ def load_rows(
 
     Example::
 
-        >>> rows = load_rows("data/train.parquet")  # doctest: +SKIP
-        >>> rows.columns  # doctest: +SKIP
-        ['messages']
+        >>> Path("train.csv").write_text("prompt,answer\\nTwo plus two?,4\\n")
+        30
+        >>> rows = load_rows("train.csv")
+        >>> rows.columns, len(rows)
+        (['prompt', 'answer'], 1)
+        >>> list(rows)  # CSV cells are text
+        [(0, ' (line 2)', {'prompt': 'Two plus two?', 'answer': '4'})]
     """
     if sample_by not in TEXT_SAMPLE_BY:
         raise ValueError(f"sample_by must be one of {TEXT_SAMPLE_BY}, got {sample_by!r}")

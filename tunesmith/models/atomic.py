@@ -24,13 +24,16 @@ so they need no check.
 
 Example::
 
-    >>> tmp = Path("out/.ckpt.tmp")  # doctest: +SKIP
-    >>> tmp.mkdir()  # doctest: +SKIP
-    >>> (tmp / "a.txt").write_text("hi")  # doctest: +SKIP
-    >>> fsync_tree(tmp)  # doctest: +SKIP
+    >>> tmp = Path("out/.ckpt.tmp")
+    >>> tmp.mkdir(parents=True)
+    >>> (tmp / "a.txt").write_text("hi")
+    2
+    >>> fsync_tree(tmp)
     ['a.txt']
-    >>> fsync_path(tmp, directory=True)  # doctest: +SKIP
-    >>> replace_directory(tmp, Path("out/ckpt"), aside=Path("out/.ckpt.old"))  # doctest: +SKIP
+    >>> fsync_path(tmp, directory=True)
+    >>> replace_directory(tmp, Path("out/ckpt"), aside=Path("out/.ckpt.old"))
+    >>> sorted(p.as_posix() for p in Path("out").rglob("*"))
+    ['out/ckpt', 'out/ckpt/a.txt']
 """
 
 from __future__ import annotations
@@ -80,7 +83,13 @@ def fsync_tree(root: Path) -> list[str]:
 
     Example::
 
-        >>> fsync_tree(Path("out/.tmp-step_000001-123"))  # doctest: +SKIP
+        >>> tmp = Path("out/.tmp-step_000001-123")
+        >>> (tmp / "training_state").mkdir(parents=True)
+        >>> (tmp / "model.safetensors").write_bytes(b"weights")
+        7
+        >>> (tmp / "training_state" / "rank0.pt").write_bytes(b"state")
+        5
+        >>> fsync_tree(tmp)
         ['model.safetensors', 'training_state/rank0.pt']
     """
     names = []
@@ -132,7 +141,16 @@ def replace_directory(new: Path, final: Path, *, aside: Path, exchange: bool = T
 
     Example::
 
-        >>> replace_directory(tmp, Path("ckpt/step_1"), aside=Path("ckpt/.old"))  # doctest: +SKIP
+        >>> Path("ckpt/step_1").mkdir(parents=True)
+        >>> Path("ckpt/step_1/old.txt").write_text("old")
+        3
+        >>> tmp = Path("ckpt/.tmp-step_1")
+        >>> tmp.mkdir()
+        >>> (tmp / "new.txt").write_text("new")
+        3
+        >>> replace_directory(tmp, Path("ckpt/step_1"), aside=Path("ckpt/.old"))
+        >>> sorted(p.as_posix() for p in Path("ckpt").rglob("*"))
+        ['ckpt/step_1', 'ckpt/step_1/new.txt']
     """
     if not final.exists():
         os.rename(new, final)
@@ -184,9 +202,12 @@ def refuse_unsafe(path: Path, st: os.stat_result, *, folder: bool = False) -> No
 
     Example::
 
-        >>> refuse_unsafe(Path("out/metrics.jsonl"), os.lstat("out/metrics.jsonl"))  # doctest: +SKIP
+        >>> Path("out").mkdir()
+        >>> Path("out/metrics.jsonl").symlink_to("/etc/passwd")
+        >>> refuse_unsafe(Path("out/metrics.jsonl"), os.lstat("out/metrics.jsonl"))
         Traceback (most recent call last):
-        UnsafePathError: out/metrics.jsonl: is a symbolic link (to /etc/passwd); ...
+        ...
+        tunesmith.models.atomic.UnsafePathError: out/metrics.jsonl: is a symbolic link (to /etc/passwd); ...
     """
     wanted = stat.S_ISDIR if folder else stat.S_ISREG
     if wanted(st.st_mode):
@@ -203,9 +224,14 @@ def refuse_hard_link(path: Path, st: os.stat_result) -> None:
 
     Example::
 
-        >>> refuse_hard_link(Path("out/metrics.jsonl"), os.stat("out/metrics.jsonl"))  # doctest: +SKIP
+        >>> Path("out").mkdir()
+        >>> Path("out/metrics.jsonl").write_text("")
+        0
+        >>> os.link("out/metrics.jsonl", "mine.jsonl")
+        >>> refuse_hard_link(Path("out/metrics.jsonl"), os.stat("out/metrics.jsonl"))
         Traceback (most recent call last):
-        UnsafePathError: out/metrics.jsonl: is a hard link (the file has 2 names); ...
+        ...
+        tunesmith.models.atomic.UnsafePathError: out/metrics.jsonl: is a hard link (the file has 2 names), ...
     """
     if st.st_nlink > 1:
         raise UnsafePathError(
@@ -225,7 +251,7 @@ def real_folder(path: str | os.PathLike[str], *, create: bool = True) -> Path:
 
     Example::
 
-        >>> real_folder("out/logs")  # doctest: +SKIP
+        >>> real_folder("out/logs")
         PosixPath('out/logs')
     """
     path = Path(path)
@@ -253,7 +279,11 @@ def open_fd_no_follow(
 
     Example::
 
-        >>> fd = open_fd_no_follow("out/.tunesmith.lock", "r+")  # doctest: +SKIP
+        >>> Path("out").mkdir()
+        >>> fd = open_fd_no_follow("out/.tunesmith.lock", "r+", create=True)
+        >>> os.write(fd, b"1234")
+        4
+        >>> os.close(fd)
     """
     path = Path(path)
     flags = _MODES[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -290,8 +320,15 @@ def open_no_follow(
 
     Example::
 
-        >>> with open_no_follow("out/config.yaml", "w") as f:  # doctest: +SKIP
-        ...     f.write(text)
+        >>> Path("out").mkdir()
+        >>> with open_no_follow("out/config.yaml", "w") as f:
+        ...     f.write("lr: 0.001\\n")
+        10
+        >>> Path("out/metrics.jsonl").symlink_to("/etc/passwd")
+        >>> open_no_follow("out/metrics.jsonl", "a")
+        Traceback (most recent call last):
+        ...
+        tunesmith.models.atomic.UnsafePathError: out/metrics.jsonl: is a symbolic link (to /etc/passwd); ...
     """
     binary = "b" in mode
     fd = open_fd_no_follow(path, mode.replace("b", ""))

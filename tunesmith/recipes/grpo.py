@@ -93,7 +93,7 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     if asynchronous:
         source, pipeline = rl.asynchronous_source(
             cfg, ctx, model=model, tokenizer=tokenizer, prompts=prompts, rewards=rewards,
-            advantage=advantage,
+            advantage=advantage, dynamic_sampling=bool(cfg.get("dynamic_sampling", False)),
         )  # fmt: skip
         try:
             evaluator = rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source)

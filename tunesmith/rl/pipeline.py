@@ -41,9 +41,12 @@ not ``max_staleness`` versions; refills may take the buffer past ``buffer_size``
 
 Example::
 
-    >>> pipeline = RolloutPipeline(config, stream, mode="overlap", total_batches=10)  # doctest: +SKIP
-    >>> pipeline.start()                                                             # doctest: +SKIP
-    >>> groups, metrics = pipeline.next_batch(0, version=0)                          # doctest: +SKIP
+    pipeline = RolloutPipeline(config, stream, mode="overlap", total_batches=10)
+    pipeline.start()  # starts Ray (or joins ray.address) and the rollout / reward workers
+    groups, metrics = pipeline.next_batch(0, version=0)
+    # -> batch 0's groups, sampled by policy version 0, and metrics such as
+    #    {'wait_s': 3.2, 'staleness_mean': 0.0, 'staleness_max': 0.0, ...}
+    pipeline.close()
 """
 
 from __future__ import annotations
@@ -117,8 +120,12 @@ def init_ray(ray: Any, options: Mapping[str, Any]) -> bool:
     instead (:func:`_code_dir`), so a ``torch.py`` or ``json.py`` in the run's folder is never
     imported by a worker.
 
-    >>> init_ray(ray, {"address": "auto"})  # doctest: +SKIP
-    False
+    Example::
+
+        init_ray(ray, {"address": "auto"})  # join the running cluster
+        # -> False (the run leaves the cluster running)
+        init_ray(ray, {"num_cpus": 4})  # nothing to join: start a local instance
+        # -> True (the run shuts it down at the end)
     """
     if ray.is_initialized():
         return False

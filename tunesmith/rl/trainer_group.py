@@ -39,7 +39,10 @@ actor, so they die with it.
 
 Example::
 
-    >>> run_trainers(grpo.train, cfg, KEYS, RULES)  # doctest: +SKIP
+    cfg.trainer_group = {"launcher": "ray", "workers": 2, "num_gpus": 1}
+    run_trainers(grpo.train, cfg, KEYS, RULES)  # as tunesmith.recipes.grpo_async.main does
+    # -> returns once both ranks are done; their output is in
+    #    <output_dir>/logs/trainer-group-<time>/rank0.log, rank1.log and console.log
 """
 
 from __future__ import annotations
@@ -269,7 +272,13 @@ def _open_log(path: Path) -> TextIO:
 
     Example::
 
-        >>> _open_log(Path("out/logs/trainer-group-20260101-120000/rank1.log"))  # doctest: +SKIP
+        >>> folder = real_folder("out/logs/trainer-group-20260101-120000")
+        >>> log = _open_log(folder / "rank1.log")
+        >>> log.write("step 1: loss 2.31\\n")
+        18
+        >>> log.close()
+        >>> (folder / "rank1.log").read_text()
+        'step 1: loss 2.31\\n'
     """
     file = open_no_follow(path, "a", buffering=1, errors="replace")
     return RedactingStream(file)  # type: ignore[return-value]  # a TextIO with redaction
@@ -513,8 +522,8 @@ def _log_dir(cfg: DictConfig) -> Path:
 
     Example::
 
-        >>> _log_dir(OmegaConf.create({"output_dir": "out"}))  # doctest: +SKIP
-        PosixPath('out/logs/trainer-group-20260101-120000')
+        >>> _log_dir(OmegaConf.create({"output_dir": "out"}))
+        PosixPath('out/logs/trainer-group-...')
     """
     name = "trainer-group-" + time.strftime("%Y%m%d-%H%M%S")
     output_dir = cfg.get("output_dir")

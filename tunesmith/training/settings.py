@@ -60,10 +60,13 @@ __all__ = [
     "RESUMABLE_KEYS",
     "LoopSettings",
     "Setting",
+    "Settings",
     "keys_of",
     "markdown_table",
     "resumable_keys",
     "rules_of",
+    "setting",
+    "settings_of",
 ]
 
 REQUIRED = dataclasses.MISSING
@@ -99,8 +102,13 @@ class Setting:
 
 
 def setting(default: Any, rule: Rule | None, doc: str, *, resumable: bool = False) -> Any:
-    """A :class:`LoopSettings` field declared with its :class:`Setting` (the field's name is
-    the key's)."""
+    """A field of a :class:`Settings` dataclass declared with its :class:`Setting` (the field's
+    name is the key's; :data:`REQUIRED`: no default).
+
+    Example::
+
+        seed: int = setting(0, integer(0), "seed of the shuffle, the initialisation and sampling")
+    """
     declared = Setting("", rule, doc, default, resumable)
     if default is REQUIRED:
         return field(metadata={"setting": declared})
@@ -155,8 +163,46 @@ _PARALLELISM_RULE = Rule(
 )
 
 
+class Settings:
+    """The base of a frozen settings dataclass whose fields are declared with :func:`setting`:
+    every value is checked against its rule when built (:class:`~tunesmith.config.ConfigError`
+    names each bad one), and :meth:`from_config` reads the fields from a config once."""
+
+    def __post_init__(self) -> None:
+        issues = []
+        for declared in settings_of(type(self)):
+            value = getattr(self, declared.name)
+            if declared.rule is None or isinstance(value, Precision):
+                continue
+            problem = declared.rule.problem(value)
+            if problem is not None:
+                issues.append(ConfigIssue(declared.name, problem))
+        if issues:
+            raise ConfigError.from_issues(issues)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig | Mapping[str, Any]) -> Any:
+        """The settings of ``cfg``: each field from its key (absent keys: their defaults);
+        other keys are not looked at."""
+        return cls(**_read(cls, cfg))
+
+
+def _read(cls: type, cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    return {s.name: _plain(cfg[s.name]) for s in settings_of(cls) if s.name in cfg}
+
+
+def settings_of(cls: type) -> tuple[Setting, ...]:
+    """The :class:`Setting` of each field of the settings dataclass ``cls``, named.
+
+    >>> [s.name for s in settings_of(LoopSettings)][:3]
+    ['output_dir', 'batch_size', 'model_dir']
+    """
+    return tuple(dataclasses.replace(f.metadata["setting"], name=f.name)
+                 for f in dataclasses.fields(cls))  # fmt: skip
+
+
 @dataclass(frozen=True)
-class LoopSettings:
+class LoopSettings(Settings):
     """What the training loop is told by the config's top-level keys, typed and checked
     (every value against its rule when built: :class:`~tunesmith.config.ConfigError` names
     each bad one). See the module docs; ``precision`` is the resolved
@@ -237,18 +283,6 @@ class LoopSettings:
     sample_max_new_tokens: int = setting(64, integer(1),
         "the length of each in-training sample", resumable=True)  # fmt: skip
 
-    def __post_init__(self) -> None:
-        issues = []
-        for name, declared in _fields():
-            value = getattr(self, name)
-            if declared.rule is None or isinstance(value, Precision):
-                continue
-            problem = declared.rule.problem(value)
-            if problem is not None:
-                issues.append(ConfigIssue(name, problem))
-        if issues:
-            raise ConfigError.from_issues(issues)
-
     @classmethod
     def from_config(cls, cfg: DictConfig | Mapping[str, Any]) -> LoopSettings:
         """The settings of ``cfg`` (absent keys: their defaults; ``precision`` resolved and
@@ -258,7 +292,7 @@ class LoopSettings:
         >>> LoopSettings.from_config(cfg).seed
         7
         """
-        values = {name: _plain(cfg[name]) for name, _ in _fields() if name in cfg}
+        values = _read(cls, cfg)
         values["precision"] = check_precision(cfg)
         return cls(**values)
 
@@ -269,7 +303,7 @@ class LoopSettings:
         >>> LoopSettings(output_dir="out", batch_size=2).as_config()["precision"]
         {'weights': None, 'master_weights': None, 'optimizer_states': None, 'save_dtype': None}
         """
-        values = {name: getattr(self, name) for name, _ in _fields()}
+        values = {s.name: getattr(self, s.name) for s in settings_of(LoopSettings)}
         values["precision"] = {k: None if v is None else str(v).removeprefix("torch.")
                                for k, v in dataclasses.asdict(self.precision).items()}  # fmt: skip
         return values
@@ -279,10 +313,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (DictConfig, ListConfig)):
         return OmegaConf.to_container(value, resolve=True)
     return value
-
-
-def _fields() -> list[tuple[str, Setting]]:
-    return [(f.name, f.metadata["setting"]) for f in dataclasses.fields(LoopSettings)]
 
 
 def _sample_prompts_fit(value: Any) -> bool:
@@ -331,14 +361,7 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
 """The keys of every recipe's model step (``setup`` and ``parallelize``)."""
 
 
-def _named(name: str, declared: Setting) -> Setting:
-    return dataclasses.replace(declared, name=name)
-
-
-LOOP_SETTINGS: tuple[Setting, ...] = (
-    *(_named(name, declared) for name, declared in _fields()),
-    *LOOP_SECTIONS,
-)
+LOOP_SETTINGS: tuple[Setting, ...] = (*settings_of(LoopSettings), *LOOP_SECTIONS)
 """Every top-level key the loop reads."""
 
 

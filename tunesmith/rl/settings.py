@@ -1,0 +1,267 @@
+"""The settings every RL recipe reads besides the loop's, each declared once: name, rule,
+default, whether a resume may change it, and a one-line doc (as
+:mod:`tunesmith.training.settings` declares the loop's).
+
+:class:`RLSettings` is the typed, frozen form of the RL keys (``group_size``,
+``prompts_per_step``, ``updates_per_batch``...) and :class:`AsyncSettings` asynchronous GRPO's
+(``async_mode``, ``max_staleness``...); the sections read by what they build (``prompts``,
+``rewards``, ``generation``, the Ray ``rollout`` workers...) are in :data:`RL_SECTIONS` and
+:data:`ASYNC_SECTIONS`. :data:`RL_RULES`, :data:`ASYNC_RULES`, :data:`ASYNC_RESUMABLE` and
+:func:`rl_keys` (an RL recipe's ``KEYS`` and ``RULES``) are derived from them.
+
+Example::
+
+    >>> settings = RLSettings(group_size=8, prompts_per_step=4)
+    >>> settings.updates_per_batch, settings.chat_template, settings.eval_batch_size
+    (1, True, 16)
+    >>> sorted(ASYNC_RESUMABLE)
+    ['buffer_size', 'max_worker_restarts', 'ray', 'reward_workers', 'rollout', 'trainer_group']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tunesmith.rl.pipeline import (
+    RAY_KEYS,
+    ray_address_problem,
+    runtime_env_allowed,
+    section_runtime_env_problem,
+)
+from tunesmith.rl.trainer_group import TRAINER_GROUP_RULE
+from tunesmith.rl.weight_sync import SYNC_MODES
+from tunesmith.training.rules import Rule, choice, component, flag, integer, number, type_name
+from tunesmith.training.settings import (
+    LOOP_KEYS,
+    LOOP_RULES,
+    MODEL_KEYS,
+    MODEL_RULES,
+    REQUIRED,
+    Setting,
+    Settings,
+    resumable_keys,
+    rules_of,
+    setting,
+    settings_of,
+)
+
+__all__ = [
+    "ASYNC_RESUMABLE",
+    "ASYNC_RULES",
+    "ASYNC_SECTIONS",
+    "ASYNC_SETTINGS",
+    "RL_RULES",
+    "RL_SECTIONS",
+    "RL_SETTINGS",
+    "AsyncSettings",
+    "RLSettings",
+    "mapping",
+    "rl_keys",
+]
+
+_DATASET_KEYS = ("dataset", "val_dataset", "val_fraction", "gradient_accumulation_steps")
+
+
+def mapping(what: str) -> Rule:
+    """The rule of a section that is a mapping or null (``what`` says what it holds)."""
+    return Rule(what, lambda v: v is None or type_name(v) == "mapping")
+
+
+_ROLLOUT_KEYS = ("workers", "num_cpus", "num_gpus", "engine", "vllm", "merge_adapters",
+                 "runtime_env", "weight_sync", "weight_sync_timeout_s")  # fmt: skip
+_REWARD_KEYS = ("workers", "num_cpus", "num_gpus", "runtime_env")
+_RUNTIME_ENV_ONLY = (
+    ": a Ray runtime environment runs code and is only for rollout and reward workers (with "
+    "--allow-runtime-env)"
+)
+
+
+def _unknown_key(section: Any, keys: Sequence[str]) -> str | None:
+    """``KEY: unknown key (allowed: ...)`` for the first key of ``section`` not in ``keys``."""
+    for key in section.keys():  # noqa: SIM118 (a DictConfig or a dict)
+        if key not in keys:
+            why = _RUNTIME_ENV_ONLY if key == "runtime_env" else ""
+            return f"{key}: unknown key (allowed: {', '.join(keys)}){why}"
+    return None
+
+
+def _weight_sync_problem(rollout: Any) -> str | None:
+    """What is wrong with ``rollout.weight_sync`` / ``weight_sync_timeout_s``, or None.
+
+    >>> _weight_sync_problem({"weight_sync": "nccl"})
+    "weight_sync: expected one of 'object_store', 'collective', or null (object_store), got 'nccl' (a string)"
+    """
+    rollout = rollout or {}
+    for key, rule in (("weight_sync", choice(*SYNC_MODES, null="object_store")),
+                      ("weight_sync_timeout_s", number(above=0, null="1800 s"))):  # fmt: skip
+        problem = rule.problem(rollout.get(key))
+        if problem is not None:
+            return f"{key}: {problem}"
+    return None
+
+
+_VLLM_KEYS = (  # VLLMEngine's own settings and vLLM's plain engine sizes, passed on as they are
+    "dtype", "gpu_memory_utilization", "max_model_len", "enforce_eager",
+    "allow_filtered_logprobs", "max_update_bytes", "tensor_parallel_size", "max_num_seqs",
+    "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "swap_space",
+    "cpu_offload_gb", "kv_cache_dtype", "block_size", "quantization", "disable_log_stats",
+)  # fmt: skip
+
+
+def _vllm_problem(section: Any) -> str | None:
+    """``vllm.KEY: ...`` for the first ``rollout.vllm`` argument outside :data:`_VLLM_KEYS`
+    without the opt-in: vLLM's other arguments can load or run code (``trust_remote_code``,
+    ``worker_cls``, ``logits_processors``, plugins, ...).
+
+    >>> _vllm_problem({"vllm": {"dtype": "bfloat16"}}) is None
+    True
+    """
+    vllm = section.get("vllm") or {}
+    if type_name(vllm) != "mapping":
+        return f"vllm: expected a mapping of VLLMEngine arguments, got a {type_name(vllm)}"
+    for key in vllm.keys():  # noqa: SIM118 (a DictConfig or a dict)
+        if key not in _VLLM_KEYS and not runtime_env_allowed():
+            return (f"vllm.{key}: not one of the vLLM settings passed on as they are "
+                    f"({', '.join(_VLLM_KEYS)}); vLLM's other arguments can load or run code "
+                    "(trust_remote_code, worker_cls, logits_processors, plugins...): pass "
+                    "--allow-runtime-env (or --allow-any-component) to use them")  # fmt: skip
+    return None
+
+
+def _workers_problem(keys: Sequence[str]) -> Callable[[Any], str | None]:
+    """What is wrong in a ``rollout`` / ``reward_workers`` section: a key it does not have, a
+    ``runtime_env`` without the opt-in (:func:`~tunesmith.rl.pipeline.section_runtime_env_problem`),
+    the rollout's weight sync."""
+
+    def problem(section: Any) -> str | None:
+        if section is None:
+            return None
+        rollout = "weight_sync" in keys
+        return (_unknown_key(section, keys) or section_runtime_env_problem(section)
+                or (_vllm_problem(section) if rollout else None)
+                or (_weight_sync_problem(section) if rollout else None))  # fmt: skip
+
+    return problem
+
+
+def _ray_problem(section: Any) -> str | None:
+    """What is wrong in the ``ray`` section: an unknown key, an address that is not one, a
+    connect timeout that is not a positive number.
+
+    >>> _ray_problem({"address": "auto", "num_gpus": 1})
+    'num_gpus: unknown key (allowed: address, num_cpus, temp_dir, log_to_driver, connect_timeout_s)'
+    """
+    if section is None:
+        return None
+    unknown = _unknown_key(section, RAY_KEYS)
+    if unknown is not None:
+        return unknown
+    address = ray_address_problem(section.get("address"))
+    if address is not None:
+        return f"address: {address}"
+    timeout = number(above=0, null="30 s").problem(section.get("connect_timeout_s"))
+    return None if timeout is None else f"connect_timeout_s: {timeout}"
+
+
+@dataclass(frozen=True)
+class RLSettings(Settings):
+    """What an RL recipe is told besides the loop's keys, typed and checked (see the module
+    docs)."""
+
+    group_size: int = setting(REQUIRED, integer(1, required=True),
+        "completions sampled per prompt (a group)")  # fmt: skip
+    prompts_per_step: int = setting(REQUIRED, integer(1, required=True),
+        "prompts per step, over all data-parallel ranks")  # fmt: skip
+    updates_per_batch: int = setting(1, integer(1),
+        "optimizer steps per batch of rollouts (the batch split in as many parts)")  # fmt: skip
+    overlong_filter: bool = setting(False, flag(),
+        "completions cut at max_new_tokens train no token")  # fmt: skip
+    max_logprob_mismatch: float | None = setting(None, number(above=0, null="no limit"),
+        "stop when the trainer's log-probs of sampled tokens differ more from the sampler's")  # fmt: skip
+    importance_cap: float | None = setting(None,
+        number(at_least=1, null="no importance correction"),
+        "cap of the trainer/sampler importance ratio of each token")  # fmt: skip
+    chat_template: bool = setting(True, flag(),
+        "prompts through the tokenizer's chat template")  # fmt: skip
+    log_samples_every: int = setting(0, integer(0),
+        "samples.jsonl gets a step's completions every this many steps (0: never)")  # fmt: skip
+    eval_batch_size: int = setting(16, integer(1),
+        "prompts per batch of the held-out rewards")  # fmt: skip
+    reference_offload: bool = setting(False, flag(),
+        "the reference policy waits in CPU memory between uses")  # fmt: skip
+
+
+RL_SECTIONS: tuple[Setting, ...] = (
+    Setting("prompts", component(required=True), "the prompts (with what the rewards need)",
+            REQUIRED),
+    Setting("val_prompts", component(null="no held-out rewards"),
+            "held-out prompts: rewards of greedy answers at each evaluation", None),
+    Setting("rewards", component(required=True), "the reward functions and their weights",
+            REQUIRED),
+    Setting("policy_loss", component(required=True), "the policy-gradient loss", REQUIRED),
+    Setting("reference_model", component(
+        null="the policy with its adapters off, or a frozen copy"),
+        "the reference policy of the KL term", None),
+    Setting("generation", mapping("a mapping of generation settings"),
+            "how completions are sampled (max_new_tokens, temperature, ...)", None),
+)  # fmt: skip
+"""The RL keys whose values are components or sections read by what they build."""
+
+
+@dataclass(frozen=True)
+class AsyncSettings(Settings):
+    """Asynchronous GRPO's keys (``grpo_async``, or ``grpo`` with ``async_mode`` set)."""
+
+    async_mode: str | None = setting(None, choice("sync", "overlap", "off_policy",
+        null="generate in the trainer"), "how rollouts overlap training (Ray workers)")  # fmt: skip
+    max_staleness: int = setting(0, integer(0),
+        "policy versions a group may lag the trainer by (off_policy)")  # fmt: skip
+    buffer_size: int | None = setting(None, integer(1, null="enough for the mode"),
+        "scored groups kept ready for the trainer", resumable=True)  # fmt: skip
+    max_worker_restarts: int = setting(3, integer(0),
+        "restarts of a dead rollout or reward worker before the run stops", resumable=True)  # fmt: skip
+
+
+ASYNC_SECTIONS: tuple[Setting, ...] = (
+    Setting("rollout", replace(
+        mapping("workers, num_cpus, num_gpus, engine (local or vllm), vllm, merge_adapters, runtime_env (with --allow-runtime-env), weight_sync (object_store or collective), weight_sync_timeout_s"),
+        extra=_workers_problem(_ROLLOUT_KEYS), nested=True),
+        "the rollout workers (Ray actors) and their engine", None, resumable=True),
+    Setting("reward_workers", replace(
+        mapping("workers, num_cpus, num_gpus, runtime_env (with --allow-runtime-env)"),
+        extra=_workers_problem(_REWARD_KEYS), nested=True),
+        "the reward workers (Ray actors)", None, resumable=True),
+    Setting("ray", replace(
+        mapping("address (null: a local instance; auto or HOST:PORT: a cluster), num_cpus, temp_dir, log_to_driver, connect_timeout_s"),
+        extra=_ray_problem, nested=True), "the Ray instance or cluster", None, resumable=True),
+    Setting("trainer_group", TRAINER_GROUP_RULE,
+            "who runs the trainer's ranks: torchrun's (default) or Ray actors", None,
+            resumable=True),
+)  # fmt: skip
+"""Asynchronous GRPO's sections: where and with what its workers and trainer ranks run."""
+
+RL_SETTINGS: tuple[Setting, ...] = (*settings_of(RLSettings), *RL_SECTIONS)
+ASYNC_SETTINGS: tuple[Setting, ...] = (*settings_of(AsyncSettings), *ASYNC_SECTIONS)
+RL_RULES = rules_of(RL_SETTINGS)
+"""The rule of each key every RL recipe reads besides the loop's."""
+ASYNC_RULES = rules_of(ASYNC_SETTINGS)
+"""The rule of each asynchronous GRPO key."""
+ASYNC_RESUMABLE = resumable_keys(ASYNC_SETTINGS)
+"""Asynchronous GRPO's keys a resume may change (besides the loop's
+:data:`~tunesmith.training.settings.RESUMABLE_KEYS`)."""
+
+
+def rl_keys(extra: Mapping[str, Rule]) -> tuple[list[str], dict[str, Rule]]:
+    """An RL recipe's ``KEYS`` and ``RULES``: the loop's (less the dataset's), the model
+    step's, :data:`RL_RULES` and the recipe's own ``extra``.
+
+    >>> keys, rules = rl_keys({"gamma": number(at_least=0, at_most=1)})
+    >>> "dataset" in keys, "prompts" in keys, "gamma" in rules
+    (False, True, True)
+    """
+    own = {**RL_RULES, **extra}
+    keys = [k for k in LOOP_KEYS if k not in _DATASET_KEYS] + [*MODEL_KEYS, *own]
+    rules = {k: v for k, v in LOOP_RULES.items() if k not in _DATASET_KEYS}
+    return keys, {**rules, **MODEL_RULES, **own}
