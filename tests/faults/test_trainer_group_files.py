@@ -208,8 +208,10 @@ def _run_rank(log_dir: Path, value: str, live: bool) -> dict:
     """Rank 0 of 1 as an actor runs it (``TrainerRank.run``), in a child process: its config
     reads the token from the environment; it prints it and fails naming it."""
     log_dir.mkdir(parents=True)
-    job = _job(log_dir, 0, 1, {"token": f"${{oc.env:{SECRET_ENV}}}", "device": "cpu"})
-    fields = {"config": job.config, "keys": ["token", "device"], "rules": {}, "env": job.env,
+    config = {"token": f"${{oc.env:{SECRET_ENV}}}", "device": "cpu", "batch_size": 1,
+              "output_dir": str(log_dir.parent / "out")}  # fmt: skip
+    job = _job(log_dir, 0, 1, config)
+    fields = {"config": job.config, "keys": list(config), "rules": {}, "env": job.env,
               "cwd": job.cwd, "log_dir": job.log_dir, "threads": 1, "console_tty": False}  # fmt: skip
     (log_dir.parent / "job.json").write_text(json.dumps(fields))
     result = log_dir.parent / "result.json"

@@ -32,7 +32,7 @@ Without a config (see docs/library.md)::
 
     trainer = Trainer(settings, ctx, model=model, objective=objective, source=source,
                       optimizer=partial(torch.optim.AdamW, lr=1e-4),
-                      lr_scheduler=partial(cosine_with_warmup, warmup_steps=10))
+                      lr_scheduler=partial(cosine_with_warmup, num_warmup_steps=10))
     fit(trainer, source, val_dataset=val_dataset, loggers=[JSONLLogger("runs/exp1")])
 """
 
@@ -281,10 +281,13 @@ def fit_from_config(
         log(report.summary(memory_plan))
     trainer = make_trainer(cfg, ctx, model=model, objective=objective, source=source,
                            resumable=resumable)  # fmt: skip
+    if ctx.is_rank_zero:
+        trainer.log = log
+    trainer.start()  # first: a refused resume leaves no logger's file behind
     loggers = [instantiate(c) for c in cfg.get("metric_loggers") or []]
     samples = SamplePrompts.from_config(cfg, model, world_size=ctx.world_size)  # sample_prompts
     fit(trainer, source, loggers=loggers, samples=samples, val_dataset=val_dataset, name=name,
-        evaluator=evaluator)  # fmt: skip
+        evaluator=evaluator, start=False)  # fmt: skip
 
 
 def fit(
@@ -296,11 +299,13 @@ def fit(
     val_dataset: Sequence[Any] | None = None,
     evaluator: Callable[[], Mapping[str, float]] | None = None,
     name: str = "train",
+    start: bool = True,
 ) -> None:
     """Run ``trainer`` to the end on the micro-batches of ``source`` as its settings say (see
-    the module docs): start it (resuming as ``settings.resume`` says), then step, log to
-    ``loggers`` (rank 0's), validate on ``val_dataset``, log ``samples``, checkpoint, and stop
-    on SIGINT/SIGTERM or ``stop_after_steps``.
+    the module docs): start it (resuming as ``settings.resume`` says; ``start=False``: the
+    caller already did), then step, log to ``loggers`` (rank 0's), validate on
+    ``val_dataset``, log ``samples``, checkpoint, and stop on SIGINT/SIGTERM or
+    ``stop_after_steps``.
 
     A source with a ``step_metrics()`` method (a rollout source: rewards, generation time)
     has them logged with the trainer's, and the trainer's share of the step as ``train_s``.
@@ -310,7 +315,8 @@ def fit(
     log = _console(ctx)  # through tqdm.write: never glued to the progress bar
     if ctx.is_rank_zero:
         trainer.log = log
-    trainer.start()  # verified; refuses another run's checkpoints or a changed config
+    if start:  # verified; refuses another run's checkpoints or a changed config
+        trainer.start()
     logger = MultiLogger(list(loggers)) if ctx.is_rank_zero else NullLogger()
     logger.log_config(trainer.record.config)  # environment reads as ${oc.env:...}, never values
     total_steps, stop_after = trainer.total_steps, settings.stop_after_steps

@@ -16,7 +16,7 @@ Example (a recipe's loop; :func:`~tunesmith.training.loop.fit` adds logging and 
     source = DatasetSource.build(dataset, collate, settings, ctx)
     trainer = Trainer(settings, ctx, model=model, objective=objective, source=source,
                       optimizer=partial(torch.optim.AdamW, lr=1e-4),
-                      lr_scheduler=partial(cosine_with_warmup, warmup_steps=10))
+                      lr_scheduler=partial(cosine_with_warmup, num_warmup_steps=10))
     trainer.start()                                # settings.resume picks the checkpoint
     while not trainer.done:
         metrics = trainer.step(source.next_step())
@@ -63,7 +63,7 @@ OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
 lr=1e-4)``. The trainer calls it (wrapped for master weights or a step in backward)."""
 SchedulerFactory = Callable[..., Any]
 """``factory(optimizer, num_training_steps=N)`` -> the LR schedule:
-``partial(tunesmith.training.cosine_with_warmup, warmup_steps=10)``."""
+``partial(tunesmith.training.cosine_with_warmup, num_warmup_steps=10)``."""
 
 
 @dataclass
@@ -119,7 +119,7 @@ class Trainer:
 
         trainer = Trainer(settings, ctx, model=model, objective=objective, source=source,
                           optimizer=partial(torch.optim.AdamW, lr=1e-4),
-                          lr_scheduler=partial(cosine_with_warmup, warmup_steps=10))
+                          lr_scheduler=partial(cosine_with_warmup, num_warmup_steps=10))
         trainer.on_step_end.append(lambda t, step, metrics: print(step, metrics["loss"]))
         trainer.step(source.next_step())["loss"]
         # -> 2.31
