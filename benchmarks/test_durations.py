@@ -143,7 +143,8 @@ def render(runs: dict[str, dict]) -> str:
                   f"- 1/5/15-minute load average {run['load_start']} at the start, "
                   f"{run['load_end']} at the end.",
                   f"- Sum of test times {_minutes(run['tests_s'])} (the rest is lint, collection "
-                  "and imports).", "",
+                  "and imports).",
+                  *([f"- Note: {run['note']}"] if run.get("note") else []), "",
                   f"Slowest {len(run['slowest'])} tests:", "",
                   "| seconds | test |", "|---:|---|"]  # fmt: skip
         lines += [f"| {c['seconds']:.1f} | `{c['file']}::{c['name']}` |" for c in run["slowest"]]
