@@ -40,7 +40,7 @@ from tests.recipes.sft_world import (
 )
 from tunesmith.cli.main import _torchrun_args, build_parser
 from tunesmith.training.distributed import ParallelDims
-from tunesmith.training.loop_config import LOOP_RULES
+from tunesmith.training.settings import LOOP_RULES
 
 REPO = Path(__file__).resolve().parents[2]
 

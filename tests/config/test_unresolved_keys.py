@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from tunesmith.config import ConfigError
 from tunesmith.recipes import check_config, recipe_path
 from tunesmith.rl.pipeline import check_runtime_env, section_runtime_env_problem
-from tunesmith.training.loop_config import LOOP_RULES, Rule, check_rules
+from tunesmith.training.rules import Rule, check_rules
+from tunesmith.training.settings import LOOP_RULES
 
 UNSET = "TUNESMITH_TEST_UNSET"
 

@@ -20,7 +20,8 @@ from tunesmith.cli.launch import load_recipe_module
 from tunesmith.cli.main import main
 from tunesmith.modules.decoder import DecoderModel
 from tunesmith.training.distributed import DistributedContext
-from tunesmith.training.loop_config import MODEL_RULES, RESUMABLE_KEYS, check_rules
+from tunesmith.training.rules import check_rules
+from tunesmith.training.settings import MODEL_RULES, RESUMABLE_KEYS
 from tunesmith.training.setup import MODEL_KEYS, apply_attention_backend, frozen_model
 
 CTX = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)

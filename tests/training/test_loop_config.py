@@ -29,16 +29,15 @@ from tunesmith.config import ConfigError, load_config, plain_config
 from tunesmith.training import JSONLLogger, StdoutLogger, cosine_with_warmup
 from tunesmith.training.loop import LOOP_KEYS, dropped_per_epoch, make_loader
 from tunesmith.training.loop_config import (
-    LOOP_RULES,
     RECORD_KEY,
-    RESUMABLE_KEYS,
     RunRecord,
     check_resume,
-    check_rules,
     config_changes,
     read_record,
 )
 from tunesmith.training.lr_schedules import schedule_params, set_schedule_params
+from tunesmith.training.rules import check_rules
+from tunesmith.training.settings import LOOP_RULES, RESUMABLE_KEYS
 
 SHIPPED = [(r, c) for r in catalog.recipe_names() for c in catalog.config_names(r)]
 SECRET_ENV = "TUNESMITH_TEST_SECRET_DIR"

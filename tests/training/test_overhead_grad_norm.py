@@ -15,7 +15,8 @@ from tests.recipes.sft_world import make_counting_data, make_model_dir, read_met
 from tests.training.test_trainer import CTX, SPEC, NextToken, RandomTokens, config
 from tunesmith.models.builder import build_model
 from tunesmith.training import cosine_with_warmup
-from tunesmith.training.loop_config import LOOP_RULES, check_rules
+from tunesmith.training.rules import check_rules
+from tunesmith.training.settings import LOOP_RULES
 from tunesmith.training.trainer import LossOutput, Trainer
 
 STEPS = 3

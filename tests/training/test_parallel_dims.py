@@ -17,8 +17,9 @@ from tunesmith.training.distributed import (
     init_distributed,
 )
 from tunesmith.training.loop import LOOP_KEYS, make_loader
-from tunesmith.training.loop_config import LOOP_RULES, RESUMABLE_KEYS, check_rules
 from tunesmith.training.parallelize import check_model_fits
+from tunesmith.training.rules import check_rules
+from tunesmith.training.settings import LOOP_RULES, RESUMABLE_KEYS
 
 
 def test_default_is_every_rank_data_parallel_shard():

@@ -15,7 +15,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from tunesmith.config import ConfigError
 from tunesmith.modules.losses import CrossEntropyLoss, LinearCrossEntropyLoss
-from tunesmith.training.loop_config import LOOP_RULES, check_rules
 from tunesmith.training.precision import (
     MasterWeightOptimizer,
     Precision,
@@ -24,6 +23,8 @@ from tunesmith.training.precision import (
     check_precision,
     precision_problem,
 )
+from tunesmith.training.rules import check_rules
+from tunesmith.training.settings import LOOP_RULES
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -235,7 +235,7 @@ def check_config(cfg: Any, recipe_file: Path | None) -> None:
     if hasattr(recipe, "KEYS"):  # the recipe's own top-level keys, misspellings suggested
         issues += check_keys(cfg, recipe.KEYS)
     if getattr(recipe, "RULES", None):  # each top-level value's type, range or choices
-        from tunesmith.training.loop_config import check_rules
+        from tunesmith.training.rules import check_rules
 
         seen = {issue.path for issue in issues}  # a missing or broken value is reported once
         issues += [i for i in check_rules(cfg, recipe.RULES) if i.path not in seen]

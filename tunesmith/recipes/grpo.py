@@ -43,8 +43,8 @@ from tunesmith.rl.trainer_group import run_trainers
 from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit_from_config
-from tunesmith.training.loop_config import component, flag, integer
 from tunesmith.training.parallelize import parallelize
+from tunesmith.training.rules import component, flag, integer
 from tunesmith.training.trainer import Trainer
 
 RUNTIME_ARGS = {"tokenizer": 0, "optimizer": 1, "lr_scheduler": 1}

@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 from tunesmith.recipes import grpo
 from tunesmith.rl.trainer_group import check_launch as check_launch  # read by `tunesmith run`
 from tunesmith.rl.trainer_group import run_trainers
-from tunesmith.training.loop_config import choice
+from tunesmith.training.rules import choice
 
 RUNTIME_ARGS = grpo.RUNTIME_ARGS
 RUNTIME_KWARGS = grpo.RUNTIME_KWARGS

@@ -40,9 +40,9 @@ from tunesmith.training.loop import (
     fit_from_config,
     run_main,
 )
-from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES, flag, number, text
 from tunesmith.training.parallelize import parallelize
-from tunesmith.training.settings import LoopSettings
+from tunesmith.training.rules import flag, number, text
+from tunesmith.training.settings import LOOP_RULES, MODEL_RULES, LoopSettings
 from tunesmith.training.sources import DatasetSource
 
 RUNTIME_ARGS = LOOP_RUNTIME_ARGS

@@ -56,8 +56,8 @@ from tunesmith.rl.ppo import PPORolloutSource, PPOTrainer, offload_reward_models
 from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit_from_config, run_main
-from tunesmith.training.loop_config import component, flag, integer, number
 from tunesmith.training.parallelize import parallelize
+from tunesmith.training.rules import component, flag, integer, number
 from tunesmith.training.trainer import Trainer
 
 RUNTIME_ARGS = {"tokenizer": 0, "optimizer": 1, "lr_scheduler": 1, "critic_optimizer": 1,

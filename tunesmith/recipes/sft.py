@@ -25,10 +25,10 @@ from tunesmith.training.loop import (
     fit_from_config,
     run_main,
 )
-from tunesmith.training.loop_config import LOOP_RULES, MODEL_RULES, flag
 from tunesmith.training.objectives import TokenCrossEntropy
 from tunesmith.training.parallelize import parallelize
-from tunesmith.training.settings import LoopSettings
+from tunesmith.training.rules import flag
+from tunesmith.training.settings import LOOP_RULES, MODEL_RULES, LoopSettings
 from tunesmith.training.sources import DatasetSource
 
 # Arguments the recipe passes at run time (for `tunesmith validate`).

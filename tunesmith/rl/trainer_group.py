@@ -73,7 +73,7 @@ from tunesmith.rl.pipeline import actor_cause, init_ray, require_ray, runtime_en
 from tunesmith.training.console import Tee
 from tunesmith.training.distributed import DistributedContext, ParallelDims, PeerFailureError
 from tunesmith.training.loop import resolve_resume, run_main
-from tunesmith.training.loop_config import Rule, choice, integer, number
+from tunesmith.training.rules import Rule, choice, integer, number
 
 __all__ = [
     "LAUNCHERS",

@@ -47,40 +47,17 @@ from pathlib import Path
 from typing import Any
 
 from tunesmith.config import COMPONENT_KEY, ConfigError, ConfigIssue, resolve_component
-from tunesmith.training.rules import (  # re-exported: recipes import the rule builders here
-    Rule,
-    check_rules,
-    choice,
-    component,
-    flag,
-    integer,
-    is_int,
-    number,
-    text,
-    type_name,
-)
-from tunesmith.training.settings import LOOP_RULES, MODEL_RULES, RESUMABLE_KEYS
+from tunesmith.training.rules import is_int
+from tunesmith.training.settings import RESUMABLE_KEYS
 
 __all__ = [
     "BATCH_KEYS",
-    "LOOP_RULES",
-    "MODEL_RULES",
     "RECORD_KEY",
-    "RESUMABLE_KEYS",
     "Change",
-    "Rule",
     "RunRecord",
     "check_resume",
-    "check_rules",
-    "choice",
-    "component",
     "config_changes",
-    "flag",
-    "integer",
-    "number",
     "read_record",
-    "text",
-    "type_name",
 ]
 
 # ----------------------------------------------------------------------------- resume

@@ -126,7 +126,7 @@ class Precision:
 
 def precision_problem(value: Any) -> str | None:
     """What is wrong with a ``precision`` value (a mapping or null), or None; the rule of
-    :data:`~tunesmith.training.loop_config.LOOP_RULES` ``precision`` uses it.
+    :data:`~tunesmith.training.settings.LOOP_RULES` ``precision`` uses it.
 
     >>> precision_problem({"weights": "bf16", "optimizer_states": "fp32"})
     'optimizer_states: fp32 with bf16 weights needs master_weights: fp32 (torch optimizers keep their states in the dtype of the tensors they step)'

@@ -1,7 +1,7 @@
 """Generations during training: greedy completions of a few fixed prompts, logged as text.
 
 Config keys (all optional; checked with the loop's own in
-:data:`~tunesmith.training.loop_config.LOOP_RULES`):
+:data:`~tunesmith.training.settings.LOOP_RULES`):
 
 * ``sample_prompts``: a list of prompts, each a string (a user message, through the chat
   template when the tokenizer has one), ``{messages: [...]}`` (a conversation, through the
