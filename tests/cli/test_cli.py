@@ -1,4 +1,6 @@
-"""The `tunesmith` command, driven through a real subprocess as a user would."""
+"""The `tunesmith` command as a user runs it: the installed console script once, then its
+function in a process of its own per command (forked from the suite's fork server,
+:mod:`tests.forked`: exit code, stdout and stderr as a subprocess reports them)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked
 from tunesmith.cli import catalog
 
 ASSETS = Path(__file__).parent / "assets"
@@ -21,10 +24,8 @@ SUBCOMMANDS = ["ls", "cp", "cat", "validate", "run", "download", "generate", "ex
 def tunesmith(
     *args: str, env: dict | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess:
-    """Run the installed console script's code in a fresh interpreter."""
-    command = [sys.executable, "-m", "tunesmith.cli.main", *args]
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
+    """``tunesmith ARGS`` in a process of its own, with ``env`` added to this one's."""
+    return forked.run_cli(args, env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 def test_console_script_is_installed():

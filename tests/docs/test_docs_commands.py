@@ -1,9 +1,13 @@
 """Every shell command of README.md and docs/*.md, run as written on a tiny model.
 
 The commands are read from the pages' fenced ``bash``/``sh``/``console`` blocks
-(:mod:`tests.docs.doc_commands`) and run one by one through bash with the venv's ``bin/``
-first on PATH, so ``tunesmith`` is the installed console script, in a workspace that holds
-what the pages assume:
+(:mod:`tests.docs.doc_commands`) and run one by one, each in a process of its own forked from
+the suite's fork server (:mod:`tests.forked`), through the console script's function
+(``tunesmith.cli.main.main``) with the words bash would pass it; a command that needs a shell
+(a pipe, a redirection, a variable) runs through bash, and
+:func:`test_the_console_script_runs_through_bash` runs the installed ``tunesmith`` through bash
+with the venv's ``bin/`` first on PATH. They run in a workspace that holds what the pages
+assume:
 
 - ``models/Qwen3-0.6B``: a tiny Qwen2.5-style model and tokenizer
   (:func:`tests.recipes.sft_world.make_model_dir`) where ``tunesmith download Qwen/Qwen3-0.6B``
@@ -34,6 +38,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked
 from tests.docs.doc_commands import DocCommand, doc_commands, untagged_blocks
 from tests.recipes.preference_world import make_preference_data
 from tests.recipes.sft_world import make_chat_data, make_counting_data, make_model_dir
@@ -207,6 +212,38 @@ def _env() -> dict[str, str]:
     return env
 
 
+SHELL_SYNTAX = re.compile(r"[|&;<>$`\\(){}*?~]")
+"""Characters that make a command line more than words for ``tunesmith`` (pipes, redirections,
+variables, globs...): such a line runs through bash."""
+
+
+def execute(text: str, cwd: Path, timeout: float = 600) -> tuple[int, str]:
+    """Run the command line ``text`` in ``cwd`` as a user would and return its exit code and
+    output (stdout, then stderr): a plain ``tunesmith ...`` line in a forked child calling the
+    console script's function with the words bash would pass it, anything else through bash.
+
+    Example::
+
+        execute("tunesmith ls", tmp_path)  # -> (0, 'sft ...')
+    """
+    if text.startswith("tunesmith ") and not SHELL_SYNTAX.search(text.replace('"', "")):
+        result = forked.run_cli(shlex.split(text)[1:], cwd=cwd, env=_env(), timeout=timeout)
+    else:
+        result = subprocess.run(["bash", "-c", text], cwd=cwd, env=_env(), capture_output=True,
+                                stdin=subprocess.DEVNULL, text=True, timeout=timeout)  # fmt: skip
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_the_console_script_runs_through_bash(tmp_path):
+    """The installed ``tunesmith`` console script, started by bash from the venv's ``bin/``,
+    prints what the function the other cases call prints."""
+    result = subprocess.run(["bash", "-c", "tunesmith ls"], cwd=tmp_path, env=_env(),
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout + result.stderr == execute("tunesmith ls", tmp_path)[1]
+    assert "sft " in result.stdout
+
+
 def _run(command: DocCommand, cwd: Path, timeout: float = 600) -> list[str]:
     """Run ``command`` as written (with its :data:`SUBSTITUTE` and :data:`CAPS`) in ``cwd``;
     the problems found, each naming the page line (empty when it did what the page says)."""
@@ -214,9 +251,7 @@ def _run(command: DocCommand, cwd: Path, timeout: float = 600) -> list[str]:
     for old, new in SUBSTITUTE.items():
         text = text.replace(old, new)
     text = " ".join([text, *CAPS.get(command.text, ())])
-    result = subprocess.run(["bash", "-c", text], cwd=cwd, env=_env(), capture_output=True,
-                            stdin=subprocess.DEVNULL, text=True, timeout=timeout)  # fmt: skip
-    output = result.stdout + result.stderr
+    returncode, output = execute(text, cwd, timeout)
     where = f"{command} (ran: {text})"
     if command.shown_output:  # a transcript: the same lines, in the same order
         shown = [line for line in command.shown_output if line.strip()]
@@ -225,8 +260,8 @@ def _run(command: DocCommand, cwd: Path, timeout: float = 600) -> list[str]:
             return [f"{where}\n  the page shows:\n    " + "\n    ".join(shown)
                     + "\n  it printed:\n    " + "\n    ".join(printed)]  # fmt: skip
         return []
-    if result.returncode != 0:
-        return [f"{where}: exit code {result.returncode}\n{output[-3000:]}"]
+    if returncode != 0:
+        return [f"{where}: exit code {returncode}\n{output[-3000:]}"]
     problems = [f"{where}: {path} is missing" for path in FILES.get(command.text, [])
                 if not (cwd / path).exists()]  # fmt: skip
     problems += [f"{where}: did not print {text!r}\n{output[-2000:]}"
@@ -254,13 +289,12 @@ def test_readme_and_docs_commands_run_as_written(world, tmp_path):
 def _edited_configs(workspace: Path) -> None:
     """``my_sft.yaml``, ``my_dpo.yaml``, ``my_moe_sft.yaml``: the shipped tiny configs copied
     with ``tunesmith cp`` and their required values filled in, as the pages assume."""
-    env = _env()
     edits = [("sft/tiny", "my_sft.yaml", "Qwen3-0.6B", "data.jsonl"),
              ("dpo/tiny", "my_dpo.yaml", "Qwen3-0.6B", "pairs.jsonl"),
              ("sft/tiny", "my_moe_sft.yaml", "moe", "data.jsonl")]  # fmt: skip
     for source, name, model, data in edits:
-        subprocess.run(["tunesmith", "cp", "--force", source, name], cwd=workspace, env=env,
-                       check=True, capture_output=True)  # fmt: skip
+        code, output = execute(f"tunesmith cp --force {source} {name}", workspace)
+        assert code == 0, output
         path = workspace / name
         text = path.read_text()
         text = text.replace("model_dir: ???", f"model_dir: models/{model}")

@@ -1,8 +1,8 @@
 """Parent side of the fault suite: start real training processes, read what they left behind.
 
-Children are forked by a ``multiprocessing`` fork server that imported torch and tunesmith once
-(:mod:`tests.faults.child`), so a child costs well under a second instead of ~10 s of imports,
-and the parent (pytest) itself never forks after running torch code. Each child runs the
+Children are forked by the suite's fork server (:mod:`tests.forked`), which imported torch,
+tunesmith and :mod:`tests.faults.child` once, so a child costs well under a second instead of
+~10 s of imports, and the parent (pytest) itself never forks after running torch code. Each child runs the
 ``tunesmith`` CLI with its output in a log file.
 
 Example::
@@ -25,10 +25,8 @@ from typing import Any
 import torch
 
 from tests.faults.catalogue import PHASES
+from tests.forked import CONTEXT as _CONTEXT  # its server preloads tests.faults.child
 from tests.recipes.sft_world import final_weights, read_metrics, sft_overrides
-
-_CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["tests.faults.child"])
 
 
 @dataclass

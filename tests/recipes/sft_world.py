@@ -19,7 +19,6 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -33,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 from torch import nn
 
+from tests import forked
 from tests.data.tokenizer_factory import make_tokenizer_folder
 from tunesmith.cli import catalog
 from tunesmith.config import ALLOW_ANY_COMPONENT_ENV, load_config
@@ -362,6 +362,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LAUNCH = "tunesmith.cli.launch"
+"""The module torchrun runs in every rank of ``tunesmith run --nproc-per-node N``."""
+
+
 def launch_ranks(
     overrides: list[str],
     log_dir: Path,
@@ -372,18 +376,16 @@ def launch_ranks(
     timeout: float = 120,
 ) -> None:
     """Run ``recipe`` on its shipped ``config`` on ``world_size`` local ranks, started the way
-    torchrun would (one ``python -m tunesmith.cli.launch`` process per rank with the torchrun
-    environment), and wait for them; a failing rank fails with the tail of its log
-    (``log_dir/rank<N>.log``).
+    torchrun would (``python -m tunesmith.cli.launch`` in each rank's process, with the torchrun
+    environment; the processes are forked from the suite's fork server, :mod:`tests.forked`),
+    and wait for them; a failing rank fails with the tail of its log (``log_dir/rank<N>.log``)
+    and stops the others.
 
     Example::
 
         launch_ranks(recipe_overrides(m, d, out), tmp_path, recipe="dpo")
     """
-    args = [
-        "-m", "tunesmith.cli.launch", str(catalog.recipe_path(recipe)),
-        str(catalog.config_path(config, recipe)), *overrides,
-    ]  # fmt: skip
+    argv = [str(catalog.recipe_path(recipe)), str(catalog.config_path(config, recipe)), *overrides]
     port = str(free_port())
     logs = [log_dir / f"rank{r}.log" for r in range(world_size)]
     ranks = []
@@ -392,18 +394,13 @@ def launch_ranks(
             RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
             LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
         )  # fmt: skip
-        with open(log, "w") as f:
-            ranks.append(subprocess.Popen([sys.executable, *args], env=env, stdout=f, stderr=f))
-    try:
-        for p in ranks:
-            p.wait(timeout=timeout)
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, log) in enumerate(zip(ranks, logs)):
-        if p.returncode != 0:
-            raise AssertionError(f"rank {r} failed ({p.returncode}):\n{log.read_text()[-3000:]}")
+        log.write_text("")
+        ranks.append(forked.start(forked.run_module, LAUNCH, argv, log=log, env=env))
+    codes = forked.wait_all(ranks, timeout=timeout)
+    failed = [r for r, code in enumerate(codes) if code != 0]
+    if failed:  # the first to fail by its own hand (the others were killed: -9)
+        r = next((r for r in failed if codes[r] != -9), failed[0])
+        raise AssertionError(f"rank {r} failed ({codes[r]}):\n{logs[r].read_text()[-3000:]}")
 
 
 def noise_tolerance(atol: float) -> Callable[[str], float]:
