@@ -72,6 +72,57 @@ def _enter(target: Callable[..., Any], args: tuple, files: list[str | None],
     return target(*args)
 
 
+class Child:
+    """A forked child with the part of :class:`subprocess.Popen`'s interface the tests use
+    (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``, ``returncode``: ``-N`` when signal
+    N ended it), so a test written for a subprocess reads the same.
+
+    Example::
+
+        run = Child.cli(["run", "sft", "--config", "tiny", *overrides], log)
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=60) == 0
+    """
+
+    def __init__(self, process: BaseProcess) -> None:
+        self.process, self.pid = process, process.pid
+
+    @classmethod
+    def cli(cls, args: Sequence[str], log: str | os.PathLike, *,
+            env: dict[str, str] | None = None) -> Child:  # fmt: skip
+        """``tunesmith ARGS`` with its output in ``log`` and ``env`` (default: this process's)."""
+        return cls.module("tunesmith.cli.main", args, log, env=env)
+
+    @classmethod
+    def module(cls, module: str, args: Sequence[str], log: str | os.PathLike, *,
+               env: dict[str, str] | None = None) -> Child:  # fmt: skip
+        """``python -m MODULE ARGS`` with its output in ``log``."""
+        argv = [str(a) for a in args]
+        environment = dict(os.environ) if env is None else env
+        return cls(start(run_module, module, argv, log=log, env=environment))
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(str(self.process.name), timeout or 0)
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+
+
 def run_cli(args: Sequence[str], *, cwd: str | os.PathLike | None = None,
             env: dict[str, str] | None = None, timeout: float = 120,
             ) -> subprocess.CompletedProcess:  # fmt: skip
@@ -128,4 +179,4 @@ def wait_all(processes: list[BaseProcess], *, timeout: float) -> list[int]:
     return [p.exitcode for p in processes]
 
 
-__all__ = ["CONTEXT", "run_cli", "run_module", "start", "wait_all"]
+__all__ = ["CONTEXT", "Child", "run_cli", "run_module", "start", "wait_all"]

@@ -1,6 +1,7 @@
 """The layers of docs/architecture.md, checked on the source: every import between tunesmith's
 subpackages (function-level and ``TYPE_CHECKING`` imports included) points downwards, so there
-is no import cycle between them.
+is no import cycle between them; and no two modules import each other, even through others
+(function-level imports included; ``TYPE_CHECKING`` imports, which never run, excluded).
 
 Example of the check on one edge::
 
@@ -112,3 +113,91 @@ def test_the_walk_sees_function_level_and_relative_imports():
     assert sorted(found) == [("tunesmith.cli.main", 2), ("tunesmith.models", 3)]
     assert [_layer(n) for n, _ in sorted(found)] == ["cli", "models"]
     assert not allowed("demo", "cli")
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _runtime_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of the package that ``path`` imports when it runs: anywhere in the file but
+    under ``if TYPE_CHECKING:``; ``from package import name`` counts the submodule ``name``
+    when there is one, else the package."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+               and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+               for statement in block.body for n in ast.walk(statement)}  # fmt: skip
+    package = _module_name(path).split(".")
+    package = package if path.name == "__init__.py" else package[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found |= {f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module
+                      for a in node.names}  # fmt: skip
+    return {name for name in found if name in modules}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or through others (Tarjan's
+    strongly connected components with more than one module, or a module importing itself).
+
+    >>> import_cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}})
+    [['a', 'b']]
+    """
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while not group or group[-1] != node:
+                group.append(stack.pop())
+            if len(group) > 1 or node in graph.get(node, ()):
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
+
+
+def test_no_two_modules_import_each_other():
+    modules = _modules()
+    graph = {name: _runtime_imports(path, modules) - {name} for name, path in modules.items()}
+    assert sum(map(len, graph.values())) > 300, "few imports found: the walk is broken"
+    assert import_cycles(graph) == [], "modules that import each other (move what both need "
+    "into a module below them)"
+
+
+def test_the_module_walk_sees_submodules_and_skips_type_checking():
+    modules = _modules()
+    setup = _runtime_imports(PACKAGE / "rl" / "setup.py", modules)
+    assert {"tunesmith.rl.workers", "tunesmith.training.settings"} <= setup
+    family = _runtime_imports(PACKAGE / "models" / "family.py", modules)
+    assert "tunesmith.models.spec" not in family  # imported under TYPE_CHECKING only

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import yaml
 
+from tests import forked
 from tests.recipes.sft_world import make_counting_data, make_model_dir
 from tunesmith.cli.data_cmd import use_color
 from tunesmith.cli.main import main
@@ -36,17 +35,17 @@ def _tiny_dataset(model_dir, data):
     return tok, ds
 
 
-def test_preview_of_a_shipped_config_in_a_subprocess(world):
+def test_preview_of_a_shipped_config_in_a_process_of_its_own(world):
     root, model_dir, data = world
     command = [
-        sys.executable, "-m", "tunesmith.cli.main", "data", "preview", "--config", "sft/tiny",
+        "data", "preview", "--config", "sft/tiny",
         f"model_dir={model_dir}", f"dataset.source={data}", "--n", "2", "--bins", "5",
         f"output_dir={root}/out",  # the config's token cache goes next to it
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    result = forked.run_cli(command)  # its output is a file: not a terminal
     assert result.returncode == 0, result.stderr
     tok, ds = _tiny_dataset(model_dir, data)
-    assert result.stdout == preview(tok, ds, n=2, bins=5)  # a pipe: [[brackets]], no colour
+    assert result.stdout == preview(tok, ds, n=2, bins=5)  # a file: [[brackets]], no colour
     assert "[[" in result.stdout and "\x1b[" not in result.stdout
 
 
@@ -113,10 +112,7 @@ def test_errors_are_one_line(world, capsys):
 
 
 def test_help():
-    parser_help = subprocess.run(
-        [sys.executable, "-m", "tunesmith.cli.main", "data", "preview", "--help"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    parser_help = forked.run_cli(["data", "preview", "--help"])
     assert parser_help.returncode == 0, parser_help.stderr
     assert parser_help.stdout.startswith("usage: tunesmith data preview")
     for flag in ("--config", "--n", "--random", "--bins", "--color"):

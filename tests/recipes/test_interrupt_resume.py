@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import forked
 from tests.recipes.sft_world import (
     checkpoints,
-    cli_command,
     final_weights,
     make_counting_data,
     make_model_dir,
@@ -43,9 +42,8 @@ def _interrupt(world, out: Path, log: Path, sig: int, *save: str) -> int:
     model_dir, data = world
     overrides = sft_overrides(model_dir, data, out, f"batch_size={BATCH}", f"max_steps={TOTAL}",
                               "keep_last=2", *save)  # fmt: skip
-    with open(log, "w") as f:
-        run = subprocess.Popen(cli_command("run", "sft", "--config", "tiny", *overrides),
-                               env=subprocess_env(), stdout=f, stderr=f)  # fmt: skip
+    run = forked.Child.cli(["run", "sft", "--config", "tiny", *overrides], log,
+                           env=subprocess_env())  # fmt: skip
     metrics, deadline = out / "metrics.jsonl", time.monotonic() + 150
     try:
         while True:  # the first save interval has passed, and a step after it

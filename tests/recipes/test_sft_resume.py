@@ -7,17 +7,15 @@ cleanly)."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import forked
 from tests.recipes.sft_world import (
     checkpoints,
-    cli_command,
     final_weights,
     make_counting_data,
     make_model_dir,
@@ -93,13 +91,7 @@ def test_stop_and_resume_equals_uninterrupted(world, uninterrupted, tmp_path, st
     _assert_same_run(out, reference, stop_at + 1, TOTAL)
 
 
-def _start(command: list[str], log: Path) -> subprocess.Popen:
-    """Start ``command`` with its stdout and stderr going to ``log``."""
-    with open(log, "w") as f:
-        return subprocess.Popen(command, env=subprocess_env(), stdout=f, stderr=f)
-
-
-def _wait_for(condition, process: subprocess.Popen, log: Path, what: str) -> None:
+def _wait_for(condition, process: forked.Child, log: Path, what: str) -> None:
     deadline = time.monotonic() + 120
     while not condition():
         if process.poll() is not None:
@@ -115,10 +107,11 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(world, uninte
     _, model_dir, data = world
     config = [f"batch_size={BATCH}", f"max_steps={TOTAL}", "save_every_n_steps=2"]
     out, sentinel, log = tmp_path / "run", tmp_path / "stalled", tmp_path / "driver.log"
-    driver = _start(
-        [sys.executable, "-m", "tests.recipes.stalling_save", "2", str(sentinel), "--",
-         "run", "sft", "--config", "tiny", *sft_overrides(model_dir, data, out, *config)],
-        log,
+    driver = forked.Child.module(
+        "tests.recipes.stalling_save",
+        ["2", sentinel, "--", "run", "sft", "--config", "tiny",
+         *sft_overrides(model_dir, data, out, *config)],
+        log, env=subprocess_env(),
     )  # fmt: skip
     try:
         _wait_for(sentinel.exists, driver, log, "the second checkpoint write stalled")
@@ -148,7 +141,8 @@ def test_sigterm_saves_and_exits_cleanly_then_resume_continues(world, uninterrup
     total = 1000  # far more than the run will do before the signal
     out, log = tmp_path / "run", tmp_path / "run.log"
     overrides = sft_overrides(model_dir, data, out, f"batch_size={BATCH}", f"max_steps={total}")
-    run = _start(cli_command("run", "sft", "--config", "tiny", *overrides), log)
+    run = forked.Child.cli(["run", "sft", "--config", "tiny", *overrides], log,
+                           env=subprocess_env())  # fmt: skip
     metrics = out / "metrics.jsonl"
 
     def step_logged() -> bool:

@@ -188,7 +188,7 @@ def test_a_val_source_alone_cannot_inherit_from_a_mixture():
     from omegaconf import OmegaConf
 
     from tunesmith.config import ConfigError
-    from tunesmith.training.loop import inherit_val_dataset
+    from tunesmith.training.datasets import inherit_val_dataset
 
     cfg = OmegaConf.create({
         "dataset": {"_component_": "tunesmith.data.DatasetMix", "parts": {"a": {}, "b": {}}},

@@ -45,6 +45,7 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
     from tunesmith.cli import catalog
     from tunesmith.config import instantiate, load_config
     from tunesmith.data.preview import preview
+    from tunesmith.training.settings import value_of
 
     if args.n < 1 or args.bins < 1:
         raise ValueError(f"--n and --bins must be >= 1, got --n {args.n}, --bins {args.bins}")
@@ -55,7 +56,7 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
     dataset = instantiate(cfg.dataset, tokenizer)
     size = len(dataset)
     if args.random:
-        indices = random.Random(int(cfg.get("seed", 0))).sample(range(size), min(args.n, size))
+        indices = random.Random(int(value_of(cfg, "seed"))).sample(range(size), min(args.n, size))
     else:
         indices = list(range(min(args.n, size)))
     color = use_color(args.color)

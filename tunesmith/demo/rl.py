@@ -49,6 +49,7 @@ from tunesmith.models import from_hf
 from tunesmith.recipes import prepare_run
 from tunesmith.rl.prompts import Prompt, encode_prompt
 from tunesmith.rl.rewards import RewardSet, Sample
+from tunesmith.rl.settings import RLSettings
 from tunesmith.training.plot import read_metrics
 
 __all__ = [
@@ -373,7 +374,7 @@ def _run(
     rewards = instantiate(cfg.rewards)
     held_out_prompts = instantiate(cfg.val_prompts)
     scoring = {"max_new_tokens": int(cfg.generation.max_new_tokens),
-               "batch_size": int(cfg.get("eval_batch_size", 16))}  # fmt: skip
+               "batch_size": RLSettings.from_config(cfg).eval_batch_size}  # fmt: skip
     tokenizer = Tokenizer.from_pretrained(warmup)
     demo_prompts = [Prompt(i, ex.prompt_messages(), ex.answer)
                     for i, ex in enumerate(data.demonstrations)]  # fmt: skip

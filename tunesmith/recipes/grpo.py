@@ -44,7 +44,7 @@ from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit_from_config
 from tunesmith.training.parallelize import parallelize
-from tunesmith.training.rules import component, flag, integer
+from tunesmith.training.rules import component
 from tunesmith.training.trainer import Trainer
 
 RUNTIME_ARGS = {"tokenizer": 0, "optimizer": 1, "lr_scheduler": 1}
@@ -52,7 +52,7 @@ RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
 KEYS, RULES = rl.rl_keys({  # what each top-level value may be, checked up front
     "advantage": component(required=True),
     "kl": rl.mapping("a mapping with coef (>= 0) and kind (k1, k2, k3), or null (no KL term)"),
-    "dynamic_sampling": flag(), "max_refills": integer(0), **rl.ASYNC_RULES,
+    **rl.DYNAMIC_RULES, **rl.ASYNC_RULES,
 })  # fmt: skip
 
 
@@ -63,6 +63,7 @@ def main(cfg: DictConfig) -> None:
 def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     log = setup.rank_zero_log(ctx)
     kl_cfg = rl.plain(cfg.get("kl"))
+    dynamic = rl.DynamicSampling.from_config(cfg)
 
     asynchronous = cfg.get("async_mode") is not None  # rollouts from Ray workers
     if asynchronous:
@@ -93,7 +94,7 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     if asynchronous:
         source, pipeline = rl.asynchronous_source(
             cfg, ctx, model=model, tokenizer=tokenizer, prompts=prompts, rewards=rewards,
-            advantage=advantage, dynamic_sampling=bool(cfg.get("dynamic_sampling", False)),
+            advantage=advantage, dynamic=dynamic,
         )  # fmt: skip
         try:
             evaluator = rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source)
@@ -107,8 +108,8 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
         return
     source = RolloutSource(
         model=model, tokenizer=tokenizer, prompts=stream, rewards=rewards, advantage=advantage,
-        ctx=ctx, reference=reference, dynamic_sampling=bool(cfg.get("dynamic_sampling", False)),
-        max_refills=int(cfg.get("max_refills", 4)), **options,
+        ctx=ctx, reference=reference, dynamic_sampling=dynamic.dynamic_sampling,
+        max_refills=dynamic.max_refills, **options,
     )  # fmt: skip
     evaluator = rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source)
     fit_from_config(cfg, ctx, model=model, objective=objective, source=source,

@@ -39,8 +39,7 @@ from tunesmith.modules.peft import adapter_modules
 from tunesmith.rl.rollout import completion_mask
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import forward_batch, router_aux_loss
-from tunesmith.training.loop import check_vocab
-from tunesmith.training.setup import apply_attention_backend
+from tunesmith.training.setup import apply_attention_backend, check_vocab
 from tunesmith.training.trainer import LossOutput
 
 __all__ = [

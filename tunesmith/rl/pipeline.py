@@ -41,7 +41,8 @@ not ``max_staleness`` versions; refills may take the buffer past ``buffer_size``
 
 Example::
 
-    pipeline = RolloutPipeline(config, stream, mode="overlap", total_batches=10)
+    pipeline = RolloutPipeline(config, stream, workers=worker_settings(cfg), mode="overlap",
+                               total_batches=10)
     pipeline.start()  # starts Ray (or joins ray.address) and the rollout / reward workers
     groups, metrics = pipeline.next_batch(0, version=0)
     # -> batch 0's groups, sampled by policy version 0, and metrics such as
@@ -79,7 +80,7 @@ from tunesmith.rl.weight_sync import (
     ObjectStoreSync,
     collective_backend,
 )
-from tunesmith.rl.workers import RewardWorker, RolloutWorker
+from tunesmith.rl.workers import RewardWorker, RolloutWorker, WorkerSettings
 
 __all__ = [
     "ALLOW_RUNTIME_ENV_ENV", "CONNECT_TIMEOUT_S", "MODES", "RAY_KEYS", "RolloutPipeline",
@@ -483,26 +484,27 @@ def _chunk_from_state(item: Sequence[Any], prompts: Mapping[int, Prompt]) -> _Ch
 class RolloutPipeline:
     """Rollout and reward workers feeding a replay buffer (see the module docs).
 
-    ``config`` is the run's config as a plain dict (the workers build the policy, tokenizer,
-    rewards and reference from it); ``prompts`` the whole prompt stream (every data-parallel
-    rank's share). Worker counts and resources come from ``config["rollout"]``,
-    ``config["reward_workers"]`` and ``config["ray"]``; ``config["dynamic_sampling"]`` and
-    ``config["max_refills"]`` (4) turn on refills (see the module docs) for ``shares``
-    data-parallel ranks.
+    ``workers`` is what every rollout and reward worker is sent (its settings and the config
+    sections it builds the policy, tokenizer, rewards and reference from); ``config`` the run's
+    config as a plain dict, for the pipeline's own sections; ``prompts`` the whole prompt
+    stream (every data-parallel rank's share). Worker counts and resources come from ``config["rollout"]``,
+    ``config["reward_workers"]`` and ``config["ray"]``; ``dynamic_sampling`` and
+    ``max_refills`` turn on refills (see the module docs) for ``shares`` data-parallel ranks.
     """
 
     def __init__(
-        self, config: Mapping[str, Any], prompts: PromptStream, *, mode: str = "sync",
-        max_staleness: int = 0, updates_per_batch: int = 1, total_batches: int,
-        capacity: int | None = None, max_restarts: int = 3, initial_version: int = 0,
-        shares: int = 1,
+        self, config: Mapping[str, Any], prompts: PromptStream, *, workers: WorkerSettings,
+        mode: str = "sync", max_staleness: int = 0, updates_per_batch: int = 1,
+        total_batches: int, capacity: int | None = None, max_restarts: int = 3,
+        initial_version: int = 0, shares: int = 1, dynamic_sampling: bool = False,
+        max_refills: int = 4,
     ) -> None:  # fmt: skip
-        self.config = dict(config)
+        self.config, self.workers = dict(config), workers
         self.stream, self.mode = prompts, mode
         self.updates_per_batch = int(updates_per_batch)
         self.lead = lead_versions(mode, int(max_staleness), self.updates_per_batch)
         self.total_batches = int(total_batches)
-        self.group_size = int(config["group_size"])
+        self.group_size = workers.group_size
         per_step = prompts.prompts_per_step
         depth = max(1, math.ceil(self.lead / self.updates_per_batch))  # batches sampled ahead
         self.capacity = int(capacity) if capacity else per_step * (depth + 1)
@@ -523,8 +525,8 @@ class RolloutPipeline:
         self.next_draw = 0  # the next batch to draw prompts for
         self.round = 0  # the next collection round (a batch's prompts, or a refill of them)
         self.batch_ids: dict[int, list[tuple[int, int]]] = {}  # every group drawn, in order
-        self.dynamic = bool(config.get("dynamic_sampling", False))
-        self.max_refills, self.shares = int(config.get("max_refills", 4)), int(shares)
+        self.dynamic, self.max_refills = bool(dynamic_sampling), int(max_refills)
+        self.shares = int(shares)
         if self.shares < 1 or per_step % self.shares:
             raise ValueError(
                 f"prompts_per_step={per_step} cannot be shared by {self.shares} data-parallel ranks"
@@ -587,7 +589,7 @@ class RolloutPipeline:
             max_restarts=-1, max_task_retries=0, runtime_env=runtime_env(resources, section),
         )(role)  # fmt: skip
         # relative paths of the config mean what they mean here
-        return actor.remote(self.config, threads=max(1, int(cpus)), cwd=os.getcwd())
+        return actor.remote(self.workers, threads=max(1, int(cpus)), cwd=os.getcwd())
 
     def worker_pids(self) -> dict[str, list[int]]:
         """The process ids of the rollout and reward workers."""

@@ -55,7 +55,9 @@ __all__ = [
     "RL_RULES",
     "RL_SECTIONS",
     "RL_SETTINGS",
+    "DYNAMIC_RULES",
     "AsyncSettings",
+    "DynamicSampling",
     "RLSettings",
     "mapping",
     "rl_keys",
@@ -191,6 +193,24 @@ class RLSettings(Settings):
         "prompts per batch of the held-out rewards")  # fmt: skip
     reference_offload: bool = setting(False, flag(),
         "the reference policy waits in CPU memory between uses")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DynamicSampling(Settings):
+    """GRPO's dynamic sampling (DAPO), synchronous or asynchronous: the keys ``grpo`` adds.
+
+    >>> DynamicSampling().max_refills
+    4
+    """
+
+    dynamic_sampling: bool = setting(False, flag(),
+        "groups whose rewards are all equal are replaced by refills")  # fmt: skip
+    max_refills: int = setting(4, integer(0),
+        "refill rounds a step may draw, then all-equal groups fill the gap")  # fmt: skip
+
+
+DYNAMIC_RULES = rules_of(settings_of(DynamicSampling))
+"""The rule of each dynamic-sampling key."""
 
 
 RL_SECTIONS: tuple[Setting, ...] = (

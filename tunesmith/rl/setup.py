@@ -39,13 +39,16 @@ from tunesmith.rl.rewards import RewardSet
 from tunesmith.rl.settings import (  # re-exported: the recipes read them here
     ASYNC_RESUMABLE,
     ASYNC_RULES,
+    DYNAMIC_RULES,
     RL_RULES,
     AsyncSettings,
+    DynamicSampling,
     RLSettings,
     mapping,
     rl_keys,
 )
 from tunesmith.rl.source import GenerationConfig, RolloutSource
+from tunesmith.rl.workers import BUILD_SECTIONS, WorkerSettings
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.settings import LoopSettings
 from tunesmith.training.setup import Log
@@ -54,7 +57,9 @@ __all__ = [
     "ASYNC_RESUMABLE",
     "ASYNC_RULES",
     "RL_RULES",
+    "DYNAMIC_RULES",
     "AsyncSettings",
+    "DynamicSampling",
     "RLSettings",
     "asynchronous_source",
     "check_one_update_per_backward",
@@ -65,6 +70,7 @@ __all__ = [
     "reward_evaluator",
     "rl_keys",
     "source_options",
+    "worker_settings",
 ]
 
 
@@ -146,14 +152,37 @@ def check_one_update_per_backward(cfg: DictConfig, ctx: DistributedContext) -> N
         )
 
 
+def worker_settings(cfg: DictConfig) -> WorkerSettings:
+    """What the rollout and reward workers of ``cfg`` are sent: their settings, read once
+    here, and the sections their builders read (:data:`~tunesmith.rl.workers.BUILD_SECTIONS`).
+
+    Example::
+
+        settings = worker_settings(cfg)  # settings.group_size == cfg.group_size
+    """
+    rl, loop = RLSettings.from_config(cfg), LoopSettings.from_config(cfg)
+    rollout, kl = plain(cfg.get("rollout")), plain(cfg.get("kl"))
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    return WorkerSettings(
+        group_size=rl.group_size, micro_batch_size=loop.batch_size, seed=loop.seed,
+        chat_template=rl.chat_template, overlong_filter=rl.overlong_filter,
+        mixed_precision=loop.mixed_precision, generation=generation_config(cfg),
+        engine=rollout.get("engine") or "local", vllm=rollout.get("vllm") or {},
+        merge_adapters=bool(rollout.get("merge_adapters")), kl_coef=float(kl.get("coef") or 0),
+        device=loop.device, build={k: resolved[k] for k in BUILD_SECTIONS if k in resolved},
+    )  # fmt: skip
+
+
 def asynchronous_source(
     cfg: DictConfig, ctx: DistributedContext, *, model: nn.Module, tokenizer: Any,
-    prompts: Sequence[Prompt], rewards: RewardSet, advantage: Any, dynamic_sampling: bool = False,
+    prompts: Sequence[Prompt], rewards: RewardSet, advantage: Any,
+    dynamic: DynamicSampling | None = None,
 ) -> tuple[AsyncRolloutSource, RolloutPipeline | None]:  # fmt: skip
     """The batch source of asynchronous GRPO (``cfg.async_mode`` set) and, on rank 0, its
     started rollout pipeline (close it when the run ends). The whole prompt stream is rank
-    0's: it draws every step's prompts and shares the groups out. ``dynamic_sampling``: drop
-    groups whose rewards are all equal (the recipe's key)."""
+    0's: it draws every step's prompts and shares the groups out. ``dynamic``: the recipe's
+    dynamic sampling (groups whose rewards are all equal replaced; default: off)."""
+    dynamic = dynamic or DynamicSampling()
     rl, loop, asynchronous = (RLSettings.from_config(cfg), LoopSettings.from_config(cfg),
                               AsyncSettings.from_config(cfg))  # fmt: skip
     stream = PromptStream(prompts, rl.prompts_per_step, shuffle=loop.shuffle, seed=loop.seed)
@@ -165,10 +194,11 @@ def asynchronous_source(
     if ctx.is_rank_zero:
         config = OmegaConf.to_container(cfg, resolve=True)
         pipeline = RolloutPipeline(
-            config, stream, mode=str(asynchronous.async_mode),
+            config, stream, workers=worker_settings(cfg), mode=str(asynchronous.async_mode),
             max_staleness=asynchronous.max_staleness, updates_per_batch=updates,
             total_batches=-(-total_steps // updates), capacity=asynchronous.buffer_size,
             max_restarts=asynchronous.max_worker_restarts, shares=ctx.dp_size,
+            dynamic_sampling=dynamic.dynamic_sampling, max_refills=dynamic.max_refills,
         )  # fmt: skip
         pipeline.start()
         pids = pipeline.worker_pids()
@@ -178,10 +208,9 @@ def asynchronous_source(
         source = AsyncRolloutSource(
             pipeline=pipeline, total_steps=total_steps, model=model, tokenizer=tokenizer,
             prompts=stream, rewards=rewards, advantage=advantage, ctx=ctx,
-            dynamic_sampling=dynamic_sampling,
+            dynamic_sampling=dynamic.dynamic_sampling,
             rollout_log=Path(loop.output_dir) / "rollouts.jsonl", **source_options(cfg),
-            merged_adapters=rollout.get("engine", "local") == "vllm"
-            or bool(rollout.get("merge_adapters", False)),
+            merged_adapters=rollout.get("engine") == "vllm" or bool(rollout.get("merge_adapters")),
         )  # fmt: skip
     except BaseException:
         if pipeline is not None:

@@ -9,14 +9,17 @@
 * :class:`RewardWorker`: scores groups (the config's ``rewards``) and, with a KL term, adds the
   reference policy's log-probs of the sampled tokens.
 
-Both are plain classes built from the run's config (as a plain dict); :func:`start_actor`
-makes a Ray actor of one. Neither imports Ray: the pipeline that drives them does.
+Both are plain classes built from :class:`WorkerSettings`: what they read of the run, typed,
+built once by the driver (:func:`tunesmith.rl.setup.worker_settings`), with the few config
+sections their builders read (tokenizer, model, precision, rewards, reference model), not the
+whole config. Neither imports Ray: the pipeline that drives them makes a Ray actor of each
+(:class:`~tunesmith.rl.pipeline.RolloutPipeline`).
 
 Example::
 
-    worker = RolloutWorker(config, threads=1)
+    worker = RolloutWorker(settings, threads=1)
     groups, stats = worker.rollout(prompts, round=0)
-    groups, failures, stats = RewardWorker(config).score((groups, stats))
+    groups, failures, stats = RewardWorker(settings).score((groups, stats))
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from tunesmith.config import instantiate
 from tunesmith.generation.engine import LocalEngine
@@ -41,7 +45,40 @@ from tunesmith.rl.weight_sync import TensorSpec, WeightReceiver
 from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
 
-__all__ = ["RewardWorker", "RolloutWorker", "local_context"]
+BUILD_SECTIONS = ("model_dir", "tokenizer", "model", "precision", "mixed_precision",
+                  "attention_backend", "rewards", "reference_model", "reference_offload")  # fmt: skip
+"""The config sections a worker's builders read (``setup.load_tokenizer``, ``build_policy``,
+``reference_policy``, the rewards), resolved: all a worker gets of the config."""
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What the rollout and reward workers read of the run (see the module docs).
+
+    Example::
+
+        >>> settings = WorkerSettings(group_size=4, micro_batch_size=8, seed=3)
+        >>> settings.engine, settings.kl_coef, settings.generation.temperature
+        ('local', 0.0, 1.0)
+    """
+
+    group_size: int
+    micro_batch_size: int
+    seed: int = 0
+    chat_template: bool = True
+    overlong_filter: bool = False
+    mixed_precision: str | None = None
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    engine: str = "local"
+    vllm: Mapping[str, Any] = field(default_factory=dict)
+    merge_adapters: bool = False
+    kl_coef: float = 0.0
+    device: str = "auto"
+    build: Mapping[str, Any] = field(default_factory=dict)
+    """:data:`BUILD_SECTIONS` of the run's config, resolved."""
+
+
+__all__ = ["BUILD_SECTIONS", "RewardWorker", "RolloutWorker", "WorkerSettings", "local_context"]
 
 
 def local_context(device: str = "cpu") -> DistributedContext:
@@ -51,16 +88,16 @@ def local_context(device: str = "cpu") -> DistributedContext:
 
 
 class _Role:
-    """What both roles share: the config, threads, tokenizer and busy time."""
+    """What both roles share: the settings, threads, tokenizer and busy time."""
 
-    def __init__(self, config: Mapping[str, Any], threads: int = 1, cwd: str | None = None) -> None:
+    def __init__(self, settings: WorkerSettings, threads: int = 1, cwd: str | None = None) -> None:
         if cwd is not None and os.path.isdir(cwd):  # the driver's: relative paths hold
             os.chdir(cwd)
         torch.set_num_threads(max(1, int(threads)))
-        self.cfg: DictConfig = OmegaConf.create(dict(config))
-        self.tokenizer = setup.load_tokenizer(self.cfg)
-        self.device = "cuda" if torch.cuda.is_available() and self.cfg.get("device") != "cpu" \
-            else "cpu"  # fmt: skip
+        self.settings = settings
+        self.build = OmegaConf.create(dict(settings.build))  # what the builders read
+        self.tokenizer = setup.load_tokenizer(self.build)
+        self.device = "cuda" if torch.cuda.is_available() and settings.device != "cpu" else "cpu"
         self.ctx = local_context(self.device)
         self.busy_s = 0.0
 
@@ -72,24 +109,22 @@ class _Role:
 class RolloutWorker(_Role):
     """Samples groups with its copy of the policy (see the module docs)."""
 
-    def __init__(self, config: Mapping[str, Any], threads: int = 1, cwd: str | None = None) -> None:
-        super().__init__(config, threads, cwd)
-        cfg = self.cfg
-        self.generation = GenerationConfig(**dict(cfg.get("generation") or {}))
+    def __init__(self, settings: WorkerSettings, threads: int = 1, cwd: str | None = None) -> None:
+        super().__init__(settings, threads, cwd)
+        self.generation = settings.generation
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.generation.stop_tokens)
         self.pad_id = setup.pad_id(self.tokenizer)
-        rollout = cfg.get("rollout") or {}
-        if rollout.get("engine", "local") == "vllm":
+        if settings.engine == "vllm":
             from tunesmith.generation.vllm_engine import VLLMEngine
 
-            self.engine: Any = VLLMEngine(cfg.model_dir, seed=int(cfg.get("seed", 0)),
-                                          **dict(rollout.get("vllm") or {}))  # fmt: skip
+            self.engine: Any = VLLMEngine(self.build.model_dir, seed=settings.seed,
+                                          **dict(settings.vllm))  # fmt: skip
         else:
-            model = setup.build_policy(cfg, self.ctx, self.tokenizer)
-            if rollout.get("merge_adapters", False) and adapter_modules(model):
+            model = setup.build_policy(self.build, self.ctx, self.tokenizer)
+            if settings.merge_adapters and adapter_modules(model):
                 merge_adapters(model)  # a dense copy: the trainer sends merged weights
             self.engine = LocalEngine(model, self.tokenizer, pad_id=self.pad_id,
-                                      autocast_dtype=AUTOCAST[cfg.get("mixed_precision")])  # fmt: skip
+                                      autocast_dtype=AUTOCAST[settings.mixed_precision])  # fmt: skip
         self.version = 0
         self.receiver = WeightReceiver(self.device)
 
@@ -127,7 +162,7 @@ class RolloutWorker(_Role):
     ) -> tuple[list[Group], dict[str, float]]:
         """``group_size`` completions of each prompt (keys of collection ``round``), tagged
         with this worker's policy version; and the time and tokens it took."""
-        cfg, g = self.cfg, self.generation
+        settings, g = self.settings, self.generation
         start = time.perf_counter()
 
         def generate(rows: list[list[int]], keys: list[int]) -> Any:
@@ -138,9 +173,8 @@ class RolloutWorker(_Role):
             )  # fmt: skip
 
         groups = sample_groups(
-            generate, self.tokenizer, prompts, round=round, group_size=int(cfg.group_size),
-            seed=int(cfg.get("seed", 0)), chat_template=bool(cfg.get("chat_template", True)),
-            version=self.version,
+            generate, self.tokenizer, prompts, round=round, group_size=settings.group_size,
+            seed=settings.seed, chat_template=settings.chat_template, version=self.version,
         )  # fmt: skip
         seconds = time.perf_counter() - start
         self.busy_s += seconds
@@ -151,20 +185,18 @@ class RolloutWorker(_Role):
 class RewardWorker(_Role):
     """Scores groups and adds the reference's log-probs (see the module docs)."""
 
-    def __init__(self, config: Mapping[str, Any], threads: int = 1, cwd: str | None = None) -> None:
-        super().__init__(config, threads, cwd)
-        cfg = self.cfg
-        self.rewards = instantiate(cfg.rewards)
-        kl = cfg.get("kl") or {}
+    def __init__(self, settings: WorkerSettings, threads: int = 1, cwd: str | None = None) -> None:
+        super().__init__(settings, threads, cwd)
+        self.rewards = instantiate(self.build.rewards)
         self.reference = None
-        if float(kl.get("coef", 0.0)) > 0:
-            policy = setup.build_policy(cfg, self.ctx, self.tokenizer)
-            self.reference = setup.reference_policy(cfg, self.ctx, policy, lambda *a: None,
+        if settings.kl_coef > 0:
+            policy = setup.build_policy(self.build, self.ctx, self.tokenizer)
+            self.reference = setup.reference_policy(self.build, self.ctx, policy, lambda *a: None,
                                                     tokenizer=self.tokenizer)  # fmt: skip
-        self.temperature = GenerationConfig(**dict(cfg.get("generation") or {})).temperature
-        self.micro_batch_size = int(cfg.batch_size)
-        self.overlong_filter = bool(cfg.get("overlong_filter", False))
-        self.autocast_dtype = AUTOCAST[cfg.get("mixed_precision")]
+        self.temperature = settings.generation.temperature
+        self.micro_batch_size = settings.micro_batch_size
+        self.overlong_filter = settings.overlong_filter
+        self.autocast_dtype = AUTOCAST[settings.mixed_precision]
 
     def score(
         self, rolled: tuple[list[Group], dict[str, float]]

@@ -51,14 +51,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 from tqdm import tqdm
 
-from tunesmith.config import ConfigError, ConfigIssue, check_keys, instantiate
-from tunesmith.data import split_train_val
+from tunesmith.config import ConfigError, check_keys, instantiate
 from tunesmith.modules.dtypes import AUTOCAST
+from tunesmith.training.datasets import inherit_val_dataset
 from tunesmith.training.distributed import (
     DistributedContext,
     all_reduce_sum,
@@ -73,7 +73,7 @@ from tunesmith.training.preflight import PreflightReport, longest_batch, preflig
 from tunesmith.training.rules import Rule, check_rules
 from tunesmith.training.run_lock import hold_run_lock
 from tunesmith.training.sample_prompts import SamplePrompts
-from tunesmith.training.settings import LOOP_KEYS, LOOP_RULES, LoopSettings
+from tunesmith.training.settings import LOOP_KEYS, LOOP_RULES, LoopSettings, value_of
 from tunesmith.training.sources import BatchSource, DatasetSource, dropped_per_epoch, make_loader
 from tunesmith.training.trainer import LossOutput, Objective, Trainer, evaluate
 
@@ -84,8 +84,6 @@ __all__ = [
     "LOOP_RUNTIME_KWARGS",
     "LossOutput",
     "Objective",
-    "build_datasets",
-    "check_vocab",
     "dropped_per_epoch",
     "evaluate",
     "fit",
@@ -159,7 +157,7 @@ def resolve_resume(cfg: DictConfig) -> None:
         >>> resolve_resume(cfg); cfg.resume
         False
     """
-    resume = cfg.get("resume", False)
+    resume = value_of(cfg, "resume")
     if resume == "auto":
         cfg.resume = _has_checkpoint(cfg.get("output_dir"))
     elif isinstance(resume, str) and not Path(resume).is_dir():
@@ -177,74 +175,6 @@ def _has_checkpoint(output_dir: str | None) -> bool:
     if root is None or not root.is_dir():
         return False
     return any(_STEP_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
-
-
-def inherit_val_dataset(cfg: DictConfig) -> None:
-    """A ``val_dataset`` with no ``_component_`` (e.g. only ``val_dataset.source=held.jsonl``)
-    is the training ``dataset`` with those settings changed: same component, format, template
-    and limits, another file.
-
-    Example::
-
-        >>> cfg = OmegaConf.create({"dataset": {"_component_": "D", "source": "a", "n": 1},
-        ...                         "val_dataset": {"source": "b"}})
-        >>> inherit_val_dataset(cfg); OmegaConf.to_container(cfg.val_dataset)
-        {'_component_': 'D', 'source': 'b', 'n': 1}
-    """
-    val, dataset = cfg.get("val_dataset"), cfg.get("dataset")
-    if isinstance(val, DictConfig) and "_component_" not in val and isinstance(dataset, DictConfig):
-        if "parts" in dataset:  # a mixture has no single set of settings to inherit
-            raise ConfigError.from_issues([ConfigIssue(
-                "val_dataset", f"gives only {sorted(val)}, but dataset is a mixture of "
-                f"{sorted(dataset.parts)}: give val_dataset its own _component_ (e.g. "
-                "tunesmith.data.SFTDataset) and settings",
-            )])  # fmt: skip
-        cfg.val_dataset = OmegaConf.merge(dataset, val)
-
-
-def build_datasets(
-    cfg: DictConfig, tokenizer: Any, log: Callable[[str], None] = print
-) -> tuple[Sequence[Any], Sequence[Any] | None]:
-    """``cfg.dataset`` and the validation set: ``cfg.val_dataset`` (one that gives only some
-    settings, e.g. a ``source``, inherits the rest from ``cfg.dataset``), or a seeded
-    ``cfg.val_fraction`` of the training samples (both sizes logged), or None. Logs the data
-    report and whether the tokenised rows came from the cache."""
-    inherit_val_dataset(cfg)
-    dataset = instantiate(cfg.dataset, tokenizer)
-    _log_cache(dataset, log)
-    log(f"dataset: {dataset.report.summary()}")
-    val_dataset = None
-    if cfg.get("val_dataset"):
-        val_dataset = instantiate(cfg.val_dataset, tokenizer)
-        _log_cache(val_dataset, log)
-        log(f"val_dataset: {val_dataset.report.summary()}")
-    if val_dataset is None and cfg.get("val_fraction", 0.0) > 0:
-        dataset, val_dataset = split_train_val(
-            dataset, cfg.val_fraction, seed=int(cfg.get("seed", 0))
-        )
-        log(f"val_fraction={cfg.val_fraction}: {len(dataset)} training samples, "
-            f"{len(val_dataset)} validation samples")  # fmt: skip
-    return dataset, val_dataset
-
-
-def _log_cache(dataset: Any, log: Callable[[str], None]) -> None:
-    note = getattr(dataset, "cache_note", None)
-    if note:
-        log(note)
-
-
-def check_vocab(tokenizer: Any, model: nn.Module, cfg: DictConfig, key: str = "model") -> None:
-    """Refuse a tokenizer whose ids run past the embedding of ``model`` (built from
-    ``cfg[key]``): a model of another vocabulary would index out of range, or on a GPU read
-    garbage rows, in the middle of the first step."""
-    rows = getattr(getattr(model, "spec", None), "vocab_size", None)
-    if rows is not None and tokenizer.vocab_size > rows:
-        node = cfg[key]
-        raise ValueError(
-            f"tokenizer {getattr(tokenizer, 'name', cfg.tokenizer)} has {tokenizer.vocab_size} "
-            f"token ids but {key} ({node.get('path', node._component_)}) embeds only {rows} "
-            f"(model.embed_tokens.weight): {key} belongs to another vocabulary"
-        )
 
 
 def fit_from_config(

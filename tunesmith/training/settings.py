@@ -58,6 +58,7 @@ __all__ = [
     "MODEL_RULES",
     "MODEL_SETTINGS",
     "RESUMABLE_KEYS",
+    "SHARED_SETTINGS",
     "LoopSettings",
     "Setting",
     "Settings",
@@ -67,6 +68,7 @@ __all__ = [
     "rules_of",
     "setting",
     "settings_of",
+    "value_of",
 ]
 
 REQUIRED = dataclasses.MISSING
@@ -363,6 +365,34 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
 
 LOOP_SETTINGS: tuple[Setting, ...] = (*settings_of(LoopSettings), *LOOP_SECTIONS)
 """Every top-level key the loop reads."""
+
+
+SHARED_SETTINGS: tuple[Setting, ...] = (
+    Setting("packed", flag(), "samples packed into rows of the dataset's max_seq_len "
+            "(block-causal attention)", False),
+    Setting("reference_offload", flag(),
+            "the reference policy waits in CPU memory between uses", False),
+)  # fmt: skip
+"""Keys that some recipes (not every one) give the shared model and data steps of
+:mod:`tunesmith.training.setup`; each recipe lists those it has in its ``KEYS``."""
+
+_DECLARED = {s.name: s for s in (*LOOP_SETTINGS, *MODEL_SETTINGS, *SHARED_SETTINGS)}
+
+
+def value_of(cfg: DictConfig | Mapping[str, Any], name: str) -> Any:
+    """``cfg[name]``, or the default declared for ``name`` (a loop, model or shared key) when
+    ``cfg`` does not have it: for code that needs one key where a whole settings object
+    cannot be built (a config of another recipe, a part of one).
+
+    >>> value_of({"seed": 3}, "seed"), value_of({}, "val_fraction"), value_of({}, "packed")
+    (3, 0.0, False)
+    """
+    declared = _DECLARED[name]
+    if name in cfg:
+        return _plain(cfg[name])
+    if declared.default is REQUIRED:
+        raise ConfigError.from_issues([ConfigIssue(name, "required, but not set")])
+    return declared.default
 
 
 def keys_of(*tables: Iterable[Setting]) -> list[str]:

@@ -5,7 +5,7 @@ objective and what is its own.
 * :func:`load_tokenizer`, :func:`pad_id`, :func:`datasets_for` (training and validation
   sets), :func:`token_batches` (SFT samples packed or padded; the pack length is the
   dataset's own ``max_seq_len``);
-* :func:`build_policy`: the trained model, checked against the tokenizer;
+* :func:`build_policy`: the trained model, checked against the tokenizer (:func:`check_vocab`);
 * :func:`apply_attention_backend`: the ``attention_backend`` key set on every decoder of a
   model (``build_policy`` and ``frozen_model`` call it);
 * :func:`frozen_model`: a model that is never trained (DPO reference, KD teacher), frozen,
@@ -46,18 +46,19 @@ from tunesmith.modules.decoder import DecoderModel
 from tunesmith.modules.losses import LinearCrossEntropyLoss
 from tunesmith.modules.peft import adapter_modules, disable_adapters
 from tunesmith.training.compile import compile_loss, compile_options
+from tunesmith.training.datasets import build_datasets
 from tunesmith.training.distributed import DistributedContext
-from tunesmith.training.loop import build_datasets, check_vocab
 from tunesmith.training.memory_planner import MemoryPlan, estimate_memory, optimizer_kind
 from tunesmith.training.parallelize import parallelize
 from tunesmith.training.precision import cast_weights, check_precision
 from tunesmith.training.preflight import longest_batch
-from tunesmith.training.settings import MODEL_KEYS  # the keys of the model steps here
+from tunesmith.training.settings import MODEL_KEYS, value_of  # the model steps' keys
 
 __all__ = [
     "MODEL_KEYS",
     "apply_attention_backend",
     "build_policy",
+    "check_vocab",
     "compiled_loss",
     "datasets_for",
     "frozen_model",
@@ -110,7 +111,7 @@ def datasets_for(
     cfg: DictConfig, tokenizer: Any, log: Log = print
 ) -> tuple[Sequence[Any], Sequence[Any] | None]:
     """The training set and the validation set (or None) of ``cfg``: see
-    :func:`~tunesmith.training.loop.build_datasets`.
+    :func:`~tunesmith.training.datasets.build_datasets`.
 
     Example::
 
@@ -145,7 +146,7 @@ def token_batches(
 
         dataset, collate = token_batches(cfg, dataset, tokenizer)
     """
-    packed = bool(cfg.get("packed", False))
+    packed = bool(value_of(cfg, "packed"))
     length = packing_length(dataset)
     if packed and length is None:
         raise ValueError(
@@ -153,6 +154,20 @@ def token_batches(
             f"{type(dataset).__name__} sets none: give the dataset a max_seq_len"
         )
     return packed_or_padded(dataset, packed=packed, max_seq_len=length, pad_id=pad_id(tokenizer))
+
+
+def check_vocab(tokenizer: Any, model: nn.Module, cfg: DictConfig, key: str = "model") -> None:
+    """Refuse a tokenizer whose ids run past the embedding of ``model`` (built from
+    ``cfg[key]``): a model of another vocabulary would index out of range, or on a GPU read
+    garbage rows, in the middle of the first step."""
+    rows = getattr(getattr(model, "spec", None), "vocab_size", None)
+    if rows is not None and tokenizer.vocab_size > rows:
+        node = cfg[key]
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name', cfg.tokenizer)} has {tokenizer.vocab_size} "
+            f"token ids but {key} ({node.get('path', node._component_)}) embeds only {rows} "
+            f"(model.embed_tokens.weight): {key} belongs to another vocabulary"
+        )
 
 
 def build_policy(
@@ -273,7 +288,7 @@ def reference_policy(
             if cfg.get("reference_model") else "a frozen copy of the initial policy"
         )  # fmt: skip
         frozen = frozen_model(
-            cfg, ctx, "reference_model", offload=bool(cfg.get("reference_offload", False)),
+            cfg, ctx, "reference_model", offload=bool(value_of(cfg, "reference_offload")),
             tokenizer=tokenizer, copy_of=model,
         )  # fmt: skip
         reference = FrozenPolicy(frozen, description=description)
@@ -327,7 +342,7 @@ def memory_plan(
         mixed_precision=cfg.get("mixed_precision"),
         activation_checkpointing=cfg.get("activation_checkpointing"),
         loss=loss_fn if isinstance(loss_fn, LinearCrossEntropyLoss) else "full",
-        optimizer_in_backward=bool(cfg.get("optimizer_in_backward", False)),
+        optimizer_in_backward=bool(value_of(cfg, "optimizer_in_backward")),
         packed="document_ids" in batch, world_size=ctx.shard_size, parallel=ctx.dims,
         device=ctx.device,
     )  # fmt: skip

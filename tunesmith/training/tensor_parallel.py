@@ -43,139 +43,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from tunesmith.modules.attention import Attention
 from tunesmith.modules.moe import MoE
 from tunesmith.modules.peft.lora import LoRALinear
 from tunesmith.modules.peft.nf4 import is_nf4
+from tunesmith.training.tp_adapters import AdapterColwise, AdapterRowwiseToStream
+from tunesmith.training.tp_styles import Gathered, HeadNorm, RowwiseToStream, Stream, StreamNorm
 
 __all__ = ["apply_tensor_parallel", "check_tp_shardable"]
-
-
-class _Stream:
-    """How the residual stream is laid out in the current forward: sharded on the sequence
-    (``active``, SP) or replicated (no SP, or a forward with a KV cache)."""
-
-    def __init__(self, sequence_parallel: bool) -> None:
-        self.sequence_parallel = sequence_parallel
-        self.active = sequence_parallel
-
-    @property
-    def placement(self) -> Shard | Replicate:
-        return Shard(1) if self.active else Replicate()
-
-
-def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
-    for name, param in list(module.named_parameters(recurse=False)):
-        dist = distribute_tensor(param.data, mesh, [Replicate()])
-        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
-
-
-class _StreamNorm(ParallelStyle):
-    """An RMSNorm on the residual stream: replicated weight, input/output laid out as the
-    stream (its weight gradient is summed over the sequence shards)."""
-
-    def __init__(self, stream: _Stream) -> None:
-        self.stream = stream
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def to_stream(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple:
-            x = DTensor.from_local(inputs[0], mesh, (self.stream.placement,), run_check=False)
-            return (x, *inputs[1:])
-
-        return distribute_module(
-            module, device_mesh, lambda name, mod, mesh: _replicate_params(mod, mesh), to_stream
-        )
-
-
-class _HeadNorm(ParallelStyle):
-    """A per-head norm (qk-norm) on this rank's heads ``[b, s, heads, d]``: replicated weight
-    whose gradient is summed over the ranks' heads."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def shard_heads(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple:
-            return (DTensor.from_local(inputs[0], mesh, (Shard(2),), run_check=False),)
-
-        return distribute_module(
-            module, device_mesh, lambda name, mod, mesh: _replicate_params(mod, mesh),
-            shard_heads, lambda mod, out, mesh: out.to_local(),
-        )  # fmt: skip
-
-
-class _Gathered(ParallelStyle):
-    """A block (attention, MLP, MoE) whose first input is gathered to the whole sequence; with
-    ``local`` the block sees plain tensors (MoE: replicated experts) and its first output is
-    cut back to the stream's layout."""
-
-    def __init__(self, stream: _Stream, *, local: bool = False) -> None:
-        self.stream, self.local = stream, local
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple:
-            x = inputs[0]
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, (self.stream.placement,), run_check=False)
-            x = x.redistribute(placements=(Replicate(),))
-            return (x.to_local() if self.local else x, *inputs[1:])
-
-        def scatter(mod: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
-            first, rest = (
-                (outputs[0], outputs[1:]) if isinstance(outputs, tuple) else (outputs, None)
-            )
-            if self.stream.active:
-                first = DTensor.from_local(first, mesh, (Replicate(),), run_check=False)
-                first = first.redistribute(placements=(Shard(1),)).to_local()
-            return first if rest is None else (first, *rest)
-
-        # hooks only: the parameters are left to their own styles (MoE's stay plain)
-        module.register_forward_pre_hook(lambda mod, inputs: gather(mod, inputs, device_mesh))
-        if self.local:
-            module.register_forward_hook(lambda mod, i, out: scatter(mod, out, device_mesh))
-        return module
-
-
-class _RowwiseToStream(RowwiseParallel):
-    """Row-wise linear (or vocabulary-sharded embedding) whose reduced output takes the
-    stream's layout: reduce-scattered on the sequence under SP, else all-reduced."""
-
-    def __init__(self, stream: _Stream) -> None:
-        super().__init__()
-        self.stream = stream
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        embedding = isinstance(module, nn.Embedding)
-        partition = self._partition_embedding_fn if embedding else self._partition_linear_fn
-        self.desired_input_layouts = (Replicate(),) if embedding else (Shard(-1),)
-        input_layouts = (Replicate(),) if embedding else (Shard(-1),)
-
-        def to_stream(mod: nn.Module, outputs: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-            return outputs.redistribute(placements=(self.stream.placement,)).to_local()
-
-        return distribute_module(
-            module, device_mesh, partition,
-            partial(self._prepare_input_fn, input_layouts, self.desired_input_layouts), to_stream,
-        )  # fmt: skip
 
 
 def _colwise(linear: nn.Module, **kwargs: Any) -> ParallelStyle:
     """``ColwiseParallel(**kwargs)``, for a LoRA/DoRA layer its adapter form (the adapters
     follow the base's sharding: :mod:`~tunesmith.training.tp_adapters`)."""
-    from tunesmith.training.tp_adapters import AdapterColwise  # it builds on this module
-
     return AdapterColwise(**kwargs) if isinstance(linear, LoRALinear) else ColwiseParallel(**kwargs)
 
 
-def _rowwise(linear: nn.Module, stream: _Stream) -> ParallelStyle:
-    """``_RowwiseToStream(stream)``, for a LoRA/DoRA layer its adapter form."""
-    from tunesmith.training.tp_adapters import AdapterRowwiseToStream
-
+def _rowwise(linear: nn.Module, stream: Stream) -> ParallelStyle:
+    """``RowwiseToStream(stream)``, for a LoRA/DoRA layer its adapter form."""
     return (
         AdapterRowwiseToStream(stream)
         if isinstance(linear, LoRALinear)
-        else _RowwiseToStream(stream)
+        else RowwiseToStream(stream)
     )
 
 
@@ -189,34 +82,34 @@ def apply_tensor_parallel(
     tp = mesh.size()
     check_tp_shardable(model)
     body = model.model
-    stream = _Stream(sequence_parallel)
-    parallelize_module(body, mesh, {"embed_tokens": _RowwiseToStream(stream)})
+    stream = Stream(sequence_parallel)
+    parallelize_module(body, mesh, {"embed_tokens": RowwiseToStream(stream)})
     for layer in body.layers:
         attn = layer.self_attn
         if not isinstance(attn, Attention):
             raise TypeError(f"tensor parallel needs tunesmith's Attention, got {type(attn)}")
         plan: dict[str, ParallelStyle] = {
-            "self_attn": _Gathered(stream),
+            "self_attn": Gathered(stream),
             "self_attn.q_proj": _colwise(attn.q_proj),
             "self_attn.k_proj": _colwise(attn.k_proj),
             "self_attn.v_proj": _colwise(attn.v_proj),
             "self_attn.o_proj": _rowwise(attn.o_proj, stream),
-            "input_layernorm": _StreamNorm(stream),
-            "post_attention_layernorm": _StreamNorm(stream),
+            "input_layernorm": StreamNorm(stream),
+            "post_attention_layernorm": StreamNorm(stream),
         }
         if attn.q_norm is not None:
-            plan["self_attn.q_norm"] = plan["self_attn.k_norm"] = _HeadNorm()
+            plan["self_attn.q_norm"] = plan["self_attn.k_norm"] = HeadNorm()
         if isinstance(layer.mlp, MoE):
-            plan["mlp"] = _Gathered(stream, local=True)
+            plan["mlp"] = Gathered(stream, local=True)
         else:
-            plan["mlp"] = _Gathered(stream)
+            plan["mlp"] = Gathered(stream)
             plan["mlp.gate_proj"] = _colwise(layer.mlp.gate_proj)
             plan["mlp.up_proj"] = _colwise(layer.mlp.up_proj)
             plan["mlp.down_proj"] = _rowwise(layer.mlp.down_proj, stream)
         parallelize_module(layer, mesh, plan)
         attn.num_heads //= tp
         attn.num_kv_heads //= tp
-    parallelize_module(body, mesh, {"norm": _StreamNorm(stream)})
+    parallelize_module(body, mesh, {"norm": StreamNorm(stream)})
     body.norm.register_forward_hook(
         lambda mod, inputs, out: out.redistribute(placements=(Replicate(),)).to_local()
     )
@@ -229,7 +122,7 @@ def apply_tensor_parallel(
 
 
 def _pad_sequence(
-    stream: _Stream, tp: int, body: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    stream: Stream, tp: int, body: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Forward pre-hook of the body: pick the stream's layout for this forward and, under SP,
     right-pad a sequence ``tp`` does not divide (padding attends, and is attended by, nothing

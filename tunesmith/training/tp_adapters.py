@@ -50,7 +50,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from tunesmith.modules.peft.lora import LoRALinear
-from tunesmith.training.tensor_parallel import _RowwiseToStream
+from tunesmith.training.tp_styles import RowwiseToStream
 
 __all__ = [
     "COLWISE_ADAPTER",
@@ -149,8 +149,8 @@ class AdapterColwise(ColwiseParallel):
         )  # fmt: skip
 
 
-class AdapterRowwiseToStream(_RowwiseToStream):
-    """The row-wise layer of the residual stream (``_RowwiseToStream``: its reduced output
+class AdapterRowwiseToStream(RowwiseToStream):
+    """The row-wise layer of the residual stream (``RowwiseToStream``: its reduced output
     takes the stream's layout) for a LoRA/DoRA layer (:data:`ROWWISE_ADAPTER`): the adapter's
     partial sum joins the base's before the one reduction.
 
