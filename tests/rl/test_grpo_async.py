@@ -80,14 +80,28 @@ def run(world, recipe: str, config: str, name: str, *extra: str, model=None):
     return out
 
 
+_SHARED: dict[tuple[str, ...], Path] = {}
+
+
+def shared(world, recipe: str, *extra: str) -> Path:
+    """``recipe`` on ``tiny`` with ``extra``, run once for the module: the reference runs that
+    several tests compare with (read only)."""
+    key = (recipe, *extra)
+    if key not in _SHARED:
+        name = "-".join(["shared", recipe, *(e.replace("=", "_") for e in extra)])
+        _SHARED[key] = run(world, recipe, "tiny", name, *extra)
+    return _SHARED[key]
+
+
 def rollouts(out):
     return [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("kl", ["0.0", "0.05"])
 def test_sync_mode_equals_the_synchronous_recipe(world, kl):
-    plain = run(world, "grpo", "tiny", f"grpo-kl{kl}", f"kl.coef={kl}")
-    remote = run(world, "grpo_async", "tiny", f"sync-kl{kl}", f"kl.coef={kl}", "async_mode=sync")
+    coef = [] if kl == "0.0" else [f"kl.coef={kl}"]  # 0.0: the config's own
+    plain = shared(world, "grpo", *coef)
+    remote = shared(world, "grpo_async", "async_mode=sync", *coef)
     assert_same_weights(final_weights(remote), final_weights(plain), atol=0.0)
     ours, theirs = read_metrics(remote), read_metrics(plain)
     for step in range(1, STEPS + 1):
@@ -120,13 +134,13 @@ def test_async_modes_use_each_group_once_and_never_too_stale(world, mode, allowe
 
 
 def test_off_policy_with_no_staleness_is_sync(world):
-    sync = run(world, "grpo_async", "tiny", "sync0", "async_mode=sync")
+    sync = shared(world, "grpo_async", "async_mode=sync")
     off = run(world, "grpo_async", "tiny", "off0", "async_mode=off_policy", "max_staleness=0")
     assert_same_weights(final_weights(off), final_weights(sync), atol=0.0)
 
 
 def test_a_resumed_overlap_run_equals_the_uninterrupted_one(world):
-    whole = run(world, "grpo_async", "tiny", "overlap-whole", "async_mode=overlap")
+    whole = shared(world, "grpo_async", "async_mode=overlap")
     out = run(world, "grpo_async", "tiny", "overlap-resumed", "async_mode=overlap",
               "stop_after_steps=2")  # fmt: skip
     run(world, "grpo_async", "tiny", "overlap-resumed", "async_mode=overlap", "resume=true")
@@ -206,7 +220,11 @@ def test_overlap_with_dynamic_sampling_replaces_flat_groups_and_resumes_exactly(
     assert_same_weights(final_weights(out), final_weights(whole), atol=0.0)
 
 
-@pytest.mark.parametrize("weight_sync", ["object_store", "collective"])
+@pytest.mark.parametrize("weight_sync", [
+    "object_store",
+    # collective == object store, bitwise: test_weight_sync; its restarts: test_weight_sync's units
+    pytest.param("collective", marks=pytest.mark.slow),
+])  # fmt: skip
 def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path, weight_sync):
     """SIGKILL the rollout worker while it samples: Ray restarts it (``collective``: in a new
     weight-sync group), its prompts are sampled again with the same keys and policy, and the
@@ -260,7 +278,7 @@ def test_a_lora_policy_sends_its_adapters_and_equals_the_synchronous_recipe(worl
 
 
 def test_two_rollout_and_reward_workers_share_the_batches(world):
-    one = run(world, "grpo_async", "tiny", "one-worker", "async_mode=overlap")
+    one = shared(world, "grpo_async", "async_mode=overlap")
     two = run(world, "grpo_async", "tiny", "two-workers", "async_mode=overlap",
               "rollout.workers=2", "reward_workers.workers=2")  # fmt: skip
     assert [r["groups"] for r in rollouts(two)] == [r["groups"] for r in rollouts(one)]
@@ -274,7 +292,7 @@ def test_two_rollout_and_reward_workers_share_the_batches(world):
 
 def test_two_trainer_ranks_equal_one_process(world, tmp_path):
     root, model_dir, prompts = world
-    single = run(world, "grpo_async", "tiny", "single-trainer", "async_mode=sync")
+    single = shared(world, "grpo_async", "async_mode=sync")
     launch_async_ranks([*grpo_overrides(model_dir, prompts, tmp_path / "two", *FAST),
                         "async_mode=sync"], tmp_path)  # fmt: skip
     one, two = read_metrics(single), read_metrics(tmp_path / "two")

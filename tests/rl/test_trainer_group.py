@@ -101,7 +101,8 @@ def two_actors(world, ray_instance) -> Path:
     return run(world, "two-actors", *RAY_GROUP)
 
 
-def test_two_trainer_actors_equal_one_process(world, two_actors):
+@pytest.mark.slow  # implied: actors == torchrun ranks (bitwise, below) and torchrun ranks == one
+def test_two_trainer_actors_equal_one_process(world, two_actors):  # process (test_grpo_async)
     single = run(world, "one-process")
     one, two = read_metrics(single), read_metrics(two_actors)
     for step in range(1, STEPS + 1):
@@ -219,6 +220,10 @@ def test_two_trainer_actors_equal_two_torchrun_ranks_bitwise(world, two_actors, 
     assert [r["groups"] for r in rollouts(two_actors)] == [
         r["groups"] for r in rollouts(tmp_path / "ranks")
     ]
+    last = two_actors / "checkpoints" / f"step_{STEPS:06d}"
+    assert read_record(last, 0).data_parallel == 2  # two ranks trained, not two copies of one
+    logs = sorted(p.name for p in (two_actors / "logs").glob("trainer-group-*/*"))
+    assert logs == ["console.log", "driver.log", "rank0.log", "rank1.log"]
 
 
 @pytest.fixture
@@ -253,6 +258,7 @@ def two_nodes() -> Iterator[str]:
                 record.unlink(missing_ok=True)
 
 
+@pytest.mark.slow  # two raylets and a cluster of its own: the multi-node case, as in tests/cli
 def test_two_trainer_actors_on_two_ray_nodes_equal_one_node_bitwise(world, two_actors, two_nodes,
                                                                     tmp_path):  # fmt: skip
     """``ray.address`` of a 2-node cluster: one trainer actor per node (a CPU each; the rollout

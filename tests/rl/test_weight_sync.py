@@ -214,7 +214,11 @@ def _groups(out):
     return [json.loads(line)["groups"] for line in lines]
 
 
-@pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("adapters", [
+    False,
+    # LoRA's adapters through the object store: test_grpo_async (a lora policy sends its adapters)
+    pytest.param(True, marks=pytest.mark.slow),
+], ids=["full", "lora"])  # fmt: skip
 def test_collective_sync_equals_the_object_store_bitwise(world, ray_instance, adapters):
     """``overlap`` mode, two rollout workers: the same rollouts, metrics and final weights
     whichever path carried the weights, and the same megabytes per sync."""
