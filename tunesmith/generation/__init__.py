@@ -1,7 +1,8 @@
 """Token-level generation: batched KV-cache decoding and sampling, and the rollout engines
 (the project's own, and the optional vLLM adapter) an RL rollout worker decodes through."""
 
-from tunesmith.generation.engine import LocalEngine, RolloutEngine
+from tunesmith.generation.config import GenerationConfig
+from tunesmith.generation.engine import LocalEngine, RolloutEngine, generate_with
 from tunesmith.generation.generate import (
     FinishReason,
     GenerationOutput,
@@ -24,6 +25,7 @@ from tunesmith.generation.vllm_engine import VLLMEngine
 
 __all__ = [
     "FinishReason",
+    "GenerationConfig",
     "GenerationOutput",
     "LocalEngine",
     "LogitsProcessor",
@@ -37,6 +39,7 @@ __all__ = [
     "apply_processors",
     "build_processors",
     "generate",
+    "generate_with",
     "left_pad",
     "policy_logprobs",
     "sample",

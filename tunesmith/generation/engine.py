@@ -26,9 +26,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from tunesmith.generation.config import GenerationConfig
 from tunesmith.generation.generate import GenerationOutput, generate
 
-__all__ = ["LocalEngine", "RolloutEngine", "check_named_weights"]
+__all__ = ["LocalEngine", "RolloutEngine", "check_named_weights", "generate_with"]
 
 
 @runtime_checkable
@@ -115,6 +116,8 @@ class LocalEngine:
             are used.
         pad_id: token fed for padding and finished rows (always masked out).
         autocast_dtype: e.g. ``torch.bfloat16`` to decode a float32 model under autocast.
+        sync_ranks: every rank of the default process group decodes as many steps as the
+            longest (a model sharded over the ranks, e.g. a trainer's FSDP2 policy).
 
     Example::
 
@@ -133,11 +136,13 @@ class LocalEngine:
         *,
         pad_id: int,
         autocast_dtype: torch.dtype | None = None,
+        sync_ranks: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.pad_id = int(pad_id)
         self.autocast_dtype = autocast_dtype
+        self.sync_ranks = sync_ranks
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -184,6 +189,7 @@ class LocalEngine:
                     decode=decode,
                     pad_id=self.pad_id,
                     row_keys=row_keys,
+                    sync_ranks=self.sync_ranks,
                 )
         finally:
             self.model.train(was_training)
@@ -198,3 +204,28 @@ class LocalEngine:
         )
         for name, tensor in named_tensors.items():
             params[name].copy_(tensor.detach())
+
+
+def generate_with(
+    engine: RolloutEngine,
+    prompt_ids: Sequence[Sequence[int]],
+    row_keys: Sequence[int] | None,
+    config: GenerationConfig,
+    stop_token_ids: Sequence[int],
+) -> GenerationOutput:
+    """``engine``'s completions of ``prompt_ids`` sampled as ``config`` says: the one call every
+    rollout decodes through (the synchronous recipes' own policy, the Ray rollout workers).
+
+    Example::
+
+        >>> from tunesmith.models import llama3
+        >>> engine = LocalEngine(llama3.llama3_tiny(), None, pad_id=0)
+        >>> out = generate_with(engine, [[1, 5, 7]], [3], GenerationConfig(max_new_tokens=4), [])
+        >>> len(out.sequences[0])
+        4
+    """
+    return engine.generate(
+        prompt_ids, row_keys=row_keys, max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+        min_p=config.min_p, stop_token_ids=stop_token_ids, stop_strings=list(config.stop_strings),
+    )  # fmt: skip

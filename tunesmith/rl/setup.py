@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from tunesmith.config import instantiate
+from tunesmith.generation.config import GenerationConfig
 from tunesmith.rl.async_source import AsyncRolloutSource
 from tunesmith.rl.evaluate import evaluate_rewards
 from tunesmith.rl.pipeline import RolloutPipeline
@@ -47,7 +48,7 @@ from tunesmith.rl.settings import (  # re-exported: the recipes read them here
     mapping,
     rl_keys,
 )
-from tunesmith.rl.source import GenerationConfig, RolloutSource
+from tunesmith.rl.source import RolloutSource
 from tunesmith.rl.workers import BUILD_SECTIONS, WorkerSettings
 from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.settings import LoopSettings

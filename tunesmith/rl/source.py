@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tunesmith.generation import generate
+from tunesmith.generation.config import GenerationConfig
+from tunesmith.generation.engine import LocalEngine, generate_with
 from tunesmith.generation.generate import GenerationOutput
 from tunesmith.models.atomic import open_no_follow
 from tunesmith.modules.dtypes import AUTOCAST
@@ -54,30 +55,6 @@ from tunesmith.training.setup import FrozenPolicy
 __all__ = ["GenerationConfig", "LogprobMismatchError", "RolloutSource", "stop_token_ids"]
 
 Batch = dict[str, torch.Tensor]
-
-
-@dataclass
-class GenerationConfig:
-    """How completions are sampled (the ``generation:`` section of an RL config).
-
-    ``stop_strings`` end a completion after the token that completes one; ``stop_tokens``
-    (token strings such as ``"<|im_end|>"``) and the tokenizer's end-of-sequence token end
-    it at that token.
-    """
-
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    stop_strings: Sequence[str] = ()
-    stop_tokens: Sequence[str] = ()
-
-    def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(
-                f"generation.temperature must be > 0 for RL sampling, got {self.temperature}"
-            )
 
 
 class LogprobMismatchError(RuntimeError):
@@ -152,6 +129,9 @@ class RolloutSource:
         self.log_samples_every = int(log_samples_every)
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
         self.stop_token_ids = stop_token_ids(tokenizer, self.generation.stop_tokens)
+        self.engine = LocalEngine(model, tokenizer, pad_id=self.pad_id,
+                                  autocast_dtype=self.autocast_dtype,
+                                  sync_ranks=ctx.world_size > 1)  # fmt: skip
         self.epoch = 0  # kept in step with the prompt stream
         self.round = 0  # collections so far (one or more per batch with dynamic sampling)
         self.batches = 0
@@ -250,24 +230,9 @@ class RolloutSource:
         return _Collected.of(groups, failures)
 
     def _generate(self, rows: list[list[int]], keys: list[int]) -> GenerationOutput:
-        """The policy's completions of ``rows`` (eval mode; every rank decodes the same number
-        of steps)."""
-        g = self.generation
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.autocast(self.ctx.device.type, self.autocast_dtype,
-                                enabled=bool(self.autocast_dtype)):  # fmt: skip
-                return generate(
-                    self.model, rows, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                    top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
-                    stop_token_ids=self.stop_token_ids, stop_strings=list(g.stop_strings),
-                    decode=self.tokenizer.decode if g.stop_strings else None, pad_id=self.pad_id,
-                    row_keys=torch.tensor(keys, dtype=torch.int64),
-                    sync_ranks=self.ctx.world_size > 1,
-                )  # fmt: skip
-        finally:
-            self.model.train(was_training)
+        """The policy's completions of ``rows``, through the engine every rollout decodes with
+        (the trained model itself here; every rank decodes the same number of steps)."""
+        return generate_with(self.engine, rows, keys, self.generation, self.stop_token_ids)
 
     def _to_batch(self, got: _Collected) -> Batch:
         rewards = torch.cat(got.rewards).float()

@@ -34,13 +34,14 @@ import torch
 from omegaconf import OmegaConf
 
 from tunesmith.config import instantiate
-from tunesmith.generation.engine import LocalEngine
+from tunesmith.generation.config import GenerationConfig
+from tunesmith.generation.engine import LocalEngine, generate_with
 from tunesmith.modules.dtypes import AUTOCAST
 from tunesmith.modules.peft.apply import adapter_modules, merge_adapters
 from tunesmith.rl.groups import Group, sample_groups, score_groups
 from tunesmith.rl.prompts import Prompt
 from tunesmith.rl.rollout import completion_logprobs, rollout_batch
-from tunesmith.rl.source import GenerationConfig, stop_token_ids
+from tunesmith.rl.source import stop_token_ids
 from tunesmith.rl.weight_sync import TensorSpec, WeightReceiver
 from tunesmith.training import setup
 from tunesmith.training.distributed import DistributedContext
@@ -166,11 +167,7 @@ class RolloutWorker(_Role):
         start = time.perf_counter()
 
         def generate(rows: list[list[int]], keys: list[int]) -> Any:
-            return self.engine.generate(
-                rows, row_keys=keys, max_new_tokens=g.max_new_tokens,
-                temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, min_p=g.min_p,
-                stop_token_ids=self.stop_token_ids, stop_strings=list(g.stop_strings),
-            )  # fmt: skip
+            return generate_with(self.engine, rows, keys, g, self.stop_token_ids)
 
         groups = sample_groups(
             generate, self.tokenizer, prompts, round=round, group_size=settings.group_size,
