@@ -59,7 +59,8 @@ def read_cases(junit: Path) -> list[Case]:
     for case in ET.parse(junit).getroot().iter("testcase"):
         module = case.get("classname", "")
         file, cls = _split_module(module)
-        name = f"{cls}::{case.get('name')}" if cls else str(case.get("name"))
+        test = str(case.get("name")).split("@")[0]  # less the xdist group pytest-xdist appends
+        name = f"{cls}::{test}" if cls else test
         kinds = {child.tag for child in case}
         outcome = next((k for k in ("failure", "error", "skipped") if k in kinds), "passed")
         outcome = {"failure": "failed"}.get(outcome, outcome)

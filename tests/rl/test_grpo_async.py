@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from tests.conftest import RAY
 from tests.recipes.sft_world import (
     _any_component_allowed,
     assert_same_weights,
@@ -50,6 +51,8 @@ from tests.rl.rl_world import (
 from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
 from tunesmith.recipes import config_path
 from tunesmith.rl.pipeline import dynamic_selection
+
+pytestmark = pytest.mark.xdist_group(RAY)  # one Ray instance at a time (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -139,6 +142,7 @@ def test_off_policy_with_no_staleness_is_sync(world):
     assert_same_weights(final_weights(off), final_weights(sync), atol=0.0)
 
 
+@pytest.mark.slow  # overlap resumes exactly with dynamic sampling too: the case below (default)
 def test_a_resumed_overlap_run_equals_the_uninterrupted_one(world):
     whole = shared(world, "grpo_async", "async_mode=overlap")
     out = run(world, "grpo_async", "tiny", "overlap-resumed", "async_mode=overlap",

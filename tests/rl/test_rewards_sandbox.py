@@ -167,8 +167,19 @@ def _sandbox_folders() -> set[str]:
     return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("tunesmith-sandbox-")}
 
 
+@pytest.fixture
+def own_temp(tmp_path_factory, monkeypatch) -> Path:
+    """A temporary folder of this test's own as the process's default (where the sandboxes
+    make theirs): another test running beside it (``make test``'s other worker) cannot add
+    or remove sandbox folders in it."""
+    folder = tmp_path_factory.mktemp("temp")
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
 @pytest.mark.parametrize("isolation", MODES)
-def test_files_stay_in_a_temporary_place_that_is_removed(isolation, tmp_path, monkeypatch) -> None:
+def test_files_stay_in_a_temporary_place_that_is_removed(isolation, tmp_path, monkeypatch,
+                                                         own_temp) -> None:  # fmt: skip
     monkeypatch.chdir(tmp_path)
     before = _sandbox_folders()
     program = (
@@ -313,7 +324,7 @@ def test_code_tests_without_tests_is_a_counted_failure(isolation) -> None:
 
 
 @pytest.mark.parametrize("isolation", MODES)
-def test_no_sandbox_folders_are_left_behind(isolation) -> None:
+def test_no_sandbox_folders_are_left_behind(isolation, own_temp) -> None:
     before = _sandbox_folders()
     CodeTests(timeout_s=1, isolation=isolation)(
         [_code_sample(SOLUTION), _code_sample("```python\nwhile 1: pass\n```")]

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked
+from tests.conftest import RAY
 from tests.faults.test_async_faults import (
     TRAINER_PIDS,
     RayProcesses,
@@ -57,6 +59,8 @@ from tests.rl.rl_world import (
 from tunesmith.cli.main import main as cli_main
 from tunesmith.recipes import grpo_async
 from tunesmith.training.loop_config import read_record
+
+pytestmark = pytest.mark.xdist_group(RAY)  # one Ray instance at a time (tests/conftest.py)
 
 STEPS = 4
 FAST = [f"max_steps={STEPS}", "optimizer.lr=1e-2", "generation.max_new_tokens=8"]
@@ -287,10 +291,9 @@ def test_a_ray_instance_too_small_is_refused_in_one_line(world, tmp_path):
     with ray_temp_dir() as temp:
         overrides = grpo_overrides(model_dir, prompts, tmp_path / "out", *FAST, *RAY_GROUP,
                                    f"ray.temp_dir={temp}", "ray.num_cpus=3")  # fmt: skip
-        command = cli_command("--allow-any-component", "run", "grpo_async", "--config", "tiny",
-                              *overrides)  # fmt: skip
-        done = subprocess.run(command, env=subprocess_env(RAY_AUTH_MODE="disabled"),
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        done = forked.run_cli(["--allow-any-component", "run", "grpo_async", "--config", "tiny",
+                               *overrides], env=subprocess_env(RAY_AUTH_MODE="disabled"),
+                              timeout=300)  # fmt: skip
     assert done.returncode == 1, done.stderr[-3000:]
     assert one_error(done.stdout + done.stderr) == (
         "tunesmith: error: trainer_group: 2 trainer ranks and the rollout and reward workers "

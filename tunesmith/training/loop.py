@@ -153,6 +153,7 @@ def resolve_resume(cfg: DictConfig) -> None:
 
     Example::
 
+        >>> from omegaconf import OmegaConf
         >>> cfg = OmegaConf.create({"output_dir": "runs/new", "resume": "auto"})
         >>> resolve_resume(cfg); cfg.resume
         False
