@@ -14,7 +14,6 @@ import ray
 import torch
 import yaml
 
-from tests.conftest import RAY
 from tests.demo.test_demo_rl import SHORT, TOY
 from tests.rl.rl_world import ray_temp_dir
 from tunesmith.cli.main import build_parser
@@ -22,8 +21,6 @@ from tunesmith.cli.main import main as cli_main
 from tunesmith.demo.rl import RLDemoSettings, grpo_recipe, run_rl_demo
 from tunesmith.models import from_hf
 from tunesmith.recipes import config_path
-
-pytestmark = pytest.mark.xdist_group(RAY)  # one Ray instance at a time (tests/conftest.py)
 
 ASYNC_KEYS = {"async_mode", "max_staleness", "buffer_size", "max_worker_restarts", "rollout",
               "reward_workers", "ray", "trainer_group"}  # fmt: skip

@@ -34,15 +34,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import RAY
 from tests.faults.catalogue import params
 from tests.faults.harness import assert_same_weights, finish, read_mark, start_child, stop
 from tests.recipes.sft_world import final_weights, free_port, make_model_dir, read_metrics
 from tests.rl.rl_world import DigitFraction, grpo_overrides, make_prompts, ray_temp_dir
 from tunesmith.rl.prompts import PromptStream
 from tunesmith.training import CheckpointDirectory
-
-pytestmark = pytest.mark.xdist_group(RAY)  # one Ray instance at a time (tests/conftest.py)
 
 STEPS = 4
 PROMPTS = 24

@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import RAY
 from tests.recipes.sft_world import (
     _any_component_allowed,
     assert_same_weights,
@@ -51,8 +50,6 @@ from tests.rl.rl_world import (
 from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
 from tunesmith.recipes import config_path
 from tunesmith.rl.pipeline import dynamic_selection
-
-pytestmark = pytest.mark.xdist_group(RAY)  # one Ray instance at a time (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -100,7 +97,11 @@ def rollouts(out):
     return [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("kl", ["0.0", "0.05"])
+@pytest.mark.parametrize("kl", [
+    "0.0",
+    # the reward workers' reference log-probs: test_a_lora_policy_sends_its_adapters (kl 0.1)
+    pytest.param("0.05", marks=pytest.mark.slow),
+])  # fmt: skip
 def test_sync_mode_equals_the_synchronous_recipe(world, kl):
     coef = [] if kl == "0.0" else [f"kl.coef={kl}"]  # 0.0: the config's own
     plain = shared(world, "grpo", *coef)
@@ -136,6 +137,7 @@ def test_async_modes_use_each_group_once_and_never_too_stale(world, mode, allowe
         assert histogram == [float(lags.count(lag)) for lag in range(allowed + 1)], step
 
 
+@pytest.mark.slow  # off_policy's bound is checked by the staleness case above (off_policy-2)
 def test_off_policy_with_no_staleness_is_sync(world):
     sync = shared(world, "grpo_async", "async_mode=sync")
     off = run(world, "grpo_async", "tiny", "off0", "async_mode=off_policy", "max_staleness=0")
@@ -281,6 +283,7 @@ def test_a_lora_policy_sends_its_adapters_and_equals_the_synchronous_recipe(worl
     assert read_metrics(remote)[STEPS]["kl"] > 0.0
 
 
+@pytest.mark.slow  # two rollout workers in the default tier: test_weight_sync (rollout.workers=2)
 def test_two_rollout_and_reward_workers_share_the_batches(world):
     one = shared(world, "grpo_async", "async_mode=overlap")
     two = run(world, "grpo_async", "tiny", "two-workers", "async_mode=overlap",

@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 
 from tests import forked
-from tests.conftest import RAY
 from tests.faults.test_async_faults import (
     TRAINER_PIDS,
     RayProcesses,
@@ -59,8 +58,6 @@ from tests.rl.rl_world import (
 from tunesmith.cli.main import main as cli_main
 from tunesmith.recipes import grpo_async
 from tunesmith.training.loop_config import read_record
-
-pytestmark = pytest.mark.xdist_group(RAY)  # one Ray instance at a time (tests/conftest.py)
 
 STEPS = 4
 FAST = [f"max_steps={STEPS}", "optimizer.lr=1e-2", "generation.max_new_tokens=8"]

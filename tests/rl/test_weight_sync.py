@@ -20,7 +20,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.conftest import RAY
 from tests.recipes.sft_world import (
     assert_same_weights,
     final_weights,
@@ -38,8 +37,6 @@ from tunesmith.rl.weight_sync import (
     pack,
     unpack,
 )
-
-pytestmark = pytest.mark.xdist_group(RAY)  # one Ray instance at a time (tests/conftest.py)
 
 STEPS = 3
 
