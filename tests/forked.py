@@ -51,20 +51,26 @@ def start(target: Callable[..., Any], *args: Any, log: str | os.PathLike | None 
     ``err`` (or to ``log`` too; both left as they are when no ``log``) and ``env`` as its whole
     environment (when given; else the server's), one intra-op thread. Its exit code is
     ``target``'s ``sys.exit`` code, 1 when it raises."""
-    files = [log and str(log), err and str(err) or log and str(log)]
+    files = [log and str(log), err and str(err)]
     process = CONTEXT.Process(target=_enter, args=(target, args, files, env))
     process.start()
     return process
 
 
-def _enter(target: Callable[..., Any], args: tuple, files: list[str | None],
-           env: dict[str, str] | None) -> Any:  # fmt: skip
-    for fd, (path, stream) in enumerate(zip(files, (sys.stdout, sys.stderr)), start=1):
+def redirect_output(out: str | None, err: str | None = None) -> None:
+    """This process's stdout appended to the file ``out`` and stderr to ``err`` (``out`` when
+    None), line-buffered; C and C++ output too (file descriptors 1 and 2)."""
+    for fd, (path, stream) in enumerate(zip((out, err or out), (sys.stdout, sys.stderr)), 1):
         if path is not None:
             file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(file, fd)
             os.close(file)
             stream.reconfigure(line_buffering=True)
+
+
+def _enter(target: Callable[..., Any], args: tuple, files: list[str | None],
+           env: dict[str, str] | None) -> Any:  # fmt: skip
+    redirect_output(*files)
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
@@ -179,4 +185,4 @@ def wait_all(processes: list[BaseProcess], *, timeout: float) -> list[int]:
     return [p.exitcode for p in processes]
 
 
-__all__ = ["CONTEXT", "Child", "run_cli", "run_module", "start", "wait_all"]
+__all__ = ["CONTEXT", "Child", "redirect_output", "run_cli", "run_module", "start", "wait_all"]

@@ -1,8 +1,9 @@
 """Run a function on several gloo ranks and get back what each rank returned.
 
 Every multi-rank unit test goes through :func:`run_on_ranks`: the processes are forked from the
-suite's fork server (:mod:`tests.forked`: torch and tunesmith already imported), the process group is formed over a file rendezvous in a temporary folder, and it is closed with
-:func:`tunesmith.training.distributed.close_distributed` (garbage collected first: gloo work
+suite's fork server (:mod:`tests.forked`: torch and tunesmith already imported, one intra-op
+thread), the process group is formed over a file rendezvous in a temporary folder, and it is
+closed with :func:`tunesmith.training.distributed.close_distributed` (garbage collected first: gloo work
 left unread and freed after the group, at interpreter exit, aborts the process with
 "terminate called without an active exception", about one run in thirty without it).
 
@@ -51,7 +52,6 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: floa
 
 def _rank_main(rank: int, world: int, tmp: str, fn: Callable[..., Any], args: tuple,
                timeout_s: float) -> None:  # fmt: skip
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))  # fmt: skip
     try:

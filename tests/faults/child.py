@@ -17,6 +17,7 @@ import torch
 
 import tunesmith.recipes.sft  # noqa: F401  (imported once in the fork server, not per child)
 from tests.faults.probes import Probes
+from tests.forked import redirect_output
 from tunesmith.cli.main import main
 
 
@@ -24,12 +25,7 @@ def run_cli(
     argv: list[str], log: str, env: dict[str, str | None], probes: dict[str, Any] | None
 ) -> None:
     """Run ``tunesmith ARGV`` with stdout and stderr appended to ``log``; exit with its code."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
+    redirect_output(log)
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)
