@@ -487,9 +487,10 @@ class RolloutPipeline:
     ``workers`` is what every rollout and reward worker is sent (its settings and the config
     sections it builds the policy, tokenizer, rewards and reference from); ``config`` the run's
     config as a plain dict, for the pipeline's own sections; ``prompts`` the whole prompt
-    stream (every data-parallel rank's share). Worker counts and resources come from ``config["rollout"]``,
-    ``config["reward_workers"]`` and ``config["ray"]``; ``dynamic_sampling`` and
-    ``max_refills`` turn on refills (see the module docs) for ``shares`` data-parallel ranks.
+    stream (every data-parallel rank's share). Worker counts and resources come from
+    ``config["rollout"]``, ``config["reward_workers"]`` and ``config["ray"]``;
+    ``dynamic_sampling`` and ``max_refills`` turn on refills (see the module docs) for
+    ``shares`` data-parallel ranks.
     """
 
     def __init__(
