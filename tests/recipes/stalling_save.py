@@ -26,7 +26,11 @@ def _install(stall_at: int, sentinel: Path) -> None:
         written = write(*args, **kwargs)
         calls["n"] += 1
         if calls["n"] == stall_at:
-            sentinel.write_text(str(args[1]))  # the temporary folder being written
+            # the temporary folder being written; renamed into place so the test never reads
+            # the sentinel half-written (it polls for its existence)
+            partial = sentinel.with_name(sentinel.name + ".partial")
+            partial.write_text(str(args[1]))
+            partial.rename(sentinel)
             time.sleep(600)
         return written
 
