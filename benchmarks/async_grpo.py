@@ -168,7 +168,7 @@ def cluster_step_s(a: ClusterAssumptions, gen_gpus: int, train_gpus: int, mode: 
     ``a``; ``gen_gpus == 0`` means colocated: all ``train_gpus`` GPUs generate, then train
     (time-sharing, the synchronous recipe), paying ``a.switch_s``. A split in ``sync`` mode
     adds its sides; in ``overlap`` it takes the longer side, the weight sync on the trainer's
-    (the trainer sends the weights after each update, as :mod:`tunesmith.rl.async_source`).
+    (the trainer sends the weights after each update, as :mod:`tunesmith.rl.asynchronous.source`).
 
     >>> a = ClusterAssumptions(gen_gpu_s=64.0, train_gpu_s=28.8, switch_s=1.0, link_gb_s=160)
     >>> round(cluster_step_s(a, 0, 8, "sync"), 2)  # 64/8 + 28.8/(8*0.9) + 1

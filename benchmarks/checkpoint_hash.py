@@ -38,10 +38,10 @@ from sft_ladder import machine
 from tunesmith.models.builder import build_model
 from tunesmith.models.manifest import MARKER, file_entries
 from tunesmith.models.spec import ModelSpec
-from tunesmith.training import checkpoint_dir
-from tunesmith.training.checkpoint_dir import CheckpointDirectory
-from tunesmith.training.checkpointer import Checkpointer
-from tunesmith.training.distributed import close_distributed, init_distributed
+from tunesmith.training.checkpoint import directory as checkpoint_dir
+from tunesmith.training.checkpoint.checkpointer import Checkpointer
+from tunesmith.training.checkpoint.directory import CheckpointDirectory
+from tunesmith.training.parallel.distributed import close_distributed, init_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHUNK = 8 << 20

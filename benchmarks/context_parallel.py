@@ -7,7 +7,7 @@ layout in fresh processes; every rank builds the model the way a recipe does:
 batch cut by ``shard_batch`` (zigzag halves) and the model called with ``cp_index``, so the
 attention is ``ring_attention``). Each rank measures:
 
-* **attention peak**: the CPU allocator's peak (``tunesmith.training.memory.AllocatedBytes``)
+* **attention peak**: the CPU allocator's peak (``tunesmith.training.memory.usage.AllocatedBytes``)
   over the forward and backward of one layer's attention (``ring_attention`` on this rank's
   ``[1, heads, seq / cp, head_dim]`` q, k, v): saved tensors, the received key/value blocks,
   the chunk of scores, the gradients. It should fall as ``1 / cp`` (the issue: within 20%).
@@ -61,9 +61,9 @@ def _rank(rank: int, world: int, port: int, seq: int, out: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from tunesmith.models import build_model, llama3
     from tunesmith.modules.ring_attention import ring_attention
-    from tunesmith.training.context_parallel import shard_batch
-    from tunesmith.training.distributed import close_distributed, init_distributed
-    from tunesmith.training.memory import AllocatedBytes
+    from tunesmith.training.memory.usage import AllocatedBytes
+    from tunesmith.training.parallel.context_parallel import shard_batch
+    from tunesmith.training.parallel.distributed import close_distributed, init_distributed
     from tunesmith.training.parallelize import parallelize
 
     ctx = init_distributed("cpu", parallelism={"cp": world, "dp_shard": 1})

@@ -4,11 +4,12 @@ expert memory (issue #16, benchmark (c) part 2).
 One :class:`~tunesmith.modules.moe.MoE` layer (grouped experts) in float32, each rank bringing
 its own ``--tokens`` tokens (weak scaling: the world trains ``ranks x tokens`` per step). A
 step is forward + backward of ``(out * w).sum()``. Layouts: 1 process (all experts), and
-ep = 2 and ep = 4 on as many ranks (:func:`~tunesmith.training.expert_parallel.apply_expert_parallel`
-on ``expert_mesh_of(ParallelDims(dp_shard=ep, ep=ep))``; tokens dispatched by all-to-all).
-Each rank runs on one intra-op thread. Reported per layout: the median step time of the
-slowest rank over ``--steps`` steps after ``--warmup``, the tokens the world trains per
-second, and each rank's expert parameter and gradient bytes (its local slices).
+ep = 2 and ep = 4 on as many ranks
+(:func:`~tunesmith.training.parallel.expert_parallel.apply_expert_parallel` on
+``expert_mesh_of(ParallelDims(dp_shard=ep, ep=ep))``; tokens dispatched by all-to-all). Each rank
+runs on one intra-op thread. Reported per layout: the median step time of the slowest rank over
+``--steps`` steps after ``--warmup``, the tokens the world trains per second, and each rank's expert
+parameter and gradient bytes (its local slices).
 
 Usage::
 
@@ -37,8 +38,8 @@ sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results" / "expert_parallel.md"
 
 from tunesmith.modules.moe import MoE  # noqa: E402
-from tunesmith.training.distributed import ParallelDims, expert_mesh_of  # noqa: E402
-from tunesmith.training.expert_parallel import apply_expert_parallel  # noqa: E402
+from tunesmith.training.parallel.distributed import ParallelDims, expert_mesh_of  # noqa: E402
+from tunesmith.training.parallel.expert_parallel import apply_expert_parallel  # noqa: E402
 
 SHAPES = {"8 experts, top-2": (8, 2), "64 experts, top-8": (64, 8)}
 

@@ -11,7 +11,7 @@ every position trained) divided by the token count, as the recipe does. Three wa
   backward recomputes each chunk's logits (one more matmul).
 
 Memory: the peak bytes of tensors created during the step, counted op by op by
-``tunesmith.training.memory.LiveTensorBytes`` (the inputs and the weight exist before and are
+``tunesmith.training.memory.usage.LiveTensorBytes`` (the inputs and the weight exist before and are
 not counted); reported with the weight's gradient (which both need and which survives the step
 as ``weight.grad``) and without it (every tensor shaped like the weight left out).
 
@@ -45,7 +45,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from sft_ladder import machine  # noqa: E402
 
 from tunesmith.modules.losses import CrossEntropyLoss, LinearCrossEntropyLoss  # noqa: E402
-from tunesmith.training.memory import LiveTensorBytes  # noqa: E402
+from tunesmith.training.memory.usage import LiveTensorBytes  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "linear_ce.md"
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -18,7 +18,7 @@ import torch
 from sft_ladder import machine
 
 from tunesmith.modules.losses import LinearCrossEntropyLoss
-from tunesmith.training.memory import AllocatedBytes
+from tunesmith.training.memory.usage import AllocatedBytes
 
 ROWS, HIDDEN, VOCAB, THREADS, REPEATS = 2048, 768, 32000, 2, 5
 

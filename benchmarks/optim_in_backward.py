@@ -4,7 +4,7 @@ The ladder's ``+activation checkpointing`` rung (packed rows, linear cross-entro
 checkpointed) is measured with and without the optimizer in backward, for a tied and an untied
 head and for torch's three AdamW implementations: the for-loop (torch's default on CPU),
 ``foreach`` (its default on CUDA) and ``fused``. Each measurement is one training step on the
-longest batch under ``tunesmith.training.memory.AllocatedBytes`` (the CPU allocator's peak,
+longest batch under ``tunesmith.training.memory.usage.AllocatedBytes`` (the CPU allocator's peak,
 with where it sits), after the optimizer states exist. Memory only: no timing, so a busy
 machine does not change the numbers.
 
@@ -29,10 +29,10 @@ from tunesmith.data import PackedDataset, collate_packed
 from tunesmith.models import build_model
 from tunesmith.models.spec import spec_from_hf_config
 from tunesmith.modules.losses import LinearCrossEntropyLoss
-from tunesmith.training.activations import apply_activation_checkpointing
-from tunesmith.training.memory import AllocatedBytes
-from tunesmith.training.optim_in_backward import OptimizerInBackward
-from tunesmith.training.preflight import longest_batch
+from tunesmith.training.memory.activations import apply_activation_checkpointing
+from tunesmith.training.memory.optim_in_backward import OptimizerInBackward
+from tunesmith.training.memory.preflight import longest_batch
+from tunesmith.training.memory.usage import AllocatedBytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 IMPLEMENTATIONS = {

@@ -340,8 +340,8 @@ def phase_clock(models: dict[str, torch.nn.Module]):
 
 
 def run_row(shape: str, method: str, dtype: str, rounds: int, profile_steps: int) -> Row:
-    from tunesmith.training.distributed import init_distributed
-    from tunesmith.training.metric_logging import MetricWindow
+    from tunesmith.training.logging.loggers import MetricWindow
+    from tunesmith.training.parallel.distributed import init_distributed
     from tunesmith.training.settings import LoopSettings
     from tunesmith.training.sources import DatasetSource
     from tunesmith.training.trainer import Trainer
@@ -426,7 +426,7 @@ def run_row(shape: str, method: str, dtype: str, rounds: int, profile_steps: int
 
 def _loggers(cfg: DictConfig) -> list:
     from tunesmith.config import instantiate
-    from tunesmith.training.metric_logging import StdoutLogger
+    from tunesmith.training.logging.loggers import StdoutLogger
 
     loggers = []
     for node in cfg.get("metric_loggers") or []:

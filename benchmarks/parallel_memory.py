@@ -11,13 +11,13 @@ tokens), backward and torch's AdamW step (its default for-loop implementation on
 gradient clipping). After a warm-up step (so AdamW's states exist), each rank measures
 
 * its peak: the bytes of its parameters, buffers and optimizer states (local shards) plus
-  the CPU allocator's peak over one step (``tunesmith.training.memory.AllocatedBytes``,
+  the CPU allocator's peak over one step (``tunesmith.training.memory.usage.AllocatedBytes``,
   the CPU stand-in for ``torch.cuda.max_memory_allocated``), and where that peak sits;
 * its tokens/s over ``--steps`` more steps: the tokens the whole world trained per second,
   divided by the ranks (tensor-parallel ranks share their sequence).
 
 Each row shows the heaviest rank against the memory model's prediction for that layout
-(``tunesmith.training.memory_planner.estimate_memory(..., parallel=ParallelDims(...))``)
+(``tunesmith.training.memory.planner.estimate_memory(..., parallel=ParallelDims(...))``)
 and their ratio; the issue asks every row to be within 15%.
 
 Part 2, modelled: the same memory model applied to Llama-3.1-8B and Llama-3.3-70B (bf16
@@ -144,9 +144,9 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
     from tunesmith.models import build_model
     from tunesmith.models.spec import spec_from_hf_config
     from tunesmith.modules.losses import CrossEntropyLoss
-    from tunesmith.training.context_parallel import shard_batch
-    from tunesmith.training.distributed import close_distributed, init_distributed
-    from tunesmith.training.memory import AllocatedBytes, storage_bytes
+    from tunesmith.training.memory.usage import AllocatedBytes, storage_bytes
+    from tunesmith.training.parallel.context_parallel import shard_batch
+    from tunesmith.training.parallel.distributed import close_distributed, init_distributed
     from tunesmith.training.parallelize import parallelize
 
     torch.set_num_threads(args.threads)
@@ -249,8 +249,8 @@ def predict(name: str, args: argparse.Namespace) -> Any:
     """The memory model's plan for layout ``name`` (the heaviest rank)."""
     from tunesmith.models import build_model
     from tunesmith.models.spec import spec_from_hf_config
-    from tunesmith.training.distributed import ParallelDims
-    from tunesmith.training.memory_planner import estimate_memory
+    from tunesmith.training.memory.planner import estimate_memory
+    from tunesmith.training.parallel.distributed import ParallelDims
 
     world, parallelism, _ = LAYOUTS[name]
     model = build_model(spec_from_hf_config(_shape(args, name)), device="meta")
@@ -264,8 +264,8 @@ def gpu_plans() -> dict[tuple[str, str, bool, str], Any]:
     """Plans of Llama-3.1-8B and Llama-3.3-70B on 8 GPUs: key (model, layout, checkpointing,
     optimizer column)."""
     from tunesmith.models.zoo import llama3
-    from tunesmith.training.distributed import ParallelDims
-    from tunesmith.training.memory_planner import estimate_memory
+    from tunesmith.training.memory.planner import estimate_memory
+    from tunesmith.training.parallel.distributed import ParallelDims
 
     models = {
         "Llama-3.1-8B": llama3.llama3_1_8b(device="meta", dtype=torch.bfloat16),
@@ -483,7 +483,7 @@ The model's terms per layout (MiB; heaviest rank; W weights, O optimizer states,
 gradients, A activations, Lg logits and loss, Hg the head's gradient, Ur / Ul FSDP2's gathered
 root / two layers, S optimizer step temporaries; the peak is
 `W + O + max(A + Hg + Ur + max(Lg, R + Ul), G + S)` with R the recomputed layer under
-checkpointing, none here; see `tunesmith/training/memory_planner.py`):
+checkpointing, none here; see `tunesmith/training/memory/planner.py`):
 
 {terms_table(plans)}
 

@@ -16,7 +16,7 @@ then one untimed step on the longest batch under the live-tensor counter. Report
   attention ``6 * L * nh * hd * l^2`` per document of length ``l``, i.e. useful work only
   (no padding, no recomputation);
 * peak memory: weights + optimizer states + the CPU allocator's peak during the step
-  (``tunesmith.training.memory.AllocatedBytes``) and where that peak sits, the memory
+  (``tunesmith.training.memory.usage.AllocatedBytes``) and where that peak sits, the memory
   planner's estimate for that batch, and the process's peak resident set over the training
   steps after the warm-up (``VmHWM``, reset once compilation is done) above its resident set
   after imports.
@@ -138,12 +138,12 @@ def run_rung(preset: str, rung_index: int, steps: int, threads: int) -> RungResu
     from tunesmith.models import build_model
     from tunesmith.models.spec import spec_from_hf_config
     from tunesmith.modules.losses import CrossEntropyLoss, LinearCrossEntropyLoss
-    from tunesmith.training.activations import apply_activation_checkpointing
-    from tunesmith.training.compile import compile_loss, compile_model
-    from tunesmith.training.memory import AllocatedBytes, storage_bytes
-    from tunesmith.training.memory_planner import estimate_memory
-    from tunesmith.training.optim_in_backward import OptimizerInBackward
-    from tunesmith.training.preflight import longest_batch
+    from tunesmith.training.memory.activations import apply_activation_checkpointing
+    from tunesmith.training.memory.compile import compile_loss, compile_model
+    from tunesmith.training.memory.optim_in_backward import OptimizerInBackward
+    from tunesmith.training.memory.planner import estimate_memory
+    from tunesmith.training.memory.preflight import longest_batch
+    from tunesmith.training.memory.usage import AllocatedBytes, storage_bytes
 
     torch.set_num_threads(threads)
     rss_base = _status_bytes("VmRSS")

@@ -1,5 +1,5 @@
 """The two weight-sync paths of asynchronous GRPO side by side (``rollout.weight_sync``:
-``object_store`` and ``collective``, :mod:`tunesmith.rl.weight_sync`) on this machine.
+``object_store`` and ``collective``, :mod:`tunesmith.rl.asynchronous.weight_sync`) on this machine.
 
 The workload is the RL tests' world (``tests/rl/rl_world.py``): the tiny random policy of
 ``tests.recipes.sft_world.make_model_dir``, "add A and B" prompts and a dense digit reward, run

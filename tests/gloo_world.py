@@ -3,8 +3,8 @@
 Every multi-rank unit test goes through :func:`run_on_ranks`: the processes are forked from the
 suite's fork server (:mod:`tests.forked`: torch and tunesmith already imported, one intra-op
 thread), the process group is formed over a file rendezvous in a temporary folder, and it is
-closed with :func:`tunesmith.training.distributed.close_distributed` (garbage collected first: gloo work
-left unread and freed after the group, at interpreter exit, aborts the process with
+closed with :func:`tunesmith.training.parallel.distributed.close_distributed` (garbage collected
+first: gloo work left unread and freed after the group, at interpreter exit, aborts the process with
 "terminate called without an active exception", about one run in thirty without it).
 
 Example::
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from tests.forked import start, wait_all
-from tunesmith.training.distributed import close_distributed
+from tunesmith.training.parallel.distributed import close_distributed
 
 
 def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 120) -> list:

@@ -198,6 +198,68 @@ def test_no_two_modules_import_each_other():
 def test_the_module_walk_sees_submodules_and_skips_type_checking():
     modules = _modules()
     setup = _runtime_imports(PACKAGE / "rl" / "setup.py", modules)
-    assert {"tunesmith.rl.workers", "tunesmith.training.settings"} <= setup
+    assert {"tunesmith.rl.asynchronous.workers", "tunesmith.training.settings"} <= setup
     family = _runtime_imports(PACKAGE / "models" / "family.py", modules)
     assert "tunesmith.models.spec" not in family  # imported under TYPE_CHECKING only
+
+
+# Inside the two largest subpackages the same rule holds between their parts: a part imports
+# only parts of a lower rank (or itself). Each part is a set of first names under the package
+# (a module or a folder); "*" is every other one.
+PARTS = {
+    "training": {
+        "settings": (1, {"rules", "settings", "precision", "lr_schedules"}),  # the table
+        "logging": (1, {"logging"}),
+        "parallel": (2, {"parallel"}),
+        "checkpoint": (3, {"checkpoint"}),
+        "memory": (3, {"memory"}),
+        "loop": (4, {"*"}),  # trainer, sources, loop, setup, parallelize, objectives, ...
+    },
+    "rl": {
+        "pieces": (1, {"rewards", "*"}),  # prompts, groups, rollout, advantages, source, ...
+        "ppo": (2, {"ppo"}),
+        "asynchronous": (2, {"asynchronous"}),
+        "recipes' glue": (3, {"settings", "setup"}),
+    },
+}
+
+
+def _part(package: str, dotted: str) -> str | None:
+    """The part of ``package`` (a key of PARTS) that module ``dotted`` belongs to, or None
+    outside it.
+
+    >>> _part("training", "tunesmith.training.parallel.distributed"), _part("rl", "tunesmith.rl.source")
+    ('parallel', 'pieces')
+    """
+    prefix = f"tunesmith.{package}."
+    if not dotted.startswith(prefix):
+        return None
+    first = dotted.removeprefix(prefix).split(".")[0]
+    named = [name for name, (_, members) in PARTS[package].items() if first in members]
+    return named[0] if named else next(n for n, (_, m) in PARTS[package].items() if "*" in m)
+
+
+def test_parts_of_training_and_rl_point_downwards():
+    modules = _modules()
+    bad, checked = [], 0
+    for name, path in sorted(modules.items()):
+        for package, parts in PARTS.items():
+            source = _part(package, name)
+            if source is None or name == f"tunesmith.{package}":
+                continue
+            for target in sorted(_runtime_imports(path, modules)):
+                part = _part(package, target)
+                if part is None or target == f"tunesmith.{package}" or part == source:
+                    continue
+                checked += 1
+                if parts[source][0] <= parts[part][0]:
+                    bad.append(f"{name} ({source}) -> {target} ({part})")
+    assert checked > 50, "few imports between parts found: the walk is broken"
+    assert bad == [], "imports against the parts' order:\n" + "\n".join(bad)
+
+
+def test_every_folder_of_training_and_rl_has_a_part():
+    for package, parts in PARTS.items():
+        named = set().union(*(members for _, members in parts.values()))
+        folders = {p.name for p in (PACKAGE / package).iterdir() if (p / "__init__.py").exists()}
+        assert folders - named == set(), f"give the new folder of {package} a part in PARTS"

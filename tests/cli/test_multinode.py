@@ -39,7 +39,7 @@ from tests.recipes.sft_world import (
     subprocess_env,
 )
 from tunesmith.cli.main import _torchrun_args, build_parser
-from tunesmith.training.distributed import ParallelDims
+from tunesmith.training.parallel.distributed import ParallelDims
 from tunesmith.training.settings import LOOP_RULES
 
 REPO = Path(__file__).resolve().parents[2]

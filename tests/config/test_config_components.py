@@ -70,7 +70,7 @@ REFUSED = {  # path -> words of the refusal
     "transformers.dynamic_module_utils.get_class_from_dynamic_module": "is denied",
     "tunesmith.config.resolve_component": "is denied: 'tunesmith.config'",
     "tunesmith.cli.main.main": "is denied: 'tunesmith.cli'",
-    "tunesmith.training.checkpointer.os.system": "is the module 'os'",
+    "tunesmith.training.checkpoint.checkpointer.os.system": "is the module 'os'",
     "torch.load.__globals__": "names the special attribute '__globals__'",
     "torch.nn.Module.__init__": "names the special attribute '__init__'",
     "torch.storage._load_from_bytes": "names the private attribute '_load_from_bytes'",
@@ -92,7 +92,7 @@ REFUSED = {  # path -> words of the refusal
     "tunesmith.rl.rewards.code.extract_code": "which is not marked as a component",
     "tunesmith.models.hf.load_hf_weights": "which is not marked as a component",
     "tunesmith.models.hf.save_hf_checkpoint": "which is not marked as a component",
-    "tunesmith.training.metric_logging.append_record": "which is not marked as a component",
+    "tunesmith.training.logging.loggers.append_record": "which is not marked as a component",
     "tunesmith.data.tokenizer.Tokenizer": "the class 'tunesmith.data.tokenizer.Tokenizer', "
     "which is not marked",
 }

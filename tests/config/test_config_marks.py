@@ -68,7 +68,7 @@ UNMARKED = {  # tunesmith callables that run code, write files or are internals:
     "tunesmith.data.tokenizer.Tokenizer": "the class (only from_pretrained is a component)",
     "tunesmith.models.hf.save_hf_checkpoint": "writes a folder wherever it is told",
     "tunesmith.models.hf.load_hf_weights": "a helper of from_hf",
-    "tunesmith.training.metric_logging.append_record": "appends to any open file",
+    "tunesmith.training.logging.loggers.append_record": "appends to any open file",
     "tunesmith.training.lr_schedules.set_schedule_params": "mutates a scheduler",
 }
 

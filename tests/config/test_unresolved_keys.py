@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from tunesmith.config import ConfigError
 from tunesmith.recipes import check_config, recipe_path
-from tunesmith.rl.pipeline import check_runtime_env, section_runtime_env_problem
+from tunesmith.rl.asynchronous.pipeline import check_runtime_env, section_runtime_env_problem
 from tunesmith.training.rules import Rule, check_rules
 from tunesmith.training.settings import LOOP_RULES
 

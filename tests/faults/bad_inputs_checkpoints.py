@@ -60,7 +60,7 @@ def _resume_elsewhere_into_other_checkpoints(world: World) -> Setup:
 
 
 def _lock_of_another_host(world: World) -> Setup:
-    from tunesmith.training.run_lock import LOCK_NAME
+    from tunesmith.training.checkpoint.run_lock import LOCK_NAME
 
     lock = world.out / LOCK_NAME
     lock.parent.mkdir(parents=True)

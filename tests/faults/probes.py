@@ -43,7 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from tunesmith.models import safetensors_io
 from tunesmith.modules.decoder import DecoderLayer, TransformerLM
 from tunesmith.training import JSONLLogger
-from tunesmith.training import checkpointer as checkpointer_module
+from tunesmith.training.checkpoint import checkpointer as checkpointer_module
 
 # ``.tmp-step_000004-12345`` -> ``.tmp-step_000004``: events must not depend on the pid.
 _PID_SUFFIX = re.compile(r"(\.(?:tmp|del|old)-step_\d+)-\d+")

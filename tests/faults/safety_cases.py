@@ -284,11 +284,12 @@ ROUTES = [
           "objects", _torch_file, where="loss.weights_only"),
     Route("component-route-torch-hub", "`torch.hub.load` of a local repo whose hubconf.py runs "
           "code", "torch.hub.load", f"'torch.hub' {_DENIED}", _hub_repo),
-    Route("component-route-dcp-load-reexport", "`tunesmith.training.safe_dcp.dcp.load` (plain "
-          "`dcp.load`) of a folder whose .metadata pickle runs a command",
-          "tunesmith.training.safe_dcp.dcp.load",
-          "'tunesmith.training.safe_dcp.dcp' is the module 'torch.distributed.checkpoint', "
-          "denied", _dcp_folder),
+    Route("component-route-dcp-load-reexport",
+          "`tunesmith.training.checkpoint.safe_dcp.dcp.load` (plain `dcp.load`) of a folder "
+          "whose .metadata pickle runs a command",
+          "tunesmith.training.checkpoint.safe_dcp.dcp.load",
+          "'tunesmith.training.checkpoint.safe_dcp.dcp' is the module "
+          "'torch.distributed.checkpoint', denied", _dcp_folder),
     Route("component-route-pickle-reexport", "`torch.distributed.distributed_c10d.pickle.loads`",
           "torch.distributed.distributed_c10d.pickle.loads",
           "'torch.distributed.distributed_c10d.pickle' is the module 'pickle'", _pickled_bytes,
@@ -641,8 +642,9 @@ SAFETY = [
         "safety",
         "static",
         "the package source: every torch.load, pickle, dcp.load, trust_remote_code",
-        "torch.load and dcp.load only in tunesmith.training.safe_dcp (weights_only=True, "
-        "registered safe globals set aside), no pickle/dill loads, no trust_remote_code",
+        "torch.load and dcp.load only in tunesmith.training.checkpoint.safe_dcp "
+        "(weights_only=True, registered safe globals set aside), no pickle/dill loads, no "
+        "trust_remote_code",
     ),
     *_UNRESOLVED_CASES,
 ]

@@ -20,7 +20,7 @@ from tests.faults.catalogue import params
 from tests.faults.harness import assert_same_run, finish, read_mark, run_child, start_child, stop
 from tests.recipes.sft_world import checkpoints
 from tunesmith.training import CheckpointDirectory
-from tunesmith.training.run_lock import LOCK_NAME
+from tunesmith.training.checkpoint.run_lock import LOCK_NAME
 
 # the file each corruption case damages in the newest checkpoint
 DAMAGED = {

@@ -16,8 +16,8 @@ from tests.faults.catalogue import params
 from tests.faults.harness import finish, start_child
 from tests.recipes.sft_world import sft_overrides
 from tunesmith.cli.torchrun import failure_lines
-from tunesmith.training import checkpointer
-from tunesmith.training.checkpointer import _write_error
+from tunesmith.training.checkpoint import checkpointer
+from tunesmith.training.checkpoint.checkpointer import _write_error
 
 _START = (
     "tunesmith: 2 ranks through torchrun; the full output of every rank and of torchrun goes to "

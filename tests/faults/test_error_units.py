@@ -13,9 +13,9 @@ import torch.distributed.checkpoint as dcp
 
 from tests.faults.components import Evil
 from tunesmith.config import ConfigError
-from tunesmith.training import safe_dcp
-from tunesmith.training.checkpointer import _write_error
-from tunesmith.training.distributed import (
+from tunesmith.training.checkpoint import safe_dcp
+from tunesmith.training.checkpoint.checkpointer import _write_error
+from tunesmith.training.parallel.distributed import (
     DistributedContext,
     PeerFailureError,
     close_distributed,

@@ -235,7 +235,7 @@ def _imported(markers: dict[str, Path]) -> list[str]:
 
 @pytest.mark.parametrize("case", [CASES["ray-worker-env-cwd-files"]])
 def test_the_worker_environment_imports_nothing_from_the_folder(case, tmp_path, monkeypatch, no_opt_in, outcome):  # fmt: skip
-    from tunesmith.rl.pipeline import runtime_env
+    from tunesmith.rl.asynchronous.pipeline import runtime_env
 
     here = tmp_path / "run_here"
     markers = _plant(here, ("sitecustomize", "json"), tmp_path)

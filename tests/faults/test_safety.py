@@ -437,7 +437,7 @@ def test_dotted_name_in_metadata_is_refused(case, fault_world, tmp_path, marker,
 
 @pytest.mark.parametrize("case", [CASES["optimizer-metadata-path-outside"]])
 def test_metadata_pointing_outside_is_refused(case, fault_world, tmp_path, capsys, outcome):
-    from tunesmith.training.safe_dcp import SafeFileSystemReader
+    from tunesmith.training.checkpoint.safe_dcp import SafeFileSystemReader
 
     step = _resume_copy(fault_world, tmp_path)
     optimizer = step / "training_state" / "optimizer"
@@ -456,7 +456,7 @@ def _optimizer_state(world) -> tuple[dict, object]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from tunesmith.models import from_hf
-    from tunesmith.training import safe_dcp
+    from tunesmith.training.checkpoint import safe_dcp
 
     model = from_hf(world.model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -471,7 +471,7 @@ def _optimizer_state(world) -> tuple[dict, object]:
 
 @pytest.mark.parametrize("case", [CASES["pickled-optimizer-entry"]])
 def test_pickled_optimizer_entry_is_refused(case, fault_world, tmp_path, marker, capsys, outcome):
-    from tunesmith.training.distributed import close_distributed, init_distributed
+    from tunesmith.training.parallel.distributed import close_distributed, init_distributed
 
     step = _resume_copy(fault_world, tmp_path)
     optimizer = step / "training_state" / "optimizer"
@@ -505,7 +505,7 @@ UNSAFE_CALLS = {  # dotted call -> why
     "cloudpickle.loads": "unpickles arbitrary objects",
     "joblib.load": "unpickles arbitrary objects",
     "torch.hub.load": "downloads and runs code",
-    "dcp.load": "unpickles its metadata: use tunesmith.training.safe_dcp.load",
+    "dcp.load": "unpickles its metadata: use tunesmith.training.checkpoint.safe_dcp.load",
     "torch.distributed.checkpoint.load": "unpickles its metadata: use safe_dcp.load",
     "torch.distributed.checkpoint.state_dict_loader.load": "unpickles its metadata",
 }

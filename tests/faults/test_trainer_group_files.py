@@ -42,7 +42,7 @@ from tests.rl.rl_world import grpo_overrides, ray_temp_dir
 from tunesmith.cli.main import main
 from tunesmith.config.secrets import SECRET_NAMES_ENV
 from tunesmith.models.atomic import UnsafePathError
-from tunesmith.rl.trainer_group import GroupSettings, RankJob, TrainerRank, _Driver
+from tunesmith.rl.asynchronous.trainer_group import GroupSettings, RankJob, TrainerRank, _Driver
 
 victim = test_file_safety.victim  # the file outside a planted link points at (a fixture)
 ray_world = test_ray_safety.ray_world  # a tiny policy folder and prompts (a fixture)
@@ -166,7 +166,7 @@ def test_the_driver_makes_the_logs_and_reads_rank_0s_console(tmp_path):
     ``console.log`` copies what is appended."""
     import io
 
-    from tunesmith.rl.trainer_group import _open_log, _Tail
+    from tunesmith.rl.asynchronous.trainer_group import _open_log, _Tail
 
     driver = _driver(tmp_path / "out")
     for name in ["console.log", "rank0.log", "rank1.log", "driver.log"]:
@@ -188,7 +188,7 @@ _RANK = """
 import json, sys
 from pathlib import Path
 from tunesmith.config import secrets
-from tunesmith.rl.trainer_group import RankJob, TrainerRank
+from tunesmith.rl.asynchronous.trainer_group import RankJob, TrainerRank
 
 job_file, result_file, live = sys.argv[1], sys.argv[2], sys.argv[3] == "live"
 if live:  # redaction off: what the logs held before

@@ -71,7 +71,7 @@ def _worker(rank: int, stop: list[int]) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from tunesmith.training.tensor_parallel import apply_tensor_parallel
+    from tunesmith.training.parallel.tensor_parallel import apply_tensor_parallel
 
     result: dict = {}
     for layout, (name, sequence_parallel, fsdp) in LAYOUTS.items():

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tunesmith.modules.losses import IGNORE_INDEX, KD_KINDS, KDLoss, divergence
-from tunesmith.training.memory import LiveTensorBytes
+from tunesmith.training.memory.usage import LiveTensorBytes
 
 
 def _inputs(b=2, s=7, h_s=6, h_t=10, vocab=17, dtype=torch.float64, seed=0):

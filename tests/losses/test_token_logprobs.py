@@ -9,7 +9,7 @@ import torch
 
 from tunesmith.models import llama3
 from tunesmith.modules.losses import IGNORE_INDEX, token_logprobs
-from tunesmith.training.memory import LiveTensorBytes
+from tunesmith.training.memory.usage import LiveTensorBytes
 
 
 def _inputs(b=3, s=7, h=6, vocab=13, dtype=torch.float64, seed=0):

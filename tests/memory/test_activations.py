@@ -11,13 +11,13 @@ import torch
 
 from tunesmith.models import llama3
 from tunesmith.modules.losses import IGNORE_INDEX, CrossEntropyLoss
-from tunesmith.training.activations import (
+from tunesmith.training.memory.activations import (
     activation_offloading,
     apply_activation_checkpointing,
     is_checkpointed,
 )
-from tunesmith.training.memory import LiveTensorBytes
-from tunesmith.training.optim_in_backward import OptimizerInBackward
+from tunesmith.training.memory.optim_in_backward import OptimizerInBackward
+from tunesmith.training.memory.usage import LiveTensorBytes
 
 
 @pytest.fixture(scope="module")

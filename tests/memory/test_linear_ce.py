@@ -8,7 +8,7 @@ import torch
 
 from tunesmith.models import llama3
 from tunesmith.modules.losses import IGNORE_INDEX, CrossEntropyLoss, LinearCrossEntropyLoss
-from tunesmith.training.memory import LiveTensorBytes
+from tunesmith.training.memory.usage import LiveTensorBytes
 
 
 def _inputs(b=2, s=9, h=32, vocab=97, dtype=torch.float32, seed=0):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tunesmith.modules.losses import IGNORE_INDEX, LinearCrossEntropyLoss
-from tunesmith.training.memory import LiveTensorBytes
+from tunesmith.training.memory.usage import LiveTensorBytes
 
 MODES = [True, False]  # grad_in_forward, and the recompute-in-backward path
 
@@ -281,7 +281,7 @@ def test_default_chunks_are_at_most_eight_and_at_least_512_rows_for_big_weights(
 
 
 def test_compile_loss_leaves_linear_cross_entropy_eager():
-    from tunesmith.training.compile import compile_loss
+    from tunesmith.training.memory.compile import compile_loss
 
     for loss_fn in (LinearCrossEntropyLoss(), LinearCrossEntropyLoss(3, grad_in_forward=False)):
         assert compile_loss(loss_fn) is loss_fn and not loss_fn.compile

@@ -22,9 +22,9 @@ from omegaconf import OmegaConf
 from tunesmith.config import instantiate
 from tunesmith.models import llama3
 from tunesmith.modules.losses import CrossEntropyLoss
-from tunesmith.training.checkpointer import Checkpointer
-from tunesmith.training.distributed import close_distributed, init_distributed
-from tunesmith.training.optim_in_backward import OptimizerInBackward
+from tunesmith.training.checkpoint.checkpointer import Checkpointer
+from tunesmith.training.memory.optim_in_backward import OptimizerInBackward
+from tunesmith.training.parallel.distributed import close_distributed, init_distributed
 
 BNB_8BIT = "bitsandbytes.optim.AdamW8bit"
 AO_8BIT = "torchao.optim.AdamW8bit"

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tunesmith.models import llama3
 from tunesmith.modules.losses import LinearCrossEntropyLoss
-from tunesmith.training.memory import AllocatedBytes, PeakMemory
+from tunesmith.training.memory.usage import AllocatedBytes, PeakMemory
 
 
 def test_allocated_bytes_counts_blocks_allocated_inside_only():

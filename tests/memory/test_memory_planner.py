@@ -13,11 +13,11 @@ import torch
 from tunesmith.models import llama3, qwen3
 from tunesmith.modules.losses import CrossEntropyLoss, LinearCrossEntropyLoss
 from tunesmith.modules.masks import document_causal_mask
-from tunesmith.training.activations import apply_activation_checkpointing
-from tunesmith.training.memory import AllocatedBytes, LiveTensorBytes, storage_bytes
-from tunesmith.training.memory_planner import estimate_memory, optimizer_kind
-from tunesmith.training.optim_in_backward import OptimizerInBackward
-from tunesmith.training.preflight import longest_batch, preflight
+from tunesmith.training.memory.activations import apply_activation_checkpointing
+from tunesmith.training.memory.optim_in_backward import OptimizerInBackward
+from tunesmith.training.memory.planner import estimate_memory, optimizer_kind
+from tunesmith.training.memory.preflight import longest_batch, preflight
+from tunesmith.training.memory.usage import AllocatedBytes, LiveTensorBytes, storage_bytes
 
 # Activations dominate this one (4 layers, 4 x 64 tokens) ...
 ACTIVATION_HEAVY = dict(

@@ -17,12 +17,12 @@ from tests.gloo_world import run_on_ranks
 from tunesmith.models import build_model, llama3
 from tunesmith.models.zoo import qwen3_moe
 from tunesmith.modules.losses import CrossEntropyLoss, LinearCrossEntropyLoss
-from tunesmith.training.distributed import ParallelDims
-from tunesmith.training.memory_planner import (
+from tunesmith.training.memory.planner import (
     activation_bytes_per_token,
     estimate_memory,
     tp_shard_dim,
 )
+from tunesmith.training.parallel.distributed import ParallelDims
 
 # llama3_tiny: hidden 64, 4 heads / 2 kv heads of 16, MLP 128, 2 layers, untied head
 VOCAB = 259  # odd: the vocabulary shards are uneven (130 + 129 over 2 ranks)
@@ -269,8 +269,8 @@ def _step(model, opt, ids):
 
 
 def _measure_worker(rank: int) -> dict:
-    from tunesmith.training.distributed import init_distributed
-    from tunesmith.training.memory import AllocatedBytes, storage_bytes
+    from tunesmith.training.memory.usage import AllocatedBytes, storage_bytes
+    from tunesmith.training.parallel.distributed import init_distributed
     from tunesmith.training.parallelize import parallelize
 
     results = {}

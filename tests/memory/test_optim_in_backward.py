@@ -18,15 +18,15 @@ from tunesmith.models import llama3
 from tunesmith.modules.decoder import TransformerLM
 from tunesmith.modules.losses import CrossEntropyLoss, LinearCrossEntropyLoss
 from tunesmith.training import cosine_with_warmup
-from tunesmith.training.activations import apply_activation_checkpointing
-from tunesmith.training.checkpointer import Checkpointer
-from tunesmith.training.distributed import (
+from tunesmith.training.checkpoint.checkpointer import Checkpointer
+from tunesmith.training.memory.activations import apply_activation_checkpointing
+from tunesmith.training.memory.optim_in_backward import OptimizerInBackward, check_compatible
+from tunesmith.training.parallel.distributed import (
     DistributedContext,
     close_distributed,
     full_tensor,
     init_distributed,
 )
-from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
 
 ADAMW = partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 

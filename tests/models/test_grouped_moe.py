@@ -26,8 +26,8 @@ from tunesmith.modules.moe import (
     stacked_state,
 )
 from tunesmith.modules.peft import apply_lora
-from tunesmith.training.checkpointer import Checkpointer
-from tunesmith.training.distributed import close_distributed, init_distributed
+from tunesmith.training.checkpoint.checkpointer import Checkpointer
+from tunesmith.training.parallel.distributed import close_distributed, init_distributed
 
 
 def _loop_moe(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor
 from tests.gloo_world import run_on_ranks
 from tunesmith.models import qwen3_moe
 from tunesmith.modules.peft import apply_lora, merge_adapters, trainable_parameters
-from tunesmith.training.distributed import ParallelDims, expert_mesh_of, full_tensor
-from tunesmith.training.expert_parallel import apply_expert_parallel
+from tunesmith.training.parallel.distributed import ParallelDims, expert_mesh_of, full_tensor
+from tunesmith.training.parallel.expert_parallel import apply_expert_parallel
 
 TARGETS = ["v_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -123,7 +123,7 @@ def test_small_weights_use_smaller_scaler_groups():
 
 
 def test_fsdp2_refuses_an_nf4_weight_it_cannot_split_and_names_it(qlora_dir):
-    from tunesmith.training.distributed import check_nf4_shardable
+    from tunesmith.training.parallel.distributed import check_nf4_shardable
 
     model = _qlora(qlora_dir)
     nf4 = {n: p for n, p in model.named_parameters() if type(p.data).__name__ == "NF4Tensor"}

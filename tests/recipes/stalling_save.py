@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from tunesmith.cli.main import main
-from tunesmith.training import checkpointer
+from tunesmith.training.checkpoint import checkpointer
 
 
 def _install(stall_at: int, sentinel: Path) -> None:

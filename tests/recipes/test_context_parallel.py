@@ -32,9 +32,9 @@ from tests.recipes.sft_world import (
     run_recipe,
 )
 from tunesmith.config import ConfigError
-from tunesmith.training.context_parallel import check_objective, shard_batch, zigzag_index
-from tunesmith.training.distributed import ParallelDims
 from tunesmith.training.objectives import TokenCrossEntropy
+from tunesmith.training.parallel.context_parallel import check_objective, shard_batch, zigzag_index
+from tunesmith.training.parallel.distributed import ParallelDims
 
 STEPS, BATCH = 3, 4
 CP2 = ("parallelism.cp=2", "parallelism.dp_shard=1")

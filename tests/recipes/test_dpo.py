@@ -37,8 +37,8 @@ from tunesmith.models import build_model, qwen2_5
 from tunesmith.models.hf import from_hf, save_hf_checkpoint
 from tunesmith.modules.peft import adapter_modules
 from tunesmith.recipes import dpo
-from tunesmith.training.distributed import close_distributed, init_distributed
 from tunesmith.training.forward import sequence_logps
+from tunesmith.training.parallel.distributed import close_distributed, init_distributed
 
 LOSSES = "tunesmith.modules.losses"
 NOT_DPO = ["~loss.label_smoothing", "~loss.reference_free"]  # DPOLoss-only arguments

@@ -23,7 +23,7 @@ from tunesmith.cli.main import main as cli_main
 from tunesmith.config import ConfigError
 from tunesmith.models import llama3
 from tunesmith.modules.losses import CrossEntropyLoss, LinearCrossEntropyLoss
-from tunesmith.training.compile import (
+from tunesmith.training.memory.compile import (
     compile_loss,
     compile_model,
     compile_options,

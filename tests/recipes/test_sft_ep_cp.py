@@ -30,7 +30,7 @@ from tests.recipes.sft_world import (
 )
 from tunesmith.models.zoo import qwen3_moe
 from tunesmith.modules.moe import load_balancing_loss
-from tunesmith.training.distributed import ParallelDims, expert_rank_layout
+from tunesmith.training.parallel.distributed import ParallelDims, expert_rank_layout
 
 STEPS = 3
 

@@ -33,7 +33,7 @@ from tests.recipes.sft_world import (
     sft_overrides,
 )
 from tunesmith.models.zoo import qwen3_moe
-from tunesmith.training.distributed import ParallelDims, expert_rank_layout
+from tunesmith.training.parallel.distributed import ParallelDims, expert_rank_layout
 
 STEPS = 3
 

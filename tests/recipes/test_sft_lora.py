@@ -47,7 +47,7 @@ from tunesmith.modules.peft import (
     is_nf4,
     quantize_nf4,
 )
-from tunesmith.training.checkpoint_dir import MARKER
+from tunesmith.training.checkpoint.directory import MARKER
 
 CONFIG = "tiny_lora"
 ROWS, BATCH, STEPS = 24, 4, 8  # 6 steps an epoch: STEPS spans two epochs

@@ -49,9 +49,9 @@ from tunesmith.config import ConfigError
 from tunesmith.models import from_hf
 from tunesmith.models.manifest import MARKER
 from tunesmith.models.safetensors_io import CheckpointError
-from tunesmith.training.checkpointer import Checkpointer, saved_layout
-from tunesmith.training.distributed import close_distributed, init_distributed
+from tunesmith.training.checkpoint.checkpointer import Checkpointer, saved_layout
 from tunesmith.training.loop_config import RunRecord, check_resume
+from tunesmith.training.parallel.distributed import close_distributed, init_distributed
 from tunesmith.training.parallelize import parallelize
 from tunesmith.training.sources import DatasetSource
 

@@ -49,7 +49,7 @@ from tests.rl.rl_world import (
 )
 from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
 from tunesmith.recipes import config_path
-from tunesmith.rl.pipeline import dynamic_selection
+from tunesmith.rl.asynchronous.pipeline import dynamic_selection
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4

@@ -37,13 +37,13 @@ from tunesmith.models import from_hf
 from tunesmith.models.safetensors_io import CheckpointError
 from tunesmith.modules.peft import apply_lora
 from tunesmith.recipes import config_path
-from tunesmith.rl.critic import critic_from_policy
-from tunesmith.rl.ppo import PPORolloutSource, offload_reward_models, token_rewards
+from tunesmith.rl.ppo.critic import critic_from_policy
+from tunesmith.rl.ppo.trainer import PPORolloutSource, offload_reward_models, token_rewards
 from tunesmith.rl.prompts import PromptDataset, PromptStream
 from tunesmith.rl.rewards import RewardSet
 from tunesmith.rl.rollout import completion_logprobs
 from tunesmith.rl.source import GenerationConfig
-from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.setup import FrozenPolicy
 
 CTX = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)

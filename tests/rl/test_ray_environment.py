@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
-from tunesmith.rl.pipeline import (
+from tunesmith.rl.asynchronous.pipeline import (
     ALLOW_RUNTIME_ENV_ENV,
     _worker_env,
     init_ray,

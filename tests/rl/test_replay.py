@@ -8,10 +8,10 @@ import pickle
 import pytest
 import torch
 
+from tunesmith.rl.asynchronous.pipeline import lead_versions
+from tunesmith.rl.asynchronous.replay import ReplayBuffer, group_from_state, group_state
 from tunesmith.rl.groups import Group
-from tunesmith.rl.pipeline import lead_versions
 from tunesmith.rl.prompts import Prompt
-from tunesmith.rl.replay import ReplayBuffer, group_from_state, group_state
 
 PROMPTS = {i: Prompt(i, [{"role": "user", "content": f"q{i}"}], answer=str(i)) for i in range(6)}
 

@@ -22,7 +22,7 @@ from tunesmith.rl.prompts import PromptDataset, PromptStream
 from tunesmith.rl.rewards import RewardSet, Sample
 from tunesmith.rl.rollout import completion_logprobs, micro_batches, rollout_batch
 from tunesmith.rl.source import GenerationConfig, RolloutSource
-from tunesmith.training.distributed import close_distributed, init_distributed
+from tunesmith.training.parallel.distributed import close_distributed, init_distributed
 
 
 def test_rollout_batch_places_completion_values_at_their_label_positions():

@@ -1,5 +1,5 @@
 """Weight sync from trainer rank 0 to the rollout workers (``rollout.weight_sync``,
-:mod:`tunesmith.rl.weight_sync`):
+:mod:`tunesmith.rl.asynchronous.weight_sync`):
 
 * pack/unpack: mixed dtypes, a non-contiguous tensor, names in order, bitwise;
 * the collective group (gloo, each worker rank in a thread of this process): every receiver
@@ -28,7 +28,7 @@ from tests.recipes.sft_world import (
 )
 from tests.rl.rl_world import grpo_overrides, local_ray, make_prompts, run_rl
 from tunesmith.recipes import config_path
-from tunesmith.rl.weight_sync import (
+from tunesmith.rl.asynchronous.weight_sync import (
     TensorSpec,
     WeightReceiver,
     WeightSender,

@@ -19,7 +19,7 @@ from tunesmith.cli import catalog
 from tunesmith.cli.launch import load_recipe_module
 from tunesmith.cli.main import main
 from tunesmith.modules.decoder import DecoderModel
-from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.rules import check_rules
 from tunesmith.training.settings import MODEL_RULES, RESUMABLE_KEYS
 from tunesmith.training.setup import MODEL_KEYS, apply_attention_backend, frozen_model

@@ -12,7 +12,7 @@ import zlib
 import pytest
 
 from tunesmith.training import MARKER, CheckpointDirectory, CheckpointWriteError
-from tunesmith.training.checkpoint_dir import aside_folder
+from tunesmith.training.checkpoint.directory import aside_folder
 
 
 def _writer(payload: dict[str, bytes]):
@@ -235,7 +235,7 @@ _SLOW_WRITER = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from tunesmith.training.checkpoint_dir import CheckpointDirectory
+    from tunesmith.training.checkpoint.directory import CheckpointDirectory
 
     ckpts = CheckpointDirectory(sys.argv[1], keep_last=1)
 

@@ -11,8 +11,8 @@ import torch
 
 from tunesmith.models.safetensors_io import CheckpointError
 from tunesmith.training import CheckpointDirectory
-from tunesmith.training.checkpointer import Checkpointer
-from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.checkpoint.checkpointer import Checkpointer
+from tunesmith.training.parallel.distributed import DistributedContext
 
 CTX = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from tests.gloo_world import run_on_ranks
 from tunesmith.config import ConfigError
 from tunesmith.modules.moe import MoE
-from tunesmith.training.distributed import ParallelDims, expert_mesh_of
-from tunesmith.training.expert_parallel import apply_expert_parallel
+from tunesmith.training.parallel.distributed import ParallelDims, expert_mesh_of
+from tunesmith.training.parallel.expert_parallel import apply_expert_parallel
 
 HIDDEN, INTER, EXPERTS, TOP_K = 32, 16, 4, 2
 

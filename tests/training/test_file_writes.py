@@ -15,7 +15,7 @@ import pytest
 
 from tunesmith.models.atomic import UnsafePathError, open_no_follow, real_folder
 from tunesmith.training import CheckpointDirectory, JSONLLogger
-from tunesmith.training.run_lock import OutputDirInUseError, RunLock, hold_run_lock
+from tunesmith.training.checkpoint.run_lock import OutputDirInUseError, RunLock, hold_run_lock
 
 
 @pytest.fixture
@@ -158,7 +158,7 @@ def test_plot_refuses_a_link_planted_as_its_default_png(tmp_path, victim):
 def test_the_rollouts_log_refuses_a_planted_link(tmp_path, victim):
     from types import SimpleNamespace
 
-    from tunesmith.rl.async_source import AsyncRolloutSource
+    from tunesmith.rl.asynchronous.source import AsyncRolloutSource
 
     source = SimpleNamespace(rollout_log=tmp_path / "rollouts.jsonl", batches=1, version=0)
     AsyncRolloutSource._log_rollouts(source, [], {})  # a regular file: appended

@@ -13,8 +13,8 @@ import pytest
 from tqdm import tqdm
 
 from tests.recipes.sft_world import make_counting_data, make_model_dir, read_metrics, run_sft
-from tunesmith.training import metric_logging
-from tunesmith.training.metric_logging import MetricWindow, StdoutLogger, format_duration
+from tunesmith.training.logging import loggers as metric_logging
+from tunesmith.training.logging.loggers import MetricWindow, StdoutLogger, format_duration
 
 
 def test_window_means_by_hand():

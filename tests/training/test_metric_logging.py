@@ -176,7 +176,8 @@ def test_optional_backends_not_imported_at_module_import(tmp_path):
     code = textwrap.dedent(
         """
         import sys
-        import tunesmith.training, tunesmith.training.metric_logging, tunesmith.training.plot
+        import tunesmith.training
+        import tunesmith.training.logging.loggers, tunesmith.training.logging.plot
         bad = [m for m in ("wandb", "tensorboard", "torch.utils.tensorboard", "matplotlib")
                if m in sys.modules]
         assert not bad, bad

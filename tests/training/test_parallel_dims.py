@@ -10,13 +10,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from tunesmith.config import ConfigError
-from tunesmith.training.distributed import (
+from tunesmith.training.loop import LOOP_KEYS, make_loader
+from tunesmith.training.parallel.distributed import (
     DistributedContext,
     ParallelDims,
     close_distributed,
     init_distributed,
 )
-from tunesmith.training.loop import LOOP_KEYS, make_loader
 from tunesmith.training.parallelize import check_model_fits
 from tunesmith.training.rules import check_rules
 from tunesmith.training.settings import LOOP_RULES, RESUMABLE_KEYS

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tunesmith.training.plot import read_metrics
+from tunesmith.training.logging.plot import read_metrics
 
 BAD = {
     "binary": (b"\x89PNG\r\n\x1a\n\xff\xfe", "not UTF-8 text"),

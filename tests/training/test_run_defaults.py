@@ -27,8 +27,8 @@ from tunesmith.config import ConfigError
 from tunesmith.data import SFTDataset, Tokenizer
 from tunesmith.data.chat_template import control_tokens, load_template
 from tunesmith.training import JSONLLogger, plot_run
-from tunesmith.training.plot import metric_panels
-from tunesmith.training.plot import read_metrics as read_series
+from tunesmith.training.logging.plot import metric_panels
+from tunesmith.training.logging.plot import read_metrics as read_series
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,13 @@ import time
 
 import pytest
 
-from tunesmith.training.run_lock import LOCK_NAME, OutputDirInUseError, RunLock
+from tunesmith.training.checkpoint.run_lock import LOCK_NAME, OutputDirInUseError, RunLock
 
 _HOLDER = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from tunesmith.training.run_lock import RunLock
+    from tunesmith.training.checkpoint.run_lock import RunLock
 
     lock = RunLock.acquire(Path(sys.argv[1]))
     print("held", flush=True)
@@ -94,7 +94,7 @@ _FORKING_HOLDER = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from tunesmith.training.run_lock import RunLock
+    from tunesmith.training.checkpoint.run_lock import RunLock
 
     lock = RunLock.acquire(Path(sys.argv[1]))
     child = os.fork()

@@ -13,7 +13,7 @@ from tests.recipes.sft_world import make_counting_data, make_model_dir, run_sft
 from tunesmith.cli.checkpoint_loading import load_checkpoint
 from tunesmith.config import ConfigError
 from tunesmith.generation import generate
-from tunesmith.training.metric_logging import MultiLogger, NullLogger, StdoutLogger
+from tunesmith.training.logging.loggers import MultiLogger, NullLogger, StdoutLogger
 from tunesmith.training.rules import check_rules
 from tunesmith.training.sample_prompts import SamplePrompts, log_samples
 from tunesmith.training.settings import LOOP_RULES

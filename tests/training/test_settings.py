@@ -43,10 +43,16 @@ TABLES = {  # page -> (its opening marker, its closing marker, the declarations 
 }  # fmt: skip
 PACKAGE = Path(tunesmith.__file__).parent
 
-SETTINGS_READERS = ("training/trainer.py", "training/sources.py", "training/settings.py",
-                    "rl/ppo.py", "rl/settings.py", "rl/workers.py")  # fmt: skip
+SETTINGS_READERS = (
+    "training/trainer.py",
+    "training/sources.py",
+    "training/settings.py",
+    "rl/ppo/trainer.py",
+    "rl/settings.py",
+    "rl/asynchronous/workers.py",
+)
 """Files that read their settings from a settings object, never from a config (the Ray workers
-included: they are sent a :class:`~tunesmith.rl.workers.WorkerSettings`)."""
+included: they are sent a :class:`~tunesmith.rl.asynchronous.workers.WorkerSettings`)."""
 
 
 def _span(text: str, begin: str, end: str) -> tuple[int, int]:

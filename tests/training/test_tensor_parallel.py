@@ -20,9 +20,9 @@ from tunesmith.config import ConfigError
 from tunesmith.models import build_model
 from tunesmith.models.zoo import llama3, mistral, qwen2_5, qwen3, qwen3_moe
 from tunesmith.modules.peft.apply import apply_lora
-from tunesmith.training.distributed import ParallelDims
+from tunesmith.training.parallel.distributed import ParallelDims
+from tunesmith.training.parallel.tensor_parallel import apply_tensor_parallel, check_tp_shardable
 from tunesmith.training.parallelize import check_model_fits
-from tunesmith.training.tensor_parallel import apply_tensor_parallel, check_tp_shardable
 
 VOCAB = 259
 SPECS = {

@@ -38,8 +38,8 @@ from tunesmith.models import build_model
 from tunesmith.models.peft_io import ADAPTER_CONFIG_NAME, load_peft_adapter, save_peft_adapter
 from tunesmith.models.zoo import llama3, qwen2_5, qwen3
 from tunesmith.modules.peft import adapter_state_dict, apply_lora, merge_adapters
-from tunesmith.training.distributed import full_tensor
-from tunesmith.training.tensor_parallel import apply_tensor_parallel
+from tunesmith.training.parallel.distributed import full_tensor
+from tunesmith.training.parallel.tensor_parallel import apply_tensor_parallel
 
 VOCAB = 259  # odd: uneven vocabulary shards (130 + 129)
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from tunesmith.models.builder import build_model
 from tunesmith.models.spec import ModelSpec
-from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.sources import BatchSource
 from tunesmith.training.trainer import LossOutput, Trainer
 

@@ -34,7 +34,7 @@ from torch import nn
 from tunesmith.data import Tokenizer
 from tunesmith.models.hf import CONFIG_NAME, from_hf
 from tunesmith.models.peft_io import ADAPTER_CONFIG_NAME, load_peft_adapter, read_adapter_config
-from tunesmith.training.checkpoint_dir import CheckpointDirectory
+from tunesmith.training.checkpoint.directory import CheckpointDirectory
 
 __all__ = [
     "CheckpointNotFoundError",
@@ -74,7 +74,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
 
     Example::
 
-        >>> from tunesmith.training.checkpoint_dir import CheckpointDirectory
+        >>> from tunesmith.training.checkpoint.directory import CheckpointDirectory
         >>> def save(tmp): (tmp / "config.json").write_text("{}")
         >>> _ = CheckpointDirectory("outputs/sft-tiny/checkpoints").write(8, save)
         >>> resolve_checkpoint("outputs/sft-tiny")

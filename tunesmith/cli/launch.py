@@ -30,7 +30,7 @@ from tunesmith.config import load_config
 from tunesmith.config.secrets import redact
 from tunesmith.models.atomic import open_no_follow
 from tunesmith.recipes import load_recipe_module, run_recipe
-from tunesmith.training.console import Tee
+from tunesmith.training.logging.console import Tee
 
 __all__ = ["load_recipe_module", "run_recipe"]  # defined in tunesmith.recipes
 

@@ -28,7 +28,9 @@ from pathlib import Path
 from tunesmith.cli import catalog, data_cmd
 
 ALLOW_ANY_ENV = "TUNESMITH_ALLOW_ANY_COMPONENT"
-ALLOW_RUNTIME_ENV = "TUNESMITH_ALLOW_RUNTIME_ENV"  # tunesmith.rl.pipeline.ALLOW_RUNTIME_ENV_ENV
+ALLOW_RUNTIME_ENV = (
+    "TUNESMITH_ALLOW_RUNTIME_ENV"  # tunesmith.rl.asynchronous.pipeline.ALLOW_RUNTIME_ENV_ENV
+)
 
 
 class CLIError(Exception):
@@ -131,7 +133,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     # every problem reported before anything is written
     recipe_file, config_file, cfg = prepare_run(args.recipe, args.config, args.overrides)
-    from tunesmith.training.distributed import ParallelDims
+    from tunesmith.training.parallel.distributed import ParallelDims
 
     # a parallel layout that does not fit the world: one line now, not one per rank later
     ParallelDims.resolve(cfg.get("parallelism"), args.nproc_per_node * args.nnodes)

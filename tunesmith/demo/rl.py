@@ -50,7 +50,7 @@ from tunesmith.recipes import prepare_run
 from tunesmith.rl.prompts import Prompt, encode_prompt
 from tunesmith.rl.rewards import RewardSet, Sample
 from tunesmith.rl.settings import RLSettings
-from tunesmith.training.plot import read_metrics
+from tunesmith.training.logging.plot import read_metrics
 
 __all__ = [
     "ACCURACY_REWARD",

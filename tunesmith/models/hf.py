@@ -198,7 +198,7 @@ def verify_own_checkpoint(folder: str | os.PathLike) -> None:
     Example::
 
         >>> from tunesmith.models import qwen3
-        >>> from tunesmith.training.checkpoint_dir import CheckpointDirectory
+        >>> from tunesmith.training.checkpoint.directory import CheckpointDirectory
         >>> model = build_model(qwen3.spec("qwen3_tiny"))
         >>> step = CheckpointDirectory("out/checkpoints").write(
         ...     100, lambda tmp: save_hf_checkpoint(model, tmp))

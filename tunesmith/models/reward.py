@@ -167,7 +167,7 @@ class RewardModel(nn.Module):
             output_router_logits: also return the body's per-MoE-layer router logits (for
                 the load-balancing loss; empty for a dense body): ``(scores, router_logits)``.
             every_position: scores at every position instead, ``[b, s, num_labels]`` (a
-                critic's values, :mod:`tunesmith.rl.critic`); ``attention_mask`` is optional.
+                critic's values, :mod:`tunesmith.rl.ppo.critic`); ``attention_mask`` is optional.
         """
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError(

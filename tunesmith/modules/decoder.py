@@ -295,7 +295,7 @@ class TransformerLM(nn.Module):
                 logits never builds ``[b, s, vocab]``. 0 keeps every position.
             cp_index: context parallel (``[b, s]``): the rows are split over the ranks of
                 ``model.context_parallel_group`` (see
-                :func:`~tunesmith.training.context_parallel.shard_batch`), these are this
+                :func:`~tunesmith.training.parallel.context_parallel.shard_batch`), these are this
                 rank's positions and ``cp_index`` their indices in the full rows; attention is
                 :func:`~tunesmith.modules.ring_attention.ring_attention` (causal by index,
                 within ``document_ids``).

@@ -40,7 +40,6 @@ from tunesmith.config import instantiate
 from tunesmith.data import collate_preference
 from tunesmith.modules.losses import PairLogps
 from tunesmith.training import setup
-from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import router_aux_loss, sequence_logps
 from tunesmith.training.loop import (
     LOOP_KEYS,
@@ -50,6 +49,7 @@ from tunesmith.training.loop import (
     fit_from_config,
     run_main,
 )
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.parallelize import parallelize
 from tunesmith.training.rules import flag, integer
 from tunesmith.training.settings import LOOP_RULES, MODEL_RULES, LoopSettings

@@ -35,14 +35,16 @@ from omegaconf import DictConfig
 from tunesmith.config import instantiate
 from tunesmith.modules.losses.rl import KLPenalty
 from tunesmith.rl import setup as rl
+from tunesmith.rl.asynchronous.pipeline import require_ray
+from tunesmith.rl.asynchronous.trainer_group import (
+    check_launch as check_launch,  # read by `tunesmith run`
+)
+from tunesmith.rl.asynchronous.trainer_group import run_trainers
 from tunesmith.rl.objective import PolicyGradient
-from tunesmith.rl.pipeline import require_ray
 from tunesmith.rl.source import RolloutSource
-from tunesmith.rl.trainer_group import check_launch as check_launch  # read by `tunesmith run`
-from tunesmith.rl.trainer_group import run_trainers
 from tunesmith.training import setup
-from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit_from_config
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.parallelize import parallelize
 from tunesmith.training.rules import component
 from tunesmith.training.trainer import Trainer

@@ -1,5 +1,5 @@
 """Asynchronous GRPO: the ``grpo`` recipe with its rollouts sampled and scored by Ray workers
-while the trainer trains (see :mod:`tunesmith.rl.pipeline`).
+while the trainer trains (see :mod:`tunesmith.rl.asynchronous.pipeline`).
 
     tunesmith run grpo_async --config tiny model_dir=path/to/model prompts.source=prompts.jsonl
     tunesmith run grpo_async --config tiny ... async_mode=off_policy max_staleness=2
@@ -21,7 +21,7 @@ torchrun``, the default: ``--nproc-per-node`` for FSDP2/TP, as in ``grpo``), or 
 (``launcher: ray``: this process drives ``trainer_group.workers`` trainer actors of
 ``num_cpus``/``num_gpus`` each, with the same process group, ``parallelism`` and checkpoints;
 rank 0's output on this console, every rank's in ``<output_dir>/logs/trainer-group-*``; see
-:mod:`tunesmith.rl.trainer_group`)::
+:mod:`tunesmith.rl.asynchronous.trainer_group`)::
 
     tunesmith run grpo_async --config tiny ... trainer_group.launcher=ray trainer_group.workers=2
 
@@ -37,8 +37,10 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from tunesmith.recipes import grpo
-from tunesmith.rl.trainer_group import check_launch as check_launch  # read by `tunesmith run`
-from tunesmith.rl.trainer_group import run_trainers
+from tunesmith.rl.asynchronous.trainer_group import (
+    check_launch as check_launch,  # read by `tunesmith run`
+)
+from tunesmith.rl.asynchronous.trainer_group import run_trainers
 from tunesmith.training.rules import choice
 
 RUNTIME_ARGS = grpo.RUNTIME_ARGS

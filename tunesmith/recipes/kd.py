@@ -30,7 +30,6 @@ from torch import nn
 from tunesmith.config import instantiate
 from tunesmith.modules.losses import IGNORE_INDEX
 from tunesmith.training import setup
-from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import forward_batch, head_weight, router_aux_loss
 from tunesmith.training.loop import (
     LOOP_KEYS,
@@ -40,6 +39,7 @@ from tunesmith.training.loop import (
     fit_from_config,
     run_main,
 )
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.parallelize import parallelize
 from tunesmith.training.rules import flag, number, text
 from tunesmith.training.settings import LOOP_RULES, MODEL_RULES, LoopSettings

@@ -50,12 +50,12 @@ from omegaconf import DictConfig
 from tunesmith.config import instantiate
 from tunesmith.modules.losses.rl import ValueLoss
 from tunesmith.rl import setup as rl
-from tunesmith.rl.critic import ValueObjective, build_critic, critic_config
 from tunesmith.rl.objective import PolicyGradient
-from tunesmith.rl.ppo import PPORolloutSource, PPOTrainer, offload_reward_models
+from tunesmith.rl.ppo.critic import ValueObjective, build_critic, critic_config
+from tunesmith.rl.ppo.trainer import PPORolloutSource, PPOTrainer, offload_reward_models
 from tunesmith.training import setup
-from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit_from_config, run_main
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.parallelize import parallelize
 from tunesmith.training.rules import component, flag, integer, number
 from tunesmith.training.trainer import Trainer

@@ -28,7 +28,6 @@ from torch.utils.data import Subset
 from tunesmith.config import instantiate
 from tunesmith.data import collate_preference
 from tunesmith.training import setup
-from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import router_aux_loss
 from tunesmith.training.loop import (
     LOOP_KEYS,
@@ -38,6 +37,7 @@ from tunesmith.training.loop import (
     fit_from_config,
     run_main,
 )
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.parallelize import parallelize
 from tunesmith.training.settings import LOOP_RULES, MODEL_RULES, LoopSettings
 from tunesmith.training.sources import DatasetSource

@@ -17,7 +17,6 @@ from omegaconf import DictConfig
 
 from tunesmith.config import instantiate
 from tunesmith.training import setup
-from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.loop import (
     LOOP_KEYS,
     LOOP_RUNTIME_ARGS,
@@ -26,6 +25,7 @@ from tunesmith.training.loop import (
     run_main,
 )
 from tunesmith.training.objectives import TokenCrossEntropy
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.parallelize import parallelize
 from tunesmith.training.rules import flag
 from tunesmith.training.settings import LOOP_RULES, MODEL_RULES, LoopSettings

@@ -1,6 +1,7 @@
 """Reinforcement learning from rewards: prompt sources, rewards, advantages, rollouts.
 
-The pieces the ``grpo``, ``grpo_async`` and ``ppo`` recipes compose; each is a small module with one job:
+The pieces the ``grpo``, ``grpo_async`` and ``ppo`` recipes compose; each is a small module with one
+job:
 
 * :mod:`tunesmith.rl.prompts`: prompt datasets (JSONL/Parquet/Hub with an answer column,
   reasoning-gym tasks) and a resumable, data-parallel prompt stream;
@@ -9,13 +10,13 @@ The pieces the ``grpo``, ``grpo_async`` and ``ppo`` recipes compose; each is a s
 * :mod:`tunesmith.rl.rollout` and :mod:`tunesmith.rl.source`: generate, score and batch
   rollouts as a :class:`~tunesmith.training.sources.BatchSource` for the Trainer;
 * :mod:`tunesmith.rl.objective`: the policy-gradient objective (PPO-clip / GSPO + KL);
-* :mod:`tunesmith.rl.critic` and :mod:`tunesmith.rl.ppo`: PPO's value model, GAE stage and
-  two-model trainer;
+* :mod:`tunesmith.rl.ppo.critic` and :mod:`tunesmith.rl.ppo.trainer`: PPO's value model, GAE stage
+  and two-model trainer;
 * :mod:`tunesmith.rl.groups`: a prompt's group of completions, sampled and scored;
-* asynchronous GRPO: :mod:`tunesmith.rl.workers` (rollout and reward workers),
-  :mod:`tunesmith.rl.replay` (the replay buffer with policy versions),
-  :mod:`tunesmith.rl.pipeline` (Ray, the modes, faults) and :mod:`tunesmith.rl.async_source`
-  (the trainer's batch source and weight sync);
+* asynchronous GRPO: :mod:`tunesmith.rl.asynchronous.workers` (rollout and reward workers),
+  :mod:`tunesmith.rl.asynchronous.replay` (the replay buffer with policy versions),
+  :mod:`tunesmith.rl.asynchronous.pipeline` (Ray, the modes, faults) and
+  :mod:`tunesmith.rl.asynchronous.source` (the trainer's batch source and weight sync);
 * :mod:`tunesmith.rl.evaluate`: held-out rewards of greedy answers;
 * :mod:`tunesmith.rl.setup`: the config keys and set-up the RL recipes share.
 

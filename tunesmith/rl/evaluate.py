@@ -24,7 +24,7 @@ from torch import nn
 from tunesmith.generation import generate
 from tunesmith.rl.prompts import Prompt, encode_prompt
 from tunesmith.rl.rewards import RewardSet, Sample
-from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.parallel.distributed import DistributedContext
 
 __all__ = ["evaluate_rewards"]
 

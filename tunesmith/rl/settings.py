@@ -24,14 +24,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tunesmith.rl.pipeline import (
+from tunesmith.rl.asynchronous.pipeline import (
     RAY_KEYS,
     ray_address_problem,
     runtime_env_allowed,
     section_runtime_env_problem,
 )
-from tunesmith.rl.trainer_group import TRAINER_GROUP_RULE
-from tunesmith.rl.weight_sync import SYNC_MODES
+from tunesmith.rl.asynchronous.trainer_group import TRAINER_GROUP_RULE
+from tunesmith.rl.asynchronous.weight_sync import SYNC_MODES
 from tunesmith.training.rules import Rule, choice, component, flag, integer, number, type_name
 from tunesmith.training.settings import (
     LOOP_KEYS,
@@ -134,8 +134,9 @@ def _vllm_problem(section: Any) -> str | None:
 
 def _workers_problem(keys: Sequence[str]) -> Callable[[Any], str | None]:
     """What is wrong in a ``rollout`` / ``reward_workers`` section: a key it does not have, a
-    ``runtime_env`` without the opt-in (:func:`~tunesmith.rl.pipeline.section_runtime_env_problem`),
-    the rollout's weight sync."""
+    ``runtime_env`` without the opt-in
+    (:func:`~tunesmith.rl.asynchronous.pipeline.section_runtime_env_problem`), the rollout's
+    weight sync."""
 
     def problem(section: Any) -> str | None:
         if section is None:

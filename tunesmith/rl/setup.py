@@ -11,8 +11,8 @@ keeps only its algorithm:
 * :func:`reward_evaluator`: held-out rewards of greedy answers on ``val_prompts`` (or None);
 * :func:`check_one_update_per_backward`: the optimizer in backward needs one micro-batch;
 * :data:`ASYNC_RULES`, :func:`asynchronous_source`: asynchronous GRPO's keys (its pipeline,
-  Ray, and ``trainer_group``: who runs the trainer's ranks, :mod:`tunesmith.rl.trainer_group`)
-  and its batch source.
+  Ray, and ``trainer_group``: who runs the trainer's ranks,
+  :mod:`tunesmith.rl.asynchronous.trainer_group`) and its batch source.
 
 Example (the prologue of an RL recipe)::
 
@@ -32,9 +32,10 @@ from torch import nn
 
 from tunesmith.config import instantiate
 from tunesmith.generation.config import GenerationConfig
-from tunesmith.rl.async_source import AsyncRolloutSource
+from tunesmith.rl.asynchronous.pipeline import RolloutPipeline
+from tunesmith.rl.asynchronous.source import AsyncRolloutSource
+from tunesmith.rl.asynchronous.workers import BUILD_SECTIONS, WorkerSettings
 from tunesmith.rl.evaluate import evaluate_rewards
-from tunesmith.rl.pipeline import RolloutPipeline
 from tunesmith.rl.prompts import Prompt, PromptStream
 from tunesmith.rl.rewards import RewardSet
 from tunesmith.rl.settings import (  # re-exported: the recipes read them here
@@ -49,8 +50,7 @@ from tunesmith.rl.settings import (  # re-exported: the recipes read them here
     rl_keys,
 )
 from tunesmith.rl.source import RolloutSource
-from tunesmith.rl.workers import BUILD_SECTIONS, WorkerSettings
-from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.settings import LoopSettings
 from tunesmith.training.setup import Log
 
@@ -155,7 +155,8 @@ def check_one_update_per_backward(cfg: DictConfig, ctx: DistributedContext) -> N
 
 def worker_settings(cfg: DictConfig) -> WorkerSettings:
     """What the rollout and reward workers of ``cfg`` are sent: their settings, read once
-    here, and the sections their builders read (:data:`~tunesmith.rl.workers.BUILD_SECTIONS`).
+    here, and the sections their builders read
+    (:data:`~tunesmith.rl.asynchronous.workers.BUILD_SECTIONS`).
 
     Example::
 

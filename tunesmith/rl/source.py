@@ -49,7 +49,7 @@ from tunesmith.rl.groups import Group, sample_groups, score_groups
 from tunesmith.rl.prompts import Prompt, PromptStream
 from tunesmith.rl.rewards import RewardSet
 from tunesmith.rl.rollout import completion_logprobs, micro_batches, rollout_batch
-from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.setup import FrozenPolicy
 
 __all__ = ["GenerationConfig", "LogprobMismatchError", "RolloutSource", "stop_token_ids"]
@@ -207,8 +207,8 @@ class RolloutSource:
 
     def _finish_batch(self, batch: Batch) -> dict[str, float]:
         """A subclass's last stage of a collection, after the log-probs (PPO: the critic's
-        values and GAE, :mod:`tunesmith.rl.ppo`); returns its metrics, already reduced over the
-        ranks (they replace the base's of the same name). Nothing here."""
+        values and GAE, :mod:`tunesmith.rl.ppo.trainer`); returns its metrics, already reduced over
+        the ranks (they replace the base's of the same name). Nothing here."""
         return {}
 
     def _generate_and_score(self, times: dict[str, float]) -> _Collected:

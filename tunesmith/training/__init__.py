@@ -17,13 +17,12 @@ Example::
 from importlib import import_module
 from typing import Any
 
-from tunesmith.training.checkpoint_dir import MARKER, CheckpointDirectory, CheckpointWriteError
-from tunesmith.training.lr_schedules import (
-    constant_with_warmup,
-    cosine_with_warmup,
-    linear_with_warmup,
+from tunesmith.training.checkpoint.directory import (
+    MARKER,
+    CheckpointDirectory,
+    CheckpointWriteError,
 )
-from tunesmith.training.metric_logging import (
+from tunesmith.training.logging.loggers import (
     JSONLLogger,
     MetricLogger,
     MultiLogger,
@@ -32,10 +31,15 @@ from tunesmith.training.metric_logging import (
     TensorBoardLogger,
     WandBLogger,
 )
-from tunesmith.training.plot import plot_run, read_metrics
+from tunesmith.training.logging.plot import plot_run, read_metrics
+from tunesmith.training.lr_schedules import (
+    constant_with_warmup,
+    cosine_with_warmup,
+    linear_with_warmup,
+)
 
 _LOOP_API = {  # name -> the module that defines it
-    "Checkpointer": "checkpointer",
+    "Checkpointer": "checkpoint.checkpointer",
     "DatasetSource": "sources",
     "LoopSettings": "settings",
     "LossOutput": "trainer",
@@ -45,7 +49,7 @@ _LOOP_API = {  # name -> the module that defines it
     "fit": "loop",
     "fit_from_config": "loop",
     "forward_batch": "forward",
-    "init_distributed": "distributed",
+    "init_distributed": "parallel.distributed",
 }
 
 __all__ = [

@@ -26,7 +26,7 @@ from torch import nn
 
 from tunesmith.modules.losses import IGNORE_INDEX, token_logprobs
 from tunesmith.modules.moe import load_balancing_loss
-from tunesmith.training.context_parallel import CP_INDEX, context_parallel_group, cp_sum
+from tunesmith.training.parallel.context_parallel import CP_INDEX, context_parallel_group, cp_sum
 
 __all__ = ["forward_batch", "head_weight", "model_inputs", "router_aux_loss", "sequence_logps"]
 
@@ -92,7 +92,7 @@ def sequence_logps(
     number (``[b]``), and the MoE router logits. The head is applied ``chunk_size`` trained
     positions at a time (:func:`~tunesmith.modules.losses.token_logprobs`), so the
     ``[b, s, vocab]`` logits never exist. A context-parallel batch's (``cp_index``) partial
-    sums are added over the cp group (:func:`~tunesmith.training.context_parallel.cp_sum`),
+    sums are added over the cp group (:func:`~tunesmith.training.parallel.context_parallel.cp_sum`),
     so every rank of it gets the whole rows' values."""
     hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
     labels = batch["labels"]

@@ -15,7 +15,7 @@ Saving: every ``save_every_n_steps`` steps and/or every ``save_every_minutes`` o
 Ctrl-C (SIGINT) and SIGTERM both ask for a checkpoint at the end of the current step and a
 clean exit with the resume hint; a second Ctrl-C aborts at once. Logging: every
 ``log_every_n_steps`` steps the means of the steps since the last line
-(:class:`~tunesmith.training.metric_logging.MetricWindow`: the loss over every unit of the
+(:class:`~tunesmith.training.logging.loggers.MetricWindow`: the loss over every unit of the
 window); ``progress_bar: auto`` (the default) shows a bar when stdout is a terminal.
 ``resume: true`` with no checkpoint in ``output_dir`` is refused; ``resume: auto`` resumes
 when there is one and starts fresh otherwise.
@@ -58,20 +58,20 @@ from tqdm import tqdm
 
 from tunesmith.config import ConfigError, check_keys, instantiate
 from tunesmith.modules.dtypes import AUTOCAST
+from tunesmith.training.checkpoint.run_lock import hold_run_lock
 from tunesmith.training.datasets import inherit_val_dataset
-from tunesmith.training.distributed import (
+from tunesmith.training.logging.loggers import MetricLogger, MetricWindow, MultiLogger, NullLogger
+from tunesmith.training.memory.planner import MemoryPlan
+from tunesmith.training.memory.preflight import PreflightReport, longest_batch, preflight
+from tunesmith.training.memory.usage import peak_memory_gb
+from tunesmith.training.parallel.distributed import (
     DistributedContext,
     all_reduce_sum,
     close_distributed,
     init_distributed,
     peer_failure,
 )
-from tunesmith.training.memory import peak_memory_gb
-from tunesmith.training.memory_planner import MemoryPlan
-from tunesmith.training.metric_logging import MetricLogger, MetricWindow, MultiLogger, NullLogger
-from tunesmith.training.preflight import PreflightReport, longest_batch, preflight
 from tunesmith.training.rules import Rule, check_rules
-from tunesmith.training.run_lock import hold_run_lock
 from tunesmith.training.sample_prompts import SamplePrompts
 from tunesmith.training.settings import LOOP_KEYS, LOOP_RULES, LoopSettings, value_of
 from tunesmith.training.sources import BatchSource, DatasetSource, dropped_per_epoch, make_loader

@@ -76,7 +76,7 @@ _ABSENT = object()
 class RunRecord:
     """What a checkpoint remembers of its run (plain data: ``torch.load(weights_only=True)``
     reads it back): the rendered config, the schedule length, the number of training samples.
-    A ``Stateful`` for :class:`~tunesmith.training.checkpointer.Checkpointer.save`.
+    A ``Stateful`` for :class:`~tunesmith.training.checkpoint.checkpointer.Checkpointer.save`.
 
     >>> RunRecord({"seed": 0}, total_steps=8, samples=32).state_dict()["total_steps"]
     8
@@ -114,7 +114,7 @@ def read_record(checkpoint: Path, rank: int) -> RunRecord | None | bool:
     >>> record.total_steps, record.step
     (8, 4)
     """
-    from tunesmith.training import safe_dcp
+    from tunesmith.training.checkpoint import safe_dcp
 
     file = checkpoint / "training_state" / f"rank{rank}.pt"
     if not file.is_file():  # saved by fewer ranks (a resume on another mesh)

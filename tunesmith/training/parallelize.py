@@ -2,19 +2,19 @@
 one fixed order.
 
 1. **tensor / sequence parallel** over the mesh's ``tp`` dimension
-   (:func:`~tunesmith.training.tensor_parallel.apply_tensor_parallel`; the model's head counts
-   are checked against the sizes first: :func:`check_model_fits`), frozen models too, so a
+   (:func:`~tunesmith.training.parallel.tensor_parallel.apply_tensor_parallel`; the model's head
+   counts are checked against the sizes first: :func:`check_model_fits`), frozen models too, so a
    reference or teacher is laid out like the policy;
 1b. **expert parallel** over ``ctx.expert_mesh`` (``ep`` > 1): each MoE layer's experts split
    over the ``ep`` ranks, tokens dispatched by all-to-all
-   (:func:`~tunesmith.training.expert_parallel.apply_expert_parallel`), frozen models too;
+   (:func:`~tunesmith.training.parallel.expert_parallel.apply_expert_parallel`), frozen models too;
    FSDP2 then shards only the other parameters;
 1c. **context parallel** (``cp`` > 1): each decoder gets the ring's group
-   (:func:`~tunesmith.training.context_parallel.install_context_parallel`; the Trainer splits
-   the rows), frozen models too;
+   (:func:`~tunesmith.training.parallel.context_parallel.install_context_parallel`; the Trainer
+   splits the rows), frozen models too;
 2. **activation checkpointing** (``cfg.activation_checkpointing``), trained models only;
 3. **compile** of each decoder layer (``cfg.compile``), trained models only;
-4. **FSDP2** over ``ctx.fsdp_mesh`` (:func:`~tunesmith.training.distributed.shard_model`):
+4. **FSDP2** over ``ctx.fsdp_mesh`` (:func:`~tunesmith.training.parallel.distributed.shard_model`):
    HSDP on the 2-D ``(dp_replicate, dp_shard)`` mesh, plain FSDP2 on ``dp_shard``; a frozen
    model (DPO reference, KD teacher) may keep its shards in CPU memory (``cpu_offload``).
 
@@ -36,12 +36,12 @@ from typing import Any
 from torch import nn
 
 from tunesmith.config import ConfigError, ConfigIssue
-from tunesmith.training.activations import apply_activation_checkpointing
-from tunesmith.training.compile import compile_model, compile_options
-from tunesmith.training.context_parallel import install_context_parallel
-from tunesmith.training.distributed import DistributedContext, ParallelDims, shard_model
-from tunesmith.training.expert_parallel import apply_expert_parallel
-from tunesmith.training.tensor_parallel import apply_tensor_parallel
+from tunesmith.training.memory.activations import apply_activation_checkpointing
+from tunesmith.training.memory.compile import compile_model, compile_options
+from tunesmith.training.parallel.context_parallel import install_context_parallel
+from tunesmith.training.parallel.distributed import DistributedContext, ParallelDims, shard_model
+from tunesmith.training.parallel.expert_parallel import apply_expert_parallel
+from tunesmith.training.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["check_model_fits", "parallelize"]
 
@@ -82,7 +82,7 @@ def check_model_fits(spec: Any, dims: ParallelDims) -> None:
     ``ep``; call it on the spec before loading weights. A model without a spec passes.
 
     >>> from tunesmith.models import qwen3
-    >>> from tunesmith.training.distributed import ParallelDims
+    >>> from tunesmith.training.parallel.distributed import ParallelDims
     >>> check_model_fits(qwen3.spec("qwen3_0_6b"), ParallelDims(tp=2))  # fits
     >>> check_model_fits(qwen3.spec("qwen3_0_6b"), ParallelDims(tp=3))
     Traceback (most recent call last):

@@ -43,7 +43,7 @@ from torch import nn
 
 from tunesmith.config import instantiate
 from tunesmith.generation import generate
-from tunesmith.training.metric_logging import (
+from tunesmith.training.logging.loggers import (
     JSONLLogger,
     MultiLogger,
     StdoutLogger,

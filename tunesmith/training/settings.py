@@ -133,7 +133,8 @@ _PARALLEL_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "ep")
 
 def _parallelism_problem(value: Any) -> str | None:
     """What is wrong inside a ``parallelism`` mapping (its sizes against the world are
-    checked when the process group starts: :class:`~tunesmith.training.distributed.ParallelDims`)."""
+    checked when the process group starts:
+    :class:`~tunesmith.training.parallel.distributed.ParallelDims`)."""
     if value is None:
         return None
     for key in value.keys():  # noqa: SIM118 (a DictConfig or a dict)

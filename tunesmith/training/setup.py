@@ -45,13 +45,13 @@ from tunesmith.data import packed_or_padded
 from tunesmith.modules.decoder import DecoderModel
 from tunesmith.modules.losses import LinearCrossEntropyLoss
 from tunesmith.modules.peft import adapter_modules, disable_adapters
-from tunesmith.training.compile import compile_loss, compile_options
 from tunesmith.training.datasets import build_datasets
-from tunesmith.training.distributed import DistributedContext
-from tunesmith.training.memory_planner import MemoryPlan, estimate_memory, optimizer_kind
+from tunesmith.training.memory.compile import compile_loss, compile_options
+from tunesmith.training.memory.planner import MemoryPlan, estimate_memory, optimizer_kind
+from tunesmith.training.memory.preflight import longest_batch
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.parallelize import parallelize
 from tunesmith.training.precision import cast_weights, check_precision
-from tunesmith.training.preflight import longest_batch
 from tunesmith.training.settings import MODEL_KEYS, value_of  # the model steps' keys
 
 __all__ = [
@@ -298,7 +298,7 @@ def reference_policy(
 
 def compiled_loss(cfg: Mapping[str, Any], loss_fn: nn.Module) -> nn.Module:
     """``loss_fn``, compiled in place when ``cfg.compile`` asks for the loss (see
-    :func:`~tunesmith.training.compile.compile_options`).
+    :func:`~tunesmith.training.memory.compile.compile_options`).
 
     >>> from tunesmith.modules.losses import CrossEntropyLoss
     >>> loss_fn = CrossEntropyLoss()

@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.settings import LoopSettings
 
 __all__ = ["BatchSource", "DatasetSource", "dropped_per_epoch", "make_loader"]

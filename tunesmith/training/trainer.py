@@ -41,13 +41,13 @@ from torch.profiler import record_function
 
 from tunesmith.config import instantiate, plain_config
 from tunesmith.modules.dtypes import AUTOCAST
-from tunesmith.training.activations import activation_offloading
-from tunesmith.training.checkpointer import Checkpointer
-from tunesmith.training.context_parallel import check_objective, shard_batch
-from tunesmith.training.distributed import DistributedContext, all_reduce_sum, full_tensor
+from tunesmith.training.checkpoint.checkpointer import Checkpointer
 from tunesmith.training.loop_config import RECORD_KEY, RunRecord, check_resume, read_record
 from tunesmith.training.lr_schedules import schedule_params, set_schedule_params
-from tunesmith.training.optim_in_backward import OptimizerInBackward, check_compatible
+from tunesmith.training.memory.activations import activation_offloading
+from tunesmith.training.memory.optim_in_backward import OptimizerInBackward, check_compatible
+from tunesmith.training.parallel.context_parallel import check_objective, shard_batch
+from tunesmith.training.parallel.distributed import DistributedContext, all_reduce_sum, full_tensor
 from tunesmith.training.precision import build_optimizer
 from tunesmith.training.settings import RESUMABLE_KEYS, LoopSettings
 from tunesmith.training.sources import BatchSource

@@ -11,12 +11,12 @@ neighbours are adjacent ranks). ``dp_shard`` is always a dimension (of size 1 on
 ``dp_replicate``, ``cp`` and ``tp`` only when larger than 1, so the default mesh is 1-D over
 every rank (the mesh FSDP2 has always used). ``ep`` is no factor of the world: it splits each
 ``dp_shard`` group into groups of ``ep`` neighbouring ``dp_shard`` ranks (one ``tp`` coordinate)
-that share their experts (``ctx.expert_mesh``, :mod:`~tunesmith.training.expert_parallel`).
+that share their experts (``ctx.expert_mesh``, :mod:`~tunesmith.training.parallel.expert_parallel`).
 ``tp`` > 1 shards each layer over the ``tp`` ranks
-(:mod:`~tunesmith.training.tensor_parallel`; ``sequence_parallel``, on by default, also shards
-the residual stream on the sequence). ``cp`` > 1 splits every row over the ``cp`` ranks
-(:mod:`~tunesmith.training.context_parallel`: zigzag halves, ring attention); FSDP2 then shards
-over ``dp_shard x cp`` flattened (``ctx.fsdp_mesh``).
+(:mod:`~tunesmith.training.parallel.tensor_parallel`; ``sequence_parallel``, on by default, also
+shards the residual stream on the sequence). ``cp`` > 1 splits every row over the ``cp`` ranks
+(:mod:`~tunesmith.training.parallel.context_parallel`: zigzag halves, ring attention); FSDP2 then
+shards over ``dp_shard x cp`` flattened (``ctx.fsdp_mesh``).
 
 **Data-parallel conventions** (every count, sampler and reduction asks the context, never
 assumes world = data parallel):

@@ -15,7 +15,7 @@ the trainer's and the reference's log-probs) whose last stage, per collection, a
   batch, every data-parallel rank's (``whiten_advantages``); the returns are not.
 
 :class:`PPOTrainer` is the policy's :class:`~tunesmith.training.trainer.Trainer` driving a
-second one for the critic (:class:`~tunesmith.rl.critic.ValueObjective`): every step updates
+second one for the critic (:class:`~tunesmith.rl.ppo.critic.ValueObjective`): every step updates
 both on the same micro-batches, except the first ``warmup_steps``, which update only the
 critic; :meth:`~PPOTrainer.save` writes the critic's checkpoint, then the policy's, at the
 same step, and resuming loads both (refused when the two disagree on the step).
@@ -44,11 +44,11 @@ from torch import nn
 
 from tunesmith.models.safetensors_io import CheckpointError
 from tunesmith.rl.advantages import gae, whiten
-from tunesmith.rl.critic import critic_checkpoint, critic_values
+from tunesmith.rl.ppo.critic import critic_checkpoint, critic_values
 from tunesmith.rl.rewards import RewardSet
 from tunesmith.rl.rollout import completion_mask
 from tunesmith.rl.source import RolloutSource
-from tunesmith.training.distributed import DistributedContext, all_reduce_sum
+from tunesmith.training.parallel.distributed import DistributedContext, all_reduce_sum
 from tunesmith.training.settings import LoopSettings
 from tunesmith.training.trainer import Objective, Trainer
 
@@ -102,7 +102,7 @@ def whiten_across_ranks(
 
     Example::
 
-        >>> from tunesmith.rl.workers import local_context
+        >>> from tunesmith.rl.asynchronous.workers import local_context
         >>> ctx = local_context()  # one process: as whiten() on the batch
         >>> whiten_across_ranks(torch.tensor([[1.0, 3.0]]), torch.ones(1, 2), ctx)
         tensor([[-0.7071,  0.7071]])
@@ -217,8 +217,8 @@ class PPORolloutSource(RolloutSource):
 
 class PPOTrainer(Trainer):
     """The policy's :class:`~tunesmith.training.trainer.Trainer` that also trains ``critic``
-    (a Trainer of the critic on :class:`~tunesmith.rl.critic.ValueObjective`, with its own
-    optimizer, schedule and ``output_dir``; see :func:`~tunesmith.rl.critic.critic_config`).
+    (a Trainer of the critic on :class:`~tunesmith.rl.ppo.critic.ValueObjective`, with its own
+    optimizer, schedule and ``output_dir``; see :func:`~tunesmith.rl.ppo.critic.critic_config`).
 
     * :meth:`step`: the critic's step, then the policy's, on the same micro-batches; the critic's
       metrics join the policy's as ``critic/<name>``. The first ``warmup_steps`` steps update

@@ -9,7 +9,7 @@ model on a 2-D expert mesh ``("expert_dp", "ep")`` (``DistributedContext.expert_
   ``ep`` group keeps experts ``j * E/ep ... (j + 1) * E/ep - 1``; the ``expert_dp`` ranks hold
   the same experts. Names and global shapes are unchanged, so checkpoints gather them as
   any DTensor. FSDP2 leaves them alone (they carry ``expert_parallel = True``,
-  :func:`~tunesmith.training.distributed.shard_model` passes them as ``ignored_params``).
+  :func:`~tunesmith.training.parallel.distributed.shard_model` passes them as ``ignored_params``).
 - **Forward.** The router stays replicated: each rank routes its own tokens (so the
   load-balancing loss is the one without EP) and sorts their copies by expert, as ``MoE``
   does. The experts module then exchanges its per-expert counts with the ``ep`` ranks, sends

@@ -69,10 +69,14 @@ from omegaconf import DictConfig, OmegaConf
 from tunesmith.config.errors import type_name
 from tunesmith.config.secrets import SECRET_NAMES_ENV, RedactingStream, redact, secret_names
 from tunesmith.models.atomic import UnsafePathError, open_no_follow, real_folder
-from tunesmith.rl.pipeline import actor_cause, init_ray, require_ray, runtime_env
-from tunesmith.training.console import Tee
-from tunesmith.training.distributed import DistributedContext, ParallelDims, PeerFailureError
+from tunesmith.rl.asynchronous.pipeline import actor_cause, init_ray, require_ray, runtime_env
+from tunesmith.training.logging.console import Tee
 from tunesmith.training.loop import resolve_resume, run_main
+from tunesmith.training.parallel.distributed import (
+    DistributedContext,
+    ParallelDims,
+    PeerFailureError,
+)
 from tunesmith.training.rules import Rule, choice, integer, number
 
 __all__ = [

@@ -1,5 +1,5 @@
 """The rollout pipeline of asynchronous GRPO: rank 0 of the trainer drives rollout and reward
-workers (Ray actors, :mod:`tunesmith.rl.workers`) and keeps the replay buffer.
+workers (Ray actors, :mod:`tunesmith.rl.asynchronous.workers`) and keeps the replay buffer.
 
 Batch ``k`` (a step of the prompt stream, drawn in its own collection round) is first
 trained on at policy version ``k * updates_per_batch`` (versions count optimizer updates). Its
@@ -15,12 +15,12 @@ prompts may be sent to a rollout worker once the workers have been sent a policy
 A worker is sent its prompts in chunks (one per rollout worker per batch) and each result goes
 on to a reward worker; both run in order on their actor, so weights sent after a chunk reach
 the worker before the next one: a group's ``version`` is the policy that really sampled it.
-Groups wait in the :class:`~tunesmith.rl.replay.ReplayBuffer` (at most ``capacity`` groups
-sampled or in flight: backpressure) until their batch is due. Weights go through Ray's object
+Groups wait in the :class:`~tunesmith.rl.asynchronous.replay.ReplayBuffer` (at most ``capacity``
+groups sampled or in flight: backpressure) until their batch is due. Weights go through Ray's object
 store or a broadcast from trainer rank 0 (``rollout.weight_sync``,
-:mod:`tunesmith.rl.weight_sync`). A worker that dies is restarted by Ray and sent the current
-weights (a broadcast first re-forms its group with every rollout worker); its chunks are sent
-again (same keys: same completions for the same policy), so no prompt is lost or trained
+:mod:`tunesmith.rl.asynchronous.weight_sync`). A worker that dies is restarted by Ray and sent the
+current weights (a broadcast first re-forms its group with every rollout worker); its chunks are
+sent again (same keys: same completions for the same policy), so no prompt is lost or trained
 twice, and a run in ``sync`` mode ends with the weights it would have had without the failure.
 :meth:`RolloutPipeline.state_dict` first waits for the chunks in flight (drain), so a resumed
 run continues with exactly the groups it would have used.
@@ -70,17 +70,17 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from tunesmith.config import ALLOW_ANY_COMPONENT_ENV, ConfigError, any_component_allowed
 from tunesmith.config.nodes import read_child
-from tunesmith.rl.groups import Group
-from tunesmith.rl.prompts import Prompt, PromptStream
-from tunesmith.rl.replay import ReplayBuffer
-from tunesmith.rl.weight_sync import (
+from tunesmith.rl.asynchronous.replay import ReplayBuffer
+from tunesmith.rl.asynchronous.weight_sync import (
     DEFAULT_TIMEOUT_S,
     SYNC_MODES,
     CollectiveSync,
     ObjectStoreSync,
     collective_backend,
 )
-from tunesmith.rl.workers import RewardWorker, RolloutWorker, WorkerSettings
+from tunesmith.rl.asynchronous.workers import RewardWorker, RolloutWorker, WorkerSettings
+from tunesmith.rl.groups import Group
+from tunesmith.rl.prompts import Prompt, PromptStream
 
 __all__ = [
     "ALLOW_RUNTIME_ENV_ENV", "CONNECT_TIMEOUT_S", "MODES", "RAY_KEYS", "RolloutPipeline",
@@ -155,7 +155,9 @@ def _code_dir() -> str:
     >>> Path(_code_dir(), "tunesmith", "__init__.py").is_file()
     True
     """
-    return str(Path(__file__).resolve().parents[2])  # tunesmith/rl/pipeline.py -> its root
+    return str(
+        Path(__file__).resolve().parents[2]
+    )  # tunesmith/rl/asynchronous/pipeline.py -> its root
 
 
 @contextlib.contextmanager
@@ -620,7 +622,8 @@ class RolloutPipeline:
     def publish(self, named: Mapping[str, torch.Tensor], version: int) -> None:
         """Send the policy of ``version`` (its trainable tensors by name) to every rollout
         worker, through Ray's object store or a broadcast (``rollout.weight_sync``,
-        :mod:`tunesmith.rl.weight_sync`); each takes it after the chunks it was sent before."""
+        :mod:`tunesmith.rl.asynchronous.weight_sync`); each takes it after the chunks it was sent
+        before."""
         self.published = int(version)
         self._weight_sync().publish(self.rollout_workers, named, self.published)
 

@@ -40,8 +40,8 @@ by it (containers often give a restarted job the same pid). A directory of a liv
 alone. An ``.old-step_N`` is moved back to ``step_N`` if ``step_N`` is missing (the crash happened
 between the two renames of an overwrite). Because liveness is checked on this host only, exactly
 one process (rank 0) should own a checkpoint root at a time (a training run holds
-:class:`tunesmith.training.run_lock.RunLock` on its output dir); other ranks can write into the
-temp directory it hands out (see :meth:`~CheckpointDirectory.begin`).
+:class:`tunesmith.training.checkpoint.run_lock.RunLock` on its output dir); other ranks can write
+into the temp directory it hands out (see :meth:`~CheckpointDirectory.begin`).
 
 Example::
 
@@ -325,7 +325,8 @@ class CheckpointDirectory:
 
     # ----------------------------------------------------------------------------- writing
     def begin(self, step: int) -> Path:
-        """Create and return an empty temp dir for ``step``; finish with :meth:`commit`/:meth:`abort`.
+        """Create and return an empty temp dir for ``step``; finish with
+        :meth:`commit`/:meth:`abort`.
 
         For writers spread over several processes (rank 0 calls ``begin``, broadcasts the path,
         every rank writes its files, barrier, rank 0 calls ``commit``). :meth:`write` is the

@@ -4,7 +4,7 @@
 parameter shapes of the model and the sizes in its ``spec`` (hidden ``H``, intermediate
 ``I``, heads ``nh``, key/value heads ``nkv``, head width ``hd``, vocab ``V``, layers ``L``),
 for ``T = batch_size * seq_len`` tokens (one data-parallel rank's micro-batch). The parallel
-layout (``parallel``, a :class:`~tunesmith.training.distributed.ParallelDims`) has ``tp``
+layout (``parallel``, a :class:`~tunesmith.training.parallel.distributed.ParallelDims`) has ``tp``
 tensor-parallel ranks (``sp``: sequence parallel on), ``d = dp_shard`` ranks FSDP2 shards over
 and ``dp_replicate`` copies; one device is ``tp = d = 1``. The numbers are those of the
 heaviest rank (rank 0: uneven shards are rounded up):
@@ -81,12 +81,12 @@ FSDP2 (nor gathered), and so do their gradients and optimizer states; each MoE l
 all-to-all buffers, ``2 * top_k * a * H`` per token (the rows received by this rank's experts
 and the rows sent back; routing taken as balanced, so the experts see ``top_k`` rows per local
 token as without EP). Both checked against measured per-rank peaks (cp 2 on a dense model,
-ep 2 on a Qwen3-MoE, within 6%): ``benchmarks/results/parallel_memory_cp_ep.md``. Not modelled: the very end of backward, where the embedding's gradient is built while every
-other gradient exists (from a buffer of the whole vocabulary, even under TP; with a tied
-head, plus its sum with the head's gradient), which sets the peak only when the activations
-are small next to the embedding (one short sequence through one or two layers), not at the
-shapes ``benchmarks/parallel_memory.py`` checks the model on (its measured per-rank peaks:
-``benchmarks/results/parallel_memory.md``).
+ep 2 on a Qwen3-MoE, within 6%): ``benchmarks/results/parallel_memory_cp_ep.md``. Not modelled: the
+very end of backward, where the embedding's gradient is built while every other gradient exists
+(from a buffer of the whole vocabulary, even under TP; with a tied head, plus its sum with the
+head's gradient), which sets the peak only when the activations are small next to the embedding (one
+short sequence through one or two layers), not at the shapes ``benchmarks/parallel_memory.py``
+checks the model on (its measured per-rank peaks: ``benchmarks/results/parallel_memory.md``).
 
 Example::
 
@@ -126,8 +126,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tunesmith.modules.dtypes import AUTOCAST
 from tunesmith.modules.losses import LinearCrossEntropyLoss
-from tunesmith.training.distributed import ParallelDims
-from tunesmith.training.memory import storage_bytes
+from tunesmith.training.memory.usage import storage_bytes
+from tunesmith.training.parallel.distributed import ParallelDims
 
 __all__ = [
     "OPTIMIZER_KINDS",
@@ -152,10 +152,10 @@ OPTIMIZER_KINDS = tuple(_STATE_BYTES)
 
 Checkpointing = Literal["full", "selective"] | None
 
-# The tensor-parallel plan by parameter name (tunesmith.training.tensor_parallel): column-wise
-# projections and the vocabulary-sharded embedding and head split dim 0, row-wise ones dim 1;
-# an adapter follows its base layer (tunesmith.training.tp_adapters: LoRA's B and DoRA's
-# magnitude column-wise, A row-wise); the rest is replicated.
+# The tensor-parallel plan by parameter name (tunesmith.training.parallel.tensor_parallel):
+# column-wise projections and the vocabulary-sharded embedding and head split dim 0, row-wise ones
+# dim 1; an adapter follows its base layer (tunesmith.training.parallel.tp_adapters: LoRA's B and
+# DoRA's magnitude column-wise, A row-wise); the rest is replicated.
 _TP_DIM0 = re.compile(
     r"(?:^|\.)(?:self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)"
     r"\.(?:weight|bias|lora_B\.weight|lora_magnitude_vector)$"
@@ -296,7 +296,7 @@ def optimizer_kind(component: str, options: Mapping[str, Any] | None = None) -> 
 
 def tp_shard_dim(name: str) -> int | None:
     """The dimension tensor parallel splits the parameter called ``name`` on (HF names, as
-    :mod:`~tunesmith.training.tensor_parallel` does), or None for a replicated one (norms,
+    :mod:`~tunesmith.training.parallel.tensor_parallel` does), or None for a replicated one (norms,
     MoE router and stacked experts, heads other than ``lm_head``).
 
     Example::

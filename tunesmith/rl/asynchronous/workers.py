@@ -5,7 +5,7 @@
   that samples groups for the prompts it is sent, tagged with its policy version, and takes new
   weights by Hugging Face name, from Ray's object store (``load_weights``) or from a broadcast
   of trainer rank 0 (``join_weight_sync`` then ``receive_weights``,
-  :mod:`tunesmith.rl.weight_sync`);
+  :mod:`tunesmith.rl.asynchronous.weight_sync`);
 * :class:`RewardWorker`: scores groups (the config's ``rewards``) and, with a KL term, adds the
   reference policy's log-probs of the sampled tokens.
 
@@ -13,7 +13,7 @@ Both are plain classes built from :class:`WorkerSettings`: what they read of the
 built once by the driver (:func:`tunesmith.rl.setup.worker_settings`), with the few config
 sections their builders read (tokenizer, model, precision, rewards, reference model), not the
 whole config. Neither imports Ray: the pipeline that drives them makes a Ray actor of each
-(:class:`~tunesmith.rl.pipeline.RolloutPipeline`).
+(:class:`~tunesmith.rl.asynchronous.pipeline.RolloutPipeline`).
 
 Example::
 
@@ -38,13 +38,13 @@ from tunesmith.generation.config import GenerationConfig
 from tunesmith.generation.engine import LocalEngine, generate_with
 from tunesmith.modules.dtypes import AUTOCAST
 from tunesmith.modules.peft.apply import adapter_modules, merge_adapters
+from tunesmith.rl.asynchronous.weight_sync import TensorSpec, WeightReceiver
 from tunesmith.rl.groups import Group, sample_groups, score_groups
 from tunesmith.rl.prompts import Prompt
 from tunesmith.rl.rollout import completion_logprobs, rollout_batch
 from tunesmith.rl.source import stop_token_ids
-from tunesmith.rl.weight_sync import TensorSpec, WeightReceiver
 from tunesmith.training import setup
-from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.parallel.distributed import DistributedContext
 
 BUILD_SECTIONS = ("model_dir", "tokenizer", "model", "precision", "mixed_precision",
                   "attention_backend", "rewards", "reference_model", "reference_offload")  # fmt: skip

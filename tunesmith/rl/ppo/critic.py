@@ -37,8 +37,8 @@ from tunesmith.models.reward import RewardModel
 from tunesmith.modules.losses.rl import ValueLoss, aggregate
 from tunesmith.modules.peft import adapter_modules
 from tunesmith.rl.rollout import completion_mask
-from tunesmith.training.distributed import DistributedContext
 from tunesmith.training.forward import forward_batch, router_aux_loss
+from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.setup import apply_attention_backend, check_vocab
 from tunesmith.training.trainer import LossOutput
 

@@ -1,7 +1,7 @@
 """The tensor-parallel styles of the residual stream, shared by the plan
-(:mod:`~tunesmith.training.tensor_parallel`) and the LoRA/DoRA styles built on them
-(:mod:`~tunesmith.training.tp_adapters`): the stream's layout (:class:`Stream`: sharded on the
-sequence under SP, else replicated), its norms, the gathered blocks and the row-wise layers that
+(:mod:`~tunesmith.training.parallel.tensor_parallel`) and the LoRA/DoRA styles built on them
+(:mod:`~tunesmith.training.parallel.tp_adapters`): the stream's layout (:class:`Stream`: sharded on
+the sequence under SP, else replicated), its norms, the gathered blocks and the row-wise layers that
 reduce into it.
 
 Example::

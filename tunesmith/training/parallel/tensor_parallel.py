@@ -21,10 +21,10 @@ The plan is written against Hugging Face parameter names, so it serves every fam
   a KV cache (generation: one new token per step) run with a replicated stream. Without SP
   the stream is replicated and the row-wise outputs are all-reduced;
 * LoRA/DoRA layers (``apply_lora`` runs before this) keep their adapters sharded like their
-  base layer (:mod:`~tunesmith.training.tp_adapters`); NF4 (QLoRA) bases are refused;
+  base layer (:mod:`~tunesmith.training.parallel.tp_adapters`); NF4 (QLoRA) bases are refused;
 * MoE layers keep their router and experts replicated over ``tp`` (every rank routes every
   token); ``ep`` splits the experts over data-parallel ranks instead
-  (:mod:`~tunesmith.training.expert_parallel`);
+  (:mod:`~tunesmith.training.parallel.expert_parallel`);
 * the body's output (after the final norm) is a plain tensor, the same on every ``tp`` rank,
   so any head (``lm_head``, a reward ``score``, a critic's value head) and any loss sees the
   full hidden states.
@@ -51,15 +51,21 @@ from tunesmith.modules.attention import Attention
 from tunesmith.modules.moe import MoE
 from tunesmith.modules.peft.lora import LoRALinear
 from tunesmith.modules.peft.nf4 import is_nf4
-from tunesmith.training.tp_adapters import AdapterColwise, AdapterRowwiseToStream
-from tunesmith.training.tp_styles import Gathered, HeadNorm, RowwiseToStream, Stream, StreamNorm
+from tunesmith.training.parallel.tp_adapters import AdapterColwise, AdapterRowwiseToStream
+from tunesmith.training.parallel.tp_styles import (
+    Gathered,
+    HeadNorm,
+    RowwiseToStream,
+    Stream,
+    StreamNorm,
+)
 
 __all__ = ["apply_tensor_parallel", "check_tp_shardable"]
 
 
 def _colwise(linear: nn.Module, **kwargs: Any) -> ParallelStyle:
     """``ColwiseParallel(**kwargs)``, for a LoRA/DoRA layer its adapter form (the adapters
-    follow the base's sharding: :mod:`~tunesmith.training.tp_adapters`)."""
+    follow the base's sharding: :mod:`~tunesmith.training.parallel.tp_adapters`)."""
     return AdapterColwise(**kwargs) if isinstance(linear, LoRALinear) else ColwiseParallel(**kwargs)
 
 

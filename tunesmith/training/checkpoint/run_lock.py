@@ -26,7 +26,8 @@ Example::
     PosixPath('runs/exp1/.tunesmith.lock')
     >>> RunLock.acquire(Path("runs/exp1"))  # a second run while the first holds it
     Traceback (most recent call last):
-    tunesmith.training.run_lock.OutputDirInUseError: runs/exp1 is in use by another run (pid ...
+    tunesmith.training.checkpoint.run_lock.OutputDirInUseError: runs/exp1 is in use by another run
+    (pid ...
     >>> lock.release()
     >>> lock.path.exists()
     False
@@ -48,8 +49,8 @@ from typing import Any
 import torch.distributed as dist
 
 from tunesmith.models.atomic import UnsafePathError, open_fd_no_follow
-from tunesmith.training.checkpoint_dir import pid_alive
-from tunesmith.training.distributed import DistributedContext
+from tunesmith.training.checkpoint.directory import pid_alive
+from tunesmith.training.parallel.distributed import DistributedContext
 
 __all__ = ["LOCK_NAME", "OutputDirInUseError", "RunLock", "hold_run_lock"]
 

@@ -14,7 +14,7 @@ Example::
     >>> from tunesmith.data import PackedDataset, collate_packed
     >>> from tunesmith.models import llama3
     >>> from tunesmith.modules.losses import CrossEntropyLoss
-    >>> from tunesmith.training.memory_planner import estimate_memory
+    >>> from tunesmith.training.memory.planner import estimate_memory
     >>> model, loss_fn = llama3.llama3_tiny(), CrossEntropyLoss()
     >>> dataset = PackedDataset([{"input_ids": [1, 2, 3], "labels": [2, 3, -100]}] * 5, 8, 0)
     >>> batch = longest_batch(dataset, batch_size=2, collate=collate_packed)
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tunesmith.training.memory import PeakMemory, storage_bytes
-from tunesmith.training.memory_planner import MemoryPlan
+from tunesmith.training.memory.planner import MemoryPlan
+from tunesmith.training.memory.usage import PeakMemory, storage_bytes
 
 __all__ = ["PreflightReport", "longest_batch", "preflight"]
 

@@ -50,13 +50,13 @@ from tunesmith.models.peft_io import load_peft_adapter, write_peft_adapter
 from tunesmith.models.safetensors_io import CheckpointError, find_weight_files
 from tunesmith.modules.moe import split_expert_keys, stack_expert_keys, stacked_state
 from tunesmith.modules.peft import adapter_modules, adapter_state_dict
-from tunesmith.training import safe_dcp
-from tunesmith.training.checkpoint_dir import (
+from tunesmith.training.checkpoint import safe_dcp
+from tunesmith.training.checkpoint.directory import (
     CheckpointDirectory,
     CheckpointWriteError,
     aside_folder,
 )
-from tunesmith.training.distributed import DistributedContext, full_tensor
+from tunesmith.training.parallel.distributed import DistributedContext, full_tensor
 
 __all__ = ["Checkpointer", "layout", "rng_state", "saved_layout", "set_rng_state"]
 

@@ -1,7 +1,7 @@
 """Tensor-parallel styles for LoRA/DoRA layers: each adapter follows its base layer's sharding.
 
-:func:`~tunesmith.training.tensor_parallel.apply_tensor_parallel` picks these styles for the
-layers :func:`~tunesmith.modules.peft.apply_lora` adapted (it runs before ``parallelize``), so
+:func:`~tunesmith.training.parallel.tensor_parallel.apply_tensor_parallel` picks these styles for
+the layers :func:`~tunesmith.modules.peft.apply_lora` adapted (it runs before ``parallelize``), so
 every number is the one-device number:
 
 * **column-wise** base (``q/k/v/gate/up_proj``, ``W`` ``Shard(0)``): ``lora_A`` replicated,
@@ -22,8 +22,9 @@ every number is the one-device number:
   ``tp`` does not divide is padded for the forward: its masks are then other (equally random)
   masks than one device would draw.
 
-QLoRA (an NF4 base) cannot be split: :func:`~tunesmith.training.tensor_parallel.check_tp_shardable`
-refuses it by name before any sharding.
+QLoRA (an NF4 base) cannot be split:
+:func:`~tunesmith.training.parallel.tensor_parallel.check_tp_shardable` refuses it by name before
+any sharding.
 
 Example::
 
@@ -50,7 +51,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from tunesmith.modules.peft.lora import LoRALinear
-from tunesmith.training.tp_styles import RowwiseToStream
+from tunesmith.training.parallel.tp_styles import RowwiseToStream
 
 __all__ = [
     "COLWISE_ADAPTER",
