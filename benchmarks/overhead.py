@@ -191,15 +191,18 @@ def build_models(method: str, shape: str, cfg: DictConfig):
 
 def objective_for(method: str, cfg: DictConfig, frozen):
     from tunesmith.config import instantiate
-    from tunesmith.recipes.dpo import PreferenceObjective, _pair_logps
-    from tunesmith.recipes.kd import Distillation
-    from tunesmith.training.objectives import TokenCrossEntropy
+    from tunesmith.training.objectives import (
+        Distillation,
+        PreferenceObjective,
+        TokenCrossEntropy,
+        pair_logps,
+    )
     from tunesmith.training.setup import FrozenPolicy
 
     loss_fn = instantiate(cfg.loss)
     if method == "dpo":
         chunk = int(cfg.get("logprob_chunk_size", 1024))
-        reference = partial(_pair_logps, FrozenPolicy(frozen), chunk_size=chunk)
+        reference = partial(pair_logps, FrozenPolicy(frozen), chunk_size=chunk)
         return PreferenceObjective(loss_fn, reference, chunk)
     if method == "kd":
         return Distillation(frozen, loss_fn, float(cfg.get("kd_ratio", 0.5)))
@@ -233,7 +236,7 @@ def samples(method: str, n: int, vocab: int, seed: int = 0) -> list[dict]:
 
 def collate_for(method: str) -> Callable:
     from tunesmith.data import collate_padded
-    from tunesmith.recipes.dpo import collate_with_reference
+    from tunesmith.training.objectives.preference import collate_with_reference
 
     return partial(collate_with_reference if method == "dpo" else collate_padded, pad_id=0)
 

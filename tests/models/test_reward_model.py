@@ -363,7 +363,7 @@ def test_an_moe_body_gives_its_router_logits_to_the_load_balancing_loss() -> Non
     from tunesmith.models import llama3, qwen3_moe
     from tunesmith.modules.losses import BradleyTerryLoss
     from tunesmith.modules.moe import load_balancing_loss
-    from tunesmith.recipes.reward_model import PairwiseRanking
+    from tunesmith.training.objectives import PairwiseRanking
 
     torch.manual_seed(0)
     spec = qwen3_moe.spec("qwen3_moe_tiny", pad_token_id=PAD)

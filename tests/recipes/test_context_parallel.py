@@ -142,10 +142,12 @@ def test_kd_cp2_equals_one_process(world, tmp_path):
 
 
 def test_whole_sequence_objectives_are_refused():
-    from tunesmith.recipes.reward_model import PairwiseRanking
+    from tunesmith.training.objectives import PairwiseRanking
 
     check_objective(object.__new__(TokenCrossEntropy), 2)  # token sums: fine
-    with pytest.raises(ConfigError, match=r"cp 2: the reward_model recipe \(PairwiseRanking\)"):
+    with pytest.raises(
+        ConfigError, match=r"cp 2: PairwiseRanking \(tunesmith.training.objectives.ranking\)"
+    ):
         check_objective(object.__new__(PairwiseRanking), 2)
     check_objective(object.__new__(PairwiseRanking), 1)  # no context parallel: nothing to refuse
 

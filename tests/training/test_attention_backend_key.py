@@ -16,9 +16,9 @@ from tests.recipes.sft_world import (
     run_sft_keeping_model,
 )
 from tunesmith.cli import catalog
-from tunesmith.cli.launch import load_recipe_module
 from tunesmith.cli.main import main
 from tunesmith.modules.decoder import DecoderModel
+from tunesmith.recipes import Recipe
 from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.rules import check_rules
 from tunesmith.training.settings import MODEL_RULES, RESUMABLE_KEYS
@@ -34,9 +34,9 @@ def _backends(model: torch.nn.Module) -> list[str]:
 
 @pytest.mark.parametrize("recipe", catalog.recipe_names())
 def test_every_recipe_reads_the_key_and_checks_it(recipe):
-    module = load_recipe_module(catalog.recipe_path(recipe))
-    assert "attention_backend" in module.KEYS and "attention_backend" in MODEL_KEYS
-    assert module.RULES["attention_backend"] is MODEL_RULES["attention_backend"]
+    declared = Recipe.load(catalog.recipe_path(recipe))
+    assert "attention_backend" in declared.keys and "attention_backend" in MODEL_KEYS
+    assert declared.rules["attention_backend"] is MODEL_RULES["attention_backend"]
     assert "attention_backend" in RESUMABLE_KEYS  # speed only: may change on resume
 
 

@@ -23,9 +23,9 @@ from tests.recipes.sft_world import (
     run_sft,
 )
 from tunesmith.cli import catalog
-from tunesmith.cli.launch import load_recipe_module
 from tunesmith.cli.main import main
 from tunesmith.config import ConfigError, load_config, plain_config
+from tunesmith.recipes import Recipe
 from tunesmith.training import JSONLLogger, StdoutLogger, cosine_with_warmup
 from tunesmith.training.loop import LOOP_KEYS, dropped_per_epoch, make_loader
 from tunesmith.training.loop_config import (
@@ -62,8 +62,8 @@ def test_every_loop_key_has_a_rule():
 @pytest.mark.parametrize(("recipe", "config"), SHIPPED)
 def test_shipped_configs_keep_their_rules(recipe, config):
     cfg = load_config(catalog.config_path(config, recipe))
-    module = load_recipe_module(catalog.recipe_path(recipe))
-    issues = [i for i in check_rules(cfg, module.RULES) if "value is missing" not in i.message]
+    declared = Recipe.load(catalog.recipe_path(recipe))
+    issues = [i for i in check_rules(cfg, declared.rules) if "value is missing" not in i.message]
     assert not issues, "\n".join(map(str, issues))
 
 
@@ -141,11 +141,11 @@ def test_cuda_is_refused_only_where_there_is_none(monkeypatch, available):
 
 
 def test_recipe_keys_have_rules_too():
-    sft, dpo, kd = (load_recipe_module(catalog.recipe_path(r)) for r in ("sft", "dpo", "kd"))
-    assert check_rules(OmegaConf.create({"packed": "no"}), {"packed": sft.RULES["packed"]})
+    sft, dpo, kd = (Recipe.load(catalog.recipe_path(r)).rules for r in ("sft", "dpo", "kd"))
+    assert check_rules(OmegaConf.create({"packed": "no"}), {"packed": sft["packed"]})
     assert check_rules(OmegaConf.create({"logprob_chunk_size": 0}),
-                       {"logprob_chunk_size": dpo.RULES["logprob_chunk_size"]})  # fmt: skip
-    [issue] = check_rules(OmegaConf.create({"kd_ratio": 1.5}), {"kd_ratio": kd.RULES["kd_ratio"]})
+                       {"logprob_chunk_size": dpo["logprob_chunk_size"]})  # fmt: skip
+    [issue] = check_rules(OmegaConf.create({"kd_ratio": 1.5}), {"kd_ratio": kd["kd_ratio"]})
     assert str(issue) == "kd_ratio: expected a number >= 0 and <= 1, got 1.5"
 
 

@@ -29,10 +29,10 @@ from tunesmith.cli.torchrun import RUN_LOG_ENV
 from tunesmith.config import load_config
 from tunesmith.config.secrets import redact
 from tunesmith.models.atomic import open_no_follow
-from tunesmith.recipes import load_recipe_module, run_recipe
+from tunesmith.recipes import run_recipe
 from tunesmith.training.logging.console import Tee
 
-__all__ = ["load_recipe_module", "run_recipe"]  # defined in tunesmith.recipes
+__all__ = ["run_recipe"]  # defined in tunesmith.recipes.catalog
 
 
 def _run(argv: list[str]) -> None:

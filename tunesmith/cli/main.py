@@ -137,9 +137,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     # a parallel layout that does not fit the world: one line now, not one per rank later
     ParallelDims.resolve(cfg.get("parallelism"), args.nproc_per_node * args.nnodes)
-    from tunesmith.recipes import load_recipe_module
+    from tunesmith.recipes import Recipe
 
-    check_launch = getattr(load_recipe_module(recipe_file), "check_launch", None)
+    check_launch = Recipe.load(recipe_file).check_launch
     if check_launch is not None:  # a recipe's own refusal, e.g. a trainer group of Ray actors
         check_launch(cfg, args.nproc_per_node * args.nnodes)
     return _run_torchrun(args, cfg, recipe_file, config_file)

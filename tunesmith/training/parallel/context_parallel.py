@@ -183,10 +183,11 @@ def cp_sum(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 
 
 def check_objective(objective: Any, cp_size: int) -> None:
-    """Refuse (:class:`~tunesmith.config.ConfigError` naming the recipe) an objective that
+    """Refuse (:class:`~tunesmith.config.ConfigError` naming the objective) an objective that
     cannot be split over ``cp_size`` > 1 ranks: one whose ``context_parallel`` attribute is
-    not ``"tokens"`` or ``"rows"`` (see the module docs; sequence-level losses whose pieces need the whole row: reward models' last-token
-    score, the RL recipes' per-sequence normalisation and generation).
+    not ``"tokens"`` or ``"rows"`` (see the module docs; sequence-level losses whose pieces
+    need the whole row: reward models' last-token score, the RL recipes' per-sequence
+    normalisation and generation).
 
     >>> class LastTokenScore:  # a loss of whole rows: it declares no context_parallel
     ...     pass
@@ -197,9 +198,7 @@ def check_objective(objective: Any, cp_size: int) -> None:
     """
     if cp_size == 1 or getattr(objective, "context_parallel", None) in ("tokens", "rows"):
         return
-    module, name = type(objective).__module__, type(objective).__name__
-    where = (f"the {module.rsplit('.', 1)[-1]} recipe ({name})"
-             if module.startswith("tunesmith.recipes.") else f"{name} ({module})")  # fmt: skip
+    where = f"{type(objective).__name__} ({type(objective).__module__})"
     raise ConfigError.from_issues([ConfigIssue(
         "parallelism",
         f"cp {cp_size}: {where} does not support context parallel (its loss needs whole "

@@ -1,6 +1,5 @@
-"""Objectives of the dataset recipes, beside the losses they sum: what one micro-batch's loss
-is, as a :class:`~tunesmith.training.trainer.Objective` (a *sum* over its ``unit``; the
-:class:`~tunesmith.training.trainer.Trainer` divides by the step's count).
+"""SFT's objective: the token cross-entropy summed over the trained tokens (and the MoE
+load-balancing loss for MoE models).
 
 Example::
 
