@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,17 +24,20 @@ from tunesmith.training.settings import value_of
 __all__ = ["build_datasets", "inherit_val_dataset"]
 
 
-def inherit_val_dataset(cfg: DictConfig) -> None:
-    """A ``val_dataset`` with no ``_component_`` (e.g. only ``val_dataset.source=held.jsonl``)
-    is the training ``dataset`` with those settings changed: same component, format, template
-    and limits, another file.
+def inherit_val_dataset(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with its ``val_dataset`` completed (``cfg`` itself is left as it is): one with
+    no ``_component_`` (e.g. only ``val_dataset.source=held.jsonl``) is the training
+    ``dataset`` with those settings changed: same component, format, template and limits,
+    another file.
 
     Example::
 
         >>> cfg = OmegaConf.create({"dataset": {"_component_": "D", "source": "a", "n": 1},
         ...                         "val_dataset": {"source": "b"}})
-        >>> inherit_val_dataset(cfg); OmegaConf.to_container(cfg.val_dataset)
+        >>> OmegaConf.to_container(inherit_val_dataset(cfg).val_dataset)
         {'_component_': 'D', 'source': 'b', 'n': 1}
+        >>> OmegaConf.to_container(cfg.val_dataset)  # unchanged
+        {'source': 'b'}
     """
     val, dataset = cfg.get("val_dataset"), cfg.get("dataset")
     if isinstance(val, DictConfig) and "_component_" not in val and isinstance(dataset, DictConfig):
@@ -43,7 +47,9 @@ def inherit_val_dataset(cfg: DictConfig) -> None:
                 f"{sorted(dataset.parts)}: give val_dataset its own _component_ (e.g. "
                 "tunesmith.data.SFTDataset) and settings",
             )])  # fmt: skip
+        cfg = copy.deepcopy(cfg)
         cfg.val_dataset = OmegaConf.merge(dataset, val)
+    return cfg
 
 
 def build_datasets(
@@ -53,7 +59,7 @@ def build_datasets(
     settings, e.g. a ``source``, inherits the rest from ``cfg.dataset``), or a seeded
     ``cfg.val_fraction`` of the training samples (both sizes logged), or None. Logs the data
     report and whether the tokenised rows came from the cache."""
-    inherit_val_dataset(cfg)
+    cfg = inherit_val_dataset(cfg)
     dataset = instantiate(cfg.dataset, tokenizer)
     _log_cache(dataset, log)
     log(f"dataset: {dataset.report.summary()}")

@@ -38,6 +38,7 @@ Without a config (see docs/library.md)::
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import re
@@ -106,12 +107,12 @@ def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictC
     against ``rules``: see :mod:`~tunesmith.training.loop_config`), start the process group,
     run ``train(cfg, ctx)``, and turn a dead or hung peer's collective error into one clear
     line."""
-    inherit_val_dataset(cfg)
+    cfg = inherit_val_dataset(cfg)
     issues = check_keys(cfg, list(keys))
     issues += [i for i in check_rules(cfg, rules) if i.path in keys]
     if issues:
         raise ConfigError.from_issues(issues)
-    resolve_resume(cfg)  # before anything is written
+    cfg = resolve_resume(cfg)  # before anything is written
     settings = LoopSettings.from_config(cfg)
     ctx = init_distributed(settings.device, settings.distributed_timeout_s,
                            settings.parallelism)  # fmt: skip
@@ -145,21 +146,23 @@ def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictC
 _STEP_DIR = re.compile(r"step_\d+")
 
 
-def resolve_resume(cfg: DictConfig) -> None:
-    """Check ``cfg.resume`` against ``cfg.output_dir`` before anything is written:
-    ``resume=<folder>`` must exist; ``resume=true`` needs a checkpoint (a ``step_*`` folder of
-    ``<output_dir>/checkpoints``) and otherwise stops with one line; ``resume=auto`` becomes
-    ``true`` when there is one and ``false`` when not (a fresh start).
+def resolve_resume(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with its ``resume`` checked against ``cfg.output_dir`` before anything is
+    written (``cfg`` itself is left as it is): ``resume=<folder>`` must exist; ``resume=true``
+    needs a checkpoint (a ``step_*`` folder of ``<output_dir>/checkpoints``) and otherwise
+    stops with one line; ``resume=auto`` becomes ``true`` when there is one and ``false`` when
+    not (a fresh start).
 
     Example::
 
         >>> from omegaconf import OmegaConf
         >>> cfg = OmegaConf.create({"output_dir": "runs/new", "resume": "auto"})
-        >>> resolve_resume(cfg); cfg.resume
-        False
+        >>> resolve_resume(cfg).resume, cfg.resume
+        (False, 'auto')
     """
     resume = value_of(cfg, "resume")
     if resume == "auto":
+        cfg = copy.deepcopy(cfg)
         cfg.resume = _has_checkpoint(cfg.get("output_dir"))
     elif isinstance(resume, str) and not Path(resume).is_dir():
         raise FileNotFoundError(f"resume={resume}: no such checkpoint folder")
@@ -169,6 +172,7 @@ def resolve_resume(cfg: DictConfig) -> None:
             "start fresh with resume=false, or pass resume=auto (resume when there is a "
             "checkpoint, else start fresh)"
         )
+    return cfg
 
 
 def _has_checkpoint(output_dir: str | None) -> bool:

@@ -185,7 +185,7 @@ def run_trainers(train: Train, cfg: DictConfig, keys: Sequence[str],
         return
     check_launch(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     ParallelDims.resolve(cfg.get("parallelism"), group.workers)  # a layout that does not fit
-    resolve_resume(cfg)  # once for every rank: resume=auto decided here
+    cfg = resolve_resume(cfg)  # once for every rank: resume=auto decided here
     _Driver(train, cfg, list(keys), dict(rules), group).run()
 
 
