@@ -38,9 +38,10 @@ def _doctest_sandbox(request):
 def _restore_environ(saved: dict[str, str]) -> list[str]:
     """Put ``os.environ`` back to ``saved``; return the names that differed."""
     changed = sorted(
-        k for k in saved.keys() | os.environ.keys()
+        k
+        for k in saved.keys() | os.environ.keys()
         if saved.get(k) != os.environ.get(k) and k not in NOT_STATE
-    )  # fmt: skip
+    )
     for key in changed:
         if key in saved:
             os.environ[key] = saved[key]

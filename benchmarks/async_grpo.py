@@ -240,8 +240,9 @@ class Run:
     def rewards(self) -> list[tuple[int, float, float]]:
         """``(update, seconds since the run's first update, sampled reward)``."""
         t0 = self.records[1]["elapsed_s"]
-        return [(s, self.records[s]["elapsed_s"] - t0, self.records[s]["reward"])
-                for s in self.steps]  # fmt: skip
+        return [
+            (s, self.records[s]["elapsed_s"] - t0, self.records[s]["reward"]) for s in self.steps
+        ]
 
     def policy_rewards(self) -> dict[int, float]:
         """Mean sampled reward by the policy version that sampled it (``rollouts.jsonl``; the
@@ -275,17 +276,27 @@ def read_records(out: Path) -> dict[int, dict[str, float]]:
     return records
 
 
-def run_mode(mode: str, seed: int, root: Path, model_dir: Path, prompts: Path,
-             args: argparse.Namespace) -> Run:  # fmt: skip
+def run_mode(
+    mode: str, seed: int, root: Path, model_dir: Path, prompts: Path, args: argparse.Namespace
+) -> Run:
     out = root / f"{mode}-seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
     overrides = grpo_overrides(
-        model_dir, prompts, out, f"seed={seed}", f"max_steps={args.steps}",
-        f"prompts_per_step={args.prompts_per_step}", "group_size=8", "batch_size=64",
-        f"generation.max_new_tokens={args.new_tokens}", f"optimizer.lr={args.lr}",
-        "log_every_n_steps=1", "log_samples_every=0", "save_every_minutes=null",
+        model_dir,
+        prompts,
+        out,
+        f"seed={seed}",
+        f"max_steps={args.steps}",
+        f"prompts_per_step={args.prompts_per_step}",
+        "group_size=8",
+        "batch_size=64",
+        f"generation.max_new_tokens={args.new_tokens}",
+        f"optimizer.lr={args.lr}",
+        "log_every_n_steps=1",
+        "log_samples_every=0",
+        "save_every_minutes=null",
         "~metric_loggers.0",  # the console logger: one line per update is noise here
-    )  # fmt: skip
+    )
     if mode != "grpo":
         overrides += [f"async_mode={mode}", "max_staleness=2"]
     start, busy = time.perf_counter(), _cpu_times()
@@ -293,8 +304,15 @@ def run_mode(mode: str, seed: int, root: Path, model_dir: Path, prompts: Path,
         run_recipe("grpo" if mode == "grpo" else "grpo_async", "tiny", overrides)
     wall = time.perf_counter() - start
     (idle1, total1), (idle0, total0) = _cpu_times(), busy
-    return Run(mode, seed, out, read_records(out), wall, args.warmup,
-               idle=(idle1 - idle0) / max(total1 - total0, 1))  # fmt: skip
+    return Run(
+        mode,
+        seed,
+        out,
+        read_records(out),
+        wall,
+        args.warmup,
+        idle=(idle1 - idle0) / max(total1 - total0, 1),
+    )
 
 
 def _cpu_times() -> tuple[int, int]:
@@ -325,8 +343,9 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def _spread(values: Sequence[float]) -> str:
-    return f"{_mean(values):.1f}" + (f" ({min(values):.1f}-{max(values):.1f})"
-                                     if len(values) > 1 else "")  # fmt: skip
+    return f"{_mean(values):.1f}" + (
+        f" ({min(values):.1f}-{max(values):.1f})" if len(values) > 1 else ""
+    )
 
 
 def window_means(run: Run, window: int) -> list[float]:
@@ -410,8 +429,10 @@ def report(runs: list[Run], args: argparse.Namespace, setup: Mapping[str, Any]) 
         "",
     ]
     for r in runs:
-        lines.append(f"- seed {r.seed}, {LABEL[r.mode]}: {r.samples_per_s():.1f} samples/s, "
-                     f"{r.step_s():.3f} s/update, {r.wall_s:.0f} s in all")  # fmt: skip
+        lines.append(
+            f"- seed {r.seed}, {LABEL[r.mode]}: {r.samples_per_s():.1f} samples/s, "
+            f"{r.step_s():.3f} s/update, {r.wall_s:.0f} s in all"
+        )
     at = lines.index("## Throughput and where a step's time goes")
     lines[at:at] = [*verdict_section(by_mode, args)[1:], ""]
     lines += timing_section(by_mode)
@@ -433,7 +454,8 @@ def measured_model(by_mode: Mapping[str, list[Run]]) -> tuple[RoleTimes, float, 
         return t, 1.0, 1.0
     slow_r = _mean([r.median("generate_s") for r in over]) / max(t.gen, 1e-9)
     slow_t = _mean([r.median("logprobs_s") + r.median("train_s") for r in over]) / max(
-        t.logprobs + t.train, 1e-9)  # fmt: skip
+        t.logprobs + t.train, 1e-9
+    )
     return t, slow_r, slow_t
 
 
@@ -468,14 +490,24 @@ def verdict_section(by_mode: Mapping[str, list[Run]], args: argparse.Namespace) 
         else f"- Both sides kept their `sync` speed when overlapped (generation {slow_r:.2f}x, "
         f"log-probs + train {slow_t:.2f}x): the cores were free for them.",
     ]
-    per = {(r.mode, r.seed): _mean([x for _, _, x in r.rewards()]) for rs in by_mode.values()
-           for r in rs}  # fmt: skip
+    per = {
+        (r.mode, r.seed): _mean([x for _, _, x in r.rewards()])
+        for rs in by_mode.values()
+        for r in rs
+    }
     seeds = sorted({s for _, s in per})
     if len(seeds) > 1:
-        noise = max(abs(per[(m, seeds[0])] - per[(m, seeds[1])]) for m in MODES
-                    if (m, seeds[0]) in per and (m, seeds[1]) in per)  # fmt: skip
-        gaps = [abs(per[(m, s)] - per[("sync", s)]) for m in ("overlap", "off_policy")
-                for s in seeds if (m, s) in per and ("sync", s) in per]  # fmt: skip
+        noise = max(
+            abs(per[(m, seeds[0])] - per[(m, seeds[1])])
+            for m in MODES
+            if (m, seeds[0]) in per and (m, seeds[1]) in per
+        )
+        gaps = [
+            abs(per[(m, s)] - per[("sync", s)])
+            for m in ("overlap", "off_policy")
+            for s in seeds
+            if (m, s) in per and ("sync", s) in per
+        ]
         within = "within" if max(gaps) <= noise else "outside"
         lines.append(
             f"- Reward per update trained on: the overlapped modes' mean reward differs from "
@@ -502,12 +534,20 @@ def policy_comparison(
     largest gap between two seeds of one mode."""
     runs = [r for rs in by_mode.values() for r in rs]
     versions = min(max(r.policy_rewards()) + 1 for r in runs)
-    policy = {(r.mode, r.seed): _mean([r.policy_rewards()[v] for v in range(versions)])
-              for r in runs}  # fmt: skip
-    noise = max(abs(policy[(m, seeds[0])] - policy[(m, seeds[1])]) for m in MODES
-                if (m, seeds[0]) in policy and (m, seeds[1]) in policy)  # fmt: skip
-    gaps = [abs(policy[(m, s)] - policy[("sync", s)]) for m in ("overlap", "off_policy")
-            for s in seeds if (m, s) in policy and ("sync", s) in policy]  # fmt: skip
+    policy = {
+        (r.mode, r.seed): _mean([r.policy_rewards()[v] for v in range(versions)]) for r in runs
+    }
+    noise = max(
+        abs(policy[(m, seeds[0])] - policy[(m, seeds[1])])
+        for m in MODES
+        if (m, seeds[0]) in policy and (m, seeds[1]) in policy
+    )
+    gaps = [
+        abs(policy[(m, s)] - policy[("sync", s)])
+        for m in ("overlap", "off_policy")
+        for s in seeds
+        if (m, s) in policy and ("sync", s) in policy
+    ]
     return versions, policy, gaps, noise
 
 
@@ -547,8 +587,10 @@ def timing_section(by_mode: Mapping[str, list[Run]]) -> list[str]:
         plain = predict_step_s(t, mode)
         fitted = predict_step_s(t, mode, rollout_slowdown=slow_r, trainer_slowdown=slow_t)
         measured = _mean([r.step_s() for r in rs])
-        lines.append(f"| {mode} | {plain:.3f} | {fitted:.3f} | {measured:.3f} | "
-                     f"{base / plain:.2f}x | {measured_sync / measured:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| {mode} | {plain:.3f} | {fitted:.3f} | {measured:.3f} | "
+            f"{base / plain:.2f}x | {measured_sync / measured:.2f}x |"
+        )
     ideal = (t.rollout_side + t.trainer_side) / max(t.rollout_side, t.trainer_side)
     balance = t.rollout_side / t.trainer_side
     lines += [
@@ -573,30 +615,45 @@ def reward_section(by_mode: Mapping[str, list[Run]], args: argparse.Namespace) -
     ]
     runs = [r for rs in by_mode.values() for r in rs]
     blocks = len(window_means(runs[0], window))
-    header = " | ".join(f"{i * window + 1}-{min((i + 1) * window, args.steps)}"
-                        for i in range(blocks))  # fmt: skip
+    header = " | ".join(
+        f"{i * window + 1}-{min((i + 1) * window, args.steps)}" for i in range(blocks)
+    )
     lines += [f"| run | {header} | all |", "|---|" + "---:|" * (blocks + 1)]
     for mode in MODES:
         for r in by_mode[mode]:
             means = window_means(r, window)
             all_mean = _mean([x for _, _, x in r.rewards()])
-            lines.append(f"| {LABEL[mode]}, seed {r.seed} | "
-                         + " | ".join(f"{m:.3f}" for m in means) + f" | {all_mean:.3f} |")  # fmt: skip
+            lines.append(
+                f"| {LABEL[mode]}, seed {r.seed} | "
+                + " | ".join(f"{m:.3f}" for m in means)
+                + f" | {all_mean:.3f} |"
+            )
     # noise: how far apart two seeds of the same mode are, against a mode vs sync, same seed
     seeds = sorted({r.seed for r in runs})
     per = {(r.mode, r.seed): _mean([x for _, _, x in r.rewards()]) for r in runs}
-    lines += ["", "How to read it (noise): the reward of one run depends on its seed "
-              "(which prompts, which samples). The mean reward over all updates:"]  # fmt: skip
+    lines += [
+        "",
+        "How to read it (noise): the reward of one run depends on its seed "
+        "(which prompts, which samples). The mean reward over all updates:",
+    ]
     if len(seeds) > 1:
-        seed_gaps = [abs(per[(m, seeds[0])] - per[(m, seeds[1])]) for m in MODES
-                     if (m, seeds[0]) in per and (m, seeds[1]) in per]  # fmt: skip
-        lines.append(f"- between seeds {seeds[0]} and {seeds[1]} of the same mode differs by "
-                     f"{_mean(seed_gaps):.3f} on average (max {max(seed_gaps):.3f}): the noise;")  # fmt: skip
+        seed_gaps = [
+            abs(per[(m, seeds[0])] - per[(m, seeds[1])])
+            for m in MODES
+            if (m, seeds[0]) in per and (m, seeds[1]) in per
+        ]
+        lines.append(
+            f"- between seeds {seeds[0]} and {seeds[1]} of the same mode differs by "
+            f"{_mean(seed_gaps):.3f} on average (max {max(seed_gaps):.3f}): the noise;"
+        )
     for mode in ("overlap", "off_policy", "grpo"):
         gaps = [per[(mode, s)] - per[("sync", s)] for s in seeds if (mode, s) in per]
         if gaps:
-            lines.append(f"- {LABEL[mode]} minus sync, same seed: "
-                         + ", ".join(f"{g:+.3f}" for g in gaps) + ";")  # fmt: skip
+            lines.append(
+                f"- {LABEL[mode]} minus sync, same seed: "
+                + ", ".join(f"{g:+.3f}" for g in gaps)
+                + ";"
+            )
     lines += [
         "- `grpo` and `grpo_async sync` are the same computation (bitwise equal weights, "
         "tested in `tests/rl/test_grpo_async.py`), so their rewards agree exactly and that "
@@ -644,16 +701,22 @@ def policy_section(
     for mode in MODES:
         for r in by_mode[mode]:
             rewards = r.policy_rewards()
-            cells = [_mean([rewards[v] for v in range(a, min(a + window, versions))])
-                     for a in starts]  # fmt: skip
-            lines.append(f"| {LABEL[mode]}, seed {r.seed} | "
-                         + " | ".join(f"{c:.3f}" for c in cells)
-                         + f" | {policy[(mode, r.seed)]:.3f} |")  # fmt: skip
+            cells = [
+                _mean([rewards[v] for v in range(a, min(a + window, versions))]) for a in starts
+            ]
+            lines.append(
+                f"| {LABEL[mode]}, seed {r.seed} | "
+                + " | ".join(f"{c:.3f}" for c in cells)
+                + f" | {policy[(mode, r.seed)]:.3f} |"
+            )
     for mode in ("overlap", "off_policy"):
         gaps = [policy[(mode, s)] - policy[("sync", s)] for s in seeds if (mode, s) in policy]
         if gaps:
-            lines.append(f"- {LABEL[mode]} minus sync, same seed, by policy version: "
-                         + ", ".join(f"{g:+.3f}" for g in gaps) + ";")  # fmt: skip
+            lines.append(
+                f"- {LABEL[mode]} minus sync, same seed, by policy version: "
+                + ", ".join(f"{g:+.3f}" for g in gaps)
+                + ";"
+            )
     return lines
 
 
@@ -735,9 +798,15 @@ def cluster_section(by_mode: Mapping[str, list[Run]]) -> list[str]:
     gains: dict[str, list[float]] = {"ideal": [], "memory": [], "split_sync": []}
     for gpus, nodes in ((8, 1), (16, 2), (32, 4)):
         for share in (0.5, 0.7, 0.85):
-            cases = [ClusterAssumptions(gen_gpu_s=800 * share, train_gpu_s=800 * (1 - share),
-                                        link_gb_s=100.0 if nodes == 1 else 25.0, **case)
-                     for case in CLUSTER_CASES.values()]  # fmt: skip
+            cases = [
+                ClusterAssumptions(
+                    gen_gpu_s=800 * share,
+                    train_gpu_s=800 * (1 - share),
+                    link_gb_s=100.0 if nodes == 1 else 25.0,
+                    **case,
+                )
+                for case in CLUSTER_CASES.values()
+            ]
             colocated = [cluster_step_s(a, 0, gpus, "sync") for a in cases]
             a = cases[0]  # a split has no colocation: both cases are the same
             half = gpus // 2
@@ -745,8 +814,11 @@ def cluster_section(by_mode: Mapping[str, list[Run]]) -> list[str]:
             gains["ideal"].append(colocated[0] / best)
             gains["memory"].append(colocated[1] / best)
             gains["split_sync"].append(cluster_step_s(a, half, gpus - half, "sync") / colocated[0])
-            where = (f"{half} + {gpus - half} GPUs" if nodes == 1 else
-                     f"{nodes // 2} + {nodes // 2} nodes")  # fmt: skip
+            where = (
+                f"{half} + {gpus - half} GPUs"
+                if nodes == 1
+                else f"{nodes // 2} + {nodes // 2} nodes"
+            )
             lines.append(
                 f"| {gpus} GPUs ({nodes} node{'s' if nodes > 1 else ''}) | {share:.0%} | "
                 f"{colocated[0]:.1f} / {colocated[1]:.1f} | {where} | "
@@ -806,8 +878,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         model_dir = make_model_dir(root / "world")
         prompts = make_prompts(root / "prompts.jsonl", rows=64)
         with _any_component_allowed():  # the workers start with the test reward allowed
-            ray.init(num_cpus=2, _temp_dir=ray_dir, include_dashboard=False,
-                     log_to_driver=False)  # fmt: skip
+            ray.init(num_cpus=2, _temp_dir=ray_dir, include_dashboard=False, log_to_driver=False)
         runs: list[Run] = []
         order = [m for m in MODES if m in args.modes]
         for i, seed in enumerate(args.seeds):
@@ -822,9 +893,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             for asynchronous in (False, True):
                 name = "demo rl --async" if asynchronous else "demo rl"
                 print(name, flush=True)
-                r = run_rl_demo(root / "demo", settings=RLDemoSettings(seed=0), threads=1,
-                                verbose=False, asynchronous=asynchronous,
-                                overrides=[f"ray.temp_dir={ray_dir}"] if asynchronous else [])  # fmt: skip
+                r = run_rl_demo(
+                    root / "demo",
+                    settings=RLDemoSettings(seed=0),
+                    threads=1,
+                    verbose=False,
+                    asynchronous=asynchronous,
+                    overrides=[f"ray.temp_dir={ray_dir}"] if asynchronous else [],
+                )
                 demo[name] = {"recipe": r.recipe, "before": r.accuracy_before,
                               "after": r.accuracy_after, "grpo_s": r.grpo_seconds,
                               "total_s": r.seconds,

@@ -177,10 +177,21 @@ def _child(args: argparse.Namespace) -> None:
 def _spawn(child: str, args: argparse.Namespace) -> dict | list:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     out = subprocess.run(
-        [sys.executable, __file__, "--child", child, "--steps", str(args.steps),
-         "--threads", str(args.threads)],
-        env=env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            child,
+            "--steps",
+            str(args.steps),
+            "--threads",
+            str(args.threads),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -208,11 +219,14 @@ def report(args, runs: list[dict], loss_rows: list[dict], load: str, minutes: fl
         if not rows:
             continue
         n = rows[0]["params"]
-        lines += [f"## {shape} ({n / 1e6:.1f}M parameters)", "",
-                  f"| mode | step CPU s | vs fp32 | step wall s | loss after {args.steps} steps "
-                  "| gap to fp32 | max gap (any step) | weights MiB | grads MiB | states MiB | "
-                  "peak RSS MiB |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [
+            f"## {shape} ({n / 1e6:.1f}M parameters)",
+            "",
+            f"| mode | step CPU s | vs fp32 | step wall s | loss after {args.steps} steps "
+            "| gap to fp32 | max gap (any step) | weights MiB | grads MiB | states MiB | "
+            "peak RSS MiB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         by_mode: dict[str, list[dict]] = {}
         for r in rows:
             by_mode.setdefault(r["mode"], []).append(r)
@@ -231,11 +245,17 @@ def report(args, runs: list[dict], loss_rows: list[dict], load: str, minutes: fl
                 f"{_mib(max(r['peak_rss'] for r in mine))} |"
             )
         lines.append("")
-    lines += ["## The loss path alone (forward + backward, CPU s per thread, median of 5)", "",
-              "| loss | fp32 inputs | bf16 inputs | bf16 / fp32 |", "|---|---:|---:|---:|"]  # fmt: skip
+    lines += [
+        "## The loss path alone (forward + backward, CPU s per thread, median of 5)",
+        "",
+        "| loss | fp32 inputs | bf16 inputs | bf16 / fp32 |",
+        "|---|---:|---:|---:|",
+    ]
     for row in loss_rows:
-        lines.append(f"| {row['loss']} | {row['fp32']:.4f} | {row['bf16']:.4f} | "
-                     f"{row['bf16'] / row['fp32']:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| {row['loss']} | {row['fp32']:.4f} | {row['bf16']:.4f} | "
+            f"{row['bf16'] / row['fp32']:.2f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 

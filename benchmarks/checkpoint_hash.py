@@ -50,10 +50,18 @@ CHUNK = 8 << 20
 def llama_spec(layers: int) -> ModelSpec:
     """Llama-style: 32k vocab, hidden 1024, untied head (~89M params with 2 layers)."""
     return ModelSpec(
-        model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-        num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
-        rope_theta=500000.0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        model_type="llama",
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        rope_theta=500000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 def best(fn: Callable[[], object], repeat: int) -> float:
@@ -171,7 +179,9 @@ def main() -> None:
                 lambda: (drop_cache(files), stream(files, lambda c: None)), args.repeat
             )
             stream(files, lambda c: None)  # warm again for the comparison
-            compare = {name: best(lambda fn=fn: fn(files), args.repeat) for name, fn in CANDIDATES.items()}  # fmt: skip
+            compare = {
+                name: best(lambda fn=fn: fn(files), args.repeat) for name, fn in CANDIDATES.items()
+            }
     finally:
         close_distributed()
 

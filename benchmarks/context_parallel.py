@@ -45,8 +45,15 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODEL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # fmt: skip
+MODEL = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
 
 
 def _free_port() -> int:
@@ -56,8 +63,13 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, world: int, port: int, seq: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from tunesmith.models import build_model, llama3
     from tunesmith.modules.ring_attention import ring_attention
@@ -82,12 +94,14 @@ def _rank(rank: int, world: int, port: int, seq: int, out: str) -> None:
     v = torch.randn(1, kv, s_local, d, requires_grad=True)
     grad = torch.randn(1, heads, s_local, d)
     with AllocatedBytes() as attn:
-        ring_attention(q, k, v, group=ctx.cp_group, index=local["cp_index"],
-                       enable_gqa=True).backward(grad)  # fmt: skip
+        ring_attention(
+            q, k, v, group=ctx.cp_group, index=local["cp_index"], enable_gqa=True
+        ).backward(grad)
 
     def step() -> None:
-        logits = model(local["input_ids"], position_ids=local["position_ids"],
-                       cp_index=local["cp_index"])  # fmt: skip
+        logits = model(
+            local["input_ids"], position_ids=local["position_ids"], cp_index=local["cp_index"]
+        )
         loss = torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), local["labels"].flatten(), reduction="sum"
         )
@@ -176,11 +190,18 @@ def main() -> None:
         "",
     ]
     if skipped:
-        text += [f"Not run (over the {args.budget_s:.0f} s budget on this machine): "
-                 + ", ".join(skipped) + ".", ""]  # fmt: skip
-    text += ["tokens/s: all ranks share the same few CPU cores, so more ranks do not add compute "
-             "here; on GPUs each rank has its own device. torch's `context_parallel` (CUDA only) "
-             "was not run: no GPU path was measured.", ""]  # fmt: skip
+        text += [
+            f"Not run (over the {args.budget_s:.0f} s budget on this machine): "
+            + ", ".join(skipped)
+            + ".",
+            "",
+        ]
+    text += [
+        "tokens/s: all ranks share the same few CPU cores, so more ranks do not add compute "
+        "here; on GPUs each rank has its own device. torch's `context_parallel` (CUDA only) "
+        "was not run: no GPU path was measured.",
+        "",
+    ]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text("\n".join(text))
     print(f"wrote {args.output}")

@@ -50,11 +50,13 @@ def _rank_main(rank: int, world: int, init: str, args: argparse.Namespace, out: 
     rows = {}
     for label, (experts, top_k) in SHAPES.items():
         torch.manual_seed(0)
-        layer = MoE(args.hidden, args.intermediate, num_experts=experts, top_k=top_k,
-                    norm_topk_prob=True)  # fmt: skip
+        layer = MoE(
+            args.hidden, args.intermediate, num_experts=experts, top_k=top_k, norm_topk_prob=True
+        )
         if world > 1:
-            apply_expert_parallel(layer, expert_mesh_of(ParallelDims(dp_shard=world, ep=world),
-                                                        "cpu"))  # fmt: skip
+            apply_expert_parallel(
+                layer, expert_mesh_of(ParallelDims(dp_shard=world, ep=world), "cpu")
+            )
         torch.manual_seed(1 + rank)
         x = torch.randn(1, args.tokens, args.hidden, requires_grad=True)
         w = torch.randn(1, args.tokens, args.hidden)

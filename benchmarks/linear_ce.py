@@ -80,8 +80,9 @@ def ways(chunks: int | None) -> dict[str, LossFn]:
     }
 
 
-def loss_step(loss_fn: LossFn, hidden: torch.Tensor, weight: torch.Tensor,
-              labels: torch.Tensor) -> None:  # fmt: skip
+def loss_step(
+    loss_fn: LossFn, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+) -> None:
     """Forward + backward of the token-mean loss; the gradients land in ``.grad``."""
     hidden.grad = weight.grad = None
     loss = loss_fn(hidden, weight, labels) / labels.numel()
@@ -117,8 +118,11 @@ def main() -> None:
 
     memory = {name: peak_bytes(fn, hidden, weight, labels) for name, fn in candidates.items()}
     for name, (with_grad, without) in memory.items():
-        print(f"{name}: peak {with_grad / 2**20:,.0f} MiB ({without / 2**20:,.0f} MiB without "
-              "the weight gradient)", flush=True)  # fmt: skip
+        print(
+            f"{name}: peak {with_grad / 2**20:,.0f} MiB ({without / 2**20:,.0f} MiB without "
+            "the weight gradient)",
+            flush=True,
+        )
     times: dict[str, list[float]] = {name: [] for name in candidates}
     cpu_times: dict[str, list[float]] = {name: [] for name in candidates}
     for round_ in range(args.repeats):
@@ -127,8 +131,11 @@ def main() -> None:
             loss_step(fn, hidden, weight, labels)
             times[name].append(time.perf_counter() - start)
             cpu_times[name].append((time.process_time() - start_cpu) / args.threads)
-            print(f"round {round_ + 1}: {name} {times[name][-1]:.2f} s "
-                  f"({cpu_times[name][-1]:.2f} CPU s per thread)", flush=True)  # fmt: skip
+            print(
+                f"round {round_ + 1}: {name} {times[name][-1]:.2f} s "
+                f"({cpu_times[name][-1]:.2f} CPU s per thread)",
+                flush=True,
+            )
     minutes = (time.perf_counter() - started) / 60
     text = report(args, memory, times, cpu_times, weight, minutes)
     print(text)
@@ -137,9 +144,14 @@ def main() -> None:
         print(f"wrote {RESULTS}")
 
 
-def report(args: argparse.Namespace, memory: dict[str, tuple[int, int]],
-           times: dict[str, list[float]], cpu_times: dict[str, list[float]],
-           weight: torch.Tensor, minutes: float) -> str:  # fmt: skip
+def report(
+    args: argparse.Namespace,
+    memory: dict[str, tuple[int, int]],
+    times: dict[str, list[float]],
+    cpu_times: dict[str, list[float]],
+    weight: torch.Tensor,
+    minutes: float,
+) -> str:
     full_mem, full_time = memory["full logits"], statistics.median(times["full logits"])
     full_cpu = statistics.median(cpu_times["full logits"])
     rows = []

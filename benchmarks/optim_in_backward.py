@@ -49,8 +49,9 @@ def measure(preset: str, tied: bool, options: dict, in_backward: bool) -> dict:
     torch.manual_seed(0)
     spec = spec_from_hf_config({**setup["config"], "tie_word_embeddings": tied})
     model = build_model(spec)
-    packs = PackedDataset(synthetic_samples(200, setup["seq_len"], spec.vocab_size),
-                          setup["seq_len"], pad_id=0)  # fmt: skip
+    packs = PackedDataset(
+        synthetic_samples(200, setup["seq_len"], spec.vocab_size), setup["seq_len"], pad_id=0
+    )
     batch = longest_batch(packs, setup["batch_size"], collate_packed)
     apply_activation_checkpointing(model, mode="full")
     loss_fn = LinearCrossEntropyLoss()
@@ -63,8 +64,12 @@ def measure(preset: str, tied: bool, options: dict, in_backward: bool) -> dict:
     optimizer.zero_grad(set_to_none=True)
 
     with AllocatedBytes() as mem:
-        hidden = model(batch["input_ids"], position_ids=batch["position_ids"],
-                       document_ids=batch["document_ids"], return_hidden_states=True)  # fmt: skip
+        hidden = model(
+            batch["input_ids"],
+            position_ids=batch["position_ids"],
+            document_ids=batch["document_ids"],
+            return_hidden_states=True,
+        )
         loss = loss_fn(hidden, model.lm_head.weight, batch["labels"])
         (loss / (batch["labels"] != -100).sum()).backward()
         del hidden, loss
@@ -94,9 +99,12 @@ def main() -> None:
             hooked = measure(args.preset, tied, options, in_backward=True)
             rows.append((tied, name, plain, hooked))
             cut = plain["peak"] - hooked["peak"]
-            print(f"{'tied' if tied else 'untied'} {name}: {plain['peak'] / MiB:,.0f} -> "
-                  f"{hooked['peak'] / MiB:,.0f} MiB, cut {cut / MiB:,.0f} MiB = "
-                  f"{cut / plain['gradients']:.0%} of the gradients", flush=True)  # fmt: skip
+            print(
+                f"{'tied' if tied else 'untied'} {name}: {plain['peak'] / MiB:,.0f} -> "
+                f"{hooked['peak'] / MiB:,.0f} MiB, cut {cut / MiB:,.0f} MiB = "
+                f"{cut / plain['gradients']:.0%} of the gradients",
+                flush=True,
+            )
     text = report(args, rows)
     print(text)
     if not args.no_write:

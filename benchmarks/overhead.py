@@ -85,8 +85,12 @@ def baseline_loss(method: str, linear_ce: bool, model, frozen, batch, cfg) -> to
     trained positions' logits only when the config's loss is linear CE), DPO, forward KD."""
     if method in ("sft", "lora") and not linear_ce:
         logits = model(batch["input_ids"])
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(),
-                               ignore_index=-100, reduction="sum")  # fmt: skip
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            batch["labels"].flatten(),
+            ignore_index=-100,
+            reduction="sum",
+        )
     if method in ("sft", "lora"):
         logp, labels, _ = _trained(model, batch, model.lm_head)
         return F.nll_loss(logp, labels, reduction="sum")
@@ -115,10 +119,13 @@ def baseline_step(state: dict, batch: dict) -> float:
     """One optimizer step of the hand-written loop; returns the loss (one host sync)."""
     model, optimizer, schedule, cfg = state["model"], state["opt"], state["sched"], state["cfg"]
     dtype = state["autocast"]
-    with _RANGE("baseline/objective"), \
-            torch.autocast("cpu", dtype or torch.bfloat16, enabled=dtype is not None):  # fmt: skip
-        loss = baseline_loss(state["method"], state["linear_ce"], model, state["frozen"], batch,
-                             cfg)  # fmt: skip
+    with (
+        _RANGE("baseline/objective"),
+        torch.autocast("cpu", dtype or torch.bfloat16, enabled=dtype is not None),
+    ):
+        loss = baseline_loss(
+            state["method"], state["linear_ce"], model, state["frozen"], batch, cfg
+        )
         loss = loss / state["units"]
     with _RANGE("baseline/backward"):
         loss.backward()
@@ -136,14 +143,21 @@ def baseline_step(state: dict, batch: dict) -> float:
 def make_baseline(method: str, model, frozen, cfg: DictConfig, batch: dict) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = cfg.optimizer
-    optimizer = torch.optim.AdamW(params, lr=float(opt.lr), weight_decay=float(opt.weight_decay),
-                                  fused=opt.get("fused"))  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        params, lr=float(opt.lr), weight_decay=float(opt.weight_decay), fused=opt.get("fused")
+    )
     warmup, total = int(cfg.lr_scheduler.num_warmup_steps), int(cfg.max_steps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup
-                                                 if s < warmup else 0.5 * (1 + math.cos(
-                                                     math.pi * (s - warmup) / total)))  # fmt: skip
-    units = batch["input_ids"].shape[0] // 2 if method == "dpo" else \
-        int((batch["labels"] != -100).sum())  # fmt: skip
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: (
+            (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / total))
+        ),
+    )
+    units = (
+        batch["input_ids"].shape[0] // 2
+        if method == "dpo"
+        else int((batch["labels"] != -100).sum())
+    )
     return {"model": model, "frozen": frozen, "opt": optimizer, "sched": schedule, "cfg": cfg,
             "params": params, "method": method, "units": units,
             "linear_ce": "Linear" in str(cfg.get("loss", {}).get("_component_", "")),
@@ -183,8 +197,11 @@ def build_models(method: str, shape: str, cfg: DictConfig):
         torch.manual_seed(1)
         frozen = build_model(spec).requires_grad_(False).eval()
     if method == "lora":
-        options = {k: v for k, v in OmegaConf.to_container(cfg.model).items()
-                   if k not in ("_component_", "model")}  # fmt: skip
+        options = {
+            k: v
+            for k, v in OmegaConf.to_container(cfg.model).items()
+            if k not in ("_component_", "model")
+        }
         model = apply_lora(model, **options)
     return model, frozen
 
@@ -229,8 +246,15 @@ def samples(method: str, n: int, vocab: int, seed: int = 0) -> list[dict]:
             out.append({"input_ids": ids, "labels": labels})
             continue
         rejected, rejected_labels = row(prompt)
-        out.append({"chosen_input_ids": ids, "chosen_labels": labels, "prompt_len": half,
-                    "rejected_input_ids": rejected, "rejected_labels": rejected_labels})  # fmt: skip
+        out.append(
+            {
+                "chosen_input_ids": ids,
+                "chosen_labels": labels,
+                "prompt_len": half,
+                "rejected_input_ids": rejected,
+                "rejected_labels": rejected_labels,
+            }
+        )
     return out
 
 
@@ -360,8 +384,9 @@ def run_row(shape: str, method: str, dtype: str, rounds: int, profile_steps: int
         data = samples(method, 64, SHAPES[shape]["vocab_size"])
         batch = collate(data[:BATCH])
         ctx = init_distributed("cpu")
-        trainer = Trainer.from_config(cfg, ctx, model=model,
-                                      objective=objective_for(method, cfg, frozen))  # fmt: skip
+        trainer = Trainer.from_config(
+            cfg, ctx, model=model, objective=objective_for(method, cfg, frozen)
+        )
         base = make_baseline(method, base_model, base_frozen, cfg, batch)
         row.loss = str(cfg.loss._component_).rsplit(".", 1)[-1]
         first_base = baseline_step(base, batch)  # warm-up steps (not timed)
@@ -470,9 +495,11 @@ def explain(row: Row) -> str:
     fb, ft = row.faults_per_step("b"), row.faults_per_step("t")
     faults = ""
     if abs(fb - ft) > 0.1 * max(fb, ft):  # the allocator, not work: see the notes
-        faults = (f"; page faults a step {fb:,} (baseline) vs {ft:,} ({abs(fb - ft) * 4 / 1024:,.0f} "
-                  f"MiB of fresh pages {'more' if ft > fb else 'fewer'} for tunesmith), user CPU "
-                  f"ratio {row.user_ratio:.3f}")  # fmt: skip
+        faults = (
+            f"; page faults a step {fb:,} (baseline) vs {ft:,} ({abs(fb - ft) * 4 / 1024:,.0f} "
+            f"MiB of fresh pages {'more' if ft > fb else 'fewer'} for tunesmith), user CPU "
+            f"ratio {row.user_ratio:.3f}"
+        )
     if row.ratio <= 1.10:
         return f"within 10% (largest phase differences: {text}{faults})"
     why = f"**above 10%** ({excess:+.0f} ms a step): largest phase differences {text}"
@@ -625,12 +652,14 @@ def main() -> None:
                 row = run_row(shape, method, dtype, rounds, profile)
                 gc.collect()  # the row's models and optimizer states
                 rows.append(row)
-                print(f"{shape} {method} {dtype}: baseline "
-                      f"{row.ms('b'):.0f} ms, tunesmith "
-                      f"{row.ms('t'):.0f} ms, ratio "
-                      f"{row.ratio:.3f} (wall {row.wall_ratio:.3f}); first losses "
-                      f"{row.first_losses[0]:.6f} / {row.first_losses[1]:.6f}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{shape} {method} {dtype}: baseline "
+                    f"{row.ms('b'):.0f} ms, tunesmith "
+                    f"{row.ms('t'):.0f} ms, ratio "
+                    f"{row.ratio:.3f} (wall {row.wall_ratio:.3f}); first losses "
+                    f"{row.first_losses[0]:.6f} / {row.first_losses[1]:.6f}",
+                    flush=True,
+                )
     minutes = (time.perf_counter() - started) / 60
     print(table(rows))
     print(breakdown(rows))

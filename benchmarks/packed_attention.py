@@ -103,9 +103,11 @@ def make_steps(args: argparse.Namespace) -> tuple[dict[str, Step], dict[str, str
         def step() -> None:
             attn.zero_grad(set_to_none=True)
             mask = build_attention_mask(
-                document_causal_mask(docs), batch_size=docs.shape[0], q_len=docs.shape[1],
+                document_causal_mask(docs),
+                batch_size=docs.shape[0],
+                q_len=docs.shape[1],
                 kv_len=docs.shape[1],
-            )  # fmt: skip
+            )
             batch = AttentionBatch(backend, mask=mask, document_ids=docs)
             batch.prepare()
             cos, sin = rope(packed_pos)

@@ -81,8 +81,12 @@ def documents(n: int, vocab: int, seed: int = 0) -> list[dict[str, list[int]]]:
     for length in alpaca_like_lengths(n, seed=seed):
         ids = [rng.randrange(1, vocab) for _ in range(length)]
         prompt = max(1, int(length * rng.uniform(0.3, 0.6)))
-        samples.append({"input_ids": ids,
-                        "labels": make_labels(ids, [False] * prompt + [True] * (length - prompt))})  # fmt: skip
+        samples.append(
+            {
+                "input_ids": ids,
+                "labels": make_labels(ids, [False] * prompt + [True] * (length - prompt)),
+            }
+        )
     return samples
 
 
@@ -93,11 +97,14 @@ def batches(samples, args: argparse.Namespace) -> dict[str, list[dict[str, torch
     shuffled = [samples[i] for i in order]
     ways = {}
     for size in args.batch:
-        ways[f"padded, batch {size}"] = [collate_padded(shuffled[i : i + size], pad_id=PAD)
-                                         for i in range(0, len(shuffled), size)]  # fmt: skip
+        ways[f"padded, batch {size}"] = [
+            collate_padded(shuffled[i : i + size], pad_id=PAD)
+            for i in range(0, len(shuffled), size)
+        ]
     packs = pack_greedy(shuffled, args.row, pad_id=PAD)
-    ways["packed"] = [collate_packed(packs[i : i + args.rows])
-                      for i in range(0, len(packs), args.rows)]  # fmt: skip
+    ways["packed"] = [
+        collate_packed(packs[i : i + args.rows]) for i in range(0, len(packs), args.rows)
+    ]
     return ways
 
 
@@ -133,8 +140,13 @@ def run_way(model, optimizer, loss_fn, micro) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=96)
-    parser.add_argument("--batch", type=int, nargs="+", default=[8, 16],
-                        help="documents per padded micro-batch (one padded way each)")  # fmt: skip
+    parser.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        default=[8, 16],
+        help="documents per padded micro-batch (one padded way each)",
+    )
     parser.add_argument("--row", type=int, default=1024, help="tokens per packed row")
     parser.add_argument("--rows", type=int, default=2, help="packed rows per step")
     parser.add_argument("--hidden", type=int, default=512)
@@ -155,8 +167,9 @@ def main() -> None:
     loss_fn = LinearCrossEntropyLoss()
     samples = documents(args.docs, config["vocab_size"])
     ways = batches(samples, args)
-    backend = resolve_attention_backend(model.model.attention_backend, device="cpu",
-                                        packed=True, cached=False)  # fmt: skip
+    backend = resolve_attention_backend(
+        model.model.attention_backend, device="cpu", packed=True, cached=False
+    )
     real = {name: sum(map(real_tokens, micro)) for name, micro in ways.items()}
     assert set(real.values()) == {sum(len(s["input_ids"]) for s in samples)}
     positions = {name: sum(b["input_ids"].numel() for b in micro) for name, micro in ways.items()}
@@ -168,24 +181,37 @@ def main() -> None:
         for name, micro in ways.items():
             results[name].append(run_way(model, optimizer, loss_fn, micro))
             r = results[name][-1]
-            print(f"round {round_ + 1} {name}: {real[name] / r['wall']:.0f} real tokens/s, "
-                  f"loss per trained token {r['loss']:.6f}", flush=True)  # fmt: skip
+            print(
+                f"round {round_ + 1} {name}: {real[name] / r['wall']:.0f} real tokens/s, "
+                f"loss per trained token {r['loss']:.6f}",
+                flush=True,
+            )
         packed_loss = results["packed"][-1]["loss"]
         for name in ways:
             loss = results[name][-1]["loss"]
             if abs(packed_loss - loss) > 1e-5 * abs(loss):
-                raise SystemExit(f"packed loss per trained token {packed_loss!r} != {name}'s "
-                                 f"{loss!r}")  # fmt: skip
-    text = report(args, config, samples, ways, real, positions, results, backend, load,
-                  (time.perf_counter() - started) / 60)  # fmt: skip
+                raise SystemExit(
+                    f"packed loss per trained token {packed_loss!r} != {name}'s {loss!r}"
+                )
+    text = report(
+        args,
+        config,
+        samples,
+        ways,
+        real,
+        positions,
+        results,
+        backend,
+        load,
+        (time.perf_counter() - started) / 60,
+    )
     print(text)
     if not args.no_write:
         RESULTS.write_text(text)
         print(f"wrote {RESULTS}")
 
 
-def report(args, config, samples, ways, real, positions, results, backend, load,
-           minutes) -> str:  # fmt: skip
+def report(args, config, samples, ways, real, positions, results, backend, load, minutes) -> str:
     lengths = [len(s["input_ids"]) for s in samples]
     trained = sum(sum(label != IGNORE_INDEX for label in s["labels"]) for s in samples)
     params = sum(p.numel() for p in build_model(spec_from_hf_config(dict(config))).parameters())
@@ -201,28 +227,36 @@ def report(args, config, samples, ways, real, positions, results, backend, load,
     rows = []
     for name in ways:
         per_round = ", ".join(f"{real[name] / r['wall']:.0f}" for r in results[name])
-        rows.append(f"| {name} | {len(ways[name])} | {positions[name]:,} | "
-                    f"{real[name] / positions[name]:.0%} | {rate(name, 'wall'):.0f} | "
-                    f"{per_round} | {rate(name, 'cpu'):.0f} | "
-                    f"{results[name][-1]['loss']:.6f} |")  # fmt: skip
+        rows.append(
+            f"| {name} | {len(ways[name])} | {positions[name]:,} | "
+            f"{real[name] / positions[name]:.0%} | {rate(name, 'wall'):.0f} | "
+            f"{per_round} | {rate(name, 'cpu'):.0f} | "
+            f"{results[name][-1]['loss']:.6f} |"
+        )
     verdicts = []
     for name in ways:
         if name == "packed":
             continue
         wall = rate("packed", "wall") / rate(name, "wall")
         cpu = rate("packed", "cpu") / rate(name, "cpu")
-        rounds = ", ".join(f"{q['wall'] / p['wall']:.2f}"
-                           for q, p in zip(results[name], results["packed"], strict=True))  # fmt: skip
+        rounds = ", ".join(
+            f"{q['wall'] / p['wall']:.2f}"
+            for q, p in zip(results[name], results["packed"], strict=True)
+        )
         verdict = "meets" if min(wall, cpu) >= 2 else "does NOT meet"
         ceiling = positions[name] / positions["packed"]
-        verdicts.append(f"- **packed vs {name}: {wall:.2f}x real tokens/s by the wall clock, "
-                        f"{cpu:.2f}x by CPU time** (per round, wall: {rounds}); {verdict} the "
-                        f"2x target; {ceiling:.2f}x fewer positions computed.")  # fmt: skip
+        verdicts.append(
+            f"- **packed vs {name}: {wall:.2f}x real tokens/s by the wall clock, "
+            f"{cpu:.2f}x by CPU time** (per round, wall: {rounds}); {verdict} the "
+            f"2x target; {ceiling:.2f}x fewer positions computed."
+        )
     batch_text = " ".join(map(str, args.batch))
-    command = (f"python benchmarks/packing.py --docs {args.docs} --batch {batch_text} "
-               f"--row {args.row} --rows {args.rows} --hidden {args.hidden} "
-               f"--intermediate {args.intermediate} --layers {args.layers} "
-               f"--rounds {args.rounds} --threads {args.threads}")  # fmt: skip
+    command = (
+        f"python benchmarks/packing.py --docs {args.docs} --batch {batch_text} "
+        f"--row {args.row} --rows {args.rows} --hidden {args.hidden} "
+        f"--intermediate {args.intermediate} --layers {args.layers} "
+        f"--rounds {args.rounds} --threads {args.threads}"
+    )
     return f"""# Packing on variable-length data: real tokens/s, packed vs padded (CPU)
 
 `{command}` ({minutes:.1f} min)

@@ -165,8 +165,11 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any]:
         kwargs: dict[str, torch.Tensor] = {}
         if ctx.cp_size > 1:  # this rank's zigzag share of the row, attended by ring attention
             positions = torch.arange(args.seq)[None].expand(args.batch, -1)
-            local = shard_batch({"input_ids": inputs, "labels": labels, "position_ids": positions},
-                                cp_rank=ctx.cp_rank, cp_size=ctx.cp_size)  # fmt: skip
+            local = shard_batch(
+                {"input_ids": inputs, "labels": labels, "position_ids": positions},
+                cp_rank=ctx.cp_rank,
+                cp_size=ctx.cp_size,
+            )
             inputs, labels = local["input_ids"], local["labels"]
             kwargs = {"position_ids": local["position_ids"], "cp_index": local["cp_index"]}
         trained = args.batch * args.seq
@@ -217,8 +220,13 @@ def run_layout(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     world = LAYOUTS[name][0]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")  # fmt: skip
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(world),
+        OMP_NUM_THREADS=str(args.threads),
+        PYTHONWARNINGS="ignore",
+    )
     flags = [f"--{k}={getattr(args, k)}" for k in ("layers", "seq", "batch", "steps", "threads")]
     procs = [
         subprocess.Popen(
@@ -227,7 +235,7 @@ def run_layout(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for rank in range(world)
     ]
     results, failed = [], []
@@ -255,9 +263,13 @@ def predict(name: str, args: argparse.Namespace) -> Any:
     world, parallelism, _ = LAYOUTS[name]
     model = build_model(spec_from_hf_config(_shape(args, name)), device="meta")
     return estimate_memory(
-        model, batch_size=args.batch, seq_len=args.seq, optimizer="adamw", loss="full",
+        model,
+        batch_size=args.batch,
+        seq_len=args.seq,
+        optimizer="adamw",
+        loss="full",
         parallel=ParallelDims.resolve(parallelism, world),
-    )  # fmt: skip
+    )
 
 
 def gpu_plans() -> dict[tuple[str, str, bool, str], Any]:
@@ -278,11 +290,16 @@ def gpu_plans() -> dict[tuple[str, str, bool, str], Any]:
             for checkpointing in (False, True):
                 for column, (optimizer, in_backward) in GPU_OPTIMIZERS.items():
                     plans[model_name, layout, checkpointing, column] = estimate_memory(
-                        model, batch_size=1, seq_len=GPU_SEQ, optimizer=optimizer,
+                        model,
+                        batch_size=1,
+                        seq_len=GPU_SEQ,
+                        optimizer=optimizer,
                         activation_checkpointing="full" if checkpointing else None,
-                        loss="linear", optimizer_in_backward=in_backward, parallel=dims,
+                        loss="linear",
+                        optimizer_in_backward=in_backward,
+                        parallel=dims,
                         device="cuda",
-                    )  # fmt: skip
+                    )
     return plans
 
 
@@ -368,11 +385,15 @@ def claim(plans: dict[tuple[str, str, bool, str], Any]) -> str:
     fp32 = plans[model, "FSDP2 8", True, "in-bwd, fp32 moments"]
     plain = plans[model, "FSDP2 8", True, "AdamW bf16 moments"]
     fitting = sorted(
-        {(k[1], k[2]) for k, p in plans.items()
-         if k[0] == model and k[3] == "in-bwd, bf16 moments" and p.total <= GPU_USABLE},
-    )  # fmt: skip
-    where = ", ".join(f"{layout} (checkpointing {'full' if ac else 'off'})"
-                      for layout, ac in fitting)  # fmt: skip
+        {
+            (k[1], k[2])
+            for k, p in plans.items()
+            if k[0] == model and k[3] == "in-bwd, bf16 moments" and p.total <= GPU_USABLE
+        },
+    )
+    where = ", ".join(
+        f"{layout} (checkpointing {'full' if ac else 'off'})" for layout, ac in fitting
+    )
     verdict = "holds" if bf16.total <= GPU_USABLE else "does not hold"
     return (
         f'**The reference claim** "70B full fine-tuning fits on 8 H100 with '
@@ -434,9 +455,13 @@ def reading(rows: dict[str, list[dict[str, Any]]], plans: dict[str, Any]) -> str
 
 
 def report(
-    args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]], plans: dict[str, Any],
-    gpu: dict[tuple[str, str, bool, str], Any], command: str, minutes: float,
-) -> str:  # fmt: skip
+    args: argparse.Namespace,
+    rows: dict[str, list[dict[str, Any]]],
+    plans: dict[str, Any],
+    gpu: dict[tuple[str, str, bool, str], Any],
+    command: str,
+    minutes: float,
+) -> str:
     shape = _shape(args)
     params = sum(p.numel() for p in _meta_model(args).parameters()) / 1e6
     ratios = [plans[n].total / max(r["peak"] for r in rows[n]) for n in rows]
@@ -554,12 +579,17 @@ def reading_cp_ep(rows: dict[str, list[dict[str, Any]]], plans: dict[str, Any]) 
 
 
 def report_cp_ep(
-    args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]], plans: dict[str, Any],
-    command: str, minutes: float,
-) -> str:  # fmt: skip
+    args: argparse.Namespace,
+    rows: dict[str, list[dict[str, Any]]],
+    plans: dict[str, Any],
+    command: str,
+    minutes: float,
+) -> str:
     dense, moe = _shape(args), _shape(args, "moe_single")
-    params = {name: sum(p.numel() for p in _meta_model(args, name).parameters()) / 1e6
-              for name in ("single", "moe_single")}  # fmt: skip
+    params = {
+        name: sum(p.numel() for p in _meta_model(args, name).parameters()) / 1e6
+        for name in ("single", "moe_single")
+    }
     ratios = [plans[n].total / max(r["peak"] for r in rows[n]) for n in rows]
     worst = max(ratios, key=lambda x: abs(x - 1)) if ratios else 1.0
     within = all(abs(x - 1) <= 0.15 for x in ratios)
@@ -618,10 +648,15 @@ def _argv_note(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rank-of", choices=list(LAYOUTS), help=argparse.SUPPRESS)
-    parser.add_argument("--part", choices=list(PARTS), default="tp",
-                        help="tp: parts 1-2 (FSDP2/TP/HSDP); cp_ep: part 3")  # fmt: skip
-    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS),
-                        help="default: the part's layouts")  # fmt: skip
+    parser.add_argument(
+        "--part",
+        choices=list(PARTS),
+        default="tp",
+        help="tp: parts 1-2 (FSDP2/TP/HSDP); cp_ep: part 3",
+    )
+    parser.add_argument(
+        "--layouts", nargs="+", choices=list(LAYOUTS), help="default: the part's layouts"
+    )
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=1, help="rows per data-parallel rank")
@@ -643,10 +678,13 @@ def main() -> None:
         rows[name] = run_layout(name, args)
         plans[name] = predict(name, args)
         heaviest = max(r["peak"] for r in rows[name])
-        print(f"{name}: measured {_mib(heaviest)} MiB, model {_mib(plans[name].total)} MiB "
-              f"({plans[name].total / heaviest:.3f}), "
-              f"{rows[name][0]['tokens_per_s_per_rank']:.0f} tokens/s per rank, "
-              f"{time.perf_counter() - start:.0f} s so far", flush=True)  # fmt: skip
+        print(
+            f"{name}: measured {_mib(heaviest)} MiB, model {_mib(plans[name].total)} MiB "
+            f"({plans[name].total / heaviest:.3f}), "
+            f"{rows[name][0]['tokens_per_s_per_rank']:.0f} tokens/s per rank, "
+            f"{time.perf_counter() - start:.0f} s so far",
+            flush=True,
+        )
     if args.part == "cp_ep":
         minutes = (time.perf_counter() - start) / 60
         text = report_cp_ep(args, rows, plans, command, minutes)

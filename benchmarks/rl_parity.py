@@ -42,8 +42,9 @@ def mismatch(model, device, dtype, samples: int, new_tokens: int, seed: int = 0)
     """(mean, max) |trainer - sampler| over the sampled tokens, and the token count."""
     vocab = model.spec.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (8 + 5 * (i % 4),), generator=gen).tolist()
-               for i in range(samples)]  # fmt: skip
+    prompts = [
+        torch.randint(3, vocab, (8 + 5 * (i % 4),), generator=gen).tolist() for i in range(samples)
+    ]
     keys = [row_key(seed, i) for i in range(samples)]
     with torch.autocast(device.type, dtype or torch.float32, enabled=dtype is not None):
         out = generate(model, prompts, max_new_tokens=new_tokens, temperature=1.0, row_keys=keys)

@@ -103,8 +103,9 @@ def make_world(root: Path, rows: int, seed: int = 0) -> tuple[Path, Path]:
 # -- one configuration ------------------------------------------------------------------------------
 
 
-def recipe_config(args: argparse.Namespace, name: str, model_dir: Path, prompts: Path,
-                  output_dir: Path) -> Any:  # fmt: skip
+def recipe_config(
+    args: argparse.Namespace, name: str, model_dir: Path, prompts: Path, output_dir: Path
+) -> Any:
     """The shipped ``grpo/tiny`` config pointed at the world, at this benchmark's sizes."""
     overrides = [
         f"model_dir={model_dir}", f"prompts.source={prompts}", f"output_dir={output_dir}",
@@ -125,8 +126,9 @@ def recipe_config(args: argparse.Namespace, name: str, model_dir: Path, prompts:
     return cfg
 
 
-def forward_tokens_per_s(model: torch.nn.Module, args: argparse.Namespace,
-                         device: torch.device) -> float:  # fmt: skip
+def forward_tokens_per_s(
+    model: torch.nn.Module, args: argparse.Namespace, device: torch.device
+) -> float:
     """Tokens/s of a no-gradient, eval-mode forward (logits at every position) of ``model``
     over ``rows x new_tokens`` random ids in micro-batches; median of ``forward_repeats``."""
     rows = args.prompts * args.group_size
@@ -147,8 +149,9 @@ def forward_tokens_per_s(model: torch.nn.Module, args: argparse.Namespace,
     return rows * args.new_tokens / statistics.median(once() for _ in range(args.forward_repeats))
 
 
-def sampling_tokens_per_s(model: torch.nn.Module, cfg: Any, args: argparse.Namespace,
-                          device: torch.device) -> dict[str, float]:  # fmt: skip
+def sampling_tokens_per_s(
+    model: torch.nn.Module, cfg: Any, args: argparse.Namespace, device: torch.device
+) -> dict[str, float]:
     """Generated tokens/s of :func:`~tunesmith.generation.generate` alone on one step's rows
     (the first ``prompts`` prompts, chat-templated, ``group_size`` times each; temperature 1,
     the tokenizer's end-of-sequence token stops a row), with the recipe's keyed sampling and
@@ -179,8 +182,9 @@ def sampling_tokens_per_s(model: torch.nn.Module, cfg: Any, args: argparse.Names
     return out
 
 
-def run_config(args: argparse.Namespace, name: str, world: Path, model_dir: Path,
-               prompts: Path, sampling: bool) -> dict[str, Any]:  # fmt: skip
+def run_config(
+    args: argparse.Namespace, name: str, world: Path, model_dir: Path, prompts: Path, sampling: bool
+) -> dict[str, Any]:
     """Run the recipe with configuration ``name``; its measured steps' metrics, the
     forward-only throughput of the same policy and, with ``sampling``, the sampling check."""
 
@@ -229,10 +233,13 @@ def summarize(run: dict[str, Any], forwards: int) -> dict[str, Any]:
         other = r["step_time_s"] - sum(r[p] for p in PHASES)
         values = {key: float(r[key]) for key in (*PHASES, *LOGGED)}
         generated = r["completion_length"] * r["rollout_samples"]
-        values |= {"other_s": other, "samples_per_s": r["rollout_samples"] / r["step_time_s"],
-                   "generated_tokens": generated,
-                   "prompt_tokens": (r["row_tokens"] - generated) / r["rollout_samples"],
-                   "logprob_tokens_per_s": forwards * r["row_tokens"] / r["logprobs_s"]}  # fmt: skip
+        values |= {
+            "other_s": other,
+            "samples_per_s": r["rollout_samples"] / r["step_time_s"],
+            "generated_tokens": generated,
+            "prompt_tokens": (r["row_tokens"] - generated) / r["rollout_samples"],
+            "logprob_tokens_per_s": forwards * r["row_tokens"] / r["logprobs_s"],
+        }
         values |= {f"share/{p}": values[p] / r["step_time_s"] for p in (*PHASES, "other_s")}
         values["share/rollout"] = sum(r[p] for p in ROLLOUT) / r["step_time_s"]
         for key, value in values.items():
@@ -252,8 +259,9 @@ def split_table(summary: dict[str, dict[str, float]]) -> str:
     for name, s in summary.items():
         step = s["step_time_s"]
         cells = [f"{s[k]:.2f} ({s['share/' + k]:.0%})" for k in (*PHASES, "other_s")]
-        lines.append(f"| {LABELS[name]} | {step:.2f} | {' | '.join(cells)} | "
-                     f"{s['samples_per_s']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {LABELS[name]} | {step:.2f} | {' | '.join(cells)} | {s['samples_per_s']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -311,9 +319,15 @@ def comparisons(summary: dict[str, dict[str, Any]]) -> str:
         )
     if {"full", "lora"} <= summary.keys():
         full, lora = summary["full"], summary["lora"]
-        ratios = ", ".join(f"{label} {lora[key] / full[key]:.2f}x" for label, key in (
-            ("step", "step_time_s"), ("generate", "generate_s"),
-            ("log-probs", "logprobs_s"), ("train", "train_s")))  # fmt: skip
+        ratios = ", ".join(
+            f"{label} {lora[key] / full[key]:.2f}x"
+            for label, key in (
+                ("step", "step_time_s"),
+                ("generate", "generate_s"),
+                ("log-probs", "logprobs_s"),
+                ("train", "train_s"),
+            )
+        )
         lines.append(f"- LoRA / full fine-tuning (medians): {ratios}.")
     return "\n".join(lines)
 
@@ -339,11 +353,17 @@ def device_text(args: argparse.Namespace) -> str:
     return f"CPU, {torch.get_num_threads()} thread(s)"
 
 
-def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]],
-           load: tuple[float, float], minutes: float) -> str:  # fmt: skip
+def report(
+    args: argparse.Namespace,
+    summary: dict[str, dict[str, Any]],
+    load: tuple[float, float],
+    minutes: float,
+) -> str:
     rows = args.prompts * args.group_size
-    times = "\n".join(f"- {LABELS[n]}: {', '.join(f'{t:.2f}' for t in s['step_times'])}"
-                      for n, s in summary.items())  # fmt: skip
+    times = "\n".join(
+        f"- {LABELS[n]}: {', '.join(f'{t:.2f}' for t in s['step_times'])}"
+        for n, s in summary.items()
+    )
     checks = "\n".join(
         f"- {LABELS[n]}: mean reward {s['reward']:.3f}, largest |trainer - sampler| log-prob "
         f"{s['logprob_mismatch_max']:.1e}"
@@ -411,8 +431,10 @@ the timing is that of a learning run.
 """
 
 
-SHARED = ("shared with other jobs while this ran, so absolute times are noisy; the shares and "
-          "ratios come from the same run")  # fmt: skip
+SHARED = (
+    "shared with other jobs while this ran, so absolute times are noisy; the shares and "
+    "ratios come from the same run"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -426,14 +448,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=1, help="steps excluded (at least 1)")
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--forward-repeats", type=int, default=3)
-    parser.add_argument("--no-sampling-check", dest="sampling_check", action="store_false",
-                        help="skip timing generate alone, keyed vs generator sampling")  # fmt: skip
+    parser.add_argument(
+        "--no-sampling-check",
+        dest="sampling_check",
+        action="store_false",
+        help="skip timing generate alone, keyed vs generator sampling",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (mixed_precision)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (1: steadier on a shared machine)")  # fmt: skip
-    parser.add_argument("--shared", action="store_true",
-                        help="say in the report that other jobs shared the machine")  # fmt: skip
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared machine)"
+    )
+    parser.add_argument(
+        "--shared", action="store_true", help="say in the report that other jobs shared the machine"
+    )
     parser.add_argument("--no-write", action="store_true", help=f"do not write {RESULTS.name}")
     return parser
 
@@ -457,11 +485,13 @@ def main() -> None:
             sampling = args.sampling_check and name == args.configs[0]
             run = run_config(args, name, world, model_dir, prompts, sampling)
             summary[name] = s = summarize(run, 2 if args.kl_coef > 0 else 1)
-            print(f"{name}: step {s['step_time_s']:.2f} s (generate {s['generate_s']:.2f}, "
-                  f"reward {s['reward_s']:.3f}, log-probs {s['logprobs_s']:.2f}, train "
-                  f"{s['train_s']:.2f}); {s['generated_tokens_per_s']:.0f} generated tokens/s vs "
-                  f"{s['forward_tokens_per_s']:.0f} forward-only; run {run['wall_s']:.0f} s",
-                  flush=True)  # fmt: skip
+            print(
+                f"{name}: step {s['step_time_s']:.2f} s (generate {s['generate_s']:.2f}, "
+                f"reward {s['reward_s']:.3f}, log-probs {s['logprobs_s']:.2f}, train "
+                f"{s['train_s']:.2f}); {s['generated_tokens_per_s']:.0f} generated tokens/s vs "
+                f"{s['forward_tokens_per_s']:.0f} forward-only; run {run['wall_s']:.0f} s",
+                flush=True,
+            )
     minutes = (time.perf_counter() - started) / 60
     text = report(args, summary, (load_start, os.getloadavg()[0]), minutes)
     print(text)

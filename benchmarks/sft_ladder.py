@@ -221,21 +221,33 @@ def run_rung(preset: str, rung_index: int, steps: int, threads: int) -> RungResu
         train_step(peak_batch)
     b, s = peak_batch["input_ids"].shape
     plan = estimate_memory(
-        model, batch_size=b, seq_len=s, optimizer="adamw8bit" if on.get("eight_bit") else "adamw",
+        model,
+        batch_size=b,
+        seq_len=s,
+        optimizer="adamw8bit" if on.get("eight_bit") else "adamw",
         activation_checkpointing="full" if on.get("checkpointing") else None,
         loss=loss_fn if on.get("linear_ce") else "full",
-        optimizer_in_backward=bool(on.get("in_backward")), packed=bool(on.get("packed")),
-    )  # fmt: skip
+        optimizer_in_backward=bool(on.get("in_backward")),
+        packed=bool(on.get("packed")),
+    )
     rss_peak = _status_bytes("VmHWM")
     return RungResult(
-        rung=names[-1], tokens_per_s=tokens / seconds, flops_per_s=flops / seconds,
-        step_s=seconds / steps, slowest_tokens_per_s=min(rates), fastest_tokens_per_s=max(rates),
-        first_step_s=first_step_s, matmul_peak=matmul_peak, live_peak=resident + mem.peak,
+        rung=names[-1],
+        tokens_per_s=tokens / seconds,
+        flops_per_s=flops / seconds,
+        step_s=seconds / steps,
+        slowest_tokens_per_s=min(rates),
+        fastest_tokens_per_s=max(rates),
+        first_step_s=first_step_s,
+        matmul_peak=matmul_peak,
+        live_peak=resident + mem.peak,
         peak_at=peak_label(mem.peak_op),
-        estimate=plan.total, rss_peak=rss_peak, rss_base=rss_base,
+        estimate=plan.total,
+        rss_peak=rss_peak,
+        rss_base=rss_base,
         params=sum(p.numel() for p in model.parameters()),
         gradients=sum(p.numel() * p.element_size() for p in params),
-    )  # fmt: skip
+    )
 
 
 def peak_label(ops: str) -> str:
@@ -288,8 +300,12 @@ def run_child(preset: str, index: int, steps: int, threads: int, cache_dir: str)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     # a fixed mmap threshold: freed tensors go back to the OS (glibc otherwise raises the
     # threshold and keeps freed activations resident), so the resident set follows the tensors
-    env.update(OMP_NUM_THREADS=str(threads), TORCHINDUCTOR_CACHE_DIR=cache_dir,
-               TORCHINDUCTOR_COMPILE_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")  # fmt: skip
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        TORCHINDUCTOR_CACHE_DIR=cache_dir,
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        MALLOC_MMAP_THRESHOLD_="131072",
+    )
     command = [sys.executable, __file__, "--child", str(index), "--preset", preset,
                "--steps", str(steps), "--threads", str(threads)]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -344,10 +360,13 @@ def main() -> None:
             result = run_child(args.preset, index, args.steps, args.threads, cache_dir)
             results.append(result)
             peak = max(peak, result.matmul_peak)
-            print(f"{name}: {result.tokens_per_s:.0f} tokens/s, "
-                  f"MFU {result.flops_per_s / peak:.1%}, peak {_mib(result.live_peak)} MiB "
-                  f"({result.peak_at}), "
-                  f"first step {result.first_step_s:.1f} s", flush=True)  # fmt: skip
+            print(
+                f"{name}: {result.tokens_per_s:.0f} tokens/s, "
+                f"MFU {result.flops_per_s / peak:.1%}, peak {_mib(result.live_peak)} MiB "
+                f"({result.peak_at}), "
+                f"first step {result.first_step_s:.1f} s",
+                flush=True,
+            )
     minutes = (time.perf_counter() - started) / 60
     # a shared machine: the machine's peak is the best of every measurement (before and after
     # the ladder here, and in each rung's process right before its timed steps)
@@ -367,9 +386,11 @@ def targets(results: list[RungResult], peak: float) -> str:
     lines = []
     if "baseline" in by and len(results) > 1:
         first, last = by["baseline"], results[-1]
-        lines.append(f"all switches together ({last.rung} row) take the peak from "
-                     f"{_mib(first.live_peak)} to {_mib(last.live_peak)} MiB "
-                     f"(**{last.live_peak / first.live_peak - 1:+.1%}**; target -60% or more)")  # fmt: skip
+        lines.append(
+            f"all switches together ({last.rung} row) take the peak from "
+            f"{_mib(first.live_peak)} to {_mib(last.live_peak)} MiB "
+            f"(**{last.live_peak / first.live_peak - 1:+.1%}**; target -60% or more)"
+        )
     if "baseline" in by and "+packing" in by:
         ratio = by["+packing"].tokens_per_s / by["baseline"].tokens_per_s
         lines.append(f"packing raises real tokens/s **{ratio:.2f}x** (target 2x or more)")
@@ -378,11 +399,13 @@ def targets(results: list[RungResult], peak: float) -> str:
     if names[hooked] in by and names[hooked - 1] in by:
         before, after = by[names[hooked - 1]], by[names[hooked]]
         cut = before.live_peak - after.live_peak
-        lines.append(f"the optimizer in backward cuts {_mib(cut)} MiB against "
-                     f"{_mib(after.gradients)} MiB of gradients "
-                     f"(**{cut / after.gradients:.0%}**; target 100% or more, reachable only "
-                     "where the plain step's scratch outweighs the working set of backward, "
-                     "as with torch's foreach AdamW: `optim_in_backward.md`)")  # fmt: skip
+        lines.append(
+            f"the optimizer in backward cuts {_mib(cut)} MiB against "
+            f"{_mib(after.gradients)} MiB of gradients "
+            f"(**{cut / after.gradients:.0%}**; target 100% or more, reachable only "
+            "where the plain step's scratch outweighs the working set of backward, "
+            "as with torch's foreach AdamW: `optim_in_backward.md`)"
+        )
     best = max(results, key=lambda r: r.flops_per_s)
     lines.append(f"best MFU **{best.flops_per_s / peak:.1%}** ({best.rung})")
     return "".join(f"- {line}\n" for line in lines)
@@ -393,9 +416,11 @@ def report(args, results: list[RungResult], peak: float, minutes: float) -> str:
     cfg = setup["config"]
     params = results[0].params / 1e6 if results else 0.0
     if args.preset == "cpu":
-        size = ("the 100M shape's width and vocabulary with 4 of its 12 layers at seq 512, so "
-                "the whole ladder runs in minutes; the issue's shape is `--preset 100m` "
-                "(`sft_ladder_100m.md`)")  # fmt: skip
+        size = (
+            "the 100M shape's width and vocabulary with 4 of its 12 layers at seq 512, so "
+            "the whole ladder runs in minutes; the issue's shape is `--preset 100m` "
+            "(`sft_ladder_100m.md`)"
+        )
     else:
         size = "the issue's ladder shape, ~100M parameters at seq 1024"
     return f"""# SFT ablation ladder: throughput, MFU, peak memory

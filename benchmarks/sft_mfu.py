@@ -222,8 +222,9 @@ def data_stats(model_dir: Path, data: Path) -> dict[str, float]:
     ``BATCH`` consecutive samples carries."""
     from tunesmith.data import SFTDataset, Tokenizer
 
-    dataset = SFTDataset(Tokenizer.from_pretrained(model_dir), source=str(data),
-                         max_seq_len=SEQ_LEN)  # fmt: skip
+    dataset = SFTDataset(
+        Tokenizer.from_pretrained(model_dir), source=str(data), max_seq_len=SEQ_LEN
+    )
     lengths = [len(s["input_ids"]) for s in dataset.samples]
     trained = sum(sum(label != -100 for label in s["labels"]) for s in dataset.samples)
     batches = [lengths[i : i + BATCH] for i in range(0, len(lengths) - BATCH + 1, BATCH)]
@@ -314,14 +315,20 @@ def run_config(name: str, world: Path, steps: int, threads: int, profile: bool) 
     torch.set_num_threads(threads)
     peaks = [matmul_peak(threads)]
     output_dir = Path(tempfile.mkdtemp(prefix="run_", dir=world))
-    cfg = merged(base_config(world / "model", world / "chat.jsonl", output_dir, steps),
-                 CONFIGS[name])  # fmt: skip
+    cfg = merged(
+        base_config(world / "model", world / "chat.jsonl", output_dir, steps), CONFIGS[name]
+    )
     clock_file = output_dir / "cpu_clock.json"
     profile_file = output_dir / "profile.json"
     cfg["metric_loggers"].append({"_component_": "sft_mfu.StepClock", "path": str(clock_file)})
     if profile:
-        cfg["metric_loggers"].append({"_component_": "sft_mfu.StepProfiler",
-                                      "path": str(profile_file), "last_step": steps + 1})  # fmt: skip
+        cfg["metric_loggers"].append(
+            {
+                "_component_": "sft_mfu.StepProfiler",
+                "path": str(profile_file),
+                "last_step": steps + 1,
+            }
+        )
     os.environ[ALLOW_ANY_COMPONENT_ENV] = "1"  # these loggers are not library components
     sft.main(OmegaConf.create(cfg))
     peaks.append(matmul_peak(threads))
@@ -346,8 +353,12 @@ def run_child(
 ) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.update(OMP_NUM_THREADS=str(threads), TORCHINDUCTOR_CACHE_DIR=cache_dir,
-               TORCHINDUCTOR_COMPILE_THREADS="1", **ENVIRONMENTS.get(name, {}))  # fmt: skip
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        TORCHINDUCTOR_CACHE_DIR=cache_dir,
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        **ENVIRONMENTS.get(name, {}),
+    )
     command = [sys.executable, __file__, "--child", name, "--world", str(world),
                "--steps", str(steps), "--threads", str(threads)]  # fmt: skip
     if profile:
@@ -371,15 +382,27 @@ def step_flops(run: dict, stats: dict[str, float]) -> tuple[float, float, float]
     return done, attention, 6 * matmul_params() * tokens
 
 
-def summarize(runs: list[dict], peaks: dict[int, tuple[float, float]],
-              stats: dict[str, float]) -> dict:  # fmt: skip
+def summarize(
+    runs: list[dict], peaks: dict[int, tuple[float, float]], stats: dict[str, float]
+) -> dict:
     """Per (configuration, threads): tokens/s over all timed steps of all rounds, the MFU of
     the FLOPs computed (by the wall clock and by CPU time), the 6N MFU, seconds per step."""
     out: dict[tuple[str, int], dict] = {}
     for run in runs:
-        entry = out.setdefault((run["name"], run["threads"]), {
-            "tokens": 0.0, "seconds": 0.0, "cpu_seconds": 0.0, "done": 0.0, "six_n": 0.0,
-            "steps": 0, "rates": [], "round_done": [], "first": []})  # fmt: skip
+        entry = out.setdefault(
+            (run["name"], run["threads"]),
+            {
+                "tokens": 0.0,
+                "seconds": 0.0,
+                "cpu_seconds": 0.0,
+                "done": 0.0,
+                "six_n": 0.0,
+                "steps": 0,
+                "rates": [],
+                "round_done": [],
+                "first": [],
+            },
+        )
         done, _, six_n = step_flops(run, stats)
         entry["tokens"] += sum(run["tokens"])
         entry["seconds"] += sum(run["seconds"])
@@ -408,10 +431,12 @@ def table(summary: dict[tuple[str, int], dict]) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for (name, threads), e in sorted(summary.items(), key=lambda kv: kv[0][1]):
         rounds = ", ".join(f"{m:.0%}" for m in e["round_mfu"])
-        lines.append(f"| {name} | {threads} | {e['tokens_per_s']:.0f} | **{e['mfu']:.1%}** | "
-                     f"{rounds} | {e['cpu_mfu']:.1%} | {e['six_n_mfu']:.1%} | "
-                     f"{e['step_s']:.3f} | {e['cpu_step_s']:.3f} | "
-                     f"{statistics.median(e['first']):.1f} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {threads} | {e['tokens_per_s']:.0f} | **{e['mfu']:.1%}** | "
+            f"{rounds} | {e['cpu_mfu']:.1%} | {e['six_n_mfu']:.1%} | "
+            f"{e['step_s']:.3f} | {e['cpu_step_s']:.3f} | "
+            f"{statistics.median(e['first']):.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -423,8 +448,10 @@ def best(summary: dict[tuple[str, int], dict]) -> str:
         name = max(rows, key=lambda n: rows[n]["mfu"])
         plain = rows.get("plain CE")
         versus = f" (plain CE: {plain['mfu']:.1%})" if plain else ""
-        lines.append(f"- {threads} thread(s): **{name}**, MFU **{rows[name]['mfu']:.1%}**"
-                     f" of the FLOPs computed, {rows[name]['six_n_mfu']:.1%} by 6N{versus}.")  # fmt: skip
+        lines.append(
+            f"- {threads} thread(s): **{name}**, MFU **{rows[name]['mfu']:.1%}**"
+            f" of the FLOPs computed, {rows[name]['six_n_mfu']:.1%} by 6N{versus}."
+        )
     return "\n".join(lines)
 
 
@@ -440,26 +467,33 @@ def _ratio_notes(summary: dict[tuple[str, int], dict]) -> list[str]:
         parts = []
         plain, linear = step("plain CE"), step("linear CE")
         if plain and linear:
-            parts.append(f"linear CE takes {linear / plain:.2f}x plain CE's CPU time per step "
-                         f"({plain:.3f} -> {linear:.3f} s)")  # fmt: skip
+            parts.append(
+                f"linear CE takes {linear / plain:.2f}x plain CE's CPU time per step "
+                f"({plain:.3f} -> {linear:.3f} s)"
+            )
         for base, fused in (("plain CE", "plain CE + fused AdamW"), ("linear CE", SHIPPED)):
             if step(base) and step(fused):
-                parts.append(f"fused AdamW saves {1000 * (step(base) - step(fused)):.0f} ms of "
-                             f"{1000 * step(base):.0f} ms per step over the for-loop AdamW "
-                             f"({base})")  # fmt: skip
+                parts.append(
+                    f"fused AdamW saves {1000 * (step(base) - step(fused)):.0f} ms of "
+                    f"{1000 * step(base):.0f} ms per step over the for-loop AdamW "
+                    f"({base})"
+                )
         compiled = "linear CE + fused AdamW + compile"
         if step(SHIPPED) and step(compiled):
-            parts.append(f"compile: {step(compiled) / step(SHIPPED):.2f}x the shipped CPU time "
-                         f"per step after a first step of "
-                         f"{statistics.median(rows[compiled]['first']):.1f} s (shipped: "
-                         f"{statistics.median(rows[SHIPPED]['first']):.1f} s)")  # fmt: skip
+            parts.append(
+                f"compile: {step(compiled) / step(SHIPPED):.2f}x the shipped CPU time "
+                f"per step after a first step of "
+                f"{statistics.median(rows[compiled]['first']):.1f} s (shipped: "
+                f"{statistics.median(rows[SHIPPED]['first']):.1f} s)"
+            )
         if parts:
             notes.append(f"- **{threads} thread(s)**: " + "; ".join(parts) + ".")
     return notes
 
 
-def _breakdown_notes(profiled: dict | None, stats: dict[str, float],
-                     peaks: dict[int, tuple[float, float]]) -> list[str]:  # fmt: skip
+def _breakdown_notes(
+    profiled: dict | None, stats: dict[str, float], peaks: dict[int, tuple[float, float]]
+) -> list[str]:
     if not profiled:
         return ["- (no profiled run: `--no-breakdown`)"]
     split = breakdown(profiled["profile"])
@@ -498,8 +532,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=2, help="turns over the configurations")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
-    parser.add_argument("--no-breakdown", action="store_true",
-                        help="skip the profiled run of the shipped settings")  # fmt: skip
+    parser.add_argument(
+        "--no-breakdown", action="store_true", help="skip the profiled run of the shipped settings"
+    )
     parser.add_argument("--no-write", action="store_true", help=f"do not write {RESULTS.name}")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-profile", action="store_true", help=argparse.SUPPRESS)
@@ -508,8 +543,9 @@ def main() -> None:
     rows = BATCH * (args.steps + 1)
 
     if args.child is not None:
-        result = run_config(args.child, Path(args.world), args.steps, args.threads[0],
-                            args.child_profile)  # fmt: skip
+        result = run_config(
+            args.child, Path(args.world), args.steps, args.threads[0], args.child_profile
+        )
         print(json.dumps(result))
         return
     started, load = time.perf_counter(), os.getloadavg()[0]
@@ -527,8 +563,11 @@ def main() -> None:
                     runs.append(run)
                     peaks[threads] = _best(peaks[threads], (run["peak"], run["cpu_peak"]))
                     rate = sum(run["tokens"]) / sum(run["seconds"])
-                    print(f"round {round_ + 1}, {threads} thread(s), {name}: {rate:.0f} tokens/s "
-                          f"(first step {run['first_step_s']:.1f} s)", flush=True)  # fmt: skip
+                    print(
+                        f"round {round_ + 1}, {threads} thread(s), {name}: {rate:.0f} tokens/s "
+                        f"(first step {run['first_step_s']:.1f} s)",
+                        flush=True,
+                    )
         profiled = None
         if not args.no_breakdown:
             threads = min(args.threads)
@@ -548,8 +587,15 @@ def _best(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]
     return max(a[0], b[0]), max(a[1], b[1])
 
 
-def report(args, stats: dict[str, float], summary: dict, peaks: dict[int, tuple[float, float]],
-           minutes: float, load: float, profiled: dict | None) -> str:  # fmt: skip
+def report(
+    args,
+    stats: dict[str, float],
+    summary: dict,
+    peaks: dict[int, tuple[float, float]],
+    minutes: float,
+    load: float,
+    profiled: dict | None,
+) -> str:
     n, d, h = matmul_params(), decoder_matmul_params(), head_params()
     peak_text = "; ".join(
         f"{t} thread(s): {peaks[t][0] / 1e9:.1f} GFLOP/s by the wall clock, "

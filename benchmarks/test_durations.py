@@ -106,8 +106,9 @@ def summarise(cases: list[Case], wall: float, load_start: str, load_end: str) ->
 
 def _commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True)  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -132,25 +133,32 @@ def render(runs: dict[str, dict]) -> str:
     if len(runs) > 1 and "before" in runs:
         base = runs["before"]["wall_s"]
         lines += ["| run | wall | ratio to before |", "|---|---:|---:|"]
-        lines += [f"| {k} | {_minutes(runs[k]['wall_s'])} | {runs[k]['wall_s'] / base:.2f} |"
-                  for k in labels]  # fmt: skip
+        lines += [
+            f"| {k} | {_minutes(runs[k]['wall_s'])} | {runs[k]['wall_s'] / base:.2f} |"
+            for k in labels
+        ]
         lines.append("")
     for label in labels:
         run = runs[label]
         counts = ", ".join(f"{n} {k}" for k, n in sorted(run["outcomes"].items()))
-        lines += [f"## {label}: {_minutes(run['wall_s'])} wall ({counts})", "",
-                  f"- Commit {run['commit']}, {run['date']}; {run['machine']}; Python "
-                  f"{run['python']}, torch {run['torch']}.",
-                  f"- 1/5/15-minute load average {run['load_start']} at the start, "
-                  f"{run['load_end']} at the end.",
-                  f"- Sum of test times {_minutes(run['tests_s'])} (the rest is lint, collection "
-                  "and imports).",
-                  *([f"- Note: {run['note']}"] if run.get("note") else []), "",
-                  f"Slowest {len(run['slowest'])} tests:", "",
-                  "| seconds | test |", "|---:|---|"]  # fmt: skip
+        lines += [
+            f"## {label}: {_minutes(run['wall_s'])} wall ({counts})",
+            "",
+            f"- Commit {run['commit']}, {run['date']}; {run['machine']}; Python "
+            f"{run['python']}, torch {run['torch']}.",
+            f"- 1/5/15-minute load average {run['load_start']} at the start, "
+            f"{run['load_end']} at the end.",
+            f"- Sum of test times {_minutes(run['tests_s'])} (the rest is lint, collection "
+            "and imports).",
+            *([f"- Note: {run['note']}"] if run.get("note") else []),
+            "",
+            f"Slowest {len(run['slowest'])} tests:",
+            "",
+            "| seconds | test |",
+            "|---:|---|",
+        ]
         lines += [f"| {c['seconds']:.1f} | `{c['file']}::{c['name']}` |" for c in run["slowest"]]
-        lines += ["", f"Slowest {len(run['files'])} files:", "", "| seconds | file |",
-                  "|---:|---|"]  # fmt: skip
+        lines += ["", f"Slowest {len(run['files'])} files:", "", "| seconds | file |", "|---:|---|"]
         lines += [f"| {seconds:.1f} | `{name}` |" for name, seconds in run["files"]]
         lines.append("")
     return "\n".join(lines)
@@ -174,8 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     runs[args.label] = summarise(read_cases(args.junit), args.wall, args.load_start, load_end)
     store.write_text(json.dumps(runs, indent=1) + "\n")
     (args.results / "test_durations.md").write_text(render(runs))
-    print(f"wrote {args.results / 'test_durations.md'} ({args.label}: "
-          f"{_minutes(runs[args.label]['wall_s'])})")  # fmt: skip
+    print(
+        f"wrote {args.results / 'test_durations.md'} ({args.label}: "
+        f"{_minutes(runs[args.label]['wall_s'])})"
+    )
 
 
 if __name__ == "__main__":

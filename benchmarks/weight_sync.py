@@ -52,17 +52,27 @@ from tests.rl.rl_world import grpo_overrides, make_prompts, run_rl  # noqa: E402
 PATHS = ("object_store", "collective")
 
 
-def run_path(path: str, seed: int, root: Path, model_dir: Path, prompts: Path,
-             steps: int) -> tuple[Path, float]:  # fmt: skip
+def run_path(
+    path: str, seed: int, root: Path, model_dir: Path, prompts: Path, steps: int
+) -> tuple[Path, float]:
     """One ``grpo_async`` run with ``rollout.weight_sync=path``; its output dir and wall time."""
     out = root / f"{path}-seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
     overrides = grpo_overrides(
-        model_dir, prompts, out, f"seed={seed}", f"max_steps={steps}", "optimizer.lr=1e-2",
-        "generation.max_new_tokens=16", "async_mode=overlap", "rollout.workers=2",
-        f"rollout.weight_sync={path}", "log_samples_every=0", "save_every_minutes=null",
+        model_dir,
+        prompts,
+        out,
+        f"seed={seed}",
+        f"max_steps={steps}",
+        "optimizer.lr=1e-2",
+        "generation.max_new_tokens=16",
+        "async_mode=overlap",
+        "rollout.workers=2",
+        f"rollout.weight_sync={path}",
+        "log_samples_every=0",
+        "save_every_minutes=null",
         "~metric_loggers.0",
-    )  # fmt: skip
+    )
     start = time.perf_counter()
     run_rl("grpo_async", "tiny", overrides)
     return out, time.perf_counter() - start

@@ -44,9 +44,13 @@ CONTEXT = multiprocessing.get_context("forkserver")
 CONTEXT.set_forkserver_preload(["tests.forked", "tests.faults.child"])
 
 
-def start(target: Callable[..., Any], *args: Any, log: str | os.PathLike | None = None,
-          err: str | os.PathLike | None = None, env: dict[str, str] | None = None,
-          ) -> BaseProcess:  # fmt: skip
+def start(
+    target: Callable[..., Any],
+    *args: Any,
+    log: str | os.PathLike | None = None,
+    err: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+) -> BaseProcess:
     """Start ``target(*args)`` in a forked child with stdout appended to ``log`` and stderr to
     ``err`` (or to ``log`` too; both left as they are when no ``log``) and ``env`` as its whole
     environment (when given; else the server's), one intra-op thread. Its exit code is
@@ -68,8 +72,9 @@ def redirect_output(out: str | None, err: str | None = None) -> None:
             stream.reconfigure(line_buffering=True)
 
 
-def _enter(target: Callable[..., Any], args: tuple, files: list[str | None],
-           env: dict[str, str] | None) -> Any:  # fmt: skip
+def _enter(
+    target: Callable[..., Any], args: tuple, files: list[str | None], env: dict[str, str] | None
+) -> Any:
     redirect_output(*files)
     if env is not None:
         os.environ.clear()
@@ -94,14 +99,21 @@ class Child:
         self.process, self.pid = process, process.pid
 
     @classmethod
-    def cli(cls, args: Sequence[str], log: str | os.PathLike, *,
-            env: dict[str, str] | None = None) -> Child:  # fmt: skip
+    def cli(
+        cls, args: Sequence[str], log: str | os.PathLike, *, env: dict[str, str] | None = None
+    ) -> Child:
         """``tunesmith ARGS`` with its output in ``log`` and ``env`` (default: this process's)."""
         return cls.module("tunesmith.cli.main", args, log, env=env)
 
     @classmethod
-    def module(cls, module: str, args: Sequence[str], log: str | os.PathLike, *,
-               env: dict[str, str] | None = None) -> Child:  # fmt: skip
+    def module(
+        cls,
+        module: str,
+        args: Sequence[str],
+        log: str | os.PathLike,
+        *,
+        env: dict[str, str] | None = None,
+    ) -> Child:
         """``python -m MODULE ARGS`` with its output in ``log``."""
         argv = [str(a) for a in args]
         environment = dict(os.environ) if env is None else env
@@ -129,9 +141,13 @@ class Child:
         self.process.join()
 
 
-def run_cli(args: Sequence[str], *, cwd: str | os.PathLike | None = None,
-            env: dict[str, str] | None = None, timeout: float = 120,
-            ) -> subprocess.CompletedProcess:  # fmt: skip
+def run_cli(
+    args: Sequence[str],
+    *,
+    cwd: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess:
     """``tunesmith ARGS`` (the console script's function, :func:`tunesmith.cli.main.main`) in a
     forked child, in ``cwd``, with ``env`` (default: this process's environment), reported as
     ``subprocess.run(..., capture_output=True, text=True)`` would; past ``timeout`` s it is
@@ -140,8 +156,14 @@ def run_cli(args: Sequence[str], *, cwd: str | os.PathLike | None = None,
     with tempfile.TemporaryDirectory(prefix="tunesmith_cli_") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         started = time.monotonic()
-        child = start(_cli, cwd and str(cwd), argv, log=out, err=err,
-                      env=dict(os.environ) if env is None else env)  # fmt: skip
+        child = start(
+            _cli,
+            cwd and str(cwd),
+            argv,
+            log=out,
+            err=err,
+            env=dict(os.environ) if env is None else env,
+        )
         (code,) = wait_all([child], timeout=timeout)
         if code == -9 and time.monotonic() - started >= timeout:
             raise subprocess.TimeoutExpired(["tunesmith", *argv], timeout)

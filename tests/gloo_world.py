@@ -50,10 +50,16 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: floa
         return [torch.load(f"{tmp}/rank{r}.pt", weights_only=True) for r in range(world)]
 
 
-def _rank_main(rank: int, world: int, tmp: str, fn: Callable[..., Any], args: tuple,
-               timeout_s: float) -> None:  # fmt: skip
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s))  # fmt: skip
+def _rank_main(
+    rank: int, world: int, tmp: str, fn: Callable[..., Any], args: tuple, timeout_s: float
+) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
     try:
         torch.save(fn(rank, *args), f"{tmp}/rank{rank}.pt")
     except BaseException:

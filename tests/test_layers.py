@@ -129,9 +129,14 @@ def _runtime_imports(path: Path, modules: dict[str, Path]) -> set[str]:
     under ``if TYPE_CHECKING:``; ``from package import name`` counts the submodule ``name``
     when there is one, else the package."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-               and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-               for statement in block.body for n in ast.walk(statement)}  # fmt: skip
+    skipped = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If)
+        and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for statement in block.body
+        for n in ast.walk(statement)
+    }
     package = _module_name(path).split(".")
     package = package if path.name == "__init__.py" else package[:-1]
     found = set()
@@ -143,8 +148,10 @@ def _runtime_imports(path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join([*base, *([node.module] if node.module else [])])
-            found |= {f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module
-                      for a in node.names}  # fmt: skip
+            found |= {
+                f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module
+                for a in node.names
+            }
     return {name for name in found if name in modules}
 
 

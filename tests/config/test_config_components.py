@@ -150,8 +150,10 @@ def packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     ``tsother`` records its import in ``imported``."""
     root = tmp_path / "pkgs"
     monkeypatch.syspath_prepend(str(root))
-    _write(root / "tsother" / "__init__.py", f"""
-        open({str(tmp_path / 'imported')!r}, "w").write("tsother")
+    _write(
+        root / "tsother" / "__init__.py",
+        f"""
+        open({str(tmp_path / "imported")!r}, "w").write("tsother")
         import os
         def helper():
             return os.system
@@ -159,8 +161,11 @@ def packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
             pass
         Liar.__module__ = "tsallowed.nowhere"
         __import__("tunesmith.config").config.component(Liar)
-        """)  # fmt: skip
-    _write(root / "tsallowed" / "__init__.py", """
+        """,
+    )
+    _write(
+        root / "tsallowed" / "__init__.py",
+        """
         import functools
         import os
         import torch
@@ -190,9 +195,12 @@ def packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
                 return 1
         instance = component(Callable())
         liar = __import__("tsother").Liar
-        """)  # fmt: skip
-    _write(root / "tsallowed" / "safe.py", "import tunesmith.config\n"
-           "@tunesmith.config.component\ndef ok():\n    return 1\n")  # fmt: skip
+        """,
+    )
+    _write(
+        root / "tsallowed" / "safe.py",
+        "import tunesmith.config\n@tunesmith.config.component\ndef ok():\n    return 1\n",
+    )
     _write(root / "tsallowed" / "other.py", f"open({str(tmp_path / 'other')!r}, 'w')\n")
     ALLOWED_COMPONENT_PREFIXES.append("tsallowed.")
     try:
@@ -294,8 +302,10 @@ def test_a_denied_module_is_refused_before_it_is_imported() -> None:
 
 def test_unsafe_arguments_are_found_nested() -> None:
     found = list(
-        unsafe_arguments({"a": 1, "kw": {"trust_remote_code": True}, "l": [{"weights_only": False}]}, "model")
-    )  # fmt: skip
+        unsafe_arguments(
+            {"a": 1, "kw": {"trust_remote_code": True}, "l": [{"weights_only": False}]}, "model"
+        )
+    )
     assert [path for path, _ in found] == ["model.kw.trust_remote_code", "model.l.0.weights_only"]
     assert list(unsafe_arguments({"trust_remote_code": False, "weights_only": True}, "m")) == []
 

@@ -179,11 +179,17 @@ def test_positional_args_need_a_component() -> None:
 @pytest.mark.parametrize(
     "spec",
     [
-        "os.system", "subprocess.run", "builtins.eval", "tests.config.configtest_components.Optim",
+        "os.system",
+        "subprocess.run",
+        "builtins.eval",
+        "tests.config.configtest_components.Optim",
         # under allowed prefixes, but they load pickles / TorchScript / hub code
-        "torch.load", "torch.hub.load", "torch.jit.load", "torch.package.PackageImporter",
+        "torch.load",
+        "torch.hub.load",
+        "torch.jit.load",
+        "torch.package.PackageImporter",
     ],
-)  # fmt: skip
+)
 def test_allow_list_refuses_other_components(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ALLOW_ANY_COMPONENT_ENV, raising=False)
     cfg = OmegaConf.create({"hook": {"_component_": spec}})

@@ -35,14 +35,16 @@ def _filled(value, shell: str):
     ("config", "where"),
     [
         ({"loss": "${oc.create:SHELL}"}, "loss._component_"),
-        ({"loss": {"_component_": "torch.nn.Identity", "inner": "${oc.create:SHELL}"}},
-         "loss.inner._component_"),
+        (
+            {"loss": {"_component_": "torch.nn.Identity", "inner": "${oc.create:SHELL}"}},
+            "loss.inner._component_",
+        ),
         ({"metric_loggers": ["${oc.create:SHELL}"]}, "metric_loggers.0._component_"),
         ({"a": {"b": ["${oc.create:{c: ${oc.create:SHELL}}}"]}}, "a.b.0.c._component_"),
         ({"metric_loggers": "${oc.create:[SHELL]}"}, "metric_loggers.0._component_"),
         ({"loss": "${oc.select:nowhere,${oc.create:SHELL}}"}, "loss._component_"),
     ],
-)  # fmt: skip
+)
 def test_oc_create_nodes_are_validated_where_used(config, where, tmp_path) -> None:
     marker = tmp_path / "ran"
     cfg = OmegaConf.create(_filled(config, _shell(marker)))
@@ -90,10 +92,19 @@ def test_trust_remote_code_must_be_exactly_false(value) -> None:
 
 
 def test_safe_values_and_interpolated_values() -> None:
-    cfg = OmegaConf.create({"zero": 0, "yes": True,
-                            "m": {"_component_": "torch.nn.Identity", "weights_only": True,
-                                  "trust_remote_code": False, "kw": {"weights_only": "${yes}"}},
-                            "n": {"_component_": "torch.nn.Identity", "weights_only": "${zero}"}})  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "zero": 0,
+            "yes": True,
+            "m": {
+                "_component_": "torch.nn.Identity",
+                "weights_only": True,
+                "trust_remote_code": False,
+                "kw": {"weights_only": "${yes}"},
+            },
+            "n": {"_component_": "torch.nn.Identity", "weights_only": "${zero}"},
+        }
+    )
     assert [i.path for i in validate_config(cfg) if "weights_only" in i.path] == [
         "n.weights_only"
     ]  # judged on the resolved value
@@ -113,8 +124,9 @@ def test_nothing_nested_is_built_before_the_refusal(tmp_path) -> None:
     logger would create its folder."""
     logs = tmp_path / "logs"
     inner = {"_component_": "tunesmith.training.JSONLLogger", "log_dir": str(logs)}
-    cfg = OmegaConf.create({"m": {"_component_": "torch.nn.Identity", "inner": inner,
-                                  "weights_only": 0}})  # fmt: skip
+    cfg = OmegaConf.create(
+        {"m": {"_component_": "torch.nn.Identity", "inner": inner, "weights_only": 0}}
+    )
     instantiate(cfg.m.inner)  # built on its own, it creates the folder
     assert logs.is_dir()
     logs.joinpath("metrics.jsonl").unlink()
@@ -126,9 +138,12 @@ def test_nothing_nested_is_built_before_the_refusal(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     "path",
-    ["torch.nn.Module.register_forward_hook", "tunesmith.rl.rewards.CodeTests.score",
-     "datasets.Dataset.to_json"],
-)  # fmt: skip
+    [
+        "torch.nn.Module.register_forward_hook",
+        "tunesmith.rl.rewards.CodeTests.score",
+        "datasets.Dataset.to_json",
+    ],
+)
 def test_an_unbound_method_with_self_is_refused(path, tmp_path) -> None:
     marker = tmp_path / "written"
     node = {"_component_": path, "self": {"_component_": "torch.nn.Identity"},

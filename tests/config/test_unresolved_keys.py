@@ -45,8 +45,9 @@ def test_a_missing_or_absent_runtime_env() -> None:
 
 
 def test_a_rule_looking_inside_a_value_names_the_value() -> None:
-    cfg = OmegaConf.create({"metric_loggers": [{"_component_": "torch.nn.Identity"},
-                                               f"${{oc.env:{UNSET}}}"]})  # fmt: skip
+    cfg = OmegaConf.create(
+        {"metric_loggers": [{"_component_": "torch.nn.Identity"}, f"${{oc.env:{UNSET}}}"]}
+    )
     (issue,) = check_rules(cfg, {"metric_loggers": LOOP_RULES["metric_loggers"]})
     assert issue.path == "metric_loggers.1"
     assert issue.message.startswith(f"interpolation '${{oc.env:{UNSET}}}' cannot be resolved: ")
@@ -55,8 +56,12 @@ def test_a_rule_looking_inside_a_value_names_the_value() -> None:
 def test_a_rule_meets_a_cycle_once() -> None:
     """A value that refers to a section that refers back to it is walked once (no endless
     walk), and the value that does not resolve is still found."""
-    cfg = OmegaConf.create({"metric_loggers": {"other": "${other}", "bad": f"${{oc.env:{UNSET}}}"},
-                            "other": {"back": "${metric_loggers}"}})  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "metric_loggers": {"other": "${other}", "bad": f"${{oc.env:{UNSET}}}"},
+            "other": {"back": "${metric_loggers}"},
+        }
+    )
     rule = LOOP_RULES["metric_loggers"]
     broken = Rule(rule.allowed, lambda v: bool(list(v.values())))  # reads every value
     (issue,) = check_rules(cfg, {"metric_loggers": broken})
@@ -67,9 +72,11 @@ def test_the_config_check_names_the_value_once() -> None:
     """The whole check (what ``validate`` and ``run`` share): the key of the very value first,
     and no second line for the section that holds it."""
     cfg = OmegaConf.create(
-        {"rollout": {"workers": 1, "runtime_env": f"${{oc.env:{UNSET}}}"},
-         "metric_loggers": [f"${{oc.env:{UNSET}}}"]}
-    )  # fmt: skip
+        {
+            "rollout": {"workers": 1, "runtime_env": f"${{oc.env:{UNSET}}}"},
+            "metric_loggers": [f"${{oc.env:{UNSET}}}"],
+        }
+    )
     with pytest.raises(ConfigError) as raised:
         check_config(cfg, recipe_path("grpo_async"))
     paths = [issue.path for issue in raised.value.issues]

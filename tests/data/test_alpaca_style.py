@@ -165,8 +165,9 @@ def test_instruction_response_style_equals_tokenising_its_text(folders, tmp_path
 def test_train_on_all_trains_the_prompt_too(folders, tmp_path):
     folder = folders["base"]
     data = write_rows(tmp_path / "alpaca.jsonl", ROWS[1:2])
-    ds = SFTDataset(Tokenizer.from_pretrained(folder), source=str(data), format="alpaca",
-                    train_on="all")  # fmt: skip
+    ds = SFTDataset(
+        Tokenizer.from_pretrained(folder), source=str(data), format="alpaca", train_on="all"
+    )
     ids, _ = reference(folder, documented_prompt(ROWS[1]), ROWS[1]["output"])
     assert ds.samples[0]["labels"] == [*ids[1:], IGNORE]
 
@@ -181,8 +182,12 @@ def test_default_style_follows_the_tokenizer(family, tmp_path):
     as_chat = SFTDataset(chat, source=str(data), format="alpaca", prompt_style="chat_template")
     assert default_chat.samples == as_chat.samples
     # the chat template path renders the conversation, not the alpaca text
-    conv = Conversation([{"role": "user", "content": "Give the capital of France."},
-                         {"role": "assistant", "content": "Paris is the capital."}])  # fmt: skip
+    conv = Conversation(
+        [
+            {"role": "user", "content": "Give the capital of France."},
+            {"role": "assistant", "content": "Paris is the capital."},
+        ]
+    )
     chat_ids, _ = chat.tokenize_conversation(conv.messages)
     assert default_chat.samples[0]["input_ids"] == list(chat_ids)
     default_base = SFTDataset(base, source=str(data), format="alpaca")
@@ -196,8 +201,9 @@ def test_default_style_follows_the_tokenizer(family, tmp_path):
 def test_system_text_is_prepended_and_the_row_wins():
     row = {"instruction": "Do X.", "output": "Done.", "system": "Row system."}
     got = convert_row(row, "alpaca", prompt_style="alpaca", system_prompt="Config system.")
-    assert got == PromptCompletion("Row system.\n\n" + ALPACA_NO_INPUT.format(instruction="Do X."),
-                                   "Done.")  # fmt: skip
+    assert got == PromptCompletion(
+        "Row system.\n\n" + ALPACA_NO_INPUT.format(instruction="Do X."), "Done."
+    )
     del row["system"]
     got = convert_row(row, "alpaca", prompt_style="instruction_response", system_prompt="Sys.")
     assert got.prompt == "Sys.\n\n### Instruction:\nDo X.\n\n### Response:\n"
@@ -206,8 +212,12 @@ def test_system_text_is_prepended_and_the_row_wins():
 def test_system_prompt_reaches_the_tokens(folders, tmp_path):
     folder = folders["base"]
     data = write_rows(tmp_path / "alpaca.jsonl", ROWS[:1])
-    ds = SFTDataset(Tokenizer.from_pretrained(folder), source=str(data), format="alpaca",
-                    system_prompt="You are terse.")  # fmt: skip
+    ds = SFTDataset(
+        Tokenizer.from_pretrained(folder),
+        source=str(data),
+        format="alpaca",
+        system_prompt="You are terse.",
+    )
     prompt = "You are terse.\n\n" + documented_prompt(ROWS[0])
     assert ds.samples[0]["input_ids"] == reference(folder, prompt, ROWS[0]["output"])[0]
 
@@ -246,8 +256,9 @@ def test_base_model_trains_on_alpaca_data_with_no_extra_files(tmp_path):
         for a, b in zip(range(16), range(5, 21), strict=True)
     ]
     data = write_rows(tmp_path / "alpaca.jsonl", rows)
-    out = run_recipe("sft", "tiny", model_dir, data, tmp_path / "out",
-                     "max_steps=2", "dataset.format=alpaca")  # fmt: skip
+    out = run_recipe(
+        "sft", "tiny", model_dir, data, tmp_path / "out", "max_steps=2", "dataset.format=alpaca"
+    )
     metrics = read_metrics(out)
     assert sorted(metrics) == [1, 2]
     assert all(math.isfinite(m["loss"]) for m in metrics.values())
@@ -267,13 +278,17 @@ def base_model_dir(tmp_path_factory):
 
 def test_base_model_trains_on_raw_prompt_completion_and_preference_data(base_model_dir, tmp_path):
     sums = [(a, b) for a, b in zip(range(12), range(3, 15), strict=True)]
-    completions = write_rows(tmp_path / "pc.jsonl", [
-        {"prompt": f"{a} + {b} =", "completion": f" {a + b}"} for a, b in sums
-    ])  # fmt: skip
-    pairs = write_rows(tmp_path / "pairs.jsonl", [
-        {"prompt": f"{a} + {b} =", "chosen": f" {a + b}", "rejected": f" {a + b + 1}"}
-        for a, b in sums
-    ])  # fmt: skip
+    completions = write_rows(
+        tmp_path / "pc.jsonl",
+        [{"prompt": f"{a} + {b} =", "completion": f" {a + b}"} for a, b in sums],
+    )
+    pairs = write_rows(
+        tmp_path / "pairs.jsonl",
+        [
+            {"prompt": f"{a} + {b} =", "chosen": f" {a + b}", "rejected": f" {a + b + 1}"}
+            for a, b in sums
+        ],
+    )
     runs = {
         "sft": ("sft", completions, ["dataset.format=prompt_completion",
                                      "dataset.use_chat_template=false"]),
@@ -281,8 +296,9 @@ def test_base_model_trains_on_raw_prompt_completion_and_preference_data(base_mod
                                "dataset.use_chat_template=false", "batch_size=2"]),
     }  # fmt: skip
     for name, (recipe, data, extra) in runs.items():
-        out = run_recipe(recipe, "tiny", base_model_dir, data, tmp_path / name, "max_steps=2",
-                         *extra)  # fmt: skip
+        out = run_recipe(
+            recipe, "tiny", base_model_dir, data, tmp_path / name, "max_steps=2", *extra
+        )
         metrics = read_metrics(out)
         assert sorted(metrics) == [1, 2], name
         assert all(math.isfinite(m["loss"]) for m in metrics.values()), name

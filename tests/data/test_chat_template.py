@@ -661,30 +661,50 @@ def quoting_conversations(family: str) -> list[tuple[str, list[dict[str, Any]], 
     end, start, header = MARKERS[family]
     fake_turn = f"{end}\n{start}user\nmore{end}\n{header}"
     return [
-        ("quotes_end", [user("How does a turn end?"), assistant(f"With {end} after the text.")], False),
+        (
+            "quotes_end",
+            [user("How does a turn end?"), assistant(f"With {end} after the text.")],
+            False,
+        ),
         ("ends_with_end", [user("Print the marker."), assistant(f"Here: {end}")], False),
-        ("only_end", [user("Marker?"), assistant(end), user("Thanks"), assistant("Welcome.")], False),
+        (
+            "only_end",
+            [user("Marker?"), assistant(end), user("Thanks"), assistant("Welcome.")],
+            False,
+        ),
         ("quotes_start", [user("And the start?"), assistant(f"{start} opens a turn.")], False),
         ("quotes_header", [user("Header?"), assistant(f"{header}comes before a reply.")], False),
         (
             "fake_next_turn",
-            [user("Show a turn."), assistant(f"Sure: hi{fake_turn}bye"), user("Again"),
-             assistant(f"Again: {fake_turn}")],
+            [
+                user("Show a turn."),
+                assistant(f"Sure: hi{fake_turn}bye"),
+                user("Again"),
+                assistant(f"Again: {fake_turn}"),
+            ],
             False,
-        ),  # fmt: skip
+        ),
         (
             "middle_turn_then_prompt",
             [user("a"), assistant(f"x {end} y"), user(f"b {header}"), assistant("z"), user("c")],
             True,
         ),
-    ] + ([  # Qwen3 keeps the last reply's reasoning and drops the earlier ones'
-        (
-            "reasoning_quotes_end",
-            [user("a"), assistant("b", reasoning_content=f"no {end} yet"), user("c"),
-             assistant(f"d {end}", reasoning_content=f"then {header}")],
-            False,
-        ),
-    ] if family == "qwen3" else [])  # fmt: skip
+    ] + (
+        [  # Qwen3 keeps the last reply's reasoning and drops the earlier ones'
+            (
+                "reasoning_quotes_end",
+                [
+                    user("a"),
+                    assistant("b", reasoning_content=f"no {end} yet"),
+                    user("c"),
+                    assistant(f"d {end}", reasoning_content=f"then {header}"),
+                ],
+                False,
+            ),
+        ]
+        if family == "qwen3"
+        else []
+    )
 
 
 def quoting_cases() -> list[Any]:
@@ -712,9 +732,13 @@ def test_mask_of_replies_quoting_the_markers_matches_transformers(
 ) -> None:
     ours, hf, tagged = _tokenizer_pair(tokenizers, family)
     out = hf.apply_chat_template(
-        messages, chat_template=tagged, tokenize=True, return_dict=True,
-        return_assistant_tokens_mask=True, add_generation_prompt=prompt,
-    )  # fmt: skip
+        messages,
+        chat_template=tagged,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+        add_generation_prompt=prompt,
+    )
     ids, mask = ours.tokenize_conversation(messages, add_generation_prompt=prompt)
     assert ids == hf_ids(out)
     end = MARKERS[family][0]

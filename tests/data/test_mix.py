@@ -247,8 +247,11 @@ def test_bad_input_names_the_part(world, tok):
         DatasetMix(tok, parts=parts, weights={"chat": 1, "alpaca": 1})
     with pytest.raises(ValueError, match="not both"):
         DatasetMix(tok, parts=parts, weights={"chat": 1}, epochs={"chat": 1})
-    with pytest.raises(ValueError, match=r"parts.alpaca: tunesmith.data.SFTDataset has no "
-                                         r"argument 'fromat'; did you mean 'format'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"parts.alpaca: tunesmith.data.SFTDataset has no "
+        r"argument 'fromat'; did you mean 'format'",
+    ):
         DatasetMix(tok, parts={**parts, "alpaca": {"source": str(world.alpaca), "fromat": "x"}})
     # every part is checked before any is built: the typo of the last part is found first
     late_typo = {"chat": {"source": "/no/such/file.jsonl"}, "books": {"source": "x", "sourc": 1}}
@@ -271,9 +274,14 @@ def test_bad_input_names_the_part(world, tok):
 
 def test_sft_trains_on_a_mixed_config(world, tmp_path, capsys):
     cfg = recipe_config(
-        "sft", "tiny", world.model_dir, world.chat, tmp_path / "out", "max_steps=3",
+        "sft",
+        "tiny",
+        world.model_dir,
+        world.chat,
+        tmp_path / "out",
+        "max_steps=3",
         "batch_size=2",
-    )  # fmt: skip
+    )
     cfg.dataset = OmegaConf.create(
         {
             "_component_": "tunesmith.data.DatasetMix",

@@ -258,14 +258,20 @@ def test_preference_raw_prompt_mismatch_and_arguments(tmp_path):
     assert ids_c[:n_c] != ids_r[:n_r]  # the premise of the row
     path = _jsonl(tmp_path / "p.jsonl", [ok, bad])
     ds = PreferenceDataset(
-        tok, source=path, format="prompt_chosen_rejected", use_chat_template=False,
+        tok,
+        source=path,
+        format="prompt_chosen_rejected",
+        use_chat_template=False,
         on_bad_row="skip",
-    )  # fmt: skip
+    )
     assert len(ds) == 1 and ds.report.skipped == {PROMPT_MISMATCH: 1}
     with pytest.raises(ValueError, match="prompt_chosen_rejected"):
         PreferenceDataset(tok, source=path, format="messages", use_chat_template=False)
     with pytest.raises(ValueError, match="system_prompt"):
         PreferenceDataset(
-            tok, source=path, format="prompt_chosen_rejected", use_chat_template=False,
+            tok,
+            source=path,
+            format="prompt_chosen_rejected",
+            use_chat_template=False,
             system_prompt="be kind",
-        )  # fmt: skip
+        )

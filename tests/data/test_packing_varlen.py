@@ -35,8 +35,12 @@ def variable_length_samples(n: int, seed: int = 0) -> list[dict[str, list[int]]]
         length = min(40, max(3, int(rng.lognormvariate(2.4, 0.6))))
         ids = [rng.randint(1, 255) for _ in range(length)]
         prompt = rng.randint(1, length - 1)
-        samples.append({"input_ids": ids, "labels": make_labels(ids, [False] * prompt +
-                                                                [True] * (length - prompt))})  # fmt: skip
+        samples.append(
+            {
+                "input_ids": ids,
+                "labels": make_labels(ids, [False] * prompt + [True] * (length - prompt)),
+            }
+        )
     return samples
 
 
@@ -53,8 +57,9 @@ def _loss_per_token_and_grads(model, batch, loss_fn):
     return per_token.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("loss_fn", [LinearCrossEntropyLoss(), CrossEntropyLoss()],
-                         ids=["linear_ce", "full_logits"])  # fmt: skip
+@pytest.mark.parametrize(
+    "loss_fn", [LinearCrossEntropyLoss(), CrossEntropyLoss()], ids=["linear_ce", "full_logits"]
+)
 def test_packed_loss_per_real_token_equals_padded(loss_fn):
     torch.manual_seed(0)
     model = llama3.llama3_tiny()

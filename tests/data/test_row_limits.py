@@ -80,8 +80,11 @@ def test_text_rows_over_the_limit(tmp_path, sample_by):
     path = tmp_path / "notes.txt"
     path.write_text("short line\n\n" + "z" * 1000 + "\n")
     reasons = _reasons(_rows(path, sample_by=sample_by))
-    expected = {"line": ["ok", ROW_TOO_LARGE], "paragraph": ["ok", ROW_TOO_LARGE],
-                "document": [ROW_TOO_LARGE]}[sample_by]  # fmt: skip
+    expected = {
+        "line": ["ok", ROW_TOO_LARGE],
+        "paragraph": ["ok", ROW_TOO_LARGE],
+        "document": [ROW_TOO_LARGE],
+    }[sample_by]
     assert reasons == expected
 
 

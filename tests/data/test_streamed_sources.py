@@ -169,8 +169,11 @@ def test_a_json_array_element_over_the_limit_is_counted_not_held(tmp_path):
 def test_a_whole_file_object_over_the_limit_is_refused_unread(tmp_path):
     path = tmp_path / "data.json"
     path.write_text(json.dumps({"rows": [GOOD] * 50}, indent=2))
-    with pytest.raises(DataError, match=f"^{path}: line 1 opens a JSON value .*over the "
-                                        "max_row_bytes limit of 1000, so it is not read whole"):  # fmt: skip
+    with pytest.raises(
+        DataError,
+        match=f"^{path}: line 1 opens a JSON value .*over the "
+        "max_row_bytes limit of 1000, so it is not read whole",
+    ):
         load_rows(path, max_row_bytes=1000)
     with pytest.raises(DataError, match=f"^{path}: holds one JSON object spread over"):
         load_rows(path)
@@ -192,11 +195,16 @@ TSV_FILES = ["prompt\tcompletion\na,b\tc\n", 'prompt\tcompletion\n"q\tr"\t"x\ny"
 
 
 def _csv_reference(text: str, sep: str) -> list[dict]:
-    records = [r for r in csv.reader(io.StringIO(text.removeprefix("\ufeff"), newline=""),
-                                     delimiter=sep) if r]  # fmt: skip
+    records = [
+        r
+        for r in csv.reader(io.StringIO(text.removeprefix("\ufeff"), newline=""), delimiter=sep)
+        if r
+    ]
     header = records[0]
-    return [{name: (row[k] if k < len(row) and row[k] else None) for k, name in enumerate(header)}
-            for row in records[1:]]  # fmt: skip
+    return [
+        {name: (row[k] if k < len(row) and row[k] else None) for k, name in enumerate(header)}
+        for row in records[1:]
+    ]
 
 
 CSV_CASES = [(".csv", t) for t in CSV_FILES] + [(".tsv", t) for t in TSV_FILES]
@@ -226,8 +234,12 @@ def test_a_csv_field_over_the_limit_is_a_bad_row_and_reading_goes_on(tmp_path):
     size, limit = path.stat().st_size, 2**17
     rows, peak = _peak(lambda: [(w, r) for _, w, r in load_rows(path, max_row_bytes=limit)])
     shown = [r.reason if isinstance(r, BadRow) else r for _, r in rows]
-    assert shown == [{"prompt": "a", "completion": "b"}, ROW_TOO_LARGE, ROW_TOO_LARGE,
-                     {"prompt": "e", "completion": "f"}]  # fmt: skip
+    assert shown == [
+        {"prompt": "a", "completion": "b"},
+        ROW_TOO_LARGE,
+        ROW_TOO_LARGE,
+        {"prompt": "e", "completion": "f"},
+    ]
     assert [w for w, _ in rows] == [" (line 2)", " (line 3)", " (line 4)", f" (line {lines + 5})"]
     assert f"the row is {len(one_line) + 3} bytes" in rows[1][1].detail
     assert f"the row is {len(quoted) + 3} bytes" in rows[2][1].detail
@@ -286,8 +298,11 @@ def test_max_row_bytes_is_a_dataset_key_that_respects_on_bad_row(tok, tmp_path):
     ds = SFTDataset(tok, source=path, max_row_bytes=1000, on_bad_row="skip")
     assert ds.row_indices == [0, 2] and ds.report.examples == {ROW_TOO_LARGE: [1]}
     size = len(json.dumps(json.loads(path.read_text())[1]))
-    with pytest.raises(BadRowError, match=rf"^{path}: bad row 1 \(line 1\): row_too_large: "
-                                          rf"the row is {size} bytes, over the limit of 1000"):  # fmt: skip
+    with pytest.raises(
+        BadRowError,
+        match=rf"^{path}: bad row 1 \(line 1\): row_too_large: "
+        rf"the row is {size} bytes, over the limit of 1000",
+    ):
         SFTDataset(tok, source=path, max_row_bytes=1000)
 
 

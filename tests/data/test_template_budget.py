@@ -29,11 +29,11 @@ HOSTILE = {  # id -> (template, words of the error)
     "nested-range": (
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
         "loop steps",
-    ),  # fmt: skip
+    ),
     "nested-lists": (
         "{% for a in messages * 1500 %}{% for b in messages * 1500 %}{% endfor %}{% endfor %}",
         "loop steps",
-    ),  # fmt: skip
+    ),
     "tojson-indent": ("{{ messages|tojson(indent=10**8) }}", "indent of filter 'tojson'"),
     "center": ("{{ 'x'|center(10**9) }}", "width of filter 'center'"),
     "indent": ("{{ 'a\nb'|indent(10**9) }}", "width of filter 'indent'"),
@@ -48,12 +48,12 @@ HOSTILE = {  # id -> (template, words of the error)
         "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
         "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
         "'~'",
-    ),  # fmt: skip
+    ),
     "plus-doubling": (
         "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
         "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
         "'+'",
-    ),  # fmt: skip
+    ),
     "macro-doubling": ("{% macro f(s) %}{{ f(s ~ s) }}{% endmacro %}{{ f('ab') }}", "'~'"),
     "recursion": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recurse too deep"),
     "output": ("{% for i in range(1000) %}{{ 'x' * 100000 }}{% endfor %}", "rendered text"),
@@ -61,7 +61,7 @@ HOSTILE = {  # id -> (template, words of the error)
         "{% set s %}{% for i in range(1000) %}{{ 'x' * 100000 }}{% endfor %}"
         "{% endset %}{{ s|length }}",
         "rendered text",
-    ),  # fmt: skip
+    ),
     "replace": ("{{ ('x' * 10**6)|replace('', 'y' * 1000) }}", "filter 'replace'"),
     "lipsum": ("{{ lipsum(10**7) }}", "lipsum"),
 }
@@ -115,8 +115,11 @@ def test_each_render_has_its_own_budget():
 
 @pytest.mark.parametrize("layout", ["chat_template.jinja", "tokenizer_config.json"])
 def test_the_tokenizer_error_names_the_template_file(tmp_path, layout):
-    folder = make_tokenizer_folder(tmp_path / "tok", chat_template=HOSTILE["nested-range"][0],
-                                   template_file=layout == "chat_template.jinja")  # fmt: skip
+    folder = make_tokenizer_folder(
+        tmp_path / "tok",
+        chat_template=HOSTILE["nested-range"][0],
+        template_file=layout == "chat_template.jinja",
+    )
     tok = Tokenizer.from_pretrained(folder)
     for call in (tok.apply_chat_template, tok.tokenize_conversation):
         with pytest.raises(TemplateBudgetError) as error:

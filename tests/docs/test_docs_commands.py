@@ -229,16 +229,29 @@ def execute(text: str, cwd: Path, timeout: float = 600) -> tuple[int, str]:
     if text.startswith("tunesmith ") and not SHELL_SYNTAX.search(text.replace('"', "")):
         result = forked.run_cli(shlex.split(text)[1:], cwd=cwd, env=_env(), timeout=timeout)
     else:
-        result = subprocess.run(["bash", "-c", text], cwd=cwd, env=_env(), capture_output=True,
-                                stdin=subprocess.DEVNULL, text=True, timeout=timeout)  # fmt: skip
+        result = subprocess.run(
+            ["bash", "-c", text],
+            cwd=cwd,
+            env=_env(),
+            capture_output=True,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            timeout=timeout,
+        )
     return result.returncode, result.stdout + result.stderr
 
 
 def test_the_console_script_runs_through_bash(tmp_path):
     """The installed ``tunesmith`` console script, started by bash from the venv's ``bin/``,
     prints what the function the other cases call prints."""
-    result = subprocess.run(["bash", "-c", "tunesmith ls"], cwd=tmp_path, env=_env(),
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        ["bash", "-c", "tunesmith ls"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout + result.stderr == execute("tunesmith ls", tmp_path)[1]
     assert "sft " in result.stdout
@@ -262,10 +275,16 @@ def _run(command: DocCommand, cwd: Path, timeout: float = 600) -> list[str]:
         return []
     if returncode != 0:
         return [f"{where}: exit code {returncode}\n{output[-3000:]}"]
-    problems = [f"{where}: {path} is missing" for path in FILES.get(command.text, [])
-                if not (cwd / path).exists()]  # fmt: skip
-    problems += [f"{where}: did not print {text!r}\n{output[-2000:]}"
-                 for text in PRINTS.get(command.text, []) if text not in output]  # fmt: skip
+    problems = [
+        f"{where}: {path} is missing"
+        for path in FILES.get(command.text, [])
+        if not (cwd / path).exists()
+    ]
+    problems += [
+        f"{where}: did not print {text!r}\n{output[-2000:]}"
+        for text in PRINTS.get(command.text, [])
+        if text not in output
+    ]
     return problems
 
 
@@ -274,8 +293,11 @@ def test_readme_and_docs_commands_run_as_written(world, tmp_path):
     the README, ``my_sft.yaml`` is the edited copy the docs pages assume."""
     workspace = _workspace(world, tmp_path / "ws")
     problems: list[str] = []
-    commands = [c for c in _unique(_commands()) if c.text.startswith("tunesmith ")
-                and c.text not in SKIP and c.text not in SLOW]  # fmt: skip
+    commands = [
+        c
+        for c in _unique(_commands())
+        if c.text.startswith("tunesmith ") and c.text not in SKIP and c.text not in SLOW
+    ]
     assert any(c.text.startswith("tunesmith run sft") for c in commands)
     edited = False
     for command in commands:

@@ -24,8 +24,9 @@ STOP_LINE = "stop_after_steps=None if RESUME else 4,"
 
 def page_script() -> str:
     """The page's one Python block (the script it calls train.py)."""
-    (script,) = ["\n".join(b.lines) + "\n" for b in fenced_blocks(PAGE.read_text())
-                 if b.tag == "python"]  # fmt: skip
+    (script,) = [
+        "\n".join(b.lines) + "\n" for b in fenced_blocks(PAGE.read_text()) if b.tag == "python"
+    ]
     assert script.startswith("# train.py") and STOP_LINE in script
     return script
 
@@ -44,8 +45,14 @@ def _run(workspace: Path, name: str, command: list[str], script: str) -> Path:
     folder = workspace.parent / f"{workspace.name}-{name}"
     shutil.copytree(workspace, folder)
     (folder / "train.py").write_text(script)
-    done = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=600,
-                          env={"PATH": f"{VENV_BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"})  # fmt: skip
+    done = subprocess.run(
+        command,
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PATH": f"{VENV_BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (folder / "output.txt").write_text(done.stdout + done.stderr)
     return folder
@@ -67,8 +74,13 @@ def test_the_script_stops_resumes_and_equals_an_uninterrupted_run(workspace):
     assert _steps(stopped) == ["step_000004"] and sorted(_losses(stopped)) == [1, 2, 3, 4]
     assert (stopped / "runs/lora/checkpoints/step_000004/adapter_model.safetensors").is_file()
 
-    subprocess.run([*python, "--resume"], cwd=stopped, check=True, capture_output=True,
-                   env={"PATH": f"{VENV_BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"})  # fmt: skip
+    subprocess.run(
+        [*python, "--resume"],
+        cwd=stopped,
+        check=True,
+        capture_output=True,
+        env={"PATH": f"{VENV_BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
     assert _steps(stopped) == ["step_000004", "step_000008"]
 
     whole = _run(workspace, "whole", python, script.replace(STOP_LINE, "stop_after_steps=None,"))

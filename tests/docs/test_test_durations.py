@@ -33,15 +33,41 @@ def _script():
 def test_a_real_report_and_two_labels(tmp_path):
     (tmp_path / "test_small.py").write_text(TESTS)
     junit = tmp_path / "junit.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
-                    "addopts=", f"--junitxml={junit}", str(tmp_path / "test_small.py")],
-                   capture_output=True, cwd=tmp_path, check=False)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            f"--junitxml={junit}",
+            str(tmp_path / "test_small.py"),
+        ],
+        capture_output=True,
+        cwd=tmp_path,
+        check=False,
+    )
     script = _script()
     cases = script.read_cases(junit)
     assert sorted(c.outcome for c in cases) == ["failed", "passed", "skipped"]
     for label, wall in (("before", 100.0), ("after", 40.0)):
-        script.main(["--junit", str(junit), "--wall", str(wall), "--load-start", "1.0 1.0 1.0",
-                     "--label", label, "--results", str(tmp_path)])  # fmt: skip
+        script.main(
+            [
+                "--junit",
+                str(junit),
+                "--wall",
+                str(wall),
+                "--load-start",
+                "1.0 1.0 1.0",
+                "--label",
+                label,
+                "--results",
+                str(tmp_path),
+            ]
+        )
     runs = json.loads((tmp_path / "test_durations.json").read_text())
     assert set(runs) == {"before", "after"}
     assert runs["after"]["outcomes"] == {"passed": 1, "failed": 1, "skipped": 1}

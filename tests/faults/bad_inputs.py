@@ -157,7 +157,9 @@ def _rewrite_tensors(world: World, change: Callable[[dict], None]) -> Path:
 def _wrong_shape(world: World) -> Setup:
     name = "model.layers.0.self_attn.q_proj.weight"
     model = _rewrite_tensors(world, lambda t: t.__setitem__(name, t[name][:32].clone()))
-    return Setup([f"model_dir={model}"], [f"{model / 'model.safetensors'}", name, "[32, 64]", "[64, 64]"])  # fmt: skip
+    return Setup(
+        [f"model_dir={model}"], [f"{model / 'model.safetensors'}", name, "[32, 64]", "[64, 64]"]
+    )
 
 
 def _missing_tensor(world: World) -> Setup:
@@ -169,9 +171,11 @@ def _missing_shard(world: World) -> Setup:
     from tunesmith.models.hf import from_hf, save_hf_checkpoint
 
     model = save_hf_checkpoint(
-        from_hf(world.model_dir), world.tmp / "sharded", max_shard_size="100KB",
+        from_hf(world.model_dir),
+        world.tmp / "sharded",
+        max_shard_size="100KB",
         source_dir=world.model_dir,
-    )  # fmt: skip
+    )
     victim = sorted(model.glob("model-*.safetensors"))[1]
     victim.unlink()
     return Setup([f"model_dir={model}"], [str(model / "model.safetensors.index.json"), victim.name])
@@ -306,28 +310,28 @@ BAD_INPUTS: list[BadInput] = [
         "`bach_size=4`",
         _REFUSED.format("the key and 'batch_size'"),
         _override("bach_size=4", "bach_size", "did you mean 'batch_size'"),
-    ),  # fmt: skip
+    ),
     BadInput(
         "config-misspelt-argument",
         "config",
         "`optimizer.lrr=0.1`",
         _REFUSED.format("optimizer.lrr and 'lr'"),
         _override("optimizer.lrr=0.1", "optimizer.lrr", "did you mean 'lr'"),
-    ),  # fmt: skip
+    ),
     BadInput(
         "config-wrong-type",
         "config",
         "`optimizer.lr=fast`",
         _REFUSED.format("optimizer.lr and the type"),
         _override("optimizer.lr=fast", "optimizer.lr", "expected float", "'fast'"),
-    ),  # fmt: skip
+    ),
     BadInput(
         "config-missing-value",
         "config",
         "`model_dir=???` (required value left out)",
         _REFUSED.format("model_dir"),
         _override("model_dir=???", "model_dir: value is missing"),
-    ),  # fmt: skip
+    ),
     BadInput(
         "config-unknown-component",
         "config",
@@ -338,28 +342,28 @@ BAD_INPUTS: list[BadInput] = [
             "optimizer._component_",
             "did you mean 'torch.optim.AdamW'",
         ),
-    ),  # fmt: skip
+    ),
     BadInput(
         "config-unresolvable-interpolation",
         "config",
         "`output_dir=${nowhere}`",
         _REFUSED.format("output_dir and ${nowhere}"),
         _override("output_dir=${nowhere}", "output_dir", "${nowhere}"),
-    ),  # fmt: skip
+    ),
     BadInput(
         "config-yaml-syntax-error",
         "config",
         "a config file with an unclosed `[`",
         _REFUSED.format("the file and line"),
         _yaml_syntax_error,
-    ),  # fmt: skip
+    ),
     BadInput(
         "config-bad-choice",
         "config",
         "`dataset.train_on=user`",
         _REFUSED.format("dataset and train_on"),
         _override("dataset.train_on=user", "dataset", "train_on must be one of", "'user'"),
-    ),  # fmt: skip
+    ),
     BadInput(
         "config-bad-timeout",
         "config",
@@ -370,28 +374,28 @@ BAD_INPUTS: list[BadInput] = [
             "distributed_timeout_s: expected a number of seconds > 0",
             "got -1",
         ),
-    ),  # fmt: skip
+    ),
     BadInput(
         "config-model-dir-missing",
         "config",
         "`model_dir` that does not exist",
         _REFUSED.format("the folder"),
         _model_dir_missing,
-    ),  # fmt: skip
+    ),
     BadInput(
         "config-resume-folder-missing",
         "config",
         "`resume=<folder that does not exist>`",
         _REFUSED.format("the folder"),
         _resume_folder_missing,
-    ),  # fmt: skip
+    ),
     BadInput(
         "config-batch-larger-than-data",
         "config",
         "`batch_size=1000` for 16 samples",
         _REFUSED.format("batch_size"),
         _override("batch_size=1000", "16 samples make no optimizer step", "batch_size 1000"),
-    ),  # fmt: skip
+    ),
     BadInput(
         "config-output-dir-holds-checkpoints",
         "config",
@@ -400,7 +404,7 @@ BAD_INPUTS: list[BadInput] = [
             "the folder, resume=true and overwrite=true; the old checkpoints untouched"
         ),
         _output_dir_has_checkpoints,
-    ),  # fmt: skip
+    ),
     # datasets: each bad row refused with on_bad_row=error ...
     *(
         BadInput(
@@ -409,7 +413,7 @@ BAD_INPUTS: list[BadInput] = [
             f"{what} (row 8), `on_bad_row=error`",
             _REFUSED.format(f"the file, row 8, line 9 and '{reason}'"),
             _bad_row(line, reason, skip=False),
-        )  # fmt: skip
+        )
         for name, (what, line, reason) in _ROW_CASES.items()
     ),
     # ... and counted when the user asked for skipping
@@ -420,7 +424,7 @@ BAD_INPUTS: list[BadInput] = [
             f"{what} (row 8), `on_bad_row=skip`",
             f"trains on the 16 good rows; the log counts 'skipped 1 x {reason} (rows 8'",
             _bad_row(line, reason, skip=True),
-        )  # fmt: skip
+        )
         for name, (what, line, reason) in _ROW_CASES.items()
     ),
     BadInput(
@@ -429,28 +433,28 @@ BAD_INPUTS: list[BadInput] = [
         "an empty JSONL file",
         _REFUSED.format("the file"),
         _empty_file,
-    ),  # fmt: skip
+    ),
     BadInput(
         "dataset-missing-file",
         "dataset",
         "`dataset.source` that does not exist",
         _REFUSED.format("the file"),
         _missing_file,
-    ),  # fmt: skip
+    ),
     BadInput(
         "dataset-all-rows-bad",
         "dataset",
         "every row bad, `on_bad_row=skip`",
         _REFUSED.format("the file and the reason"),
         _all_rows_bad,
-    ),  # fmt: skip
+    ),
     BadInput(
         "dataset-columns-of-another-format",
         "dataset",
         "chat data read as `format=alpaca`",
         _REFUSED.format("the file and the missing column"),
         _columns_of_another_format,
-    ),  # fmt: skip
+    ),
     # checkpoints
     BadInput(
         "checkpoint-truncated-safetensors",
@@ -458,91 +462,91 @@ BAD_INPUTS: list[BadInput] = [
         "model.safetensors cut short by 1000 bytes",
         _REFUSED.format("the file"),
         _truncated_safetensors,
-    ),  # fmt: skip
+    ),
     BadInput(
         "checkpoint-wrong-shape",
         "checkpoint",
         "q_proj of layer 0 with half its rows",
         _REFUSED.format("the file, the tensor and both shapes"),
         _wrong_shape,
-    ),  # fmt: skip
+    ),
     BadInput(
         "checkpoint-missing-tensor",
         "checkpoint",
         "model.norm.weight left out of the file",
         _REFUSED.format("the folder and the tensor"),
         _missing_tensor,
-    ),  # fmt: skip
+    ),
     BadInput(
         "checkpoint-missing-shard",
         "checkpoint",
         "a sharded folder with shard 2 of 5 deleted",
         _REFUSED.format("the index and the shard"),
         _missing_shard,
-    ),  # fmt: skip
+    ),
     BadInput(
         "checkpoint-unknown-model-type",
         "checkpoint",
         "config.json with model_type 'gpt2'",
         _REFUSED.format("config.json and the type"),
         _unknown_model_type,
-    ),  # fmt: skip
+    ),
     BadInput(
         "checkpoint-missing-config",
         "checkpoint",
         "a model folder without config.json",
         _REFUSED.format("config.json"),
         _missing_config,
-    ),  # fmt: skip
+    ),
     BadInput(
         "checkpoint-config-not-json",
         "checkpoint",
         "config.json that is not JSON",
         _REFUSED.format("config.json"),
         _config_not_json,
-    ),  # fmt: skip
+    ),
     BadInput(
         "checkpoint-resume-truncated-weights",
         "checkpoint",
         "resume from a checkpoint whose model.safetensors is cut short (its manifest rewritten to match: the loader's own check)",
         _REFUSED.format("the file"),
         _resume_truncated_weights,
-    ),  # fmt: skip
+    ),
     BadInput(
         "checkpoint-resume-corrupt-optimizer-metadata",
         "checkpoint",
         "resume from a checkpoint whose optimizer .metadata is junk (its manifest rewritten to match: the loader's own check)",
         _REFUSED.format("the file"),
         _resume_corrupt_optimizer_metadata,
-    ),  # fmt: skip
+    ),
     BadInput(
         "checkpoint-resume-missing-rank-state",
         "checkpoint",
         "resume from a checkpoint without training_state/rank0.pt (its manifest rewritten to match: the loader's own check)",
         _REFUSED.format("the file"),
         _resume_missing_rank_state,
-    ),  # fmt: skip
+    ),
     BadInput(
         "checkpoint-resume-truncated-rank-state",
         "checkpoint",
         "resume from a checkpoint whose rank0.pt is cut short (its manifest rewritten to match: the loader's own check)",
         _REFUSED.format("the file"),
         _resume_truncated_rank_state,
-    ),  # fmt: skip
+    ),
     BadInput(
         "checkpoint-resume-other-model-size",
         "checkpoint",
         "resume a wider model from a checkpoint of the tiny one",
         _REFUSED.format("the checkpoint and the changed model_dir, before any weight is read"),
         _resume_other_model_size,
-    ),  # fmt: skip
+    ),
     BadInput(
         "checkpoint-resume-only-checkpoint-damaged",
         "checkpoint",
         "`resume=true` when the only checkpoint no longer matches its manifest",
         _REFUSED.format("the folder (instead of silently restarting from step 0)"),
         _resume_only_checkpoint_damaged,
-    ),  # fmt: skip
+    ),
     # tokenizers
     BadInput(
         "tokenizer-missing-chat-template",
@@ -550,35 +554,35 @@ BAD_INPUTS: list[BadInput] = [
         "chat data, tokenizer without a chat template",
         _REFUSED.format("the tokenizer folder"),
         _no_chat_template,
-    ),  # fmt: skip
+    ),
     BadInput(
         "tokenizer-missing-tokenizer-json",
         "tokenizer",
         "a model folder without tokenizer.json",
         _REFUSED.format("the file"),
         _no_tokenizer_json,
-    ),  # fmt: skip
+    ),
     BadInput(
         "tokenizer-config-not-json",
         "tokenizer",
         "tokenizer_config.json that is not JSON",
         _REFUSED.format("the file"),
         _tokenizer_config_not_json,
-    ),  # fmt: skip
+    ),
     BadInput(
         "tokenizer-special-token-not-in-vocab",
         "tokenizer",
         "eos_token `<|nope|>` that the vocabulary lacks",
         _REFUSED.format("the file and the key"),
         _special_token_not_in_vocab,
-    ),  # fmt: skip
+    ),
     BadInput(
         "tokenizer-of-another-model",
         "tokenizer",
         "a 651-id tokenizer with a model that embeds 300 ids",
         _REFUSED.format("both sizes (no index error mid-training)"),
         _tokenizer_of_another_model,
-    ),  # fmt: skip
+    ),
 ]
 
 # Cases that live in their own modules (each area of the suite keeps its builders together).

@@ -40,8 +40,9 @@ def _resume_changed_data(world: World) -> Setup:
 
 def _resume_true_changed_lr(world: World) -> Setup:
     step = resume_copy(world)  # the latest (only) checkpoint of world.out
-    return Setup(["resume=true", "optimizer.lr=0.01"],
-                 [f"resume from {step}", "optimizer.lr: 0.001 -> 0.01"])  # fmt: skip
+    return Setup(
+        ["resume=true", "optimizer.lr=0.01"], [f"resume from {step}", "optimizer.lr: 0.001 -> 0.01"]
+    )
 
 
 _RULE = "one line naming {} and what is allowed; nothing written"

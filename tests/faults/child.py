@@ -34,8 +34,9 @@ def run_cli(
     torch.set_num_threads(1)  # like the in-process runs: results compare bitwise
     installed = None
     if probes is not None:
-        installed = Probes(**{k: Path(v) if k in ("trace", "mark") else v
-                              for k, v in probes.items()}).install()  # fmt: skip
+        installed = Probes(
+            **{k: Path(v) if k in ("trace", "mark") else v for k, v in probes.items()}
+        ).install()
     try:
         code = main(argv)
     finally:

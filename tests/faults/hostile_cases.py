@@ -558,14 +558,18 @@ def _csv_field(world: World) -> Attempt:
 def _csv_unended_quote(world: World) -> Attempt:
     path = _csv_with(world, b'x,"' + b"y" * 20_000)
     argv = _sft(
-        world, f"dataset.source={path}", "dataset.format=prompt_completion",
+        world,
+        f"dataset.source={path}",
+        "dataset.format=prompt_completion",
         "dataset.max_row_bytes=10000",
-    )  # fmt: skip
+    )
     return Attempt(argv, [str(path), "line 10", "max_row_bytes", "quoted cell does not end"])
 
 
 def _max_row_bytes_key(world: World) -> Attempt:
-    row = {"messages": [{"role": "user", "content": "y" * 5000}, {"role": "assistant", "content": "3"}]}  # fmt: skip
+    row = {
+        "messages": [{"role": "user", "content": "y" * 5000}, {"role": "assistant", "content": "3"}]
+    }
     path = _rows_with(world, json.dumps(row).encode())
     argv = _sft(
         world, f"dataset.source={path}", "dataset.max_row_bytes=2000", "dataset.on_bad_row=error"

@@ -72,8 +72,12 @@ class Route:
 
     @property
     def node(self) -> str:
-        return {"list": "metric_loggers.0", "nested": "loss.inner", "create-list":
-                "metric_loggers.0", "create-nested": "loss.inner"}.get(self.placement, "loss")  # fmt: skip
+        return {
+            "list": "metric_loggers.0",
+            "nested": "loss.inner",
+            "create-list": "metric_loggers.0",
+            "create-nested": "loss.inner",
+        }.get(self.placement, "loss")
 
 
 # ----------------------------------------------------------------------------- payloads

@@ -402,17 +402,24 @@ ESCAPES = [
     ),
 ]
 
-_EXPECT = ("contained in every mode the machine offers: nothing outside is created or changed, "
-           "the trainer lives and is not traced, no secret or host file in the output, no "
-           "process left, no host socket reached, the call returns within timeout_s + 1.5 s; "
-           "in best-effort mode a route the docs list as a gap is recorded 'documented'")  # fmt: skip
+_EXPECT = (
+    "contained in every mode the machine offers: nothing outside is created or changed, "
+    "the trainer lives and is not traced, no secret or host file in the output, no "
+    "process left, no host socket reached, the call returns within timeout_s + 1.5 s; "
+    "in best-effort mode a route the docs list as a gap is recorded 'documented'"
+)
 _EXPECT_REWARD = "scores 0.0 in every mode the machine offers"
 
 SANDBOX = [
-    Case(f"sandbox-{e.id}", "safety", "sandbox-escape", e.what,
-         _EXPECT_REWARD if e.reward else _EXPECT)
+    Case(
+        f"sandbox-{e.id}",
+        "safety",
+        "sandbox-escape",
+        e.what,
+        _EXPECT_REWARD if e.reward else _EXPECT,
+    )
     for e in ESCAPES
-]  # fmt: skip
+]
 
 if len({e.id for e in ESCAPES}) != len(ESCAPES):
     raise ValueError("tests/faults/sandbox_cases.py: route ids must be unique")

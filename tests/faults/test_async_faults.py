@@ -73,8 +73,15 @@ def ray_dir():
 
 def async_argv(world: AsyncWorld, out: Path, ray_dir: Path, *extra: str) -> list[str]:
     """``run grpo_async --config tiny`` on the world (test reward: ``--allow-any-component``)."""
-    overrides = grpo_overrides(world.model_dir, world.prompts, out, f"max_steps={STEPS}",
-                               "generation.max_new_tokens=8", f"ray.temp_dir={ray_dir}", *extra)  # fmt: skip
+    overrides = grpo_overrides(
+        world.model_dir,
+        world.prompts,
+        out,
+        f"max_steps={STEPS}",
+        "generation.max_new_tokens=8",
+        f"ray.temp_dir={ray_dir}",
+        *extra,
+    )
     return ["--allow-any-component", "run", "grpo_async", "--config", "tiny", *overrides]
 
 
@@ -173,8 +180,10 @@ def worker_pids(output: str) -> dict[str, list[int]]:
     """The pids on rank 0's ``async_mode ...`` line."""
     found = _PIDS.search(output)
     assert found, output[-3000:]
-    return {role: [int(p) for p in found.group(i).split(",")]
-            for i, role in ((1, "rollout"), (2, "reward"))}  # fmt: skip
+    return {
+        role: [int(p) for p in found.group(i).split(",")]
+        for i, role in ((1, "rollout"), (2, "reward"))
+    }
 
 
 def one_error(output: str) -> str:
@@ -255,10 +264,14 @@ def test_a_dead_trainer_rank_ends_the_run_and_its_ray_workers(
     for record in records:  # the prompt stream's position came back with the checkpoint
         assert sorted(g[1] for g in record["groups"]) == draws[record["batch"]]
     outcome.update(
-        exit_code=1, seconds_after_fault=round(after_s, 1), error=error,
-        ray_processes_gone_after_s=round(gone_s, 1), checkpoints_left=left,
-        resumed_from=left[-1], lost_checkpoints=0,
-    )  # fmt: skip
+        exit_code=1,
+        seconds_after_fault=round(after_s, 1),
+        error=error,
+        ray_processes_gone_after_s=round(gone_s, 1),
+        checkpoints_left=left,
+        resumed_from=left[-1],
+        lost_checkpoints=0,
+    )
 
 
 @pytest.mark.parametrize("case", case("async-trainer-actor-killed"))
@@ -269,14 +282,20 @@ def test_a_killed_trainer_actor_ends_the_run_in_one_line_and_resumes(
     checkpoint line appears (a reward call takes a second, so step 3 is under way)."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    slow = (f"rewards.rewards={{digits: {{_component_: {__name__}.MarkedDigits, "
-            f"marks: {marks}, delay_s: 1.0}}}}")  # fmt: skip
+    slow = (
+        f"rewards.rewards={{digits: {{_component_: {__name__}.MarkedDigits, "
+        f"marks: {marks}, delay_s: 1.0}}}}"
+    )
     settings = ("async_mode=sync", *RAY_GROUP, slow, "save_every_n_steps=2")
     reference, out = tmp_path / "reference", tmp_path / "out"
     with ray_temp_dir() as temp:
         argv = async_argv(async_world, reference, Path(temp), *settings)
-        done = finish(start_child(argv, tmp_path / "reference.log", env=ENV), tmp_path /
-                      "reference.log", timeout=400, started=time.monotonic())  # fmt: skip
+        done = finish(
+            start_child(argv, tmp_path / "reference.log", env=ENV),
+            tmp_path / "reference.log",
+            timeout=400,
+            started=time.monotonic(),
+        )
         assert done.exitcode == 0, done.output[-3000:]
 
     with ray_temp_dir() as temp:
@@ -285,8 +304,12 @@ def test_a_killed_trainer_actor_ends_the_run_in_one_line_and_resumes(
         try:
             found = wait_for(lambda: TRAINER_PIDS.search(log.read_text()), 300, "actors", log)
             actors = [int(found.group(1)), int(found.group(2))]
-            wait_for(lambda: ray.scan() or "checkpoint: " in log.read_text(), 300,
-                     "step-2 checkpoint line", log)  # fmt: skip
+            wait_for(
+                lambda: ray.scan() or "checkpoint: " in log.read_text(),
+                300,
+                "step-2 checkpoint line",
+                log,
+            )
             os.kill(actors[1], signal.SIGKILL)
             killed_at = time.monotonic()
             done = watch_until_exit(process, log, ray, timeout=300, started=started)
@@ -296,8 +319,9 @@ def test_a_killed_trainer_actor_ends_the_run_in_one_line_and_resumes(
         assert done.exitcode == 1, done.output[-3000:]
         assert after_s < BOUND_S, f"the driver took {after_s:.0f} s to give up"
         error = one_error(done.output)
-        assert error.startswith(f"tunesmith: error: rank 1 of 2: its process (pid {actors[1]}) "
-                                "died: killed by a signal"), error  # fmt: skip
+        assert error.startswith(
+            f"tunesmith: error: rank 1 of 2: its process (pid {actors[1]}) died: killed by a signal"
+        ), error
         workers = worker_pids(done.output)
         assert any(name == "raylet" for _, name in ray.seen.values()), ray.seen  # watched
         gone_s = ray.wait_gone([*actors, *workers["rollout"], *workers["reward"]])
@@ -307,8 +331,12 @@ def test_a_killed_trainer_actor_ends_the_run_in_one_line_and_resumes(
 
     with ray_temp_dir() as temp:
         argv = async_argv(async_world, out, Path(temp), *settings, "resume=auto")
-        done = finish(start_child(argv, tmp_path / "resumed.log", env=ENV), tmp_path /
-                      "resumed.log", timeout=400, started=time.monotonic())  # fmt: skip
+        done = finish(
+            start_child(argv, tmp_path / "resumed.log", env=ENV),
+            tmp_path / "resumed.log",
+            timeout=400,
+            started=time.monotonic(),
+        )
         assert done.exitcode == 0, done.output[-3000:]
     assert [r["batch"] for r in rollouts(out)] == [0, 1, 2, 3]  # went on from batch 2
     assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in rollouts(reference)]
@@ -318,10 +346,15 @@ def test_a_killed_trainer_actor_ends_the_run_in_one_line_and_resumes(
         uninterrupted[s]["loss"] for s in range(1, STEPS + 1)
     ]
     outcome.update(
-        exit_code=1, seconds_after_fault=round(after_s, 1), error=error,
-        ray_processes_gone_after_s=round(gone_s, 1), checkpoints_left=left,
-        resumed_from=left[-1], lost_checkpoints=0, resumed_equals_uninterrupted="bitwise",
-    )  # fmt: skip
+        exit_code=1,
+        seconds_after_fault=round(after_s, 1),
+        error=error,
+        ray_processes_gone_after_s=round(gone_s, 1),
+        checkpoints_left=left,
+        resumed_from=left[-1],
+        lost_checkpoints=0,
+        resumed_equals_uninterrupted="bitwise",
+    )
 
 
 @pytest.mark.parametrize("case", case("async-reward-worker-killed"))
@@ -331,8 +364,10 @@ def test_a_killed_reward_worker_loses_and_duplicates_nothing(
     """``overlap`` mode; the reward worker is SIGKILLed inside its second call (batch 1)."""
     out, marks, log = tmp_path / "out", tmp_path / "marks", tmp_path / "run.log"
     marks.mkdir()
-    reward = (f"rewards.rewards={{digits: {{_component_: {__name__}.MarkedDigits, "
-              f"marks: {marks}, delay_s: 1.0}}}}")  # fmt: skip
+    reward = (
+        f"rewards.rewards={{digits: {{_component_: {__name__}.MarkedDigits, "
+        f"marks: {marks}, delay_s: 1.0}}}}"
+    )
     # One death fails every chunk queued on the worker and those sent while Ray restarts it
     # (ActorUnavailableError); the pipeline counts each as a restart (2 to 6 seen here), so
     # the default budget (3 per worker) is not what this case is about.
@@ -369,11 +404,14 @@ def test_a_killed_reward_worker_loses_and_duplicates_nothing(
     used = [tuple(g[:2]) for r in records for g in r["groups"]]
     assert len(used) == len(set(used)) == STEPS * PER_STEP
     outcome.update(
-        killed="reward worker (SIGKILL, inside a call)", updates=len(metrics),
+        killed="reward worker (SIGKILL, inside a call)",
+        updates=len(metrics),
         worker_restarts=int(metrics[STEPS]["worker_restarts"]),
-        requeued_groups=int(metrics[STEPS]["requeued_groups"]), groups_lost=0,
-        groups_duplicated=0, ray_processes_gone_after_s=round(gone_s, 1),
-    )  # fmt: skip
+        requeued_groups=int(metrics[STEPS]["requeued_groups"]),
+        groups_lost=0,
+        groups_duplicated=0,
+        ray_processes_gone_after_s=round(gone_s, 1),
+    )
 
 
 @pytest.mark.parametrize("case", case("async-worker-cannot-start"))
@@ -392,8 +430,10 @@ def test_workers_that_cannot_start_stop_the_run_in_one_line(
         stop(process)
     assert done.exitcode == 1, done.output[-3000:]
     error = one_error(done.output)
-    assert error.startswith("tunesmith: error: a rollout worker could not start: ImportError: "
-                            "VLLMEngine needs vLLM, which is not installed"), error  # fmt: skip
+    assert error.startswith(
+        "tunesmith: error: a rollout worker could not start: ImportError: "
+        "VLLMEngine needs vLLM, which is not installed"
+    ), error
     assert any(name == "raylet" for _, name in ray.seen.values()), ray.seen  # it was watched
     gone_s = ray.wait_gone()
     outcome.update(exit_code=1, error=error, ray_processes_gone_after_s=round(gone_s, 1))

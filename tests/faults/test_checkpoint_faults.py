@@ -82,14 +82,20 @@ def test_same_size_corruption_rolls_back_and_continues(case, sweep, tmp_path, ou
     assert warning in done.output, done.output[-3000:]
     assert f"resumed from {root / 'step_000002'} at step 2" in done.output
     aside, moved = _rolled_back(root)
-    assert moved == ["step_000004"] and (aside / "step_000004" / damaged.relative_to(root / "step_000004")).is_file()  # fmt: skip
+    assert (
+        moved == ["step_000004"]
+        and (aside / "step_000004" / damaged.relative_to(root / "step_000004")).is_file()
+    )
     assert [p.name for p in checkpoints(out)] == ["step_000006", "step_000007"]
     assert_same_run(out, sweep.reference)
     line = next(x for x in done.output.splitlines() if x.startswith("warning: skipping"))
     outcome.update(
-        warning=_shown(line, tmp_path)[:160] + "...", resumed_from="step_000002",
-        moved_aside=f"{aside.name}/step_000004", final="step_000007", lost_checkpoints=0,
-    )  # fmt: skip
+        warning=_shown(line, tmp_path)[:160] + "...",
+        resumed_from="step_000002",
+        moved_aside=f"{aside.name}/step_000004",
+        final="step_000007",
+        lost_checkpoints=0,
+    )
 
 
 @pytest.mark.parametrize("case", [p for p in params("fault", "rollback") if "truncated" in p.id])
@@ -106,9 +112,11 @@ def test_damaged_newest_rolls_back_and_finishes(case, sweep, tmp_path, outcome):
     assert moved == ["step_000004"]
     assert_same_run(out, sweep.reference)
     outcome.update(
-        resumed_from="step_000002", moved_aside=f"{aside.name}/step_000004",
-        final="step_000007", lost_checkpoints=0,
-    )  # fmt: skip
+        resumed_from="step_000002",
+        moved_aside=f"{aside.name}/step_000004",
+        final="step_000007",
+        lost_checkpoints=0,
+    )
 
 
 @pytest.mark.parametrize("case", [p for p in params("fault", "rollback") if "older" in p.id])
@@ -126,9 +134,11 @@ def test_resume_of_an_older_step_continues(case, sweep, tmp_path, outcome):
         assert CheckpointDirectory.problem(aside / name) is None
     assert_same_run(out, sweep.reference)
     outcome.update(
-        resumed_from="step_000004", moved_aside=f"{aside.name}/{{step_000006, step_000007}}",
-        final="step_000007", lost_checkpoints=0,
-    )  # fmt: skip
+        resumed_from="step_000004",
+        moved_aside=f"{aside.name}/{{step_000006, step_000007}}",
+        final="step_000007",
+        lost_checkpoints=0,
+    )
 
 
 @pytest.mark.parametrize("case", [p for p in params("fault", "lock") if "second" in p.id])
@@ -180,7 +190,9 @@ def test_stale_lock_of_a_killed_run_is_taken_over(case, sweep, tmp_path, outcome
     assert "no longer running" in message
     assert not lock.exists()
     assert_same_run(out, sweep.reference)
-    outcome.update(message=_shown(message, tmp_path), resumed_from="step_000002", lost_checkpoints=0)  # fmt: skip
+    outcome.update(
+        message=_shown(message, tmp_path), resumed_from="step_000002", lost_checkpoints=0
+    )
 
 
 def _user_folder(root: Path, name: str) -> Path:

@@ -45,5 +45,6 @@ def test_same_seed_same_bits(case, fault_world, tmp_path, outcome):
     if case.id == "cpu-same-seed-twice":
         other, _ = _run(fault_world, tmp_path, "seed1", *config, "seed=1")
         assert [other[s]["loss"] for s in other] != [first[s]["loss"] for s in first]
-    outcome.update(steps=len(first), first_loss=first[min(first)]["loss"],
-                   last_loss=first[max(first)]["loss"])  # fmt: skip
+    outcome.update(
+        steps=len(first), first_loss=first[min(first)]["loss"], last_loss=first[max(first)]["loss"]
+    )

@@ -47,8 +47,9 @@ def tmpfs_permitted(tmp: Path) -> bool:
     probe = tmp / "probe"
     probe.mkdir()
     script = 'mount -t tmpfs -o size=64k tmpfs "$0"'
-    result = subprocess.run(["unshare", "-Urm", "sh", "-c", script, str(probe)],
-                            capture_output=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        ["unshare", "-Urm", "sh", "-c", script, str(probe)], capture_output=True, timeout=60
+    )
     return result.returncode == 0
 
 
@@ -62,8 +63,11 @@ def _run_on_tmpfs(sweep, tmp: Path) -> tuple[int, str, Path, Path]:
     argv = sweep.argv(out, f"metric_loggers.1.log_dir={tmp / 'logs'}")
     result = subprocess.run(
         ["unshare", "-Urm", "sh", "-c", MOUNT_AND_RUN, str(mount), *cli_command(*argv)],
-        env=subprocess_env(SNAPSHOT=str(snapshot)), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=subprocess_env(SNAPSHOT=str(snapshot)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode != 97, result.stderr
     return result.returncode, result.stderr, snapshot / "out", out
 
@@ -137,5 +141,6 @@ def test_full_disk_keeps_the_previous_checkpoint(case, sweep, tmp_path, outcome)
     outcome.update(
         mechanism="tmpfs (ENOSPC)" if tmpfs else "RLIMIT_FSIZE (EFBIG)",
         error=error.replace(str(written_to), "<output_dir>"),
-        checkpoints_left=["step_000002"], lost_checkpoints=0,
-    )  # fmt: skip
+        checkpoints_left=["step_000002"],
+        lost_checkpoints=0,
+    )

@@ -76,10 +76,16 @@ def test_rank_dying_under_torchrun_fails_the_cli(case, fault_world, tmp_path, ou
     # ranks start with a safe sys.path: the test's own components are added deliberately
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
     overrides = sft_overrides(
-        fault_world.model_dir, fault_world.count, tmp_path / "out", "batch_size=2",
-        "max_steps=50", f"distributed_timeout_s={TIMEOUT_S}",
-        "loss._component_=tests.faults.components.DieOnCall", "loss.call=3", "loss.rank=1",
-    )  # fmt: skip
+        fault_world.model_dir,
+        fault_world.count,
+        tmp_path / "out",
+        "batch_size=2",
+        "max_steps=50",
+        f"distributed_timeout_s={TIMEOUT_S}",
+        "loss._component_=tests.faults.components.DieOnCall",
+        "loss.call=3",
+        "loss.rank=1",
+    )
     argv = ["--allow-any-component", "run", "sft", "--config", "tiny", "--nproc-per-node", "2",
             *overrides]  # fmt: skip
     log = tmp_path / "cli.log"

@@ -59,8 +59,9 @@ def test_the_same_error_on_every_rank_is_one_line(case, fault_world, tmp_path, o
     ], lines
     assert run_log.parent == out / "logs"  # the run's log is the only thing written
     assert [p.relative_to(out).as_posix() for p in out.rglob("*")] == [
-        "logs", f"logs/{run_log.name}"
-    ]  # fmt: skip
+        "logs",
+        f"logs/{run_log.name}",
+    ]
     text = run_log.read_text()
     for rank in (0, 1):  # each rank's traceback, prefixed with its rank, and torchrun's summary
         assert f"[rank{rank}]: rank {rank} of 2 failed:\n[rank{rank}]: Traceback" in text

@@ -95,6 +95,8 @@ def test_safe_dcp_round_trips_and_refuses_foreign_objects(tmp_path):
 
     marker = tmp_path / "ran"
     (tmp_path / "ok" / ".metadata").write_bytes(pickle.dumps(Evil(f"touch {marker}")))
-    with pytest.raises(safe_dcp.UnsafeCheckpointError, match=r"\.metadata: refused to unpickle posix\.system"):  # fmt: skip
+    with pytest.raises(
+        safe_dcp.UnsafeCheckpointError, match=r"\.metadata: refused to unpickle posix\.system"
+    ):
         safe_dcp.load(loaded, tmp_path / "ok")
     assert not marker.exists()

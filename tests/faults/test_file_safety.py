@@ -41,15 +41,28 @@ from tunesmith.cli.main import main
 from tunesmith.config import secrets
 from tunesmith.training import CheckpointDirectory
 
-CASES = {p.id: p for p in [*params("safety", "symlink"), *params("safety", "hardlink"),
-                           *params("safety", "secret")]}  # fmt: skip
+CASES = {
+    p.id: p
+    for p in [
+        *params("safety", "symlink"),
+        *params("safety", "hardlink"),
+        *params("safety", "secret"),
+    ]
+}
 _LINK = "is a symbolic link"
 _REFUSAL = "tunesmith does not write or read through links inside its own folders"
 _HARD = "tunesmith does not write to hard-linked files inside its own folders"
 
 
-def _run(capsys, world, out: Path, *overrides: str, flags: tuple[str, ...] = (),
-         model_dir: Path | None = None, data: str | None = None) -> tuple[int, str]:  # fmt: skip
+def _run(
+    capsys,
+    world,
+    out: Path,
+    *overrides: str,
+    flags: tuple[str, ...] = (),
+    model_dir: Path | None = None,
+    data: str | None = None,
+) -> tuple[int, str]:
     argv = [*flags, "run", "sft", "--config", "tiny", f"model_dir={model_dir or world.model_dir}",
             f"dataset.source={data or world.chat}", f"output_dir={out}", "max_steps=2",
             "progress_bar=false", *overrides]  # fmt: skip
@@ -114,7 +127,9 @@ def _plant(link: Path, victim: Path, *, hard: bool) -> tuple[str, ...]:
 
 
 @pytest.mark.parametrize("case", [CASES[name] for name in _RUN_FILES])
-def test_a_link_planted_as_a_run_file_is_refused(case, fault_world, tmp_path, victim, capsys, outcome):  # fmt: skip
+def test_a_link_planted_as_a_run_file_is_refused(
+    case, fault_world, tmp_path, victim, capsys, outcome
+):
     out = tmp_path / "out"
     out.mkdir()
     link = out / _RUN_FILES[case.id]
@@ -142,7 +157,9 @@ def test_a_hard_linked_model_file_is_read_as_its_file(fault_world, tmp_path, cap
 
 
 @pytest.mark.parametrize("case", [CASES["symlink-checkpoints-dir"]])
-def test_a_link_planted_as_the_checkpoint_root_is_refused(case, fault_world, tmp_path, capsys, outcome):  # fmt: skip
+def test_a_link_planted_as_the_checkpoint_root_is_refused(
+    case, fault_world, tmp_path, capsys, outcome
+):
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
     out.mkdir()
     elsewhere.mkdir()
@@ -156,7 +173,9 @@ def test_a_link_planted_as_the_checkpoint_root_is_refused(case, fault_world, tmp
 
 
 @pytest.mark.parametrize("case", [CASES["symlink-step-folder"]])
-def test_a_link_planted_as_a_step_folder_is_not_resumed(case, fault_world, tmp_path, capsys, outcome):  # fmt: skip
+def test_a_link_planted_as_a_step_folder_is_not_resumed(
+    case, fault_world, tmp_path, capsys, outcome
+):
     out = tmp_path / "out"
     (out / "checkpoints").mkdir(parents=True)
     target = fault_world.finished / "checkpoints" / "step_000002"
@@ -173,7 +192,9 @@ def test_a_link_planted_as_a_step_folder_is_not_resumed(case, fault_world, tmp_p
 
 
 @pytest.mark.parametrize("case", [CASES["symlink-logs-dir-torchrun"]])
-def test_a_link_planted_as_the_logs_folder_is_refused_before_torchrun(case, fault_world, tmp_path, capsys, outcome):  # fmt: skip
+def test_a_link_planted_as_the_logs_folder_is_refused_before_torchrun(
+    case, fault_world, tmp_path, capsys, outcome
+):
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
     out.mkdir()
     elsewhere.mkdir()
@@ -181,8 +202,17 @@ def test_a_link_planted_as_the_logs_folder_is_refused_before_torchrun(case, faul
     os.symlink(elsewhere, link)
     _reachable(link, elsewhere)
     started = time.monotonic()
-    code = main(["run", "sft", "--config", "tiny", "--nproc-per-node", "2",
-                 *sft_overrides(fault_world.model_dir, fault_world.chat, out, "max_steps=2")])  # fmt: skip
+    code = main(
+        [
+            "run",
+            "sft",
+            "--config",
+            "tiny",
+            "--nproc-per-node",
+            "2",
+            *sft_overrides(fault_world.model_dir, fault_world.chat, out, "max_steps=2"),
+        ]
+    )
     err = capsys.readouterr().err
     line = _refused(code, err, f"{link}: {_LINK} (to {elsewhere})")
     assert "ranks through torchrun" not in err and time.monotonic() - started < 120
@@ -201,7 +231,9 @@ def _model_with_link(fault_world, tmp_path: Path, name: str, target: Path) -> tu
 
 
 @pytest.mark.parametrize("case", [CASES["symlink-model-file-outside"]])
-def test_a_model_file_linked_outside_is_refused(case, fault_world, tmp_path, victim, capsys, outcome):  # fmt: skip
+def test_a_model_file_linked_outside_is_refused(
+    case, fault_world, tmp_path, victim, capsys, outcome
+):
     from tunesmith.models.hf import TOKENIZER_FILES
 
     assert "vocab.txt" in TOKENIZER_FILES  # a known file: it used to be copied as it points
@@ -251,7 +283,9 @@ def _secret(tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize("case", [CASES["secret-in-error-line"]])
-def test_a_secret_in_the_error_line_is_redacted(case, fault_world, tmp_path, capsys, monkeypatch, outcome):  # fmt: skip
+def test_a_secret_in_the_error_line_is_redacted(
+    case, fault_world, tmp_path, capsys, monkeypatch, outcome
+):
     value = _secret(tmp_path)
     monkeypatch.setenv(SECRET_ENV, value)
     with monkeypatch.context() as off:  # live: without redaction the value is in the line
@@ -277,8 +311,9 @@ def test_a_secret_in_a_rank_error_is_redacted_in_every_log(case, fault_world, tm
     overrides.append(f"dataset.source=${{oc.env:{SECRET_ENV}}}")
     argv = ["run", "sft", "--config", "tiny", "--nproc-per-node", "2", *overrides]
     log = tmp_path / "cli.log"
-    done = finish(start_child(argv, log, env={SECRET_ENV: value}), log, timeout=240,
-                  started=time.monotonic())  # fmt: skip
+    done = finish(
+        start_child(argv, log, env={SECRET_ENV: value}), log, timeout=240, started=time.monotonic()
+    )
     assert done.exitcode == 1, done.output[-3000:]
     lines, run_log = torchrun_errors(done.output)
     assert lines == [
@@ -320,14 +355,39 @@ def test_a_full_disk_under_metrics_keeps_the_earlier_records(case, fault_world, 
     earlier = _earlier_records(tmp_path / "earlier.jsonl")
     logs, snapshot, out = tmp_path / "disk", tmp_path / "after.jsonl", tmp_path / "out"
     logs.mkdir()
-    argv = cli_command("run", "sft", "--config", "tiny", *sft_overrides(
-        fault_world.model_dir, fault_world.chat, out, "max_steps=2", "dataset.cache_dir=null",
-        f"metric_loggers.1.log_dir={logs}"))  # fmt: skip
+    argv = cli_command(
+        "run",
+        "sft",
+        "--config",
+        "tiny",
+        *sft_overrides(
+            fault_world.model_dir,
+            fault_world.chat,
+            out,
+            "max_steps=2",
+            "dataset.cache_dir=null",
+            f"metric_loggers.1.log_dir={logs}",
+        ),
+    )
     tmpfs = tmpfs_permitted(tmp_path)
     if tmpfs:
-        command = ["unshare", "-Urm", "sh", "-c", _FILL, str(logs), str(tmp_path / "earlier.jsonl"), *argv]  # fmt: skip
-        result = subprocess.run(command, env=subprocess_env(SNAPSHOT=str(snapshot)),
-                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        command = [
+            "unshare",
+            "-Urm",
+            "sh",
+            "-c",
+            _FILL,
+            str(logs),
+            str(tmp_path / "earlier.jsonl"),
+            *argv,
+        ]
+        result = subprocess.run(
+            command,
+            env=subprocess_env(SNAPSHOT=str(snapshot)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode != 97, result.stderr
     else:  # the file may not grow past what it holds plus 100 bytes
         shutil.copy(tmp_path / "earlier.jsonl", logs / "metrics.jsonl")
@@ -336,8 +396,14 @@ def test_a_full_disk_under_metrics_keeps_the_earlier_records(case, fault_world, 
         def lower_limit() -> None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-        result = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True,
-                                timeout=300, preexec_fn=lower_limit)  # fmt: skip
+        result = subprocess.run(
+            argv,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            preexec_fn=lower_limit,
+        )
         shutil.copy(logs / "metrics.jsonl", snapshot)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
@@ -348,8 +414,10 @@ def test_a_full_disk_under_metrics_keeps_the_earlier_records(case, fault_world, 
     assert snapshot.read_bytes() == earlier  # kept byte for byte, no half record
     outcome.update(
         mechanism="tmpfs (ENOSPC)" if tmpfs else "RLIMIT_FSIZE (EFBIG)",
-        error=_shown(errors[0], tmp_path), records_kept=earlier.count(b"\n"), lost_checkpoints=0,
-    )  # fmt: skip
+        error=_shown(errors[0], tmp_path),
+        records_kept=earlier.count(b"\n"),
+        lost_checkpoints=0,
+    )
 
 
 # ----------------------------------------------------------------------------- the manifest cases, live
@@ -375,7 +443,7 @@ def test_a_manifest_without_the_weights_would_load_a_flipped_byte(fault_world, t
     _omits_weights(_world(fault_world, tmp_path))
     step = tmp_path / "out" / "checkpoints" / "step_000001"
     load_file(step / "model.safetensors")  # live: the damaged weights load without complaint
-    original = load_file(fault_world.finished / "checkpoints" / "step_000001" / "model.safetensors")  # fmt: skip
+    original = load_file(fault_world.finished / "checkpoints" / "step_000001" / "model.safetensors")
     damaged = load_file(step / "model.safetensors")
     assert any(not (damaged[k] == original[k]).all() for k in original)
     problem = CheckpointDirectory.problem(step)
@@ -389,7 +457,9 @@ def test_dev_zero_and_a_fifo_in_a_manifest_are_refused_within_seconds(fault_worl
         assert os.fstat(f.fileno()).st_size == 0 and len(f.read(1 << 20)) == 1 << 20
     _entry(_world(fault_world, tmp_path / "zero"), "/dev/zero")
     step = tmp_path / "zero" / "out" / "checkpoints" / "step_000001"
-    assert "'/dev/zero' is not a path inside" in _within(10, lambda: CheckpointDirectory.problem(step))  # fmt: skip
+    assert "'/dev/zero' is not a path inside" in _within(
+        10, lambda: CheckpointDirectory.problem(step)
+    )
     _fifo_file(_world(fault_world, tmp_path / "fifo"))
     step = tmp_path / "fifo" / "out" / "checkpoints" / "step_000001"
     assert "is a FIFO" in _within(10, lambda: CheckpointDirectory.problem(step))

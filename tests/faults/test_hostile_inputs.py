@@ -75,7 +75,9 @@ def _shown(text: str, world: World, root: Path) -> str:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_hostile_input_ends_in_time_with_one_line(case, fault_world, tmp_path, capsys, monkeypatch, outcome):  # fmt: skip
+def test_hostile_input_ends_in_time_with_one_line(
+    case, fault_world, tmp_path, capsys, monkeypatch, outcome
+):
     world = World(fault_world.model_dir, fault_world.chat, fault_world.finished, tmp_path)
     attempt = BUILDERS[case.id](world)
     if attempt.live is not None:
@@ -95,8 +97,9 @@ def test_hostile_input_ends_in_time_with_one_line(case, fault_world, tmp_path, c
         assert code == 0, output[-3000:]
         report = [line for line in output.splitlines() if "skipped" in line]
         assert any(attempt.skipped in line for line in report), output[-3000:]
-        outcome.update(outcome="counted skip", error=_shown(" / ".join(report), world,
-                                                               fault_world.root))  # fmt: skip
+        outcome.update(
+            outcome="counted skip", error=_shown(" / ".join(report), world, fault_world.root)
+        )
         return
     errors = [line for line in output.splitlines() if line.startswith("tunesmith: error: ")]
     assert code == 1, f"exit {code}: {output[-3000:]}"

@@ -108,8 +108,9 @@ def _payloads(folder: Path, marker: Path) -> None:
             "#include <stdio.h>\n__attribute__((constructor)) static void boom(void) {\n"
             f'  FILE *f = fopen("{marker}", "w"); if (f) fclose(f);\n}}\n'
         )
-        subprocess.run([compiler, "-shared", "-fPIC", "-o", str(folder / "evil.so"), str(source)],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            [compiler, "-shared", "-fPIC", "-o", str(folder / "evil.so"), str(source)], check=True
+        )
 
 
 def _live(what: str, folder: Path, marker: Path) -> str:
@@ -128,8 +129,9 @@ def _live(what: str, folder: Path, marker: Path) -> str:
         subprocess.run([sys.executable, "-i"], env=env, **run)
     elif what == "BROWSER":
         env.update(BROWSER=f"touch {marker} #%s")
-        subprocess.run([sys.executable, "-c", "import webbrowser; webbrowser.open('x')"],
-                       env=env, **run)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-c", "import webbrowser; webbrowser.open('x')"], env=env, **run
+        )
     elif what == "LD_PRELOAD" and (folder / "evil.so").is_file():
         env.update(LD_PRELOAD=str(folder / "evil.so"))
         subprocess.run(["/bin/true"], env=env, **run)
@@ -152,7 +154,7 @@ REFUSED = [*params("safety", "runtime-env"),
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_runtime_env_is_refused(case, ray_world, tmp_path, capsys, monkeypatch, no_opt_in, outcome):  # fmt: skip
+def test_runtime_env_is_refused(case, ray_world, tmp_path, capsys, monkeypatch, no_opt_in, outcome):
     route = ROUTES[case.id]
     folder, marker, out = tmp_path / "case", tmp_path / "payload-ran", tmp_path / "out"
     _payloads(folder, marker)
@@ -192,8 +194,14 @@ def _tunesmith(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """The ``tunesmith`` console script in a process of its own (Ray starts there), run from
     ``cwd`` with no ``PYTHONPATH``."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
-    return subprocess.run([str(Path(sys.executable).parent / "tunesmith"), *argv], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "tunesmith"), *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("case", [CASES["runtime-env-opt-in-runs"]])
@@ -202,8 +210,17 @@ def test_opt_in_runs_the_runtime_env(case, ray_world, tmp_path, no_opt_in, outco
     _payloads(folder, marker)
     override = ROUTES["runtime-env-py-executable"].override.format(folder=folder, marker=marker)
     with ray_temp_dir() as temp:
-        done = _tunesmith(["--allow-runtime-env", "run", "grpo_async", "--config", "tiny",
-                           *_common(ray_world, out, override, f"ray.temp_dir={temp}")], tmp_path)  # fmt: skip
+        done = _tunesmith(
+            [
+                "--allow-runtime-env",
+                "run",
+                "grpo_async",
+                "--config",
+                "tiny",
+                *_common(ray_world, out, override, f"ray.temp_dir={temp}"),
+            ],
+            tmp_path,
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     assert marker.exists(), "the rollout worker did not start through py_executable"
     assert (out / "checkpoints").is_dir()
@@ -234,7 +251,9 @@ def _imported(markers: dict[str, Path]) -> list[str]:
 
 
 @pytest.mark.parametrize("case", [CASES["ray-worker-env-cwd-files"]])
-def test_the_worker_environment_imports_nothing_from_the_folder(case, tmp_path, monkeypatch, no_opt_in, outcome):  # fmt: skip
+def test_the_worker_environment_imports_nothing_from_the_folder(
+    case, tmp_path, monkeypatch, no_opt_in, outcome
+):
     from tunesmith.rl.asynchronous.pipeline import runtime_env
 
     here = tmp_path / "run_here"
@@ -250,12 +269,17 @@ def test_the_worker_environment_imports_nothing_from_the_folder(case, tmp_path, 
     done = subprocess.run(probe, env={**base, **worker}, **run)
     assert done.returncode == 0, done.stderr
     assert _imported(markers) == []
-    outcome.update(outcome="refused", imported="neither sitecustomize.py nor json.py",
-                   env="PYTHONSAFEPATH=1, PYTHONPATH=" + (worker["PYTHONPATH"] or "''"))  # fmt: skip
+    outcome.update(
+        outcome="refused",
+        imported="neither sitecustomize.py nor json.py",
+        env="PYTHONSAFEPATH=1, PYTHONPATH=" + (worker["PYTHONPATH"] or "''"),
+    )
 
 
 @pytest.mark.parametrize("case", [CASES["ray-workers-cwd-sitecustomize"]])
-def test_workers_import_nothing_from_the_working_folder(case, ray_world, tmp_path, no_opt_in, outcome):  # fmt: skip
+def test_workers_import_nothing_from_the_working_folder(
+    case, ray_world, tmp_path, no_opt_in, outcome
+):
     here, out = tmp_path / "run_here", tmp_path / "out"
     here.mkdir()
     markers = {name: tmp_path / f"{name}-imported" for name in ("sitecustomize", "torch")}
@@ -265,16 +289,32 @@ def test_workers_import_nothing_from_the_working_folder(case, ray_world, tmp_pat
         )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
     # live: with the folder on the path, as the workers had it, both files run
-    subprocess.run([sys.executable, "-c", "pass"], env={**env, "PYTHONPATH": str(here)},
-                   capture_output=True, timeout=60)  # fmt: skip
-    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(here)!r}); "
-                    "import torch"], env=env, capture_output=True, timeout=60)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", "pass"],
+        env={**env, "PYTHONPATH": str(here)},
+        capture_output=True,
+        timeout=60,
+    )
+    subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(here)!r}); import torch"],
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
     assert all(m.exists() for m in markers.values()), "the planted files did not run"
     for marker in markers.values():
         marker.unlink()
     with ray_temp_dir() as temp:
-        done = _tunesmith(["run", "grpo_async", "--config", "tiny",
-                           *_common(ray_world, out, f"ray.temp_dir={temp}")], here)  # fmt: skip
+        done = _tunesmith(
+            [
+                "run",
+                "grpo_async",
+                "--config",
+                "tiny",
+                *_common(ray_world, out, f"ray.temp_dir={temp}"),
+            ],
+            here,
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     assert not any(m.exists() for m in markers.values()), [str(m) for m in markers.values()]
     assert (out / "checkpoints").is_dir()
@@ -292,23 +332,29 @@ def _closed_port() -> int:
 
 def _timed_run(capsys, world, out: Path, *extra: str) -> tuple[str, float]:
     start = time.monotonic()
-    code, _, err = _cli(capsys, ["run", "grpo_async", "--config", "tiny",
-                                 *_common(world, out, *extra)])  # fmt: skip
+    code, _, err = _cli(
+        capsys, ["run", "grpo_async", "--config", "tiny", *_common(world, out, *extra)]
+    )
     return _first_line(code, err), time.monotonic() - start
 
 
 @pytest.mark.parametrize("case", [CASES["ray-address-closed-port"]])
-def test_closed_port_is_refused_in_bounded_time(case, ray_world, tmp_path, capsys, no_opt_in, outcome):  # fmt: skip
+def test_closed_port_is_refused_in_bounded_time(
+    case, ray_world, tmp_path, capsys, no_opt_in, outcome
+):
     port = _closed_port()
     line, seconds = _timed_run(capsys, ray_world, tmp_path / "out", f"ray.address=127.0.0.1:{port}")
     assert line.startswith(f"tunesmith: error: ray.address: 127.0.0.1:{port}: cannot connect"), line
     assert seconds < 30 and not _ray_started()
-    outcome.update(outcome="refused", error=line.replace(str(port), "<port>"),
-                   seconds=round(seconds, 1))  # fmt: skip
+    outcome.update(
+        outcome="refused", error=line.replace(str(port), "<port>"), seconds=round(seconds, 1)
+    )
 
 
 @pytest.mark.parametrize("case", [CASES["ray-address-auto-no-cluster"]])
-def test_auto_without_a_cluster_is_refused(case, ray_world, tmp_path, capsys, monkeypatch, no_opt_in, outcome):  # fmt: skip
+def test_auto_without_a_cluster_is_refused(
+    case, ray_world, tmp_path, capsys, monkeypatch, no_opt_in, outcome
+):
     from ray._private import services
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -316,8 +362,9 @@ def test_auto_without_a_cluster_is_refused(case, ray_world, tmp_path, capsys, mo
     monkeypatch.setattr(services, "find_gcs_addresses", lambda: [])
     empty = tmp_path / "ray_tmp"  # holds no ray_current_cluster file
     empty.mkdir()
-    line, seconds = _timed_run(capsys, ray_world, tmp_path / "out", "ray.address=auto",
-                               f"ray.temp_dir={empty}")  # fmt: skip
+    line, seconds = _timed_run(
+        capsys, ray_world, tmp_path / "out", "ray.address=auto", f"ray.temp_dir={empty}"
+    )
     assert line.startswith("tunesmith: error: ray.address: auto, but no Ray cluster"), line
     assert seconds < 30 and not _ray_started()
     outcome.update(outcome="refused", error=line, seconds=round(seconds, 1))
@@ -340,8 +387,9 @@ def test_port_that_is_not_ray_is_refused(case, ray_world, tmp_path, no_opt_in, o
     assert errors[0].startswith(f"tunesmith: error: ray.address: 127.0.0.1:{port}: "), errors
     assert "within 5 s (ray.connect_timeout_s)" in errors[0] or "cannot connect" in errors[0]
     assert seconds < 60, seconds
-    outcome.update(outcome="refused", error=errors[0].replace(str(port), "<port>"),
-                   seconds=round(seconds, 1))  # fmt: skip
+    outcome.update(
+        outcome="refused", error=errors[0].replace(str(port), "<port>"), seconds=round(seconds, 1)
+    )
 
 
 @pytest.mark.parametrize("case", [CASES["ray-address-malformed"]])

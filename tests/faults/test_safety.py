@@ -65,10 +65,16 @@ def marker(tmp_path) -> Path:
 
 @pytest.mark.parametrize("case", [CASES["component-os-system"]])
 def test_os_system_component_is_refused(case, fault_world, tmp_path, marker, capsys, outcome):
-    code, err = _run(capsys, fault_world, tmp_path / "out", "loss._component_=os.system",
-                     f"loss.command='touch {marker}'")  # fmt: skip
-    line = _refused(code, err, "loss._component_: component 'os.system' is not allowed",
-                    "--allow-any-component")  # fmt: skip
+    code, err = _run(
+        capsys,
+        fault_world,
+        tmp_path / "out",
+        "loss._component_=os.system",
+        f"loss.command='touch {marker}'",
+    )
+    line = _refused(
+        code, err, "loss._component_: component 'os.system' is not allowed", "--allow-any-component"
+    )
     assert not marker.exists() and not (tmp_path / "out").exists()
     outcome.update(outcome="refused", error=line.replace(str(tmp_path), "<case>"))
 
@@ -77,7 +83,9 @@ def test_os_system_component_is_refused(case, fault_world, tmp_path, marker, cap
 def test_subprocess_component_is_refused(case, fault_world, tmp_path, marker, capsys, outcome):
     logger = f"metric_loggers=[{{_component_: subprocess.run, args: [touch, {marker}]}}]"
     code, err = _run(capsys, fault_world, tmp_path / "out", logger)
-    line = _refused(code, err, "metric_loggers.0._component_: component 'subprocess.run' is not allowed")  # fmt: skip
+    line = _refused(
+        code, err, "metric_loggers.0._component_: component 'subprocess.run' is not allowed"
+    )
     assert not marker.exists() and not (tmp_path / "out").exists()
     outcome.update(outcome="refused", error=line.replace(str(tmp_path), "<case>"))
 
@@ -86,20 +94,35 @@ RECORDING = "tests.faults.components.RecordingCrossEntropy"
 
 
 @pytest.mark.parametrize("case", [CASES["component-test-loss-refused"]])
-def test_component_outside_allow_list_is_refused(case, fault_world, tmp_path, marker, capsys, monkeypatch, outcome):  # fmt: skip
+def test_component_outside_allow_list_is_refused(
+    case, fault_world, tmp_path, marker, capsys, monkeypatch, outcome
+):
     monkeypatch.delenv(ALLOW_ANY_ENV, raising=False)
-    code, err = _run(capsys, fault_world, tmp_path / "out", f"loss._component_={RECORDING}",
-                     f"loss.marker={marker}")  # fmt: skip
+    code, err = _run(
+        capsys,
+        fault_world,
+        tmp_path / "out",
+        f"loss._component_={RECORDING}",
+        f"loss.marker={marker}",
+    )
     line = _refused(code, err, f"loss._component_: component '{RECORDING}' is not allowed")
     assert not marker.exists()
     outcome.update(outcome="refused", error=line.replace(str(tmp_path), "<case>"))
 
 
 @pytest.mark.parametrize("case", [CASES["component-test-loss-allowed"]])
-def test_allow_any_component_builds_it(case, fault_world, tmp_path, marker, capsys, monkeypatch, outcome):  # fmt: skip
+def test_allow_any_component_builds_it(
+    case, fault_world, tmp_path, marker, capsys, monkeypatch, outcome
+):
     monkeypatch.setenv(ALLOW_ANY_ENV, "0")  # restored after the test (the flag sets it to 1)
-    code, err = _run(capsys, fault_world, tmp_path / "out", f"loss._component_={RECORDING}",
-                     f"loss.marker={marker}", flags=("--allow-any-component",))  # fmt: skip
+    code, err = _run(
+        capsys,
+        fault_world,
+        tmp_path / "out",
+        f"loss._component_={RECORDING}",
+        f"loss.marker={marker}",
+        flags=("--allow-any-component",),
+    )
     assert code == 0, err
     assert marker.read_text() == "built"
     assert [p.name for p in checkpoints(tmp_path / "out")] == ["step_000002"]
@@ -190,7 +213,9 @@ def _show_live(route: safety_cases.Route, folder: Path, marker: Path) -> None:
 
 
 @pytest.mark.parametrize("case", params("safety", "component-route"))
-def test_route_to_code_execution_is_refused(case, fault_world, tmp_path, marker, capsys, monkeypatch, allowed_packages_imported, outcome):  # fmt: skip
+def test_route_to_code_execution_is_refused(
+    case, fault_world, tmp_path, marker, capsys, monkeypatch, allowed_packages_imported, outcome
+):
     route = ROUTES[case.id]
     monkeypatch.delenv(ALLOW_ANY_ENV, raising=False)
     capsys.readouterr()
@@ -207,7 +232,9 @@ def test_route_to_code_execution_is_refused(case, fault_world, tmp_path, marker,
 
 
 @pytest.mark.parametrize("case", [CASES["validate-refuses-every-route"]])
-def test_validate_refuses_what_run_refuses(case, fault_world, tmp_path, marker, capsys, monkeypatch, allowed_packages_imported, outcome):  # fmt: skip
+def test_validate_refuses_what_run_refuses(
+    case, fault_world, tmp_path, marker, capsys, monkeypatch, allowed_packages_imported, outcome
+):
     monkeypatch.delenv(ALLOW_ANY_ENV, raising=False)
     capsys.readouterr()
     for route in safety_cases.ROUTES:
@@ -230,7 +257,9 @@ UNRESOLVED = {u.id: u for u in safety_cases.UNRESOLVED}
 @pytest.mark.parametrize(
     "case", [p for p in params("bad_input", safety_cases.UNRESOLVED_KIND) if p.id in UNRESOLVED]
 )
-def test_unresolvable_safety_key_is_named(case, fault_world, tmp_path, capsys, monkeypatch, allowed_packages_imported, outcome):  # fmt: skip
+def test_unresolvable_safety_key_is_named(
+    case, fault_world, tmp_path, capsys, monkeypatch, allowed_packages_imported, outcome
+):
     """A ``_component_``, ``weights_only`` or ``trust_remote_code`` (or a node holding one)
     that is an interpolation that cannot be resolved: ``validate`` and ``run`` give the same
     first line, naming the key."""
@@ -272,13 +301,18 @@ def _show_cwd_is_imported(cwd: Path, marker: Path) -> None:
 
 
 @pytest.mark.parametrize("case", [CASES["cwd-module-safe-path"]])
-def test_launch_command_keeps_the_working_directory_off_sys_path(case, tmp_path, marker, outcome):  # fmt: skip
+def test_launch_command_keeps_the_working_directory_off_sys_path(case, tmp_path, marker, outcome):
     from tunesmith.cli.main import _torchrun_args, build_parser, python_module
 
     cwd = _planted_json(tmp_path / "cwd", marker)
     _show_cwd_is_imported(cwd, marker)
-    done = subprocess.run([*python_module("json.tool"), "--help"], cwd=cwd, env=subprocess_env(),
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [*python_module("json.tool"), "--help"],
+        cwd=cwd,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0 and "json.tool" in done.stdout, done.stderr
     assert not marker.exists()
     args = build_parser().parse_args(["run", "sft", "--config", "tiny", "--nproc-per-node", "2"])
@@ -288,7 +322,7 @@ def test_launch_command_keeps_the_working_directory_off_sys_path(case, tmp_path,
 
 
 @pytest.mark.parametrize("case", [CASES["cwd-module-under-torchrun"]])
-def test_ranks_do_not_import_the_working_directory(case, fault_world, tmp_path, marker, outcome):  # fmt: skip
+def test_ranks_do_not_import_the_working_directory(case, fault_world, tmp_path, marker, outcome):
     from tunesmith.cli.main import python_module
 
     cwd = _planted_json(tmp_path / "cwd", marker)
@@ -299,8 +333,9 @@ def test_ranks_do_not_import_the_working_directory(case, fault_world, tmp_path, 
     command = [*tunesmith, "run", "sft", "--config", "tiny", "--nproc-per-node", "2",
                f"model_dir={fault_world.model_dir}", f"dataset.source={fault_world.chat}",
                f"output_dir={out}", "max_steps=2", "progress_bar=false"]  # fmt: skip
-    done = subprocess.run(command, cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    done = subprocess.run(
+        command, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert not marker.exists(), "a rank imported the working directory's json.py"
     assert [p.name for p in checkpoints(out)] == ["step_000002"]
@@ -355,7 +390,9 @@ def test_pickled_training_state_is_refused(case, fault_world, tmp_path, marker, 
 
 
 @pytest.mark.parametrize("case", [CASES["pickled-optimizer-metadata"]])
-def test_pickled_optimizer_metadata_is_refused(case, fault_world, tmp_path, marker, capsys, outcome):  # fmt: skip
+def test_pickled_optimizer_metadata_is_refused(
+    case, fault_world, tmp_path, marker, capsys, outcome
+):
     step = _resume_copy(fault_world, tmp_path)
     optimizer = step / "training_state" / "optimizer"
     (optimizer / ".metadata").write_bytes(pickle.dumps(_payload(marker)))
@@ -368,7 +405,7 @@ def test_pickled_optimizer_metadata_is_refused(case, fault_world, tmp_path, mark
 
 
 @pytest.mark.parametrize("case", [CASES["pickled-training-state-protocol-4"]])
-def test_protocol_4_training_state_is_refused(case, fault_world, tmp_path, marker, capsys, outcome):  # fmt: skip
+def test_protocol_4_training_state_is_refused(case, fault_world, tmp_path, marker, capsys, outcome):
     step = _resume_copy(fault_world, tmp_path)
     state = step / "training_state" / "rank0.pt"
     torch.save({"progress": _payload(marker)}, state, pickle_protocol=4)
@@ -391,7 +428,9 @@ class _Call:
 
 
 @pytest.mark.parametrize("case", [CASES["pickled-training-state-safe-globals"]])
-def test_safe_globals_do_not_reach_checkpoints(case, fault_world, tmp_path, marker, capsys, outcome):  # fmt: skip
+def test_safe_globals_do_not_reach_checkpoints(
+    case, fault_world, tmp_path, marker, capsys, outcome
+):
     step = _resume_copy(fault_world, tmp_path)
     state = step / "training_state" / "rank0.pt"
     torch.save({"progress": _Call(marker)}, state, pickle_protocol=3)  # 2 renames the module
@@ -421,7 +460,7 @@ def _stack_global(module: str, name: str, arg: str) -> bytes:
 
 
 @pytest.mark.parametrize("case", [CASES["pickled-optimizer-metadata-dotted-name"]])
-def test_dotted_name_in_metadata_is_refused(case, fault_world, tmp_path, marker, capsys, outcome):  # fmt: skip
+def test_dotted_name_in_metadata_is_refused(case, fault_world, tmp_path, marker, capsys, outcome):
     step = _resume_copy(fault_world, tmp_path)
     metadata = step / "training_state" / "optimizer" / ".metadata"
     module = "torch.distributed.checkpoint.metadata"
@@ -488,7 +527,9 @@ def test_pickled_optimizer_entry_is_refused(case, fault_world, tmp_path, marker,
         close_distributed()
     reseal(step)  # a crafted checkpoint comes with a manifest that matches it
     code, err = _run(capsys, fault_world, tmp_path / "out", f"resume={step}")
-    line = _refused(code, err, str(optimizer), "entry 'optimizer.param_groups.0.lr'", "posix.system")  # fmt: skip
+    line = _refused(
+        code, err, str(optimizer), "entry 'optimizer.param_groups.0.lr'", "posix.system"
+    )
     assert not marker.exists()
     outcome.update(outcome="refused", error=line.replace(str(tmp_path), "<case>"))
 
@@ -552,9 +593,11 @@ def unsafe_loads(source: str, name: str) -> list[str]:
 @pytest.mark.parametrize("case", [CASES["no-unsafe-loading-in-source"]])
 def test_package_source_has_no_unsafe_loading(case, outcome):
     # the scanner itself catches each kind of unsafe load
-    bad = ("torch.load(f)\ntorch.load(f, weights_only=False)\npickle.loads(b)\n"
-           "dcp.load(s, checkpoint_id=p)\nAutoModel.from_pretrained(p, trust_remote_code=True)\n"
-           "from pickle import loads\n")  # fmt: skip
+    bad = (
+        "torch.load(f)\ntorch.load(f, weights_only=False)\npickle.loads(b)\n"
+        "dcp.load(s, checkpoint_id=p)\nAutoModel.from_pretrained(p, trust_remote_code=True)\n"
+        "from pickle import loads\n"
+    )
     assert len(unsafe_loads(bad, "x.py")) == 6
     assert len(unsafe_loads("torch.load(f, weights_only=True)\n", "x.py")) == 1
     assert unsafe_loads("torch.load(f, weights_only=True)\n", "safe_dcp.py") == []

@@ -113,8 +113,15 @@ def context(tmp_path):
     for s in (server, unix, abstract):
         s.listen(4)
         s.setblocking(False)
-    ctx = Context(tmp_path, f"sk-{secrets.token_hex(12)}", key_secret, f"tunesmith-escape-{tag}",
-                  server, unix, abstract)  # fmt: skip
+    ctx = Context(
+        tmp_path,
+        f"sk-{secrets.token_hex(12)}",
+        key_secret,
+        f"tunesmith-escape-{tag}",
+        server,
+        unix,
+        abstract,
+    )
     yield ctx
     prefix_marker = Path(ctx.fields["prefix_marker"])
     for s in (server, unix, abstract):
@@ -158,8 +165,12 @@ def _attempt(route, mode: str, ctx: Context) -> tuple[list[str], dict]:
     outside = ctx.tmp / "outside.txt"
     before = (outside.read_text(), stat.S_IMODE(outside.stat().st_mode))
     start = time.monotonic()
-    trainer = subprocess.Popen([sys.executable, "-I", "-S", "-c", DRIVER, json.dumps(cfg)], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    trainer = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", DRIVER, json.dumps(cfg)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         out, err = trainer.communicate(timeout=route.timeout_s + 20)
     except subprocess.TimeoutExpired:  # stopped (traced) or hung: harm either way
@@ -200,8 +211,11 @@ def _attempt(route, mode: str, ctx: Context) -> tuple[list[str], dict]:
         harms.append("an outside file was changed")
         outside.write_text(before[0])
         outside.chmod(before[1])
-    for name, server in (("TCP", ctx.server), ("AF_UNIX", ctx.unix),
-                         ("abstract AF_UNIX", ctx.abstract)):  # fmt: skip
+    for name, server in (
+        ("TCP", ctx.server),
+        ("AF_UNIX", ctx.unix),
+        ("abstract AF_UNIX", ctx.abstract),
+    ):
         if _accepted(server):
             harms.append(f"a host {name} socket was reached")
     deadline = time.monotonic() + 2

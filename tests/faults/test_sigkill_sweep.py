@@ -61,7 +61,10 @@ def test_sigkill_at_a_random_point_loses_nothing(case, sweep, tmp_path, outcome)
     assert_same_run(out, sweep.reference)
     assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []  # dead writers' dirs
     outcome.update(
-        phase=phase, killed_at=sweep.events[at], checkpoints_left=left, lost_checkpoints=0,
+        phase=phase,
+        killed_at=sweep.events[at],
+        checkpoints_left=left,
+        lost_checkpoints=0,
         resumed_from=latest.name if latest else "scratch",
         final=[p.name for p in checkpoints(out)][-1],
-    )  # fmt: skip
+    )

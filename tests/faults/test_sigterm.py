@@ -55,16 +55,24 @@ def test_sigterm_saves_and_exits_cleanly(case, sweep, tmp_path, outcome):
         assert resumed.exitcode == 0, resumed.output[-3000:]
     assert_same_run(out, sweep.reference)
     outcome.update(
-        signalled_at=sweep.events[at], exit_code=0, seconds_to_exit=round(exit_s, 2),
+        signalled_at=sweep.events[at],
+        exit_code=0,
+        seconds_to_exit=round(exit_s, 2),
         checkpoint=newest,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("case", [p for p in params("fault", "sigterm") if "torchrun" in p.id])
 def test_sigterm_through_torchrun_stops_both_ranks(case, fault_world, tmp_path, outcome):
     out, log = tmp_path / "run", tmp_path / "cli.log"
-    overrides = sft_overrides(fault_world.model_dir, fault_world.count, out, "batch_size=2",
-                              "max_steps=1000", "distributed_timeout_s=60")  # fmt: skip
+    overrides = sft_overrides(
+        fault_world.model_dir,
+        fault_world.count,
+        out,
+        "batch_size=2",
+        "max_steps=1000",
+        "distributed_timeout_s=60",
+    )
     argv = ["run", "sft", "--config", "tiny", "--nproc-per-node", "2", *overrides]
     started = time.monotonic()
     cli = start_child(argv, log)

@@ -59,18 +59,29 @@ def _ray_started() -> bool:
 
 def _driver(out: Path) -> _Driver:
     """The driver of a 2-rank group writing into ``out`` (its log folder made, Ray not started)."""
-    cfg = OmegaConf.create({"output_dir": str(out), "trainer_group": dict(
-        launcher="ray", workers=2)})  # fmt: skip
-    return _Driver(lambda cfg, ctx: None, cfg, ["output_dir", "trainer_group"], {},
-                   GroupSettings.of(cfg))  # fmt: skip
+    cfg = OmegaConf.create(
+        {"output_dir": str(out), "trainer_group": dict(launcher="ray", workers=2)}
+    )
+    return _Driver(
+        lambda cfg, ctx: None, cfg, ["output_dir", "trainer_group"], {}, GroupSettings.of(cfg)
+    )
 
 
 def _job(log_dir: Path, rank: int, world: int, config: dict | None = None) -> RankJob:
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}  # fmt: skip
-    return RankJob(lambda cfg, ctx: None, config or {}, [], {}, env, os.getcwd(), str(log_dir),
-                   threads=torch.get_num_threads(), console_tty=False)  # fmt: skip
+    return RankJob(
+        lambda cfg, ctx: None,
+        config or {},
+        [],
+        {},
+        env,
+        os.getcwd(),
+        str(log_dir),
+        threads=torch.get_num_threads(),
+        console_tty=False,
+    )
 
 
 def _rank_refuses(job: RankJob, monkeypatch) -> dict:
@@ -92,7 +103,9 @@ def _shown(text: str, tmp: Path) -> str:
 
 
 @pytest.mark.parametrize("case", [CASES["symlink-trainer-group-logs-dir"]])
-def test_a_link_planted_as_the_logs_folder_is_refused_before_ray(case, ray_world, tmp_path, capsys, monkeypatch, outcome):  # fmt: skip
+def test_a_link_planted_as_the_logs_folder_is_refused_before_ray(
+    case, ray_world, tmp_path, capsys, monkeypatch, outcome
+):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     model_dir, prompts = ray_world
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
@@ -101,9 +114,20 @@ def test_a_link_planted_as_the_logs_folder_is_refused_before_ray(case, ray_world
     link = out / "logs"
     os.symlink(elsewhere, link)
     assert link.resolve() == elsewhere.resolve()  # live: a plain mkdir/open goes there
-    code = main(["run", "grpo_async", "--config", "tiny", f"model_dir={model_dir}",
-                 f"prompts.source={prompts}", f"output_dir={out}", "max_steps=1",
-                 "progress_bar=false", *_GROUP])  # fmt: skip
+    code = main(
+        [
+            "run",
+            "grpo_async",
+            "--config",
+            "tiny",
+            f"model_dir={model_dir}",
+            f"prompts.source={prompts}",
+            f"output_dir={out}",
+            "max_steps=1",
+            "progress_bar=false",
+            *_GROUP,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err, err
     assert err.splitlines() == [
@@ -143,7 +167,7 @@ def test_a_link_planted_as_a_group_log_is_refused(case, tmp_path, victim, monkey
 
 
 @pytest.mark.parametrize("case", [CASES["hardlink-trainer-group-rank-log"]])
-def test_a_hard_link_planted_as_a_rank_log_is_refused(case, tmp_path, victim, monkeypatch, outcome):  # fmt: skip
+def test_a_hard_link_planted_as_a_rank_log_is_refused(case, tmp_path, victim, monkeypatch, outcome):
     driver = _driver(tmp_path / "out")
     link = driver.log_dir / "rank1.log"
     os.link(victim, link)
@@ -151,9 +175,11 @@ def test_a_hard_link_planted_as_a_rank_log_is_refused(case, tmp_path, victim, mo
     with pytest.raises(UnsafePathError) as refused:
         driver.run()
     line = str(refused.value)
-    assert line == (f"{link}: is a hard link (the file has 2 names), so writing it would change "
-                    f"another file too; {_HARD}: remove rank1.log (its other names keep the "
-                    "content)")  # fmt: skip
+    assert line == (
+        f"{link}: is a hard link (the file has 2 names), so writing it would change "
+        f"another file too; {_HARD}: remove rank1.log (its other names keep the "
+        "content)"
+    )
     assert not _ray_started()
     result = _rank_refuses(_job(driver.log_dir, 1, 2), monkeypatch)
     assert result == {"message": f"rank 1 of 2: {line}", "peer": False}
@@ -172,7 +198,11 @@ def test_the_driver_makes_the_logs_and_reads_rank_0s_console(tmp_path):
     for name in ["console.log", "rank0.log", "rank1.log", "driver.log"]:
         _open_log(driver.log_dir / name).close()
     assert sorted(p.name for p in driver.log_dir.iterdir()) == [
-        "console.log", "driver.log", "rank0.log", "rank1.log"]  # fmt: skip
+        "console.log",
+        "driver.log",
+        "rank0.log",
+        "rank1.log",
+    ]
     shown = io.StringIO()
     tail = _Tail(driver.log_dir / "console.log", shown)
     log = _open_log(driver.log_dir / "console.log")
@@ -216,11 +246,20 @@ def _run_rank(log_dir: Path, value: str, live: bool) -> dict:
     (log_dir.parent / "job.json").write_text(json.dumps(fields))
     result = log_dir.parent / "result.json"
     done = subprocess.run(
-        [sys.executable, "-c", _RANK, str(log_dir.parent / "job.json"), str(result),
-         "live" if live else "redacted"],
-        env=subprocess_env(**{SECRET_ENV: value}), cwd=REPO_ROOT, capture_output=True,
-        text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            _RANK,
+            str(log_dir.parent / "job.json"),
+            str(result),
+            "live" if live else "redacted",
+        ],
+        env=subprocess_env(**{SECRET_ENV: value}),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert value not in done.stdout + done.stderr  # the rank's output went to its logs
     return json.loads(result.read_text())
@@ -269,12 +308,23 @@ def test_a_secret_in_the_ranks_errors_is_redacted_on_ray(case, ray_world, tmp_pa
     value, name = _secret(tmp_path), f"${{oc.env:{SECRET_ENV}}}"
     out, log = tmp_path / "out", tmp_path / "cli.log"
     with ray_temp_dir() as temp:
-        overrides = grpo_overrides(model_dir, prompts, out, "max_steps=1", *_GROUP,
-                                   "ray.num_cpus=4", f"ray.temp_dir={temp}",
-                                   f"prompts.source={name}")  # fmt: skip
+        overrides = grpo_overrides(
+            model_dir,
+            prompts,
+            out,
+            "max_steps=1",
+            *_GROUP,
+            "ray.num_cpus=4",
+            f"ray.temp_dir={temp}",
+            f"prompts.source={name}",
+        )
         argv = ["--allow-any-component", "run", "grpo_async", "--config", "tiny", *overrides]
-        done = finish(start_child(argv, log, env={**RAY_ENV, SECRET_ENV: value}), log,
-                      timeout=300, started=time.monotonic())  # fmt: skip
+        done = finish(
+            start_child(argv, log, env={**RAY_ENV, SECRET_ENV: value}),
+            log,
+            timeout=300,
+            started=time.monotonic(),
+        )
     assert done.exitcode == 1, done.output[-3000:]
     line = one_error(done.output)
     first = re.match(r"tunesmith: error: rank (\d) of 2: prompts: DataError: (.*): no such", line)
@@ -282,7 +332,11 @@ def test_a_secret_in_the_ranks_errors_is_redacted_on_ray(case, ray_world, tmp_pa
     assert value not in done.output
     (group,) = (out / "logs").glob("trainer-group-*")
     assert sorted(p.name for p in group.iterdir()) == [
-        "console.log", "driver.log", "rank0.log", "rank1.log"]  # fmt: skip
+        "console.log",
+        "driver.log",
+        "rank0.log",
+        "rank1.log",
+    ]
     rank = int(first.group(1))  # the other may be stopped before it fails too
     text = (group / f"rank{rank}.log").read_text()
     assert f"rank {rank} of 2 failed:\nTraceback" in text and f"DataError: {name}" in text, text

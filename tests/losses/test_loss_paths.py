@@ -49,14 +49,23 @@ def test_old_paths_resolve_to_the_same_objects_as_the_new_ones(old_module: str) 
 @pytest.mark.parametrize(
     ("old", "new", "kwargs"),
     [
-        ("tunesmith.modules.preference_losses.DPOLoss", "tunesmith.modules.losses.DPOLoss",
-         {"beta": 0.1, "label_smoothing": 0.0}),
-        ("tunesmith.modules.preference_losses.BradleyTerryLoss",
-         "tunesmith.modules.losses.BradleyTerryLoss", {}),
-        ("tunesmith.modules.kd_losses.KDLoss", "tunesmith.modules.losses.KDLoss",
-         {"kind": "reverse", "temperature": 2.0}),
+        (
+            "tunesmith.modules.preference_losses.DPOLoss",
+            "tunesmith.modules.losses.DPOLoss",
+            {"beta": 0.1, "label_smoothing": 0.0},
+        ),
+        (
+            "tunesmith.modules.preference_losses.BradleyTerryLoss",
+            "tunesmith.modules.losses.BradleyTerryLoss",
+            {},
+        ),
+        (
+            "tunesmith.modules.kd_losses.KDLoss",
+            "tunesmith.modules.losses.KDLoss",
+            {"kind": "reverse", "temperature": 2.0},
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_config_naming_an_old_path_builds_the_same_loss(old: str, new: str, kwargs) -> None:
     before = instantiate({"_component_": old, **kwargs})
     after = instantiate({"_component_": new, **kwargs})

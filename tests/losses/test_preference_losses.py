@@ -242,9 +242,11 @@ def test_float32_inputs_give_float32_and_bf16_is_upcast():
 def test_orpo_is_finite_for_a_certain_response():
     """avg log-prob 0 (probability 1) would give infinite odds: it stays finite."""
     policy = PairLogps(
-        torch.tensor([0.0, -1e-9]), torch.tensor([0.0, -3.0]), torch.tensor([3, 3]),
+        torch.tensor([0.0, -1e-9]),
+        torch.tensor([0.0, -3.0]),
         torch.tensor([3, 3]),
-    )  # fmt: skip
+        torch.tensor([3, 3]),
+    )
     out = ORPOLoss()(policy)
     assert torch.isfinite(out.losses).all()
 

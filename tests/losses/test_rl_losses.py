@@ -318,8 +318,9 @@ def test_gspo_equals_the_sequence_level_formula():
 
 def test_gspo_with_per_token_advantages_equal_per_sequence_ones():
     lp, old, adv, mask = _gspo_inputs()
-    loss_fn = PolicyLoss(clip_low=3e-4, clip_high=4e-4, ratio="sequence",
-                         aggregation="seq_mean_token_mean")  # fmt: skip
+    loss_fn = PolicyLoss(
+        clip_low=3e-4, clip_high=4e-4, ratio="sequence", aggregation="seq_mean_token_mean"
+    )
     out = loss_fn(lp, old, adv, mask)
     out.loss.backward()
     grad, lp.grad = lp.grad.clone(), None

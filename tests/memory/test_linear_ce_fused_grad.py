@@ -202,9 +202,11 @@ def test_bf16_autocast_matches_autocast_full_logits(grad_in_forward):
     def full_logits(hidden, weight, labels):
         logits = F.linear(hidden, weight)
         return F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+            logits.flatten(0, 1).float(),
+            labels.flatten(),
+            ignore_index=IGNORE_INDEX,
             reduction="sum",
-        )  # fmt: skip
+        )
 
     loss_fn = LinearCrossEntropyLoss(num_chunks=3, grad_in_forward=grad_in_forward)
     with torch.autocast("cpu", torch.bfloat16):

@@ -99,8 +99,10 @@ def test_built_from_config_and_updates_like_float32_adamw(component):
     takes a fraction of the float32 state's bytes."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(64, 256, generator=gen)
-    grads = [torch.randn(64, 256, generator=gen) * (1 + 3 * torch.rand(64, 1, generator=gen))
-             for _ in range(3)]  # fmt: skip
+    grads = [
+        torch.randn(64, 256, generator=gen) * (1 + 3 * torch.rand(64, 1, generator=gen))
+        for _ in range(3)
+    ]
 
     def run(make):
         param = torch.nn.Parameter(weight.clone())

@@ -48,9 +48,16 @@ def test_allocated_bytes_names_the_ops_around_the_peak():
 
 def _tied_model():
     torch.manual_seed(0)
-    model = llama3.llama3_tiny(vocab_size=512, hidden_size=64, intermediate_size=128,
-                               num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)  # fmt: skip
+    model = llama3.llama3_tiny(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     assert model.lm_head.weight is model.model.embed_tokens.weight
     return model
 
@@ -70,8 +77,11 @@ def test_only_a_dispatch_mode_changes_how_a_tied_gradient_accumulates(measure):
     loss = LinearCrossEntropyLoss()(hidden, model.lm_head.weight, ids)
     head_grad = {}
     loss.grad_fn.register_hook(lambda grads_in, _: head_grad.update(ptr=grads_in[1].data_ptr()))
-    context = {"nothing": contextlib.nullcontext, "allocated_bytes": AllocatedBytes,
-               "dispatch_mode": _PassThrough}[measure]  # fmt: skip
+    context = {
+        "nothing": contextlib.nullcontext,
+        "allocated_bytes": AllocatedBytes,
+        "dispatch_mode": _PassThrough,
+    }[measure]
     with context():
         loss.backward()
     in_place = model.lm_head.weight.grad.data_ptr() == head_grad["ptr"]

@@ -30,8 +30,15 @@ ACTIVATION_HEAVY = dict(
     num_hidden_layers=4,
 )
 # ... and weights, gradients and optimizer states this one (vocab 4096, 1 x 32 tokens).
-PARAM_HEAVY = dict(hidden_size=128, intermediate_size=344, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=32, vocab_size=4096, num_hidden_layers=2)  # fmt: skip
+PARAM_HEAVY = dict(
+    hidden_size=128,
+    intermediate_size=344,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=4096,
+    num_hidden_layers=2,
+)
 
 CONFIGS = {
     "full": {},
@@ -105,16 +112,20 @@ def one_thread():
 @pytest.fixture(scope="module")
 def activation_heavy(one_thread):
     model = _build(ACTIVATION_HEAVY)
-    return {name: (measured_peak(model, 4, 64, **sw), _estimate(model, 4, 64, **sw))
-            for name, sw in CONFIGS.items()}  # fmt: skip
+    return {
+        name: (measured_peak(model, 4, 64, **sw), _estimate(model, 4, 64, **sw))
+        for name, sw in CONFIGS.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def param_heavy(one_thread):
     model = _build(PARAM_HEAVY)
     names = ["full", "checkpoint_full", "optimizer_in_backward", "all_together", "fused_adamw"]
-    return {n: (measured_peak(model, 1, 32, **CONFIGS[n]), _estimate(model, 1, 32, **CONFIGS[n]))
-            for n in names}  # fmt: skip
+    return {
+        n: (measured_peak(model, 1, 32, **CONFIGS[n]), _estimate(model, 1, 32, **CONFIGS[n]))
+        for n in names
+    }
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -162,9 +173,12 @@ def test_plan_terms_follow_the_configuration():
     longer = estimate_memory(model, batch_size=2, seq_len=32)
     assert longer.activations == 2 * plan.activations  # linear in tokens (no mask)
     vocab = model.spec.vocab_size
-    chunked = {rows: estimate_memory(model, batch_size=2, seq_len=32,
-                                     loss=LinearCrossEntropyLoss(chunk_size=rows)).logits
-               for rows in (8, 16, 64)}  # fmt: skip
+    chunked = {
+        rows: estimate_memory(
+            model, batch_size=2, seq_len=32, loss=LinearCrossEntropyLoss(chunk_size=rows)
+        ).logits
+        for rows in (8, 16, 64)
+    }
     assert chunked[64] - chunked[16] == 4 * vocab * (64 - 16)  # one float32 chunk of logits
     # the default chunking: 8 chunks of the 64 rows (a small head: no minimum chunk size)
     assert estimate_memory(model, batch_size=2, seq_len=32, loss="linear").logits == chunked[8]
@@ -215,14 +229,23 @@ def test_longest_batch_takes_the_longest_items():
     items = [{"input_ids": [1] * n, "labels": [-100] * (n - 1) + [1]} for n in (3, 9, 5, 9, 2)]
     batch = longest_batch(items, 3, lambda b: [len(i["input_ids"]) for i in b])
     assert batch == [9, 9, 5]
-    packs = [{"input_ids": [0] * 4, "labels": [-100] * 4, "document_ids": d}
-             for d in ([0, 0, -1, -1], [0, 1, 1, 1], [0, -1, -1, -1])]  # fmt: skip
+    packs = [
+        {"input_ids": [0] * 4, "labels": [-100] * 4, "document_ids": d}
+        for d in ([0, 0, -1, -1], [0, 1, 1, 1], [0, -1, -1, -1])
+    ]
     assert longest_batch(packs, 1, lambda b: b)[0]["document_ids"] == [0, 1, 1, 1]
     with pytest.raises(ValueError, match="fewer than batch_size 9"):
         longest_batch(items, 9, list)
-    pairs = [{"chosen_input_ids": [1] * c, "chosen_labels": [1] * c,
-              "rejected_input_ids": [1] * r, "rejected_labels": [1] * r, "prompt_len": 1}
-             for c, r in ((2, 9), (6, 6), (3, 3))]  # fmt: skip
+    pairs = [
+        {
+            "chosen_input_ids": [1] * c,
+            "chosen_labels": [1] * c,
+            "rejected_input_ids": [1] * r,
+            "rejected_labels": [1] * r,
+            "prompt_len": 1,
+        }
+        for c, r in ((2, 9), (6, 6), (3, 3))
+    ]
     assert longest_batch(pairs, 1, lambda b: b)[0]["chosen_input_ids"] == [1] * 6  # 12 tokens
 
 

@@ -122,8 +122,10 @@ def test_layer_activations_with_and_without_sequence_parallel():
             spec, act_bytes=4, residual_bytes=4, seq_len=16, tp=tp, sequence_parallel=sp
         )
         assert got == expected, (tp, sp, got, expected)
-    plans = {sp: _plan(_model(), parallel=ParallelDims(tp=2, sequence_parallel=sp))
-             for sp in (False, True)}  # fmt: skip
+    plans = {
+        sp: _plan(_model(), parallel=ParallelDims(tp=2, sequence_parallel=sp))
+        for sp in (False, True)
+    }
     tokens, layers = 2 * 16, 2
     final_norm = {False: 4 * H + 8 * H, True: (4 * H + 4 * H) // 2 + 4 * H}
     for sp, plan in plans.items():
@@ -182,8 +184,9 @@ def test_one_device_and_world_size_shorthand_are_unchanged():
 
 def _fsdp_bytes(model, shard, skip=lambda name: False):
     """float32 bytes of every parameter (but ``skip``'s) with dim 0 split over ``shard``."""
-    return 4 * sum(_ceil(p.shape[0], shard) * p[0].numel()
-                   for n, p in model.named_parameters() if not skip(n))  # fmt: skip
+    return 4 * sum(
+        _ceil(p.shape[0], shard) * p[0].numel() for n, p in model.named_parameters() if not skip(n)
+    )
 
 
 def test_context_parallel_divides_the_sequence_and_fsdp2_spans_dp_shard_x_cp():
@@ -236,16 +239,21 @@ def test_expert_parallel_keeps_e_over_ep_experts_per_rank_outside_fsdp2():
     no_ep = _plan(model, parallel=ParallelDims(dp_shard=4))
     assert no_ep.weights == _fsdp_bytes(model, 4)  # experts split 2 of 8 per rank by FSDP2
     # FSDP2 gathers no expert: two of the largest layer without its experts
-    layers = [sum(4 * p.numel() for n, p in layer.named_parameters() if not _is_expert(n))
-              for layer in model.model.layers]  # fmt: skip
+    layers = [
+        sum(4 * p.numel() for n, p in layer.named_parameters() if not _is_expert(n))
+        for layer in model.model.layers
+    ]
     assert plan.gathered_layers == 2 * max(layers)
     # the all-to-all buffers: 2 * top_k * a * H per token in each MoE layer (received rows and
     # the rows returned); the dense layer is unchanged
     k, a = spec.num_experts_per_tok, 4
     for layer_idx, extra in ((0, 2 * k * a * H), (1, 0), (2, 2 * k * a * H)):
-        per_token = {ep: activation_bytes_per_token(spec, act_bytes=4, residual_bytes=4,
-                                                    seq_len=16, layer_idx=layer_idx, ep=ep)
-                     for ep in (1, 2)}  # fmt: skip
+        per_token = {
+            ep: activation_bytes_per_token(
+                spec, act_bytes=4, residual_bytes=4, seq_len=16, layer_idx=layer_idx, ep=ep
+            )
+            for ep in (1, 2)
+        }
         assert per_token[2] - per_token[1] == extra, layer_idx
     assert plan.activations - no_ep.activations == 2 * 16 * 2 * (2 * k * a * H)
     assert "per rank of 4 (dp_shard 4 x ep 2)" in plan.table()
@@ -254,8 +262,15 @@ def test_expert_parallel_keeps_e_over_ep_experts_per_rank_outside_fsdp2():
 # -- measured: 2 gloo ranks ------------------------------------------------------------------------
 
 # activations dominate (as in test_memory_planner.py): 4 layers, 4 x 64 tokens per rank
-MEASURED = dict(hidden_size=64, intermediate_size=176, num_attention_heads=4, head_dim=16,
-                num_key_value_heads=2, vocab_size=511, num_hidden_layers=4)  # fmt: skip
+MEASURED = dict(
+    hidden_size=64,
+    intermediate_size=176,
+    num_attention_heads=4,
+    head_dim=16,
+    num_key_value_heads=2,
+    vocab_size=511,
+    num_hidden_layers=4,
+)
 LAYOUTS = {"tp2_sp": {"tp": 2}, "fsdp2": {"dp_shard": 2}}
 
 
@@ -301,8 +316,9 @@ def measured():
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_plan_matches_measured_peaks_of_two_ranks(measured, name):
     model = llama3.llama3_tiny(device="meta", **MEASURED)
-    plan = estimate_memory(model, batch_size=4, seq_len=64,
-                           parallel=ParallelDims.resolve(LAYOUTS[name], 2))  # fmt: skip
+    plan = estimate_memory(
+        model, batch_size=4, seq_len=64, parallel=ParallelDims.resolve(LAYOUTS[name], 2)
+    )
     heaviest = max(rank[name]["peak"] for rank in measured)
     assert 0.85 * heaviest <= plan.total <= 1.15 * heaviest, (name, heaviest, plan.total)
     # rank 0 holds the larger vocabulary shard (256 of 511 rows): the plan's, exactly

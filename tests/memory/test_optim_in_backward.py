@@ -161,10 +161,13 @@ def test_state_dict_resume_equals_uninterrupted_run():
     _train(first, first_opt, first_sched, batches[:3], True)
     buffer = io.BytesIO()
     torch.save(
-        {"model": first.state_dict(), "optimizer": first_opt.state_dict(),
-         "scheduler": first_sched.state_dict()},
+        {
+            "model": first.state_dict(),
+            "optimizer": first_opt.state_dict(),
+            "scheduler": first_sched.state_dict(),
+        },
         buffer,
-    )  # fmt: skip
+    )
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
     assert sorted(saved["optimizer"]["state"]) == list(range(len(first_opt.optimizers)))
@@ -227,12 +230,17 @@ def test_check_compatible_names_every_offending_key():
     with pytest.raises(ConfigError) as info:
         check_compatible(4, 1.0, on_nonfinite_loss="skip")
     message = str(info.value)
-    for key in ("gradient_accumulation_steps: is 4", "max_grad_norm: is 1.0",
-                "on_nonfinite_loss: is 'skip'"):  # fmt: skip
+    for key in (
+        "gradient_accumulation_steps: is 4",
+        "max_grad_norm: is 1.0",
+        "on_nonfinite_loss: is 'skip'",
+    ):
         assert key in message
     assert [issue.path for issue in info.value.issues] == [
-        "gradient_accumulation_steps", "max_grad_norm", "on_nonfinite_loss"
-    ]  # fmt: skip
+        "gradient_accumulation_steps",
+        "max_grad_norm",
+        "on_nonfinite_loss",
+    ]
 
 
 # -- FSDP2 on two gloo ranks ---------------------------------------------------------------------

@@ -63,10 +63,19 @@ def test_a_model_larger_than_the_memory_is_not_built(tmp_path):
     from tunesmith.models.hf import from_hf
 
     config = qwen2_5.spec("qwen2_5_tiny").to_hf_config()
-    config.update(num_hidden_layers=1024, hidden_size=65536, intermediate_size=2**18,
-                  num_attention_heads=512, num_key_value_heads=64, head_dim=128)  # fmt: skip
+    config.update(
+        num_hidden_layers=1024,
+        hidden_size=65536,
+        intermediate_size=2**18,
+        num_attention_heads=512,
+        num_key_value_heads=64,
+        head_dim=128,
+    )
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"config\.json: the model has about .* parameters .* "
-                       r"more than the .* GiB of memory of cpu"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json: the model has about .* parameters .* "
+        r"more than the .* GiB of memory of cpu",
+    ):
         from_hf(tmp_path, load_weights=False, device="cpu")
     assert qwen2_5.spec("qwen2_5_tiny").approx_parameters() < 10**6

@@ -119,9 +119,21 @@ def _write_hf_folder(folder: Path, config: dict[str, Any], model: torch.nn.Modul
 
 def test_toy_family_loads_from_hf_and_round_trips(toy, tmp_path):
     expected = ModelSpec(
-        "toy_lm", 64, 32, 64, 2, 4, 2, 8, qk_norm=True, attention_bias=True,
-        sliding_window=4, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        "toy_lm",
+        64,
+        32,
+        64,
+        2,
+        4,
+        2,
+        8,
+        qk_norm=True,
+        attention_bias=True,
+        sliding_window=4,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     source = build_model(expected).eval()
     _write_hf_folder(tmp_path / "hf", TOY_CONFIG, source)
@@ -266,9 +278,10 @@ def _code_strings(path: Path) -> set[str]:
     return {
         node.value
         for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
         and id(node) not in docstrings
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("module", ["spec.py", "hf.py", "builder.py"])

@@ -152,7 +152,12 @@ def test_state_dict_has_hf_keys_and_loads_back():
         assert torch.equal(getattr(other.experts, name), getattr(moe.experts, name))
     with stacked_state(moe):
         stacked = moe.state_dict()
-    assert sorted(stacked) == ["experts.down_proj", "experts.gate_proj", "experts.up_proj", "gate.weight"]  # fmt: skip
+    assert sorted(stacked) == [
+        "experts.down_proj",
+        "experts.gate_proj",
+        "experts.up_proj",
+        "gate.weight",
+    ]
     assert list(moe.state_dict()) == list(state)  # the switch is restored
     assert list(split_expert_keys(stacked)) == list(state)
     assert all(torch.equal(v, state[k]) for k, v in split_expert_keys(stacked).items())
@@ -221,12 +226,14 @@ def test_tunesmith_save_loads_in_transformers_with_equal_logits(tmp_path):
     out = save_hf_checkpoint(ours, tmp_path / "ours")
     keys = _keys(out)
     assert "model.layers.2.mlp.experts.5.up_proj.weight" in keys
-    assert not any(k.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj")) for k in keys)  # fmt: skip
+    assert not any(
+        k.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj")) for k in keys
+    )
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(
         out, output_loading_info=True, attn_implementation="eager", dtype=torch.float32
     )
     assert not any(info.values()), info
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]  # fmt: skip
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
     torch.testing.assert_close(hf.eval()(IDS).logits, ours(IDS), rtol=0, atol=1e-5)
 
 
@@ -248,7 +255,9 @@ def test_training_checkpointer_saves_hf_keys_and_resumes_the_stacked_model(tmp_p
         for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
             assert torch.equal(p, q), name
         state = other_opt.state[other.model.layers[0].mlp.experts.up_proj]
-        torch.testing.assert_close(state["exp_avg"], opt.state[model.model.layers[0].mlp.experts.up_proj]["exp_avg"])  # fmt: skip
+        torch.testing.assert_close(
+            state["exp_avg"], opt.state[model.model.layers[0].mlp.experts.up_proj]["exp_avg"]
+        )
     finally:
         close_distributed()
 
@@ -262,7 +271,9 @@ def test_build_model_initialises_the_stacked_experts():
     assert isinstance(experts, GroupedExperts)
     for w in (experts.gate_proj, experts.up_proj, experts.down_proj):
         assert torch.isfinite(w).all()
-        assert abs(w.std().item() - model.spec.initializer_range) < 0.2 * model.spec.initializer_range  # fmt: skip
+        assert (
+            abs(w.std().item() - model.spec.initializer_range) < 0.2 * model.spec.initializer_range
+        )
 
 
 def test_lora_leaves_stacked_experts_alone_or_refuses_them():

@@ -40,7 +40,9 @@ def test_from_hf_verifies_our_checkpoint(checkpoint):
     with pytest.raises(CheckpointError, match=f"^{weights}: content differs from the {MARKER}"):
         from_hf(path)
     corrupted = from_hf(path, verify=False)  # what loading without the check would have given
-    assert not all(torch.equal(a, b) for a, b in zip(corrupted.parameters(), model.parameters(), strict=True))  # fmt: skip
+    assert not all(
+        torch.equal(a, b) for a, b in zip(corrupted.parameters(), model.parameters(), strict=True)
+    )
 
 
 def test_a_folder_without_manifest_is_not_checked(checkpoint):

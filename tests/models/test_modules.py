@@ -327,9 +327,7 @@ def test_logits_to_keep_projects_only_the_last_positions():
 
 
 def _packed_document_ids() -> torch.Tensor:
-    return torch.tensor(
-        [[0, 0, 0, 1, 1, 2, 2, 2, 2, -1, -1], [7, 7, 7, 7, 7, 7, 3, 3, 3, 3, 3]]
-    )  # fmt: skip
+    return torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, -1, -1], [7, 7, 7, 7, 7, 7, 3, 3, 3, 3, 3]])
 
 
 def test_packed_rows_attend_document_by_document_exactly_as_the_block_causal_mask():

@@ -152,10 +152,16 @@ def test_scores_are_the_head_at_the_last_real_token(seq_cls_folders) -> None:
 def test_left_padding_with_positions_scores_the_same() -> None:
     spec = spec_from_hf_config(
         transformers.AutoConfig.for_model(
-            "llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, pad_token_id=PAD,
+            "llama",
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            pad_token_id=PAD,
         ).to_dict()
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     rm = build_reward_model(spec).eval()
     ids, mask = _batch(vocab=64, seed=3)

@@ -118,8 +118,11 @@ def test_transformers5_style_config_reads_the_same():
     new = {
         k: v for k, v in legacy.items() if k not in ("rope_theta", "rope_scaling", "num_experts")
     }
-    new.update(rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
-               num_local_experts=128, dtype="bfloat16")  # fmt: skip
+    new.update(
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+        num_local_experts=128,
+        dtype="bfloat16",
+    )
     assert spec_from_hf_config(new) == spec_from_hf_config(legacy)
     llama = PUBLISHED[("llama3", "llama3_1_8b")]
     new = {k: v for k, v in llama.items() if k not in ("rope_theta", "rope_scaling")}
@@ -249,10 +252,17 @@ HEADLINE = {
 def _spec_count(spec: ModelSpec) -> int:
     """Parameter count from spec fields, with MoE layers counted expert by expert."""
     total = _dense_count(
-        spec.vocab_size, spec.hidden_size, spec.intermediate_size, spec.num_hidden_layers,
-        spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
-        tied=spec.tie_word_embeddings, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm,
-    )  # fmt: skip
+        spec.vocab_size,
+        spec.hidden_size,
+        spec.intermediate_size,
+        spec.num_hidden_layers,
+        spec.num_attention_heads,
+        spec.num_key_value_heads,
+        spec.head_dim,
+        tied=spec.tie_word_embeddings,
+        qkv_bias=spec.qkv_bias,
+        qk_norm=spec.qk_norm,
+    )
     for i in range(spec.num_hidden_layers):
         if spec.is_moe_layer(i):
             total -= 3 * spec.hidden_size * spec.intermediate_size

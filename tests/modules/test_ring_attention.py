@@ -74,9 +74,13 @@ def _case(name: str, rank: int) -> dict[str, float]:
     mine = _zigzag(s, rank)
     local = [t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     out = ring_attention(
-        *local, group=None, index=mine, enable_gqa=case["kv_heads"] != heads,
-        document_ids=None if docs is None else docs[:, mine], sliding_window=case["window"],
-    )  # fmt: skip
+        *local,
+        group=None,
+        index=mine,
+        enable_gqa=case["kv_heads"] != heads,
+        document_ids=None if docs is None else docs[:, mine],
+        sliding_window=case["window"],
+    )
     out.backward(grad_out[:, :, mine])
     errors = {"out": (out - expected[:, :, mine]).abs().max().item()}
     for label, full, part in zip("qkv", (q, k, v), local, strict=True):
@@ -130,8 +134,9 @@ def _gradcheck(rank: int) -> bool:
 
     def fn(q, k, v):
         parts = [_Scatter.apply(t, mine) for t in (q, k, v)]
-        out = ring_attention(*parts, group=None, index=mine, document_ids=docs[:, mine],
-                             enable_gqa=True)  # fmt: skip
+        out = ring_attention(
+            *parts, group=None, index=mine, document_ids=docs[:, mine], enable_gqa=True
+        )
         return _Gather.apply(out, mine)
 
     return torch.autograd.gradcheck(fn, (q, k, v))

@@ -17,8 +17,14 @@ from tunesmith.training.forward import head_weight
 def _adapted(use_dora: bool, dropout: float = 0.0) -> torch.nn.Module:
     torch.manual_seed(0)
     model = build_model(llama3.spec("llama3_tiny", vocab_size=97))
-    apply_lora(model, target_modules=["q_proj", "lm_head"], rank=2, alpha=4,
-               use_dora=use_dora, dropout=dropout)  # fmt: skip
+    apply_lora(
+        model,
+        target_modules=["q_proj", "lm_head"],
+        rank=2,
+        alpha=4,
+        use_dora=use_dora,
+        dropout=dropout,
+    )
     for name, param in trainable_parameters(model).items():  # B != 0: the head moves
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.1)

@@ -162,7 +162,9 @@ def test_peft_folder_matches_peft_and_loads_in_peft_and_back(tmp_path, targets):
 
 def test_merge_equals_the_unmerged_logits():
     torch.manual_seed(6)
-    model = apply_lora(qwen3_moe.qwen3_moe_tiny(), target_modules=["v_proj", *PROJ], rank=4, alpha=8)  # fmt: skip
+    model = apply_lora(
+        qwen3_moe.qwen3_moe_tiny(), target_modules=["v_proj", *PROJ], rank=4, alpha=8
+    )
     _randomise_adapters(model, seed=7)
     ids = torch.randint(0, 100, (2, 6))
     with torch.no_grad():
@@ -179,7 +181,9 @@ def test_dense_fused_peft_adapter_is_refused(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trained = peft.get_peft_model(hf, peft.LoraConfig(r=2, lora_alpha=4, target_modules=list(PROJ)))  # fmt: skip
+        trained = peft.get_peft_model(
+            hf, peft.LoraConfig(r=2, lora_alpha=4, target_modules=list(PROJ))
+        )
         with torch.no_grad():
             for name, p in trained.named_parameters():
                 if "lora_" in name:

@@ -42,8 +42,9 @@ def _adapted() -> torch.nn.Module:
 def _case(world: int, ep: int) -> dict[str, float]:
     """Largest differences, split model vs the reference, on this rank."""
     reference = _adapted()
-    split = apply_expert_parallel(copy.deepcopy(reference),
-                                  expert_mesh_of(ParallelDims(dp_shard=world, ep=ep), "cpu"))  # fmt: skip
+    split = apply_expert_parallel(
+        copy.deepcopy(reference), expert_mesh_of(ParallelDims(dp_shard=world, ep=ep), "cpu")
+    )
     ids = torch.randint(
         0, 100, (2, 7), generator=torch.Generator().manual_seed(2 + dist.get_rank())
     )
@@ -58,13 +59,19 @@ def _case(world: int, ep: int) -> dict[str, float]:
     merged, expected = split.state_dict(), reference.state_dict()
     assert merged.keys() == expected.keys() and not any("lora" in k for k in merged)
     experts = [k for k in expected if ".experts." in k]
-    out["experts_weights"] = max((full_tensor(merged[k]) - expected[k]).abs().max().item()
-                                 for k in experts)  # fmt: skip
-    out["other_weights"] = max((full_tensor(merged[k]) - expected[k]).abs().max().item()
-                               for k in expected if k not in experts)  # fmt: skip
+    out["experts_weights"] = max(
+        (full_tensor(merged[k]) - expected[k]).abs().max().item() for k in experts
+    )
+    out["other_weights"] = max(
+        (full_tensor(merged[k]) - expected[k]).abs().max().item()
+        for k in expected
+        if k not in experts
+    )
     # the merge moved the weights it folded an adapter into: experts and v_proj
-    out["moved"] = min((expected[k] - base[k]).abs().max().item()
-                       for k in [*experts, "model.layers.0.self_attn.v_proj.weight"])  # fmt: skip
+    out["moved"] = min(
+        (expected[k] - base[k]).abs().max().item()
+        for k in [*experts, "model.layers.0.self_attn.v_proj.weight"]
+    )
     layer = split.model.layers[0].mlp.experts
     assert not layer.lora
     for name in ("gate_proj", "up_proj", "down_proj"):

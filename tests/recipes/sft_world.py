@@ -46,8 +46,9 @@ from tunesmith.training import CheckpointDirectory
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def make_model_dir(root: Path, seed: int = 0, family: ModuleType = qwen2_5,
-                   **spec_overrides) -> Path:  # fmt: skip
+def make_model_dir(
+    root: Path, seed: int = 0, family: ModuleType = qwen2_5, **spec_overrides
+) -> Path:
     """A HF folder with a tiny model of ``family`` (a zoo module, e.g. ``qwen3_moe``; its
     ``<name>_tiny`` size; default Qwen2.5) and a tokenizer; returns its path. The model's
     vocabulary is the tokenizer's unless ``spec_overrides`` sets ``vocab_size`` (more rows than
@@ -324,9 +325,12 @@ def assert_same_weights(
     assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
     for name in expected:
         torch.testing.assert_close(
-            got[name], expected[name], atol=atol(name) if callable(atol) else atol, rtol=0,
+            got[name],
+            expected[name],
+            atol=atol(name) if callable(atol) else atol,
+            rtol=0,
             msg=lambda m, n=name: f"{n}: {m}",
-        )  # fmt: skip
+        )
 
 
 def largest_change(weights: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> float:
@@ -391,9 +395,13 @@ def launch_ranks(
     ranks = []
     for r, log in enumerate(logs):
         env = subprocess_env(
-            RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-        )  # fmt: skip
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
         log.write_text("")
         ranks.append(forked.start(forked.run_module, LAUNCH, argv, log=log, env=env))
     codes = forked.wait_all(ranks, timeout=timeout)

@@ -54,16 +54,30 @@ def _single(world, recipe: str, *shared: str):
     key = (recipe, shared)
     if key not in world["single"]:
         out = world["root"] / f"single_{recipe}_{len(world['single'])}"
-        run_recipe(recipe, "tiny", world["model_dir"], world["data"][recipe], out,
-                   f"batch_size={BATCH}", f"max_steps={STEPS}", *shared)  # fmt: skip
+        run_recipe(
+            recipe,
+            "tiny",
+            world["model_dir"],
+            world["data"][recipe],
+            out,
+            f"batch_size={BATCH}",
+            f"max_steps={STEPS}",
+            *shared,
+        )
         world["single"][key] = out
     return world["single"][key]
 
 
 def _parallel(world, tmp_path, recipe: str, ranks: int, per_rank: int, *extra: str):
     out = tmp_path / "cp"
-    overrides = recipe_overrides(world["model_dir"], world["data"][recipe], out,
-                                 f"batch_size={per_rank}", f"max_steps={STEPS}", *extra)  # fmt: skip
+    overrides = recipe_overrides(
+        world["model_dir"],
+        world["data"][recipe],
+        out,
+        f"batch_size={per_rank}",
+        f"max_steps={STEPS}",
+        *extra,
+    )
     launch_ranks(overrides, tmp_path, recipe=recipe, world_size=ranks, timeout=300)
     return out
 
@@ -80,8 +94,9 @@ def _assert_same(single, parallel, model_dir) -> None:
     weights_1, weights_2 = final_weights(single), final_weights(parallel)
     assert weights_1.keys() == weights_2.keys()
     for name in weights_1:
-        torch.testing.assert_close(weights_2[name], weights_1[name], atol=1e-5, rtol=0,
-                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            weights_2[name], weights_1[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
     initial = checkpoint_weights(model_dir)
     assert max((weights_1[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
 
@@ -94,8 +109,9 @@ def test_sft_cp2_equals_one_process(world, tmp_path):
 
 def test_sft_cp2_packed_equals_one_process(world, tmp_path):
     single = _single(world, "sft", "packed=true", "dataset.max_seq_len=150")
-    out = _parallel(world, tmp_path, "sft", 2, BATCH, *CP2, "packed=true",
-                    "dataset.max_seq_len=150")  # fmt: skip
+    out = _parallel(
+        world, tmp_path, "sft", 2, BATCH, *CP2, "packed=true", "dataset.max_seq_len=150"
+    )
     _assert_same(single, out, world["model_dir"])
 
 
@@ -114,16 +130,25 @@ def test_sft_cp4_equals_one_process(world, tmp_path):
 @pytest.mark.slow
 def test_sft_cp2_dp2_equals_one_process(world, tmp_path):
     single = _single(world, "sft")
-    out = _parallel(world, tmp_path, "sft", 4, BATCH // 2, "parallelism.cp=2",
-                    "parallelism.dp_shard=2")  # fmt: skip
+    out = _parallel(
+        world, tmp_path, "sft", 4, BATCH // 2, "parallelism.cp=2", "parallelism.dp_shard=2"
+    )
     _assert_same(single, out, world["model_dir"])
 
 
 @pytest.mark.slow
 def test_sft_cp2_tp2_equals_one_process(world, tmp_path):
     single = _single(world, "sft")
-    out = _parallel(world, tmp_path, "sft", 4, BATCH, "parallelism.cp=2", "parallelism.tp=2",
-                    "parallelism.dp_shard=1")  # fmt: skip
+    out = _parallel(
+        world,
+        tmp_path,
+        "sft",
+        4,
+        BATCH,
+        "parallelism.cp=2",
+        "parallelism.tp=2",
+        "parallelism.dp_shard=1",
+    )
     _assert_same(single, out, world["model_dir"])
 
 
@@ -132,9 +157,15 @@ def test_kd_cp2_equals_one_process(world, tmp_path):
     teacher = world.get("teacher")
     if teacher is None:
         teacher = world["teacher"] = make_model_dir(
-            world["root"] / "teacher", seed=1, vocab_size=657, hidden_size=96,
-            intermediate_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-        )  # fmt: skip
+            world["root"] / "teacher",
+            seed=1,
+            vocab_size=657,
+            hidden_size=96,
+            intermediate_size=192,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+        )
     world["data"]["kd"] = world["data"]["sft"]
     single = _single(world, "kd", f"teacher_dir={teacher}")
     out = _parallel(world, tmp_path, "kd", 2, BATCH, *CP2, f"teacher_dir={teacher}")

@@ -170,9 +170,16 @@ def test_logged_step_one_equals_the_loss_formula(world, tmp_path, variant):
     model_dir, other, data = world["model"], world["other"], world["add"]
     reference_args = [_reference_model(other)] if needs_reference else []
     out = run_recipe(
-        "dpo", "tiny", model_dir, data, tmp_path, "batch_size=4", *ONE_STEP, *reference_args,
+        "dpo",
+        "tiny",
+        model_dir,
+        data,
+        tmp_path,
+        "batch_size=4",
+        *ONE_STEP,
+        *reference_args,
         *overrides,
-    )  # fmt: skip
+    )
     logged = read_metrics(out)[1]
 
     batch = collate_pairs(model_dir, data, [0, 1, 2, 3])
@@ -202,9 +209,14 @@ def test_reference_model_of_another_vocabulary_fails_clearly(world, tmp_path):
         ValueError, match=r"token ids but reference_model \(.*small\) embeds only 100 "
     ):
         run_recipe(
-            "dpo", "tiny", world["model"], world["add"], tmp_path / "out", *ONE_STEP,
+            "dpo",
+            "tiny",
+            world["model"],
+            world["add"],
+            tmp_path / "out",
+            *ONE_STEP,
             _reference_model(small),
-        )  # fmt: skip
+        )
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
@@ -256,9 +268,17 @@ def test_learns_the_preference_on_held_out_pairs(world, sorting, tmp_path, varia
 
     steps, lr = TRAINING[variant]
     out = run_recipe(
-        "dpo", "tiny", model_dir, train, tmp_path, "batch_size=8", f"max_steps={steps}",
-        f"optimizer.lr={lr}", *overrides, val=val,
-    )  # fmt: skip
+        "dpo",
+        "tiny",
+        model_dir,
+        train,
+        tmp_path,
+        "batch_size=8",
+        f"max_steps={steps}",
+        f"optimizer.lr={lr}",
+        *overrides,
+        val=val,
+    )
     logged = read_eval_metrics(out)[steps]["val_rewards/accuracy"]
     trained = hf_sequence_logps(checkpoints(out)[-1], batch)[0]
     after = _accuracy(
@@ -275,9 +295,15 @@ def test_accumulated_micro_batches_equal_one_big_batch(world, tmp_path):
     model_dir, data = world["model"], world["add"]
     common = ["max_steps=4", "optimizer.lr=1e-3", _reference_model(world["other"])]
     accumulated = run_recipe(
-        "dpo", "tiny", model_dir, data, tmp_path / "accum", "batch_size=2",
-        "gradient_accumulation_steps=2", *common,
-    )  # fmt: skip
+        "dpo",
+        "tiny",
+        model_dir,
+        data,
+        tmp_path / "accum",
+        "batch_size=2",
+        "gradient_accumulation_steps=2",
+        *common,
+    )
     big = run_recipe("dpo", "tiny", model_dir, data, tmp_path / "big", "batch_size=4", *common)
 
     logged_a, logged_b = read_metrics(accumulated), read_metrics(big)

@@ -115,9 +115,15 @@ def test_hsdp_precomputed_reference_on_four_ranks_equals_one_process(world, sing
     single = single_live
     out = tmp_path / "hsdp"
     overrides = recipe_overrides(
-        model_dir, data, out, f"batch_size={2 * PER_RANK // 4}", *COMMON, *PRECOMPUTE,
-        "parallelism.dp_replicate=2", "parallelism.dp_shard=2",
-    )  # fmt: skip
+        model_dir,
+        data,
+        out,
+        f"batch_size={2 * PER_RANK // 4}",
+        *COMMON,
+        *PRECOMPUTE,
+        "parallelism.dp_replicate=2",
+        "parallelism.dp_shard=2",
+    )
     launch_ranks(overrides, tmp_path, recipe="dpo", world_size=4, timeout=240)
     assert "precomputing the reference" in (tmp_path / "rank0.log").read_text()
     _check_same_as_single(model_dir, single, out, ranks=4)

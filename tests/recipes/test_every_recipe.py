@@ -56,11 +56,22 @@ def test_preflight_runs_in_every_recipe_and_changes_nothing(world, tmp_path, cap
     extra = [e.format(model_dir=model_dir) for e in extra]
     plain = run_recipe(recipe, "tiny", model_dir, world[data], tmp_path / "plain", *STEPS, *extra)
     assert "preflight:" not in capsys.readouterr().out
-    out = run_recipe(recipe, "tiny", model_dir, world[data], tmp_path / "preflight", *STEPS,
-                     *extra, "preflight=true")  # fmt: skip
+    out = run_recipe(
+        recipe,
+        "tiny",
+        model_dir,
+        world[data],
+        tmp_path / "preflight",
+        *STEPS,
+        *extra,
+        "preflight=true",
+    )
     printed = capsys.readouterr().out
-    match = re.search(r"preflight: forward\+backward on the longest batch \((\d+) x (\d+)\) "
-                      r"in [\d.]+ s, peak ([\d.]+) MiB measured", printed)  # fmt: skip
+    match = re.search(
+        r"preflight: forward\+backward on the longest batch \((\d+) x (\d+)\) "
+        r"in [\d.]+ s, peak ([\d.]+) MiB measured",
+        printed,
+    )
     assert match, printed
     rows = int(match[1])
     assert rows == (4 if data == "pairs" else 2)  # a pair is two rows: chosen, then rejected
@@ -69,8 +80,7 @@ def test_preflight_runs_in_every_recipe_and_changes_nothing(world, tmp_path, cap
     logged, expected_logged = read_metrics(out), read_metrics(plain)
     assert sorted(logged) == sorted(expected_logged) == [1, 2]
     for step, record in expected_logged.items():
-        untimed = {k: v for k, v in record.items()
-                   if k != "time" and not k.endswith(("_s", "_gb"))}  # fmt: skip
+        untimed = {k: v for k, v in record.items() if k != "time" and not k.endswith(("_s", "_gb"))}
         assert {k: logged[step][k] for k in untimed} == untimed, f"step {step}"
     expected, got = final_weights(plain), final_weights(out)
     assert got.keys() == expected.keys()
@@ -83,12 +93,14 @@ def test_compiled_run_gives_the_eager_run(world, tmp_path, capsys, recipe):
     data, extra = RECIPES[recipe]
     model_dir = world["model_dir"]
     extra = [e.format(model_dir=model_dir) for e in extra if e.startswith("teacher_dir")]
-    plain = run_recipe(recipe, "tiny", model_dir, world[data], tmp_path / "plain", *STEPS, *SGD,
-                       *extra)  # fmt: skip
+    plain = run_recipe(
+        recipe, "tiny", model_dir, world[data], tmp_path / "plain", *STEPS, *SGD, *extra
+    )
     printed = capsys.readouterr().out
     assert "memory plan: not estimated for" in printed and f"({recipe})" in printed, printed
-    out = run_recipe(recipe, "tiny", model_dir, world[data], tmp_path / "compiled", *STEPS,
-                     *SGD, *extra, COMPILE)  # fmt: skip
+    out = run_recipe(
+        recipe, "tiny", model_dir, world[data], tmp_path / "compiled", *STEPS, *SGD, *extra, COMPILE
+    )
     losses, expected_losses = read_metrics(out), read_metrics(plain)
     for step in (1, 2):
         assert losses[step]["loss"] == pytest.approx(expected_losses[step]["loss"], rel=1e-5)

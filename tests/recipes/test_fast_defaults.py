@@ -68,9 +68,7 @@ def _distinct(nodes: list[dict]) -> list[dict]:
 
 # What the configs ship, read from the files themselves: the equivalence tests below are
 # parametrized over these, so a new setting in a config is a new equivalence case.
-SHIPPED_ADAMW = _distinct(
-    [node for r, c in SHIPPED for _, node in _adamw_nodes(_raw(r, c))]
-)  # fmt: skip
+SHIPPED_ADAMW = _distinct([node for r, c in SHIPPED for _, node in _adamw_nodes(_raw(r, c))])
 SHIPPED_SFT_LOSSES = _distinct([_raw("sft", c)["loss"] for c in catalog.config_names("sft")])
 
 
@@ -206,8 +204,9 @@ def test_shipped_sft_loss_gives_the_full_logits_run(world, tmp_path, loss):
     model_dir, data = world
     node = json.dumps(loss).replace('"', "")
     fast = run_sft(model_dir, data, tmp_path / "fast", *STEPS, *SGD, f"loss={node}")
-    plain = run_sft(model_dir, data, tmp_path / "plain", *STEPS, *SGD,
-                    f"loss={{_component_: {PLAIN_CE}}}")  # fmt: skip
+    plain = run_sft(
+        model_dir, data, tmp_path / "plain", *STEPS, *SGD, f"loss={{_component_: {PLAIN_CE}}}"
+    )
     _assert_same_run(fast, plain, model_dir, atol=2e-6)
 
 
@@ -216,6 +215,12 @@ def test_tiny_config_as_shipped_equals_the_for_loop_adamw_run(world, tmp_path):
     AdamW: the same gradients, so the same steps up to the kernels' rounding."""
     model_dir, data = world
     shipped = run_sft(model_dir, data, tmp_path / "shipped", *STEPS)
-    for_loop = run_sft(model_dir, data, tmp_path / "loop", *STEPS, "optimizer.fused=false",
-                       "optimizer.foreach=false")  # fmt: skip
+    for_loop = run_sft(
+        model_dir,
+        data,
+        tmp_path / "loop",
+        *STEPS,
+        "optimizer.fused=false",
+        "optimizer.foreach=false",
+    )
     _assert_same_run(shipped, for_loop, model_dir, atol=1e-6)

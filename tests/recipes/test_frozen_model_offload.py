@@ -36,8 +36,14 @@ def test_offloading_a_frozen_model_on_cpu_warns_and_changes_nothing(
     plain = run_recipe(recipe, "tiny", model_dir, data, tmp_path / "plain", *COMMON, *extra)
     with pytest.warns(UserWarning, match="cpu_offload needs a CUDA device"):
         offloaded = run_recipe(
-            recipe, "tiny", model_dir, data, tmp_path / "offloaded", *COMMON, *extra,
+            recipe,
+            "tiny",
+            model_dir,
+            data,
+            tmp_path / "offloaded",
+            *COMMON,
+            *extra,
             f"{switch}=true",
-        )  # fmt: skip
+        )
     assert read_metrics(plain)[2]["loss"] == read_metrics(offloaded)[2]["loss"]
     assert_same_weights(final_weights(offloaded), final_weights(plain), atol=0.0)

@@ -40,10 +40,12 @@ def _interrupt(world, out: Path, log: Path, sig: int, *save: str) -> int:
     """Start ``tunesmith run sft --config tiny`` with the ``save`` keys, send ``sig`` once its
     first checkpoint exists and one more step is logged; returns the process's exit code."""
     model_dir, data = world
-    overrides = sft_overrides(model_dir, data, out, f"batch_size={BATCH}", f"max_steps={TOTAL}",
-                              "keep_last=2", *save)  # fmt: skip
-    run = forked.Child.cli(["run", "sft", "--config", "tiny", *overrides], log,
-                           env=subprocess_env())  # fmt: skip
+    overrides = sft_overrides(
+        model_dir, data, out, f"batch_size={BATCH}", f"max_steps={TOTAL}", "keep_last=2", *save
+    )
+    run = forked.Child.cli(
+        ["run", "sft", "--config", "tiny", *overrides], log, env=subprocess_env()
+    )
     metrics, deadline = out / "metrics.jsonl", time.monotonic() + 150
     try:
         while True:  # the first save interval has passed, and a step after it
@@ -52,8 +54,10 @@ def _interrupt(world, out: Path, log: Path, sig: int, *save: str) -> int:
             if saved and steps and max(steps) > int(saved[0].name.removeprefix("step_")):
                 break
             if run.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"no checkpoint before the run ended ({run.returncode}):\n"
-                            f"{log.read_text()[-3000:]}")  # fmt: skip
+                pytest.fail(
+                    f"no checkpoint before the run ended ({run.returncode}):\n"
+                    f"{log.read_text()[-3000:]}"
+                )
             time.sleep(0.02)
         run.send_signal(sig)
         run.wait(timeout=60)
@@ -63,8 +67,9 @@ def _interrupt(world, out: Path, log: Path, sig: int, *save: str) -> int:
     return run.returncode
 
 
-def _assert_resumes_to_the_uninterrupted_weights(world, out: Path, reference: Path,
-                                                 until: int) -> None:  # fmt: skip
+def _assert_resumes_to_the_uninterrupted_weights(
+    world, out: Path, reference: Path, until: int
+) -> None:
     model_dir, data = world
     config = [f"batch_size={BATCH}", f"max_steps={TOTAL}", f"stop_after_steps={until}"]
     run_sft(model_dir, data, reference, *config)
@@ -85,8 +90,9 @@ def _assert_resumes_to_the_uninterrupted_weights(world, out: Path, reference: Pa
         pytest.param(signal.SIGTERM, ("save_every_minutes=0.002",), id="sigterm-timed-saves"),
     ],
 )
-def test_a_signal_after_the_first_save_loses_nothing_and_resumes_exactly(world, tmp_path, sig,
-                                                                        save):  # fmt: skip
+def test_a_signal_after_the_first_save_loses_nothing_and_resumes_exactly(
+    world, tmp_path, sig, save
+):
     out, log = tmp_path / "run", tmp_path / "run.log"
     code = _interrupt(world, out, log, sig, *save)
     output = log.read_text()

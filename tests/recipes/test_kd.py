@@ -66,9 +66,15 @@ def world(tmp_path_factory) -> dict[str, Path]:
     chat = make_chat_data(root / "chat.jsonl", rows=ROWS, seed=0)
     teacher_init = make_model_dir(root / "teacher-init", seed=1, **TEACHER_SIZE)
     sft = run_recipe(
-        "sft", "tiny", teacher_init, chat, root / "teacher-sft", f"max_steps={TEACHER_STEPS}",
-        "batch_size=8", "metric_loggers=[]",
-    )  # fmt: skip
+        "sft",
+        "tiny",
+        teacher_init,
+        chat,
+        root / "teacher-sft",
+        f"max_steps={TEACHER_STEPS}",
+        "batch_size=8",
+        "metric_loggers=[]",
+    )
     return {
         "student": make_model_dir(root / "student", seed=0),
         "teacher": checkpoints(sft)[-1],
@@ -78,16 +84,24 @@ def world(tmp_path_factory) -> dict[str, Path]:
 
 
 def kd_config(
-    world: dict[str, Path], output_dir: Path, *overrides: str, teacher: Path | None = None,
+    world: dict[str, Path],
+    output_dir: Path,
+    *overrides: str,
+    teacher: Path | None = None,
     val: bool = False,
-) -> DictConfig:  # fmt: skip
+) -> DictConfig:
     """The shipped kd ``tiny`` config on the world (or another ``teacher``); with ``val``, the
     held-out chat file as ``val_dataset``."""
     return recipe_config(
-        "kd", "tiny", world["student"], world["chat"], output_dir,
-        f"teacher_dir={teacher or world['teacher']}", *overrides,
+        "kd",
+        "tiny",
+        world["student"],
+        world["chat"],
+        output_dir,
+        f"teacher_dir={teacher or world['teacher']}",
+        *overrides,
         val=world["val"] if val else None,
-    )  # fmt: skip
+    )
 
 
 def run_kd(world: dict[str, Path], output_dir: Path, *overrides: str, **kw) -> Path:
@@ -152,8 +166,9 @@ def first_batch(world: dict[str, Path], batch_size: int) -> list[dict]:
 
 def mean_kl_to_teacher(student: Path, teacher: Path, samples: list[dict]) -> float:
     """The student's forward KL(teacher || student), a mean over the trained tokens."""
-    values = reference_divergence("forward", trained_logits(student, samples),
-                                  trained_logits(teacher, samples))  # fmt: skip
+    values = reference_divergence(
+        "forward", trained_logits(student, samples), trained_logits(teacher, samples)
+    )
     return values.mean().item()
 
 
@@ -168,9 +183,14 @@ def test_distillation_lowers_the_students_kl_to_the_teacher_on_held_out_data(wor
     assert start > 0.3, f"the teacher barely differs from the random student (KL {start:.3f})"
 
     out = run_kd(
-        world, tmp_path / "kd", "kd_ratio=1.0", "batch_size=8", f"max_steps={DISTILL_STEPS}",
-        f"eval_every_n_steps={DISTILL_STEPS // 2}", val=True,
-    )  # fmt: skip
+        world,
+        tmp_path / "kd",
+        "kd_ratio=1.0",
+        "batch_size=8",
+        f"max_steps={DISTILL_STEPS}",
+        f"eval_every_n_steps={DISTILL_STEPS // 2}",
+        val=True,
+    )
     final = checkpoints(out)[-1]
     assert final.name == f"step_{DISTILL_STEPS:06d}"
     end = mean_kl_to_teacher(final, world["teacher"], held_out)
@@ -339,9 +359,13 @@ def distributed_overrides(world, fsdp_world, out: Path) -> list[str]:
     """The CLI overrides of the two-rank run (PER_RANK samples a rank)."""
     data, common, _ = fsdp_world
     return recipe_overrides(
-        world["student"], data, out, f"teacher_dir={world['teacher']}", *common,
+        world["student"],
+        data,
+        out,
+        f"teacher_dir={world['teacher']}",
+        *common,
         f"batch_size={PER_RANK}",
-    )  # fmt: skip
+    )
 
 
 def check_same_as_single(world, fsdp_world, out: Path) -> None:
@@ -372,9 +396,19 @@ def test_two_gloo_ranks_equal_one_process(world, fsdp_world, tmp_path):
 def test_cli_nproc_per_node_2_equals_one_process(world, fsdp_world, tmp_path):
     out = tmp_path / "cli"
     result = subprocess.run(
-        cli_command("run", "kd", "--config", "tiny", "--nproc-per-node", "2",
-                    *distributed_overrides(world, fsdp_world, out)),
-        env=subprocess_env(), capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        cli_command(
+            "run",
+            "kd",
+            "--config",
+            "tiny",
+            "--nproc-per-node",
+            "2",
+            *distributed_overrides(world, fsdp_world, out),
+        ),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     check_same_as_single(world, fsdp_world, out)

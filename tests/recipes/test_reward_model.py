@@ -116,10 +116,17 @@ def trained(world) -> Path:
     every SAVE_EVERY steps."""
     root, model_dir, train, val = world
     return run_rm(
-        model_dir, train, root / "learn", f"batch_size={BATCH}", f"max_steps={STEPS}",
-        f"eval_every_n_steps={EVAL_EVERY}", f"save_every_n_steps={SAVE_EVERY}", "keep_last=null",
-        *LEARN, val=val,
-    )  # fmt: skip
+        model_dir,
+        train,
+        root / "learn",
+        f"batch_size={BATCH}",
+        f"max_steps={STEPS}",
+        f"eval_every_n_steps={EVAL_EVERY}",
+        f"save_every_n_steps={SAVE_EVERY}",
+        "keep_last=null",
+        *LEARN,
+        val=val,
+    )
 
 
 def test_held_out_accuracy_rises_from_chance_to_above_0_8(world, trained):
@@ -224,9 +231,13 @@ def test_gradient_accumulation_equals_one_big_batch(world, tmp_path):
     data = make_pairs(tmp_path / "pairs.jsonl", rows=micro * accum * steps, seed=3)
     common = [f"max_steps={steps}", *SGD]
     accumulated = run_rm(
-        model_dir, data, tmp_path / "accum", f"batch_size={micro}",
-        f"gradient_accumulation_steps={accum}", *common,
-    )  # fmt: skip
+        model_dir,
+        data,
+        tmp_path / "accum",
+        f"batch_size={micro}",
+        f"gradient_accumulation_steps={accum}",
+        *common,
+    )
     big = run_rm(model_dir, data, tmp_path / "big", f"batch_size={micro * accum}", *common)
 
     logged_a, logged_b = read_metrics(accumulated), read_metrics(big)
@@ -287,13 +298,14 @@ ENDS_WITH_PAD = "{data}: row {row}: the chosen sequence ends with the pad token"
         pytest.param({"pad_token": None, "eos_token": None}, NO_PAD, id="no-pad-no-eos"),
         # the pad id falls back to eos, which then ends every sequence
         pytest.param(
-            {"pad_token": None, "chat_template": _turns_end_at_im_end}, ENDS_WITH_PAD,
+            {"pad_token": None, "chat_template": _turns_end_at_im_end},
+            ENDS_WITH_PAD,
             id="no-pad-eos-ends-the-sequences",
         ),
         # 'Ċ' is the byte-level token of the newline that ends Qwen turns
         pytest.param({"pad_token": "Ċ"}, ENDS_WITH_PAD, id="pad-is-the-last-token"),
     ],
-)  # fmt: skip
+)
 def test_refuses_a_pad_token_that_transformers_would_misread(world, tmp_path, changes, message):
     _, model_dir, _, _ = world
     folder = tokenizer_variant(model_dir, tmp_path / "model", **changes)

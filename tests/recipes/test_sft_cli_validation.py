@@ -39,10 +39,12 @@ def test_validate_accepts_the_config_once_they_are_given(world, tmp_path, capsys
     ("override", "expected"),
     [
         ("bach_size=4", "bach_size: unknown key; did you mean 'batch_size'?"),  # the recipe's
-        ("optimizer.lrr=0.1", "optimizer.lrr: unknown argument of torch.optim.AdamW; did you "
-         "mean 'lr'?"),  # a component's
+        (
+            "optimizer.lrr=0.1",
+            "optimizer.lrr: unknown argument of torch.optim.AdamW; did you mean 'lr'?",
+        ),  # a component's
     ],
-)  # fmt: skip
+)
 def test_run_with_a_misspelt_key_fails_before_writing_anything(
     world, tmp_path, capsys, override, expected
 ):

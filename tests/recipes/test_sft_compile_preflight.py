@@ -77,21 +77,29 @@ def test_compiled_run_gives_the_eager_run(world, tmp_path):
 def test_compile_works_with_checkpointing_and_linear_ce(world, tmp_path):
     model_dir, data, plain = world
     out = run_sft(
-        model_dir, data, tmp_path / "all", *STEPS, COMPILE,
+        model_dir,
+        data,
+        tmp_path / "all",
+        *STEPS,
+        COMPILE,
         "activation_checkpointing={mode: full}",
         "loss._component_=tunesmith.modules.losses.LinearCrossEntropyLoss",  # stays eager
-    )  # fmt: skip
+    )
     _assert_same_run(out, plain, exact=False)
 
 
-@pytest.mark.parametrize("switches", [[], ["packed=true", "optimizer_in_backward=true"]],
-                         ids=["plain", "packed_optimizer_in_backward"])  # fmt: skip
+@pytest.mark.parametrize(
+    "switches",
+    [[], ["packed=true", "optimizer_in_backward=true"]],
+    ids=["plain", "packed_optimizer_in_backward"],
+)
 def test_preflight_changes_nothing(world, tmp_path, capsys, switches):
     """Weights, losses, RNG and data order of a run with the preflight step are those of the
     same run without it, bit for bit; an optimizer in backward does not step during it."""
     model_dir, data, plain = world
-    expected = plain if not switches else run_sft(model_dir, data, tmp_path / "b", *STEPS,
-                                                  *switches)  # fmt: skip
+    expected = (
+        plain if not switches else run_sft(model_dir, data, tmp_path / "b", *STEPS, *switches)
+    )
     capsys.readouterr()
     out = tmp_path / "preflight"
     args = ["run", "sft", "--config", "tiny", "--preflight"]

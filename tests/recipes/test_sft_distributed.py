@@ -60,8 +60,11 @@ def test_cli_nproc_per_node_2_equals_one_process(world, tmp_path):
     overrides = sft_overrides(model_dir, data, out, f"batch_size={PER_RANK}", f"max_steps={STEPS}")
     result = subprocess.run(
         cli_command("run", "sft", "--config", "tiny", "--nproc-per-node", "2", *overrides),
-        env=subprocess_env(), capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert_same_as_single(model_dir, single, out, steps=STEPS)
 
@@ -72,8 +75,14 @@ def test_for_loop_adamw_on_two_ranks_equals_fused_in_one_process(world, tmp_path
     the test above)."""
     model_dir, data, single = world
     out = tmp_path / "for-loop"
-    overrides = sft_overrides(model_dir, data, out, f"batch_size={PER_RANK}",
-                              f"max_steps={STEPS}", "optimizer.fused=false")  # fmt: skip
+    overrides = sft_overrides(
+        model_dir,
+        data,
+        out,
+        f"batch_size={PER_RANK}",
+        f"max_steps={STEPS}",
+        "optimizer.fused=false",
+    )
     launch_ranks(overrides, tmp_path)
     assert_same_as_single(model_dir, single, out, steps=STEPS)
 
@@ -85,9 +94,14 @@ def test_hsdp_on_four_gloo_ranks_equals_one_process(world, tmp_path):
     model_dir, data, single = world
     out = tmp_path / "hsdp"
     overrides = sft_overrides(
-        model_dir, data, out, f"batch_size={2 * PER_RANK // 4}",
-        f"max_steps={STEPS}", "parallelism.dp_replicate=2", "parallelism.dp_shard=2",
-    )  # fmt: skip
+        model_dir,
+        data,
+        out,
+        f"batch_size={2 * PER_RANK // 4}",
+        f"max_steps={STEPS}",
+        "parallelism.dp_replicate=2",
+        "parallelism.dp_shard=2",
+    )
     launch_ranks(overrides, tmp_path, world_size=4, timeout=240)
     mesh = "parallelism: ('dp_replicate', 'dp_shard') mesh of (2, 2) ranks, 4 data-parallel"
     assert mesh in (tmp_path / "rank0.log").read_text()
@@ -99,13 +113,21 @@ def test_cli_hsdp_nproc_per_node_4_equals_one_process(world, tmp_path):
     model_dir, data, single = world
     out = tmp_path / "cli_hsdp"
     overrides = sft_overrides(
-        model_dir, data, out, f"batch_size={2 * PER_RANK // 4}", f"max_steps={STEPS}",
-        "parallelism.dp_replicate=2", "parallelism.dp_shard=auto",
-    )  # fmt: skip
+        model_dir,
+        data,
+        out,
+        f"batch_size={2 * PER_RANK // 4}",
+        f"max_steps={STEPS}",
+        "parallelism.dp_replicate=2",
+        "parallelism.dp_shard=auto",
+    )
     result = subprocess.run(
         cli_command("run", "sft", "--config", "tiny", "--nproc-per-node", "4", *overrides),
-        env=subprocess_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert_same_as_single(model_dir, single, out, steps=STEPS, ranks=4)
 
@@ -136,8 +158,9 @@ def test_dp_shard_2_is_exactly_todays_fsdp2(world, tmp_path):
     runs = {}
     for name, extra in (("plain", []), ("dp_shard", ["parallelism.dp_shard=2"])):
         runs[name] = tmp_path / name
-        overrides = sft_overrides(model_dir, data, runs[name], f"batch_size={PER_RANK}",
-                                  f"max_steps={STEPS}", *extra)  # fmt: skip
+        overrides = sft_overrides(
+            model_dir, data, runs[name], f"batch_size={PER_RANK}", f"max_steps={STEPS}", *extra
+        )
         (tmp_path / f"logs_{name}").mkdir()
         launch_ranks(overrides, tmp_path / f"logs_{name}")
     plain, sharded = read_metrics(runs["plain"]), read_metrics(runs["dp_shard"])

@@ -45,8 +45,9 @@ def world(tmp_path_factory):
 
 def _run(model_dir, data, tmp_path, world_size: int, *parallelism: str, batch: int = 1):
     out = tmp_path / "parallel"
-    overrides = sft_overrides(model_dir, data, out, f"batch_size={batch}",
-                              f"max_steps={STEPS}", *parallelism)  # fmt: skip
+    overrides = sft_overrides(
+        model_dir, data, out, f"batch_size={batch}", f"max_steps={STEPS}", *parallelism
+    )
     launch_ranks(overrides, tmp_path, world_size=world_size, timeout=300)
     return out
 
@@ -54,17 +55,29 @@ def _run(model_dir, data, tmp_path, world_size: int, *parallelism: str, batch: i
 def test_moe_cp2_on_two_ranks_equals_one_process(world, tmp_path):
     root, model_dir, data = world
     single = run_sft(model_dir, data, tmp_path / "single", "batch_size=2", f"max_steps={STEPS}")
-    out = _run(model_dir, data, tmp_path, 2, "parallelism.cp=2", "parallelism.dp_shard=1",
-               batch=2)  # fmt: skip
+    out = _run(model_dir, data, tmp_path, 2, "parallelism.cp=2", "parallelism.dp_shard=1", batch=2)
     assert_same_as_single(model_dir, single, out, steps=STEPS, ranks=2)
 
 
 def test_ep2_with_cp2_and_dp_shard2_on_four_ranks_equals_one_process(world, tmp_path):
     root, model_dir, data = world
-    single = run_sft(model_dir, data, tmp_path / "single", "batch_size=1",
-                     "gradient_accumulation_steps=2", f"max_steps={STEPS}")  # fmt: skip
-    out = _run(model_dir, data, tmp_path, 4, "parallelism.dp_shard=2", "parallelism.cp=2",
-               "parallelism.ep=2")  # fmt: skip
+    single = run_sft(
+        model_dir,
+        data,
+        tmp_path / "single",
+        "batch_size=1",
+        "gradient_accumulation_steps=2",
+        f"max_steps={STEPS}",
+    )
+    out = _run(
+        model_dir,
+        data,
+        tmp_path,
+        4,
+        "parallelism.dp_shard=2",
+        "parallelism.cp=2",
+        "parallelism.ep=2",
+    )
     assert_same_as_single(model_dir, single, out, steps=STEPS, ranks=4)
 
 

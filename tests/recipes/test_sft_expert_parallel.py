@@ -48,19 +48,37 @@ def world(tmp_path_factory):
 
 def _single(root, model_dir, data, accumulation: int, config: str = "tiny"):
     return run_sft(
-        model_dir, data, root / f"single{accumulation}_{config}", "batch_size=1",
-        f"gradient_accumulation_steps={accumulation}", f"max_steps={STEPS}", config=config,
-    )  # fmt: skip
+        model_dir,
+        data,
+        root / f"single{accumulation}_{config}",
+        "batch_size=1",
+        f"gradient_accumulation_steps={accumulation}",
+        f"max_steps={STEPS}",
+        config=config,
+    )
 
 
-def _expert_parallel(model_dir, data, tmp_path, world_size: int, timeout: float,
-                     config: str = "tiny", ep: int = 2, tp: int = 1):  # fmt: skip
+def _expert_parallel(
+    model_dir,
+    data,
+    tmp_path,
+    world_size: int,
+    timeout: float,
+    config: str = "tiny",
+    ep: int = 2,
+    tp: int = 1,
+):
     out = tmp_path / "ep"
     overrides = sft_overrides(
-        model_dir, data, out, "batch_size=1", f"max_steps={STEPS}",
-        f"parallelism.dp_shard={world_size // tp}", f"parallelism.ep={ep}",
+        model_dir,
+        data,
+        out,
+        "batch_size=1",
+        f"max_steps={STEPS}",
+        f"parallelism.dp_shard={world_size // tp}",
+        f"parallelism.ep={ep}",
         f"parallelism.tp={tp}",
-    )  # fmt: skip
+    )
     launch_ranks(overrides, tmp_path, config=config, world_size=world_size, timeout=timeout)
     return out
 
@@ -117,8 +135,7 @@ def test_ep2_with_lora_on_attention_equals_one_process(world, tmp_path):
     """LoRA adapters (attention; the experts frozen, split over ep) train as in one process."""
     root, model_dir, data = world
     single = _single(root, model_dir, data, accumulation=2, config="tiny_lora")
-    out = _expert_parallel(model_dir, data, tmp_path, world_size=2, timeout=240,
-                           config="tiny_lora")  # fmt: skip
+    out = _expert_parallel(model_dir, data, tmp_path, world_size=2, timeout=240, config="tiny_lora")
     logged_1, logged_2 = read_metrics(single), read_metrics(out)
     assert sorted(logged_1) == sorted(logged_2) == list(range(1, STEPS + 1))
     for step in logged_1:
@@ -138,11 +155,18 @@ def test_ep2_with_lora_on_the_experts_equals_one_process(world, tmp_path):
     root, model_dir, data = world
     common = ("batch_size=1", f"max_steps={STEPS}",
               "model.target_modules=[q_proj,v_proj,gate_proj,up_proj,down_proj]")  # fmt: skip
-    single = run_sft(model_dir, data, tmp_path / "single", *common,
-                     "gradient_accumulation_steps=2", config="tiny_lora")  # fmt: skip
+    single = run_sft(
+        model_dir,
+        data,
+        tmp_path / "single",
+        *common,
+        "gradient_accumulation_steps=2",
+        config="tiny_lora",
+    )
     out = tmp_path / "ep"
-    overrides = sft_overrides(model_dir, data, out, *common, "parallelism.dp_shard=2",
-                              "parallelism.ep=2")  # fmt: skip
+    overrides = sft_overrides(
+        model_dir, data, out, *common, "parallelism.dp_shard=2", "parallelism.ep=2"
+    )
     launch_ranks(overrides, tmp_path, config="tiny_lora", world_size=2, timeout=240)
     logged_1, logged_2 = read_metrics(single), read_metrics(out)
     assert sorted(logged_1) == sorted(logged_2) == list(range(1, STEPS + 1))
@@ -156,8 +180,9 @@ def test_ep2_with_lora_on_the_experts_equals_one_process(world, tmp_path):
     # the expert adapters trained (lora_B left zero) and have every expert: [E * r, in]
     assert all(adapters_1[n].abs().max() > 0 for n in experts if "lora_B" in n)
     for name in adapters_1:
-        torch.testing.assert_close(adapters_2[name], adapters_1[name], atol=1e-5, rtol=0,
-                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            adapters_2[name], adapters_1[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_ep2_stopped_and_resumed_equals_uninterrupted(world, tmp_path):
@@ -169,9 +194,15 @@ def test_ep2_stopped_and_resumed_equals_uninterrupted(world, tmp_path):
 
     def launch(out, *extra):
         overrides = sft_overrides(
-            model_dir, data, out, "batch_size=1", f"max_steps={steps}",
-            "parallelism.dp_shard=2", "parallelism.ep=2", *extra,
-        )  # fmt: skip
+            model_dir,
+            data,
+            out,
+            "batch_size=1",
+            f"max_steps={steps}",
+            "parallelism.dp_shard=2",
+            "parallelism.ep=2",
+            *extra,
+        )
         logs = out.parent / f"{out.name}-logs"
         logs.mkdir(exist_ok=True)
         launch_ranks(overrides, logs, world_size=2, timeout=240)
@@ -194,7 +225,8 @@ def test_ep2_stopped_and_resumed_equals_uninterrupted(world, tmp_path):
     assert weights.keys() == expected.keys()
     assert any(".experts." in name for name in weights)
     for name in weights:
-        torch.testing.assert_close(weights[name], expected[name], atol=1e-6, rtol=0,
-                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            weights[name], expected[name], atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
     at_stop = checkpoint_weights(checkpoints(resumed)[0])
     assert max((expected[k] - at_stop[k]).abs().max().item() for k in at_stop) > 1e-4

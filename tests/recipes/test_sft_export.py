@@ -37,9 +37,11 @@ def test_exported_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path
     samples = SFTDataset(tokenizer, source=str(data)).samples[:3]
     batch = collate_padded(samples, pad_id=tokenizer.pad_id)
     noise = torch.randint(
-        0, hf.config.vocab_size, (2, batch["input_ids"].shape[1]),
+        0,
+        hf.config.vocab_size,
+        (2, batch["input_ids"].shape[1]),
         generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+    )
     ids = torch.cat([batch["input_ids"], noise])  # real conversations and random tokens
     with torch.no_grad():
         expected = hf(ids).logits

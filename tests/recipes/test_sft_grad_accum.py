@@ -60,9 +60,13 @@ def test_accumulated_micro_batches_equal_one_big_batch(world, tmp_path, optimize
     model_dir, data = world
     common = [f"max_steps={STEPS}", f"seed={SEED}", *optimizer]
     accumulated = run_sft(
-        model_dir, data, tmp_path / "accum", f"batch_size={MICRO}",
-        f"gradient_accumulation_steps={ACCUM}", *common,
-    )  # fmt: skip
+        model_dir,
+        data,
+        tmp_path / "accum",
+        f"batch_size={MICRO}",
+        f"gradient_accumulation_steps={ACCUM}",
+        *common,
+    )
     big = run_sft(model_dir, data, tmp_path / "big", f"batch_size={MICRO * ACCUM}", *common)
 
     logged_a, logged_b = read_metrics(accumulated), read_metrics(big)

@@ -201,9 +201,14 @@ def test_two_gloo_ranks_equal_one_process(world, tmp_path, case, extra):
         model_dir = make_model_dir(tmp_path / "world", **FSDP_QLORA_SIZES)
     steps = 3
     single = run_sft(
-        model_dir, data, tmp_path / "single", f"batch_size={BATCH}", f"max_steps={steps}",
-        *extra, config=CONFIG,
-    )  # fmt: skip
+        model_dir,
+        data,
+        tmp_path / "single",
+        f"batch_size={BATCH}",
+        f"max_steps={steps}",
+        *extra,
+        config=CONFIG,
+    )
     fsdp = tmp_path / "fsdp"
     overrides = sft_overrides(
         model_dir, data, fsdp, f"batch_size={BATCH // 2}", f"max_steps={steps}", *extra
@@ -289,9 +294,14 @@ def test_stop_and_resume_equals_uninterrupted(world, lora_run, tmp_path):
 def test_dora_and_qlora_runs_lower_the_loss_and_load_back(world, tmp_path, case, extra):
     _, model_dir, data = world
     out, model = run_sft_keeping_model(
-        model_dir, data, tmp_path / case, f"batch_size={BATCH}", f"max_steps={STEPS}", *extra,
+        model_dir,
+        data,
+        tmp_path / case,
+        f"batch_size={BATCH}",
+        f"max_steps={STEPS}",
+        *extra,
         config=CONFIG,
-    )  # fmt: skip
+    )
     model.eval()
     _assert_loss_went_down(model, out, _batch(model_dir, data))
     step_dir = checkpoints(out)[-1]
@@ -335,9 +345,15 @@ def test_shipped_lora_configs_run_on_the_tiny_world(
     """The real-model configs, pointed at the tiny model with a shorter packed length."""
     _, model_dir, data = world
     out, model = run_sft_keeping_model(
-        model_dir, data, tmp_path / config, "max_steps=2", "dataset.max_seq_len=128",
-        "val_fraction=0.0", "lr_scheduler.num_warmup_steps=1", config=config,
-    )  # fmt: skip
+        model_dir,
+        data,
+        tmp_path / config,
+        "max_steps=2",
+        "dataset.max_seq_len=128",
+        "val_fraction=0.0",
+        "lr_scheduler.num_warmup_steps=1",
+        config=config,
+    )
     adapter_config = json.loads((checkpoints(out)[-1] / ADAPTER_CONFIG_NAME).read_text())
     assert (adapter_config["r"], adapter_config["lora_alpha"]) == (rank, alpha)
     assert sorted(adapter_config["target_modules"]) == sorted(targets)

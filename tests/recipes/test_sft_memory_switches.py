@@ -65,8 +65,14 @@ def test_switch_gives_the_plain_run(world, tmp_path, name):
 def test_optimizer_in_backward_refuses_accumulation_and_clipping(world, tmp_path):
     model_dir, data, _, _ = world
     with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
-        run_sft(model_dir, data, tmp_path / "a", *STEPS, "optimizer_in_backward=true",
-                "gradient_accumulation_steps=2")  # fmt: skip
+        run_sft(
+            model_dir,
+            data,
+            tmp_path / "a",
+            *STEPS,
+            "optimizer_in_backward=true",
+            "gradient_accumulation_steps=2",
+        )
     with pytest.raises(ConfigError, match="max_grad_norm"):
         run_sft(model_dir, data, tmp_path / "b", "max_steps=2", "optimizer_in_backward=true")
 

@@ -40,9 +40,14 @@ def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(world, tmp_path)
     out = tmp_path / "run"
     with pytest.raises(FloatingPointError) as error:
         run_sft(
-            model_dir, data, out, "max_steps=6", "save_every_n_steps=2",
-            "on_nonfinite_loss=stop", *NAN_LOSS,
-        )  # fmt: skip
+            model_dir,
+            data,
+            out,
+            "max_steps=6",
+            "save_every_n_steps=2",
+            "on_nonfinite_loss=stop",
+            *NAN_LOSS,
+        )
     good = out / "checkpoints" / "step_000002"
     message = str(error.value)
     assert f"at step {NAN_STEP}" in message and str(good) in message
@@ -55,9 +60,15 @@ def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(world, tmp_path)
 def test_skip_drops_the_bad_update_and_goes_on(world, tmp_path):
     model_dir, data = world
     out = run_sft(
-        model_dir, data, tmp_path / "run", "max_steps=5", "save_every_n_steps=1", "keep_last=null",
-        "on_nonfinite_loss=skip", *NAN_LOSS,
-    )  # fmt: skip
+        model_dir,
+        data,
+        tmp_path / "run",
+        "max_steps=5",
+        "save_every_n_steps=1",
+        "keep_last=null",
+        "on_nonfinite_loss=skip",
+        *NAN_LOSS,
+    )
     assert [p.name for p in checkpoints(out)] == [f"step_{s:06d}" for s in range(1, 6)]
     logged = read_metrics(out)
     assert sorted(logged) == [1, 2, 3, 4, 5]

@@ -59,9 +59,12 @@ def test_packed_batch_equals_padded_batch(model_dir, tmp_path):
         for i in indices:
             n = lengths[i]
             torch.testing.assert_close(
-                logits_packed[row, start : start + n], logits_padded[i, :n], rtol=1e-5,
-                atol=1e-5, msg=lambda m, i=i: f"sample {i}: {m}",
-            )  # fmt: skip
+                logits_packed[row, start : start + n],
+                logits_padded[i, :n],
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda m, i=i: f"sample {i}: {m}",
+            )
             start += n
     assert grads_packed.keys() == grads_padded.keys()
     for name, grad in grads_packed.items():

@@ -26,7 +26,7 @@ MODES = {
         "precision.weights=bf16",
         "precision.master_weights=fp32",
         "precision.optimizer_states=bf16",
-    ),  # fmt: skip
+    ),
     "pure-bf16": ("precision.weights=bf16",),
 }
 LOSS_TOLERANCE = 5e-3
@@ -52,8 +52,14 @@ def runs(world):
     def get(mode: str):
         if mode not in done:
             extra = MODES.get(mode, ())
-            done[mode] = run_sft(model_dir, data, root / f"full-{mode}", f"batch_size={BATCH}",
-                                 f"max_steps={TOTAL}", *extra)  # fmt: skip
+            done[mode] = run_sft(
+                model_dir,
+                data,
+                root / f"full-{mode}",
+                f"batch_size={BATCH}",
+                f"max_steps={TOTAL}",
+                *extra,
+            )
         return done[mode]
 
     return get
@@ -107,8 +113,14 @@ def test_save_dtype_fp32_saves_fp32_and_resumes_bitwise(world, runs, tmp_path):
 def test_autocast_on_bf16_weights_is_refused(world, tmp_path):
     _, model_dir, data = world
     with pytest.raises(ConfigError, match="mixed_precision: bf16 autocast with precision"):
-        run_sft(model_dir, data, tmp_path / "run", "max_steps=1", "mixed_precision=bf16",
-                "precision.weights=bf16")  # fmt: skip
+        run_sft(
+            model_dir,
+            data,
+            tmp_path / "run",
+            "max_steps=1",
+            "mixed_precision=bf16",
+            "precision.weights=bf16",
+        )
 
 
 def test_two_gloo_ranks_equal_one_process_in_bf16_master_mode(world, runs, tmp_path):
@@ -116,8 +128,14 @@ def test_two_gloo_ranks_equal_one_process_in_bf16_master_mode(world, runs, tmp_p
     reduced in bf16, so the runs agree within bf16's resolution, not bitwise."""
     _, model_dir, data = world
     out = tmp_path / "fsdp"
-    overrides = sft_overrides(model_dir, data, out, f"batch_size={BATCH // 2}",
-                              f"max_steps={TOTAL}", *MODES["bf16-master"])  # fmt: skip
+    overrides = sft_overrides(
+        model_dir,
+        data,
+        out,
+        f"batch_size={BATCH // 2}",
+        f"max_steps={TOTAL}",
+        *MODES["bf16-master"],
+    )
     launch_ranks(overrides, tmp_path, timeout=240)
     single, two = read_metrics(runs("bf16-master")), read_metrics(out)
     assert sorted(two) == list(range(1, TOTAL + 1))
@@ -127,6 +145,10 @@ def test_two_gloo_ranks_equal_one_process_in_bf16_master_mode(world, runs, tmp_p
     weights, expected = final_weights(out), final_weights(runs("bf16-master"))
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
     for name in expected:
-        torch.testing.assert_close(weights[name].float(), expected[name].float(),
-                                   atol=FSDP_WEIGHT_TOLERANCE, rtol=0,
-                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            weights[name].float(),
+            expected[name].float(),
+            atol=FSDP_WEIGHT_TOLERANCE,
+            rtol=0,
+            msg=lambda m, n=name: f"{n}: {m}",
+        )

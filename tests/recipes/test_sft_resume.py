@@ -109,10 +109,19 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(world, uninte
     out, sentinel, log = tmp_path / "run", tmp_path / "stalled", tmp_path / "driver.log"
     driver = forked.Child.module(
         "tests.recipes.stalling_save",
-        ["2", sentinel, "--", "run", "sft", "--config", "tiny",
-         *sft_overrides(model_dir, data, out, *config)],
-        log, env=subprocess_env(),
-    )  # fmt: skip
+        [
+            "2",
+            sentinel,
+            "--",
+            "run",
+            "sft",
+            "--config",
+            "tiny",
+            *sft_overrides(model_dir, data, out, *config),
+        ],
+        log,
+        env=subprocess_env(),
+    )
     try:
         _wait_for(sentinel.exists, driver, log, "the second checkpoint write stalled")
         partial = Path(sentinel.read_text())
@@ -141,8 +150,9 @@ def test_sigterm_saves_and_exits_cleanly_then_resume_continues(world, uninterrup
     total = 1000  # far more than the run will do before the signal
     out, log = tmp_path / "run", tmp_path / "run.log"
     overrides = sft_overrides(model_dir, data, out, f"batch_size={BATCH}", f"max_steps={total}")
-    run = forked.Child.cli(["run", "sft", "--config", "tiny", *overrides], log,
-                           env=subprocess_env())  # fmt: skip
+    run = forked.Child.cli(
+        ["run", "sft", "--config", "tiny", *overrides], log, env=subprocess_env()
+    )
     metrics = out / "metrics.jsonl"
 
     def step_logged() -> bool:

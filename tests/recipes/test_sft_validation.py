@@ -22,9 +22,16 @@ def test_val_loss_is_the_token_mean_loss_of_the_held_out_split(tmp_path):
         f" {{_component_: tunesmith.training.TensorBoardLogger, log_dir: {out}/tb}}]"
     )
     run_sft(
-        model_dir, data, out, "val_fraction=0.25", "eval_every_n_steps=2", "max_steps=4",
-        "batch_size=3", "lr_scheduler.num_warmup_steps=1", loggers,
-    )  # fmt: skip
+        model_dir,
+        data,
+        out,
+        "val_fraction=0.25",
+        "eval_every_n_steps=2",
+        "max_steps=4",
+        "batch_size=3",
+        "lr_scheduler.num_warmup_steps=1",
+        loggers,
+    )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val_loss = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
     assert sorted(val_loss) == [2, 4]

@@ -231,9 +231,16 @@ def single_run(world: dict, recipe: str, shared: tuple[str, ...]) -> Path:
         spec = world["recipes"][recipe]
         out = world["root"] / f"single-{recipe}-{len(world['single'])}"
         run_recipe(
-            recipe, config, world["model_dir"], spec.data, out, *spec.overrides,
-            f"batch_size={GLOBAL_BATCH}", f"max_steps={STEPS}", *rest,
-        )  # fmt: skip
+            recipe,
+            config,
+            world["model_dir"],
+            spec.data,
+            out,
+            *spec.overrides,
+            f"batch_size={GLOBAL_BATCH}",
+            f"max_steps={STEPS}",
+            *rest,
+        )
         world["single"][key] = out
     return world["single"][key]
 
@@ -245,13 +252,23 @@ def parallel_run(world: dict, recipe: str, parallel: Parallel, out: Path, log_di
     per_rank = GLOBAL_BATCH // (parallel.ranks // TP)
     spec = world["recipes"][recipe]
     overrides = recipe_overrides(
-        world["model_dir"], spec.data, out, *spec.overrides, f"batch_size={per_rank}",
-        f"max_steps={STEPS}", *rest, *parallel.parallel,
-    )  # fmt: skip
+        world["model_dir"],
+        spec.data,
+        out,
+        *spec.overrides,
+        f"batch_size={per_rank}",
+        f"max_steps={STEPS}",
+        *rest,
+        *parallel.parallel,
+    )
     launch_ranks(
-        overrides, log_dir, recipe=recipe, config=config, world_size=parallel.ranks,
+        overrides,
+        log_dir,
+        recipe=recipe,
+        config=config,
+        world_size=parallel.ranks,
         timeout=60 * parallel.ranks,
-    )  # fmt: skip
+    )
     return out
 
 
@@ -259,9 +276,10 @@ def _compared(record: dict[str, float]) -> dict[str, float]:
     """The metrics of a logged record that must match: all but wall-clock times, throughput
     (``*_s``, ``tokens_per_s``) and the memory peak (each rank holds a share of the model)."""
     return {
-        k: v for k, v in record.items()
+        k: v
+        for k, v in record.items()
         if k != "time" and not k.endswith("_s") and not k.startswith("peak_memory")
-    }  # fmt: skip
+    }
 
 
 def assert_same_run(single: Path, parallel: Path) -> None:
@@ -306,8 +324,11 @@ def test_tensor_parallel_equals_one_process(world, recipe, config, tmp_path):
     parallel = CONFIGS[config]
     single = single_run(world, recipe, parallel.shared_for(recipe))
     out = parallel_run(world, recipe, parallel, tmp_path / "out", tmp_path)
-    mesh = next(line for line in (tmp_path / "rank0.log").read_text().splitlines()
-                if line.startswith("parallelism:"))  # fmt: skip
+    mesh = next(
+        line
+        for line in (tmp_path / "rank0.log").read_text().splitlines()
+        if line.startswith("parallelism:")
+    )
     assert "'tp') mesh of (" in mesh and ", 2) ranks" in mesh, mesh
     assert mesh.endswith(f", {parallel.ranks // TP} data-parallel"), mesh
     assert_same_run(single, out)

@@ -69,8 +69,15 @@ def stopped(tmp_path_factory):
     data = make_counting_data(root / "count.jsonl", rows=ROWS)
     out, logs = root / "tp2_dp2", root / "logs"
     logs.mkdir()
-    overrides = recipe_overrides(model_dir, data, out, "batch_size=2", f"max_steps={STEPS}",
-                                 f"stop_after_steps={STOP}", *TP2_DP2)  # fmt: skip
+    overrides = recipe_overrides(
+        model_dir,
+        data,
+        out,
+        "batch_size=2",
+        f"max_steps={STEPS}",
+        f"stop_after_steps={STOP}",
+        *TP2_DP2,
+    )
     launch_ranks(overrides, logs, world_size=4, timeout=300)
     assert [p.name for p in checkpoints(out)] == [f"step_{STOP:06d}"]
     return model_dir, data, out
@@ -97,15 +104,18 @@ def test_resume_on_2_ranks_and_on_1_continues_like_the_same_mesh(stopped, tmp_pa
     norms rel 1e-5 (one process norms its gradients in one fp32 sum, a mesh per layout)."""
     _, _, stopped_out = stopped
     assert saved_layout(checkpoints(stopped_out)[-1]) == {
-        "world_size": 4, "dp_size": 2, "dp_ranks": [0, 0, 1, 1],
+        "world_size": 4,
+        "dp_size": 2,
+        "dp_ranks": [0, 0, 1, 1],
         "mesh": {"dp_shard": 2, "tp": 2},
-    }  # fmt: skip
+    }
     same = _resume(stopped, tmp_path / "tp2_dp2", 4, "batch_size=2", *TP2_DP2)
     dp2 = _resume(stopped, tmp_path / "dp2", 2, "batch_size=2")
     one = _resume(stopped, tmp_path / "one", 1, f"batch_size={GLOBAL_BATCH}")
     log = (tmp_path / "dp2-logs" / "rank0.log").read_text()
-    assert ("resuming step_000002, written by 4 rank(s) (dp_shard 2 x tp 2), on 2 rank(s) "
-            "(dp_shard 2)") in log  # fmt: skip
+    assert (
+        "resuming step_000002, written by 4 rank(s) (dp_shard 2 x tp 2), on 2 rank(s) (dp_shard 2)"
+    ) in log
 
     reference = read_metrics(same)
     assert sorted(reference) == list(range(1, STEPS + 1))
@@ -128,9 +138,12 @@ def test_a_changed_global_batch_is_refused_before_anything_loads(stopped, tmp_pa
     model_dir, data, stopped_out = stopped
     out = tmp_path / "half"
     shutil.copytree(stopped_out, out)
-    with pytest.raises(Exception, match=r"data_parallel: 2 -> 1 ranks changes the global batch "
-                       r"\(batch_size x gradient_accumulation_steps x data-parallel ranks\) "
-                       r"from 2 x 1 x 2 = 4 to 2 x 1 x 1 = 2: keep it 4 with batch_size=4"):  # fmt: skip
+    with pytest.raises(
+        Exception,
+        match=r"data_parallel: 2 -> 1 ranks changes the global batch "
+        r"\(batch_size x gradient_accumulation_steps x data-parallel ranks\) "
+        r"from 2 x 1 x 2 = 4 to 2 x 1 x 1 = 2: keep it 4 with batch_size=4",
+    ):
         run_sft(model_dir, data, out, "batch_size=2", f"max_steps={STEPS}", "resume=true")
     assert [p.name for p in checkpoints(out)] == [f"step_{STOP:06d}"]
 
@@ -208,8 +221,9 @@ def test_the_export_is_the_same_files_whatever_the_mesh(stopped, tmp_path):
 def _source(dp: int, rank: int, batch: int, accum: int = 1, rows: int = 24) -> DatasetSource:
     """Data-parallel rank ``rank`` of ``dp`` reading ``range(rows)`` as the recipes do."""
     data = list(range(rows))
-    sampler = DistributedSampler(data, num_replicas=dp, rank=rank, shuffle=True, seed=3,
-                                 drop_last=True)  # fmt: skip
+    sampler = DistributedSampler(
+        data, num_replicas=dp, rank=rank, shuffle=True, seed=3, drop_last=True
+    )
     loader = StatefulDataLoader(data, batch_size=batch, sampler=sampler, drop_last=True)
     return DatasetSource(loader, sampler, accum)
 
@@ -235,8 +249,10 @@ def test_the_data_position_maps_onto_another_split_of_the_global_batch():
             source.load_state_dict(source.reshard_state_dict(states[r % 2], saved_dp_size=2))
         assert [_next_step(ranks) for _ in range(3)] == expected, (dp, batch, accum)
     odd = _source(1, 0, batch=3)
-    words = ("the checkpoint is 8 samples into its epoch (2 data-parallel rank(s)), not a "
-             "whole number of this run's steps of 3 samples")  # fmt: skip
+    words = (
+        "the checkpoint is 8 samples into its epoch (2 data-parallel rank(s)), not a "
+        "whole number of this run's steps of 3 samples"
+    )
     with pytest.raises(ValueError, match=re.escape(words)):
         odd.reshard_state_dict(states[0], saved_dp_size=2)
 
@@ -246,23 +262,28 @@ def test_the_mesh_and_the_batch_split_may_change_with_the_same_global_batch():
     saved = RunRecord(mesh, 4, 16, step=2, data_parallel=2)
     one = RunRecord({"batch_size": 4, "seed": 0}, 4, 16, data_parallel=1)
     assert check_resume(Path("c"), saved, one) == [
-        "resume: batch_size 2 -> 4", "resume: parallelism.tp 2 -> (absent)",
+        "resume: batch_size 2 -> 4",
+        "resume: parallelism.tp 2 -> (absent)",
         "resume: parallelism.dp_shard 2 -> (absent)",
-    ]  # fmt: skip
-    accumulated = RunRecord({**mesh, "batch_size": 1, "gradient_accumulation_steps": 2}, 4, 16,
-                            data_parallel=2)  # fmt: skip
+    ]
+    accumulated = RunRecord(
+        {**mesh, "batch_size": 1, "gradient_accumulation_steps": 2}, 4, 16, data_parallel=2
+    )
     assert check_resume(Path("c"), saved, accumulated) == [
-        "resume: batch_size 2 -> 1", "resume: gradient_accumulation_steps (absent) -> 2",
-    ]  # fmt: skip
+        "resume: batch_size 2 -> 1",
+        "resume: gradient_accumulation_steps (absent) -> 2",
+    ]
     halved = RunRecord({"batch_size": 2, "seed": 1}, 4, 16, data_parallel=1)
     with pytest.raises(ConfigError) as error:
         check_resume(Path("c"), saved, halved)
     assert str(error.value).splitlines()[1:] == [
-        "seed: 0 -> 1", "parallelism.tp: 2 -> (absent)", "parallelism.dp_shard: 2 -> (absent)",
+        "seed: 0 -> 1",
+        "parallelism.tp: 2 -> (absent)",
+        "parallelism.dp_shard: 2 -> (absent)",
         "data_parallel: 2 -> 1 ranks changes the global batch (batch_size x "
         "gradient_accumulation_steps x data-parallel ranks) from 2 x 1 x 2 = 4 to 2 x 1 x 1 = 2: "
         "keep it 4 with batch_size=4",
-    ]  # fmt: skip
+    ]
     fewer_ranks = RunRecord(mesh, 4, 16, data_parallel=1)  # the same config on half the world
     with pytest.raises(ConfigError, match="data_parallel: 2 -> 1 ranks changes the global"):
         check_resume(Path("c"), saved, fewer_ranks)
@@ -294,9 +315,13 @@ def test_a_per_rank_state_that_cannot_be_mapped_is_refused(tmp_path):
     ctx = init_distributed("cpu")
     try:
         checkpointer = Checkpointer(tmp_path / "checkpoints", ctx)
-        with pytest.raises(CheckpointError, match="the 'held' state differs between the saved "
-                           "ranks and _Held cannot map it from 2 to 1 data-parallel ranks"):  # fmt: skip
-            checkpointer.load(step, None, None, {"held": _Held(), "scheduler": _Held()},
-                              verify=False)  # fmt: skip
+        with pytest.raises(
+            CheckpointError,
+            match="the 'held' state differs between the saved "
+            "ranks and _Held cannot map it from 2 to 1 data-parallel ranks",
+        ):
+            checkpointer.load(
+                step, None, None, {"held": _Held(), "scheduler": _Held()}, verify=False
+            )
     finally:
         close_distributed()

@@ -47,8 +47,9 @@ def test_good_values_pass(value):
 
 @pytest.mark.parametrize("value", ["ring", "SDPA", "flash", 3, True])
 def test_a_bad_value_is_one_line_naming_it(value):
-    issues = [str(i) for i in check_rules(OmegaConf.create({"attention_backend": value}),
-                                          MODEL_RULES)]  # fmt: skip
+    issues = [
+        str(i) for i in check_rules(OmegaConf.create({"attention_backend": value}), MODEL_RULES)
+    ]
     assert len(issues) == 1, issues
     assert issues[0].startswith(
         "attention_backend: expected one of 'auto', 'sdpa', 'varlen', 'flex', 'loop', or null"
@@ -97,11 +98,13 @@ def world(tmp_path_factory):
 def test_the_sft_recipe_trains_on_the_chosen_backend(world, tmp_path):
     model_dir, data = world
     args = ("max_steps=2", "batch_size=2", "packed=true")
-    _, model = run_sft_keeping_model(model_dir, data, tmp_path / "a", *args,
-                                     "attention_backend=loop")  # fmt: skip
+    _, model = run_sft_keeping_model(
+        model_dir, data, tmp_path / "a", *args, "attention_backend=loop"
+    )
     assert _backends(model) == ["loop"]
     # The forward runs on it: flex has no CPU backward, so a training step on it fails there.
-    cfg = recipe_config("sft", "tiny", model_dir, data, tmp_path / "b", *args,
-                        "attention_backend=flex")  # fmt: skip
+    cfg = recipe_config(
+        "sft", "tiny", model_dir, data, tmp_path / "b", *args, "attention_backend=flex"
+    )
     with pytest.raises(NotImplementedError, match="'flex' has no backward on CPU"):
         run_config("sft", cfg)

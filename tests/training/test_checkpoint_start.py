@@ -20,7 +20,12 @@ CTX = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device
 def _write(root, *steps: int, run_id: str = "old") -> CheckpointDirectory:
     ckpts = CheckpointDirectory(root, run_id=run_id)
     for step in steps:
-        ckpts.write(step, lambda tmp, s=step: (tmp / "model.safetensors").write_bytes(os.urandom(64) + bytes([s])))  # fmt: skip
+        ckpts.write(
+            step,
+            lambda tmp, s=step: (tmp / "model.safetensors").write_bytes(
+                os.urandom(64) + bytes([s])
+            ),
+        )
     return ckpts
 
 

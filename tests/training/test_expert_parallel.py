@@ -58,8 +58,10 @@ def _case(world: int, ep: int, routing: str, dtype: torch.dtype) -> dict[str, fl
     # biased tokens so that skewed routing is decided by the first feature
     if routing == "skewed":
         inputs = [x.abs() + 0.5 for x in inputs]
-    weights = [torch.randn(x.shape, dtype=dtype, generator=torch.Generator().manual_seed(7 + r))
-               for r, x in enumerate(inputs)]  # fmt: skip
+    weights = [
+        torch.randn(x.shape, dtype=dtype, generator=torch.Generator().manual_seed(7 + r))
+        for r, x in enumerate(inputs)
+    ]
     ref_inputs = [x.clone().requires_grad_() for x in inputs]
     ref_out = [reference(x[None])[0][0] for x in ref_inputs]
     sum((o * w).sum() for o, w in zip(ref_out, weights)).backward()
@@ -90,8 +92,9 @@ def _case(world: int, ep: int, routing: str, dtype: torch.dtype) -> dict[str, fl
     return diffs
 
 
-CASES_2 = [(2, 2, r, d) for r in ("random", "skewed", "empty")
-           for d in (torch.float32, torch.float64)]  # fmt: skip
+CASES_2 = [
+    (2, 2, r, d) for r in ("random", "skewed", "empty") for d in (torch.float32, torch.float64)
+]
 CASES_4 = [(4, 2, "random", torch.float32), (4, 4, "random", torch.float32),
            (4, 2, "skewed", torch.float64), (4, 4, "empty", torch.float32)]  # fmt: skip
 

@@ -125,8 +125,12 @@ _WRITER = textwrap.dedent(
 
 def test_metrics_past_the_file_size_limit_keep_every_whole_record(tmp_path):
     limit = 1000
-    done = subprocess.run([sys.executable, "-c", _WRITER, str(tmp_path), str(limit)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITER, str(tmp_path), str(limit)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     path = tmp_path / "metrics.jsonl"
     data = path.read_bytes()

@@ -52,8 +52,7 @@ def test_logged_loss_is_the_unit_weighted_mean_of_the_window(tmp_path):
     model_dir = make_model_dir(tmp_path)
     data = make_counting_data(tmp_path / "count.jsonl", rows=24)  # answers of 1..6 numbers
     every = run_sft(model_dir, data, tmp_path / "every", "max_steps=5")
-    windowed = run_sft(model_dir, data, tmp_path / "windowed", "max_steps=5",
-                       "log_every_n_steps=3")  # fmt: skip
+    windowed = run_sft(model_dir, data, tmp_path / "windowed", "max_steps=5", "log_every_n_steps=3")
     steps, lines = read_metrics(every), read_metrics(windowed)
     assert sorted(lines) == [3, 5]  # every 3rd step, and the last
     for end, window in ((3, [1, 2, 3]), (5, [4, 5])):

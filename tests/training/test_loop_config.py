@@ -47,8 +47,7 @@ SECRET_ENV = "TUNESMITH_TEST_SECRET_DIR"
 
 
 def _issues(**values) -> list[str]:
-    return [str(i) for i in check_rules(OmegaConf.create(values), LOOP_RULES)
-            if i.path in values]  # fmt: skip
+    return [str(i) for i in check_rules(OmegaConf.create(values), LOOP_RULES) if i.path in values]
 
 
 def test_every_loop_key_has_a_rule():
@@ -113,11 +112,21 @@ def test_a_bad_value_is_one_line_naming_key_value_and_what_is_allowed(key, value
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("max_grad_norm", None), ("max_grad_norm", float("inf")), ("max_grad_norm", 1),
-     ("max_steps", None), ("seed", 0), ("mixed_precision", None), ("resume", "out/step_1"),
-     ("resume", True), ("resume", None), ("val_fraction", 0), ("distributed_timeout_s", 1.5),
-     ("device", "cpu")],
-)  # fmt: skip
+    [
+        ("max_grad_norm", None),
+        ("max_grad_norm", float("inf")),
+        ("max_grad_norm", 1),
+        ("max_steps", None),
+        ("seed", 0),
+        ("mixed_precision", None),
+        ("resume", "out/step_1"),
+        ("resume", True),
+        ("resume", None),
+        ("val_fraction", 0),
+        ("distributed_timeout_s", 1.5),
+        ("device", "cpu"),
+    ],
+)
 def test_good_values_pass(key, value):
     assert _issues(**{key: value}) == []
 
@@ -135,16 +144,23 @@ def test_yaml_yes_is_a_boolean_and_every_problem_is_listed():
 def test_cuda_is_refused_only_where_there_is_none(monkeypatch, available):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     issues = _issues(device="cuda")
-    assert issues == ([] if available else [
-        "device: got 'cuda', but this machine has no CUDA device "
-        "(torch.cuda.is_available() is false); use auto or cpu"])  # fmt: skip
+    assert issues == (
+        []
+        if available
+        else [
+            "device: got 'cuda', but this machine has no CUDA device "
+            "(torch.cuda.is_available() is false); use auto or cpu"
+        ]
+    )
 
 
 def test_recipe_keys_have_rules_too():
     sft, dpo, kd = (Recipe.load(catalog.recipe_path(r)).rules for r in ("sft", "dpo", "kd"))
     assert check_rules(OmegaConf.create({"packed": "no"}), {"packed": sft["packed"]})
-    assert check_rules(OmegaConf.create({"logprob_chunk_size": 0}),
-                       {"logprob_chunk_size": dpo["logprob_chunk_size"]})  # fmt: skip
+    assert check_rules(
+        OmegaConf.create({"logprob_chunk_size": 0}),
+        {"logprob_chunk_size": dpo["logprob_chunk_size"]},
+    )
     [issue] = check_rules(OmegaConf.create({"kd_ratio": 1.5}), {"kd_ratio": kd["kd_ratio"]})
     assert str(issue) == "kd_ratio: expected a number >= 0 and <= 1, got 1.5"
 
@@ -164,17 +180,28 @@ def test_validate_runs_the_same_check(capsys):
 
 def test_environment_reads_stay_interpolations(monkeypatch):
     monkeypatch.setenv("WANDB_KEY", "s3cret")
-    cfg = OmegaConf.create({
-        "out": "runs/a", "logs": "${out}/logs", "key": "${oc.env:WANDB_KEY}", "copy": "${key}",
-        "header": "Bearer ${oc.env:WANDB_KEY}", "opt": "${oc.env:NOT_SET_ANYWHERE,null}",
-        "nested": "${oc.select:nowhere,${oc.env:WANDB_KEY}}", "items": ["${oc.env:WANDB_KEY}"],
-    })  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "out": "runs/a",
+            "logs": "${out}/logs",
+            "key": "${oc.env:WANDB_KEY}",
+            "copy": "${key}",
+            "header": "Bearer ${oc.env:WANDB_KEY}",
+            "opt": "${oc.env:NOT_SET_ANYWHERE,null}",
+            "nested": "${oc.select:nowhere,${oc.env:WANDB_KEY}}",
+            "items": ["${oc.env:WANDB_KEY}"],
+        }
+    )
     assert plain_config(cfg) == {
-        "out": "runs/a", "logs": "runs/a/logs", "key": "${oc.env:WANDB_KEY}",
-        "copy": "${oc.env:WANDB_KEY}", "header": "Bearer ${oc.env:WANDB_KEY}",
-        "opt": "${oc.env:NOT_SET_ANYWHERE,null}", "nested": "${oc.env:WANDB_KEY}",
+        "out": "runs/a",
+        "logs": "runs/a/logs",
+        "key": "${oc.env:WANDB_KEY}",
+        "copy": "${oc.env:WANDB_KEY}",
+        "header": "Bearer ${oc.env:WANDB_KEY}",
+        "opt": "${oc.env:NOT_SET_ANYWHERE,null}",
+        "nested": "${oc.env:WANDB_KEY}",
         "items": ["${oc.env:WANDB_KEY}"],
-    }  # fmt: skip
+    }
     assert cfg.key == "s3cret" and cfg.header == "Bearer s3cret"  # the run still uses the value
 
 
@@ -201,9 +228,12 @@ def test_config_changes_are_dotted_paths_old_to_new():
     old = {"a": {"b": [1, 2]}, "flag": True, "gone": 1}
     new = {"a": {"b": [1, 3, 4]}, "flag": 1, "new": 0}
     assert [str(c) for c in config_changes(old, new)] == [
-        "a.b.1: 2 -> 3", "a.b.2: (absent) -> 4", "flag: true -> 1", "new: (absent) -> 0",
+        "a.b.1: 2 -> 3",
+        "a.b.2: (absent) -> 4",
+        "flag: true -> 1",
+        "new: (absent) -> 0",
         "gone: 1 -> (absent)",
-    ]  # fmt: skip
+    ]
     assert config_changes(old, old) == []
 
 
@@ -221,24 +251,36 @@ def test_null_and_absent_and_moved_components_are_no_change():
 def test_changed_keys_that_may_not_change_are_refused_all_at_once():
     saved = _record()
     saved.step = 4
-    new = _record(seed=1, batch_size=2, optimizer={"lr": 2e-3}, dataset={"source": "b.jsonl"},
-                  save_every_n_steps=2)  # fmt: skip
+    new = _record(
+        seed=1,
+        batch_size=2,
+        optimizer={"lr": 2e-3},
+        dataset={"source": "b.jsonl"},
+        save_every_n_steps=2,
+    )
     with pytest.raises(ConfigError) as error:
         check_resume(Path("ckpt"), saved, new)
     lines = str(error.value).splitlines()
     assert lines[0].startswith("resume from ckpt: the config differs from the checkpoint's")
-    assert lines[1:] == ["seed: 0 -> 1", "batch_size: 4 -> 2", "optimizer.lr: 0.001 -> 0.002",
-                         "dataset.source: 'a.jsonl' -> 'b.jsonl'"]  # fmt: skip
+    assert lines[1:] == [
+        "seed: 0 -> 1",
+        "batch_size: 4 -> 2",
+        "optimizer.lr: 0.001 -> 0.002",
+        "dataset.source: 'a.jsonl' -> 'b.jsonl'",
+    ]
 
 
 def test_allowed_changes_are_logged_and_a_new_length_is_announced():
     saved = _record()
     saved.step = 4
     notes = check_resume(Path("c"), saved, _record(12, max_steps=12, keep_last=1, resume=True))
-    assert notes == ["resume: keep_last (absent) -> 1",
-                     "max_steps 8 -> 12: the LR schedule now ends at step 12 (was 8)"]  # fmt: skip
-    with pytest.raises(ConfigError, match="max_steps: 8 -> 3 makes the run 3 steps long, but c "
-                                          "is at step 4"):  # fmt: skip
+    assert notes == [
+        "resume: keep_last (absent) -> 1",
+        "max_steps 8 -> 12: the LR schedule now ends at step 12 (was 8)",
+    ]
+    with pytest.raises(
+        ConfigError, match="max_steps: 8 -> 3 makes the run 3 steps long, but c is at step 4"
+    ):
         check_resume(Path("c"), saved, _record(3, max_steps=3))
     with pytest.raises(ConfigError, match="lr_scheduler keeps its length"):
         check_resume(Path("c"), saved, _record(12, max_steps=12), resizable=False)
@@ -294,8 +336,9 @@ def test_a_new_schedule_length_gives_the_new_schedule_from_the_resumed_step():
     assert schedule_params(plain) is None
 
 
-@pytest.mark.parametrize(("samples", "world", "batch"), [(17, 1, 4), (16, 1, 4), (17, 2, 4),
-                                                     (18, 4, 3), (5, 2, 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("samples", "world", "batch"), [(17, 1, 4), (16, 1, 4), (17, 2, 4), (18, 4, 3), (5, 2, 1)]
+)
 def test_the_samples_left_out_are_those_no_rank_loads(samples, world, batch, capsys):
     loaded = 0
     for rank in range(world):
@@ -358,8 +401,12 @@ def test_resume_with_changed_lr_batch_size_seed_and_data_is_refused(world, tmp_p
     with pytest.raises(ConfigError) as error:
         run_config("sft", cfg)
     lines = str(error.value).splitlines()
-    assert lines[1:] == ["seed: 0 -> 1", f"dataset.source: '{data}' -> '{other}'",
-                         "batch_size: 4 -> 2", "optimizer.lr: 0.001 -> 0.002"]  # fmt: skip
+    assert lines[1:] == [
+        "seed: 0 -> 1",
+        f"dataset.source: '{data}' -> '{other}'",
+        "batch_size: 4 -> 2",
+        "optimizer.lr: 0.001 -> 0.002",
+    ]
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
 
 
@@ -395,8 +442,9 @@ def test_secrets_from_the_environment_are_used_but_never_written(world, tmp_path
 
     moved = Path(shutil.copytree(hidden, tmp_path / "moved-model"))
     monkeypatch.setenv(SECRET_ENV, str(moved))  # another value: not a changed key
-    literal = recipe_config("sft", "tiny", model_dir, data, out, f"model_dir={moved}",
-                            "max_steps=3", "resume=true")  # fmt: skip
+    literal = recipe_config(
+        "sft", "tiny", model_dir, data, out, f"model_dir={moved}", "max_steps=3", "resume=true"
+    )
     with pytest.raises(ConfigError, match=r"model_dir: '\$\{oc.env:" + SECRET_ENV):
         run_config("sft", literal)  # another interpolation: a changed key
     run_sft(model_dir, data, out, env_dir, "max_steps=3", "resume=true")

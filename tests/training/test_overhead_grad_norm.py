@@ -50,9 +50,10 @@ def hand_written(max_norm: float | None) -> tuple[torch.nn.Module, list[float]]:
         for mb in micro_batches:
             logits = model(mb["input_ids"])[:, :-1]
             loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), mb["input_ids"][:, 1:].reshape(-1),
+                logits.reshape(-1, logits.shape[-1]),
+                mb["input_ids"][:, 1:].reshape(-1),
                 reduction="sum",
-            )  # fmt: skip
+            )
             (loss / torch.tensor(float(count))).backward()
         grads = [p.grad for p in model.parameters()]
         norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
@@ -133,15 +134,22 @@ def test_the_step_phases_are_named_profiler_ranges(tmp_path):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         trainer.step(source.next_step())
     counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith("trainer/")}
-    assert counts == {"trainer/units": 1, "trainer/objective": 2, "trainer/backward": 2,
-                      "trainer/grad_norm": 1, "trainer/optimizer": 1, "trainer/metrics": 1}  # fmt: skip
+    assert counts == {
+        "trainer/units": 1,
+        "trainer/objective": 2,
+        "trainer/backward": 2,
+        "trainer/grad_norm": 1,
+        "trainer/optimizer": 1,
+        "trainer/metrics": 1,
+    }
 
 
 def test_log_grad_norm_is_a_flag():
     cfg = OmegaConf.create({"log_grad_norm": "yes"})
     issues = [str(i) for i in check_rules(cfg, {"log_grad_norm": LOOP_RULES["log_grad_norm"]})]
-    assert issues == ["log_grad_norm: expected true or false, got 'yes' "
-                      "(a string: write true or false, unquoted)"]  # fmt: skip
+    assert issues == [
+        "log_grad_norm: expected true or false, got 'yes' (a string: write true or false, unquoted)"
+    ]
 
 
 def test_the_sft_recipe_logs_the_norm_as_the_rule_says(tmp_path):
@@ -149,8 +157,11 @@ def test_the_sft_recipe_logs_the_norm_as_the_rule_says(tmp_path):
     data = make_counting_data(tmp_path / "data.jsonl", rows=8)
     common = ["max_steps=2", "save_every_minutes=null"]
     plain = read_metrics(run_sft(model_dir, data, tmp_path / "a", *common, "max_grad_norm=null"))
-    logged = read_metrics(run_sft(model_dir, data, tmp_path / "b", *common, "max_grad_norm=null",
-                                  "log_grad_norm=true"))  # fmt: skip
+    logged = read_metrics(
+        run_sft(
+            model_dir, data, tmp_path / "b", *common, "max_grad_norm=null", "log_grad_norm=true"
+        )
+    )
     clipped = read_metrics(run_sft(model_dir, data, tmp_path / "c", *common))  # shipped: 1.0
     assert all("grad_norm" not in plain[step] for step in (1, 2))
     assert all(logged[step]["grad_norm"] > 0 for step in (1, 2))

@@ -52,16 +52,18 @@ def test_dp_rank_and_size_skip_the_tp_and_cp_neighbours():
     ctx = DistributedContext(5, 16, 5, torch.device("cpu"), None, dims=dims)
     # FSDP2 shards over dp_shard x cp (context parallel, #16); rank 5 is cp rank 0 of its pair
     assert (ctx.dp_rank, ctx.dp_size, ctx.dp_cp_size, ctx.shard_size) == (1, 4, 8, 4)
-    assert [DistributedContext(r, 16, r, torch.device("cpu"), None, dims=dims).cp_rank
-            for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # fmt: skip
+    assert [
+        DistributedContext(r, 16, r, torch.device("cpu"), None, dims=dims).cp_rank for r in range(8)
+    ] == [0, 0, 1, 1, 0, 0, 1, 1]
     plain = DistributedContext(1, 2, 1, torch.device("cpu"), None)  # no dims: world = dp
     assert (plain.dp_rank, plain.dp_size, plain.dp_cp_size, plain.shard_size) == (1, 2, 2, 2)
 
 
 def test_sampler_takes_the_dp_rank_and_size():
     ctx = DistributedContext(3, 4, 3, torch.device("cpu"), None, dims=ParallelDims(2, tp=2))
-    _, sampler = make_loader(list(range(16)), lambda items: items, ctx, batch_size=2,
-                             shuffle=False, seed=0)  # fmt: skip
+    _, sampler = make_loader(
+        list(range(16)), lambda items: items, ctx, batch_size=2, shuffle=False, seed=0
+    )
     assert (sampler.num_replicas, sampler.rank) == (2, 1)
     assert list(sampler) == list(range(1, 16, 2))
 
@@ -69,19 +71,28 @@ def test_sampler_takes_the_dp_rank_and_size():
 @pytest.mark.parametrize(
     ("section", "world", "words"),
     [
-        ({"dp_replicate": 2, "dp_shard": 3}, 4,
-         ["dp_replicate 2 x dp_shard 3 x cp 1 x tp 1 = 6 rank(s), but the world has 4"]),
+        (
+            {"dp_replicate": 2, "dp_shard": 3},
+            4,
+            ["dp_replicate 2 x dp_shard 3 x cp 1 x tp 1 = 6 rank(s), but the world has 4"],
+        ),
         ({"dp_shard": 2}, 1, ["dp_shard 2", "= 2 rank(s), but the world has 1"]),
-        ({"dp_replicate": 3}, 4,
-         ["dp_replicate 3 x cp 1 x tp 1 = 3 does not divide the world of 4 rank(s)"]),
-        ({"tp": 2, "sequence_parallel": "yes"}, 2,
-         ["sequence_parallel: expected true or false", "'yes'"]),
+        (
+            {"dp_replicate": 3},
+            4,
+            ["dp_replicate 3 x cp 1 x tp 1 = 3 does not divide the world of 4 rank(s)"],
+        ),
+        (
+            {"tp": 2, "sequence_parallel": "yes"},
+            2,
+            ["sequence_parallel: expected true or false", "'yes'"],
+        ),
         ({"ep": 3, "dp_shard": 4}, 4, ["ep 3 does not divide dp_shard 4"]),
         ({"dp_shard": 0}, 1, ["dp_shard: expected an int >= 1", "got 0"]),
         ({"tp": "2"}, 1, ["tp: expected an int >= 1, got '2' (a string)"]),
         ({"dp": 2}, 1, ["unknown key 'dp'"]),
     ],
-)  # fmt: skip
+)
 def test_bad_sizes_are_refused_naming_the_numbers(section, world, words):
     with pytest.raises(ConfigError) as error:
         ParallelDims.resolve(section, world)

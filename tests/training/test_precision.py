@@ -155,9 +155,10 @@ def test_master_weights_match_a_hand_written_fp32_adamw(state_dtype):
     lr, wd, steps = 3e-3, 0.1, 6
     model = _bf16_model()
     opt = MasterWeightOptimizer(
-        model.parameters(), lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=wd, foreach=False),
+        model.parameters(),
+        lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=wd, foreach=False),
         state_dtype=state_dtype,
-    )  # fmt: skip
+    )
     _train(model, opt, steps)
     masters, m, v = _reference_adamw(steps, lr=lr, wd=wd, state_dtype=state_dtype)
     for i, p in enumerate(model.parameters()):
@@ -177,8 +178,9 @@ def test_master_weights_match_a_hand_written_fp32_adamw(state_dtype):
 
 def test_the_lr_schedule_reaches_the_inner_optimizer():
     model = _bf16_model()
-    opt = build_optimizer(Precision(BF16, FP32, FP32), model.parameters(),
-                          lambda p: torch.optim.SGD(p, lr=0.1))  # fmt: skip
+    opt = build_optimizer(
+        Precision(BF16, FP32, FP32), model.parameters(), lambda p: torch.optim.SGD(p, lr=0.1)
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0 if s == 0 else 1.0)
     before = [p.detach().clone() for p in model.parameters()]
     _train(model, opt, 1, scheduler=sched)  # lr 0 at step 1: nothing moves
@@ -194,9 +196,11 @@ def test_checkpointed_state_resumes_bitwise(state_dtype):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 4)).to(BF16)
         model[0].weight.data = _params()[0][:4, :3].repeat(1, 2)[:, :4].to(BF16).contiguous()
-        opt = MasterWeightOptimizer(model.parameters(),
-                                    lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
-                                    state_dtype=state_dtype)  # fmt: skip
+        opt = MasterWeightOptimizer(
+            model.parameters(),
+            lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+            state_dtype=state_dtype,
+        )
         return model, opt
 
     def run(model, opt, steps, start):

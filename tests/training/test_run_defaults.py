@@ -40,19 +40,27 @@ def world(tmp_path_factory):
 def test_timed_saves_checkpoint_each_time_the_interval_passed(world, tmp_path):
     model_dir, data = world
     due_every_step = "save_every_minutes=1e-9"
-    out = run_sft(model_dir, data, tmp_path / "run", "max_steps=3", "keep_last=null",
-                  due_every_step)  # fmt: skip
+    out = run_sft(
+        model_dir, data, tmp_path / "run", "max_steps=3", "keep_last=null", due_every_step
+    )
     assert [p.name for p in checkpoints(out)] == [f"step_{s:06d}" for s in (1, 2, 3)]
-    never = run_sft(model_dir, data, tmp_path / "never", "max_steps=3", "keep_last=null",
-                    "save_every_minutes=60")  # fmt: skip
+    never = run_sft(
+        model_dir,
+        data,
+        tmp_path / "never",
+        "max_steps=3",
+        "keep_last=null",
+        "save_every_minutes=60",
+    )
     assert [p.name for p in checkpoints(never)] == ["step_000003"]  # the last step only
 
 
 def test_rank_zeros_clock_decides_timed_saves_for_every_rank(world, tmp_path):
     model_dir, data = world  # rank 1 never decides a save itself: it follows rank 0's
     out = tmp_path / "run"
-    overrides = recipe_overrides(model_dir, data, out, "max_steps=3", "keep_last=null",
-                                 "save_every_minutes=1e-9")  # fmt: skip
+    overrides = recipe_overrides(
+        model_dir, data, out, "max_steps=3", "keep_last=null", "save_every_minutes=1e-9"
+    )
     launch_ranks(overrides, tmp_path, world_size=2)
     saved = checkpoints(out)
     assert [p.name for p in saved] == [f"step_{s:06d}" for s in (1, 2, 3)]
@@ -82,8 +90,9 @@ def test_resume_true_without_a_checkpoint_stops_and_auto_starts_fresh(world, tmp
 def test_val_dataset_source_alone_inherits_the_training_dataset(world, tmp_path):
     model_dir, data = world
     held_out = make_counting_data(tmp_path / "held_out.jsonl", rows=6, seed=5)
-    out = run_sft(model_dir, data, tmp_path / "run", "max_steps=2",
-                  f"val_dataset.source={held_out}")  # fmt: skip
+    out = run_sft(
+        model_dir, data, tmp_path / "run", "max_steps=2", f"val_dataset.source={held_out}"
+    )
     val_loss = read_eval_metrics(out)[2]["val_loss"]
     # the same loss by hand: the training dataset's settings (max_seq_len 128, the template) on
     # the held-out file, the final weights, mean over trained tokens
@@ -111,8 +120,9 @@ def test_val_fraction_prints_the_split_sizes(world, tmp_path, capsys):
 
 def test_chat_template_is_one_override_and_a_mismatch_is_refused(world, tmp_path, capsys):
     model_dir, data = world  # a Qwen2.5-style vocabulary
-    out = run_sft(model_dir, data, tmp_path / "ok", "max_steps=1",
-                  "tokenizer.chat_template=qwen2_5")  # fmt: skip
+    out = run_sft(
+        model_dir, data, tmp_path / "ok", "max_steps=1", "tokenizer.chat_template=qwen2_5"
+    )
     assert sorted(read_metrics(out)) == [1]
     with pytest.raises(ConfigError) as error:  # building the tokenizer component failed
         run_sft(model_dir, data, tmp_path / "bad", "max_steps=1", "tokenizer.chat_template=llama3")
@@ -132,23 +142,38 @@ def _write(run_dir, records):
 @pytest.mark.parametrize(
     ("metrics", "panels"),
     [
-        pytest.param({"loss": 1.0, "rewards/chosen": 0.1, "rewards/rejected": -0.1,
-                      "rewards/margin": 0.2, "rewards/accuracy": 0.5, "lr": 1e-4},
-                     [("loss", ["loss"]),
-                      ("rewards (chosen, rejected, margin)",
-                       ["rewards/chosen", "rewards/rejected", "rewards/margin"]),
-                      ("accuracy", ["rewards/accuracy"]), ("learning rate", ["lr"])],
-                     id="dpo"),
-        pytest.param({"loss": 1.0, "kd_loss": 0.7, "ce_loss": 1.2},
-                     [("loss", ["loss"]), ("distillation losses", ["kd_loss", "ce_loss"])],
-                     id="kd"),
-        pytest.param({"loss": 0.1, "reward": 0.4, "reward/correct": 0.3, "reward_std": 0.2,
-                      "kl": 0.01},
-                     [("loss", ["loss"]), ("reward", ["reward", "reward/correct"]),
-                      ("KL", ["kl"])],
-                     id="grpo"),
+        pytest.param(
+            {
+                "loss": 1.0,
+                "rewards/chosen": 0.1,
+                "rewards/rejected": -0.1,
+                "rewards/margin": 0.2,
+                "rewards/accuracy": 0.5,
+                "lr": 1e-4,
+            },
+            [
+                ("loss", ["loss"]),
+                (
+                    "rewards (chosen, rejected, margin)",
+                    ["rewards/chosen", "rewards/rejected", "rewards/margin"],
+                ),
+                ("accuracy", ["rewards/accuracy"]),
+                ("learning rate", ["lr"]),
+            ],
+            id="dpo",
+        ),
+        pytest.param(
+            {"loss": 1.0, "kd_loss": 0.7, "ce_loss": 1.2},
+            [("loss", ["loss"]), ("distillation losses", ["kd_loss", "ce_loss"])],
+            id="kd",
+        ),
+        pytest.param(
+            {"loss": 0.1, "reward": 0.4, "reward/correct": 0.3, "reward_std": 0.2, "kl": 0.01},
+            [("loss", ["loss"]), ("reward", ["reward", "reward/correct"]), ("KL", ["kl"])],
+            id="grpo",
+        ),
     ],
-)  # fmt: skip
+)
 def test_plot_shows_each_recipes_own_metrics(tmp_path, metrics, panels):
     _write(tmp_path, [(1, metrics), (2, metrics)])
     assert metric_panels(read_series(tmp_path / "metrics.jsonl")) == panels
@@ -160,8 +185,13 @@ def test_plot_shows_each_recipes_own_metrics(tmp_path, metrics, panels):
 
 
 def test_plot_draws_the_val_curves_of_recipe_metrics(tmp_path):
-    _write(tmp_path, [(1, {"loss": 1.0, "rewards/margin": 0.1}),
-                      (1, {"val_loss": 1.1, "val_rewards/margin": 0.05})])  # fmt: skip
+    _write(
+        tmp_path,
+        [
+            (1, {"loss": 1.0, "rewards/margin": 0.1}),
+            (1, {"val_loss": 1.1, "val_rewards/margin": 0.05}),
+        ],
+    )
     panels = dict(metric_panels(read_series(tmp_path / "metrics.jsonl")))
     assert panels["rewards (chosen, rejected, margin)"] == ["rewards/margin", "val_rewards/margin"]
     assert panels["loss"] == ["loss", "val_loss"]
@@ -190,10 +220,15 @@ def test_a_val_source_alone_cannot_inherit_from_a_mixture():
     from tunesmith.config import ConfigError
     from tunesmith.training.datasets import inherit_val_dataset
 
-    cfg = OmegaConf.create({
-        "dataset": {"_component_": "tunesmith.data.DatasetMix", "parts": {"a": {}, "b": {}}},
-        "val_dataset": {"source": "held.jsonl"},
-    })  # fmt: skip
-    with pytest.raises(ConfigError, match=r"val_dataset.*mixture of \['a', 'b'\]: give "
-                                          "val_dataset its own _component_"):  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "dataset": {"_component_": "tunesmith.data.DatasetMix", "parts": {"a": {}, "b": {}}},
+            "val_dataset": {"source": "held.jsonl"},
+        }
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"val_dataset.*mixture of \['a', 'b'\]: give "
+        "val_dataset its own _component_",
+    ):
         inherit_val_dataset(cfg)

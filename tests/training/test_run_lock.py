@@ -34,8 +34,10 @@ _HOLDER = textwrap.dedent(
 def holder(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", _HOLDER, str(tmp_path / "out")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "held"
     yield proc
     if proc.poll() is None:
@@ -111,8 +113,10 @@ def test_a_lock_kept_by_a_child_of_a_dead_run_says_so(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "-c", _FORKING_HOLDER, str(out)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     child = int(proc.stdout.readline())
     try:
         proc.send_signal(signal.SIGKILL)

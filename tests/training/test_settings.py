@@ -78,34 +78,92 @@ def test_keys_rules_and_resumable_set_come_from_the_declarations():
     assert set(LOOP_RULES) == set(LOOP_KEYS)  # every loop key has a rule
     # what a resume may change, as the docs of loop_config list it
     assert {
-        "max_steps", "epochs", "stop_after_steps", "save_every_n_steps", "save_every_minutes",
-        "keep_last", "log_every_n_steps", "log_grad_norm", "eval_every_n_steps", "val_dataset",
-        "metric_loggers", "progress_bar", "sample_prompts", "sample_every_n_steps",
-        "sample_max_new_tokens", "output_dir", "resume", "overwrite", "preflight",
-        "distributed_timeout_s", "activation_checkpointing", "activation_offloading", "compile",
-        "attention_backend", "on_nonfinite_loss",
-    } == RESUMABLE_KEYS  # fmt: skip
+        "max_steps",
+        "epochs",
+        "stop_after_steps",
+        "save_every_n_steps",
+        "save_every_minutes",
+        "keep_last",
+        "log_every_n_steps",
+        "log_grad_norm",
+        "eval_every_n_steps",
+        "val_dataset",
+        "metric_loggers",
+        "progress_bar",
+        "sample_prompts",
+        "sample_every_n_steps",
+        "sample_max_new_tokens",
+        "output_dir",
+        "resume",
+        "overwrite",
+        "preflight",
+        "distributed_timeout_s",
+        "activation_checkpointing",
+        "activation_offloading",
+        "compile",
+        "attention_backend",
+        "on_nonfinite_loss",
+    } == RESUMABLE_KEYS
     assert set(sft.KEYS) >= set(LOOP_KEYS) and set(sft.RULES) >= set(LOOP_RULES)
 
 
 def test_defaults_are_the_loops():
     s = LoopSettings(output_dir="out", batch_size=2)
-    assert (s.seed, s.device, s.mixed_precision, s.shuffle, s.gradient_accumulation_steps,
-            s.epochs, s.max_steps, s.max_grad_norm, s.log_grad_norm, s.val_fraction,
-            s.log_every_n_steps, s.resume, s.overwrite, s.on_nonfinite_loss, s.progress_bar,
-            s.optimizer_in_backward, s.preflight, s.sample_max_new_tokens) == (
-        0, "auto", None, True, 1, 1, None, None, False, 0.0, 1, False, False, "stop", "auto",
-        False, False, 64)  # fmt: skip
+    assert (
+        s.seed,
+        s.device,
+        s.mixed_precision,
+        s.shuffle,
+        s.gradient_accumulation_steps,
+        s.epochs,
+        s.max_steps,
+        s.max_grad_norm,
+        s.log_grad_norm,
+        s.val_fraction,
+        s.log_every_n_steps,
+        s.resume,
+        s.overwrite,
+        s.on_nonfinite_loss,
+        s.progress_bar,
+        s.optimizer_in_backward,
+        s.preflight,
+        s.sample_max_new_tokens,
+    ) == (
+        0,
+        "auto",
+        None,
+        True,
+        1,
+        1,
+        None,
+        None,
+        False,
+        0.0,
+        1,
+        False,
+        False,
+        "stop",
+        "auto",
+        False,
+        False,
+        64,
+    )
     assert s.precision == Precision()
 
 
 def test_from_config_reads_every_key_once_typed():
-    cfg = OmegaConf.create({
-        "output_dir": "out", "batch_size": 4, "seed": 3, "max_steps": 10,
-        "precision": {"weights": "bf16", "master_weights": "fp32"},
-        "parallelism": {"dp_shard": 2}, "optimizer": {"_component_": "torch.optim.SGD"},
-        "recipe_key": 1,
-    })  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "output_dir": "out",
+            "batch_size": 4,
+            "seed": 3,
+            "max_steps": 10,
+            "precision": {"weights": "bf16", "master_weights": "fp32"},
+            "parallelism": {"dp_shard": 2},
+            "optimizer": {"_component_": "torch.optim.SGD"},
+            "recipe_key": 1,
+        }
+    )
     s = LoopSettings.from_config(cfg)
     assert (s.output_dir, s.batch_size, s.seed, s.max_steps) == ("out", 4, 3, 10)
     assert s.precision == Precision(torch.bfloat16, torch.float32, torch.float32)
@@ -117,8 +175,9 @@ def test_from_config_reads_every_key_once_typed():
 def test_bad_values_are_named_as_the_up_front_check_names_them():
     with pytest.raises(ConfigError) as error:
         LoopSettings(output_dir="out", batch_size=2, seed=-1, on_nonfinite_loss="STOP")
-    cfg = OmegaConf.create({"output_dir": "out", "batch_size": 2, "seed": -1,
-                            "on_nonfinite_loss": "STOP"})  # fmt: skip
+    cfg = OmegaConf.create(
+        {"output_dir": "out", "batch_size": 2, "seed": -1, "on_nonfinite_loss": "STOP"}
+    )
     up_front = [str(i) for i in check_rules(cfg, {k: LOOP_RULES[k] for k in cfg})]
     assert (
         str(error.value).splitlines()
@@ -143,8 +202,12 @@ def _inline_defaults(path: Path) -> int:
     """Calls ``cfg.get(key, default)`` / ``self.cfg.get(...)`` in ``path``."""
     count = 0
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == "get" and len(node.args) == 2:  # fmt: skip
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and len(node.args) == 2
+        ):
             owner = node.func.value
             name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
             count += name == "cfg"
@@ -174,10 +237,14 @@ def test_the_inline_default_count_sees_what_it_counts(tmp_path):
 @pytest.mark.parametrize("relative", SETTINGS_READERS)
 def test_the_loop_reads_its_settings_not_the_config(relative):
     text = (PACKAGE / relative).read_text()
-    reads = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Attribute)
-             and isinstance(n.value, ast.Attribute | ast.Name)
-             and getattr(n.value, "attr", getattr(n.value, "id", None)) == "cfg"
-             and n.attr == "get"]  # fmt: skip
+    reads = [
+        n
+        for n in ast.walk(ast.parse(text))
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Attribute | ast.Name)
+        and getattr(n.value, "attr", getattr(n.value, "id", None)) == "cfg"
+        and n.attr == "get"
+    ]
     assert reads == [], f"{relative} reads the config with .get: use its LoopSettings"
 
 

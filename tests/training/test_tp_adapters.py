@@ -77,8 +77,14 @@ def _adapted(spec_name: str, dora: bool, targets: tuple[str, ...] = (), dropout:
     ``B`` and magnitudes are random too (a fresh adapter is a no-op with zero ``A`` gradients)."""
     torch.manual_seed(0)
     model = build_model(SPECS[spec_name]())
-    apply_lora(model, target_modules=[*ALL_LINEAR, *targets], rank=4, alpha=8,
-               dropout=dropout, use_dora=dora)  # fmt: skip
+    apply_lora(
+        model,
+        target_modules=[*ALL_LINEAR, *targets],
+        rank=4,
+        alpha=8,
+        dropout=dropout,
+        use_dora=dora,
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("lora_B.weight"):
@@ -124,8 +130,9 @@ def _compare(spec_name, dora, sp, seq, targets) -> dict:
     expected.square().mean().backward()
     actual.square().mean().backward()
     grads, n = 0.0, 0
-    for (name, p), (name_2, q) in zip(reference.named_parameters(), sharded.named_parameters(),
-                                      strict=True):  # fmt: skip
+    for (name, p), (name_2, q) in zip(
+        reference.named_parameters(), sharded.named_parameters(), strict=True
+    ):
         assert name == name_2
         if p.requires_grad:
             grads, n = max(grads, _max_rel(_gathered(q.grad), p.grad)), n + 1
@@ -217,8 +224,11 @@ def results(tmp_path_factory):
     return run_on_ranks(_worker, 2, str(tmp))[0], tmp
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{'dora' if c[1] else 'lora'}-sp{int(c[2])}"
-                                              f"-seq{c[3]}" for c in CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=[f"{c[0]}-{'dora' if c[1] else 'lora'}-sp{int(c[2])}-seq{c[3]}" for c in CASES],
+)
 def test_adapters_under_tp_equal_one_device(results, case):
     got = results[0][case]
     assert got["logits"] < 2e-6, got
@@ -284,16 +294,30 @@ def _same_run(
     single process's losses and grad norms and saves the same PEFT folder."""
     root, model_dir, data = world
     common = (f"max_steps={STEPS}", TARGETS, *overrides)
-    single = run_sft(model_dir, data, tmp_path / "single", f"batch_size={BATCH}", *common,
-                     config="tiny_lora")  # fmt: skip
+    single = run_sft(
+        model_dir, data, tmp_path / "single", f"batch_size={BATCH}", *common, config="tiny_lora"
+    )
     out = tmp_path / "tp"
     launch_ranks(
-        recipe_overrides(model_dir, data, out, f"batch_size={BATCH // dp_shard}", *common,
-                         "parallelism.tp=2", f"parallelism.dp_shard={dp_shard}"),
-        tmp_path, config="tiny_lora", world_size=2 * dp_shard, timeout=120 * dp_shard,
-    )  # fmt: skip
-    mesh = next(line for line in (tmp_path / "rank0.log").read_text().splitlines()
-                if line.startswith("parallelism:"))  # fmt: skip
+        recipe_overrides(
+            model_dir,
+            data,
+            out,
+            f"batch_size={BATCH // dp_shard}",
+            *common,
+            "parallelism.tp=2",
+            f"parallelism.dp_shard={dp_shard}",
+        ),
+        tmp_path,
+        config="tiny_lora",
+        world_size=2 * dp_shard,
+        timeout=120 * dp_shard,
+    )
+    mesh = next(
+        line
+        for line in (tmp_path / "rank0.log").read_text().splitlines()
+        if line.startswith("parallelism:")
+    )
     assert "'tp') mesh of (" in mesh and ", 2) ranks" in mesh, mesh
     one, two = read_metrics(single), read_metrics(out)
     assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
@@ -327,6 +351,9 @@ def test_sft_lora_dropout_tp2_equals_one_process(world, tmp_path):
     them, matches); Adam's normalisation turns rounding in near-zero gradient entries into
     ~3e-5 weight differences here, hence the looser weight tolerance."""
     _same_run(
-        world, tmp_path, "model.dropout=0.2", "parallelism.sequence_parallel=false",
+        world,
+        tmp_path,
+        "model.dropout=0.2",
+        "parallelism.sequence_parallel=false",
         weights_atol=1e-4,
-    )  # fmt: skip
+    )

@@ -18,9 +18,15 @@ from tunesmith.training.trainer import LossOutput, Trainer
 
 CTX = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
 SPEC = ModelSpec(
-    model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-)  # fmt: skip
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
 
 
 class RandomTokens:
@@ -36,8 +42,9 @@ class RandomTokens:
         return [self._batch() for _ in range(self.accum)]
 
     def _batch(self) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, SPEC.vocab_size, (self.batch_size, self.length),
-                            generator=self.generator)  # fmt: skip
+        ids = torch.randint(
+            0, SPEC.vocab_size, (self.batch_size, self.length), generator=self.generator
+        )
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -62,20 +69,29 @@ class NextToken:
         self.modes.append(model.training)
         logits = model(batch["input_ids"])[:, :-1]
         loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1),
+            logits.reshape(-1, logits.shape[-1]),
+            batch["input_ids"][:, 1:].reshape(-1),
             reduction="sum",
-        )  # fmt: skip
+        )
         return LossOutput(loss)
 
 
 def config(out: Path, **overrides: Any):
-    return OmegaConf.create({
-        "output_dir": str(out), "seed": 0, "batch_size": 2, "max_steps": 6,
-        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-2},
-        "lr_scheduler": {"_component_": "tunesmith.training.cosine_with_warmup",
-                         "num_warmup_steps": 2},
-        "max_grad_norm": 1.0, **overrides,
-    })  # fmt: skip
+    return OmegaConf.create(
+        {
+            "output_dir": str(out),
+            "seed": 0,
+            "batch_size": 2,
+            "max_steps": 6,
+            "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-2},
+            "lr_scheduler": {
+                "_component_": "tunesmith.training.cosine_with_warmup",
+                "num_warmup_steps": 2,
+            },
+            "max_grad_norm": 1.0,
+            **overrides,
+        }
+    )
 
 
 def toy_recipe(out: Path, stop_at: int | None = None, **overrides: Any) -> Trainer:

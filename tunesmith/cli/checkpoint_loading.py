@@ -90,8 +90,9 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     if steps is not None:
         return steps
     if root is not path or CheckpointDirectory(root, clean_stale=False).step_dirs():
-        raise CheckpointNotFoundError(f"{root}: holds no complete checkpoint (step_N with a "
-                                      f"COMPLETE manifest)")  # fmt: skip
+        raise CheckpointNotFoundError(
+            f"{root}: holds no complete checkpoint (step_N with a COMPLETE manifest)"
+        )
     raise CheckpointNotFoundError(
         f"{path}: neither a model folder ({CONFIG_NAME}), an adapter folder "
         f"({ADAPTER_CONFIG_NAME}) nor a run folder ({CHECKPOINTS_DIR}/step_N)"
@@ -143,8 +144,9 @@ def adapter_base(
     if run is not None and (run / RUN_CONFIG).is_file():
         model_dir = OmegaConf.load(run / RUN_CONFIG).get("model_dir")
         if isinstance(model_dir, str) and model_dir:
-            candidates += [Path(model_dir)] + ([] if Path(model_dir).is_absolute() else
-                                               [run / model_dir])  # fmt: skip
+            candidates += [Path(model_dir)] + (
+                [] if Path(model_dir).is_absolute() else [run / model_dir]
+            )
     for candidate in candidates:
         if _is_model(candidate):
             return candidate

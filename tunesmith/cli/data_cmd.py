@@ -75,10 +75,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_data_preview)
     p.add_argument("--config", required=True, help="config name or path to a .yaml file")
     p.add_argument("--n", type=int, default=3, help="samples to render (default 3)")
-    p.add_argument("--random", action="store_true",
-                   help="render N samples drawn with the config's seed, not the first N")  # fmt: skip
+    p.add_argument(
+        "--random",
+        action="store_true",
+        help="render N samples drawn with the config's seed, not the first N",
+    )
     p.add_argument("--bins", type=int, default=10, help="bins of the length histogram")
-    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
-                   help="mark trained tokens in colour (auto: on a terminal) or [[brackets]]")  # fmt: skip
+    p.add_argument(
+        "--color",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="mark trained tokens in colour (auto: on a terminal) or [[brackets]]",
+    )
     p.add_argument("overrides", nargs="*", help="overrides: a.b=value, ~a.b (delete), a=pkg.Cls")
     return p

@@ -96,9 +96,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if recipe is None:
         recipe = catalog.recipe_of_config(config_file)
         if recipe is not None and recipe not in catalog.recipe_names():
-            raise CLIError(f"{config_file}: its `# recipe: {recipe}` line names no built-in "
-                           f"recipe ({', '.join(catalog.recipe_names())}); fix it or give "
-                           "--recipe NAME or a .py file")  # fmt: skip
+            raise CLIError(
+                f"{config_file}: its `# recipe: {recipe}` line names no built-in "
+                f"recipe ({', '.join(catalog.recipe_names())}); fix it or give "
+                "--recipe NAME or a .py file"
+            )
     from tunesmith.config import load_config
     from tunesmith.recipes import check_config, check_local_folders, infer_recipe
 
@@ -117,13 +119,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a recipe on a config, in this process or on N ranks through torchrun."""
-    for flag, value, what in (("--nproc-per-node", args.nproc_per_node, "processes per node"),
-                              ("--nnodes", args.nnodes, "nodes")):  # fmt: skip
+    for flag, value, what in (
+        ("--nproc-per-node", args.nproc_per_node, "processes per node"),
+        ("--nnodes", args.nnodes, "nodes"),
+    ):
         if value < 1:
             raise CLIError(f"{flag} {value}: expected a number of {what} >= 1")
     if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
-        raise CLIError(f"--node-rank {args.node_rank}: expected a node rank >= 0 and < "
-                       f"--nnodes {args.nnodes}")  # fmt: skip
+        raise CLIError(
+            f"--node-rank {args.node_rank}: expected a node rank >= 0 and < --nnodes {args.nnodes}"
+        )
     from tunesmith.recipes import prepare_run, run
 
     if args.preflight:  # the recipe's `preflight` key: one step on the longest batch first
@@ -160,8 +165,11 @@ def _run_torchrun(args: argparse.Namespace, cfg, recipe_file: Path, config_file:
     log, world_size = _run_log(cfg, args.nnodes), args.nproc_per_node * args.nnodes
     fd, failures = tempfile.mkstemp(prefix="tunesmith-failures-", suffix=".json")
     os.close(fd)
-    print(f"tunesmith: {world_size} ranks through torchrun; the full output of every rank and "
-          f"of torchrun goes to {log}", file=sys.stderr)  # fmt: skip
+    print(
+        f"tunesmith: {world_size} ranks through torchrun; the full output of every rank and "
+        f"of torchrun goes to {log}",
+        file=sys.stderr,
+    )
     try:
         env = {**os.environ, RUN_LOG_ENV: str(log), FAILURES_ENV: failures, **_secret_env()}
         env["PYTHONSAFEPATH"] = "1"  # and whatever Python the ranks start (3.11+)
@@ -297,8 +305,14 @@ def _torchrun_args(args: argparse.Namespace) -> list[str]:
     if args.rdzv_endpoint is None:
         raise CLIError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
     backend = "c10d" if args.node_rank is None else "static"
-    out += ["--rdzv-backend", backend, "--rdzv-endpoint", args.rdzv_endpoint,
-            "--rdzv-id", args.rdzv_id]  # fmt: skip
+    out += [
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        args.rdzv_endpoint,
+        "--rdzv-id",
+        args.rdzv_id,
+    ]
     return out if args.node_rank is None else [*out, "--node-rank", str(args.node_rank)]
 
 
@@ -346,8 +360,13 @@ def _load_checkpoint(args: argparse.Namespace):
     from tunesmith.cli.checkpoint_loading import load_checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load_checkpoint(args.checkpoint, base_dir=args.base_dir, dtype=args.dtype,
-                           device=device, chat_template=args.chat_template)  # fmt: skip
+    return load_checkpoint(
+        args.checkpoint,
+        base_dir=args.base_dir,
+        dtype=args.dtype,
+        device=device,
+        chat_template=args.chat_template,
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -370,15 +389,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elif args.prompt is not None:
         rows = PromptRows([{"prompt": args.prompt}], ["--prompt"])
     else:
-        raise CLIError("give --prompt TEXT, --chat FILE.json (a list of messages) or --input "
-                       "FILE.jsonl --output FILE.jsonl")  # fmt: skip
+        raise CLIError(
+            "give --prompt TEXT, --chat FILE.json (a list of messages) or --input "
+            "FILE.jsonl --output FILE.jsonl"
+        )
     loaded = _load_checkpoint(args)
     out = generate_rows(
-        loaded.model, loaded.tokenizer, rows, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        batch_size=args.batch_size, chat_template=False if args.raw else None,
+        loaded.model,
+        loaded.tokenizer,
+        rows,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        chat_template=False if args.raw else None,
         system=args.system,
-    )  # fmt: skip
+    )
     if args.input is None:
         print(out[0]["completion"])
     else:
@@ -392,9 +420,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     loaded = _load_checkpoint(args)
     session = ChatSession(
-        loaded.model, loaded.tokenizer, system=args.system, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-    )  # fmt: skip
+        loaded.model,
+        loaded.tokenizer,
+        system=args.system,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
     if sys.stdin.isatty():
         print(f"chatting with {loaded.path} ({loaded.kind}); /reset starts over, /exit ends")
     chat_loop(session, sys.stdin, sys.stdout)
@@ -409,11 +443,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     loaded = _load_checkpoint(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     run_lm_eval(
-        loaded, tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
-        batch_size=args.batch_size, limit=args.limit,
-        apply_chat_template=args.apply_chat_template, output_path=args.output_path,
-        max_length=args.max_length, seed=args.seed,
-    )  # fmt: skip
+        loaded,
+        tasks,
+        include_path=args.include_path,
+        num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        apply_chat_template=args.apply_chat_template,
+        output_path=args.output_path,
+        max_length=args.max_length,
+        seed=args.seed,
+    )
     return 0
 
 
@@ -479,8 +519,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="HF model folder, LoRA adapter folder (a LoRA run's "
-                   "step_N), or run folder (its newest checkpoint)")  # fmt: skip
+    p.add_argument(
+        "checkpoint",
+        help="HF model folder, LoRA adapter folder (a LoRA run's "
+        "step_N), or run folder (its newest checkpoint)",
+    )
     p.add_argument("--base-dir", help="base model of an adapter (default: its config's)")
     p.add_argument("--chat-template", help="template name (llama3, qwen2_5, qwen3) or .jinja file")
     p.add_argument("--dtype", help="float32, bfloat16, ... (default: the checkpoint's)")
@@ -537,28 +580,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe name (see `tunesmith ls`) or path to a .py file")
     p.add_argument("--config", required=True, help="config name or path to a .yaml file")
     # torchrun's spellings (--nproc_per_node, ...) are accepted too
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
-                   help="processes (ranks) per node")  # fmt: skip
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=int,
+        default=1,
+        help="processes (ranks) per node",
+    )
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes")
-    p.add_argument("--node-rank", "--node_rank", type=int,
-                   help="this node's index, 0 .. nnodes-1 (node 0 hosts the rendezvous; "
-                   "without it nodes are numbered as they join)")  # fmt: skip
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint",
-                   help="HOST:PORT of the rendezvous for multi-node runs")  # fmt: skip
-    p.add_argument("--rdzv-id", "--rdzv_id", default="tunesmith",
-                   help="job id shared by all nodes")  # fmt: skip
-    p.add_argument("--preflight", action="store_true",
-                   help="run one step on the longest batch first (same as preflight=true)")  # fmt: skip
+    p.add_argument(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        help="this node's index, 0 .. nnodes-1 (node 0 hosts the rendezvous; "
+        "without it nodes are numbered as they join)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint", "--rdzv_endpoint", help="HOST:PORT of the rendezvous for multi-node runs"
+    )
+    p.add_argument("--rdzv-id", "--rdzv_id", default="tunesmith", help="job id shared by all nodes")
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="run one step on the longest batch first (same as preflight=true)",
+    )
     _add_config_args(p)
 
     p = add("demo", cmd_demo)
-    p.add_argument("--output-dir", help="assets, checkpoints and plot (default: outputs/demo, "
-                   "outputs/demo_rl for `demo rl`)")  # fmt: skip
+    p.add_argument(
+        "--output-dir",
+        help="assets, checkpoints and plot (default: outputs/demo, outputs/demo_rl for `demo rl`)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the task data, model and run")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny: 1 is fastest)")
-    p.add_argument("--async", dest="asynchronous", action="store_true",
-                   help="demo rl: GRPO through grpo_async (overlap mode: a Ray rollout worker "
-                   "samples while the trainer trains)")  # fmt: skip
+    p.add_argument(
+        "--async",
+        dest="asynchronous",
+        action="store_true",
+        help="demo rl: GRPO through grpo_async (overlap mode: a Ray rollout worker "
+        "samples while the trainer trains)",
+    )
     _add_config_args(p)
 
     p = add("download", cmd_download)
@@ -572,13 +633,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpoint_args(p)
     p.add_argument("--prompt", help="user message (or raw text with --raw)")
     p.add_argument("--chat", help="JSON file with a list of {role, content} messages")
-    p.add_argument("--input", help="JSONL of prompts: a string, or {prompt: ...} or "
-                   "{messages: [...]} (other keys are copied to the output)")  # fmt: skip
+    p.add_argument(
+        "--input",
+        help="JSONL of prompts: a string, or {prompt: ...} or "
+        "{messages: [...]} (other keys are copied to the output)",
+    )
     p.add_argument("--output", help="JSONL to write: each input row plus its completion")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     p.add_argument("--system", help="system prompt to put first")
-    p.add_argument("--raw", action="store_true",
-                   help="encode prompt strings as is, no chat template")  # fmt: skip
+    p.add_argument(
+        "--raw", action="store_true", help="encode prompt strings as is, no chat template"
+    )
     _add_sampling_args(p, max_new_tokens=128)
 
     p = add("chat", cmd_chat)
@@ -592,13 +657,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-path", help="folder of your own lm-eval task YAML files")
     p.add_argument("--num-fewshot", type=int, help="few-shot examples (default: the task's)")
     p.add_argument("--batch-size", type=int, default=8, help="requests per forward")
-    p.add_argument("--limit", type=float,
-                   help="first N examples per task (a fraction when < 1); for quick checks")  # fmt: skip
-    p.add_argument("--apply-chat-template", action="store_true",
-                   help="render prompts with the chat template (few-shot as multi-turn)")  # fmt: skip
+    p.add_argument(
+        "--limit",
+        type=float,
+        help="first N examples per task (a fraction when < 1); for quick checks",
+    )
+    p.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="render prompts with the chat template (few-shot as multi-turn)",
+    )
     p.add_argument("--output-path", help="JSON file for the results (and per-sample outputs)")
-    p.add_argument("--max-length", type=int,
-                   help="context length (default: the model's max_position_embeddings)")  # fmt: skip
+    p.add_argument(
+        "--max-length",
+        type=int,
+        help="context length (default: the model's max_position_embeddings)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of few-shot sampling and sampling")
 
     p = add("export", cmd_export)

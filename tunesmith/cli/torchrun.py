@@ -161,8 +161,9 @@ def failure_lines(failures: Sequence[Mapping[str, Any]], world_size: int) -> lis
             groups.setdefault(f"torchrun: {failure.get('message')}", [])
             continue
         groups.setdefault(_what(failure), []).append(int(failure["rank"]))
-    return [f"{_ranks(ranks, world_size)}: {what}" if ranks else what
-            for what, ranks in groups.items()]  # fmt: skip
+    return [
+        f"{_ranks(ranks, world_size)}: {what}" if ranks else what for what, ranks in groups.items()
+    ]
 
 
 def _order(failure: Mapping[str, Any]) -> tuple[int, float, int]:

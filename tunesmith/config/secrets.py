@@ -74,8 +74,7 @@ def _recording_env(key: str, default: Any = _NO_DEFAULT) -> Any:
 
 def install_env_recorder() -> None:
     """Make ``${oc.env:...}`` remember what it reads (idempotent)."""
-    OmegaConf.register_resolver("oc.env", _recording_env, replace=True,
-                                annotation_validation="off")  # fmt: skip
+    OmegaConf.register_resolver("oc.env", _recording_env, replace=True, annotation_validation="off")
 
 
 def secret_names() -> list[str]:

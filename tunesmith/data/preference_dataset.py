@@ -609,22 +609,29 @@ class PreferenceDataset(Dataset):
 
         def make_sample(row: Any) -> tuple[dict[str, Any], bool]:
             pair = convert_preference_row(
-                row, format, column_map, system_prompt=system_prompt,
+                row,
+                format,
+                column_map,
+                system_prompt=system_prompt,
                 use_chat_template=use_chat_template,
-            )  # fmt: skip
+            )
             return tokenize_pair(
-                tokenizer, pair, max_seq_len=max_seq_len, max_prompt_len=max_prompt_len,
-                truncation=truncation, template_kwargs=template_kwargs,
-            )  # fmt: skip
+                tokenizer,
+                pair,
+                max_seq_len=max_seq_len,
+                max_prompt_len=max_prompt_len,
+                truncation=truncation,
+                template_kwargs=template_kwargs,
+            )
 
         def build() -> CachedRows:
-            rows = load_rows(source, split=split, data_files=data_files,
-                             max_row_bytes=max_row_bytes)  # fmt: skip
+            rows = load_rows(
+                source, split=split, data_files=data_files, max_row_bytes=max_row_bytes
+            )
             check_columns(format, columns, rows.columns, rows.name, PREFERENCE_FORMAT_FIELDS)
             built = CachedRows([], [], DataReport(source=rows.name))
             progress = with_progress(rows, f"tokenizing {Path(rows.name).name}")
-            for index, sample, cut in read_samples(progress, make_sample, on_bad_row,
-                                                   built.report):  # fmt: skip
+            for index, sample, cut in read_samples(progress, make_sample, on_bad_row, built.report):
                 _keep(built, sample, index, cut)
             raise_if_empty(built.report, "pairs")
             return built
@@ -637,8 +644,7 @@ class PreferenceDataset(Dataset):
             "template_kwargs": template_kwargs, "use_chat_template": use_chat_template,
             "max_row_bytes": max_row_bytes,
         }  # fmt: skip
-        built, self.cache_note = tokenize_with_cache(cache_dir, source, tokenizer, settings,
-                                                     build)  # fmt: skip
+        built, self.cache_note = tokenize_with_cache(cache_dir, source, tokenizer, settings, build)
         self.samples: list[dict[str, Any]] = built.samples
         self.row_indices: list[int] = built.row_indices
         self.report = built.report

@@ -281,19 +281,30 @@ class SFTDataset(Dataset):
 
         def make_sample(row: Any) -> tuple[dict[str, list[int]], bool]:
             example = convert_row(
-                row, format, column_map, system_prompt=system_prompt,
-                use_chat_template=use_chat_template, prompt_style=prompt_style,
-            )  # fmt: skip
+                row,
+                format,
+                column_map,
+                system_prompt=system_prompt,
+                use_chat_template=use_chat_template,
+                prompt_style=prompt_style,
+            )
             return tokenize_example(
-                tokenizer, example, train_on=train_on, max_seq_len=max_seq_len,
-                truncation=truncation, template_kwargs=template_kwargs,
-            )  # fmt: skip
+                tokenizer,
+                example,
+                train_on=train_on,
+                max_seq_len=max_seq_len,
+                truncation=truncation,
+                template_kwargs=template_kwargs,
+            )
 
         def build() -> CachedRows:
             rows = load_rows(
-                source, split=split, data_files=data_files, sample_by=text_sample_by,
+                source,
+                split=split,
+                data_files=data_files,
+                sample_by=text_sample_by,
                 max_row_bytes=max_row_bytes,
-            )  # fmt: skip
+            )
             check_columns(format, columns, rows.columns, rows.name)
             built = CachedRows([], [], DataReport(source=rows.name))
             report = built.report
@@ -316,8 +327,7 @@ class SFTDataset(Dataset):
             "template_kwargs": template_kwargs, "prompt_style": prompt_style,
             "text_sample_by": text_sample_by, "max_row_bytes": max_row_bytes,
         }  # fmt: skip
-        built, self.cache_note = tokenize_with_cache(cache_dir, source, tokenizer, settings,
-                                                     build)  # fmt: skip
+        built, self.cache_note = tokenize_with_cache(cache_dir, source, tokenizer, settings, build)
         self.samples: list[dict[str, list[int]]] = built.samples
         self.row_indices: list[int] = built.row_indices
         self.report = built.report

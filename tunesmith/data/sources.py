@@ -123,14 +123,18 @@ def _sized(row: Any, limit: int) -> Any:
     """``row``, or a :class:`BadRow` when its text is over ``limit`` bytes."""
     size = _text_bytes(row)
     if size > limit:
-        return BadRow(ROW_TOO_LARGE, f"the row holds {size} bytes of text, over the limit of "
-                      f"{limit} (max_row_bytes)")  # fmt: skip
+        return BadRow(
+            ROW_TOO_LARGE,
+            f"the row holds {size} bytes of text, over the limit of {limit} (max_row_bytes)",
+        )
     return row
 
 
 def _too_large(size: int, limit: int, what: str = "line") -> BadRow:
-    return BadRow(ROW_TOO_LARGE, f"the {what} is {size} bytes, over the limit of {limit} "
-                  "(max_row_bytes); it was not read")  # fmt: skip
+    return BadRow(
+        ROW_TOO_LARGE,
+        f"the {what} is {size} bytes, over the limit of {limit} (max_row_bytes); it was not read",
+    )
 
 
 def _file_lines(path: Path, limit: int) -> Iterator[tuple[int, bytes | int]]:
@@ -752,8 +756,9 @@ def _csv_row(path: Path, header: list[str], line: int, cells: list[str] | BadRow
         raise DataError(
             f"{path}: line {line}: the row has {len(cells)} cells, the header {len(header)}"
         )
-    return {name: cells[k] if k < len(cells) and cells[k] else None
-            for k, name in enumerate(header)}  # fmt: skip
+    return {
+        name: cells[k] if k < len(cells) and cells[k] else None for k, name in enumerate(header)
+    }
 
 
 def _read_csv(path: Path, sep: str, limit: int) -> Rows:

@@ -125,8 +125,9 @@ class TokenCache:
     def __init__(self, cache_dir: str | os.PathLike[str]) -> None:
         self.root = Path(os.path.abspath(Path(cache_dir).expanduser()))  # `..` resolved
 
-    def key(self, source: str | os.PathLike[str], tokenizer: Any,
-            settings: Mapping[str, Any]) -> str | None:  # fmt: skip
+    def key(
+        self, source: str | os.PathLike[str], tokenizer: Any, settings: Mapping[str, Any]
+    ) -> str | None:
         """The key of ``source``'s rows tokenised by ``tokenizer`` with ``settings``; None when
         it cannot be cached (not a local file, or a tokenizer without ``fingerprint()``)."""
         path = Path(source).expanduser()

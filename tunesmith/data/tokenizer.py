@@ -275,8 +275,9 @@ class Tokenizer:
         templates = own_templates = _folder_templates(folder, config, config_file)
         if chat_template is not None:
             templates = {"default": _chosen_template(chat_template, templates, folder)}
-            missing = [t for t in control_tokens(templates["default"])
-                       if backend.token_to_id(t) is None]  # fmt: skip
+            missing = [
+                t for t in control_tokens(templates["default"]) if backend.token_to_id(t) is None
+            ]
             if missing:
                 raise ValueError(
                     f"chat_template={str(chat_template)!r} does not fit {folder}: its control "
@@ -319,8 +320,11 @@ class Tokenizer:
         """
         if getattr(self, "_fingerprint", None) is None:
             digest = hashlib.sha256(self._backend.to_str().encode())
-            digest.update(json.dumps([self.special_tokens, self.chat_templates,
-                                      self.stop_token_ids], sort_keys=True).encode())  # fmt: skip
+            digest.update(
+                json.dumps(
+                    [self.special_tokens, self.chat_templates, self.stop_token_ids], sort_keys=True
+                ).encode()
+            )
             self._fingerprint = digest.hexdigest()
         return self._fingerprint
 

@@ -309,9 +309,13 @@ def open_fd_no_follow(
 
 
 def open_no_follow(
-    path: str | os.PathLike[str], mode: str = "w", *, encoding: str | None = "utf-8",
-    buffering: int = -1, errors: str | None = None,
-) -> IO[Any]:  # fmt: skip
+    path: str | os.PathLike[str],
+    mode: str = "w",
+    *,
+    encoding: str | None = "utf-8",
+    buffering: int = -1,
+    errors: str | None = None,
+) -> IO[Any]:
     """``open(path, mode)`` for the files a run writes (its lock, ``config.yaml``,
     ``metrics.jsonl``, logs) and the checkpoint files it reads, with no-follow semantics: a
     symbolic link (or a FIFO, a device) at ``path`` is refused with one line naming it, and so

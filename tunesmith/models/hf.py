@@ -265,8 +265,9 @@ def _device_memory(device: torch.device | str) -> int | None:
     return None
 
 
-def _check_fits(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
-                folder: Path) -> None:  # fmt: skip
+def _check_fits(
+    spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, folder: Path
+) -> None:
     """Refuse to build a model whose weights alone are larger than ``device``'s memory."""
     memory = _device_memory(device)
     size = spec.approx_parameters() * dtype.itemsize
@@ -427,8 +428,10 @@ def _model_sources(
             continue
         target = model_file_source(root, path)
         if target.is_dir() and path.is_symlink():
-            raise UnsafePathError(f"{Path(source_dir) / name}: is a symbolic link to a "
-                                  "folder: refused (copy the folder in instead)")  # fmt: skip
+            raise UnsafePathError(
+                f"{Path(source_dir) / name}: is a symbolic link to a "
+                "folder: refused (copy the folder in instead)"
+            )
         yield name, target
 
 

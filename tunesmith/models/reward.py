@@ -175,9 +175,11 @@ class RewardModel(nn.Module):
                 f"shape {list(attention_mask.shape)}"
             )
         hidden = self.model(
-            input_ids, position_ids=position_ids, attention_mask=attention_mask,
+            input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
             output_router_logits=output_router_logits,
-        )  # fmt: skip
+        )
         hidden, router_logits = hidden if output_router_logits else (hidden, ())
         if every_position:
             scores = F.linear(hidden.float(), self.score.weight.float())

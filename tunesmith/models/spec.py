@@ -198,8 +198,9 @@ class ModelSpec:
         attention = 2 * width * (q + kv) * self.head_dim
         dense = 3 * width * self.intermediate_size
         experts = self.num_experts * (3 * width * self.moe_intermediate_size + width)
-        layers = sum(experts if self.is_moe_layer(i) else dense
-                     for i in range(self.num_hidden_layers))  # fmt: skip
+        layers = sum(
+            experts if self.is_moe_layer(i) else dense for i in range(self.num_hidden_layers)
+        )
         embeddings = self.vocab_size * width * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_hidden_layers * attention + layers
 

@@ -499,10 +499,13 @@ def attend_by_document(
                 pieces.append(q.new_zeros(1, heads, start - pos, d))
             pieces.append(
                 F.scaled_dot_product_attention(
-                    q[row : row + 1, :, start:end], k[row : row + 1, :, start:end],
-                    v[row : row + 1, :, start:end], is_causal=True, enable_gqa=enable_gqa,
+                    q[row : row + 1, :, start:end],
+                    k[row : row + 1, :, start:end],
+                    v[row : row + 1, :, start:end],
+                    is_causal=True,
+                    enable_gqa=enable_gqa,
                 )
-            )  # fmt: skip
+            )
             pos = end
         if pos < s:
             pieces.append(q.new_zeros(1, heads, s - pos, d))

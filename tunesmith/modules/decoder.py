@@ -64,9 +64,15 @@ class DecoderLayer(nn.Module):
         batch: AttentionBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = x + self.self_attn(
-            self.input_layernorm(x), cos, sin, mask=mask, kv_cache=kv_cache,
-            layer_idx=layer_idx, spans=spans, batch=batch,
-        )  # fmt: skip
+            self.input_layernorm(x),
+            cos,
+            sin,
+            mask=mask,
+            kv_cache=kv_cache,
+            layer_idx=layer_idx,
+            spans=spans,
+            batch=batch,
+        )
         out = self.mlp(self.post_attention_layernorm(h))
         router_logits = None
         if isinstance(out, tuple):

@@ -537,8 +537,13 @@ def load_balancing_loss(
         weight = torch.ones(logits.shape[0], device=logits.device)
     else:
         weight = attention_mask.reshape(-1).float().to(logits.device).repeat(len(router_logits))
-    sums = torch.cat([(assignments * weight[:, None]).sum(0), (probs * weight[:, None]).sum(0),
-                      weight.sum()[None]])  # fmt: skip
+    sums = torch.cat(
+        [
+            (assignments * weight[:, None]).sum(0),
+            (probs * weight[:, None]).sum(0),
+            weight.sum()[None],
+        ]
+    )
     if reduce is not None:
         sums = reduce(sums)
     tokens, prob, total = sums.split([num_experts, num_experts, 1])

@@ -227,9 +227,12 @@ class _Layout:
     keys; the masks are built chunk by chunk (never ``s_local x s_local`` at once)."""
 
     def __init__(
-        self, ring: _RingInfo, index: torch.Tensor, document_ids: torch.Tensor | None,
+        self,
+        ring: _RingInfo,
+        index: torch.Tensor,
+        document_ids: torch.Tensor | None,
         sliding_window: int | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         docs = document_ids if document_ids is not None else torch.zeros_like(index)
         self.index, self.docs, self.window = index, docs.to(index.dtype), sliding_window
         self.blocks = ring.gather(torch.stack([index, self.docs]))
@@ -267,9 +270,11 @@ class RingShard:
 
 
 def ring_batch(
-    shard: RingShard, *, document_ids: torch.Tensor | None = None,
+    shard: RingShard,
+    *,
+    document_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
-) -> AttentionBatch:  # fmt: skip
+) -> AttentionBatch:
     """The :class:`~tunesmith.modules.attention_backends.AttentionBatch` of a forward whose
     rows are split over ``shard.group`` (every layer then calls :func:`ring_attention`).
 
@@ -293,9 +298,15 @@ def ring_backend(
             "(cp_index): use ring_batch(), not attention_backend='ring'"
         )
     return ring_attention(
-        q, k, v, group=shard.group, index=shard.index, document_ids=batch.document_ids,
-        sliding_window=batch.sliding_window, enable_gqa=q.shape[1] != k.shape[1],
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        group=shard.group,
+        index=shard.index,
+        document_ids=batch.document_ids,
+        sliding_window=batch.sliding_window,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
 
 
 register_attention_backend("ring", ring_backend)

@@ -71,8 +71,11 @@ class CatalogError(LookupError):
 
 def recipe_names() -> list[str]:
     """Names of the built-in recipes, sorted."""
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.py")
-                  if not p.stem.startswith("_") and p.stem != Path(__file__).stem)  # fmt: skip
+    return sorted(
+        p.stem
+        for p in RECIPES_DIR.glob("*.py")
+        if not p.stem.startswith("_") and p.stem != Path(__file__).stem
+    )
 
 
 def config_names(recipe: str) -> list[str]:
@@ -247,8 +250,10 @@ class Recipe:
         def declared(attr: str, check: Callable[[Any], bool], expected: str, default: Any):
             value = getattr(module, attr, default)
             if value is not default and not check(value):
-                raise RecipeError(f"recipe file {recipe_file}: {attr} must be {expected}, got "
-                                  f"{type(value).__name__} {value!r:.80}")  # fmt: skip
+                raise RecipeError(
+                    f"recipe file {recipe_file}: {attr} must be {expected}, got "
+                    f"{type(value).__name__} {value!r:.80}"
+                )
             return value
 
         keys = declared("KEYS", _strings, "a list of key names", None)
@@ -258,10 +263,11 @@ class Recipe:
             keys=None if keys is None else tuple(keys),
             rules=declared("RULES", _rules, "a mapping of key -> Rule", {}),
             runtime_args=declared("RUNTIME_ARGS", _counts, "a mapping of key -> int", {}),
-            runtime_kwargs=declared("RUNTIME_KWARGS", _keyword_lists,
-                                    "a mapping of key -> list of names", {}),
+            runtime_kwargs=declared(
+                "RUNTIME_KWARGS", _keyword_lists, "a mapping of key -> list of names", {}
+            ),
             check_launch=declared("check_launch", callable, "a function", None),
-        )  # fmt: skip
+        )
 
 
 def _strings(value: Any) -> bool:

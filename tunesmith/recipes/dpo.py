@@ -99,14 +99,25 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     setup.memory_plan(cfg, ctx, model, dataset, collate, log, objective="preference pairs (dpo)")
 
     source = DatasetSource.build(dataset, collate, LoopSettings.from_config(cfg), ctx)
-    fit_from_config(cfg, ctx, model=model, objective=objective, source=source,
-                    val_dataset=val_dataset, name="dpo")  # fmt: skip
+    fit_from_config(
+        cfg,
+        ctx,
+        model=model,
+        objective=objective,
+        source=source,
+        val_dataset=val_dataset,
+        name="dpo",
+    )
 
 
 def reference_logps(
-    cfg: DictConfig, model: nn.Module, ctx: DistributedContext, chunk_size: int,
-    log: Callable[[str], None], tokenizer: Any = None,
-) -> Callable[[Mapping[str, torch.Tensor]], PairLogps]:  # fmt: skip
+    cfg: DictConfig,
+    model: nn.Module,
+    ctx: DistributedContext,
+    chunk_size: int,
+    log: Callable[[str], None],
+    tokenizer: Any = None,
+) -> Callable[[Mapping[str, torch.Tensor]], PairLogps]:
     """The reference policy's pair log-probs as a function of a batch (no gradient): see
     :func:`~tunesmith.training.setup.reference_policy` (call this before sharding)."""
     reference = setup.reference_policy(cfg, ctx, model, log, tokenizer=tokenizer)

@@ -67,8 +67,9 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
 
     # -- student, frozen teacher
     model = setup.build_policy(cfg, ctx, tokenizer)
-    teacher = setup.frozen_model(cfg, ctx, "teacher_model",
-                                 offload=bool(cfg.get("teacher_offload", False)))  # fmt: skip
+    teacher = setup.frozen_model(
+        cfg, ctx, "teacher_model", offload=bool(cfg.get("teacher_offload", False))
+    )
     vocab = shared_vocab(model, teacher, tokenizer.vocab_size, log)
     model = parallelize(model, ctx, cfg)  # checkpointing, compile, FSDP2
     loss_fn = setup.compiled_loss(cfg, instantiate(cfg.loss))
@@ -76,5 +77,12 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     setup.memory_plan(cfg, ctx, model, dataset, collate, log, objective="distillation (kd)")
 
     source = DatasetSource.build(dataset, collate, LoopSettings.from_config(cfg), ctx)
-    fit_from_config(cfg, ctx, model=model, objective=objective, source=source,
-                    val_dataset=val_dataset, name="kd")  # fmt: skip
+    fit_from_config(
+        cfg,
+        ctx,
+        model=model,
+        objective=objective,
+        source=source,
+        val_dataset=val_dataset,
+        name="kd",
+    )

@@ -65,5 +65,12 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     setup.memory_plan(cfg, ctx, model, dataset, collate, log, objective="ranking (reward_model)")
 
     source = DatasetSource.build(dataset, collate, LoopSettings.from_config(cfg), ctx)
-    fit_from_config(cfg, ctx, model=model, objective=objective, source=source,
-                    val_dataset=val_dataset, name="reward_model")  # fmt: skip
+    fit_from_config(
+        cfg,
+        ctx,
+        model=model,
+        objective=objective,
+        source=source,
+        val_dataset=val_dataset,
+        name="reward_model",
+    )

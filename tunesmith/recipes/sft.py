@@ -60,5 +60,13 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     plan = setup.memory_plan(cfg, ctx, model, dataset, collate, log, loss_fn=loss_fn)
 
     # -- train: per step, the token-mean loss of all micro-batches on all ranks
-    fit_from_config(cfg, ctx, model=model, objective=objective, source=source,
-                    val_dataset=val_dataset, name="sft", memory_plan=plan)  # fmt: skip
+    fit_from_config(
+        cfg,
+        ctx,
+        model=model,
+        objective=objective,
+        source=source,
+        val_dataset=val_dataset,
+        name="sft",
+        memory_plan=plan,
+    )

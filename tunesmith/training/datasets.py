@@ -42,11 +42,16 @@ def inherit_val_dataset(cfg: DictConfig) -> DictConfig:
     val, dataset = cfg.get("val_dataset"), cfg.get("dataset")
     if isinstance(val, DictConfig) and "_component_" not in val and isinstance(dataset, DictConfig):
         if "parts" in dataset:  # a mixture has no single set of settings to inherit
-            raise ConfigError.from_issues([ConfigIssue(
-                "val_dataset", f"gives only {sorted(val)}, but dataset is a mixture of "
-                f"{sorted(dataset.parts)}: give val_dataset its own _component_ (e.g. "
-                "tunesmith.data.SFTDataset) and settings",
-            )])  # fmt: skip
+            raise ConfigError.from_issues(
+                [
+                    ConfigIssue(
+                        "val_dataset",
+                        f"gives only {sorted(val)}, but dataset is a mixture of "
+                        f"{sorted(dataset.parts)}: give val_dataset its own _component_ (e.g. "
+                        "tunesmith.data.SFTDataset) and settings",
+                    )
+                ]
+            )
         cfg = copy.deepcopy(cfg)
         cfg.val_dataset = OmegaConf.merge(dataset, val)
     return cfg
@@ -72,8 +77,10 @@ def build_datasets(
         dataset, val_dataset = split_train_val(
             dataset, cfg.val_fraction, seed=int(value_of(cfg, "seed"))
         )
-        log(f"val_fraction={cfg.val_fraction}: {len(dataset)} training samples, "
-            f"{len(val_dataset)} validation samples")  # fmt: skip
+        log(
+            f"val_fraction={cfg.val_fraction}: {len(dataset)} training samples, "
+            f"{len(val_dataset)} validation samples"
+        )
     return dataset, val_dataset
 
 

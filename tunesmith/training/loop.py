@@ -101,8 +101,12 @@ LOOP_RUNTIME_ARGS = {"tokenizer": 0, "dataset": 1, "val_dataset": 1, "optimizer"
 LOOP_RUNTIME_KWARGS = {"lr_scheduler": ["num_training_steps"]}
 
 
-def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictConfig,
-             keys: Sequence[str], rules: Mapping[str, Rule] = LOOP_RULES) -> None:  # fmt: skip
+def run_main(
+    train: Callable[[DictConfig, DistributedContext], None],
+    cfg: DictConfig,
+    keys: Sequence[str],
+    rules: Mapping[str, Rule] = LOOP_RULES,
+) -> None:
     """A recipe's ``main``: check the config's top-level keys (unknown ones, and each value
     against ``rules``: see :mod:`~tunesmith.training.loop_config`), start the process group,
     run ``train(cfg, ctx)``, and turn a dead or hung peer's collective error into one clear
@@ -114,11 +118,12 @@ def run_main(train: Callable[[DictConfig, DistributedContext], None], cfg: DictC
         raise ConfigError.from_issues(issues)
     cfg = resolve_resume(cfg)  # before anything is written
     settings = LoopSettings.from_config(cfg)
-    ctx = init_distributed(settings.device, settings.distributed_timeout_s,
-                           settings.parallelism)  # fmt: skip
+    ctx = init_distributed(settings.device, settings.distributed_timeout_s, settings.parallelism)
     if settings.parallelism is not None and ctx.is_rank_zero:
-        print(f"parallelism: {ctx.mesh.mesh_dim_names} mesh of {tuple(ctx.mesh.shape)} ranks, "
-              f"{ctx.dp_size} data-parallel")  # fmt: skip
+        print(
+            f"parallelism: {ctx.mesh.mesh_dim_names} mesh of {tuple(ctx.mesh.shape)} ranks, "
+            f"{ctx.dp_size} data-parallel"
+        )
     previous_sigterm = signal.getsignal(signal.SIGTERM)
     previous_sigint = signal.getsignal(signal.SIGINT)
     lock = None
@@ -210,19 +215,30 @@ def fit_from_config(
     settings = LoopSettings.from_config(cfg)
     if settings.preflight:  # before the optimizer exists: nothing may step
         if not isinstance(source, DatasetSource):
-            raise ValueError(f"preflight: true measures a dataset's longest batch; this "
-                             f"recipe's batches come from a {type(source).__name__}")  # fmt: skip
+            raise ValueError(
+                f"preflight: true measures a dataset's longest batch; this "
+                f"recipe's batches come from a {type(source).__name__}"
+            )
         report = _preflight(settings, ctx, model, objective, source.loader)
         log(report.summary(memory_plan))
-    trainer = make_trainer(cfg, ctx, model=model, objective=objective, source=source,
-                           resumable=resumable)  # fmt: skip
+    trainer = make_trainer(
+        cfg, ctx, model=model, objective=objective, source=source, resumable=resumable
+    )
     if ctx.is_rank_zero:
         trainer.log = log
     trainer.start()  # first: a refused resume leaves no logger's file behind
     loggers = [instantiate(c) for c in cfg.get("metric_loggers") or []]
     samples = SamplePrompts.from_config(cfg, model, world_size=ctx.world_size)  # sample_prompts
-    fit(trainer, source, loggers=loggers, samples=samples, val_dataset=val_dataset, name=name,
-        evaluator=evaluator, start=False)  # fmt: skip
+    fit(
+        trainer,
+        source,
+        loggers=loggers,
+        samples=samples,
+        val_dataset=val_dataset,
+        name=name,
+        evaluator=evaluator,
+        start=False,
+    )
 
 
 def fit(
@@ -260,8 +276,13 @@ def fit(
     minutes = settings.save_every_minutes
     save_every_s = None if minutes is None else float(minutes) * 60
     show_bar = ctx.is_rank_zero and _show_bar(settings.progress_bar)
-    bar = tqdm(total=total_steps, initial=trainer.progress["step"], disable=not show_bar,
-               desc=name, dynamic_ncols=True)  # fmt: skip
+    bar = tqdm(
+        total=total_steps,
+        initial=trainer.progress["step"],
+        disable=not show_bar,
+        desc=name,
+        dynamic_ncols=True,
+    )
     window, timing = MetricWindow(objective.unit), _Timing()
     stop_signal, restore_signals = _install_stop_handlers(announce=ctx.is_rank_zero)
     try:
@@ -293,21 +314,26 @@ def fit(
             if samples is not None:  # greedy completions of the fixed prompts, as text
                 samples.maybe_log(step, total_steps, logger)
             # rank 0's clock decides a timed save; one all-reduce: every rank agrees on both
-            due = (save_every_s is not None and ctx.is_rank_zero
-                   and time.perf_counter() - last_save >= save_every_s)  # fmt: skip
+            due = (
+                save_every_s is not None
+                and ctx.is_rank_zero
+                and time.perf_counter() - last_save >= save_every_s
+            )
             flags = all_reduce_sum([float(stop_signal() is not None), float(due)], ctx.device)
             stop, due = bool(flags[0].item()), bool(flags[1].item())
             stop_early = stop_after is not None and step == stop_after < total_steps
             if (stop or stop_early) and len(window):  # the steps since the last line
                 logger.log(step, _timed(window.means(), trainer, timing))
                 window.clear()
-            if _every(step, settings.save_every_n_steps, total_steps) or stop or stop_early \
-                    or due:  # fmt: skip
+            if _every(step, settings.save_every_n_steps, total_steps) or stop or stop_early or due:
                 log(f"checkpoint: {trainer.save()}")
                 last_save = time.perf_counter()
             if stop or stop_early:
-                reason = (stop_signal() or "a stop signal on another rank") if stop else (
-                    f"stop_after_steps={stop_after}")  # fmt: skip
+                reason = (
+                    (stop_signal() or "a stop signal on another rank")
+                    if stop
+                    else (f"stop_after_steps={stop_after}")
+                )
                 log(f"{reason}: stopped after step {step}; resume with resume=true")
                 break
             step_start = time.perf_counter()
@@ -375,8 +401,13 @@ def _show_bar(setting: Any) -> bool:
     return bool(setting)
 
 
-def _preflight(settings: LoopSettings, ctx: DistributedContext, model: nn.Module,
-               objective: Objective, loader: StatefulDataLoader) -> PreflightReport:  # fmt: skip
+def _preflight(
+    settings: LoopSettings,
+    ctx: DistributedContext,
+    model: nn.Module,
+    objective: Objective,
+    loader: StatefulDataLoader,
+) -> PreflightReport:
     """One forward and backward of ``objective`` on the longest batch of the loader's data."""
     dataset = loader.dataset
     batch = longest_batch(dataset, min(settings.batch_size, len(dataset)), loader.collate_fn)
@@ -388,9 +419,12 @@ def _preflight(settings: LoopSettings, ctx: DistributedContext, model: nn.Module
         return out.loss if out.aux_loss is None else out.loss + out.aux_loss
 
     return preflight(
-        model, {k: v.to(ctx.device) for k, v in batch.items()}, batch_loss, device=ctx.device,
+        model,
+        {k: v.to(ctx.device) for k, v in batch.items()},
+        batch_loss,
+        device=ctx.device,
         free_grads_in_backward=settings.optimizer_in_backward,
-    )  # fmt: skip
+    )
 
 
 def _every(step: int, every: int | None, total: int) -> bool:
@@ -413,8 +447,11 @@ def _install_stop_handlers(
         if not received:
             received.append(name)
         if announce:  # os.write: print is not safe inside a signal handler
-            os.write(2, f"\n{name}: saving a checkpoint at the end of this step, then stopping "
-                        "(Ctrl-C again aborts at once)\n".encode())  # fmt: skip
+            os.write(
+                2,
+                f"\n{name}: saving a checkpoint at the end of this step, then stopping "
+                "(Ctrl-C again aborts at once)\n".encode(),
+            )
 
     if threading.current_thread() is not threading.main_thread():  # signals only reach it
         return (lambda: received[0] if received else None), (lambda: None)

@@ -202,10 +202,16 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Chang
     ['optimizer.lr: 0.001 -> 0.002']
     """
     before, after = _leaves(old), _leaves(new)
-    changes = [Change(p, before.get(p, _ABSENT), v) for p, v in after.items()
-               if not _same(p, before.get(p, _ABSENT), v)]  # fmt: skip
-    changes += [Change(p, v, _ABSENT) for p, v in before.items()
-                if p not in after and not _same(p, v, _ABSENT)]  # fmt: skip
+    changes = [
+        Change(p, before.get(p, _ABSENT), v)
+        for p, v in after.items()
+        if not _same(p, before.get(p, _ABSENT), v)
+    ]
+    changes += [
+        Change(p, v, _ABSENT)
+        for p, v in before.items()
+        if p not in after and not _same(p, v, _ABSENT)
+    ]
     return changes
 
 
@@ -219,9 +225,13 @@ def _resumable(change: Change, new: Mapping[str, Any], resumable: Collection[str
 
 
 def check_resume(
-    checkpoint: Path, saved: RunRecord, current: RunRecord, *, resizable: bool = True,
+    checkpoint: Path,
+    saved: RunRecord,
+    current: RunRecord,
+    *,
+    resizable: bool = True,
     resumable: Collection[str] = RESUMABLE_KEYS,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """Refuse (:class:`~tunesmith.config.ConfigError`, one ``path: old -> new`` line per key)
     to resume ``checkpoint`` with a config that differs from ``saved``'s outside
     ``resumable`` (the loop's :data:`RESUMABLE_KEYS` and a recipe's own), with another
@@ -242,36 +252,50 @@ def check_resume(
     changes = config_changes(saved.config, current.config)
     same_batch = _global_batch(saved) is not None and _global_batch(saved) == _global_batch(current)
     issues = [
-        ConfigIssue(c.path, c.describe()) for c in changes
-        if not (_resumable(c, current.config, resumable)
-                or (same_batch and _top(c) in BATCH_KEYS))
-    ]  # fmt: skip
+        ConfigIssue(c.path, c.describe())
+        for c in changes
+        if not (_resumable(c, current.config, resumable) or (same_batch and _top(c) in BATCH_KEYS))
+    ]
     dp_sizes = (saved.data_parallel, current.data_parallel)
     if not same_batch and None not in dp_sizes and dp_sizes[0] != dp_sizes[1]:
         issues.append(_batch_issue(saved, current))
     if saved.samples != current.samples:
-        issues.append(ConfigIssue("dataset", f"{saved.samples} training samples -> "
-                                             f"{current.samples}: the data changed"))  # fmt: skip
+        issues.append(
+            ConfigIssue(
+                "dataset",
+                f"{saved.samples} training samples -> {current.samples}: the data changed",
+            )
+        )
     if issues:
-        raise ConfigError.from_issues(issues, header=(
-            f"resume from {checkpoint}: the config differs from the checkpoint's in keys that "
-            "cannot change on resume (start a new run in another output_dir, or set them back; "
-            f"may change: {', '.join(sorted(resumable))}; and {', '.join(BATCH_KEYS)} "
-            "with the same global batch):"
-        ))  # fmt: skip
-    notes = [f"resume: {c.path} {c.describe()}" for c in changes
-             if c.path.split(".", 1)[0] not in (*SCHEDULE_KEYS, "resume")]  # fmt: skip
+        raise ConfigError.from_issues(
+            issues,
+            header=(
+                f"resume from {checkpoint}: the config differs from the checkpoint's in keys that "
+                "cannot change on resume (start a new run in another output_dir, or set them back; "
+                f"may change: {', '.join(sorted(resumable))}; and {', '.join(BATCH_KEYS)} "
+                "with the same global batch):"
+            ),
+        )
+    notes = [
+        f"resume: {c.path} {c.describe()}"
+        for c in changes
+        if c.path.split(".", 1)[0] not in (*SCHEDULE_KEYS, "resume")
+    ]
     schedule = [c for c in changes if c.path in SCHEDULE_KEYS]
     if current.total_steps == saved.total_steps:
-        return notes + [f"resume: {c.path} {c.describe()} (the run stays "
-                        f"{current.total_steps} steps long)" for c in schedule]  # fmt: skip
+        return notes + [
+            f"resume: {c.path} {c.describe()} (the run stays {current.total_steps} steps long)"
+            for c in schedule
+        ]
     deciding = "max_steps" if current.config.get("max_steps") is not None else "epochs"
     key = next((c for c in schedule if c.path == deciding), None) or Change(
         deciding, saved.config.get(deciding), current.config.get(deciding)
     )
     _check_length(checkpoint, saved, current, key, resizable)
-    notes.append(f"{key.path} {key.describe()}: the LR schedule now ends at step "
-                 f"{current.total_steps} (was {saved.total_steps})")  # fmt: skip
+    notes.append(
+        f"{key.path} {key.describe()}: the LR schedule now ends at step "
+        f"{current.total_steps} (was {saved.total_steps})"
+    )
     return notes
 
 
@@ -301,8 +325,10 @@ def _batch_issue(saved: RunRecord, current: RunRecord) -> ConfigIssue:
 
     def product(record: RunRecord) -> str:
         accum = record.config.get("gradient_accumulation_steps") or 1
-        return (f"{record.config.get('batch_size')} x {accum} x {record.data_parallel} = "
-                f"{_global_batch(record)}")  # fmt: skip
+        return (
+            f"{record.config.get('batch_size')} x {accum} x {record.data_parallel} = "
+            f"{_global_batch(record)}"
+        )
 
     message = (
         f"{saved.data_parallel} -> {current.data_parallel} ranks changes the global batch "
@@ -319,12 +345,26 @@ def _check_length(
     checkpoint: Path, saved: RunRecord, current: RunRecord, key: Change, resizable: bool
 ) -> None:
     if current.total_steps < saved.step:
-        raise ConfigError.from_issues([ConfigIssue(key.path, (
-            f"{key.describe()} makes the run {current.total_steps} steps long, but {checkpoint} "
-            f"is at step {saved.step}"
-        ))])  # fmt: skip
+        raise ConfigError.from_issues(
+            [
+                ConfigIssue(
+                    key.path,
+                    (
+                        f"{key.describe()} makes the run {current.total_steps} steps long, but {checkpoint} "
+                        f"is at step {saved.step}"
+                    ),
+                )
+            ]
+        )
     if not resizable:
-        raise ConfigError.from_issues([ConfigIssue(key.path, (
-            f"{key.describe()}: the lr_scheduler keeps its length where it cannot be changed "
-            "on resume (use one of tunesmith.training's schedules, or keep the length)"
-        ))])  # fmt: skip
+        raise ConfigError.from_issues(
+            [
+                ConfigIssue(
+                    key.path,
+                    (
+                        f"{key.describe()}: the lr_scheduler keeps its length where it cannot be changed "
+                        "on resume (use one of tunesmith.training's schedules, or keep the length)"
+                    ),
+                )
+            ]
+        )

@@ -220,8 +220,10 @@ def set_schedule_params(scheduler: LambdaLR, params: list[dict[str, Any]]) -> No
     """
     for fn, values in zip(scheduler.lr_lambdas, params, strict=True):
         vars(fn).update(values)
-    lrs = [base * fn(scheduler.last_epoch)
-           for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]  # fmt: skip
+    lrs = [
+        base * fn(scheduler.last_epoch)
+        for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)
+    ]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
         if isinstance(group["lr"], torch.Tensor):
             group["lr"].fill_(float(lr))

@@ -47,9 +47,13 @@ __all__ = ["check_model_fits", "parallelize"]
 
 
 def parallelize(
-    model: nn.Module, ctx: DistributedContext, cfg: Mapping[str, Any] | None = None, *,
-    frozen: bool = False, cpu_offload: bool = False,
-) -> nn.Module:  # fmt: skip
+    model: nn.Module,
+    ctx: DistributedContext,
+    cfg: Mapping[str, Any] | None = None,
+    *,
+    frozen: bool = False,
+    cpu_offload: bool = False,
+) -> nn.Module:
     """``model`` with the plan of the module docs applied, as ``cfg``'s
     ``activation_checkpointing`` and ``compile`` keys say (``frozen``: neither, a model that
     is never trained); returns the (sharded) model.
@@ -71,8 +75,13 @@ def parallelize(
         apply_activation_checkpointing(model, **cfg["activation_checkpointing"])
     compiling = None if frozen else compile_options(cfg.get("compile"))
     if compiling is not None and compiling.layers:  # 3. each layer, in place: names unchanged
-        compile_model(model, backend=compiling.backend, mode=compiling.mode,
-                      fullgraph=compiling.fullgraph, dynamic=compiling.dynamic)  # fmt: skip
+        compile_model(
+            model,
+            backend=compiling.backend,
+            mode=compiling.mode,
+            fullgraph=compiling.fullgraph,
+            dynamic=compiling.dynamic,
+        )
     return shard_model(model, ctx, cpu_offload=cpu_offload)  # 4.
 
 
@@ -97,7 +106,7 @@ def check_model_fits(spec: Any, dims: ParallelDims) -> None:
         ConfigIssue(
             "parallelism",
             f"{dim} {size} does not divide {field} {getattr(spec, field)} of the model",
-        )  # fmt: skip
+        )
         for dim, size, field in needs
         if size > 1 and getattr(spec, field, 0) and getattr(spec, field) % size
     ]

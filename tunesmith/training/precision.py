@@ -100,9 +100,12 @@ class Precision:
         master = _NAMES.get(value.get("master_weights"))
         states = _NAMES.get(value.get("optimizer_states"))
         save = value.get("save_dtype")
-        return cls(weights=weights, master_weights=master,
-                   optimizer_states=states or master or weights,
-                   save_dtype=dtype_from_name(save) if save else None)  # fmt: skip
+        return cls(
+            weights=weights,
+            master_weights=master,
+            optimizer_states=states or master or weights,
+            save_dtype=dtype_from_name(save) if save else None,
+        )
 
     def describe(self) -> str:
         """One line for the run's log.
@@ -151,11 +154,15 @@ def precision_problem(value: Any) -> str | None:
     if master and weights != torch.bfloat16:
         return "master_weights: fp32 needs weights: bf16 (fp32 weights are their own master copy)"
     if states == "fp32" and weights == torch.bfloat16 and not master:
-        return ("optimizer_states: fp32 with bf16 weights needs master_weights: fp32 (torch "
-                "optimizers keep their states in the dtype of the tensors they step)")  # fmt: skip
+        return (
+            "optimizer_states: fp32 with bf16 weights needs master_weights: fp32 (torch "
+            "optimizers keep their states in the dtype of the tensors they step)"
+        )
     if states == "bf16" and weights != torch.bfloat16:
-        return ("optimizer_states: bf16 needs weights: bf16 (torch optimizers keep their states "
-                "in the dtype of the tensors they step)")  # fmt: skip
+        return (
+            "optimizer_states: bf16 needs weights: bf16 (torch optimizers keep their states "
+            "in the dtype of the tensors they step)"
+        )
     save = value.get("save_dtype")
     if save is not None:
         try:
@@ -166,14 +173,18 @@ def precision_problem(value: Any) -> str | None:
             torch.finfo(saved).bits < torch.finfo(weights).bits
             or (saved == torch.float16 and weights == torch.bfloat16)
         ):
-            return (f"save_dtype: {save} is narrower than the {_WORDS[weights]} weights (a "
-                    "resume would not be exact)")  # fmt: skip
+            return (
+                f"save_dtype: {save} is narrower than the {_WORDS[weights]} weights (a "
+                "resume would not be exact)"
+            )
     return None
 
 
 def _null_words(key: str) -> str:
-    return {"master_weights": ", or null (none)", "optimizer_states": ", or null (the dtype "
-            "of what the optimizer steps)"}.get(key, "")  # fmt: skip
+    return {
+        "master_weights": ", or null (none)",
+        "optimizer_states": ", or null (the dtype of what the optimizer steps)",
+    }.get(key, "")
 
 
 def check_precision(cfg: Mapping[str, Any]) -> Precision:
@@ -193,14 +204,26 @@ def check_precision(cfg: Mapping[str, Any]) -> Precision:
         raise ConfigError.from_issues([issue]) from None
     issues = []
     if cfg.get("mixed_precision") and precision.weights == torch.bfloat16:
-        issues.append(ConfigIssue("mixed_precision", (
-            f"{cfg.get('mixed_precision')} autocast with precision.weights: "
-            f"{_WORDS[precision.weights]} adds casts only (the matmuls already run in "
-            f"{_WORDS[precision.weights]}); set mixed_precision: null")))  # fmt: skip
+        issues.append(
+            ConfigIssue(
+                "mixed_precision",
+                (
+                    f"{cfg.get('mixed_precision')} autocast with precision.weights: "
+                    f"{_WORDS[precision.weights]} adds casts only (the matmuls already run in "
+                    f"{_WORDS[precision.weights]}); set mixed_precision: null"
+                ),
+            )
+        )
     if precision.master_weights is not None and cfg.get("optimizer_in_backward"):
-        issues.append(ConfigIssue("optimizer_in_backward", (
-            "true with precision.master_weights: the master copies are stepped after the "
-            "backward, not in it; set one of them off")))  # fmt: skip
+        issues.append(
+            ConfigIssue(
+                "optimizer_in_backward",
+                (
+                    "true with precision.master_weights: the master copies are stepped after the "
+                    "backward, not in it; set one of them off"
+                ),
+            )
+        )
     if issues:
         raise ConfigError.from_issues(issues)
     return precision
@@ -229,8 +252,9 @@ def build_optimizer(
     """
     if precision.master_weights is None:
         return make(params)
-    return MasterWeightOptimizer(params, make, master_dtype=precision.master_weights,
-                                 state_dtype=precision.optimizer_states)  # fmt: skip
+    return MasterWeightOptimizer(
+        params, make, master_dtype=precision.master_weights, state_dtype=precision.optimizer_states
+    )
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -256,9 +280,13 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, params: Iterable[Any], make: Callable[[Any], torch.optim.Optimizer], *,
-        master_dtype: torch.dtype = torch.float32, state_dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        params: Iterable[Any],
+        make: Callable[[Any], torch.optim.Optimizer],
+        *,
+        master_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype | None = None,
+    ) -> None:
         groups = list(params)
         if groups and not isinstance(groups[0], Mapping):
             groups = [{"params": groups}]
@@ -341,8 +369,13 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._init_inner()
         index = {p: i for i, (p, _) in enumerate(self._pairs())}
         state = {index[p]: dict(s) for p, s in self.state.items()}
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [index[p] for p in g["params"]]} for g in self.param_groups]  # fmt: skip
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [index[p] for p in g["params"]],
+            }
+            for g in self.param_groups
+        ]
         return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
@@ -352,8 +385,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         pairs = self._pairs()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"the state has {len(saved_groups)} parameter groups, the "
-                             f"optimizer {len(self.param_groups)}")  # fmt: skip
+            raise ValueError(
+                f"the state has {len(saved_groups)} parameter groups, the "
+                f"optimizer {len(self.param_groups)}"
+            )
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         # the saved groups name their parameters (indices, or names from dcp) in our order
@@ -369,8 +404,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             master.copy_(saved["master"])
             self.inner.state[master] = {
                 k: (v.to(device=master.device) if torch.is_tensor(v) and k != "step" else v)
-                for k, v in saved.items() if k != "master"
-            }  # fmt: skip
+                for k, v in saved.items()
+                if k != "master"
+            }
             p.copy_(master)
         self._refresh_state()
 

@@ -98,9 +98,14 @@ def integer(minimum: int, *, null: str | None = None, required: bool = False) ->
 
 
 def number(
-    *, above: float | None = None, at_least: float | None = None, below: float | None = None,
-    at_most: float | None = None, null: str | None = None, unit: str = "a number",
-) -> Rule:  # fmt: skip
+    *,
+    above: float | None = None,
+    at_least: float | None = None,
+    below: float | None = None,
+    at_most: float | None = None,
+    null: str | None = None,
+    unit: str = "a number",
+) -> Rule:
     """An int or float in the given bounds (never NaN or a bool).
 
     >>> number(at_least=0, below=1).allowed
@@ -114,10 +119,13 @@ def number(
 
     def fits(v: Any) -> bool:
         return (
-            _is_number(v) and not math.isnan(v)
-            and (above is None or v > above) and (at_least is None or v >= at_least)
-            and (below is None or v < below) and (at_most is None or v <= at_most)
-        )  # fmt: skip
+            _is_number(v)
+            and not math.isnan(v)
+            and (above is None or v > above)
+            and (at_least is None or v >= at_least)
+            and (below is None or v < below)
+            and (at_most is None or v <= at_most)
+        )
 
     return Rule(_or_null(words, null), _nullable(fits, null))
 

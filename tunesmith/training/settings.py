@@ -200,8 +200,9 @@ def settings_of(cls: type) -> tuple[Setting, ...]:
     >>> [s.name for s in settings_of(LoopSettings)][:3]
     ['output_dir', 'batch_size', 'model_dir']
     """
-    return tuple(dataclasses.replace(f.metadata["setting"], name=f.name)
-                 for f in dataclasses.fields(cls))  # fmt: skip
+    return tuple(
+        dataclasses.replace(f.metadata["setting"], name=f.name) for f in dataclasses.fields(cls)
+    )
 
 
 @dataclass(frozen=True)
@@ -212,79 +213,152 @@ class LoopSettings(Settings):
     :class:`~tunesmith.training.precision.Precision`, ``parallelism`` the mesh sizes as a
     plain mapping (or None)."""
 
-    output_dir: str = setting(REQUIRED, text(required=True),
-        "the run's folder: checkpoints/, metrics.jsonl, logs/", resumable=True)  # fmt: skip
-    batch_size: int = setting(REQUIRED, integer(1, required=True),
-        "samples per micro-batch on each data-parallel rank")  # fmt: skip
-    model_dir: str | None = setting(None, text(null="no source model folder"),
+    output_dir: str = setting(
+        REQUIRED,
+        text(required=True),
+        "the run's folder: checkpoints/, metrics.jsonl, logs/",
+        resumable=True,
+    )
+    batch_size: int = setting(
+        REQUIRED, integer(1, required=True), "samples per micro-batch on each data-parallel rank"
+    )
+    model_dir: str | None = setting(
+        None,
+        text(null="no source model folder"),
         "the Hugging Face folder the model came from (its tokenizer and config files are "
-        "copied into every checkpoint)")  # fmt: skip
+        "copied into every checkpoint)",
+    )
     seed: int = setting(0, integer(0), "seed of the shuffle, the initialisation and sampling")
-    device: str = setting("auto", Rule("one of 'auto', 'cpu', 'cuda'",
-        lambda v: v in ("auto", "cpu", "cuda"), extra=_cuda_missing),
-        "auto: CUDA when available, else the CPU")  # fmt: skip
-    mixed_precision: str | None = setting(None, choice(*(k for k in AUTOCAST if k),
-        null="full precision"), "autocast dtype of the forward")  # fmt: skip
-    precision: Precision = setting(Precision(), _PRECISION_RULE,
-        "dtypes the weights, master copies and optimizer states are kept in")  # fmt: skip
+    device: str = setting(
+        "auto",
+        Rule(
+            "one of 'auto', 'cpu', 'cuda'",
+            lambda v: v in ("auto", "cpu", "cuda"),
+            extra=_cuda_missing,
+        ),
+        "auto: CUDA when available, else the CPU",
+    )
+    mixed_precision: str | None = setting(
+        None,
+        choice(*(k for k in AUTOCAST if k), null="full precision"),
+        "autocast dtype of the forward",
+    )
+    precision: Precision = setting(
+        Precision(),
+        _PRECISION_RULE,
+        "dtypes the weights, master copies and optimizer states are kept in",
+    )
     shuffle: bool = setting(True, flag(), "a seeded new order of the samples each epoch")
-    gradient_accumulation_steps: int = setting(1, integer(1),
-        "micro-batches per optimizer step")  # fmt: skip
-    epochs: int = setting(1, integer(1), "passes over the data when max_steps is null",
-                          resumable=True)  # fmt: skip
-    max_steps: int | None = setting(None, integer(1, null="epochs decide"),
-        "the run's length in optimizer steps", resumable=True)  # fmt: skip
-    stop_after_steps: int | None = setting(None, integer(1, null="no early stop"),
+    gradient_accumulation_steps: int = setting(1, integer(1), "micro-batches per optimizer step")
+    epochs: int = setting(
+        1, integer(1), "passes over the data when max_steps is null", resumable=True
+    )
+    max_steps: int | None = setting(
+        None,
+        integer(1, null="epochs decide"),
+        "the run's length in optimizer steps",
+        resumable=True,
+    )
+    stop_after_steps: int | None = setting(
+        None,
+        integer(1, null="no early stop"),
         "stop (with a checkpoint) after this step; the schedule keeps its length",
-        resumable=True)  # fmt: skip
-    max_grad_norm: float | None = setting(None, number(above=0, null="no clipping"),
-        "clip the gradients' global norm to this")  # fmt: skip
-    log_grad_norm: bool = setting(False, flag(), "log grad_norm even without clipping",
-                                  resumable=True)  # fmt: skip
-    val_fraction: float = setting(0.0, number(at_least=0, below=1),
-        "a seeded share of the training samples held out for validation")  # fmt: skip
-    log_every_n_steps: int = setting(1, integer(1),
-        "a line of window means every this many steps", resumable=True)  # fmt: skip
-    eval_every_n_steps: int | None = setting(None,
-        integer(1, null="after the last step only"), "validation every this many steps",
-        resumable=True)  # fmt: skip
-    save_every_n_steps: int | None = setting(None,
-        integer(1, null="after the last step only"), "a checkpoint every this many steps",
-        resumable=True)  # fmt: skip
-    save_every_minutes: float | None = setting(None,
+        resumable=True,
+    )
+    max_grad_norm: float | None = setting(
+        None, number(above=0, null="no clipping"), "clip the gradients' global norm to this"
+    )
+    log_grad_norm: bool = setting(
+        False, flag(), "log grad_norm even without clipping", resumable=True
+    )
+    val_fraction: float = setting(
+        0.0,
+        number(at_least=0, below=1),
+        "a seeded share of the training samples held out for validation",
+    )
+    log_every_n_steps: int = setting(
+        1, integer(1), "a line of window means every this many steps", resumable=True
+    )
+    eval_every_n_steps: int | None = setting(
+        None,
+        integer(1, null="after the last step only"),
+        "validation every this many steps",
+        resumable=True,
+    )
+    save_every_n_steps: int | None = setting(
+        None,
+        integer(1, null="after the last step only"),
+        "a checkpoint every this many steps",
+        resumable=True,
+    )
+    save_every_minutes: float | None = setting(
+        None,
         number(above=0, null="no timed saves", unit="a number of minutes"),
-        "a checkpoint every this many minutes of wall time", resumable=True)  # fmt: skip
-    keep_last: int | None = setting(None, integer(1, null="keep every checkpoint"),
-        "the newest checkpoints kept", resumable=True)  # fmt: skip
-    resume: bool | str | None = setting(False, Rule(
-        "true, false (or null), auto (resume when there is a checkpoint) or a checkpoint folder",
-        lambda v: v is None or isinstance(v, bool) or (isinstance(v, str) and v.strip() != "")),
+        "a checkpoint every this many minutes of wall time",
+        resumable=True,
+    )
+    keep_last: int | None = setting(
+        None,
+        integer(1, null="keep every checkpoint"),
+        "the newest checkpoints kept",
+        resumable=True,
+    )
+    resume: bool | str | None = setting(
+        False,
+        Rule(
+            "true, false (or null), auto (resume when there is a checkpoint) or a checkpoint folder",
+            lambda v: v is None or isinstance(v, bool) or (isinstance(v, str) and v.strip() != ""),
+        ),
         "continue from output_dir's newest checkpoint, or from this folder",
-        resumable=True)  # fmt: skip
-    overwrite: bool = setting(False, flag(),
-        "a fresh run moves an earlier run's checkpoints aside", resumable=True)  # fmt: skip
-    on_nonfinite_loss: str = setting("stop", choice("stop", "skip"),
-        "at a non-finite loss or gradient norm: stop, or skip the update", resumable=True)  # fmt: skip
-    progress_bar: bool | str = setting("auto", Rule(
-        "true, false or auto (a bar when stdout is a terminal)",
-        lambda v: isinstance(v, bool) or v == "auto"), "a progress bar on the console",
-        resumable=True)  # fmt: skip
-    optimizer_in_backward: bool = setting(False, flag(),
-        "each parameter steps as soon as its gradient is ready (no gradients kept)")  # fmt: skip
-    activation_offloading: bool = setting(False, flag(),
-        "saved activations wait in CPU memory", resumable=True)  # fmt: skip
-    distributed_timeout_s: float | None = setting(None, number(above=0,
-        null="the backend's default", unit="a number of seconds"),
-        "how long a collective waits for the other ranks", resumable=True)  # fmt: skip
-    preflight: bool = setting(False, flag(),
-        "measure one step on the longest batch before training", resumable=True)  # fmt: skip
-    parallelism: Mapping[str, Any] | None = setting(None, _PARALLELISM_RULE,
-        "mesh sizes: dp_replicate, dp_shard, tp, cp, ep (see docs/parallelism.md)")  # fmt: skip
-    sample_every_n_steps: int | None = setting(None,
-        integer(1, null="every eval_every_n_steps"), "greedy samples of sample_prompts",
-        resumable=True)  # fmt: skip
-    sample_max_new_tokens: int = setting(64, integer(1),
-        "the length of each in-training sample", resumable=True)  # fmt: skip
+        resumable=True,
+    )
+    overwrite: bool = setting(
+        False, flag(), "a fresh run moves an earlier run's checkpoints aside", resumable=True
+    )
+    on_nonfinite_loss: str = setting(
+        "stop",
+        choice("stop", "skip"),
+        "at a non-finite loss or gradient norm: stop, or skip the update",
+        resumable=True,
+    )
+    progress_bar: bool | str = setting(
+        "auto",
+        Rule(
+            "true, false or auto (a bar when stdout is a terminal)",
+            lambda v: isinstance(v, bool) or v == "auto",
+        ),
+        "a progress bar on the console",
+        resumable=True,
+    )
+    optimizer_in_backward: bool = setting(
+        False, flag(), "each parameter steps as soon as its gradient is ready (no gradients kept)"
+    )
+    activation_offloading: bool = setting(
+        False, flag(), "saved activations wait in CPU memory", resumable=True
+    )
+    distributed_timeout_s: float | None = setting(
+        None,
+        number(above=0, null="the backend's default", unit="a number of seconds"),
+        "how long a collective waits for the other ranks",
+        resumable=True,
+    )
+    preflight: bool = setting(
+        False, flag(), "measure one step on the longest batch before training", resumable=True
+    )
+    parallelism: Mapping[str, Any] | None = setting(
+        None,
+        _PARALLELISM_RULE,
+        "mesh sizes: dp_replicate, dp_shard, tp, cp, ep (see docs/parallelism.md)",
+    )
+    sample_every_n_steps: int | None = setting(
+        None,
+        integer(1, null="every eval_every_n_steps"),
+        "greedy samples of sample_prompts",
+        resumable=True,
+    )
+    sample_max_new_tokens: int = setting(
+        64, integer(1), "the length of each in-training sample", resumable=True
+    )
 
     @classmethod
     def from_config(cls, cfg: DictConfig | Mapping[str, Any]) -> LoopSettings:
@@ -307,8 +381,10 @@ class LoopSettings(Settings):
         {'weights': None, 'master_weights': None, 'optimizer_states': None, 'save_dtype': None}
         """
         values = {s.name: getattr(self, s.name) for s in settings_of(LoopSettings)}
-        values["precision"] = {k: None if v is None else str(v).removeprefix("torch.")
-                               for k, v in dataclasses.asdict(self.precision).items()}  # fmt: skip
+        values["precision"] = {
+            k: None if v is None else str(v).removeprefix("torch.")
+            for k, v in dataclasses.asdict(self.precision).items()
+        }
         return values
 
 
@@ -433,6 +509,7 @@ def markdown_table(*tables: Iterable[Setting]) -> str:
             allowed = s.rule.allowed if s.rule is not None else "a mapping with _component_"
             default = s.shown_default
             default = default if default == "required" else f"`{default}`"
-            rows.append(f"| `{s.name}` | {allowed} | {default} | "
-                        f"{'yes' if s.resumable else ''} | {s.doc} |")  # fmt: skip
+            rows.append(
+                f"| `{s.name}` | {allowed} | {default} | {'yes' if s.resumable else ''} | {s.doc} |"
+            )
     return "\n".join(rows)

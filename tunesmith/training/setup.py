@@ -218,9 +218,14 @@ def apply_attention_backend(model: nn.Module, name: str | None) -> nn.Module:
 
 
 def frozen_model(
-    cfg: DictConfig, ctx: DistributedContext, key: str, *, offload: bool = False,
-    tokenizer: Any = None, copy_of: nn.Module | None = None,
-) -> nn.Module:  # fmt: skip
+    cfg: DictConfig,
+    ctx: DistributedContext,
+    key: str,
+    *,
+    offload: bool = False,
+    tokenizer: Any = None,
+    copy_of: nn.Module | None = None,
+) -> nn.Module:
     """A model that is never trained: ``cfg[key]`` (checked against ``tokenizer`` when
     given), else a deep copy of ``copy_of`` as it is now; without gradients, in eval mode,
     sharded like the policy, and with ``offload`` on a GPU kept in CPU memory between its
@@ -267,9 +272,13 @@ class FrozenPolicy:
 
 
 def reference_policy(
-    cfg: DictConfig, ctx: DistributedContext, model: nn.Module, log: Log = print, *,
+    cfg: DictConfig,
+    ctx: DistributedContext,
+    model: nn.Module,
+    log: Log = print,
+    *,
     tokenizer: Any = None,
-) -> FrozenPolicy:  # fmt: skip
+) -> FrozenPolicy:
     """The reference policy: ``cfg.reference_model`` (sharded like the policy; offloaded with
     ``reference_offload: true``), else ``model`` with its adapters disabled (LoRA: no second
     copy in memory), else a frozen copy of ``model`` as it is now (before any update: call
@@ -285,12 +294,17 @@ def reference_policy(
     else:
         description = (
             str(cfg.reference_model.get("path", cfg.reference_model._component_))
-            if cfg.get("reference_model") else "a frozen copy of the initial policy"
-        )  # fmt: skip
+            if cfg.get("reference_model")
+            else "a frozen copy of the initial policy"
+        )
         frozen = frozen_model(
-            cfg, ctx, "reference_model", offload=bool(value_of(cfg, "reference_offload")),
-            tokenizer=tokenizer, copy_of=model,
-        )  # fmt: skip
+            cfg,
+            ctx,
+            "reference_model",
+            offload=bool(value_of(cfg, "reference_offload")),
+            tokenizer=tokenizer,
+            copy_of=model,
+        )
         reference = FrozenPolicy(frozen, description=description)
     log(f"reference: {reference.description}")
     return reference
@@ -309,15 +323,22 @@ def compiled_loss(cfg: Mapping[str, Any], loss_fn: nn.Module) -> nn.Module:
     compiling = compile_options(cfg.get("compile"))
     if compiling is None or not compiling.loss:
         return loss_fn
-    return compile_loss(loss_fn, backend=compiling.backend, mode=compiling.mode,
-                        dynamic=compiling.dynamic)  # fmt: skip
+    return compile_loss(
+        loss_fn, backend=compiling.backend, mode=compiling.mode, dynamic=compiling.dynamic
+    )
 
 
 def memory_plan(
-    cfg: DictConfig, ctx: DistributedContext, model: nn.Module, dataset: Sequence[Any],
-    collate: Callable[[list[Any]], dict[str, torch.Tensor]], log: Log, *,
-    loss_fn: nn.Module | None = None, objective: str = "this objective",
-) -> MemoryPlan | None:  # fmt: skip
+    cfg: DictConfig,
+    ctx: DistributedContext,
+    model: nn.Module,
+    dataset: Sequence[Any],
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]],
+    log: Log,
+    *,
+    loss_fn: nn.Module | None = None,
+    objective: str = "this objective",
+) -> MemoryPlan | None:
     """The estimated peak memory of a step on the longest batch of ``dataset``, logged as a
     table. The planner prices a decoder trained on token cross-entropy (``loss_fn``: full or
     linear); for any other ``objective`` (``loss_fn=None``) it logs that it gives no estimate
@@ -330,21 +351,27 @@ def memory_plan(
         # logs: memory plan: not estimated for dpo (the planner prices token cross-entropy ...)
     """
     if loss_fn is None:
-        log(f"memory plan: not estimated for {objective} (the planner prices token "
-            "cross-entropy only; preflight=true measures a step)")  # fmt: skip
+        log(
+            f"memory plan: not estimated for {objective} (the planner prices token "
+            "cross-entropy only; preflight=true measures a step)"
+        )
         return None
     if not hasattr(model, "spec") or not len(dataset):
         return None
     batch = longest_batch(dataset, min(cfg.batch_size, len(dataset)), collate)
     plan = estimate_memory(
-        model, batch_size=batch["input_ids"].shape[0], seq_len=batch["input_ids"].shape[1],
+        model,
+        batch_size=batch["input_ids"].shape[0],
+        seq_len=batch["input_ids"].shape[1],
         optimizer=optimizer_kind(cfg.optimizer._component_, cfg.optimizer),
         mixed_precision=cfg.get("mixed_precision"),
         activation_checkpointing=cfg.get("activation_checkpointing"),
         loss=loss_fn if isinstance(loss_fn, LinearCrossEntropyLoss) else "full",
         optimizer_in_backward=bool(value_of(cfg, "optimizer_in_backward")),
-        packed="document_ids" in batch, world_size=ctx.shard_size, parallel=ctx.dims,
+        packed="document_ids" in batch,
+        world_size=ctx.shard_size,
+        parallel=ctx.dims,
         device=ctx.device,
-    )  # fmt: skip
+    )
     log(plan.table())
     return plan

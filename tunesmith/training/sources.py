@@ -69,9 +69,14 @@ class BatchSource(Protocol):
 
 
 def make_loader(
-    dataset: Sequence[Any], collate: Callable[[list[Any]], Batch], ctx: DistributedContext,
-    *, batch_size: int, shuffle: bool = True, seed: int = 0,
-) -> tuple[StatefulDataLoader, DistributedSampler]:  # fmt: skip
+    dataset: Sequence[Any],
+    collate: Callable[[list[Any]], Batch],
+    ctx: DistributedContext,
+    *,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+) -> tuple[StatefulDataLoader, DistributedSampler]:
     """This rank's resumable loader over ``dataset`` (a new order every epoch when
     ``shuffle``, drawn from ``seed``), its share of the samples that of its data-parallel
     rank (``ctx.dp_rank`` of ``ctx.dp_size``). Incomplete batches are dropped, and so are the
@@ -79,11 +84,19 @@ def make_loader(
     dropped = dropped_per_epoch(len(dataset), ctx.dp_size, batch_size)
     if dropped and ctx.is_rank_zero:
         which = "a different draw each epoch" if shuffle else "always the same ones: shuffle is off"
-        print(f"data: {len(dataset)} samples, {ctx.dp_size} data-parallel rank(s) x batch_size "
-              f"{batch_size}: {dropped} sample(s) left out of each epoch (drop_last; "
-              f"{which})")  # fmt: skip
-    sampler = DistributedSampler(dataset, num_replicas=ctx.dp_size, rank=ctx.dp_rank,
-                                 shuffle=shuffle, seed=seed, drop_last=True)  # fmt: skip
+        print(
+            f"data: {len(dataset)} samples, {ctx.dp_size} data-parallel rank(s) x batch_size "
+            f"{batch_size}: {dropped} sample(s) left out of each epoch (drop_last; "
+            f"{which})"
+        )
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=ctx.dp_size,
+        rank=ctx.dp_rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=True,
+    )
     loader = StatefulDataLoader(
         dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=True
     )
@@ -135,13 +148,22 @@ class DatasetSource:
 
     @classmethod
     def build(
-        cls, dataset: Sequence[Any], collate: Callable[[list[Any]], Batch],
-        settings: LoopSettings, ctx: DistributedContext,
-    ) -> DatasetSource:  # fmt: skip
+        cls,
+        dataset: Sequence[Any],
+        collate: Callable[[list[Any]], Batch],
+        settings: LoopSettings,
+        ctx: DistributedContext,
+    ) -> DatasetSource:
         """``dataset`` read as ``settings`` say (``batch_size``, ``shuffle``, ``seed``,
         ``gradient_accumulation_steps``) on this data-parallel rank."""
-        loader, sampler = make_loader(dataset, collate, ctx, batch_size=settings.batch_size,
-                                      shuffle=settings.shuffle, seed=settings.seed)  # fmt: skip
+        loader, sampler = make_loader(
+            dataset,
+            collate,
+            ctx,
+            batch_size=settings.batch_size,
+            shuffle=settings.shuffle,
+            seed=settings.seed,
+        )
         return cls(loader, sampler, settings.gradient_accumulation_steps)
 
     @property
@@ -183,8 +205,9 @@ class DatasetSource:
         position = state.get("_sampler_iter_state")
         if position is None:  # nothing read yet in this epoch
             return state
-        extra = {k: state.get(k) for k in ("_index_sampler_state", "fetcher_state",
-                                           "dataset_state")}  # fmt: skip
+        extra = {
+            k: state.get(k) for k in ("_index_sampler_state", "fetcher_state", "dataset_state")
+        }
         if set(position) != {"samples_yielded"} or any(v is not None for v in extra.values()):
             raise ValueError(
                 f"the data loader state holds more than a sample count ({sorted(position)}, "

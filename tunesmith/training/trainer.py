@@ -126,12 +126,20 @@ class Trainer:
     """
 
     def __init__(
-        self, settings: LoopSettings, ctx: DistributedContext, *, model: nn.Module,
-        objective: Objective, optimizer: OptimizerFactory, lr_scheduler: SchedulerFactory,
-        source: BatchSource | None = None, run_config: Mapping[str, Any] | None = None,
-        resumable: Collection[str] = RESUMABLE_KEYS, on_step_end: Sequence[StepHook] = (),
+        self,
+        settings: LoopSettings,
+        ctx: DistributedContext,
+        *,
+        model: nn.Module,
+        objective: Objective,
+        optimizer: OptimizerFactory,
+        lr_scheduler: SchedulerFactory,
+        source: BatchSource | None = None,
+        run_config: Mapping[str, Any] | None = None,
+        resumable: Collection[str] = RESUMABLE_KEYS,
+        on_step_end: Sequence[StepHook] = (),
         schedule_steps: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.settings, self.ctx, self.model, self.objective = settings, ctx, model, objective
         check_objective(objective, ctx.cp_size)  # context parallel: refused where not exact
         self.source = source
@@ -142,35 +150,49 @@ class Trainer:
         self.in_backward = settings.optimizer_in_backward
         self.precision = settings.precision  # bf16 weights, master copies, save dtype
         if self.in_backward:  # each parameter steps as soon as its gradient is ready
-            check_compatible(settings.gradient_accumulation_steps, settings.max_grad_norm,
-                             on_nonfinite_loss=settings.on_nonfinite_loss)  # fmt: skip
+            check_compatible(
+                settings.gradient_accumulation_steps,
+                settings.max_grad_norm,
+                on_nonfinite_loss=settings.on_nonfinite_loss,
+            )
             self.optimizer = OptimizerInBackward(trainable, optimizer)
         else:
             params = trainable if self.precision.master_weights else _by_kind(trainable)
             self.optimizer = build_optimizer(self.precision, params, optimizer)
-        self.scheduler = lr_scheduler(self.optimizer,
-                                      num_training_steps=schedule_steps or self.total_steps)  # fmt: skip
+        self.scheduler = lr_scheduler(
+            self.optimizer, num_training_steps=schedule_steps or self.total_steps
+        )
         self._schedule = schedule_params(self.scheduler)  # this run's: wins over a checkpoint's
         record = dict(run_config) if run_config is not None else settings.as_config()
-        self.record = RunRecord(record, self.total_steps, int(getattr(source, "samples", 0)),
-                                data_parallel=ctx.dp_size)  # fmt: skip
+        self.record = RunRecord(
+            record, self.total_steps, int(getattr(source, "samples", 0)), data_parallel=ctx.dp_size
+        )
         self.resumable = frozenset(resumable)
         self.autocast_dtype = AUTOCAST[settings.mixed_precision]
         self.offload = settings.activation_offloading
         self.checkpointer = Checkpointer(
-            Path(settings.output_dir) / "checkpoints", ctx, keep_last=settings.keep_last,
-            source_dir=settings.model_dir, save_dtype=self.precision.save_dtype,
-        )  # fmt: skip
+            Path(settings.output_dir) / "checkpoints",
+            ctx,
+            keep_last=settings.keep_last,
+            source_dir=settings.model_dir,
+            save_dtype=self.precision.save_dtype,
+        )
         self.progress = {"step": 0, "tokens_seen": 0}
         self.last_checkpoint: Path | None = None
         self.rank_tokens = 0  # real (non-padding) tokens of the last step on this rank
 
     @classmethod
     def from_config(
-        cls, cfg: DictConfig, ctx: DistributedContext, *, model: nn.Module,
-        objective: Objective, source: BatchSource | None = None,
-        resumable: Collection[str] = (), **kwargs: Any,
-    ) -> Trainer:  # fmt: skip
+        cls,
+        cfg: DictConfig,
+        ctx: DistributedContext,
+        *,
+        model: nn.Module,
+        objective: Objective,
+        source: BatchSource | None = None,
+        resumable: Collection[str] = (),
+        **kwargs: Any,
+    ) -> Trainer:
         """The trainer a config asks for: its :class:`LoopSettings`, its ``optimizer`` and
         ``lr_scheduler`` components, and the config itself recorded in every checkpoint (a
         resume compares it; ``resumable``: the recipe's own keys that may change then).
@@ -182,11 +204,17 @@ class Trainer:
                                           source=source)
         """
         return cls(
-            LoopSettings.from_config(cfg), ctx, model=model, objective=objective,
+            LoopSettings.from_config(cfg),
+            ctx,
+            model=model,
+            objective=objective,
             optimizer=partial(instantiate, cfg.optimizer),
-            lr_scheduler=partial(instantiate, cfg.lr_scheduler), source=source,
-            run_config=plain_config(cfg), resumable=RESUMABLE_KEYS | set(resumable), **kwargs,
-        )  # fmt: skip
+            lr_scheduler=partial(instantiate, cfg.lr_scheduler),
+            source=source,
+            run_config=plain_config(cfg),
+            resumable=RESUMABLE_KEYS | set(resumable),
+            **kwargs,
+        )
 
     @property
     def done(self) -> bool:
@@ -217,10 +245,11 @@ class Trainer:
             batch = {k: v.to(ctx.device) for k, v in mb.items()}
             with (
                 record_function("trainer/objective"),
-                torch.autocast(ctx.device.type, self.autocast_dtype,
-                               enabled=bool(self.autocast_dtype)),
+                torch.autocast(
+                    ctx.device.type, self.autocast_dtype, enabled=bool(self.autocast_dtype)
+                ),
                 activation_offloading(self.offload, device=ctx.device),
-            ):  # fmt: skip
+            ):
                 out = objective(self.model, batch)
             with record_function("trainer/backward"):
                 loss = out.loss * ctx.dp_cp_size / units.float()  # FSDP2 averages over dp x cp
@@ -233,12 +262,10 @@ class Trainer:
         # with the optimizer in backward the update is done and no gradient is left
         with record_function("trainer/grad_norm"):
             grad_norm = (
-                _clip(self.model, self.settings.max_grad_norm)
-                if self.computes_grad_norm else None
-            )  # fmt: skip
+                _clip(self.model, self.settings.max_grad_norm) if self.computes_grad_norm else None
+            )
         loss_value = step_loss.item()
-        if not (math.isfinite(loss_value)
-                and (grad_norm is None or math.isfinite(grad_norm))):  # fmt: skip
+        if not (math.isfinite(loss_value) and (grad_norm is None or math.isfinite(grad_norm))):
             norm_text = "" if grad_norm is None else f" / grad norm {grad_norm}"
             message = f"loss {loss_value}{norm_text} at step {step}"
             if self.settings.on_nonfinite_loss == "stop":
@@ -259,8 +286,11 @@ class Trainer:
         with record_function("trainer/metrics"):
             self.progress["step"] = step
             self.rank_tokens = sum(_real_tokens(mb) for mb in micro_batches)
-            seen = (self.rank_tokens if ctx.dp_cp_size == 1 else
-                    int(all_reduce_sum(self.rank_tokens, ctx.device, ctx.dp_cp_group).item()))  # fmt: skip
+            seen = (
+                self.rank_tokens
+                if ctx.dp_cp_size == 1
+                else int(all_reduce_sum(self.rank_tokens, ctx.device, ctx.dp_cp_group).item())
+            )
             self.progress["tokens_seen"] += int(seen)
             metrics = {
                 "loss": loss_value, "lr": lr,
@@ -295,8 +325,10 @@ class Trainer:
         """A step whose micro-batches hold no unit to train on anywhere (e.g. an RL batch whose
         completions were all cut with ``overlong_filter``): no forward and no update, but the
         step counts (schedule, progress, hooks) and says so (``skipped_update``)."""
-        self.log(f"step {step}: no {self.objective.unit} to train on in this step's batches; "
-                 "the update is skipped")  # fmt: skip
+        self.log(
+            f"step {step}: no {self.objective.unit} to train on in this step's batches; "
+            "the update is skipped"
+        )
         lr = self.scheduler.get_last_lr()[0]
         with warnings.catch_warnings():  # torch warns of a schedule stepped without an update
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
@@ -320,8 +352,15 @@ class Trainer:
         restored.
         """
         collate = collate if collate is not None else self.source.collate
-        return evaluate(self.model, self.objective, dataset, collate, self.ctx,
-                        self.settings.batch_size, self.autocast_dtype)  # fmt: skip
+        return evaluate(
+            self.model,
+            self.objective,
+            dataset,
+            collate,
+            self.ctx,
+            self.settings.batch_size,
+            self.autocast_dtype,
+        )
 
     def save(self) -> Path:
         """Checkpoint the current step (a collective); returns its folder."""
@@ -344,9 +383,11 @@ class Trainer:
             resized = self._check_config(path)
 
         path = self.checkpointer.start(
-            self.settings.resume, overwrite=self.settings.overwrite,
-            check=check, log=self.log,
-        )  # fmt: skip
+            self.settings.resume,
+            overwrite=self.settings.overwrite,
+            check=check,
+            log=self.log,
+        )
         if path is not None:
             self._restore(path, resized, verify=False)  # start() verified it
         return path
@@ -356,8 +397,9 @@ class Trainer:
         self._restore(Path(path), self._check_config(Path(path)), verify=True)
 
     def _restore(self, path: Path, resized: bool, verify: bool) -> None:
-        progress = self.checkpointer.load(path, self.model, self.optimizer, self._stateful(),
-                                          verify=verify)  # fmt: skip
+        progress = self.checkpointer.load(
+            path, self.model, self.optimizer, self._stateful(), verify=verify
+        )
         self.progress = {"step": progress["step"], "tokens_seen": progress["tokens_seen"]}
         if self.source is not None:
             self.source.epoch = progress.get("epoch", 0)
@@ -386,17 +428,26 @@ class Trainer:
                 "continues as saved"
             )
             return False
-        for note in check_resume(checkpoint, saved, self.record, resumable=self.resumable,
-                                 resizable=self._schedule is not None):  # fmt: skip
+        for note in check_resume(
+            checkpoint,
+            saved,
+            self.record,
+            resumable=self.resumable,
+            resizable=self._schedule is not None,
+        ):
             self.log(note)
         return saved.total_steps != self.record.total_steps
 
 
 def evaluate(
-    model: nn.Module, objective: Objective, dataset: Sequence[Any],
-    collate: Callable[[list[Any]], Batch], ctx: DistributedContext, batch_size: int,
+    model: nn.Module,
+    objective: Objective,
+    dataset: Sequence[Any],
+    collate: Callable[[list[Any]], Batch],
+    ctx: DistributedContext,
+    batch_size: int,
     autocast_dtype: torch.dtype | None = None,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """``val_loss`` and ``val_<metric>``: the objective's sums over ``dataset`` divided by its
     units, with no gradient, in eval mode (the model's mode is restored after). Data-parallel
     rank ``r`` takes items ``r, r + dp_size, ...``; every rank runs the same number of batches
@@ -420,8 +471,7 @@ def evaluate(
         ):
             for i in range(rounds):
                 counted = i < len(batches)
-                mb = _cp_share(collate([dataset[j] for j in (batches[i] if counted else [0])]),
-                               ctx)  # fmt: skip
+                mb = _cp_share(collate([dataset[j] for j in (batches[i] if counted else [0])]), ctx)
                 out = objective(model, {k: v.to(ctx.device) for k, v in mb.items()})
                 metrics = {"loss": out.loss, **out.metrics}
                 if not counted:  # zeros keep every rank's metric names (and all-reduces) equal

@@ -237,8 +237,13 @@ class KDLoss(nn.Module):
         t_weight = teacher_weight.detach()
         vocab_rows = shard.max_size if shard is not None else student_weight.shape[0]  # same
         weight_bytes = vocab_rows * student_weight.shape[1] * s_dtype.itemsize  # on all ranks
-        chunk = rows_per_chunk(s_rows.shape[0], weight_bytes, self.num_chunks, self.chunk_size,
-                               min_chunk_rows=1 if self.num_chunks else None)  # fmt: skip
+        chunk = rows_per_chunk(
+            s_rows.shape[0],
+            weight_bytes,
+            self.num_chunks,
+            self.chunk_size,
+            min_chunk_rows=1 if self.num_chunks else None,
+        )
         checkpointed = (
             torch.is_grad_enabled()
             and (s_rows.requires_grad or student_weight.requires_grad)

@@ -73,9 +73,12 @@ _CACHED_WEIGHT_BYTES = 8 * 2**20
 
 
 def rows_per_chunk(
-    rows: int, weight_bytes: int, num_chunks: int | None = None, chunk_size: int | None = None,
+    rows: int,
+    weight_bytes: int,
+    num_chunks: int | None = None,
+    chunk_size: int | None = None,
     min_chunk_rows: int | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Rows per chunk of a chunked head projection of ``rows`` trained rows by a
     ``weight_bytes`` weight: ``chunk_size`` when given, else ``num_chunks`` even chunks, fewer
     when a weight of 8 MiB or more would get chunks under ``min_chunk_rows`` (smaller chunks
@@ -377,8 +380,9 @@ class LinearCrossEntropyLoss(nn.Module):
             >>> LinearCrossEntropyLoss(num_chunks=4).rows_per_chunk(100, llama3_head)
             25
         """
-        return rows_per_chunk(rows, weight_bytes, self.num_chunks, self.chunk_size,
-                              self.min_chunk_rows)  # fmt: skip
+        return rows_per_chunk(
+            rows, weight_bytes, self.num_chunks, self.chunk_size, self.min_chunk_rows
+        )
 
     def forward(
         self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
@@ -462,9 +466,14 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-        chunk_size: int, dtype: torch.dtype, recompute: bool,
-    ) -> torch.Tensor:  # fmt: skip
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk_size: int,
+        dtype: torch.dtype,
+        recompute: bool,
+    ) -> torch.Tensor:
         rows_c, weight_c = hidden.to(dtype), weight.to(dtype)
         logps, lses, kept = [], [], []
         for start in range(0, rows_c.shape[0], chunk_size):
@@ -500,8 +509,9 @@ class _TokenLogprobs(torch.autograd.Function):
             probs = logits.sub_(ctx.lses[index][:, None]).exp_()
             grad_logits = probs.mul_(-grad).scatter_add_(1, targets[part, None], grad)
             chunk_hidden = grad_hidden[part] if grad_hidden is not None else None
-            _add_chunk_grads(grad_logits, rows_c[part], weight_c, chunk_hidden, grad_weight,
-                             first=start == 0)  # fmt: skip
+            _add_chunk_grads(
+                grad_logits, rows_c[part], weight_c, chunk_hidden, grad_weight, first=start == 0
+            )
             del logits, probs, grad_logits
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
@@ -527,9 +537,13 @@ def _sharded_chunk_token_logprobs(
 
 
 def _head_dtype(
-    name: str, hidden: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
-    positions_name: str, chunk_size: int,
-) -> torch.dtype:  # fmt: skip
+    name: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    positions: torch.Tensor,
+    positions_name: str,
+    chunk_size: int,
+) -> torch.dtype:
     """Check the arguments of a chunked head projection; return its compute dtype (autocast's,
     else the promoted dtype of ``hidden`` and ``weight``)."""
     if hidden.shape[:-1] != positions.shape:
@@ -620,16 +634,22 @@ def token_logprobs(
         with torch.autocast(device_type, enabled=False):
             picked = _TokenLogprobs.apply(rows, weight, targets, chunk_size, dtype, recompute)
     else:
-        picked = _checkpointed_chunks(rows, weight, targets, chunk_size, dtype, shard,
-                                      checkpointed=grad and recompute)  # fmt: skip
+        picked = _checkpointed_chunks(
+            rows, weight, targets, chunk_size, dtype, shard, checkpointed=grad and recompute
+        )
     flat = torch.zeros(flat_labels.shape[0], dtype=out_dtype, device=hidden.device)
     return flat.index_copy(0, keep, picked).reshape(labels.shape)
 
 
 def _checkpointed_chunks(
-    rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int,
-    dtype: torch.dtype, shard: vp.VocabShard | None, checkpointed: bool,
-) -> torch.Tensor:  # fmt: skip
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int,
+    dtype: torch.dtype,
+    shard: vp.VocabShard | None,
+    checkpointed: bool,
+) -> torch.Tensor:
     """:func:`token_logprobs` of the trained rows through autograd (no gradient, or a weight
     sharded over the vocabulary), each chunk under ``torch.utils.checkpoint`` when
     ``checkpointed``."""
@@ -644,8 +664,11 @@ def _checkpointed_chunks(
         for start in range(0, rows.shape[0], chunk_size):
             chunk = (rows[start : start + chunk_size], weight, targets[start : start + chunk_size])
             if checkpointed:
-                pieces.append(checkpoint(chunk_fn, *chunk, dtype, use_reentrant=False,
-                                         preserve_rng_state=False))  # fmt: skip
+                pieces.append(
+                    checkpoint(
+                        chunk_fn, *chunk, dtype, use_reentrant=False, preserve_rng_state=False
+                    )
+                )
             else:
                 pieces.append(chunk_fn(*chunk, dtype))
     return torch.cat(pieces)

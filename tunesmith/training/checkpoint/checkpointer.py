@@ -141,8 +141,13 @@ def _same_state(a: Any, b: Any) -> bool:
     """Equal nested states: same keys, lengths, types and values; tensors of the same dtype,
     shape and elements (a NaN anywhere counts as a difference)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))  # fmt: skip
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -460,8 +465,9 @@ class Checkpointer:
             if planted and path.is_symlink() and (problem := directory.link_problem(path)):
                 raise CheckpointError(f"resume={resume}: {problem}")
             if not has_manifest(path):
-                log(f"warning: resume={resume} has no {MARKER} manifest; its files are not "
-                    "verified")  # fmt: skip
+                log(
+                    f"warning: resume={resume} has no {MARKER} manifest; its files are not verified"
+                )
             elif problem := directory.problem(path):
                 raise CheckpointError(f"resume={resume}: {problem}")
         return path
@@ -478,8 +484,10 @@ class Checkpointer:
             newer = [p for p in existing if directory.step_of(p) > directory.step_of(path)]
             if newer:
                 into = directory.set_aside(newer, aside_folder(directory.root, "rolled-back"))
-                log(f"resuming from {path.name}: moved the newer {_names(newer)} to {into} "
-                    "(not deleted)")  # fmt: skip
+                log(
+                    f"resuming from {path.name}: moved the newer {_names(newer)} to {into} "
+                    "(not deleted)"
+                )
         elif existing:
             self._replace(existing, resume, overwrite, log)
         if path is not None:
@@ -503,8 +511,10 @@ class Checkpointer:
         logs = [root.parent / n for n in ("metrics.jsonl", "config.yaml")]
         for file in [f for f in logs if f.is_file()]:
             os.rename(file, into / file.name)
-        log(f"overwrite=true: moved the previous run's {_names(existing)} (and its "
-            f"metrics.jsonl, config.yaml) to {into} (not deleted)")  # fmt: skip
+        log(
+            f"overwrite=true: moved the previous run's {_names(existing)} (and its "
+            f"metrics.jsonl, config.yaml) to {into} (not deleted)"
+        )
 
     def save(
         self,
@@ -525,13 +535,19 @@ class Checkpointer:
                 )
             elif self.ctx.is_rank_zero:
                 write_hf_checkpoint(
-                    weights, tmp, spec=model.spec, dtype=self.save_dtype,
+                    weights,
+                    tmp,
+                    spec=model.spec,
+                    dtype=self.save_dtype,
                     source_dir=self.source_dir,
-                )  # fmt: skip
+                )
             dcp.save({"optimizer": optim_state}, checkpoint_id=tmp / STATE_DIR / "optimizer")
             rank_state = {name: obj.state_dict() for name, obj in stateful.items()}
-            rank_state |= {"rng": rng_state(), "progress": dict(progress),
-                           LAYOUT_KEY: layout(self.ctx)}  # fmt: skip
+            rank_state |= {
+                "rng": rng_state(),
+                "progress": dict(progress),
+                LAYOUT_KEY: layout(self.ctx),
+            }
             torch.save(rank_state, tmp / STATE_DIR / f"rank{self.ctx.rank}.pt")
             _barrier()
             final = self.directory.commit(tmp) if self.directory else None
@@ -649,16 +665,20 @@ class Checkpointer:
                 _read_rank_file(state_dir / f"rank{r}.pt") for r in range(saved["world_size"])
             ]
             differing = [
-                name for name, obj in stateful.items()
+                name
+                for name, obj in stateful.items()
                 if not hasattr(obj, "reshard_state_dict")
                 and not all(_same_state(s.get(name), states[0].get(name)) for s in states[1:])
-            ]  # fmt: skip
+            ]
         return {"layout": saved, "differing": differing}
 
     def _rank_state(
-        self, path: Path, plan: dict[str, Any] | None, stateful: Mapping[str, Stateful],
+        self,
+        path: Path,
+        plan: dict[str, Any] | None,
+        stateful: Mapping[str, Stateful],
         log: Callable[[str], None],
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """This rank's saved training state, the ``stateful`` entries mapped to this mesh when
         ``plan`` (:meth:`_mesh_change`) says it is another; read before any weight moves."""
         if plan is None:
@@ -679,8 +699,10 @@ class Checkpointer:
                 f"{saved_dp} data-parallel ranks"
             )
         if self.ctx.is_rank_zero:
-            log(f"resuming {path.name}, written by {_mesh_words(saved)}, on {_mesh_words(here)}: "
-                "the optimizer state is resharded, the data position mapped")  # fmt: skip
+            log(
+                f"resuming {path.name}, written by {_mesh_words(saved)}, on {_mesh_words(here)}: "
+                "the optimizer state is resharded, the data position mapped"
+            )
         source = list(saved["dp_ranks"]).index(self.ctx.dp_rank % saved_dp)
         rank_file = path / STATE_DIR / f"rank{source}.pt"
         state = _read_rank_file(rank_file)

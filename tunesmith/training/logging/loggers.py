@@ -316,9 +316,11 @@ class JSONLLogger(_ContextManager):
     """
 
     def __init__(
-        self, log_dir: str | os.PathLike[str], filename: str = "metrics.jsonl",
+        self,
+        log_dir: str | os.PathLike[str],
+        filename: str = "metrics.jsonl",
         timestamps: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.log_dir = Path(log_dir)  # the user's folder (a link there is the user's choice)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.log_dir / filename
@@ -360,8 +362,9 @@ class JSONLLogger(_ContextManager):
         except UnsafePathError:
             raise
         except OSError as err:
-            raise MetricsWriteError(f"{path}: cannot write the run's config: "
-                                    f"{_write_failure(err)}") from err  # fmt: skip
+            raise MetricsWriteError(
+                f"{path}: cannot write the run's config: {_write_failure(err)}"
+            ) from err
 
     def close(self) -> None:
         if self._fd is not None:

@@ -73,8 +73,9 @@ def read_metrics(path: str | os.PathLike[str]) -> dict[str, list[tuple[int, floa
     with open(path, "rb") as f:
         for lineno, raw in enumerate(iter(lambda: f.readline(_MAX_LINE + 1), b""), start=1):
             if len(raw) > _MAX_LINE:
-                raise ValueError(f"{path}:{lineno}: a line over {_MAX_LINE} bytes; not a "
-                                 "metrics file")  # fmt: skip
+                raise ValueError(
+                    f"{path}:{lineno}: a line over {_MAX_LINE} bytes; not a metrics file"
+                )
             if not raw.strip():
                 continue
             record = _record(raw, f"{path}:{lineno}")
@@ -149,10 +150,12 @@ def plot_run(
     panels = metric_panels(series)
     extra = len(panels) - 1 - ("lr" in series)  # recipe panels
     heights = [2] + [1.25] * extra + ([1] if "lr" in series else [])
-    fig = Figure(figsize=(8, (4 if len(panels) == 1 else 6) + 2.5 * extra),
-                 layout="constrained")  # fmt: skip
-    axes = fig.subplots(len(panels), 1, sharex=True, height_ratios=heights) if len(panels) > 1 \
-        else [fig.subplots()]  # fmt: skip
+    fig = Figure(figsize=(8, (4 if len(panels) == 1 else 6) + 2.5 * extra), layout="constrained")
+    axes = (
+        fig.subplots(len(panels), 1, sharex=True, height_ratios=heights)
+        if len(panels) > 1
+        else [fig.subplots()]
+    )
     for ax, (title, keys) in zip(axes, panels):
         for key in keys:
             steps, values = zip(*series[key])

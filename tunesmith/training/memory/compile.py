@@ -73,10 +73,12 @@ def compile_options(
     known = {f.name for f in fields(CompileOptions)}
     unknown = [name for name in value if name not in known]
     if unknown:
-        raise ConfigError.from_issues([
-            ConfigIssue(f"{key}.{name}", f"unknown option; known: {sorted(known)}")
-            for name in unknown
-        ])  # fmt: skip
+        raise ConfigError.from_issues(
+            [
+                ConfigIssue(f"{key}.{name}", f"unknown option; known: {sorted(known)}")
+                for name in unknown
+            ]
+        )
     options = CompileOptions(**dict(value))
     if not (options.layers or options.loss):
         return None

@@ -135,8 +135,10 @@ class OptimizerInBackward(Optimizer):
                     f"optimizer_factory returned {type(opt).__name__}, not a torch Optimizer"
                 )
             if len(opt.param_groups) != 1 or len(opt.param_groups[0]["params"]) != 1:
-                raise ValueError("optimizer_factory must build an optimizer over exactly the "
-                                 "one parameter group it is given")  # fmt: skip
+                raise ValueError(
+                    "optimizer_factory must build an optimizer over exactly the "
+                    "one parameter group it is given"
+                )
             if not self.defaults:
                 self.defaults = dict(opt.defaults)
             self.optimizers.append(opt)
@@ -238,25 +240,31 @@ def check_compatible(
     """
     issues = []
     if int(gradient_accumulation_steps) != 1:
-        issues.append(ConfigIssue(
-            "gradient_accumulation_steps",
-            f"is {gradient_accumulation_steps}, but optimizer_in_backward updates each "
-            "parameter during backward, so gradients cannot be accumulated over micro-batches; "
-            "set gradient_accumulation_steps=1 (raise batch_size instead) or turn "
-            "optimizer_in_backward off",
-        ))  # fmt: skip
+        issues.append(
+            ConfigIssue(
+                "gradient_accumulation_steps",
+                f"is {gradient_accumulation_steps}, but optimizer_in_backward updates each "
+                "parameter during backward, so gradients cannot be accumulated over micro-batches; "
+                "set gradient_accumulation_steps=1 (raise batch_size instead) or turn "
+                "optimizer_in_backward off",
+            )
+        )
     if max_grad_norm:
-        issues.append(ConfigIssue(
-            "max_grad_norm",
-            f"is {max_grad_norm}, but optimizer_in_backward updates each parameter before the "
-            "other gradients exist, so their global norm cannot be clipped; set "
-            "max_grad_norm=null or turn optimizer_in_backward off",
-        ))  # fmt: skip
+        issues.append(
+            ConfigIssue(
+                "max_grad_norm",
+                f"is {max_grad_norm}, but optimizer_in_backward updates each parameter before the "
+                "other gradients exist, so their global norm cannot be clipped; set "
+                "max_grad_norm=null or turn optimizer_in_backward off",
+            )
+        )
     if on_nonfinite_loss != "stop":
-        issues.append(ConfigIssue(
-            "on_nonfinite_loss",
-            f"is {on_nonfinite_loss!r}, but with optimizer_in_backward the update is applied "
-            "during backward and cannot be skipped afterwards; use 'stop'",
-        ))  # fmt: skip
+        issues.append(
+            ConfigIssue(
+                "on_nonfinite_loss",
+                f"is {on_nonfinite_loss!r}, but with optimizer_in_backward the update is applied "
+                "during backward and cannot be skipped afterwards; use 'stop'",
+            )
+        )
     if issues:
         raise ConfigError.from_issues(issues, header="optimizer_in_backward cannot be used:")

@@ -253,8 +253,11 @@ def _layout_name(dims: ParallelDims) -> str:
         >>> _layout_name(ParallelDims(dp_replicate=2, dp_shard=2))
         'dp_replicate 2 x dp_shard 2'
     """
-    sizes = [f"{name} {getattr(dims, name)}" for name in ("dp_replicate", "dp_shard", "cp", "tp")
-             if getattr(dims, name) > 1]  # fmt: skip
+    sizes = [
+        f"{name} {getattr(dims, name)}"
+        for name in ("dp_replicate", "dp_shard", "cp", "tp")
+        if getattr(dims, name) > 1
+    ]
     if dims.ep > 1:
         sizes.append(f"ep {dims.ep}")
     name = " x ".join(sizes) or "one device"
@@ -485,9 +488,17 @@ def estimate_memory(
     num_layers = spec.num_hidden_layers
     stream = tp if sp else 1
     layer_bytes = partial(
-        activation_bytes_per_token, spec, act_bytes=a, residual_bytes=r, seq_len=seq_len,
-        masked=packed, autocast=autocast and r > 2, tp=tp, sequence_parallel=sp, ep=ep,
-    )  # fmt: skip
+        activation_bytes_per_token,
+        spec,
+        act_bytes=a,
+        residual_bytes=r,
+        seq_len=seq_len,
+        masked=packed,
+        autocast=autocast and r > 2,
+        tp=tp,
+        sequence_parallel=sp,
+        ep=ep,
+    )
     per_layer = [layer_bytes(layer_idx=i) for i in range(num_layers)]
     checkpointed = set(range(0, num_layers, every_k)) if mode else set()
     kept = 0
@@ -530,15 +541,23 @@ def estimate_memory(
         )
 
     return MemoryPlan(
-        weights=int(weights), gradients=int(gradients), optimizer_states=int(states),
-        activations=int(activations), logits=int(logits), head_gradient=int(head_gradient),
+        weights=int(weights),
+        gradients=int(gradients),
+        optimizer_states=int(states),
+        activations=int(activations),
+        logits=int(logits),
+        head_gradient=int(head_gradient),
         recompute=int(recompute),
-        autocast_weights=int(autocast_weights), step_temporaries=int(step_temporaries),
-        activations_per_token_layer=int(max(per_layer)), batch_size=batch_size,
-        seq_len=seq_len, world_size=dims.world_size, gathered_root=int(gathered_root),
+        autocast_weights=int(autocast_weights),
+        step_temporaries=int(step_temporaries),
+        activations_per_token_layer=int(max(per_layer)),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        world_size=dims.world_size,
+        gathered_root=int(gathered_root),
         gathered_layers=int(gathered_layers),
         parallel=dims if dims.world_size > 1 else None,
-    )  # fmt: skip
+    )
 
 
 def spec_dtype_bytes(model: nn.Module) -> int:

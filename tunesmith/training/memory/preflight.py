@@ -171,9 +171,11 @@ def preflight(
     if device.type == "cuda":
         resident = torch.cuda.memory_allocated(device)
     return PreflightReport(
-        seconds=seconds, step_bytes=memory.peak, resident_bytes=resident,
+        seconds=seconds,
+        step_bytes=memory.peak,
+        resident_bytes=resident,
         batch_shape=tuple(batch["input_ids"].shape),
-    )  # fmt: skip
+    )
 
 
 def _drop_grad(param: torch.Tensor) -> None:

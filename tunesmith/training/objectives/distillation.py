@@ -33,9 +33,12 @@ class Distillation:
     context_parallel = "tokens"  # sums over tokens: each cp rank sums its share
 
     def __init__(
-        self, teacher: nn.Module, loss_fn: nn.Module, kd_ratio: float,
+        self,
+        teacher: nn.Module,
+        loss_fn: nn.Module,
+        kd_ratio: float,
         vocab_size: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not 0.0 <= kd_ratio <= 1.0:
             raise ValueError(f"kd_ratio must be in [0, 1], got {kd_ratio}")
         self.teacher = teacher

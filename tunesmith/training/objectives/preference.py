@@ -84,8 +84,12 @@ class PreferenceObjective:
 
     def _reference(self, batch: Mapping[str, torch.Tensor], policy: PairLogps) -> PairLogps:
         if "reference_chosen" in batch:  # precomputed
-            return PairLogps(batch["reference_chosen"], batch["reference_rejected"],
-                             policy.chosen_tokens, policy.rejected_tokens)  # fmt: skip
+            return PairLogps(
+                batch["reference_chosen"],
+                batch["reference_rejected"],
+                policy.chosen_tokens,
+                policy.rejected_tokens,
+            )
         if self.reference is None:
             raise ValueError(f"{type(self.loss_fn).__name__} needs reference log-probabilities")
         return self.reference(batch)
@@ -135,10 +139,12 @@ class WithReference(Dataset):
 
 
 def precompute(
-    reference: Callable[[Mapping[str, torch.Tensor]], PairLogps], dataset: Sequence[Any],
-    collate: Callable[[list[Any]], dict[str, torch.Tensor]], ctx: DistributedContext,
+    reference: Callable[[Mapping[str, torch.Tensor]], PairLogps],
+    dataset: Sequence[Any],
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]],
+    ctx: DistributedContext,
     batch_size: int,
-) -> WithReference:  # fmt: skip
+) -> WithReference:
     """Every pair's reference log-probs, each data-parallel rank computing its share (every
     rank runs the same number of batches, as a sharded reference needs) and all ranks
     gathering all over the dp group."""

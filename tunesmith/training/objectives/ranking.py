@@ -36,9 +36,11 @@ class PairwiseRanking:
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         scores, router_logits = model(
-            batch["input_ids"], position_ids=batch["position_ids"],
-            attention_mask=batch["attention_mask"], output_router_logits=True,
-        )  # fmt: skip
+            batch["input_ids"],
+            position_ids=batch["position_ids"],
+            attention_mask=batch["attention_mask"],
+            output_router_logits=True,
+        )
         scores = scores[:, 0]
         half = scores.shape[0] // 2
         chosen, rejected = scores[:half], scores[half:]

@@ -199,8 +199,12 @@ def check_objective(objective: Any, cp_size: int) -> None:
     if cp_size == 1 or getattr(objective, "context_parallel", None) in ("tokens", "rows"):
         return
     where = f"{type(objective).__name__} ({type(objective).__module__})"
-    raise ConfigError.from_issues([ConfigIssue(
-        "parallelism",
-        f"cp {cp_size}: {where} does not support context parallel (its loss needs whole "
-        "sequences); use cp: 1 (context parallel runs sft, kd and dpo)",
-    )])  # fmt: skip
+    raise ConfigError.from_issues(
+        [
+            ConfigIssue(
+                "parallelism",
+                f"cp {cp_size}: {where} does not support context parallel (its loss needs whole "
+                "sequences); use cp: 1 (context parallel runs sft, kd and dpo)",
+            )
+        ]
+    )

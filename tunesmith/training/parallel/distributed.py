@@ -114,11 +114,17 @@ class ParallelDims:
         named = " x ".join(f"{k} {v}" for k, v in rest.items())
         if shard in (-1, "auto"):
             if world_size % others:
-                raise _refused(f"{named} = {others} does not divide the world of {world_size} "
-                               "rank(s), so dp_shard: auto has no size")  # fmt: skip
+                raise _refused(
+                    f"{named} = {others} does not divide the world of {world_size} "
+                    "rank(s), so dp_shard: auto has no size"
+                )
             shard = world_size // others
-        dims = cls(dp_shard=int(shard), ep=int(sizes.get("ep", 1)),
-                   sequence_parallel=sequence_parallel, **rest)  # fmt: skip
+        dims = cls(
+            dp_shard=int(shard),
+            ep=int(sizes.get("ep", 1)),
+            sequence_parallel=sequence_parallel,
+            **rest,
+        )
         if dims.world_size != world_size:
             auto = ", or set dp_shard: auto" if world_size % others == 0 else ""
             raise _refused(
@@ -127,13 +133,16 @@ class ParallelDims:
                 f"make the product {world_size}{auto}"
             )
         if dims.ep > 1 and dims.dp_shard % dims.ep:
-            raise _refused(f"ep {dims.ep} does not divide dp_shard {dims.dp_shard}: the experts "
-                           "are split over data-parallel shard ranks; use an ep dividing "
-                           f"{dims.dp_shard}")  # fmt: skip
+            raise _refused(
+                f"ep {dims.ep} does not divide dp_shard {dims.dp_shard}: the experts "
+                "are split over data-parallel shard ranks; use an ep dividing "
+                f"{dims.dp_shard}"
+            )
         for name, later in _LATER.items():
             if getattr(dims, name) > 1:
-                raise _refused(f"{name} {getattr(dims, name)}: not implemented yet ({later}); "
-                               f"use {name}: 1")  # fmt: skip
+                raise _refused(
+                    f"{name} {getattr(dims, name)}: not implemented yet ({later}); use {name}: 1"
+                )
         return dims
 
     @property
@@ -274,9 +283,10 @@ def _pick_device(device: str, local_rank: int) -> torch.device:
 
 
 def init_distributed(
-    device: str = "auto", timeout_s: float | None = None,
+    device: str = "auto",
+    timeout_s: float | None = None,
     parallelism: Mapping[str, Any] | None = None,
-) -> DistributedContext:  # fmt: skip
+) -> DistributedContext:
     """Join (or create) the process group and build the named device mesh of
     ``parallelism`` (:class:`ParallelDims`; None: every rank data-parallel shard).
 
@@ -290,8 +300,13 @@ def init_distributed(
         raise ConfigError.from_issues([ConfigIssue("distributed_timeout_s", problem)])
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=float(timeout_s))}
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = (dist.get_world_size() if dist.is_initialized()
-             else int(os.environ["WORLD_SIZE"]) if launched else 1)  # fmt: skip
+    world = (
+        dist.get_world_size()
+        if dist.is_initialized()
+        else int(os.environ["WORLD_SIZE"])
+        if launched
+        else 1
+    )
     dims = ParallelDims.resolve(parallelism, world)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dev = _pick_device(device, local_rank)

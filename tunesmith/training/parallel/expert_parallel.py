@@ -76,8 +76,9 @@ class _AllToAll(torch.autograd.Function):
     (``recv`` from each rank, in rank order). The backward sends the gradients back."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int],
-                group: ProcessGroup) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup
+    ) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = x.new_empty((sum(recv), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
@@ -208,10 +209,11 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         raise ValueError(f"expected an ('expert_dp', 'ep') mesh, got {mesh.mesh_dim_names}")
     ep, replicas = mesh.size(1), mesh.size(0)
     plan = _Plan(
-        ep_group=mesh.get_group("ep"), ep=ep,
+        ep_group=mesh.get_group("ep"),
+        ep=ep,
         replica_group=mesh.get_group("expert_dp") if replicas > 1 else None,
         scale=1.0 / (ep * replicas),
-    )  # fmt: skip
+    )
     index = mesh.get_local_rank("ep")
     for name, module in model.named_modules():
         if not isinstance(module, MoE):
@@ -227,11 +229,19 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
             if isinstance(full, DTensor):  # already split (applied twice)
                 continue
             if full.shape[0] != module.num_experts:
-                raise ValueError(f"{name}.experts: {pname} {list(full.shape)} is not stacked "
-                                 f"on {module.num_experts} experts")  # fmt: skip
+                raise ValueError(
+                    f"{name}.experts: {pname} {list(full.shape)} is not stacked "
+                    f"on {module.num_experts} experts"
+                )
             local = full.detach()[index * per_rank : (index + 1) * per_rank].clone()
-            shard = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
-                                       shape=full.shape, stride=full.stride())  # fmt: skip
+            shard = DTensor.from_local(
+                local,
+                mesh,
+                [Replicate(), Shard(0)],
+                run_check=False,
+                shape=full.shape,
+                stride=full.stride(),
+            )
             param = nn.Parameter(shard, requires_grad=full.requires_grad)
             param.expert_parallel = True  # FSDP2 ignores it (shard_model)
             owner.register_parameter(pname, param)

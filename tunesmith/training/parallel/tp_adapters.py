@@ -144,10 +144,12 @@ class AdapterColwise(ColwiseParallel):
         shard_adapter_layer(module, device_mesh, COLWISE_ADAPTER)
         layouts = (self.input_layouts, self.desired_input_layouts)
         return distribute_module(
-            module, device_mesh, None,  # the parameters are all DTensors now
+            module,
+            device_mesh,
+            None,  # the parameters are all DTensors now
             partial(self._prepare_input_fn, *layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )  # fmt: skip
+        )
 
 
 class AdapterRowwiseToStream(RowwiseToStream):

@@ -71,9 +71,12 @@ class HeadNorm(ParallelStyle):
             return (DTensor.from_local(inputs[0], mesh, (Shard(2),), run_check=False),)
 
         return distribute_module(
-            module, device_mesh, lambda name, mod, mesh: replicate_params(mod, mesh),
-            shard_heads, lambda mod, out, mesh: out.to_local(),
-        )  # fmt: skip
+            module,
+            device_mesh,
+            lambda name, mod, mesh: replicate_params(mod, mesh),
+            shard_heads,
+            lambda mod, out, mesh: out.to_local(),
+        )
 
 
 class Gathered(ParallelStyle):
@@ -126,6 +129,9 @@ class RowwiseToStream(RowwiseParallel):
             return outputs.redistribute(placements=(self.stream.placement,)).to_local()
 
         return distribute_module(
-            module, device_mesh, partition,
-            partial(self._prepare_input_fn, input_layouts, self.desired_input_layouts), to_stream,
-        )  # fmt: skip
+            module,
+            device_mesh,
+            partition,
+            partial(self._prepare_input_fn, input_layouts, self.desired_input_layouts),
+            to_stream,
+        )
