@@ -85,9 +85,14 @@ def test_validate_ok_and_reports_every_problem_with_its_path():
 
 def test_run_trivial_recipe_in_process(tmp_path):
     result = tunesmith(
-        "run", str(ECHO_RECIPE), "--config", str(ECHO_CONFIG), f"base_dir={tmp_path}",
-        "model.in_features=7", "message=x=1",
-    )  # fmt: skip
+        "run",
+        str(ECHO_RECIPE),
+        "--config",
+        str(ECHO_CONFIG),
+        f"base_dir={tmp_path}",
+        "model.in_features=7",
+        "message=x=1",
+    )
     assert result.returncode == 0, result.stderr
     record = json.loads((tmp_path / "out" / "result.json").read_text())
     assert record == {"message": "x=1", "in_features": 7, "steps": 3}
@@ -95,9 +100,13 @@ def test_run_trivial_recipe_in_process(tmp_path):
 
 def test_run_bad_config_writes_nothing_and_prints_one_line(tmp_path):
     result = tunesmith(
-        "run", str(ECHO_RECIPE), "--config", str(ECHO_CONFIG), f"base_dir={tmp_path}",
+        "run",
+        str(ECHO_RECIPE),
+        "--config",
+        str(ECHO_CONFIG),
+        f"base_dir={tmp_path}",
         "model._component_=torch.nn.Linearr",
-    )  # fmt: skip
+    )
     assert result.returncode == 1
     assert "model" in result.stderr and "torch.nn.Linear" in result.stderr
     assert "Traceback" not in result.stderr
@@ -121,9 +130,14 @@ def test_run_two_gloo_ranks_through_torchrun(tmp_path):
     config = tmp_path / "dist.yaml"
     config.write_text(f"output_dir: {tmp_path}/out\n")
     result = tunesmith(
-        "run", str(ASSETS / "allreduce_recipe.py"), "--config", str(config), "--nproc-per-node", "2",
+        "run",
+        str(ASSETS / "allreduce_recipe.py"),
+        "--config",
+        str(config),
+        "--nproc-per-node",
+        "2",
         timeout=300,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     records = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world"] for r in records] == [2, 2]
@@ -133,9 +147,12 @@ def test_run_two_gloo_ranks_through_torchrun(tmp_path):
 
 def test_download_offline_is_a_clear_error(tmp_path):
     result = tunesmith(
-        "download", "Qwen/Qwen3-0.6B", "--output-dir", str(tmp_path / "m"),
+        "download",
+        "Qwen/Qwen3-0.6B",
+        "--output-dir",
+        str(tmp_path / "m"),
         env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
-    )  # fmt: skip
+    )
     assert result.returncode == 1
     assert "Qwen/Qwen3-0.6B" in result.stderr and "offline" in result.stderr
     assert "Traceback" not in result.stderr

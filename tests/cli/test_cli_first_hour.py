@@ -82,8 +82,13 @@ def test_cat_shows_unresolved_values_as_written(tmp_path, capsys):
     capsys.readouterr()
     assert main(["cat", str(dest), "optimizer.lr=1e-4"]) == 0
     out = capsys.readouterr().out
-    for line in ("model_dir: ???", "  folder: ${model_dir}", "  path: ${model_dir}",
-                 "  lr: 0.0001", "  log_dir: outputs/sft-tiny"):  # fmt: skip
+    for line in (
+        "model_dir: ???",
+        "  folder: ${model_dir}",
+        "  path: ${model_dir}",
+        "  lr: 0.0001",
+        "  log_dir: outputs/sft-tiny",
+    ):
         assert line in out.splitlines(), (line, out)
     assert main(["cat", "sft/tiny"]) == 0
     assert "  folder: ${model_dir}" in capsys.readouterr().out.splitlines()
@@ -104,14 +109,18 @@ def test_cat_resolves_what_it_can_and_never_shows_an_environment_value(
     ("argv", "expected"),
     [
         (["run", "stf", "--config", "tiny"], "unknown recipe 'stf' (did you mean 'sft'?)"),
-        (["run", "sft", "--config", "tny"],
-         "unknown config 'tny' of recipe 'sft' (did you mean 'tiny'?)"),
+        (
+            ["run", "sft", "--config", "tny"],
+            "unknown config 'tny' of recipe 'sft' (did you mean 'tiny'?)",
+        ),
         (["validate", "sft/tyni"], "unknown config 'sft/tyni' (did you mean 'sft/tiny'?)"),
-        (["run", "sft", "--config", "dpo/tiny"],
-         "config 'dpo/tiny' is for recipe 'dpo', not 'sft': "
-         "run `tunesmith run dpo --config dpo/tiny`"),
+        (
+            ["run", "sft", "--config", "dpo/tiny"],
+            "config 'dpo/tiny' is for recipe 'dpo', not 'sft': "
+            "run `tunesmith run dpo --config dpo/tiny`",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_misspelt_or_mismatched_name_says_what_to_type(capsys, argv, expected):
     assert main(argv) == 1
     error = _error(capsys)
@@ -171,9 +180,21 @@ def test_max_steps_1_runs_with_the_default_warmup(world, tmp_path, capsys):
 
 def test_torchrun_spellings_of_the_launch_flags_are_accepted():
     args = build_parser().parse_args(
-        ["run", "sft", "--config", "tiny", "--nproc_per_node", "2", "--node_rank", "0",
-         "--nnodes", "2", "--rdzv_endpoint", "h:1"]
-    )  # fmt: skip
+        [
+            "run",
+            "sft",
+            "--config",
+            "tiny",
+            "--nproc_per_node",
+            "2",
+            "--node_rank",
+            "0",
+            "--nnodes",
+            "2",
+            "--rdzv_endpoint",
+            "h:1",
+        ]
+    )
     assert (args.nproc_per_node, args.node_rank, args.rdzv_endpoint) == (2, 0, "h:1")
 
 
@@ -192,9 +213,14 @@ def test_a_layout_that_does_not_fit_the_world_is_refused_before_launching(world,
 
 @pytest.mark.parametrize(
     "repo_id",
-    ["Qwen/Qwen3-0.6B", "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen3-30B-A3B",
-     "meta-llama/Llama-3.2-1B-Instruct", "mistralai/Mistral-7B-Instruct-v0.3"],
-)  # fmt: skip
+    [
+        "Qwen/Qwen3-0.6B",
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        "Qwen/Qwen3-30B-A3B",
+        "meta-llama/Llama-3.2-1B-Instruct",
+        "mistralai/Mistral-7B-Instruct-v0.3",
+    ],
+)
 def test_download_writes_where_the_shipped_configs_read(repo_id):
     """`tunesmith download REPO` (no --output-dir) writes the folder a shipped config's
     model_dir names (the README downloads, then runs the configs as shipped)."""

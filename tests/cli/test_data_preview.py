@@ -29,9 +29,13 @@ def _tiny_dataset(model_dir, data):
     """The dataset the shipped sft/tiny config builds (its dataset section, by hand)."""
     tok = Tokenizer.from_pretrained(model_dir)
     ds = SFTDataset(
-        tok, source=str(data), format="messages", train_on="assistant", max_seq_len=128,
+        tok,
+        source=str(data),
+        format="messages",
+        train_on="assistant",
+        max_seq_len=128,
         on_bad_row="skip",
-    )  # fmt: skip
+    )
     return tok, ds
 
 
@@ -106,8 +110,22 @@ def test_errors_are_one_line(world, capsys):
     assert main(["data", "preview", "--config", "sft/tiny", f"dataset.source={data}", out]) == 1
     err = capsys.readouterr().err
     assert err.startswith("tunesmith: error: ") and "model_dir" in err and err.count("\n") == 1
-    assert main(["data", "preview", "--config", "sft/tiny", f"model_dir={model_dir}",
-                 f"dataset.source={data}", "--n", "0", out]) == 1  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "preview",
+                "--config",
+                "sft/tiny",
+                f"model_dir={model_dir}",
+                f"dataset.source={data}",
+                "--n",
+                "0",
+                out,
+            ]
+        )
+        == 1
+    )
     assert "--n and --bins must be >= 1" in capsys.readouterr().err
 
 

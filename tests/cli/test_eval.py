@@ -125,10 +125,15 @@ def offline(monkeypatch):
 
 def _evaluate(lm, tasks_dir: Path, chat: bool = False, tasks=TASKS, fewshot=None) -> dict:
     return lm_eval.simple_evaluate(
-        model=lm, tasks=list(tasks), task_manager=task_manager(tasks, tasks_dir),
-        apply_chat_template=chat, fewshot_as_multiturn=chat, num_fewshot=fewshot,
-        bootstrap_iters=0, log_samples=True,
-    )  # fmt: skip
+        model=lm,
+        tasks=list(tasks),
+        task_manager=task_manager(tasks, tasks_dir),
+        apply_chat_template=chat,
+        fewshot_as_multiturn=chat,
+        num_fewshot=fewshot,
+        bootstrap_iters=0,
+        log_samples=True,
+    )
 
 
 def _responses(results: dict, task: str) -> list:
@@ -155,10 +160,12 @@ def _assert_same_requests(ours: dict, reference: dict, tasks=TASKS) -> None:
 @pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat_template"])
 def test_every_request_equals_lm_eval_hf_backend(world, chat):
     """Batches of 3 (ours) vs 2 (HF): sorting, padding and batching do not change a number."""
-    ours = _evaluate(TunesmithLM.from_checkpoint(world["model"], batch_size=3), world["tasks"],
-                     chat)  # fmt: skip
-    reference = _evaluate(HFLM(pretrained=str(world["model"]), batch_size=2, device="cpu"),
-                          world["tasks"], chat)  # fmt: skip
+    ours = _evaluate(
+        TunesmithLM.from_checkpoint(world["model"], batch_size=3), world["tasks"], chat
+    )
+    reference = _evaluate(
+        HFLM(pretrained=str(world["model"]), batch_size=2, device="cpu"), world["tasks"], chat
+    )
     _assert_same_requests(ours, reference)
     generated = _responses(ours, "tiny_gen")
     assert len({g[0] for g in generated}) > 1, "degenerate generations test little"
@@ -172,10 +179,20 @@ def test_few_shot_chat_turns_equal_hf_backend(world):
     """Few-shot examples as chat turns; with a task's ``gen_prefix`` lm-eval prefills the
     assistant's turn, which our rendering continues exactly as transformers' does."""
     tasks = ["tiny_mc", "tiny_prefix"]
-    ours = _evaluate(TunesmithLM.from_checkpoint(world["model"], batch_size=4), world["tasks"],
-                     chat=True, tasks=tasks, fewshot=2)  # fmt: skip
-    reference = _evaluate(HFLM(pretrained=str(world["model"]), batch_size=4, device="cpu"),
-                          world["tasks"], chat=True, tasks=tasks, fewshot=2)  # fmt: skip
+    ours = _evaluate(
+        TunesmithLM.from_checkpoint(world["model"], batch_size=4),
+        world["tasks"],
+        chat=True,
+        tasks=tasks,
+        fewshot=2,
+    )
+    reference = _evaluate(
+        HFLM(pretrained=str(world["model"]), batch_size=4, device="cpu"),
+        world["tasks"],
+        chat=True,
+        tasks=tasks,
+        fewshot=2,
+    )
     _assert_same_requests(ours, reference, tasks)
     prompt = ours["samples"]["tiny_prefix"][0]["arguments"][0][0]
     assert prompt.endswith("<|im_start|>assistant\nAnswer:") and prompt.count("Answer:") == 3
@@ -184,13 +201,20 @@ def test_few_shot_chat_turns_equal_hf_backend(world):
 def test_a_rolling_window_shorter_than_the_text_scores_every_token_once(world):
     """max_length 4 splits each text into several windows; their sum equals HFLM's with the
     same max_length, and the one-window score of the full text (to 1e-4 it differs)."""
-    ours = _evaluate(TunesmithLM.from_checkpoint(world["model"], max_length=4), world["tasks"],
-                     tasks=["tiny_ppl"])  # fmt: skip
-    reference = _evaluate(HFLM(pretrained=str(world["model"]), max_length=4, device="cpu"),
-                          world["tasks"], tasks=["tiny_ppl"])  # fmt: skip
+    ours = _evaluate(
+        TunesmithLM.from_checkpoint(world["model"], max_length=4),
+        world["tasks"],
+        tasks=["tiny_ppl"],
+    )
+    reference = _evaluate(
+        HFLM(pretrained=str(world["model"]), max_length=4, device="cpu"),
+        world["tasks"],
+        tasks=["tiny_ppl"],
+    )
     _assert_same_requests(ours, reference, ["tiny_ppl"])
-    whole = _evaluate(TunesmithLM.from_checkpoint(world["model"]), world["tasks"],
-                      tasks=["tiny_ppl"])  # fmt: skip
+    whole = _evaluate(
+        TunesmithLM.from_checkpoint(world["model"]), world["tasks"], tasks=["tiny_ppl"]
+    )
     assert _responses(ours, "tiny_ppl")[0][0] != pytest.approx(
         _responses(whole, "tiny_ppl")[0][0], abs=1e-4
     )
@@ -214,26 +238,47 @@ def test_continuing_a_prefilled_assistant_turn(tmp_path):
 def test_lora_run_folder_evaluates_without_export_like_its_merged_export(world):
     """The run folder (its newest checkpoint: an adapter on the base) scores every request as
     the merged export does, and differently from the base model (the adapter is used)."""
-    lora = run_lm_eval(load_checkpoint(world["lora"]), TASKS, include_path=world["tasks"],
-                       batch_size=4, print_table=False, output_path=None)  # fmt: skip
+    lora = run_lm_eval(
+        load_checkpoint(world["lora"]),
+        TASKS,
+        include_path=world["tasks"],
+        batch_size=4,
+        print_table=False,
+        output_path=None,
+    )
     assert "samples" not in lora  # no samples kept without an output path
     ours = _evaluate(TunesmithLM.from_checkpoint(world["lora"], batch_size=4), world["tasks"])
-    merged = _evaluate(TunesmithLM.from_checkpoint(world["merged"], batch_size=2),
-                       world["tasks"])  # fmt: skip
+    merged = _evaluate(TunesmithLM.from_checkpoint(world["merged"], batch_size=2), world["tasks"])
     _assert_same_requests(ours, merged)
-    base = _evaluate(TunesmithLM.from_checkpoint(world["model"], batch_size=4), world["tasks"],
-                     tasks=["tiny_mc"])  # fmt: skip
-    moved = [abs(a[0][0] - b[0][0]) for a, b in
-             zip(_responses(ours, "tiny_mc"), _responses(base, "tiny_mc"))]  # fmt: skip
+    base = _evaluate(
+        TunesmithLM.from_checkpoint(world["model"], batch_size=4), world["tasks"], tasks=["tiny_mc"]
+    )
+    moved = [
+        abs(a[0][0] - b[0][0])
+        for a, b in zip(_responses(ours, "tiny_mc"), _responses(base, "tiny_mc"))
+    ]
     assert max(moved) > 1e-2
     assert lora["results"]["tiny_mc"]["acc,none"] == ours["results"]["tiny_mc"]["acc,none"]
 
 
 def test_eval_command_prints_the_table_and_writes_results(world, tmp_path, capsys):
     out = tmp_path / "results" / "eval.json"
-    code = main(["eval", str(world["lora"]), "--tasks", "tiny_mc,tiny_gen", "--include-path",
-                 str(world["tasks"]), "--batch-size", "2", "--limit", "3",
-                 "--output-path", str(out)])  # fmt: skip
+    code = main(
+        [
+            "eval",
+            str(world["lora"]),
+            "--tasks",
+            "tiny_mc,tiny_gen",
+            "--include-path",
+            str(world["tasks"]),
+            "--batch-size",
+            "2",
+            "--limit",
+            "3",
+            "--output-path",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0
     assert "|tiny_mc " in printed and "|tiny_gen" in printed and "acc" in printed
@@ -246,8 +291,9 @@ def test_eval_command_prints_the_table_and_writes_results(world, tmp_path, capsy
 
 @pytest.mark.slow  # indexes lm-eval's built-in tasks for close matches (~10 s)
 def test_eval_command_names_an_unknown_task(world, capsys):
-    code = main(["eval", str(world["model"]), "--tasks", "tiny_mcc", "--include-path",
-                 str(world["tasks"])])  # fmt: skip
+    code = main(
+        ["eval", str(world["model"]), "--tasks", "tiny_mcc", "--include-path", str(world["tasks"])]
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert "unknown lm-eval task(s): tiny_mcc (did you mean tiny_mc" in err

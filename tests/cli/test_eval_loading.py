@@ -26,8 +26,9 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("loading")
     model_dir = make_model_dir(root)
     data = make_counting_data(root / "d.jsonl")
-    lora = run_sft(model_dir, data, root / "lora", "max_steps=2", "save_every_n_steps=1",
-                   config="tiny_lora")  # fmt: skip
+    lora = run_sft(
+        model_dir, data, root / "lora", "max_steps=2", "save_every_n_steps=1", config="tiny_lora"
+    )
     return {"root": root, "model": model_dir, "lora": lora}
 
 
@@ -72,8 +73,11 @@ def test_a_relative_or_stale_base_is_found_from_anywhere(world, tmp_path, monkey
     _, step = _copy_run(world, tmp_path / "b", "/gone/model", keep_config=True)
     assert adapter_base(step) == world["model"]  # the run's config.yaml model_dir
     _, step = _copy_run(world, tmp_path / "c", "/gone/model", keep_config=False)
-    with pytest.raises(CheckpointNotFoundError, match=r"base model '/gone/model' not found "
-                       r"\(tried /gone/model\); pass the base model folder with --base-dir"):  # fmt: skip
+    with pytest.raises(
+        CheckpointNotFoundError,
+        match=r"base model '/gone/model' not found "
+        r"\(tried /gone/model\); pass the base model folder with --base-dir",
+    ):
         adapter_base(step)
     assert adapter_base(step, world["model"]) == world["model"]
 
@@ -82,8 +86,9 @@ def test_export_takes_a_run_folder_from_another_directory(world, tmp_path, monke
     monkeypatch.chdir(tmp_path)
     run, _ = _copy_run(world, tmp_path, "/gone/model", keep_config=True)
     assert main(["export", str(run), "--output-dir", str(tmp_path / "merged")]) == 0
-    expected = export_merged(world["lora"] / "checkpoints" / "step_000002", tmp_path / "ref",
-                             base_dir=world["model"])  # fmt: skip
+    expected = export_merged(
+        world["lora"] / "checkpoints" / "step_000002", tmp_path / "ref", base_dir=world["model"]
+    )
     got, want = (load_file(p / "model.safetensors") for p in (tmp_path / "merged", expected))
     assert got.keys() == want.keys()
     for name in want:

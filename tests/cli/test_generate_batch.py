@@ -27,8 +27,13 @@ ROWS = [
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate")
     model_dir = make_model_dir(root, initializer_range=0.2)
-    lora = run_sft(model_dir, make_counting_data(root / "d.jsonl"), root / "lora", "max_steps=3",
-                   config="tiny_lora")  # fmt: skip
+    lora = run_sft(
+        model_dir,
+        make_counting_data(root / "d.jsonl"),
+        root / "lora",
+        "max_steps=3",
+        config="tiny_lora",
+    )
     merged = export_merged(lora / "checkpoints" / "step_000003", root / "merged")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS) + "\n")
@@ -37,8 +42,9 @@ def world(tmp_path_factory):
 
 def _alone(loaded, ids: list[int], n: int) -> list[int]:
     """Greedy tokens of one prompt decoded by itself, end-of-turn token dropped."""
-    tokens = generate(loaded.model, [ids], max_new_tokens=n,
-                      stop_token_ids=loaded.tokenizer.stop_token_ids).sequences[0]  # fmt: skip
+    tokens = generate(
+        loaded.model, [ids], max_new_tokens=n, stop_token_ids=loaded.tokenizer.stop_token_ids
+    ).sequences[0]
     return tokens[:-1] if tokens and tokens[-1] in loaded.tokenizer.stop_token_ids else tokens
 
 
@@ -82,18 +88,40 @@ def test_generate_command_on_a_lora_run_folder_equals_its_merged_export(world, t
     outputs = {}
     for name in ("lora", "merged"):
         out = tmp_path / f"{name}.jsonl"
-        assert main(["generate", str(world[name]), "--input", str(world["prompts"]),
-                     "--output", str(out), "--max-new-tokens", "6", "--batch-size", "2"]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "generate",
+                    str(world[name]),
+                    "--input",
+                    str(world["prompts"]),
+                    "--output",
+                    str(out),
+                    "--max-new-tokens",
+                    "6",
+                    "--batch-size",
+                    "2",
+                ]
+            )
+            == 0
+        )
         outputs[name] = [json.loads(line) for line in out.read_text().splitlines()]
     assert "wrote 4 completions to" in capsys.readouterr().out
     assert outputs["lora"] == outputs["merged"]
-    base = generate_rows(load_checkpoint(world["model"]).model,
-                         load_checkpoint(world["model"]).tokenizer,
-                         read_prompt_rows(world["prompts"]), max_new_tokens=6)  # fmt: skip
+    base = generate_rows(
+        load_checkpoint(world["model"]).model,
+        load_checkpoint(world["model"]).tokenizer,
+        read_prompt_rows(world["prompts"]),
+        max_new_tokens=6,
+    )
     assert [r["completion"] for r in base] != [r["completion"] for r in outputs["lora"]]
     # the single-prompt mode gives the first row's completion
-    assert main(["generate", str(world["lora"]), "--prompt", "count 3 from 4",
-                 "--max-new-tokens", "6"]) == 0  # fmt: skip
+    assert (
+        main(
+            ["generate", str(world["lora"]), "--prompt", "count 3 from 4", "--max-new-tokens", "6"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == outputs["lora"][0]["completion"] + "\n"
 
 

@@ -70,10 +70,21 @@ def _start_nodes(
     nodes = []
     for node in range(2):
         argv = cli_command(
-            *flags, "run", "sft", "--config", "tiny", f"--nproc{sep}per{sep}node", str(nproc),
-            "--nnodes", "2", f"--node{sep}rank", str(node), f"--rdzv{sep}endpoint", endpoint,
+            *flags,
+            "run",
+            "sft",
+            "--config",
+            "tiny",
+            f"--nproc{sep}per{sep}node",
+            str(nproc),
+            "--nnodes",
+            "2",
+            f"--node{sep}rank",
+            str(node),
+            f"--rdzv{sep}endpoint",
+            endpoint,
             *overrides,
-        )  # fmt: skip
+        )
         with open(tmp_path / f"node{node}.out", "w") as out:
             nodes.append(
                 subprocess.Popen(argv, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT)
@@ -119,9 +130,14 @@ def test_tp_inside_nodes_and_hsdp_across_them_equal_one_process(world, tmp_path)
     model_dir, data, single = world
     out = tmp_path / "out"
     overrides = sft_overrides(
-        model_dir, data, out, f"batch_size={PER_RANK}", f"max_steps={STEPS}",
-        "parallelism.tp=2", "parallelism.dp_replicate=2",
-    )  # fmt: skip
+        model_dir,
+        data,
+        out,
+        f"batch_size={PER_RANK}",
+        f"max_steps={STEPS}",
+        "parallelism.tp=2",
+        "parallelism.dp_replicate=2",
+    )
     codes, _ = _wait(_start_nodes(overrides, tmp_path, nproc=2, sep="_"), timeout=400)
     outputs = [(tmp_path / f"node{n}.out").read_text() for n in range(2)]
     assert codes == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
@@ -136,10 +152,16 @@ def test_rank_dying_on_the_other_node_ends_both_launchers(world, tmp_path):
     node 0's launcher reports that, each in one line with no traceback on the console."""
     model_dir, data, _ = world
     overrides = sft_overrides(
-        model_dir, data, tmp_path / "out", f"batch_size={PER_RANK}", "max_steps=50",
+        model_dir,
+        data,
+        tmp_path / "out",
+        f"batch_size={PER_RANK}",
+        "max_steps=50",
         f"distributed_timeout_s={TIMEOUT_S}",
-        "loss._component_=tests.faults.components.DieOnCall", "loss.call=3", "loss.rank=1",
-    )  # fmt: skip
+        "loss._component_=tests.faults.components.DieOnCall",
+        "loss.call=3",
+        "loss.rank=1",
+    )
     nodes = _start_nodes(overrides, tmp_path, "--allow-any-component")
     codes, ended = _wait(nodes, timeout=240)
     node0, node1 = ((tmp_path / f"node{n}.out").read_text() for n in range(2))
@@ -188,22 +210,33 @@ def test_slurm_script_starts_one_launcher_per_node_with_valid_flags(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _stub(bin_dir, "scontrol", "#!/bin/bash\nprintf 'gpu-a7\\ngpu-a8\\ngpu-b1\\n'\n")
-    _stub(bin_dir, "srun", (
-        "#!/bin/bash\nwhile [[ $1 == -* ]]; do shift; done\n"
-        'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit; done\n'
-    ))  # fmt: skip
-    _stub(bin_dir, "tunesmith", (
-        f"#!{sys.executable}\nimport json, sys\n"
-        f"open({str(record)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
-    ))  # fmt: skip
+    _stub(
+        bin_dir,
+        "srun",
+        (
+            "#!/bin/bash\nwhile [[ $1 == -* ]]; do shift; done\n"
+            'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit; done\n'
+        ),
+    )
+    _stub(
+        bin_dir,
+        "tunesmith",
+        (
+            f"#!{sys.executable}\nimport json, sys\n"
+            f"open({str(record)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        ),
+    )
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_NNODES": "3", "SLURM_JOB_ID": "4242",
            "SLURM_JOB_NODELIST": "gpu-a[7-8],gpu-b1", "SLURM_GPUS_ON_NODE": "4"}  # fmt: skip
     script = REPO / "examples" / "slurm" / "multinode.sbatch"
     overrides = ["parallelism.tp=4", "parallelism.dp_replicate=3", "optimizer.lr=1e-5"]
     result = subprocess.run(
         ["bash", str(script), "sft", "my sft.yaml", *overrides],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     launches = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(launches) == 3  # one launcher per node

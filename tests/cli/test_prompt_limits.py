@@ -39,8 +39,11 @@ def test_the_tiny_model_has_512_positions(loaded):
 
 def test_characters_that_cannot_fit_are_refused_before_tokenising():
     check_prompt_size(512 * 256, 512, "x")
-    with pytest.raises(ValueError, match=r"^p:3: the prompt is 131073 characters, more than "
-                       r"the 131072 that can fit the model's 512 positions"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"^p:3: the prompt is 131073 characters, more than "
+        r"the 131072 that can fit the model's 512 positions",
+    ):
         check_prompt_size(512 * 256 + 1, 512, "p:3")
     with pytest.raises(ValueError, match="more than the 8388608"):
         check_prompt_size(2**23 + 1, None, "p")
@@ -85,7 +88,7 @@ BAD_LINES = {  # second line -> words of the error
     "role": (
         json.dumps({"messages": [{"role": "hacker", "content": "x"}]}).encode(),
         "message 0 has role 'hacker'; roles are system, user, assistant, tool",
-    ),  # fmt: skip
+    ),
     "not-json": (b"{oops", "not valid JSON"),
 }
 
@@ -108,12 +111,15 @@ def test_an_input_line_over_the_limit_is_named_unread(tmp_path, monkeypatch):
     assert rows.where == [f"{tmp_path / 'ok.jsonl'}:1", f"{tmp_path / 'ok.jsonl'}:3"]
 
 
-@pytest.mark.parametrize("data, words", [
-    (b"\xff\xfe\x00", "not UTF-8 text"),
-    (b"[" * 100_000, "JSON nested too deep"),
-    (json.dumps([{"role": "hacker", "content": "x"}]).encode(), "role 'hacker'"),
-    (json.dumps({"role": "user"}).encode(), "'messages' must be a list"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b"\xff\xfe\x00", "not UTF-8 text"),
+        (b"[" * 100_000, "JSON nested too deep"),
+        (json.dumps([{"role": "hacker", "content": "x"}]).encode(), "role 'hacker'"),
+        (json.dumps({"role": "user"}).encode(), "'messages' must be a list"),
+    ],
+)
 def test_a_bad_chat_file_is_named(tmp_path, data, words):
     path = _write(tmp_path, data, "chat.json")
     with pytest.raises(ValueError) as error:

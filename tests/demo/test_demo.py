@@ -168,8 +168,10 @@ def test_short_demo_end_to_end(tmp_path, capsys):
     held_out = read_jsonl(assets.held_out_file)
     assert result.held_out == held_out
     assert len(result.replies_before) == len(result.replies_after) == 12
-    for acc, replies in ((result.accuracy_before, result.replies_before),
-                         (result.accuracy_after, result.replies_after)):  # fmt: skip
+    for acc, replies in (
+        (result.accuracy_before, result.replies_before),
+        (result.accuracy_after, result.replies_after),
+    ):
         assert acc == sum(score(r, ex) for r, ex in zip(replies, held_out)) / 12
 
     # training ran through the sft recipe: it logged a falling loss and the plot was drawn

@@ -35,8 +35,9 @@ TOY_MODEL = {
     "num_key_value_heads": 1,
     "head_dim": 16,
 }
-TOY = RLDemoSettings(seed=3, num_demonstrations=16, num_prompts=48, num_held_out=12,
-                     model=TOY_MODEL)  # fmt: skip
+TOY = RLDemoSettings(
+    seed=3, num_demonstrations=16, num_prompts=48, num_held_out=12, model=TOY_MODEL
+)
 SHORT = [
     "sft.epochs=30",  # 16 demonstrations / batch 16: 30 steps
     "sft.optimizer.lr=1e-2",
@@ -101,8 +102,9 @@ def test_string_rewards_on_their_own():
         with pytest.raises(ValueError, match="reference"):
             StringMatch().score(Sample("", "AB", answer=bad))
     # in a reward set a sample without a reference scores 0 and is counted, not fatal
-    result = RewardSet({"correct": StringMatch()})([Sample("", "AB", answer=None),
-                                                    Sample("", "AB", answer="AB")])  # fmt: skip
+    result = RewardSet({"correct": StringMatch()})(
+        [Sample("", "AB", answer=None), Sample("", "AB", answer="AB")]
+    )
     assert result.per_reward["correct"].tolist() == [0.0, 1.0]
     assert result.failures == {"correct": 1}
 
@@ -128,8 +130,9 @@ def test_rl_data_splits_the_training_strings(tmp_path):
 
 
 def test_overrides_go_to_their_run():
-    sft, grpo = split_overrides(["sft.epochs=3", "max_steps=9", "grpo.optimizer.lr=1e-3",
-                                 "~sft.lr_scheduler", "~kl"])  # fmt: skip
+    sft, grpo = split_overrides(
+        ["sft.epochs=3", "max_steps=9", "grpo.optimizer.lr=1e-3", "~sft.lr_scheduler", "~kl"]
+    )
     assert sft == ["epochs=3", "~lr_scheduler"]
     assert grpo == ["max_steps=9", "optimizer.lr=1e-3", "~kl"]
     for own in ("model_dir=x", "grpo.prompts.source=x", "sft.dataset.source=x", "output_dir=y"):
@@ -199,13 +202,15 @@ def test_greedy_accuracy_scores_the_replies(tmp_path):
         embed[tokenizer.token_to_id("A"), 0] = 2.0  # norm, the tied head always picks "A"
     prompts = [Prompt(0, Example("CBA").prompt_messages(), answer="A" * 10),
                Prompt(1, Example("CBA").prompt_messages(), answer="ABC")]  # fmt: skip
-    accuracy, replies = greedy_accuracy(model, tokenizer, prompts, _demo_rewards(),
-                                        max_new_tokens=10)  # fmt: skip
+    accuracy, replies = greedy_accuracy(
+        model, tokenizer, prompts, _demo_rewards(), max_new_tokens=10
+    )
     assert replies == ["A" * 10, "A" * 10]
     assert accuracy == 0.5
     with pytest.raises(ValueError, match="no reward 'exact'"):
-        greedy_accuracy(model, tokenizer, prompts, _demo_rewards(), max_new_tokens=10,
-                        reward="exact")  # fmt: skip
+        greedy_accuracy(
+            model, tokenizer, prompts, _demo_rewards(), max_new_tokens=10, reward="exact"
+        )
 
 
 def test_short_rl_demo_end_to_end(tmp_path, capsys):

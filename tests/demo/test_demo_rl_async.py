@@ -65,8 +65,10 @@ def test_the_flag_reaches_the_demo(tmp_path, capsys):
     assert "--async is an option of `tunesmith demo rl`" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
     # a misspelt async key is reported by the async config's check, before anything is built
-    assert cli_main(["demo", "rl", "--async", "--output-dir", str(tmp_path),
-                     "async_mode=overlapp"]) == 1  # fmt: skip
+    assert (
+        cli_main(["demo", "rl", "--async", "--output-dir", str(tmp_path), "async_mode=overlapp"])
+        == 1
+    )
     assert "async_mode" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
@@ -98,7 +100,10 @@ def test_short_async_demo_trains_through_grpo_async(tmp_path, ray_instance, caps
     used = [tuple(g[:2]) for r in records for g in r["groups"]]
     assert len(used) == len(set(used)) == 16
     assert result.curve[0] == (0, result.accuracy_before) and [s for s, _ in result.curve] == [
-        0, 2, 4]  # fmt: skip
+        0,
+        2,
+        4,
+    ]
 
 
 def test_async_demo_in_sync_mode_is_the_synchronous_demo(tmp_path, ray_instance):
@@ -106,9 +111,14 @@ def test_async_demo_in_sync_mode_is_the_synchronous_demo(tmp_path, ray_instance)
     weights, which only the lag of ``overlap`` needs) the asynchronous demo ends with bitwise
     the synchronous demo's weights, replies and curve."""
     plain = run_rl_demo(tmp_path / "a", settings=TOY, overrides=SHORT, threads=1, verbose=False)
-    remote = run_rl_demo(tmp_path / "b", settings=TOY,
-                         overrides=[*SHORT, "async_mode=sync", "importance_cap=null"],
-                         threads=1, verbose=False, asynchronous=True)  # fmt: skip
+    remote = run_rl_demo(
+        tmp_path / "b",
+        settings=TOY,
+        overrides=[*SHORT, "async_mode=sync", "importance_cap=null"],
+        threads=1,
+        verbose=False,
+        asynchronous=True,
+    )
     assert (plain.recipe, remote.recipe) == ("grpo", "grpo_async")
     assert remote.replies_after == plain.replies_after
     assert remote.curve == plain.curve
@@ -129,8 +139,14 @@ def test_full_async_demo_gains_as_much_in_less_time(tmp_path):
     settings = RLDemoSettings(seed=0)
     sync = run_rl_demo(tmp_path, settings=settings, threads=1, verbose=False)
     with ray_temp_dir() as temp:
-        asynchronous = run_rl_demo(tmp_path, settings=settings, threads=1, verbose=False,
-                                   asynchronous=True, overrides=[f"ray.temp_dir={temp}"])  # fmt: skip
+        asynchronous = run_rl_demo(
+            tmp_path,
+            settings=settings,
+            threads=1,
+            verbose=False,
+            asynchronous=True,
+            overrides=[f"ray.temp_dir={temp}"],
+        )
     assert asynchronous.accuracy_before == sync.accuracy_before
     gain = sync.accuracy_after - sync.accuracy_before
     assert gain >= 0.2

@@ -119,8 +119,12 @@ def test_bad_names_and_shapes_raise_before_anything_is_copied():
     with pytest.raises(KeyError, match="'model.layers.9.mlp.up_proj.weight' is not a parameter"):
         engine.load_weights({**good, "model.layers.9.mlp.up_proj.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \[65\] .* holds \[64\]"):
-        engine.load_weights({"model.embed_tokens.weight": torch.zeros(256, 64),
-                             "model.norm.weight": torch.zeros(65)})  # fmt: skip
+        engine.load_weights(
+            {
+                "model.embed_tokens.weight": torch.zeros(256, 64),
+                "model.norm.weight": torch.zeros(65),
+            }
+        )
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), name  # all or nothing
 
@@ -141,8 +145,10 @@ def test_a_lora_policy_sends_only_its_adapter_weights():
     assert adapters and all(".lora_" in n for n in adapters)
     engine = LocalEngine(target, None, pad_id=0)
     engine.load_weights(adapters)
-    assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(),
-                                                   trained.state_dict().values()))  # fmt: skip
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(target.state_dict().values(), trained.state_dict().values())
+    )
     greedy = dict(SETTINGS, temperature=0.0)
     out = engine.generate(PROMPTS, row_keys=None, stop_token_ids=[], **greedy)
     assert out.sequences == generate(trained, PROMPTS, **greedy).sequences

@@ -21,8 +21,11 @@ def test_model_positions_reads_the_spec(model):
 
 def test_a_prompt_that_fills_the_positions_is_refused(model):
     positions = model_positions(model)
-    with pytest.raises(ValueError, match=rf"^prompt 1 has {positions} tokens; the model has "
-                       rf"{positions} positions \(max_position_embeddings\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"^prompt 1 has {positions} tokens; the model has "
+        rf"{positions} positions \(max_position_embeddings\)",
+    ):
         generate(model, [[1, 2], [1] * positions], max_new_tokens=1)
     out = generate(model, [[1] * (positions - 1)], max_new_tokens=1)
     assert len(out.sequences[0]) == 1

@@ -152,8 +152,12 @@ def test_malformed_request_outputs_raise_naming_the_row():
     ok = completion([7], [-0.5], "stop")
     aborted = completion([7], [-0.5], "abort")
     with pytest.raises(ValueError, match=r"output 1 \(request 7\) finished with reason 'abort'"):
-        generation_output([RequestOutput("6", None, [1], None, [ok]),
-                           RequestOutput("7", None, [1], None, [aborted])])  # fmt: skip
+        generation_output(
+            [
+                RequestOutput("6", None, [1], None, [ok]),
+                RequestOutput("7", None, [1], None, [aborted]),
+            ]
+        )
     no_logprobs = CompletionOutput(0, "", [7], None, None, "stop")
     with pytest.raises(ValueError, match="without log-probs"):
         generation_output([RequestOutput("0", None, [1], None, [no_logprobs])])
@@ -186,8 +190,9 @@ def test_pack_weights_chunks_by_bytes_and_round_trips():
     assert all(torch.equal(halved[n], t.bfloat16()) for n, t in named.items())
     # tied tensors (one storage, two names) travel as two tensors; the sender's are untouched
     embed = nn.Parameter(torch.randn(3, 2))
-    tied = dict(unpack_weights(next(pack_weights({"e": embed, "h": embed}, dtype=None,
-                                                 max_bytes=1 << 20))))  # fmt: skip
+    tied = dict(
+        unpack_weights(next(pack_weights({"e": embed, "h": embed}, dtype=None, max_bytes=1 << 20)))
+    )
     tied["e"].zero_()
     assert torch.equal(tied["h"], embed.detach()) and embed.abs().sum() > 0
     with pytest.raises(TypeError, match="'x' is a list; send plain"):
@@ -203,8 +208,15 @@ def test_weight_updates_are_checked_against_the_checkpoint(tmp_path):
     named = dict(policy.named_parameters())
 
     def blobs(update):
-        return list(weight_update_blobs(update, shapes=shapes, where=f"the checkpoint {model_dir}",
-                                        dtype=torch.bfloat16, max_bytes=1 << 20))  # fmt: skip
+        return list(
+            weight_update_blobs(
+                update,
+                shapes=shapes,
+                where=f"the checkpoint {model_dir}",
+                dtype=torch.bfloat16,
+                max_bytes=1 << 20,
+            )
+        )
 
     sent = dict(pair for b in blobs(named) for pair in unpack_weights(b))
     assert sent.keys() == named.keys()
@@ -265,9 +277,17 @@ def test_worker_extension_loads_a_blob_into_the_worker_model(runner_type):
 
 @pytest.mark.parametrize(
     "version, ok",
-    [("0.10.2", True), ("0.10.2.post1", True), ("0.11.0+cu128", True), ("0.12.0rc1", True),
-     ("1.0.0", True), ("0.10.1", False), ("0.9.2", False), ("0.10.1.1", False)],
-)  # fmt: skip
+    [
+        ("0.10.2", True),
+        ("0.10.2.post1", True),
+        ("0.11.0+cu128", True),
+        ("0.12.0rc1", True),
+        ("1.0.0", True),
+        ("0.10.1", False),
+        ("0.9.2", False),
+        ("0.10.1.1", False),
+    ],
+)
 def test_vllm_version_check(version, ok):
     if ok:
         check_vllm_version(version)
@@ -334,12 +354,18 @@ def gpu_world(tmp_path_factory):
     _needs_cuda_and_vllm()
     root = tmp_path_factory.mktemp("vllm_engine")
     # head_dim 64: a size every vLLM attention backend supports
-    sizes = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=64)  # fmt: skip
+    sizes = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+    )
     model_dir = make_model_dir(root / "a", seed=0, **sizes)
     other_dir = make_model_dir(root / "b", seed=1, **sizes)
-    engine = VLLMEngine(model_dir, dtype="bfloat16", gpu_memory_utilization=0.25, seed=0,
-                        max_model_len=256)  # fmt: skip
+    engine = VLLMEngine(
+        model_dir, dtype="bfloat16", gpu_memory_utilization=0.25, seed=0, max_model_len=256
+    )
     reference = from_hf(model_dir, dtype=torch.float32).eval()  # float32, on CPU
     other = from_hf(other_dir, dtype=torch.float32).eval()
     tokenizer = Tokenizer.from_pretrained(model_dir)
@@ -350,8 +376,14 @@ def gpu_world(tmp_path_factory):
 
 
 def _settings(**overrides):
-    base = dict(row_keys=None, max_new_tokens=12, temperature=0.0, stop_token_ids=[],
-                stop_strings=[], **NO_FILTERS)  # fmt: skip
+    base = dict(
+        row_keys=None,
+        max_new_tokens=12,
+        temperature=0.0,
+        stop_token_ids=[],
+        stop_strings=[],
+        **NO_FILTERS,
+    )
     return {**base, **overrides}
 
 
@@ -411,8 +443,12 @@ def test_vllm_sampled_logprobs_are_tempered_and_keys_reproduce_rows(gpu_world):
     out = engine.generate(prompts, **settings)
     _assert_matches_reference(out, reference, prompts, temperature=0.5)
     # the untempered log-probs are far off: the check above tells the two apart
-    raw = torch.cat([_teacher_forced(reference, p, s).gather(-1, torch.tensor(s)[:, None])[:, 0]
-                     for p, s in zip(prompts, out.sequences)])  # fmt: skip
+    raw = torch.cat(
+        [
+            _teacher_forced(reference, p, s).gather(-1, torch.tensor(s)[:, None])[:, 0]
+            for p, s in zip(prompts, out.sequences)
+        ]
+    )
     assert (raw - torch.tensor(sum(out.logprobs, []))).abs().max() > 4 * LOGPROB_ATOL
     # a row's key fixes its completion, whatever the batch order
     again = engine.generate(prompts[::-1], **{**settings, "row_keys": keys[::-1]})
@@ -439,3 +475,61 @@ def test_vllm_load_weights_changes_outputs_as_the_local_engine_s(gpu_world):
     for name in original:
         engine.load_weights({name: original[name].detach()})
     assert engine.generate(prompts, **_settings()).sequences == before.sequences
+
+
+class RecordingLLM:
+    """``vllm.LLM.generate`` as the engine calls it: records each request's prompt and
+    ``SamplingParams`` keywords, answers ``max_tokens`` tokens (``7, 8, ...``) of log-prob
+    -0.5 each."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[list[int], dict]] = []
+
+    def generate(self, prompts, params, use_tqdm=False):
+        outputs = []
+        for row, (prompt, kwargs) in enumerate(zip(prompts, params)):
+            self.requests.append((prompt["prompt_token_ids"], kwargs))
+            tokens = list(range(7, 7 + kwargs["max_tokens"]))
+            done = completion(tokens, [-0.5] * len(tokens), "length")
+            outputs.append(RequestOutput(str(row), None, prompt["prompt_token_ids"], None, [done]))
+        return outputs
+
+
+def _recording_engine() -> tuple[VLLMEngine, RecordingLLM]:
+    engine = object.__new__(VLLMEngine)  # no vLLM here: the engine's own logic, a fake LLM
+    engine.llm, engine.allow_filtered_logprobs = RecordingLLM(), False
+    engine._sampling_params = dict
+    return engine, engine.llm
+
+
+def test_one_limit_per_prompt_asks_vllm_for_each_row_and_skips_zero_limits():
+    engine, llm = _recording_engine()
+    out = engine.generate(
+        [[1, 2], [3], [4, 5, 6]],
+        row_keys=[10, 11, 12],
+        max_new_tokens=[2, 0, 3],
+        temperature=1.0,
+        stop_token_ids=[],
+        stop_strings=[],
+        **NO_FILTERS,
+    )
+    asked = [(prompt, kwargs["max_tokens"], kwargs["seed"]) for prompt, kwargs in llm.requests]
+    assert asked == [([1, 2], 2, 10), ([4, 5, 6], 3, 12)]
+    assert out.sequences == [[7, 8], [], [7, 8, 9]]
+    assert out.logprobs == [[-0.5, -0.5], [], [-0.5] * 3]
+    assert (out.prompt_lengths, out.finish_reasons) == ([2, 1, 3], ["length"] * 3)
+
+
+def test_a_wrong_number_of_limits_is_refused_before_vllm_is_asked():
+    engine, llm = _recording_engine()
+    with pytest.raises(ValueError, match="max_new_tokens has 1 entries but there are 2 prompts"):
+        engine.generate(
+            [[1], [2]],
+            row_keys=None,
+            max_new_tokens=[4],
+            temperature=1.0,
+            stop_token_ids=[],
+            stop_strings=[],
+            **NO_FILTERS,
+        )
+    assert llm.requests == []

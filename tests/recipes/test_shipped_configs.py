@@ -75,5 +75,8 @@ def test_a_recipe_file_of_yours_may_declare_only_main(tmp_path):
     path.write_text("def main(cfg):\n    return None\n")
     declared = Recipe.load(path)
     assert (declared.name, declared.keys, declared.rules, declared.check_launch) == (
-        "mine", None, {}, None
+        "mine",
+        None,
+        {},
+        None,
     )

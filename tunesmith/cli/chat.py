@@ -22,14 +22,15 @@ Example (a tiny untrained model, so its replies are noise)::
 
 from __future__ import annotations
 
-from typing import IO, Any
+from dataclasses import replace
+from typing import IO
 
 import torch
 from torch import nn
 
 from tunesmith.cli.generate_batch import check_prompt_size, fit_new_tokens
 from tunesmith.data import Tokenizer
-from tunesmith.generation import generate
+from tunesmith.generation import GenerationConfig, LocalEngine, generate_with
 from tunesmith.generation.generate import model_positions
 
 __all__ = ["EXIT", "RESET", "ChatSession", "chat_loop"]
@@ -67,17 +68,22 @@ class ChatSession:
         seed: int | None = None,
     ) -> None:
         if tokenizer.chat_template is None:
-            raise ValueError(f"{tokenizer.name}: has no chat template; give --chat-template "
-                             f"(llama3, qwen2_5, qwen3 or a .jinja file)")  # fmt: skip
+            raise ValueError(
+                f"{tokenizer.name}: has no chat template; give --chat-template "
+                f"(llama3, qwen2_5, qwen3 or a .jinja file)"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.system = system
-        self.settings: dict[str, Any] = {"max_new_tokens": max_new_tokens,
-                                         "temperature": temperature, "top_k": top_k,
-                                         "top_p": top_p}  # fmt: skip
+        self.config = GenerationConfig(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p
+        )
         device = next(model.parameters()).device
         self.generator = torch.Generator(device)
         self.generator.manual_seed(0 if seed is None else seed)
+        self.engine = LocalEngine(
+            model, tokenizer, pad_id=tokenizer.pad_id or 0, generator=self.generator
+        )
         self.messages: list[dict[str, str]] = []
         self.reset()
 
@@ -93,17 +99,12 @@ class ChatSession:
         messages = [*self.messages, {"role": "user", "content": text}]
         ids, _ = self.tokenizer.tokenize_conversation(messages, add_generation_prompt=True)
         where = "the conversation (/reset starts a new one)"
-        settings = {**self.settings, "max_new_tokens": fit_new_tokens(
-            len(ids), self.settings["max_new_tokens"], positions, where)}  # fmt: skip
-        self.messages = messages
-        out = generate(
-            self.model,
-            [ids],
-            stop_token_ids=self.tokenizer.stop_token_ids,
-            pad_id=self.tokenizer.pad_id or 0,
-            generator=self.generator,
-            **settings,
+        config = replace(
+            self.config,
+            max_new_tokens=fit_new_tokens(len(ids), self.config.max_new_tokens, positions, where),
         )
+        self.messages = messages
+        out = generate_with(self.engine, [ids], None, config, self.tokenizer.stop_token_ids)
         tokens = out.sequences[0]
         if tokens and tokens[-1] in self.tokenizer.stop_token_ids:
             tokens = tokens[:-1]
@@ -121,8 +122,9 @@ def _read_line(stdin: IO[str], number: int) -> str:
         line = stdin.readline()
         line.encode("utf-8")  # undecodable bytes come as surrogates (surrogateescape)
     except UnicodeError:
-        raise ValueError(f"stdin: input line {number} is not valid UTF-8 text; "
-                         "give UTF-8 input") from None  # fmt: skip
+        raise ValueError(
+            f"stdin: input line {number} is not valid UTF-8 text; give UTF-8 input"
+        ) from None
     return line
 
 

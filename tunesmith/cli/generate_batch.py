@@ -36,7 +36,7 @@ from torch import nn
 
 from tunesmith.data import Tokenizer
 from tunesmith.data.sources import MAX_ROW_BYTES
-from tunesmith.generation import generate
+from tunesmith.generation import GenerationConfig, LocalEngine, generate_with
 from tunesmith.generation.generate import model_positions
 from tunesmith.training.sample_prompts import prompt_ids
 
@@ -94,8 +94,9 @@ def _parse_json(data: bytes, where: str) -> Any:
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); is it a "
-                         "binary file?") from None  # fmt: skip
+        raise ValueError(
+            f"{where}: not UTF-8 text (byte {e.start}: {e.reason}); is it a binary file?"
+        ) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -119,8 +120,9 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
         raise ValueError(f"{where}: 'messages' must be a list of {{role, content}} objects")
     for i, message in enumerate(messages):
         if message["role"] not in ROLES:
-            raise ValueError(f"{where}: message {i} has role {message['role']!r}; roles are "
-                             f"{', '.join(ROLES)}")  # fmt: skip
+            raise ValueError(
+                f"{where}: message {i} has role {message['role']!r}; roles are {', '.join(ROLES)}"
+            )
     return messages
 
 
@@ -128,11 +130,14 @@ def _prompt_row(value: Any, where: str) -> dict[str, Any]:
     if isinstance(value, str):
         value = {"prompt": value}
     if not isinstance(value, dict) or ("prompt" in value) == ("messages" in value):
-        raise ValueError(f"{where}: expected a JSON string, or an object with exactly one "
-                         f"of 'prompt' (a string) and 'messages' (a list)")  # fmt: skip
+        raise ValueError(
+            f"{where}: expected a JSON string, or an object with exactly one "
+            f"of 'prompt' (a string) and 'messages' (a list)"
+        )
     if "prompt" in value and not isinstance(value["prompt"], str):
-        raise ValueError(f"{where}: 'prompt' must be a string, got "
-                         f"{type(value['prompt']).__name__}")  # fmt: skip
+        raise ValueError(
+            f"{where}: 'prompt' must be a string, got {type(value['prompt']).__name__}"
+        )
     if "messages" in value:
         check_messages(value["messages"], where)
     return value
@@ -183,8 +188,12 @@ def read_chat_file(path: str | os.PathLike[str]) -> PromptRows:
 def _text_size(row: Mapping[str, Any]) -> int:
     if "prompt" in row:
         return len(row["prompt"])
-    return sum(len(m["content"]) if isinstance(m.get("content"), str) else
-               len(json.dumps(m.get("content"))) for m in row["messages"])  # fmt: skip
+    return sum(
+        len(m["content"])
+        if isinstance(m.get("content"), str)
+        else len(json.dumps(m.get("content")))
+        for m in row["messages"]
+    )
 
 
 def check_prompt_size(size: int, positions: int | None, where: str) -> None:
@@ -225,9 +234,11 @@ def fit_new_tokens(n_prompt: int, max_new_tokens: int, positions: int | None, wh
         )
     room = positions - n_prompt
     if max_new_tokens > room:
-        print(f"tunesmith: warning: {where}: {n_prompt} prompt tokens leave room for {room} "
-              f"new tokens in the model's {positions} positions (not {max_new_tokens})",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"tunesmith: warning: {where}: {n_prompt} prompt tokens leave room for {room} "
+            f"new tokens in the model's {positions} positions (not {max_new_tokens})",
+            file=sys.stderr,
+        )
         return room
     return max_new_tokens
 
@@ -265,26 +276,25 @@ def generate_rows(
     for i, row in enumerate(rows):
         check_prompt_size(_text_size(row), positions, _where(rows, i))
     ids = [prompt_ids(tokenizer, r, chat_template=chat_template, system=system) for r in rows]
-    limits = [fit_new_tokens(len(x), max_new_tokens, positions, _where(rows, i))
-              for i, x in enumerate(ids)]  # fmt: skip
+    limits = [
+        fit_new_tokens(len(x), max_new_tokens, positions, _where(rows, i))
+        for i, x in enumerate(ids)
+    ]
     order = sorted(range(len(rows)), key=lambda i: -len(ids[i]))
     results: list[dict[str, Any] | None] = [None] * len(rows)
     stops = set(tokenizer.stop_token_ids)
+    engine = LocalEngine(model, tokenizer, pad_id=tokenizer.pad_id or 0)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k
+    )
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         keys = None
         if seed is not None and temperature > 0:
             keys = [(seed * _KEY_MULTIPLIER + i) % 2**32 for i in chunk]
-        out = generate(
-            model,
-            [ids[i] for i in chunk],
-            max_new_tokens=[limits[i] for i in chunk],
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_token_ids=tokenizer.stop_token_ids,
-            pad_id=tokenizer.pad_id or 0,
-            row_keys=keys,
+        prompts, row_limits = [ids[i] for i in chunk], [limits[i] for i in chunk]
+        out = generate_with(
+            engine, prompts, keys, config, tokenizer.stop_token_ids, max_new_tokens=row_limits
         )
         for i, tokens, reason in zip(chunk, out.sequences, out.finish_reasons):
             new_tokens = len(tokens)

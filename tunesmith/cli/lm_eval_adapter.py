@@ -13,8 +13,9 @@ numbers match it on the same checkpoint:
   tokens. Returns ``(sum of log-probs, whether greedy decoding gives the continuation)``.
 * ``loglikelihood_rolling(text)``: the text's log-likelihood over disjoint windows of at most
   ``max_length`` tokens (lm-eval's own window maker), the first conditioned on BOS/EOS.
-* ``generate_until(context, gen_kwargs)``: batched KV-cache decoding
-  (:func:`tunesmith.generation.generate`), requests grouped by their generation settings and
+* ``generate_until(context, gen_kwargs)``: batched KV-cache decoding (a
+  :class:`~tunesmith.generation.LocalEngine` through
+  :func:`~tunesmith.generation.generate_with`), requests grouped by their generation settings and
   sorted longest first; greedy unless ``do_sample``/``temperature`` say otherwise; each row
   stops at ``max_gen_toks`` new tokens, an end-of-turn token or one of the ``until`` strings
   (EOS's text added to them), and the text is cut before the first stop string.
@@ -62,7 +63,7 @@ except ImportError as error:  # pragma: no cover - the eval extra is not install
 
 from tunesmith.cli.checkpoint_loading import LoadedCheckpoint, load_checkpoint
 from tunesmith.data import Tokenizer
-from tunesmith.generation import generate
+from tunesmith.generation import GenerationConfig, LocalEngine, generate_with
 
 __all__ = ["DEFAULT_MAX_LENGTH", "TunesmithLM", "run_lm_eval", "task_manager"]
 
@@ -116,8 +117,10 @@ class TunesmithLM(TemplateLM):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if tokenizer.eos_id is None and tokenizer.bos_id is None:
-            raise ValueError(f"{tokenizer.name}: names neither an EOS nor a BOS token; lm-eval "
-                             f"needs one to condition an empty context on")  # fmt: skip
+            raise ValueError(
+                f"{tokenizer.name}: names neither an EOS nor a BOS token; lm-eval "
+                f"needs one to condition an empty context on"
+            )
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -207,8 +210,10 @@ class TunesmithLM(TemplateLM):
             for i in chunk:
                 _, context, continuation = requests[i]
                 if not context or not continuation:
-                    raise ValueError(f"request {i}: empty context or continuation tokens "
-                                     f"({len(context)}, {len(continuation)})")  # fmt: skip
+                    raise ValueError(
+                        f"request {i}: empty context or continuation tokens "
+                        f"({len(context)}, {len(continuation)})"
+                    )
                 rows.append((context + continuation)[-(self.max_length + 1) :][:-1])
                 conts.append(continuation)
             width = max(len(r) for r in rows)
@@ -258,16 +263,23 @@ class TunesmithLM(TemplateLM):
             groups[repr(sorted(req.args[1].items()))].append(i)
         results: list[str | None] = [None] * len(requests)
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        # stop strings are found in tokenizer.decode(ids): special tokens kept, as lm-eval does
+        engine = LocalEngine(self.model, self.tokenizer, pad_id=self.tokenizer.pad_id or 0)
         for indices in groups.values():
             kwargs = dict(normalize_gen_kwargs(requests[indices[0]].args[1], self.max_gen_toks))
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_gen_toks = int(kwargs.pop("max_gen_toks"))
             if max_gen_toks >= self.max_length:
-                raise ValueError(f"max_gen_toks {max_gen_toks} leaves no room for the context "
-                                 f"in max_length {self.max_length}")  # fmt: skip
+                raise ValueError(
+                    f"max_gen_toks {max_gen_toks} leaves no room for the context "
+                    f"in max_length {self.max_length}"
+                )
             sampling = {k: kwargs[k] for k in _SAMPLING_KEYS if kwargs.get(k) is not None}
             if not kwargs.get("do_sample"):
                 sampling = {}
+            config = GenerationConfig(
+                **{"temperature": 0.0, **sampling}, max_new_tokens=max_gen_toks, stop_strings=until
+            )
             contexts = {
                 i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_gen_toks) :]
                 for i in indices
@@ -275,16 +287,8 @@ class TunesmithLM(TemplateLM):
             order = sorted(indices, key=lambda i: (-len(contexts[i]), requests[i].args[0]))
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start : start + self.batch_size]
-                out = generate(
-                    self.model,
-                    [contexts[i] for i in chunk],
-                    max_new_tokens=max_gen_toks,
-                    stop_token_ids=self.tokenizer.stop_token_ids,
-                    stop_strings=until,
-                    decode=lambda ids: self.tok_decode(ids, skip_special_tokens=False),
-                    pad_id=self.tokenizer.pad_id or 0,
-                    **sampling,
-                )
+                prompts = [contexts[i] for i in chunk]
+                out = generate_with(engine, prompts, None, config, self.tokenizer.stop_token_ids)
                 for i, tokens in zip(chunk, out.sequences):
                     text = postprocess_generated_text(
                         self.tok_decode(tokens), stop=until, think_end_token=None
@@ -306,9 +310,11 @@ class TunesmithLM(TemplateLM):
             return None
         if isinstance(chat_template, str):
             if chat_template not in self.tokenizer.chat_templates:
-                raise ValueError(f"{self.tokenizer.name}: no chat template named "
-                                 f"{chat_template!r} (it has "
-                                 f"{sorted(self.tokenizer.chat_templates)})")  # fmt: skip
+                raise ValueError(
+                    f"{self.tokenizer.name}: no chat template named "
+                    f"{chat_template!r} (it has "
+                    f"{sorted(self.tokenizer.chat_templates)})"
+                )
             return self.tokenizer.chat_templates[chat_template]
         return self.tokenizer.chat_template
 
@@ -327,8 +333,10 @@ class TunesmithLM(TemplateLM):
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         if self.tokenizer.chat_template is None:
-            raise ValueError(f"{self.tokenizer.name}: has no chat template; drop "
-                             f"--apply-chat-template or give --chat-template")  # fmt: skip
+            raise ValueError(
+                f"{self.tokenizer.name}: has no chat template; drop "
+                f"--apply-chat-template or give --chat-template"
+            )
         if add_generation_prompt or not messages:
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs
@@ -342,8 +350,10 @@ class TunesmithLM(TemplateLM):
             [*messages[:-1], last], add_generation_prompt=False, **self.chat_template_kwargs
         )
         if marker not in text:
-            raise ValueError(f"the chat template drops the end of the last {last['role']!r} "
-                             f"message; it cannot be continued")  # fmt: skip
+            raise ValueError(
+                f"the chat template drops the end of the last {last['role']!r} "
+                f"message; it cannot be continued"
+            )
         cut = text.rindex(marker)
         return text[:cut] if text.startswith(f"{marker} ", cut) else text[:cut].rstrip()
 
@@ -377,9 +387,11 @@ def task_manager(tasks: Sequence[str], include_path: str | os.PathLike[str] | No
     manager = TaskManager(include_path=None if include_path is None else str(include_path))
     unknown = sorted(set(tasks) - set(manager.match_tasks(list(tasks))))
     if unknown:
-        hints = [f"{name} (did you mean {', '.join(close)}?)" if close else name
-                 for name in unknown
-                 for close in [difflib.get_close_matches(name, manager.all_tasks, n=3)]]  # fmt: skip
+        hints = [
+            f"{name} (did you mean {', '.join(close)}?)" if close else name
+            for name in unknown
+            for close in [difflib.get_close_matches(name, manager.all_tasks, n=3)]
+        ]
         raise ValueError(f"unknown lm-eval task(s): {'; '.join(hints)}")
     return manager
 

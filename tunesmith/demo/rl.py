@@ -44,7 +44,7 @@ from tunesmith.data import Tokenizer
 from tunesmith.demo.assets import DEFAULT_MODEL, AssetSettings, DemoAssets, is_built, make_assets
 from tunesmith.demo.run import run_to_checkpoint
 from tunesmith.demo.task import Example, read_jsonl, write_jsonl
-from tunesmith.generation import generate
+from tunesmith.generation import GenerationConfig, LocalEngine, generate_with
 from tunesmith.models import from_hf
 from tunesmith.recipes import prepare_run
 from tunesmith.rl.prompts import Prompt, encode_prompt
@@ -230,29 +230,30 @@ def greedy_accuracy(
         raise ValueError("accuracy of no prompts is undefined")
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     stop = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-    was_training = model.training
-    model.eval()
+    engine = LocalEngine(model, tokenizer, pad_id=pad_id)
+    greedy = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     replies: list[str] = []
     scores: list[float] = []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            encoded = [encode_prompt(tokenizer, p) for p in chunk]
-            out = generate(
-                model, [ids for ids, _ in encoded], max_new_tokens=max_new_tokens,
-                stop_token_ids=stop, pad_id=pad_id,
-            )  # fmt: skip
-            texts = [tokenizer.decode(seq, skip_special_tokens=True) for seq in out.sequences]
-            samples = [
-                Sample(prompt=text, completion=reply, answer=p.answer, metadata=p.metadata,
-                       completion_tokens=len(seq), finish_reason=reason)
-                for p, (_, text), reply, seq, reason in zip(chunk, encoded, texts, out.sequences,
-                                                            out.finish_reasons)
-            ]  # fmt: skip
-            scores += rewards(samples).per_reward[reward].tolist()
-            replies += texts
-    finally:
-        model.train(was_training)
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        encoded = [encode_prompt(tokenizer, p) for p in chunk]
+        out = generate_with(engine, [ids for ids, _ in encoded], None, greedy, stop)
+        texts = [tokenizer.decode(seq, skip_special_tokens=True) for seq in out.sequences]
+        samples = [
+            Sample(
+                prompt=text,
+                completion=reply,
+                answer=p.answer,
+                metadata=p.metadata,
+                completion_tokens=len(seq),
+                finish_reason=reason,
+            )
+            for p, (_, text), reply, seq, reason in zip(
+                chunk, encoded, texts, out.sequences, out.finish_reasons
+            )
+        ]
+        scores += rewards(samples).per_reward[reward].tolist()
+        replies += texts
     return sum(scores) / len(scores), replies
 
 
@@ -333,9 +334,13 @@ def run_rl_demo(
 
 
 def _run(
-    root: Path, settings: RLDemoSettings, sft_overrides: list[str], grpo_overrides: list[str],
-    verbose: bool, asynchronous: bool,
-) -> RLDemoResult:  # fmt: skip
+    root: Path,
+    settings: RLDemoSettings,
+    sft_overrides: list[str],
+    grpo_overrides: list[str],
+    verbose: bool,
+    asynchronous: bool,
+) -> RLDemoResult:
     say = print if verbose else (lambda *a, **k: None)
     start = time.perf_counter()
     recipe, grpo_name = grpo_recipe(asynchronous)
@@ -376,17 +381,19 @@ def _run(
     scoring = {"max_new_tokens": int(cfg.generation.max_new_tokens),
                "batch_size": RLSettings.from_config(cfg).eval_batch_size}  # fmt: skip
     tokenizer = Tokenizer.from_pretrained(warmup)
-    demo_prompts = [Prompt(i, ex.prompt_messages(), ex.answer)
-                    for i, ex in enumerate(data.demonstrations)]  # fmt: skip
+    demo_prompts = [
+        Prompt(i, ex.prompt_messages(), ex.answer) for i, ex in enumerate(data.demonstrations)
+    ]
 
     say("[3/5] accuracy of the SFT model (greedy answers, exact-match verifier)")
     model = from_hf(warmup)
     fit_acc, _ = greedy_accuracy(model, tokenizer, demo_prompts, rewards, **scoring)
-    before, replies_before = greedy_accuracy(model, tokenizer, held_out_prompts, rewards,
-                                             **scoring)  # fmt: skip
+    before, replies_before = greedy_accuracy(model, tokenizer, held_out_prompts, rewards, **scoring)
     del model
-    say(f"      on its {len(demo_prompts)} demonstrations: {fit_acc:.1%}; "
-        f"on {len(held_out_prompts)} held-out prompts: {before:.1%}")  # fmt: skip
+    say(
+        f"      on its {len(demo_prompts)} demonstrations: {fit_acc:.1%}; "
+        f"on {len(held_out_prompts)} held-out prompts: {before:.1%}"
+    )
 
     say(f"[4/5] GRPO from the SFT checkpoint: tunesmith run {recipe} --config {CONFIG}")
     grpo_start = time.perf_counter()
@@ -394,8 +401,9 @@ def _run(
     grpo_seconds = time.perf_counter() - grpo_start
 
     say("[5/5] held-out accuracy of the GRPO checkpoint, reward curve")
-    after, replies_after = greedy_accuracy(from_hf(checkpoint), tokenizer, held_out_prompts,
-                                           rewards, **scoring)  # fmt: skip
+    after, replies_after = greedy_accuracy(
+        from_hf(checkpoint), tokenizer, held_out_prompts, rewards, **scoring
+    )
     series = read_metrics(grpo_dir / "metrics.jsonl")
     curve = [(0, before), *series.get(f"val_reward/{ACCURACY_REWARD}", [])]
     plot = _plot_or_none(grpo_dir, before, say)
@@ -469,8 +477,11 @@ def plot_rewards(
     if held_out:
         top.plot(*zip(*held_out), marker="o", markersize=4, label="held-out accuracy (greedy)")
     if sampled:
-        top.plot(*zip(*_moving_mean(sampled, window)), alpha=0.6,
-                 label=f"exact answers among the samples (mean of {window} logs)")  # fmt: skip
+        top.plot(
+            *zip(*_moving_mean(sampled, window)),
+            alpha=0.6,
+            label=f"exact answers among the samples (mean of {window} logs)",
+        )
     top.set_ylabel("accuracy")
     top.set_ylim(0, 1)
     top.set_title(f"rewards of {run_dir}")
@@ -493,8 +504,10 @@ def _moving_mean(points: list[tuple[int, float]], window: int) -> list[tuple[int
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     values = [v for _, v in points]
-    return [(step, sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window))
-            for i, (step, _) in enumerate(points)]  # fmt: skip
+    return [
+        (step, sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window))
+        for i, (step, _) in enumerate(points)
+    ]
 
 
 def _plot_or_none(run_dir: Path, start: float, say: Any) -> Path | None:

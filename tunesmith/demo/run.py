@@ -28,7 +28,7 @@ from torch import nn
 from tunesmith.data import Tokenizer
 from tunesmith.demo.assets import AssetSettings, DemoAssets, is_built, make_assets
 from tunesmith.demo.task import COMMAND, MAX_LEN, Example, accuracy, read_jsonl
-from tunesmith.generation import generate
+from tunesmith.generation import GenerationConfig, LocalEngine, generate_with
 from tunesmith.models import from_hf
 from tunesmith.recipes import run
 from tunesmith.training import CheckpointDirectory, plot_run
@@ -73,8 +73,10 @@ def evaluate(
         >>> acc, len(replies)  # an untrained model
         (0.0, 4)
     """
-    model.eval()
+    model.eval()  # left in eval mode after (the engine restores the mode it finds)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    engine = LocalEngine(model, tokenizer, pad_id=pad_id)
+    greedy = GenerationConfig(max_new_tokens=MAX_LEN + 2, temperature=0.0)
     replies: list[str] = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
@@ -82,13 +84,7 @@ def evaluate(
             tokenizer.tokenize_conversation(ex.prompt_messages(), add_generation_prompt=True)[0]
             for ex in chunk
         ]
-        out = generate(
-            model,
-            prompts,
-            max_new_tokens=MAX_LEN + 2,
-            stop_token_ids=tokenizer.stop_token_ids,
-            pad_id=pad_id,
-        )
+        out = generate_with(engine, prompts, None, greedy, tokenizer.stop_token_ids)
         replies += [tokenizer.decode(seq, skip_special_tokens=True) for seq in out.sequences]
     return accuracy(replies, examples), replies
 

@@ -1,10 +1,13 @@
-"""Rollout engines: the narrow interface an RL rollout worker generates through.
+"""Rollout engines: the narrow interface every decode of the library goes through.
 
 A rollout worker needs two things from whatever decodes for it: completions with the sampling
 log-prob of every token (:meth:`RolloutEngine.generate`), and new policy weights by Hugging
 Face name after each update (:meth:`RolloutEngine.load_weights`). :class:`LocalEngine` is the
 project's own engine (:func:`~tunesmith.generation.generate`, CPU or GPU, the default);
-:class:`~tunesmith.generation.vllm_engine.VLLMEngine` is the same interface over vLLM.
+:class:`~tunesmith.generation.vllm_engine.VLLMEngine` is the same interface over vLLM. RL
+rollouts, held-out rewards, in-training samples, ``tunesmith generate``/``chat``, lm-eval and
+the demos all decode through :func:`generate_with` (a :class:`GenerationConfig`, greedy or
+sampled); nothing else calls :func:`~tunesmith.generation.generate` itself.
 
 Example::
 
@@ -42,7 +45,8 @@ class RolloutEngine(Protocol):
     distribution ``log_softmax(logits / T)`` (``log_softmax(logits)`` when greedy), the numbers
     the trainer recomputes. ``load_weights`` copies tensors into the running policy by Hugging
     Face name; a partial update (e.g. only a LoRA policy's adapter weights) is allowed, but
-    every name must exist with the sent shape.
+    every name must exist with the sent shape. ``max_new_tokens`` is one limit for every
+    prompt or one per prompt (a row whose limit is 0 is answered empty).
 
     Example::
 
@@ -56,7 +60,7 @@ class RolloutEngine(Protocol):
         prompt_ids: Sequence[Sequence[int]],
         *,
         row_keys: Sequence[int] | None,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         temperature: float,
         top_p: float | None,
         top_k: int | None,
@@ -118,6 +122,8 @@ class LocalEngine:
         autocast_dtype: e.g. ``torch.bfloat16`` to decode a float32 model under autocast.
         sync_ranks: every rank of the default process group decodes as many steps as the
             longest (a model sharded over the ranks, e.g. a trainer's FSDP2 policy).
+        generator: the ``torch.Generator`` (on the model's device) rows without a key draw
+            from, e.g. a chat session's, seeded once; None: torch's global generator.
 
     Example::
 
@@ -137,12 +143,14 @@ class LocalEngine:
         pad_id: int,
         autocast_dtype: torch.dtype | None = None,
         sync_ranks: bool = False,
+        generator: torch.Generator | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.pad_id = int(pad_id)
         self.autocast_dtype = autocast_dtype
         self.sync_ranks = sync_ranks
+        self.generator = generator
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -155,7 +163,7 @@ class LocalEngine:
         prompt_ids: Sequence[Sequence[int]],
         *,
         row_keys: Sequence[int] | None,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         temperature: float,
         top_p: float | None,
         top_k: int | None,
@@ -163,7 +171,8 @@ class LocalEngine:
         stop_token_ids: Sequence[int],
         stop_strings: Sequence[str],
     ) -> GenerationOutput:
-        """Answer each prompt once; see :class:`RolloutEngine`."""
+        """Answer each prompt once (``max_new_tokens``: one limit, or one per prompt); see
+        :class:`RolloutEngine`."""
         decode = None
         if stop_strings:
             if self.tokenizer is None:
@@ -188,6 +197,7 @@ class LocalEngine:
                     stop_strings=stop_strings,
                     decode=decode,
                     pad_id=self.pad_id,
+                    generator=self.generator,
                     row_keys=row_keys,
                     sync_ranks=self.sync_ranks,
                 )
@@ -212,9 +222,13 @@ def generate_with(
     row_keys: Sequence[int] | None,
     config: GenerationConfig,
     stop_token_ids: Sequence[int],
+    *,
+    max_new_tokens: Sequence[int] | None = None,
 ) -> GenerationOutput:
-    """``engine``'s completions of ``prompt_ids`` sampled as ``config`` says: the one call every
-    rollout decodes through (the synchronous recipes' own policy, the Ray rollout workers).
+    """``engine``'s completions of ``prompt_ids`` decoded as ``config`` says (greedy at
+    temperature 0): the one call every decode goes through (RL rollouts, evaluation, samples,
+    the CLI's ``generate``/``chat``/``eval``, the demos). ``max_new_tokens``: one limit per
+    prompt instead of ``config.max_new_tokens``.
 
     Example::
 
@@ -223,9 +237,20 @@ def generate_with(
         >>> out = generate_with(engine, [[1, 5, 7]], [3], GenerationConfig(max_new_tokens=4), [])
         >>> len(out.sequences[0])
         4
+        >>> greedy = GenerationConfig(temperature=0.0)
+        >>> out = generate_with(engine, [[1, 5], [1, 7]], None, greedy, [], max_new_tokens=[2, 3])
+        >>> [len(s) for s in out.sequences]
+        [2, 3]
     """
+    limits = config.max_new_tokens if max_new_tokens is None else max_new_tokens
     return engine.generate(
-        prompt_ids, row_keys=row_keys, max_new_tokens=config.max_new_tokens,
-        temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-        min_p=config.min_p, stop_token_ids=stop_token_ids, stop_strings=list(config.stop_strings),
-    )  # fmt: skip
+        prompt_ids,
+        row_keys=row_keys,
+        max_new_tokens=limits,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        min_p=config.min_p,
+        stop_token_ids=stop_token_ids,
+        stop_strings=list(config.stop_strings),
+    )

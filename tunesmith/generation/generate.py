@@ -195,8 +195,12 @@ def _last_logits(model: nn.Module, input_ids: Tensor, **kwargs: object) -> Tenso
     return model(input_ids, **kwargs)[:, -1]
 
 
-def _row_limits(max_new_tokens: int | Sequence[int], batch: int) -> list[int]:
-    """One ``max_new_tokens`` per prompt, each checked to be an int >= 0."""
+def row_limits(max_new_tokens: int | Sequence[int], batch: int) -> list[int]:
+    """One ``max_new_tokens`` per prompt, each checked to be an int >= 0.
+
+    >>> row_limits(3, 2), row_limits([0, 5], 2)
+    ([3, 3], [0, 5])
+    """
 
     def bad(value: object) -> bool:
         return not isinstance(value, int) or isinstance(value, bool) or value < 0
@@ -417,7 +421,7 @@ def generate(
     build_processors(temperature, top_k, top_p, min_p)  # validate the settings before any work
     stop_strings_check = _StopStrings(stop_strings, decode)
     rows = _as_token_lists(prompts, allow_empty=sync_wanted)
-    limits = _row_limits(max_new_tokens, len(rows))
+    limits = row_limits(max_new_tokens, len(rows))
     prompt_lengths = [len(r) for r in rows]
     n_rows = len(rows)
     keys = None if row_keys is None else torch.as_tensor(row_keys, dtype=torch.int64).flatten()
@@ -429,9 +433,20 @@ def generate(
     stop_ids = sorted(set(map(int, stop_token_ids)))
     shared = _SharedTokens(tp_group if tp_group is not None else _find_tp_group(model), device)
     shared.check_same(
-        (rows, limits, None if keys is None else keys.tolist(), stop_ids, tuple(stop_strings),
-         temperature, top_k, top_p, min_p, pad_id, use_cache)
-    )  # fmt: skip
+        (
+            rows,
+            limits,
+            None if keys is None else keys.tolist(),
+            stop_ids,
+            tuple(stop_strings),
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            pad_id,
+            use_cache,
+        )
+    )
     if not rows:  # a rank with nothing to do still joins every step: one masked dummy row
         rows, limits = [[pad_id]], [0]
         keys = None if keys is None else torch.zeros(1, dtype=torch.int64)

@@ -55,8 +55,9 @@ def row_key(*parts: int) -> int:
     for part in parts:
         value = int(part)
         for word in (value & _MASK32, (value >> 32) & _MASK32):
-            h = _fmix32((h + _GOLDEN + _mul32(torch.tensor(word, dtype=torch.int64), 0xCC9E2D51))
-                        & _MASK32)  # fmt: skip
+            h = _fmix32(
+                (h + _GOLDEN + _mul32(torch.tensor(word, dtype=torch.int64), 0xCC9E2D51)) & _MASK32
+            )
     return int(h)
 
 
@@ -64,8 +65,9 @@ def keyed_uniform(keys: Tensor, step: int) -> Tensor:
     """``[b]`` float64 uniform numbers in ``(0, 1)``; row ``i``'s depends only on
     ``(keys[i], step)`` (keys: ``[b]`` integers in ``[0, 2**32)``)."""
     keys = keys.to(torch.int64) & _MASK32
-    step_mix = _fmix32(torch.tensor((step * _GOLDEN) & _MASK32, dtype=torch.int64,
-                                    device=keys.device))  # fmt: skip
+    step_mix = _fmix32(
+        torch.tensor((step * _GOLDEN) & _MASK32, dtype=torch.int64, device=keys.device)
+    )
     bits = _fmix32(_fmix32(keys ^ step_mix) + _GOLDEN & _MASK32)
     return (bits.to(torch.float64) + 0.5) / 2.0**32
 

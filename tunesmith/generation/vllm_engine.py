@@ -53,7 +53,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from tunesmith.generation.engine import check_named_weights
-from tunesmith.generation.generate import GenerationOutput
+from tunesmith.generation.generate import GenerationOutput, row_limits
 from tunesmith.generation.sampling import build_processors
 
 __all__ = [
@@ -454,7 +454,7 @@ class VLLMEngine:
         prompt_ids: Sequence[Sequence[int]],
         *,
         row_keys: Sequence[int] | None,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         temperature: float,
         top_p: float | None,
         top_k: int | None,
@@ -462,7 +462,8 @@ class VLLMEngine:
         stop_token_ids: Sequence[int],
         stop_strings: Sequence[str],
     ) -> GenerationOutput:
-        """Answer each prompt once with vLLM; see
+        """Answer each prompt once with vLLM (``max_new_tokens``: one limit, or one per prompt;
+        a row whose limit is 0 is answered empty without asking vLLM); see
         :class:`~tunesmith.generation.engine.RolloutEngine`."""
         started = time.perf_counter()
         rows = [[int(t) for t in row] for row in prompt_ids]
@@ -474,30 +475,35 @@ class VLLMEngine:
             keys = [int(k) for k in row_keys]
             if len(keys) != len(rows):
                 raise ValueError(f"row_keys has {len(keys)} keys for {len(rows)} prompts")
-        if max_new_tokens == 0 or not rows:
-            n = len(rows)
-            return GenerationOutput(
-                [[] for _ in rows], [[] for _ in rows], [len(r) for r in rows], ["length"] * n
-            )
-        params = [
-            self._sampling_params(
-                **sampling_params_kwargs(
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    top_p=top_p,
-                    top_k=top_k,
-                    min_p=min_p,
-                    stop_token_ids=stop_token_ids,
-                    stop_strings=stop_strings,
-                    seed=key,
-                    allow_filtered_logprobs=self.allow_filtered_logprobs,
+        limits = row_limits(max_new_tokens, len(rows))
+        out = GenerationOutput(
+            [[] for _ in rows], [[] for _ in rows], [len(r) for r in rows], ["length"] * len(rows)
+        )
+        asked = [i for i, limit in enumerate(limits) if limit > 0]
+        if asked:
+            params = [
+                self._sampling_params(
+                    **sampling_params_kwargs(
+                        max_new_tokens=limits[i],
+                        temperature=temperature,
+                        top_p=top_p,
+                        top_k=top_k,
+                        min_p=min_p,
+                        stop_token_ids=stop_token_ids,
+                        stop_strings=stop_strings,
+                        seed=keys[i],
+                        allow_filtered_logprobs=self.allow_filtered_logprobs,
+                    )
                 )
-            )
-            for key in keys
-        ]
-        prompts = [{"prompt_token_ids": row} for row in rows]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return generation_output(outputs, seconds=time.perf_counter() - started)
+                for i in asked
+            ]
+            prompts = [{"prompt_token_ids": rows[i]} for i in asked]
+            got = generation_output(self.llm.generate(prompts, params, use_tqdm=False))
+            for j, i in enumerate(asked):
+                out.sequences[i], out.logprobs[i] = got.sequences[j], got.logprobs[j]
+                out.finish_reasons[i] = got.finish_reasons[j]
+        out.seconds = time.perf_counter() - started
+        return out
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """Push ``named_tensors`` (HF names, full tensors) into the running vLLM model on every

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tunesmith.generation import generate
+from tunesmith.generation import GenerationConfig, LocalEngine, generate_with
 from tunesmith.rl.prompts import Prompt, encode_prompt
 from tunesmith.rl.rewards import RewardSet, Sample
 from tunesmith.training.parallel.distributed import DistributedContext
@@ -31,11 +31,18 @@ __all__ = ["evaluate_rewards"]
 
 @torch.no_grad()
 def evaluate_rewards(
-    model: nn.Module, tokenizer: Any, prompts: Sequence[Prompt], rewards: RewardSet,
-    ctx: DistributedContext, *, max_new_tokens: int, batch_size: int = 16,
-    stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    rewards: RewardSet,
+    ctx: DistributedContext,
+    *,
+    max_new_tokens: int,
+    batch_size: int = 16,
+    stop_token_ids: Sequence[int] = (),
+    stop_strings: Sequence[str] = (),
     chat_template: bool = True,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """``val_reward`` (the weighted total) and ``val_reward/<name>`` (each reward) averaged
     over ``prompts``, greedy decoding, the model's mode restored after."""
     mine = list(range(ctx.dp_rank, len(prompts), ctx.dp_size))
@@ -45,36 +52,34 @@ def evaluate_rewards(
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         rounds = int(count.item())
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    engine = LocalEngine(model, tokenizer, pad_id=pad_id, sync_ranks=ctx.world_size > 1)
+    greedy = GenerationConfig(
+        max_new_tokens=max_new_tokens, temperature=0.0, stop_strings=list(stop_strings)
+    )
     sums: dict[str, float] = {}
-    was_training = model.training
-    model.eval()
-    try:
-        for i in range(rounds):
-            chunk = [prompts[j] for j in mine[i * batch_size : (i + 1) * batch_size]]
-            counted = bool(chunk)
-            chunk = chunk or [prompts[0]]  # a rank out of prompts still decodes (discarded)
-            encoded = [encode_prompt(tokenizer, p, chat_template=chat_template) for p in chunk]
-            out = generate(
-                model, [ids for ids, _ in encoded], max_new_tokens=max_new_tokens,
-                stop_token_ids=stop_token_ids, stop_strings=list(stop_strings),
-                decode=tokenizer.decode if stop_strings else None, pad_id=pad_id,
-                sync_ranks=ctx.world_size > 1,
-            )  # fmt: skip
-            if not counted:
-                continue
-            samples = [
-                Sample(prompt=text, completion=tokenizer.decode(seq, skip_special_tokens=True),
-                       answer=p.answer, metadata=p.metadata, completion_tokens=len(seq),
-                       finish_reason=reason)
-                for p, (_, text), seq, reason in zip(chunk, encoded, out.sequences,
-                                                     out.finish_reasons)
-            ]  # fmt: skip
-            scored = rewards(samples)
-            _add(sums, "val_reward", float(scored.total.sum()))
-            for name, values in scored.per_reward.items():
-                _add(sums, f"val_reward/{name}", float(values.sum()))
-    finally:
-        model.train(was_training)
+    for i in range(rounds):
+        chunk = [prompts[j] for j in mine[i * batch_size : (i + 1) * batch_size]]
+        counted = bool(chunk)
+        chunk = chunk or [prompts[0]]  # a rank out of prompts still decodes (discarded)
+        encoded = [encode_prompt(tokenizer, p, chat_template=chat_template) for p in chunk]
+        out = generate_with(engine, [ids for ids, _ in encoded], None, greedy, stop_token_ids)
+        if not counted:
+            continue
+        samples = [
+            Sample(
+                prompt=text,
+                completion=tokenizer.decode(seq, skip_special_tokens=True),
+                answer=p.answer,
+                metadata=p.metadata,
+                completion_tokens=len(seq),
+                finish_reason=reason,
+            )
+            for p, (_, text), seq, reason in zip(chunk, encoded, out.sequences, out.finish_reasons)
+        ]
+        scored = rewards(samples)
+        _add(sums, "val_reward", float(scored.total.sum()))
+        for name, values in scored.per_reward.items():
+            _add(sums, f"val_reward/{name}", float(values.sum()))
     keys = ["val_reward", *(f"val_reward/{name}" for name in sorted(rewards.rewards))]
     totals = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
     if ctx.world_size > 1:

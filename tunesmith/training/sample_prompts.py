@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from tunesmith.config import instantiate
-from tunesmith.generation import generate
+from tunesmith.generation import GenerationConfig, LocalEngine, generate_with
 from tunesmith.training.logging.loggers import (
     JSONLLogger,
     MultiLogger,
@@ -105,8 +105,10 @@ def prompt_ids(
     use_template = tokenizer.chat_template is not None if chat_template is None else chat_template
     if "messages" in prompt:
         if tokenizer.chat_template is None:
-            raise ValueError(f"{tokenizer.name}: has no chat template for a conversation "
-                             f"prompt; choose one (a chat_template option)")  # fmt: skip
+            raise ValueError(
+                f"{tokenizer.name}: has no chat template for a conversation "
+                f"prompt; choose one (a chat_template option)"
+            )
         messages = list(prompt["messages"])
     elif use_template:
         messages = [{"role": "user", "content": prompt["prompt"]}]
@@ -147,8 +149,10 @@ def log_samples(logger: Any, step: int, samples: Sequence[Mapping[str, str]]) ->
         for each in logger.loggers:
             log_samples(each, step, samples)
     elif isinstance(logger, StdoutLogger):
-        lines = [f"step {step} | sample {i} | {_one_line(s['prompt'])} -> "
-                 f"{_one_line(s['completion'])}" for i, s in enumerate(samples)]  # fmt: skip
+        lines = [
+            f"step {step} | sample {i} | {_one_line(s['prompt'])} -> {_one_line(s['completion'])}"
+            for i, s in enumerate(samples)
+        ]
         write = getattr(logger, "_write", None) or sys.stdout.write
         write("\n".join(lines) + "\n")
     elif isinstance(logger, JSONLLogger):
@@ -160,8 +164,9 @@ def log_samples(logger: Any, step: int, samples: Sequence[Mapping[str, str]]) ->
     elif isinstance(logger, WandBLogger):
         import wandb
 
-        table = wandb.Table(columns=["prompt", "completion"],
-                            data=[[s["prompt"], s["completion"]] for s in samples])  # fmt: skip
+        table = wandb.Table(
+            columns=["prompt", "completion"], data=[[s["prompt"], s["completion"]] for s in samples]
+        )
         logger._run.log({"samples": table}, step=step)
 
 
@@ -234,19 +239,14 @@ class SamplePrompts:
 
     def __call__(self) -> list[dict[str, str]]:
         """The completions now (greedy; the model's train/eval mode is restored after)."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            out = generate(
-                self.model,
-                self._ids,
-                max_new_tokens=self.max_new_tokens,
-                stop_token_ids=self.tokenizer.stop_token_ids,
-                pad_id=self.tokenizer.pad_id or 0,
-                sync_ranks=self.sync_ranks,
-            )
-        finally:
-            self.model.train(was_training)
+        engine = LocalEngine(
+            self.model,
+            self.tokenizer,
+            pad_id=self.tokenizer.pad_id or 0,
+            sync_ranks=self.sync_ranks,
+        )
+        greedy = GenerationConfig(max_new_tokens=self.max_new_tokens, temperature=0.0)
+        out = generate_with(engine, self._ids, None, greedy, self.tokenizer.stop_token_ids)
         stops = set(self.tokenizer.stop_token_ids)
         samples = []
         for prompt, tokens in zip(self.prompts, out.sequences):

@@ -155,9 +155,8 @@ def _code_dir() -> str:
     >>> Path(_code_dir(), "tunesmith", "__init__.py").is_file()
     True
     """
-    return str(
-        Path(__file__).resolve().parents[2]
-    )  # tunesmith/rl/asynchronous/pipeline.py -> its root
+    depth = len(__name__.split(".")) - 1  # tunesmith.rl.asynchronous.pipeline: 3 folders up
+    return str(Path(__file__).resolve().parents[depth])
 
 
 @contextlib.contextmanager

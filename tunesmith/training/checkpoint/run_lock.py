@@ -26,8 +26,7 @@ Example::
     PosixPath('runs/exp1/.tunesmith.lock')
     >>> RunLock.acquire(Path("runs/exp1"))  # a second run while the first holds it
     Traceback (most recent call last):
-    tunesmith.training.checkpoint.run_lock.OutputDirInUseError: runs/exp1 is in use by another run
-    (pid ...
+    tunesmith.training.checkpoint.run_lock.OutputDirInUseError: runs/exp1 is in use by ...
     >>> lock.release()
     >>> lock.path.exists()
     False
