@@ -50,7 +50,6 @@ from tunesmith.training.memory.compile import compile_loss, compile_options
 from tunesmith.training.memory.planner import MemoryPlan, estimate_memory, optimizer_kind
 from tunesmith.training.memory.preflight import longest_batch
 from tunesmith.training.parallel.distributed import DistributedContext
-from tunesmith.training.parallelize import parallelize
 from tunesmith.training.precision import cast_weights, check_precision
 from tunesmith.training.settings import MODEL_KEYS, value_of  # the model steps' keys
 
@@ -179,7 +178,7 @@ def build_policy(
 
     Example::
 
-        model = parallelize(build_policy(cfg, ctx, tokenizer), ctx, cfg)
+        model = _parallelize(build_policy(cfg, ctx, tokenizer), ctx, cfg)
     """
     model = instantiate(cfg.model)
     cast_weights(model, check_precision(cfg))  # precision.weights: bf16 casts the trained model
@@ -248,7 +247,7 @@ def frozen_model(
     model.requires_grad_(False).eval()
     if not (offload and ctx.device.type == "cuda"):  # offloaded: FSDP2 places the shards
         model = model.to(ctx.device)
-    return parallelize(model, ctx, frozen=True, cpu_offload=offload)
+    return _parallelize(model, ctx, frozen=True, cpu_offload=offload)
 
 
 @dataclass
@@ -375,3 +374,12 @@ def memory_plan(
     )
     log(plan.table())
     return plan
+
+
+def _parallelize(model: nn.Module, ctx: DistributedContext, *args: Any, **kwargs: Any) -> nn.Module:
+    """:func:`~tunesmith.training.parallelize.parallelize`, imported when first needed: a Ray
+    rollout or reward worker imports this module to build its policy and never shards it, so
+    it does not pay for DTensor's import (about a second per actor)."""
+    from tunesmith.training.parallelize import parallelize
+
+    return parallelize(model, ctx, *args, **kwargs)
