@@ -39,8 +39,11 @@ def _commit() -> str:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "tunesmith"],
-            cwd=root, capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return sha + ("+dirty" if dirty else "")

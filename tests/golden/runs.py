@@ -81,7 +81,7 @@ RUNS: dict[str, GoldenRun] = {
         "chat_val",
         ("eval_every_n_steps=3", "teacher_dir={teacher}"),
         inputs=("model", "teacher"),
-    ),  # fmt: skip
+    ),
     "reward_model": GoldenRun("reward_model", "pairs", "pairs_val", ("eval_every_n_steps=3",)),
 }
 """Golden run name -> the run (the name is also the golden file's: ``<name>.json``)."""

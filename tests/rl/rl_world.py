@@ -106,8 +106,9 @@ def local_ray(num_cpus: int = 4) -> Iterator[None]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     with ray_temp_dir() as temp:
         with _any_component_allowed():  # the workers start with the test reward allowed
-            ray.init(num_cpus=num_cpus, _temp_dir=temp, include_dashboard=False,
-                     log_to_driver=False)  # fmt: skip
+            ray.init(
+                num_cpus=num_cpus, _temp_dir=temp, include_dashboard=False, log_to_driver=False
+            )
         try:
             yield
         finally:
@@ -119,5 +120,6 @@ def launch_async_ranks(overrides: Sequence[str], log_dir: Path) -> None:
     a Ray instance of the run's own in a :func:`ray_temp_dir`, the test components allowed in
     the ranks and their workers."""
     with ray_temp_dir() as temp, _any_component_allowed():  # inherited by ranks and workers
-        launch_ranks([*overrides, f"ray.temp_dir={temp}"], log_dir, recipe="grpo_async",
-                     timeout=300)  # fmt: skip
+        launch_ranks(
+            [*overrides, f"ray.temp_dir={temp}"], log_dir, recipe="grpo_async", timeout=300
+        )

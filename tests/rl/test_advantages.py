@@ -32,8 +32,7 @@ def test_group_normalized_is_grpo_with_the_unbiased_std():
     # group 2: mean 1, deviations [2, -1, -1, 0], unbiased var 6 / 3 = 2
     s0, s2 = math.sqrt(1 / 3) + EPS, math.sqrt(2) + EPS
     out = GroupNormalized()(REWARDS, group_size=4)
-    _close(out, [0.5 / s0, -0.5 / s0, -0.5 / s0, 0.5 / s0, 0, 0, 0, 0,
-                 2 / s2, -1 / s2, -1 / s2, 0])  # fmt: skip
+    _close(out, [0.5 / s0, -0.5 / s0, -0.5 / s0, 0.5 / s0, 0, 0, 0, 0, 2 / s2, -1 / s2, -1 / s2, 0])
     assert (out[4:8] == 0).all()  # tied group: exactly zero, not rounding crumbs or NaN
     assert out.dtype == torch.float32
 
@@ -103,8 +102,10 @@ def test_batch_normalized_by_hand():
     out = BatchNormalized()(REWARDS, group_size=4)
     # centred: [.5 -.5 -.5 .5 | 0 0 0 0 | 2 -1 -1 0]; sum 0, sum of squares 7, N 12
     std = math.sqrt(7 / 11) + EPS
-    _close(out, [0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std, 0, 0, 0, 0,
-                 2 / std, -1 / std, -1 / std, 0])  # fmt: skip
+    _close(
+        out,
+        [0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std, 0, 0, 0, 0, 2 / std, -1 / std, -1 / std, 0],
+    )
     assert BatchNormalized()(torch.tensor([1.0, 2.0]), group_size=1).tolist() == [0.0, 0.0]
     assert BatchNormalized()(torch.tensor([1.0]), group_size=1).tolist() == [0.0]
 
@@ -138,13 +139,15 @@ def _reference_gae(rewards, values, mask, gamma, lam):
             delta = rewards[i][t] + gamma * next_value - values[i][t]
             running = delta + gamma * lam * running
             adv[i][t] = running
-    returns = [[adv[i][t] + values[i][t] if mask[i][t] else 0.0 for t in range(t_len)]
-               for i in range(b)]  # fmt: skip
+    returns = [
+        [adv[i][t] + values[i][t] if mask[i][t] else 0.0 for t in range(t_len)] for i in range(b)
+    ]
     return torch.tensor(adv, dtype=torch.float64), torch.tensor(returns, dtype=torch.float64)
 
 
-@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 0.95), (0.99, 0.95), (1.0, 1.0), (0.9, 0.0),
-                                            (0.5, 0.7)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("gamma", "lam"), [(1.0, 0.95), (0.99, 0.95), (1.0, 1.0), (0.9, 0.0), (0.5, 0.7)]
+)
 def test_gae_equals_a_per_row_loop(gamma, lam):
     g = torch.Generator().manual_seed(int(gamma * 100 + lam * 10))
     b, t_len = 5, 9
@@ -158,8 +161,7 @@ def test_gae_equals_a_per_row_loop(gamma, lam):
     rewards[~mask] = 1e6  # padding values must not leak in
     values[~mask] = -1e6
     adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam)
-    ref_adv, ref_ret = _reference_gae(rewards.tolist(), values.tolist(), mask.tolist(), gamma,
-                                      lam)  # fmt: skip
+    ref_adv, ref_ret = _reference_gae(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
     torch.testing.assert_close(adv, ref_adv, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ret, ref_ret, rtol=1e-12, atol=1e-12)
 

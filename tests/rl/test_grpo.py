@@ -54,8 +54,17 @@ def test_a_run_learns_from_rewards_and_logs_rollouts(world, uninterrupted):
     logged = read_metrics(uninterrupted)
     assert sorted(logged) == list(range(1, STEPS + 1))
     first = logged[1]
-    for key in ("reward", "reward_std", "advantage_std", "clip_fraction", "entropy",
-                "logprob_mismatch_max", "generate_s", "train_s", "generated_tokens_per_s"):  # fmt: skip
+    for key in (
+        "reward",
+        "reward_std",
+        "advantage_std",
+        "clip_fraction",
+        "entropy",
+        "logprob_mismatch_max",
+        "generate_s",
+        "train_s",
+        "generated_tokens_per_s",
+    ):
         assert key in first, key
     assert first["rollout_samples"] == 4 * 4  # prompts_per_step x group_size
     assert first["advantage_std"] > 0.1  # the dense reward gives every group a signal
@@ -81,8 +90,12 @@ def test_two_fsdp2_ranks_equal_one_process(world, uninterrupted, tmp_path):
     root, model_dir, prompts = world
     single = run_grpo(world, "single")
     with _any_component_allowed():  # inherited by the ranks
-        launch_ranks(grpo_overrides(model_dir, prompts, tmp_path / "two", *FAST), tmp_path,
-                     recipe="grpo", timeout=300)  # fmt: skip
+        launch_ranks(
+            grpo_overrides(model_dir, prompts, tmp_path / "two", *FAST),
+            tmp_path,
+            recipe="grpo",
+            timeout=300,
+        )
     one, two = read_metrics(single), read_metrics(tmp_path / "two")
     for step in range(1, STEPS + 1):
         assert two[step]["rollout_samples"] == one[step]["rollout_samples"] == 16
@@ -105,8 +118,13 @@ def test_optimizer_in_backward_equals_the_plain_step(world):
 
 def test_optimizer_in_backward_refuses_several_micro_batches(world):
     with pytest.raises(ValueError, match="one micro-batch per step.*set batch_size to 16"):
-        run_grpo(world, "in_backward_refused", "max_grad_norm=null", "batch_size=8",
-                 "optimizer_in_backward=true")  # fmt: skip
+        run_grpo(
+            world,
+            "in_backward_refused",
+            "max_grad_norm=null",
+            "batch_size=8",
+            "optimizer_in_backward=true",
+        )
 
 
 def test_lora_policy_reference_is_the_policy_without_adapters(world):
@@ -126,8 +144,9 @@ def test_the_parity_check_stops_a_run_whose_sampler_and_trainer_disagree(world):
 
 def test_a_step_with_nothing_to_train_on_is_skipped_not_fatal(world, capsys):
     # one new token each and no stop: every completion is cut, and overlong_filter trains none
-    out = run_grpo(world, "all_cut", "overlong_filter=true", "generation.max_new_tokens=1",
-                   "max_steps=2")  # fmt: skip
+    out = run_grpo(
+        world, "all_cut", "overlong_filter=true", "generation.max_new_tokens=1", "max_steps=2"
+    )
     logged = read_metrics(out)
     _, model_dir, _ = world
     assert [logged[s]["skipped_update"] for s in (1, 2)] == [1.0, 1.0]

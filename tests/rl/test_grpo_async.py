@@ -97,11 +97,14 @@ def rollouts(out):
     return [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("kl", [
-    "0.0",
-    # the reward workers' reference log-probs: test_a_lora_policy_sends_its_adapters (kl 0.1)
-    pytest.param("0.05", marks=pytest.mark.slow),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kl",
+    [
+        "0.0",
+        # the reward workers' reference log-probs: test_a_lora_policy_sends_its_adapters (kl 0.1)
+        pytest.param("0.05", marks=pytest.mark.slow),
+    ],
+)
 def test_sync_mode_equals_the_synchronous_recipe(world, kl):
     coef = [] if kl == "0.0" else [f"kl.coef={kl}"]  # 0.0: the config's own
     plain = shared(world, "grpo", *coef)
@@ -147,8 +150,9 @@ def test_off_policy_with_no_staleness_is_sync(world):
 @pytest.mark.slow  # overlap resumes exactly with dynamic sampling too: the case below (default)
 def test_a_resumed_overlap_run_equals_the_uninterrupted_one(world):
     whole = shared(world, "grpo_async", "async_mode=overlap")
-    out = run(world, "grpo_async", "tiny", "overlap-resumed", "async_mode=overlap",
-              "stop_after_steps=2")  # fmt: skip
+    out = run(
+        world, "grpo_async", "tiny", "overlap-resumed", "async_mode=overlap", "stop_after_steps=2"
+    )
     run(world, "grpo_async", "tiny", "overlap-resumed", "async_mode=overlap", "resume=true")
     assert_same_weights(final_weights(out), final_weights(whole), atol=0.0)
     assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in rollouts(whole)]
@@ -185,16 +189,22 @@ def test_dynamic_selection_of_two_shares_is_each_shares_own_selection():
 
 def test_sync_mode_with_dynamic_sampling_equals_the_synchronous_recipe(world):
     plain = run(world, "grpo", "tiny", "grpo-dynamic", *DYNAMIC, "max_refills=2")
-    remote = run(world, "grpo_async", "tiny", "sync-dynamic", *DYNAMIC, "max_refills=2",
-                 "async_mode=sync")  # fmt: skip
+    remote = run(
+        world, "grpo_async", "tiny", "sync-dynamic", *DYNAMIC, "max_refills=2", "async_mode=sync"
+    )
     ours, theirs = read_metrics(remote), read_metrics(plain)
     assert max(theirs[s]["zero_variance_groups"] for s in theirs) > 0  # groups were replaced
     records = rollouts(remote)
     assert sum(r["refill_rounds"] for r in records) > 0  # ... by refills
     first_rounds(records)
     for step in range(1, STEPS + 1):
-        for key in ("reward", "completion_length", "loss", "zero_variance_groups",
-                    "rollout_samples"):  # fmt: skip
+        for key in (
+            "reward",
+            "completion_length",
+            "loss",
+            "zero_variance_groups",
+            "rollout_samples",
+        ):
             assert ours[step][key] == theirs[step][key], (step, key)
     assert_same_weights(final_weights(remote), final_weights(plain), atol=0.0)
 
@@ -219,18 +229,20 @@ def test_overlap_with_dynamic_sampling_replaces_flat_groups_and_resumes_exactly(
         if record["refill_rounds"]:
             assert logged[step]["zero_variance_groups"] > 0
     assert sum(r["refill_rounds"] for r in records) > 0
-    out = run(world, "grpo_async", "tiny", "overlap-dynamic-resumed", *extra,
-              "stop_after_steps=2")  # fmt: skip
+    out = run(world, "grpo_async", "tiny", "overlap-dynamic-resumed", *extra, "stop_after_steps=2")
     run(world, "grpo_async", "tiny", "overlap-dynamic-resumed", *extra, "resume=true")
     assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in records]
     assert_same_weights(final_weights(out), final_weights(whole), atol=0.0)
 
 
-@pytest.mark.parametrize("weight_sync", [
-    "object_store",
-    # collective == object store, bitwise: test_weight_sync; its restarts: test_weight_sync's units
-    pytest.param("collective", marks=pytest.mark.slow),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "weight_sync",
+    [
+        "object_store",
+        # collective == object store, bitwise: test_weight_sync; its restarts: test_weight_sync's units
+        pytest.param("collective", marks=pytest.mark.slow),
+    ],
+)
 def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path, weight_sync):
     """SIGKILL the rollout worker while it samples: Ray restarts it (``collective``: in a new
     weight-sync group), its prompts are sampled again with the same keys and policy, and the
@@ -250,8 +262,9 @@ def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path, w
                      f"ray.temp_dir={temp}", f"rollout.weight_sync={weight_sync}"]  # fmt: skip
         command = [sys.executable, "-m", "tunesmith.cli.main", "run", "grpo_async", "--config",
                    "tiny", *overrides]  # fmt: skip
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         try:
             for line in process.stdout:
                 lines.append(line)
@@ -276,8 +289,9 @@ def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path, w
 def test_a_lora_policy_sends_its_adapters_and_equals_the_synchronous_recipe(world):
     lora = OmegaConf.load(config_path("tiny_lora", "sft")).model  # ${model_dir}: the run's
     plain = run(world, "grpo", "tiny", "grpo-lora", "kl.coef=0.1", model=lora)
-    remote = run(world, "grpo_async", "tiny", "sync-lora", "kl.coef=0.1", "async_mode=sync",
-                 model=lora)  # fmt: skip
+    remote = run(
+        world, "grpo_async", "tiny", "sync-lora", "kl.coef=0.1", "async_mode=sync", model=lora
+    )
     assert (remote / "checkpoints" / f"step_{STEPS:06d}" / "adapter_config.json").is_file()
     assert_same_weights(final_weights(remote), final_weights(plain), atol=0.0)
     assert read_metrics(remote)[STEPS]["kl"] > 0.0
@@ -286,8 +300,15 @@ def test_a_lora_policy_sends_its_adapters_and_equals_the_synchronous_recipe(worl
 @pytest.mark.slow  # two rollout workers in the default tier: test_weight_sync (rollout.workers=2)
 def test_two_rollout_and_reward_workers_share_the_batches(world):
     one = shared(world, "grpo_async", "async_mode=overlap")
-    two = run(world, "grpo_async", "tiny", "two-workers", "async_mode=overlap",
-              "rollout.workers=2", "reward_workers.workers=2")  # fmt: skip
+    two = run(
+        world,
+        "grpo_async",
+        "tiny",
+        "two-workers",
+        "async_mode=overlap",
+        "rollout.workers=2",
+        "reward_workers.workers=2",
+    )
     assert [r["groups"] for r in rollouts(two)] == [r["groups"] for r in rollouts(one)]
     ours, theirs = read_metrics(two), read_metrics(one)
     for step in range(1, STEPS + 1):  # the same completions, sampled in two halves
@@ -300,8 +321,9 @@ def test_two_rollout_and_reward_workers_share_the_batches(world):
 def test_two_trainer_ranks_equal_one_process(world, tmp_path):
     root, model_dir, prompts = world
     single = shared(world, "grpo_async", "async_mode=sync")
-    launch_async_ranks([*grpo_overrides(model_dir, prompts, tmp_path / "two", *FAST),
-                        "async_mode=sync"], tmp_path)  # fmt: skip
+    launch_async_ranks(
+        [*grpo_overrides(model_dir, prompts, tmp_path / "two", *FAST), "async_mode=sync"], tmp_path
+    )
     one, two = read_metrics(single), read_metrics(tmp_path / "two")
     for step in range(1, STEPS + 1):
         assert two[step]["rollout_samples"] == one[step]["rollout_samples"] == 16
@@ -314,14 +336,28 @@ def test_two_trainer_ranks_equal_one_process(world, tmp_path):
 
 def test_a_missing_ray_is_one_line_naming_the_extra(world, tmp_path):
     root, model_dir, prompts = world
-    hide_ray = ("import sys; sys.modules['ray'] = None; from tunesmith.cli.main import main; "
-                "sys.exit(main(sys.argv[1:]))")  # fmt: skip
+    hide_ray = (
+        "import sys; sys.modules['ray'] = None; from tunesmith.cli.main import main; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
     result = subprocess.run(
-        [sys.executable, "-c", hide_ray, "run", "grpo_async", "--config", "tiny",
-         *grpo_overrides(model_dir, prompts, tmp_path / "out", *FAST), "async_mode=sync"],
-        cwd=REPO, env={**os.environ, ALLOW_ANY_COMPONENT_ENV: "1"}, capture_output=True,
-        text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            hide_ray,
+            "run",
+            "grpo_async",
+            "--config",
+            "tiny",
+            *grpo_overrides(model_dir, prompts, tmp_path / "out", *FAST),
+            "async_mode=sync",
+        ],
+        cwd=REPO,
+        env={**os.environ, ALLOW_ANY_COMPONENT_ENV: "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert errors == [errors[0]] and "pip install 'tunesmith[rl]'" in errors[0], result.stderr
@@ -330,8 +366,15 @@ def test_a_missing_ray_is_one_line_naming_the_extra(world, tmp_path):
 def test_lora_workers_with_a_merged_copy_sample_what_the_adapters_would(world):
     lora = OmegaConf.load(config_path("tiny_lora", "sft")).model
     adapters = run(world, "grpo_async", "tiny", "lora-adapters", "async_mode=sync", model=lora)
-    merged = run(world, "grpo_async", "tiny", "lora-merged", "async_mode=sync",
-                 "rollout.merge_adapters=true", model=lora)  # fmt: skip
+    merged = run(
+        world,
+        "grpo_async",
+        "tiny",
+        "lora-merged",
+        "async_mode=sync",
+        "rollout.merge_adapters=true",
+        model=lora,
+    )
     ours, theirs = read_metrics(merged), read_metrics(adapters)
     for step in range(1, STEPS + 1):  # the same completions from the merged dense weights
         assert ours[step]["reward"] == theirs[step]["reward"]
@@ -347,8 +390,14 @@ def test_two_trainer_ranks_resume_on_one(world, tmp_path):
     root, model_dir, prompts = world
     single = run(world, "grpo_async", "tiny", "single-for-resume", "async_mode=overlap")
     out = root / "two-then-one"
-    launch_async_ranks([*grpo_overrides(model_dir, prompts, out, *FAST), "async_mode=overlap",
-                        "stop_after_steps=2"], tmp_path)  # fmt: skip
+    launch_async_ranks(
+        [
+            *grpo_overrides(model_dir, prompts, out, *FAST),
+            "async_mode=overlap",
+            "stop_after_steps=2",
+        ],
+        tmp_path,
+    )
     run(world, "grpo_async", "tiny", "two-then-one", "async_mode=overlap", "resume=true")
     assert [r["groups"] for r in rollouts(out)] == [r["groups"] for r in rollouts(single)]
     assert_same_weights(final_weights(out), final_weights(single), 1e-5)
@@ -363,10 +412,16 @@ def test_two_trainer_ranks_with_dynamic_sampling_equal_grpo_on_two_ranks(world, 
     (tmp_path / "plain").mkdir()
     (tmp_path / "async").mkdir()
     with _any_component_allowed():
-        launch_ranks(grpo_overrides(model_dir, prompts, root / "grpo-two-dynamic", *extra),
-                     tmp_path / "plain", recipe="grpo", timeout=300)  # fmt: skip
-    launch_async_ranks([*grpo_overrides(model_dir, prompts, root / "sync-two-dynamic", *extra),
-                        "async_mode=sync"], tmp_path / "async")  # fmt: skip
+        launch_ranks(
+            grpo_overrides(model_dir, prompts, root / "grpo-two-dynamic", *extra),
+            tmp_path / "plain",
+            recipe="grpo",
+            timeout=300,
+        )
+    launch_async_ranks(
+        [*grpo_overrides(model_dir, prompts, root / "sync-two-dynamic", *extra), "async_mode=sync"],
+        tmp_path / "async",
+    )
     plain, remote = root / "grpo-two-dynamic", root / "sync-two-dynamic"
     ours, theirs = read_metrics(remote), read_metrics(plain)
     assert sum(r["refill_rounds"] for r in rollouts(remote)) > 0  # not vacuous

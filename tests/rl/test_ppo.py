@@ -38,11 +38,11 @@ from tunesmith.models.safetensors_io import CheckpointError
 from tunesmith.modules.peft import apply_lora
 from tunesmith.recipes import config_path
 from tunesmith.rl.ppo.critic import critic_from_policy
-from tunesmith.rl.ppo.trainer import PPORolloutSource, offload_reward_models, token_rewards
+from tunesmith.rl.ppo.trainer import GAEAdvantages, offload_reward_models, token_rewards
 from tunesmith.rl.prompts import PromptDataset, PromptStream
 from tunesmith.rl.rewards import RewardSet
 from tunesmith.rl.rollout import completion_logprobs
-from tunesmith.rl.source import GenerationConfig
+from tunesmith.rl.source import GenerationConfig, RolloutSettings, RolloutSource
 from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.setup import FrozenPolicy
 
@@ -62,9 +62,9 @@ def test_token_rewards_put_the_reward_on_the_last_token_and_the_kl_on_every_one(
     mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
     kl = torch.arange(15, dtype=torch.float32).reshape(3, 5)
     rewards = torch.tensor([1.0, -2.0, 7.0])
-    expected = torch.tensor([[0.0, -0.5, -1.0, -1.5 + 1.0, 0.0],
-                             [-2.5, -3.0 - 2.0, 0.0, 0.0, 0.0],
-                             [0.0] * 5])  # fmt: skip
+    expected = torch.tensor(
+        [[0.0, -0.5, -1.0, -1.5 + 1.0, 0.0], [-2.5, -3.0 - 2.0, 0.0, 0.0, 0.0], [0.0] * 5]
+    )
     torch.testing.assert_close(token_rewards(rewards, mask, kl, kl_coef=0.5), expected)
     no_kl = torch.tensor([[0.0, 0, 0, 1, 0], [0, -2, 0, 0, 0], [0] * 5])
     torch.testing.assert_close(token_rewards(rewards, mask), no_kl)
@@ -91,18 +91,26 @@ def test_batch_values_rewards_and_gae_match_a_reference_computed_from_the_rollou
     critic = critic_from_policy(policy, pad_token_id=tokenizer.pad_id)
     prompts = PromptDataset(str(world["prompts"]), prompt_column="prompt")
     kl_coef, gamma, lam = 0.5, 0.9, 0.8
-    source = PPORolloutSource(
-        critic=critic, gamma=gamma, lam=lam, kl_coef=kl_coef, model=policy, tokenizer=tokenizer,
-        prompts=PromptStream(prompts, 4), rewards=RewardSet([DigitFraction()]), group_size=2,
-        ctx=CTX, generation=GenerationConfig(max_new_tokens=6), micro_batch_size=8,
+    settings = RolloutSettings(
+        group_size=2, generation=GenerationConfig(max_new_tokens=6), micro_batch_size=8
+    )
+    source = RolloutSource(
+        model=policy,
+        tokenizer=tokenizer,
+        prompts=PromptStream(prompts, 4),
+        rewards=RewardSet([DigitFraction()]),
+        ctx=CTX,
+        settings=settings,
+        advantages=GAEAdvantages(critic, CTX, settings, gamma=gamma, lam=lam, kl_coef=kl_coef),
         reference=FrozenPolicy(reference),
-    )  # fmt: skip
+    )
     (batch,) = source.next_step()
     mask = batch["labels"] != -100
     assert batch["rewards"].unique().numel() > 1 and mask.any(1).all()
     with torch.no_grad():
-        values = critic(batch["input_ids"], position_ids=batch["position_ids"],
-                        every_position=True)[..., 0]  # fmt: skip
+        values = critic(
+            batch["input_ids"], position_ids=batch["position_ids"], every_position=True
+        )[..., 0]
         ref_logprobs = completion_logprobs(reference, batch)
     torch.testing.assert_close(batch["old_values"], torch.where(mask, values, 0.0))
     torch.testing.assert_close(batch["ref_logprobs"], ref_logprobs)
@@ -233,8 +241,13 @@ def test_a_critic_from_a_model_folder_with_its_own_optimizer(world, tmp_path):
     # folder of the reward_model recipe loads the same way, head included
     folder = {"_component_": "tunesmith.models.reward_model_from_hf",
               "path": str(world["model_dir"])}  # fmt: skip
-    out = _run(world, tmp_path / "rm", "max_steps=2", critic_model=folder,
-               critic_optimizer={"_component_": "torch.optim.SGD", "lr": 0.0})  # fmt: skip
+    out = _run(
+        world,
+        tmp_path / "rm",
+        "max_steps=2",
+        critic_model=folder,
+        critic_optimizer={"_component_": "torch.optim.SGD", "lr": 0.0},
+    )
     critic = checkpoint_weights(_step(out, 2, critic=True))
     body = {k: v for k, v in checkpoint_weights(world["model_dir"]).items() if k in critic}
     assert len(body) == len(critic) - 1  # all but the new score head
@@ -246,15 +259,22 @@ def test_two_fsdp2_ranks_equal_one_process(world, tmp_path):
     steps = ["max_steps=3", "critic_warmup_steps=1"]
     single = _run(world, tmp_path / "one", *steps, "batch_size=4")
     with _any_component_allowed():  # inherited by the ranks
-        launch_ranks(_overrides(world, tmp_path / "two", *steps), tmp_path, recipe="ppo",
-                     timeout=300)  # fmt: skip
+        launch_ranks(
+            _overrides(world, tmp_path / "two", *steps), tmp_path, recipe="ppo", timeout=300
+        )
     one_logged, two_logged = _records(single), _records(tmp_path / "two")
     assert sorted(one_logged) == sorted(two_logged) == [1, 2, 3]
     for step, one in one_logged.items():
         two = two_logged[step]
         assert two["reward"] == pytest.approx(one["reward"], abs=1e-6), step  # same rollouts
-        for key in ("critic/loss", "values", "returns", "advantage_mean", "explained_variance",
-                    *(("grad_norm", "entropy") if step > 1 else ())):  # fmt: skip
+        for key in (
+            "critic/loss",
+            "values",
+            "returns",
+            "advantage_mean",
+            "explained_variance",
+            *(("grad_norm", "entropy") if step > 1 else ()),
+        ):
             assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), (step, key)
     assert (_step(tmp_path / "two", 3) / "training_state" / "rank1.pt").is_file()
     for critic in (False, True):
@@ -276,8 +296,9 @@ class _ModelReward:
 
 
 def test_reference_offload_wraps_only_the_rewards_that_run_a_model_on_a_gpu():
-    rewards = RewardSet({"gpu": _ModelReward("cuda"), "cpu": _ModelReward("cpu"),
-                         "digits": DigitFraction()})  # fmt: skip
+    rewards = RewardSet(
+        {"gpu": _ModelReward("cuda"), "cpu": _ModelReward("cpu"), "digits": DigitFraction()}
+    )
     assert offload_reward_models(rewards) == ["gpu"]
     assert (
         rewards.rewards["gpu"].name == "rm" and rewards.rewards["gpu"].reward.device.type == "cuda"

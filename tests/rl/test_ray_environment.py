@@ -59,11 +59,20 @@ def test_a_runtime_env_is_refused_where_the_actors_are_made(monkeypatch, no_opt_
     assert env["env_vars"]["PYTHONSAFEPATH"] == "1"
 
 
-@pytest.mark.parametrize(("address", "ok"), [
-    (None, True), ("auto", True), ("10.0.0.5:6379", True), ("ray://head:10001", True),
-    ("[::1]:6379", True), ("head-node", False), ("head:port", False), ("head:0", False),
-    (6379, False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("address", "ok"),
+    [
+        (None, True),
+        ("auto", True),
+        ("10.0.0.5:6379", True),
+        ("ray://head:10001", True),
+        ("[::1]:6379", True),
+        ("head-node", False),
+        ("head:port", False),
+        ("head:0", False),
+        (6379, False),
+    ],
+)
 def test_ray_address_forms(address, ok):
     assert (ray_address_problem(address) is None) == ok
 

@@ -18,12 +18,19 @@ PROMPTS = {i: Prompt(i, [{"role": "user", "content": f"q{i}"}], answer=str(i)) f
 
 def group(round_: int, index: int, version: int, scored: bool = True) -> Group:
     return Group(
-        prompt=PROMPTS[index], round=round_, prompt_ids=[1, 2 + index], prompt_text=f"q{index}",
-        completions=[[3], [4, 5]], logprobs=[[-0.5], [-0.25, -1.0]], finish=["stop", "length"],
-        texts=["a", "bc"], version=version,
+        prompt=PROMPTS[index],
+        round=round_,
+        prompt_ids=[1, 2 + index],
+        prompt_text=f"q{index}",
+        completions=[[3], [4, 5]],
+        logprobs=[[-0.5], [-0.25, -1.0]],
+        finish=["stop", "length"],
+        texts=["a", "bc"],
+        version=version,
         rewards=torch.tensor([1.0, 0.0]) if scored else None,
-        per_reward={"r": torch.tensor([1.0, 0.0])}, ref_logprobs=[[-0.4], [-0.3, -0.9]],
-    )  # fmt: skip
+        per_reward={"r": torch.tensor([1.0, 0.0])},
+        ref_logprobs=[[-0.4], [-0.3, -0.9]],
+    )
 
 
 def test_groups_come_out_in_the_asked_order_once_with_their_staleness():
@@ -44,8 +51,9 @@ def test_staler_groups_are_dropped_counted_and_refused():
     buffer = ReplayBuffer(max_staleness=1, capacity=4)
     buffer.put(group(0, 0, 0))
     buffer.put(group(0, 1, 2))
-    with pytest.raises(ValueError, match="policy version 0; an update at version 2 may use "
-                                         "versions 1..2"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="policy version 0; an update at version 2 may use versions 1..2"
+    ):
         buffer.take([(0, 0)], version=2)
     stale = buffer.drop_stale(version=2)
     assert [g.id for g in stale] == [(0, 0)] and buffer.dropped == 1

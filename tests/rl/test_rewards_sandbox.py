@@ -178,8 +178,9 @@ def own_temp(tmp_path_factory, monkeypatch) -> Path:
 
 
 @pytest.mark.parametrize("isolation", MODES)
-def test_files_stay_in_a_temporary_place_that_is_removed(isolation, tmp_path, monkeypatch,
-                                                         own_temp) -> None:  # fmt: skip
+def test_files_stay_in_a_temporary_place_that_is_removed(
+    isolation, tmp_path, monkeypatch, own_temp
+) -> None:
     monkeypatch.chdir(tmp_path)
     before = _sandbox_folders()
     program = (
@@ -247,8 +248,12 @@ def test_extract_code() -> None:
 
 def test_a_test_is_split_into_child_probes_and_parent_values() -> None:
     plan = plan_test("x = [3, 1]\nassert sort(x) == [1, 3] and not f(x)\nassert 0 < g() <= 2")
-    assert plan.steps == [("exec", "x = [3, 1]"), ("probe", "sort(x)"), ("probe", "f(x)"),
-                          ("probe", "g()")]  # fmt: skip
+    assert plan.steps == [
+        ("exec", "x = [3, 1]"),
+        ("probe", "sort(x)"),
+        ("probe", "f(x)"),
+        ("probe", "g()"),
+    ]
     assert "[1, 3]" not in repr(plan.steps)  # the expected value never reaches the child
     assert plan.opaque and not plan_test("assert f(1) == 2").opaque
     assert decode_plain({"D": [[{"T": [1, 2]}, {"F": ["a"]}]]}) == {(1, 2): frozenset("a")}
@@ -277,7 +282,7 @@ def test_code_tests_scores(isolation) -> None:
                 "x = (1,)\nassert add(x, (2,)) == (1, 2) and add(1, 1) in {2}",
                 "for i in range(3):\n    assert add(i, 0) == i",
             ],
-        ),  # fmt: skip
+        ),
     ]
     start = time.monotonic()
     assert reward(samples) == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]
@@ -291,8 +296,12 @@ def test_code_tests_io_tests_compare_stdout_in_the_parent(isolation) -> None:
     program = "```python\nprint(sum(map(int, input().split())))\n```"
     tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10"}]
     reward = CodeTests(timeout_s=2, isolation=isolation, partial=True)
-    assert reward([_code_sample(program, tests), _code_sample(program, [*tests, {
-        "input": "1 1", "output": "3"}])]) == pytest.approx([1.0, 2 / 3])  # fmt: skip
+    assert reward(
+        [
+            _code_sample(program, tests),
+            _code_sample(program, [*tests, {"input": "1 1", "output": "3"}]),
+        ]
+    ) == pytest.approx([1.0, 2 / 3])
 
 
 @pytest.mark.parametrize("isolation", MODES)

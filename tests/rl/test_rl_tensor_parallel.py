@@ -57,8 +57,10 @@ def world(tmp_path_factory):
 
 def _overrides(world, out: Path, *extra: str) -> list[str]:
     _, model_dir, prompts = world
-    val = (f"{{_component_: tunesmith.rl.prompts.PromptDataset, source: {prompts}, "
-           "prompt_column: prompt, answer_column: answer}")  # fmt: skip
+    val = (
+        f"{{_component_: tunesmith.rl.prompts.PromptDataset, source: {prompts}, "
+        "prompt_column: prompt, answer_column: answer}"
+    )
     return [
         f"model_dir={model_dir}", f"prompts.source={prompts}", f"output_dir={out}",
         f"rewards.rewards={{chars: {{_component_: {__name__}.CompletionChars}}}}",
@@ -75,8 +77,9 @@ def _run_single(world, recipe: str, out: Path, *extra: str) -> Path:
 
 def _run_ranks(world, recipe: str, out: Path, log_dir: Path, *extra: str, ranks: int = 2) -> Path:
     with _any_component_allowed():  # inherited by the ranks
-        launch_ranks(_overrides(world, out, *extra), log_dir, recipe=recipe, world_size=ranks,
-                     timeout=300)  # fmt: skip
+        launch_ranks(
+            _overrides(world, out, *extra), log_dir, recipe=recipe, world_size=ranks, timeout=300
+        )
     return out
 
 
@@ -118,8 +121,15 @@ def test_grpo_tp2_equals_one_process(world, tmp_path):
 def test_ppo_tp2_without_sequence_parallel_equals_one_process(world, tmp_path):
     extra = ("group_size=4", "prompts_per_step=4", "batch_size=8", "kl_coef=0.1")
     single = _run_single(world, "ppo", tmp_path / "one", *extra)
-    tp = _run_ranks(world, "ppo", tmp_path / "tp", tmp_path, *extra, "parallelism.tp=2",
-                    "parallelism.sequence_parallel=false")  # fmt: skip
+    tp = _run_ranks(
+        world,
+        "ppo",
+        tmp_path / "tp",
+        tmp_path,
+        *extra,
+        "parallelism.tp=2",
+        "parallelism.sequence_parallel=false",
+    )
     _check_same_run(single, tp, ("grad_norm", "critic/loss", "values", "returns"))
     step = f"step_{STEPS:06d}"
     for sub in ("checkpoints", "critic/checkpoints"):  # the policy and the critic
@@ -130,8 +140,15 @@ def test_ppo_tp2_without_sequence_parallel_equals_one_process(world, tmp_path):
 @pytest.mark.slow
 def test_grpo_tp2_times_dp_shard2_on_four_ranks_equals_one_process(world, tmp_path):
     single = _run_single(world, "grpo", tmp_path / "one")
-    tp = _run_ranks(world, "grpo", tmp_path / "tp", tmp_path, "parallelism.tp=2",
-                    "parallelism.dp_shard=2", ranks=4)  # fmt: skip
+    tp = _run_ranks(
+        world,
+        "grpo",
+        tmp_path / "tp",
+        tmp_path,
+        "parallelism.tp=2",
+        "parallelism.dp_shard=2",
+        ranks=4,
+    )
     assert "('dp_shard', 'tp') mesh of (2, 2) ranks" in (tmp_path / "rank0.log").read_text()
     _check_same_run(single, tp, ("loss", "grad_norm", "entropy"))
     assert_same_weights(final_weights(tp), final_weights(single), 1e-5)

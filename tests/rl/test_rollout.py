@@ -21,16 +21,18 @@ from tunesmith.rl.objective import PolicyGradient
 from tunesmith.rl.prompts import PromptDataset, PromptStream
 from tunesmith.rl.rewards import RewardSet, Sample
 from tunesmith.rl.rollout import completion_logprobs, micro_batches, rollout_batch
-from tunesmith.rl.source import GenerationConfig, RolloutSource
+from tunesmith.rl.source import GenerationConfig, GroupAdvantages, RolloutSettings, RolloutSource
 from tunesmith.training.parallel.distributed import close_distributed, init_distributed
 
 
 def test_rollout_batch_places_completion_values_at_their_label_positions():
     batch = rollout_batch(
-        [[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], pad_id=0,
+        [[5, 6, 7], [8]],
+        [[9, 10], [11, 12, 13]],
+        pad_id=0,
         per_token={"lp": [[-1.0, -2.0], [-3.0, -4.0, -5.0]]},
         per_row={"advantages": torch.tensor([0.5, -0.5])},
-    )  # fmt: skip
+    )
     assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 10], [8, 11, 12, 13, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
     # label t is token t + 1 where that token is a completion token
@@ -59,10 +61,16 @@ def test_trainer_logprobs_equal_the_samplers_on_every_family(family):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 9, 2, 7)]
     keys = [row_key(0, i) for i in range(len(prompts))]
-    out = generate(model, prompts, max_new_tokens=12, temperature=0.7, top_p=0.95,
-                   stop_token_ids=[1, 2], row_keys=keys)  # fmt: skip
-    batch = rollout_batch(prompts, out.sequences, pad_id=0,
-                          per_token={"sampling": out.logprobs})  # fmt: skip
+    out = generate(
+        model,
+        prompts,
+        max_new_tokens=12,
+        temperature=0.7,
+        top_p=0.95,
+        stop_token_ids=[1, 2],
+        row_keys=keys,
+    )
+    batch = rollout_batch(prompts, out.sequences, pad_id=0, per_token={"sampling": out.logprobs})
     with torch.no_grad():
         trainer = completion_logprobs(model, batch, temperature=0.7, chunk_size=5)
     mask = batch["labels"] != IGNORE_INDEX
@@ -99,13 +107,19 @@ def make_source(world, ctx, reward, **kwargs) -> RolloutSource:
     torch.manual_seed(0)
     model = from_hf(model_dir)
     stream = PromptStream(PromptDataset(str(prompts), prompt_column="prompt"), 4, seed=0)
+    generation = GenerationConfig(
+        max_new_tokens=kwargs.pop("max_new_tokens", 8), stop_strings=kwargs.pop("stop_strings", ())
+    )
+    settings = RolloutSettings(group_size=4, generation=generation, micro_batch_size=16, **kwargs)
     return RolloutSource(
-        model=model, tokenizer=tokenizer, prompts=stream, rewards=RewardSet([reward]),
-        advantage=GroupNormalized(), group_size=4, ctx=ctx,
-        generation=GenerationConfig(max_new_tokens=kwargs.pop("max_new_tokens", 8),
-                                    stop_strings=kwargs.pop("stop_strings", ())),
-        micro_batch_size=16, **kwargs,
-    )  # fmt: skip
+        model=model,
+        tokenizer=tokenizer,
+        prompts=stream,
+        rewards=RewardSet([reward]),
+        ctx=ctx,
+        settings=settings,
+        advantages=GroupAdvantages(GroupNormalized(), group_size=4),
+    )
 
 
 def test_a_fresh_batch_gives_the_plain_policy_gradient(world, ctx):
@@ -139,16 +153,15 @@ def test_dynamic_sampling_keeps_only_groups_with_a_signal(world, ctx):
 
 
 def test_dynamic_sampling_falls_back_to_flat_groups_when_refills_run_out(world, ctx):
-    flat = RewardSet([EvenAnswersFlat()])
-    source = make_source(world, ctx, DigitFraction(), dynamic_sampling=True, max_refills=0)
-    source.rewards = flat
+    source = make_source(world, ctx, EvenAnswersFlat(), dynamic_sampling=True, max_refills=0)
     (batch,) = source.next_step()
     assert batch["rewards"].numel() == 16  # the batch is full whatever the refills found
 
 
 def test_overlong_filter_trains_nothing_of_a_cut_completion(world, ctx):
-    source = make_source(world, ctx, DigitFraction(), overlong_filter=True, max_new_tokens=4,
-                         stop_strings=["e"])  # fmt: skip
+    source = make_source(
+        world, ctx, DigitFraction(), overlong_filter=True, max_new_tokens=4, stop_strings=["e"]
+    )
     (batch,) = source.next_step()
     trained = (batch["labels"] != IGNORE_INDEX).sum(dim=1)
     stopped = batch["stopped"].bool()

@@ -91,8 +91,11 @@ def run(world, out: str | Path, *extra: str) -> Path:
     folder, or a name in the world's)."""
     root, model_dir, prompts = world
     out = root / out if isinstance(out, str) else out
-    run_rl("grpo_async", "tiny", grpo_overrides(model_dir, prompts, out, *FAST, "async_mode=sync",
-                                                *extra))  # fmt: skip
+    run_rl(
+        "grpo_async",
+        "tiny",
+        grpo_overrides(model_dir, prompts, out, *FAST, "async_mode=sync", *extra),
+    )
     return out
 
 
@@ -122,16 +125,33 @@ def test_two_trainer_actors_equal_one_process(world, two_actors):  # process (te
 def _start(world, out: Path, temp: str, *extra: str) -> subprocess.Popen:
     """``tunesmith run grpo_async`` with 2 trainer actors, on a Ray instance of its own."""
     root, model_dir, prompts = world
-    overrides = grpo_overrides(model_dir, prompts, out, *FAST, "async_mode=sync", *RAY_GROUP,
-                               SLOW_REWARD, f"ray.temp_dir={temp}", "ray.num_cpus=4", *extra)  # fmt: skip
-    command = cli_command("--allow-any-component", "run", "grpo_async", "--config", "tiny",
-                          *overrides)  # fmt: skip
-    return subprocess.Popen(command, env=subprocess_env(RAY_AUTH_MODE="disabled"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    overrides = grpo_overrides(
+        model_dir,
+        prompts,
+        out,
+        *FAST,
+        "async_mode=sync",
+        *RAY_GROUP,
+        SLOW_REWARD,
+        f"ray.temp_dir={temp}",
+        "ray.num_cpus=4",
+        *extra,
+    )
+    command = cli_command(
+        "--allow-any-component", "run", "grpo_async", "--config", "tiny", *overrides
+    )
+    return subprocess.Popen(
+        command,
+        env=subprocess_env(RAY_AUTH_MODE="disabled"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
-def _run_until(process: subprocess.Popen, ray_processes: RayProcesses, line_has: str,
-               act) -> tuple[str, list[int]]:  # fmt: skip
+def _run_until(
+    process: subprocess.Popen, ray_processes: RayProcesses, line_has: str, act
+) -> tuple[str, list[int]]:
     """Read the run's output; at the first line containing ``line_has`` call ``act(trainer
     pids)`` (the Ray processes scanned just before). Returns the output and the pids."""
     lines, pids, acted = [], [], False
@@ -160,8 +180,9 @@ def test_sigterm_to_the_driver_saves_and_resumes(world, two_actors, tmp_path):
     with ray_temp_dir() as temp:
         ray_processes = RayProcesses(Path(temp))
         process = _start(world, out, temp)
-        output, pids = _run_until(process, ray_processes, "step 1/",
-                                  lambda pids: process.send_signal(signal.SIGTERM))  # fmt: skip
+        output, pids = _run_until(
+            process, ray_processes, "step 1/", lambda pids: process.send_signal(signal.SIGTERM)
+        )
         assert process.returncode == 0, output[-3000:]
         stopped = re.search(r"SIGTERM: stopped after step (\d+); resume with resume=true", output)
         assert stopped and int(stopped.group(1)) < STEPS, output[-3000:]
@@ -195,13 +216,20 @@ def test_the_ray_launcher_in_a_torchrun_rank_is_refused(world, monkeypatch):
     assert not (root / "rank").exists()  # refused before anything was written
 
 
-@pytest.mark.parametrize(("override", "problem"), [
-    ("trainer_group.launcher=slurm",
-     "trainer_group: launcher: expected one of 'torchrun', 'ray', got 'slurm' (a string)"),
-    ("trainer_group.workers=0", "trainer_group: workers: expected an int >= 1, got 0"),
-    ("trainer_group.nodes=2",
-     "trainer_group: unknown key 'nodes' (allowed: launcher, workers, num_cpus, num_gpus)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        (
+            "trainer_group.launcher=slurm",
+            "trainer_group: launcher: expected one of 'torchrun', 'ray', got 'slurm' (a string)",
+        ),
+        ("trainer_group.workers=0", "trainer_group: workers: expected an int >= 1, got 0"),
+        (
+            "trainer_group.nodes=2",
+            "trainer_group: unknown key 'nodes' (allowed: launcher, workers, num_cpus, num_gpus)",
+        ),
+    ],
+)
 def test_a_bad_trainer_group_is_refused_naming_the_key(world, capsys, override, problem):
     root, model_dir, prompts = world
     argv = ["run", "grpo_async", "--config", "tiny",
@@ -215,8 +243,10 @@ def test_a_bad_trainer_group_is_refused_naming_the_key(world, capsys, override, 
 def test_two_trainer_actors_equal_two_torchrun_ranks_bitwise(world, two_actors, tmp_path):
     """The same per-rank code in the same process group: the same weights, bit for bit."""
     root, model_dir, prompts = world
-    launch_async_ranks([*grpo_overrides(model_dir, prompts, tmp_path / "ranks", *FAST),
-                        "async_mode=sync"], tmp_path)  # fmt: skip
+    launch_async_ranks(
+        [*grpo_overrides(model_dir, prompts, tmp_path / "ranks", *FAST), "async_mode=sync"],
+        tmp_path,
+    )
     assert_same_weights(final_weights(two_actors), final_weights(tmp_path / "ranks"), atol=0.0)
     assert [r["groups"] for r in rollouts(two_actors)] == [
         r["groups"] for r in rollouts(tmp_path / "ranks")
@@ -243,8 +273,10 @@ def two_nodes() -> Iterator[str]:
     record.parent.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     with ray_temp_dir() as temp:
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "temp_dir": temp, "include_dashboard": False})  # fmt: skip
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "temp_dir": temp, "include_dashboard": False},
+        )
         try:
             cluster.add_node(num_cpus=1)
             cluster.wait_for_nodes()
@@ -260,21 +292,36 @@ def two_nodes() -> Iterator[str]:
 
 
 @pytest.mark.slow  # two raylets and a cluster of its own: the multi-node case, as in tests/cli
-def test_two_trainer_actors_on_two_ray_nodes_equal_one_node_bitwise(world, two_actors, two_nodes,
-                                                                    tmp_path):  # fmt: skip
+def test_two_trainer_actors_on_two_ray_nodes_equal_one_node_bitwise(
+    world, two_actors, two_nodes, tmp_path
+):
     """``ray.address`` of a 2-node cluster: one trainer actor per node (a CPU each; the rollout
     and reward workers take none), the process group formed across the nodes (rank 0's node
     address, LOCAL_RANK 0 on each), checkpoints in the shared output folder; the run ends
     bitwise where the one-node run ends, on the same groups."""
     root, model_dir, prompts = world
     out = tmp_path / "two-nodes"
-    overrides = grpo_overrides(model_dir, prompts, out, *FAST, "async_mode=sync", *RAY_GROUP,
-                               f"ray.address={two_nodes}", "rollout.num_cpus=0",
-                               "reward_workers.num_cpus=0")  # fmt: skip
-    command = cli_command("--allow-any-component", "run", "grpo_async", "--config", "tiny",
-                          *overrides)  # fmt: skip
-    done = subprocess.run(command, env=subprocess_env(RAY_AUTH_MODE="disabled"),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    overrides = grpo_overrides(
+        model_dir,
+        prompts,
+        out,
+        *FAST,
+        "async_mode=sync",
+        *RAY_GROUP,
+        f"ray.address={two_nodes}",
+        "rollout.num_cpus=0",
+        "reward_workers.num_cpus=0",
+    )
+    command = cli_command(
+        "--allow-any-component", "run", "grpo_async", "--config", "tiny", *overrides
+    )
+    done = subprocess.run(
+        command,
+        env=subprocess_env(RAY_AUTH_MODE="disabled"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     assert "tunesmith: 2 trainer ranks as Ray actors on 2 nodes (pids" in output, output[-3000:]
@@ -286,11 +333,20 @@ def test_a_ray_instance_too_small_is_refused_in_one_line(world, tmp_path):
     """2 trainer actors + a rollout and a reward worker need 4 CPUs; Ray is given 3."""
     root, model_dir, prompts = world
     with ray_temp_dir() as temp:
-        overrides = grpo_overrides(model_dir, prompts, tmp_path / "out", *FAST, *RAY_GROUP,
-                                   f"ray.temp_dir={temp}", "ray.num_cpus=3")  # fmt: skip
-        done = forked.run_cli(["--allow-any-component", "run", "grpo_async", "--config", "tiny",
-                               *overrides], env=subprocess_env(RAY_AUTH_MODE="disabled"),
-                              timeout=300)  # fmt: skip
+        overrides = grpo_overrides(
+            model_dir,
+            prompts,
+            tmp_path / "out",
+            *FAST,
+            *RAY_GROUP,
+            f"ray.temp_dir={temp}",
+            "ray.num_cpus=3",
+        )
+        done = forked.run_cli(
+            ["--allow-any-component", "run", "grpo_async", "--config", "tiny", *overrides],
+            env=subprocess_env(RAY_AUTH_MODE="disabled"),
+            timeout=300,
+        )
     assert done.returncode == 1, done.stderr[-3000:]
     assert one_error(done.stdout + done.stderr) == (
         "tunesmith: error: trainer_group: 2 trainer ranks and the rollout and reward workers "

@@ -58,8 +58,11 @@ def test_pack_and_unpack_keep_names_order_dtypes_and_bits():
     layout = layout_of(named)
     buffers = pack(named, layout)
     # one flat buffer per dtype, dtypes in the order they first appear
-    assert [(b.dtype, b.numel()) for b in buffers] == buffer_specs(layout) == [
-        (torch.float32, 20 + 24 + 4), (torch.bfloat16, 5), (torch.int64, 2)]  # fmt: skip
+    assert (
+        [(b.dtype, b.numel()) for b in buffers]
+        == buffer_specs(layout)
+        == [(torch.float32, 20 + 24 + 4), (torch.bfloat16, 5), (torch.int64, 2)]
+    )
     assert all(b.is_contiguous() and b.dim() == 1 for b in buffers)
     floats = [named[k].reshape(-1) for k in named if named[k].dtype == torch.float32]
     assert torch.equal(buffers[0], torch.cat(floats))  # in name order
@@ -94,12 +97,20 @@ def _workers(sender, generation, layout, sends, ranks=(1, 2), size=3):
     def work(rank):
         try:
             receiver = WeightReceiver()
-            receiver.join(*sender.address, generation, rank=rank, size=size, backend="gloo",
-                          timeout_s=30, layout=layout)  # fmt: skip
+            receiver.join(
+                *sender.address,
+                generation,
+                rank=rank,
+                size=size,
+                backend="gloo",
+                timeout_s=30,
+                layout=layout,
+            )
             for seq in sends:
                 named = receiver.receive(generation, seq)
-                got[rank].append(None if named is None
-                                 else {k: v.clone() for k, v in named.items()})  # fmt: skip
+                got[rank].append(
+                    None if named is None else {k: v.clone() for k, v in named.items()}
+                )
         except Exception as error:  # reported by the test
             errors.append(error)
 
@@ -111,8 +122,14 @@ def _workers(sender, generation, layout, sends, ranks=(1, 2), size=3):
 
 def test_every_worker_receives_every_send_exactly():
     torch.manual_seed(0)
-    versions = [{"w": torch.randn(64, 32), "b": torch.randn(7).to(torch.bfloat16),
-                 "t": torch.randn(8, 8).t()} for _ in range(3)]  # fmt: skip
+    versions = [
+        {
+            "w": torch.randn(64, 32),
+            "b": torch.randn(7).to(torch.bfloat16),
+            "t": torch.randn(8, 8).t(),
+        }
+        for _ in range(3)
+    ]
     layout = layout_of(versions[0])
     sender = WeightSender(timeout_s=30)
     try:
@@ -142,17 +159,28 @@ def test_a_replaced_generation_tells_its_waiting_workers_to_stop():
         first = sender.form(size=3)
         receiver = WeightReceiver()
         joined = []
-        thread = threading.Thread(target=lambda: joined.append(receiver.join(
-            *sender.address, first, rank=1, size=3, backend="gloo", timeout_s=30,
-            layout=layout)))  # fmt: skip
+        thread = threading.Thread(
+            target=lambda: joined.append(
+                receiver.join(
+                    *sender.address,
+                    first,
+                    rank=1,
+                    size=3,
+                    backend="gloo",
+                    timeout_s=30,
+                    layout=layout,
+                )
+            )
+        )
         thread.start()  # rank 2 never joins: rank 1 waits for the trainer's word
         seq = sender.send(pack(named, layout))
         second = sender.form(size=2)  # rank 2 "died": a new generation without it
         thread.join(10)
         assert joined == [False] and not thread.is_alive()  # told to stop, not hung
         assert receiver.receive(first, seq) is None  # not in generation 1
-        threads, got, errors = _workers(sender, second, layout, [sender.send(pack(named, layout))],
-                                        ranks=(1,), size=2)  # fmt: skip
+        threads, got, errors = _workers(
+            sender, second, layout, [sender.send(pack(named, layout))], ranks=(1,), size=2
+        )
         threads[0].join(60)
         sender.wait(60)
     finally:
@@ -169,8 +197,9 @@ def _closed_port() -> int:
 def test_a_worker_that_cannot_reach_the_store_names_the_address_and_timeout():
     port = _closed_port()
     with pytest.raises(RuntimeError) as error:
-        WeightReceiver().join("127.0.0.1", port, 1, rank=1, size=2, backend="gloo",
-                              timeout_s=1, layout=[])  # fmt: skip
+        WeightReceiver().join(
+            "127.0.0.1", port, 1, rank=1, size=2, backend="gloo", timeout_s=1, layout=[]
+        )
     message = str(error.value)
     assert f"trainer's store at 127.0.0.1:{port} within 1 s" in message, message
     assert "rollout.weight_sync_timeout_s" in message
@@ -214,11 +243,15 @@ def _groups(out):
     return [json.loads(line)["groups"] for line in lines]
 
 
-@pytest.mark.parametrize("adapters", [
-    False,
-    # LoRA's adapters through the object store: test_grpo_async (a lora policy sends its adapters)
-    pytest.param(True, marks=pytest.mark.slow),
-], ids=["full", "lora"])  # fmt: skip
+@pytest.mark.parametrize(
+    "adapters",
+    [
+        False,
+        # LoRA's adapters through the object store: test_grpo_async (a lora policy sends its adapters)
+        pytest.param(True, marks=pytest.mark.slow),
+    ],
+    ids=["full", "lora"],
+)
 def test_collective_sync_equals_the_object_store_bitwise(world, ray_instance, adapters):
     """``overlap`` mode, two rollout workers: the same rollouts, metrics and final weights
     whichever path carried the weights, and the same megabytes per sync."""
@@ -228,10 +261,16 @@ def test_collective_sync_equals_the_object_store_bitwise(world, ray_instance, ad
     for sync in ("object_store", "collective"):
         out = outs[sync] = root / f"{sync}-{'lora' if adapters else 'full'}"
         overrides = grpo_overrides(
-            model_dir, prompts, out, f"max_steps={STEPS}", "optimizer.lr=1e-2",
-            "generation.max_new_tokens=8", "async_mode=overlap", "rollout.workers=2",
+            model_dir,
+            prompts,
+            out,
+            f"max_steps={STEPS}",
+            "optimizer.lr=1e-2",
+            "generation.max_new_tokens=8",
+            "async_mode=overlap",
+            "rollout.workers=2",
             f"rollout.weight_sync={sync}",
-        )  # fmt: skip
+        )
         run_rl("grpo_async", "tiny", overrides, model=model)
     theirs, ours = (read_metrics(outs[s]) for s in ("object_store", "collective"))
     for step in range(1, STEPS + 1):
@@ -241,5 +280,6 @@ def test_collective_sync_equals_the_object_store_bitwise(world, ray_instance, ad
         assert ours[step]["weight_sync_mb"] == theirs[step]["weight_sync_mb"] > 0
     assert max(ours[s]["staleness_max"] for s in ours) == 1.0  # sampled by an older policy
     assert _groups(outs["collective"]) == _groups(outs["object_store"])
-    assert_same_weights(final_weights(outs["collective"]), final_weights(outs["object_store"]),
-                        atol=0.0)  # fmt: skip
+    assert_same_weights(
+        final_weights(outs["collective"]), final_weights(outs["object_store"]), atol=0.0
+    )

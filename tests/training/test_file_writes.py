@@ -160,15 +160,12 @@ def test_plot_refuses_a_link_planted_as_its_default_png(tmp_path, victim):
 
 
 def test_the_rollouts_log_refuses_a_planted_link(tmp_path, victim):
-    from types import SimpleNamespace
+    from tunesmith.rl.asynchronous.source import log_rollouts
 
-    from tunesmith.rl.asynchronous.source import AsyncRolloutSource
-
-    source = SimpleNamespace(rollout_log=tmp_path / "rollouts.jsonl", batches=1, version=0)
-    AsyncRolloutSource._log_rollouts(source, [], {})  # a regular file: appended
+    log_rollouts(tmp_path / "rollouts.jsonl", 1, 0, [], {})  # a regular file: appended
     assert json.loads((tmp_path / "rollouts.jsonl").read_text())["batch"] == 1
     (tmp_path / "rollouts.jsonl").unlink()
     os.symlink(victim, tmp_path / "rollouts.jsonl")
     with pytest.raises(UnsafePathError, match="rollouts.jsonl: is a symbolic link"):
-        AsyncRolloutSource._log_rollouts(source, [], {})
+        log_rollouts(tmp_path / "rollouts.jsonl", 1, 0, [], {})
     assert victim.read_text() == "precious\n"

@@ -34,9 +34,16 @@ def _samples(output_dir) -> dict[int, list[dict]]:
 
 def test_samples_every_eval_interval_equal_greedy_decoding_of_the_checkpoint(world, capsys):
     model_dir, data, root = world
-    out = run_sft(model_dir, data, root / "run", "max_steps=4", "eval_every_n_steps=2",
-                  "save_every_n_steps=2", f"sample_prompts={PROMPTS}",
-                  "sample_max_new_tokens=5")  # fmt: skip
+    out = run_sft(
+        model_dir,
+        data,
+        root / "run",
+        "max_steps=4",
+        "eval_every_n_steps=2",
+        "save_every_n_steps=2",
+        f"sample_prompts={PROMPTS}",
+        "sample_max_new_tokens=5",
+    )
     samples = _samples(out)
     assert sorted(samples) == [2, 4]
     printed = capsys.readouterr().out
@@ -50,10 +57,12 @@ def test_samples_every_eval_interval_equal_greedy_decoding_of_the_checkpoint(wor
             tok.tokenize_conversation([{"role": "user", "content": "add 1 and 2"}],
                                       add_generation_prompt=True)[0],
         ]  # fmt: skip
-        for got, prompt_ids, shown in zip(samples[step], ids, ["count 3 from 4", "count",
-                                                               "add 1 and 2"]):  # fmt: skip
-            tokens = generate(loaded.model, [prompt_ids], max_new_tokens=5,
-                              stop_token_ids=tok.stop_token_ids).sequences[0]  # fmt: skip
+        for got, prompt_ids, shown in zip(
+            samples[step], ids, ["count 3 from 4", "count", "add 1 and 2"]
+        ):
+            tokens = generate(
+                loaded.model, [prompt_ids], max_new_tokens=5, stop_token_ids=tok.stop_token_ids
+            ).sequences[0]
             if tokens and tokens[-1] in tok.stop_token_ids:
                 tokens = tokens[:-1]
             assert got == {
@@ -68,8 +77,15 @@ def test_samples_every_eval_interval_equal_greedy_decoding_of_the_checkpoint(wor
 
 def test_sample_every_n_steps_has_its_own_interval(world):
     model_dir, data, root = world
-    out = run_sft(model_dir, data, root / "own", "max_steps=4", "sample_every_n_steps=3",
-                  "sample_prompts=[hi]", "sample_max_new_tokens=2")  # fmt: skip
+    out = run_sft(
+        model_dir,
+        data,
+        root / "own",
+        "max_steps=4",
+        "sample_every_n_steps=3",
+        "sample_prompts=[hi]",
+        "sample_max_new_tokens=2",
+    )
     assert sorted(_samples(out)) == [3, 4]  # and after the last step
     quiet = run_sft(model_dir, data, root / "none", "max_steps=2")
     assert _samples(quiet) == {}
@@ -77,10 +93,12 @@ def test_sample_every_n_steps_has_its_own_interval(world):
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("[3]", "sample_prompts: expected a list of prompts"),
-     ("hello", "sample_prompts: expected a list of prompts"),
-     ("[[a]]", "sample_prompts: expected a list of prompts")],
-)  # fmt: skip
+    [
+        ("[3]", "sample_prompts: expected a list of prompts"),
+        ("hello", "sample_prompts: expected a list of prompts"),
+        ("[[a]]", "sample_prompts: expected a list of prompts"),
+    ],
+)
 def test_a_bad_prompt_list_is_refused_before_training(value, expected):
     cfg = OmegaConf.create(f"sample_prompts: {value}\nsample_every_n_steps: 0")
     issues = [str(i) for i in check_rules(cfg, LOOP_RULES)]

@@ -41,7 +41,7 @@ from tunesmith.rl.asynchronous.trainer_group import (
 )
 from tunesmith.rl.asynchronous.trainer_group import run_trainers
 from tunesmith.rl.objective import PolicyGradient
-from tunesmith.rl.source import RolloutSource
+from tunesmith.rl.source import GroupAdvantages, RolloutSource
 from tunesmith.training import setup
 from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit_from_config
 from tunesmith.training.parallel.distributed import DistributedContext
@@ -51,11 +51,14 @@ from tunesmith.training.trainer import Trainer
 
 RUNTIME_ARGS = {"tokenizer": 0, "optimizer": 1, "lr_scheduler": 1}
 RUNTIME_KWARGS = LOOP_RUNTIME_KWARGS
-KEYS, RULES = rl.rl_keys({  # what each top-level value may be, checked up front
-    "advantage": component(required=True),
-    "kl": rl.mapping("a mapping with coef (>= 0) and kind (k1, k2, k3), or null (no KL term)"),
-    **rl.DYNAMIC_RULES, **rl.ASYNC_RULES,
-})  # fmt: skip
+KEYS, RULES = rl.rl_keys(
+    {  # what each top-level value may be, checked up front
+        "advantage": component(required=True),
+        "kl": rl.mapping("a mapping with coef (>= 0) and kind (k1, k2, k3), or null (no KL term)"),
+        **rl.DYNAMIC_RULES,
+        **rl.ASYNC_RULES,
+    }
+)
 
 
 def main(cfg: DictConfig) -> None:
@@ -85,37 +88,72 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
         reference = setup.reference_policy(cfg, ctx, model, log, tokenizer=tokenizer)
     model = parallelize(model, ctx, cfg)  # checkpointing, compiled layers, FSDP2 (in place)
     loss = instantiate(cfg.policy_loss)
-    kl = KLPenalty(float(kl_cfg["coef"]), kl_cfg.get("kind", "k3"), loss.aggregation,
-                   loss.max_tokens) if kl_cfg.get("coef", 0.0) > 0 else None  # fmt: skip
-    options = rl.source_options(cfg)
-    objective = PolicyGradient(loss, kl=kl, temperature=options["generation"].temperature,
-                               importance_cap=cfg.get("importance_cap"))  # fmt: skip
+    kl = (
+        KLPenalty(
+            float(kl_cfg["coef"]), kl_cfg.get("kind", "k3"), loss.aggregation, loss.max_tokens
+        )
+        if kl_cfg.get("coef", 0.0) > 0
+        else None
+    )
+    settings = rl.rollout_settings(cfg, dynamic)
+    objective = PolicyGradient(
+        loss,
+        kl=kl,
+        temperature=settings.generation.temperature,
+        importance_cap=cfg.get("importance_cap"),
+    )
     rl.check_one_update_per_backward(cfg, ctx)
 
     # -- rollouts as the trainer's batch source
     if asynchronous:
         source, pipeline = rl.asynchronous_source(
-            cfg, ctx, model=model, tokenizer=tokenizer, prompts=prompts, rewards=rewards,
-            advantage=advantage, dynamic=dynamic,
-        )  # fmt: skip
+            cfg,
+            ctx,
+            model=model,
+            tokenizer=tokenizer,
+            prompts=prompts,
+            advantage=advantage,
+            dynamic=dynamic,
+        )
         try:
             evaluator = rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source)
             make_trainer = partial(Trainer.from_config, on_step_end=[source.on_step_end])
-            fit_from_config(cfg, ctx, model=model, objective=objective, source=source,
-                            name="grpo", evaluator=evaluator, resumable=rl.ASYNC_RESUMABLE,
-                            make_trainer=make_trainer)  # fmt: skip
+            fit_from_config(
+                cfg,
+                ctx,
+                model=model,
+                objective=objective,
+                source=source,
+                name="grpo",
+                evaluator=evaluator,
+                resumable=rl.ASYNC_RESUMABLE,
+                make_trainer=make_trainer,
+            )
         finally:
             if pipeline is not None:
                 pipeline.close()
         return
     source = RolloutSource(
-        model=model, tokenizer=tokenizer, prompts=stream, rewards=rewards, advantage=advantage,
-        ctx=ctx, reference=reference, dynamic_sampling=dynamic.dynamic_sampling,
-        max_refills=dynamic.max_refills, **options,
-    )  # fmt: skip
+        model=model,
+        tokenizer=tokenizer,
+        prompts=stream,
+        rewards=rewards,
+        ctx=ctx,
+        settings=settings,
+        advantages=GroupAdvantages(advantage, settings.group_size),
+        reference=reference,
+    )
     evaluator = rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source)
-    fit_from_config(cfg, ctx, model=model, objective=objective, source=source,
-                    name="grpo", evaluator=evaluator, resumable=rl.ASYNC_RESUMABLE)  # fmt: skip
+    fit_from_config(
+        cfg,
+        ctx,
+        model=model,
+        objective=objective,
+        source=source,
+        name="grpo",
+        evaluator=evaluator,
+        resumable=rl.ASYNC_RESUMABLE,
+    )
 
 
 def _dp_group_for(node: DictConfig, ctx: DistributedContext) -> dict:

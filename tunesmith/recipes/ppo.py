@@ -52,7 +52,8 @@ from tunesmith.modules.losses.rl import ValueLoss
 from tunesmith.rl import setup as rl
 from tunesmith.rl.objective import PolicyGradient
 from tunesmith.rl.ppo.critic import ValueObjective, build_critic, critic_config
-from tunesmith.rl.ppo.trainer import PPORolloutSource, PPOTrainer, offload_reward_models
+from tunesmith.rl.ppo.trainer import GAEAdvantages, PPOTrainer, offload_reward_models
+from tunesmith.rl.source import RolloutSource
 from tunesmith.training import setup
 from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit_from_config, run_main
 from tunesmith.training.parallel.distributed import DistributedContext
@@ -63,14 +64,19 @@ from tunesmith.training.trainer import Trainer
 RUNTIME_ARGS = {"tokenizer": 0, "optimizer": 1, "lr_scheduler": 1, "critic_optimizer": 1,
                 "critic_lr_scheduler": 1}  # fmt: skip
 RUNTIME_KWARGS = {**LOOP_RUNTIME_KWARGS, "critic_lr_scheduler": ["num_training_steps"]}
-KEYS, RULES = rl.rl_keys({  # what each top-level value may be, checked up front
-    "critic_model": component(null="a copy of the policy's body with a new value head"),
-    "critic_optimizer": component(null="the policy's optimizer"),
-    "critic_lr_scheduler": component(null="the policy's schedule"),
-    "critic_warmup_steps": integer(0), "gamma": number(at_least=0, at_most=1),
-    "lam": number(at_least=0, at_most=1), "kl_coef": number(at_least=0),
-    "whiten_advantages": flag(), "value_clip": number(above=0, null="no value clipping"),
-})  # fmt: skip
+KEYS, RULES = rl.rl_keys(
+    {  # what each top-level value may be, checked up front
+        "critic_model": component(null="a copy of the policy's body with a new value head"),
+        "critic_optimizer": component(null="the policy's optimizer"),
+        "critic_lr_scheduler": component(null="the policy's schedule"),
+        "critic_warmup_steps": integer(0),
+        "gamma": number(at_least=0, at_most=1),
+        "lam": number(at_least=0, at_most=1),
+        "kl_coef": number(at_least=0),
+        "whiten_advantages": flag(),
+        "value_clip": number(above=0, null="no value clipping"),
+    }
+)
 
 
 def main(cfg: DictConfig) -> None:
@@ -97,23 +103,46 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     model = parallelize(model, ctx, cfg)  # checkpointing, compiled layers, FSDP2 (in place)
     critic = parallelize(critic, ctx, cfg)
     loss = instantiate(cfg.policy_loss)
-    options = rl.source_options(cfg)
-    objective = PolicyGradient(loss, temperature=options["generation"].temperature,
-                               importance_cap=cfg.get("importance_cap"))  # fmt: skip
+    settings = rl.rollout_settings(cfg)
+    objective = PolicyGradient(
+        loss, temperature=settings.generation.temperature, importance_cap=cfg.get("importance_cap")
+    )
     value_loss = ValueLoss(cfg.get("value_clip", 0.2), loss.aggregation, loss.max_tokens)
-    critic_trainer = Trainer.from_config(critic_config(cfg), ctx, model=critic,
-                                         objective=ValueObjective(value_loss))  # fmt: skip
+    critic_trainer = Trainer.from_config(
+        critic_config(cfg), ctx, model=critic, objective=ValueObjective(value_loss)
+    )
     rl.check_one_update_per_backward(cfg, ctx)
 
     # -- rollouts with values and GAE advantages as the trainer's batch source
-    source = PPORolloutSource(
-        critic=critic, gamma=float(cfg.get("gamma", 1.0)), lam=float(cfg.get("lam", 0.95)),
-        kl_coef=kl_coef, whiten_advantages=bool(cfg.get("whiten_advantages", True)),
-        model=model, tokenizer=tokenizer, prompts=stream, rewards=rewards, ctx=ctx,
-        reference=reference, **options,
-    )  # fmt: skip
+    advantages = GAEAdvantages(
+        critic,
+        ctx,
+        settings,
+        gamma=float(cfg.get("gamma", 1.0)),
+        lam=float(cfg.get("lam", 0.95)),
+        kl_coef=kl_coef,
+        whiten_advantages=bool(cfg.get("whiten_advantages", True)),
+    )
+    source = RolloutSource(
+        model=model,
+        tokenizer=tokenizer,
+        prompts=stream,
+        rewards=rewards,
+        ctx=ctx,
+        settings=settings,
+        advantages=advantages,
+        reference=reference,
+    )
     evaluator = rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source)
-    warmup = int(cfg.get("critic_warmup_steps", 0)) * options["updates_per_batch"]
+    warmup = int(cfg.get("critic_warmup_steps", 0)) * settings.updates_per_batch
     make_trainer = partial(PPOTrainer.from_config, critic=critic_trainer, warmup_steps=warmup)
-    fit_from_config(cfg, ctx, model=model, objective=objective, source=source, name="ppo",
-                    evaluator=evaluator, make_trainer=make_trainer)  # fmt: skip
+    fit_from_config(
+        cfg,
+        ctx,
+        model=model,
+        objective=objective,
+        source=source,
+        name="ppo",
+        evaluator=evaluator,
+        make_trainer=make_trainer,
+    )

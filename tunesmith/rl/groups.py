@@ -86,9 +86,16 @@ class Group:
 
 
 def sample_groups(
-    generate_fn: GenerateFn, tokenizer: Any, prompts: Sequence[Prompt], *, round: int,
-    group_size: int, seed: int, chat_template: bool = True, version: int = 0,
-) -> list[Group]:  # fmt: skip
+    generate_fn: GenerateFn,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    *,
+    round: int,
+    group_size: int,
+    seed: int,
+    chat_template: bool = True,
+    version: int = 0,
+) -> list[Group]:
     """``group_size`` completions of each prompt, sampled by ``generate_fn`` in one call with
     the keys ``row_key(seed, round, prompt.index, j)``."""
     rows, keys, encoded = [], [], []
@@ -103,13 +110,19 @@ def sample_groups(
     for g, prompt in enumerate(prompts):
         part = slice(g * group_size, (g + 1) * group_size)
         sequences = [list(s) for s in result.sequences[part]]
-        groups.append(Group(
-            prompt=prompt, round=round, prompt_ids=encoded[g][0], prompt_text=encoded[g][1],
-            completions=sequences, logprobs=[list(lp) for lp in result.logprobs[part]],
-            finish=list(result.finish_reasons[part]),
-            texts=[tokenizer.decode(s, skip_special_tokens=True) for s in sequences],
-            version=version,
-        ))  # fmt: skip
+        groups.append(
+            Group(
+                prompt=prompt,
+                round=round,
+                prompt_ids=encoded[g][0],
+                prompt_text=encoded[g][1],
+                completions=sequences,
+                logprobs=[list(lp) for lp in result.logprobs[part]],
+                finish=list(result.finish_reasons[part]),
+                texts=[tokenizer.decode(s, skip_special_tokens=True) for s in sequences],
+                version=version,
+            )
+        )
     return groups
 
 
@@ -117,10 +130,17 @@ def score_groups(rewards: RewardSet, groups: Sequence[Group]) -> dict[str, int]:
     """Score every completion of ``groups`` (one ``rewards`` call) into ``group.rewards`` and
     ``group.per_reward``; returns the reward functions' failure counts."""
     samples = [
-        Sample(prompt=g.prompt_text, completion=text, answer=g.prompt.answer,
-               metadata=g.prompt.metadata, completion_tokens=len(tokens), finish_reason=finish)
-        for g in groups for text, tokens, finish in zip(g.texts, g.completions, g.finish)
-    ]  # fmt: skip
+        Sample(
+            prompt=g.prompt_text,
+            completion=text,
+            answer=g.prompt.answer,
+            metadata=g.prompt.metadata,
+            completion_tokens=len(tokens),
+            finish_reason=finish,
+        )
+        for g in groups
+        for text, tokens, finish in zip(g.texts, g.completions, g.finish)
+    ]
     scored = rewards(samples)
     start = 0
     for g in groups:

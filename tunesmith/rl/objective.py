@@ -49,9 +49,15 @@ class PolicyGradient:
     """
 
     def __init__(
-        self, loss: PolicyLoss, *, kl: KLPenalty | None = None, temperature: float = 1.0,
-        importance_cap: float | None = None, chunk_size: int = 1024, log_entropy: bool = True,
-    ) -> None:  # fmt: skip
+        self,
+        loss: PolicyLoss,
+        *,
+        kl: KLPenalty | None = None,
+        temperature: float = 1.0,
+        importance_cap: float | None = None,
+        chunk_size: int = 1024,
+        log_entropy: bool = True,
+    ) -> None:
         if kl is not None and (kl.aggregation, kl.max_tokens) != (
             loss.aggregation,
             loss.max_tokens,
@@ -79,16 +85,17 @@ class PolicyGradient:
         if self.importance_cap is not None:
             log_ratio = (batch["old_logprobs"] - batch["sampling_logprobs"]).clamp(max=30.0)
             weights = log_ratio.exp().clamp(max=self.importance_cap)
-        out = self.loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
-                        weights=weights)  # fmt: skip
+        out = self.loss(logprobs, batch["old_logprobs"], batch["advantages"], mask, weights=weights)
         loss, metrics = out.loss, dict(out.metrics)
         if self.kl is not None and self.kl.coef > 0:
             kl = self.kl(logprobs, batch["ref_logprobs"], mask)
             loss = loss + kl
             metrics["kl"] = kl.detach() / self.kl.coef
         if self.log_entropy:  # of the tempered policy at the sampled positions; no gradient
-            entropy = token_entropy(hidden.detach(), weight.detach(), mask,
-                                    chunk_size=self.chunk_size)  # fmt: skip
-            metrics["entropy"] = aggregate(entropy, mask, self.loss.aggregation,
-                                           self.loss.max_tokens)  # fmt: skip
+            entropy = token_entropy(
+                hidden.detach(), weight.detach(), mask, chunk_size=self.chunk_size
+            )
+            metrics["entropy"] = aggregate(
+                entropy, mask, self.loss.aggregation, self.loss.max_tokens
+            )
         return LossOutput(loss, metrics, aux_loss=router_aux_loss(model, router_logits, batch))

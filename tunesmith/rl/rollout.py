@@ -6,6 +6,9 @@ part of the completion, else ``IGNORE_INDEX`` (labels are already shifted, as ev
 tunesmith). So completion token ``j`` of a row whose prompt has ``P`` tokens sits at label
 position ``P - 1 + j``, and so do its sampling log-prob, its trainer and reference log-probs.
 Positions count from 0 on every row; right padding needs only the causal mask.
+:func:`group_batch` is the rows of scored :class:`~tunesmith.rl.groups.Group` s (the rollout
+source's rows stage) and :func:`per_micro_batch` runs a no-gradient pass over a batch's rows
+in micro-batches (the trainer's, the reference's and the critic's forwards).
 
 Example::
 
@@ -19,18 +22,22 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from tunesmith.modules.losses import IGNORE_INDEX, token_logprobs
+from tunesmith.rl.groups import Group
 from tunesmith.training.forward import forward_batch, head_weight
+from tunesmith.training.parallel.distributed import DistributedContext
 
 __all__ = [
     "completion_logprobs",
     "completion_mask",
+    "group_batch",
     "micro_batches",
+    "per_micro_batch",
     "rollout_batch",
     "tempered_hidden",
 ]
@@ -95,9 +102,12 @@ def completion_mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def completion_logprobs(
-    model: nn.Module, batch: Mapping[str, torch.Tensor], *, temperature: float = 1.0,
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    temperature: float = 1.0,
     chunk_size: int = 1024,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``[b, L]`` float32: log-prob of each completion token under ``model`` at
     ``temperature`` (``log_softmax(logits / temperature)``, what the sampler used), 0 on the
     other positions. Gradients flow unless called under ``torch.no_grad``; the head is applied
@@ -125,3 +135,98 @@ def micro_batches(batch: Mapping[str, torch.Tensor], size: int) -> list[Batch]:
         length = int(part["attention_mask"].sum(1).max())
         out.append({k: (v[:, :length] if v.dim() == 2 else v) for k, v in part.items()})
     return out
+
+
+def group_batch(
+    groups: Sequence[Group],
+    pad_id: int,
+    *,
+    overlong_filter: bool = False,
+    version: int | None = None,
+) -> Batch:
+    """The training rows of scored ``groups``, a row per completion in order: the tokens and
+    labels, the sampler's log-probs (``sampling_logprobs``), ``rewards`` and ``stopped`` (1.0
+    for a completion that ended on a stop, not at ``max_new_tokens``); with
+    ``overlong_filter`` a completion cut at ``max_new_tokens`` trains no token. Groups that
+    all carry the reference's log-probs (scored by a reward worker) add ``ref_logprobs``;
+    ``version`` (the policy being trained, when the groups were sampled elsewhere) adds each
+    row's ``policy_lag``: how many updates older its sampling policy is.
+
+    Example::
+
+        >>> from tunesmith.rl.prompts import Prompt
+        >>> prompt = Prompt(0, [{"role": "user", "content": "2+2?"}], answer="4")
+        >>> group = Group(prompt, round=0, prompt_ids=[5, 6], prompt_text="2+2?",
+        ...               completions=[[7, 2], [8, 9]],
+        ...               logprobs=[[-0.5, -0.25], [-1.0, -2.0]], finish=["stop", "length"],
+        ...               texts=["4", "44"], rewards=torch.tensor([1.0, 0.0]))
+        >>> batch = group_batch([group], pad_id=0, overlong_filter=True, version=1)
+        >>> batch["labels"].tolist(), batch["stopped"].tolist(), batch["policy_lag"].tolist()
+        ([[-100, 7, 2, -100], [-100, -100, -100, -100]], [1.0, 0.0], [1.0, 1.0])
+    """
+    rows = [
+        (g.prompt_ids, c, lp, f)
+        for g in groups
+        for c, lp, f in zip(g.completions, g.logprobs, g.finish)
+    ]
+    cut = [overlong_filter and f != "stop" for _, _, _, f in rows]  # trains no token
+    batch = rollout_batch(
+        [p for p, _, _, _ in rows],
+        [[] if x else c for (_, c, _, _), x in zip(rows, cut)],
+        pad_id,
+        per_token={"sampling_logprobs": [[] if x else lp for (_, _, lp, _), x in zip(rows, cut)]},
+        per_row={
+            "rewards": torch.cat([g.rewards for g in groups]).float(),
+            "stopped": torch.tensor([float(f == "stop") for _, _, _, f in rows]),
+        },
+    )
+    if version is not None:
+        batch["policy_lag"] = torch.tensor(
+            [float(version - g.version) for g in groups for _ in range(g.size)]
+        )
+    if all(g.ref_logprobs is not None for g in groups):
+        batch["ref_logprobs"] = _reference_logprobs(batch, groups, overlong_filter)
+    return batch
+
+
+def _reference_logprobs(
+    batch: Batch, groups: Sequence[Group], overlong_filter: bool
+) -> torch.Tensor:
+    """The groups' reference log-probs at their tokens' label positions of ``batch``."""
+    out = torch.zeros(batch["labels"].shape, dtype=torch.float32)
+    row = 0
+    for g in groups:
+        for completion, values, finish in zip(g.completions, g.ref_logprobs or [], g.finish):
+            if completion and (finish == "stop" or not overlong_filter):
+                start = len(g.prompt_ids) - 1
+                out[row, start : start + len(values)] = torch.tensor(values, dtype=torch.float32)
+            row += 1
+    return out
+
+
+def per_micro_batch(
+    fn: Callable[[Batch], torch.Tensor],
+    batch: Mapping[str, torch.Tensor],
+    size: int,
+    ctx: DistributedContext,
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``fn(part)`` of each ``size``-row part of ``batch`` (moved to ``ctx.device``, under
+    autocast to ``autocast_dtype`` when given), concatenated on the CPU: a pass over a batch's
+    rows as the update will cut them, with the same number of forwards on every rank (a
+    sharded model needs each on all ranks).
+
+    Example::
+
+        >>> ctx = DistributedContext(rank=0, world_size=1, local_rank=0,  # one process
+        ...                          device=torch.device("cpu"), mesh=None)
+        >>> batch = {"input_ids": torch.arange(6).view(3, 2)}
+        >>> per_micro_batch(lambda part: part["input_ids"].sum(1), batch, 2, ctx)
+        tensor([1, 5, 9])
+    """
+    parts = []
+    for start in range(0, batch["input_ids"].shape[0], size):
+        part = {k: v[start : start + size].to(ctx.device) for k, v in batch.items()}
+        with torch.autocast(ctx.device.type, autocast_dtype, enabled=bool(autocast_dtype)):
+            parts.append(fn(part).cpu())
+    return torch.cat(parts)

@@ -96,8 +96,10 @@ def _weight_sync_problem(rollout: Any) -> str | None:
     "weight_sync: expected one of 'object_store', 'collective', or null (object_store), got 'nccl' (a string)"
     """
     rollout = rollout or {}
-    for key, rule in (("weight_sync", choice(*SYNC_MODES, null="object_store")),
-                      ("weight_sync_timeout_s", number(above=0, null="1800 s"))):  # fmt: skip
+    for key, rule in (
+        ("weight_sync", choice(*SYNC_MODES, null="object_store")),
+        ("weight_sync_timeout_s", number(above=0, null="1800 s")),
+    ):
         problem = rule.problem(rollout.get(key))
         if problem is not None:
             return f"{key}: {problem}"
@@ -125,10 +127,12 @@ def _vllm_problem(section: Any) -> str | None:
         return f"vllm: expected a mapping of VLLMEngine arguments, got a {type_name(vllm)}"
     for key in vllm.keys():  # noqa: SIM118 (a DictConfig or a dict)
         if key not in _VLLM_KEYS and not runtime_env_allowed():
-            return (f"vllm.{key}: not one of the vLLM settings passed on as they are "
-                    f"({', '.join(_VLLM_KEYS)}); vLLM's other arguments can load or run code "
-                    "(trust_remote_code, worker_cls, logits_processors, plugins...): pass "
-                    "--allow-runtime-env (or --allow-any-component) to use them")  # fmt: skip
+            return (
+                f"vllm.{key}: not one of the vLLM settings passed on as they are "
+                f"({', '.join(_VLLM_KEYS)}); vLLM's other arguments can load or run code "
+                "(trust_remote_code, worker_cls, logits_processors, plugins...): pass "
+                "--allow-runtime-env (or --allow-any-component) to use them"
+            )
     return None
 
 
@@ -142,9 +146,12 @@ def _workers_problem(keys: Sequence[str]) -> Callable[[Any], str | None]:
         if section is None:
             return None
         rollout = "weight_sync" in keys
-        return (_unknown_key(section, keys) or section_runtime_env_problem(section)
-                or (_vllm_problem(section) if rollout else None)
-                or (_weight_sync_problem(section) if rollout else None))  # fmt: skip
+        return (
+            _unknown_key(section, keys)
+            or section_runtime_env_problem(section)
+            or (_vllm_problem(section) if rollout else None)
+            or (_weight_sync_problem(section) if rollout else None)
+        )
 
     return problem
 
@@ -173,27 +180,36 @@ class RLSettings(Settings):
     """What an RL recipe is told besides the loop's keys, typed and checked (see the module
     docs)."""
 
-    group_size: int = setting(REQUIRED, integer(1, required=True),
-        "completions sampled per prompt (a group)")  # fmt: skip
-    prompts_per_step: int = setting(REQUIRED, integer(1, required=True),
-        "prompts per step, over all data-parallel ranks")  # fmt: skip
-    updates_per_batch: int = setting(1, integer(1),
-        "optimizer steps per batch of rollouts (the batch split in as many parts)")  # fmt: skip
-    overlong_filter: bool = setting(False, flag(),
-        "completions cut at max_new_tokens train no token")  # fmt: skip
-    max_logprob_mismatch: float | None = setting(None, number(above=0, null="no limit"),
-        "stop when the trainer's log-probs of sampled tokens differ more from the sampler's")  # fmt: skip
-    importance_cap: float | None = setting(None,
+    group_size: int = setting(
+        REQUIRED, integer(1, required=True), "completions sampled per prompt (a group)"
+    )
+    prompts_per_step: int = setting(
+        REQUIRED, integer(1, required=True), "prompts per step, over all data-parallel ranks"
+    )
+    updates_per_batch: int = setting(
+        1, integer(1), "optimizer steps per batch of rollouts (the batch split in as many parts)"
+    )
+    overlong_filter: bool = setting(
+        False, flag(), "completions cut at max_new_tokens train no token"
+    )
+    max_logprob_mismatch: float | None = setting(
+        None,
+        number(above=0, null="no limit"),
+        "stop when the trainer's log-probs of sampled tokens differ more from the sampler's",
+    )
+    importance_cap: float | None = setting(
+        None,
         number(at_least=1, null="no importance correction"),
-        "cap of the trainer/sampler importance ratio of each token")  # fmt: skip
-    chat_template: bool = setting(True, flag(),
-        "prompts through the tokenizer's chat template")  # fmt: skip
-    log_samples_every: int = setting(0, integer(0),
-        "samples.jsonl gets a step's completions every this many steps (0: never)")  # fmt: skip
-    eval_batch_size: int = setting(16, integer(1),
-        "prompts per batch of the held-out rewards")  # fmt: skip
-    reference_offload: bool = setting(False, flag(),
-        "the reference policy waits in CPU memory between uses")  # fmt: skip
+        "cap of the trainer/sampler importance ratio of each token",
+    )
+    chat_template: bool = setting(True, flag(), "prompts through the tokenizer's chat template")
+    log_samples_every: int = setting(
+        0, integer(0), "samples.jsonl gets a step's completions every this many steps (0: never)"
+    )
+    eval_batch_size: int = setting(16, integer(1), "prompts per batch of the held-out rewards")
+    reference_offload: bool = setting(
+        False, flag(), "the reference policy waits in CPU memory between uses"
+    )
 
 
 @dataclass(frozen=True)
@@ -204,10 +220,12 @@ class DynamicSampling(Settings):
     4
     """
 
-    dynamic_sampling: bool = setting(False, flag(),
-        "groups whose rewards are all equal are replaced by refills")  # fmt: skip
-    max_refills: int = setting(4, integer(0),
-        "refill rounds a step may draw, then all-equal groups fill the gap")  # fmt: skip
+    dynamic_sampling: bool = setting(
+        False, flag(), "groups whose rewards are all equal are replaced by refills"
+    )
+    max_refills: int = setting(
+        4, integer(0), "refill rounds a step may draw, then all-equal groups fill the gap"
+    )
 
 
 DYNAMIC_RULES = rules_of(settings_of(DynamicSampling))
@@ -235,14 +253,26 @@ RL_SECTIONS: tuple[Setting, ...] = (
 class AsyncSettings(Settings):
     """Asynchronous GRPO's keys (``grpo_async``, or ``grpo`` with ``async_mode`` set)."""
 
-    async_mode: str | None = setting(None, choice("sync", "overlap", "off_policy",
-        null="generate in the trainer"), "how rollouts overlap training (Ray workers)")  # fmt: skip
-    max_staleness: int = setting(0, integer(0),
-        "policy versions a group may lag the trainer by (off_policy)")  # fmt: skip
-    buffer_size: int | None = setting(None, integer(1, null="enough for the mode"),
-        "scored groups kept ready for the trainer", resumable=True)  # fmt: skip
-    max_worker_restarts: int = setting(3, integer(0),
-        "restarts of a dead rollout or reward worker before the run stops", resumable=True)  # fmt: skip
+    async_mode: str | None = setting(
+        None,
+        choice("sync", "overlap", "off_policy", null="generate in the trainer"),
+        "how rollouts overlap training (Ray workers)",
+    )
+    max_staleness: int = setting(
+        0, integer(0), "policy versions a group may lag the trainer by (off_policy)"
+    )
+    buffer_size: int | None = setting(
+        None,
+        integer(1, null="enough for the mode"),
+        "scored groups kept ready for the trainer",
+        resumable=True,
+    )
+    max_worker_restarts: int = setting(
+        3,
+        integer(0),
+        "restarts of a dead rollout or reward worker before the run stops",
+        resumable=True,
+    )
 
 
 ASYNC_SECTIONS: tuple[Setting, ...] = (

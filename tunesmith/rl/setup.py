@@ -6,8 +6,8 @@ keeps only its algorithm:
   prompts, rewards, generation, ...) and what each may be;
 * :func:`generation_config`, :func:`prompt_stream`: the ``generation:`` section and this
   rank's share of the ``prompts``;
-* :func:`source_options`: the :class:`~tunesmith.rl.source.RolloutSource` arguments that come
-  straight from the config;
+* :func:`rollout_settings`: the :class:`~tunesmith.rl.source.RolloutSettings` of the
+  config, what the rollout source's stages read;
 * :func:`reward_evaluator`: held-out rewards of greedy answers on ``val_prompts`` (or None);
 * :func:`check_one_update_per_backward`: the optimizer in backward needs one micro-batch;
 * :data:`ASYNC_RULES`, :func:`asynchronous_source`: asynchronous GRPO's keys (its pipeline,
@@ -18,7 +18,8 @@ Example (the prologue of an RL recipe)::
 
     KEYS, RULES = rl_keys(extra={"advantage": component(required=True)})
     stream = prompt_stream(cfg, ctx, prompts)
-    source = RolloutSource(model=model, ..., **source_options(cfg))
+    settings = rollout_settings(cfg)
+    source = RolloutSource(model=model, ..., settings=settings, advantages=...)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import nn
 
 from tunesmith.config import instantiate
 from tunesmith.generation.config import GenerationConfig
-from tunesmith.rl.asynchronous.pipeline import RolloutPipeline
+from tunesmith.rl.asynchronous.pipeline import PipelineSettings, RolloutPipeline
 from tunesmith.rl.asynchronous.source import AsyncRolloutSource
 from tunesmith.rl.asynchronous.workers import BUILD_SECTIONS, WorkerSettings
 from tunesmith.rl.evaluate import evaluate_rewards
@@ -49,7 +50,7 @@ from tunesmith.rl.settings import (  # re-exported: the recipes read them here
     mapping,
     rl_keys,
 )
-from tunesmith.rl.source import RolloutSource
+from tunesmith.rl.source import GroupAdvantages, RolloutSettings, RolloutSource, check_sampled
 from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.settings import LoopSettings
 from tunesmith.training.setup import Log
@@ -70,7 +71,7 @@ __all__ = [
     "prompt_stream",
     "reward_evaluator",
     "rl_keys",
-    "source_options",
+    "rollout_settings",
     "worker_settings",
 ]
 
@@ -85,8 +86,14 @@ def plain(node: DictConfig | None) -> dict[str, Any]:
 
 
 def generation_config(cfg: DictConfig) -> GenerationConfig:
-    """The ``generation:`` section (defaults for what it leaves out)."""
-    return GenerationConfig(**plain(cfg.get("generation")))
+    """The ``generation:`` section (defaults for what it leaves out); a policy gradient needs
+    samples, so greedy decoding (temperature 0) is refused.
+
+    >>> generation_config(OmegaConf.create({"generation": {"temperature": 0.0}}))
+    Traceback (most recent call last):
+    ValueError: generation.temperature must be > 0 for RL sampling, got 0.0
+    """
+    return check_sampled(GenerationConfig(**plain(cfg.get("generation"))))
 
 
 def prompt_stream(
@@ -95,45 +102,78 @@ def prompt_stream(
     """This data-parallel rank's share of ``cfg.prompts_per_step`` prompts per step, a new
     order every epoch drawn from ``cfg.seed`` (``shuffle``)."""
     rl, loop = RLSettings.from_config(cfg), LoopSettings.from_config(cfg)
-    log(f"prompts: {len(prompts)}, {rl.prompts_per_step} per step x group_size "
-        f"{rl.group_size} = {rl.prompts_per_step * rl.group_size} completions")  # fmt: skip
-    return PromptStream(prompts, rl.prompts_per_step, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
-                        shuffle=loop.shuffle, seed=loop.seed)  # fmt: skip
+    log(
+        f"prompts: {len(prompts)}, {rl.prompts_per_step} per step x group_size "
+        f"{rl.group_size} = {rl.prompts_per_step * rl.group_size} completions"
+    )
+    return PromptStream(
+        prompts,
+        rl.prompts_per_step,
+        dp_rank=ctx.dp_rank,
+        dp_size=ctx.dp_size,
+        shuffle=loop.shuffle,
+        seed=loop.seed,
+    )
 
 
-def source_options(cfg: DictConfig) -> dict[str, Any]:
-    """The :class:`~tunesmith.rl.source.RolloutSource` keyword arguments read from ``cfg``
-    as they are (the recipe adds the model, tokenizer, prompts, rewards and reference)."""
+def rollout_settings(cfg: DictConfig, dynamic: DynamicSampling | None = None) -> RolloutSettings:
+    """The :class:`~tunesmith.rl.source.RolloutSettings` of ``cfg`` (the recipe adds the
+    model, tokenizer, prompts, rewards, reference and stages); ``dynamic``: the recipe's
+    dynamic sampling (default: off).
+
+    Example::
+
+        settings = rollout_settings(cfg, DynamicSampling.from_config(cfg))
+        settings.group_size, settings.generation.max_new_tokens  # -> (4, 8)
+    """
     rl, loop = RLSettings.from_config(cfg), LoopSettings.from_config(cfg)
-    return {
-        "group_size": rl.group_size, "generation": generation_config(cfg),
-        "micro_batch_size": loop.batch_size, "updates_per_batch": rl.updates_per_batch,
-        "overlong_filter": rl.overlong_filter, "max_logprob_mismatch": rl.max_logprob_mismatch,
-        "mixed_precision": loop.mixed_precision, "chat_template": rl.chat_template,
-        "seed": loop.seed, "samples_file": Path(loop.output_dir) / "samples.jsonl",
-        "log_samples_every": rl.log_samples_every,
-    }  # fmt: skip
+    dynamic = dynamic or DynamicSampling()
+    return RolloutSettings(
+        group_size=rl.group_size,
+        generation=generation_config(cfg),
+        micro_batch_size=loop.batch_size,
+        updates_per_batch=rl.updates_per_batch,
+        dynamic_sampling=dynamic.dynamic_sampling,
+        max_refills=dynamic.max_refills,
+        overlong_filter=rl.overlong_filter,
+        max_logprob_mismatch=rl.max_logprob_mismatch,
+        mixed_precision=loop.mixed_precision,
+        chat_template=rl.chat_template,
+        seed=loop.seed,
+        samples_file=Path(loop.output_dir) / "samples.jsonl",
+        log_samples_every=rl.log_samples_every,
+    )
 
 
 def reward_evaluator(
-    cfg: DictConfig, ctx: DistributedContext, model: nn.Module, tokenizer: Any,
-    rewards: RewardSet, source: RolloutSource,
-) -> Callable[[], dict[str, float]] | None:  # fmt: skip
+    cfg: DictConfig,
+    ctx: DistributedContext,
+    model: nn.Module,
+    tokenizer: Any,
+    rewards: RewardSet,
+    source: RolloutSource,
+) -> Callable[[], dict[str, float]] | None:
     """Held-out rewards of ``model``'s greedy answers to ``cfg.val_prompts`` (decoded as the
     source decodes), or None without ``val_prompts``."""
     if not cfg.get("val_prompts"):
         return None
     val_prompts = instantiate(cfg.val_prompts)
-    generation, batch_size = source.generation, RLSettings.from_config(cfg).eval_batch_size
+    generation = source.settings.generation
+    batch_size = RLSettings.from_config(cfg).eval_batch_size
 
     def evaluator() -> dict[str, float]:
         return evaluate_rewards(
-            model, tokenizer, val_prompts, rewards, ctx,
+            model,
+            tokenizer,
+            val_prompts,
+            rewards,
+            ctx,
             max_new_tokens=generation.max_new_tokens,
             batch_size=batch_size,
-            stop_token_ids=source.stop_token_ids, stop_strings=generation.stop_strings,
-            chat_template=source.chat_template,
-        )  # fmt: skip
+            stop_token_ids=source.stop_token_ids,
+            stop_strings=generation.stop_strings,
+            chat_template=source.settings.chat_template,
+        )
 
     return evaluator
 
@@ -166,27 +206,42 @@ def worker_settings(cfg: DictConfig) -> WorkerSettings:
     rollout, kl = plain(cfg.get("rollout")), plain(cfg.get("kl"))
     resolved = OmegaConf.to_container(cfg, resolve=True)
     return WorkerSettings(
-        group_size=rl.group_size, micro_batch_size=loop.batch_size, seed=loop.seed,
-        chat_template=rl.chat_template, overlong_filter=rl.overlong_filter,
-        mixed_precision=loop.mixed_precision, generation=generation_config(cfg),
-        engine=rollout.get("engine") or "local", vllm=rollout.get("vllm") or {},
-        merge_adapters=bool(rollout.get("merge_adapters")), kl_coef=float(kl.get("coef") or 0),
-        device=loop.device, build={k: resolved[k] for k in BUILD_SECTIONS if k in resolved},
-    )  # fmt: skip
+        group_size=rl.group_size,
+        micro_batch_size=loop.batch_size,
+        seed=loop.seed,
+        chat_template=rl.chat_template,
+        overlong_filter=rl.overlong_filter,
+        mixed_precision=loop.mixed_precision,
+        generation=generation_config(cfg),
+        engine=rollout.get("engine") or "local",
+        vllm=rollout.get("vllm") or {},
+        merge_adapters=bool(rollout.get("merge_adapters")),
+        kl_coef=float(kl.get("coef") or 0),
+        device=loop.device,
+        build={k: resolved[k] for k in BUILD_SECTIONS if k in resolved},
+    )
 
 
 def asynchronous_source(
-    cfg: DictConfig, ctx: DistributedContext, *, model: nn.Module, tokenizer: Any,
-    prompts: Sequence[Prompt], rewards: RewardSet, advantage: Any,
+    cfg: DictConfig,
+    ctx: DistributedContext,
+    *,
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    advantage: Any,
     dynamic: DynamicSampling | None = None,
-) -> tuple[AsyncRolloutSource, RolloutPipeline | None]:  # fmt: skip
+) -> tuple[AsyncRolloutSource, RolloutPipeline | None]:
     """The batch source of asynchronous GRPO (``cfg.async_mode`` set) and, on rank 0, its
     started rollout pipeline (close it when the run ends). The whole prompt stream is rank
-    0's: it draws every step's prompts and shares the groups out. ``dynamic``: the recipe's
-    dynamic sampling (groups whose rewards are all equal replaced; default: off)."""
+    0's: it draws every step's prompts and shares the groups out. ``advantage``: the
+    estimator of the groups' advantages (:class:`~tunesmith.rl.source.GroupAdvantages`);
+    ``dynamic``: the recipe's dynamic sampling (groups whose rewards are all equal replaced;
+    default: off)."""
     dynamic = dynamic or DynamicSampling()
     rl, loop, asynchronous = (RLSettings.from_config(cfg), LoopSettings.from_config(cfg),
                               AsyncSettings.from_config(cfg))  # fmt: skip
+    settings = rollout_settings(cfg, dynamic)
     stream = PromptStream(prompts, rl.prompts_per_step, shuffle=loop.shuffle, seed=loop.seed)
     if loop.max_steps is None:
         raise ValueError("max_steps is needed: asynchronous rollouts have no epochs to count")
@@ -196,24 +251,38 @@ def asynchronous_source(
     if ctx.is_rank_zero:
         config = OmegaConf.to_container(cfg, resolve=True)
         pipeline = RolloutPipeline(
-            config, stream, workers=worker_settings(cfg), mode=str(asynchronous.async_mode),
-            max_staleness=asynchronous.max_staleness, updates_per_batch=updates,
-            total_batches=-(-total_steps // updates), capacity=asynchronous.buffer_size,
-            max_restarts=asynchronous.max_worker_restarts, shares=ctx.dp_size,
-            dynamic_sampling=dynamic.dynamic_sampling, max_refills=dynamic.max_refills,
-        )  # fmt: skip
+            PipelineSettings.from_config(config),
+            stream,
+            workers=worker_settings(cfg),
+            mode=str(asynchronous.async_mode),
+            max_staleness=asynchronous.max_staleness,
+            updates_per_batch=updates,
+            total_batches=-(-total_steps // updates),
+            capacity=asynchronous.buffer_size,
+            max_restarts=asynchronous.max_worker_restarts,
+            shares=ctx.dp_size,
+            dynamic_sampling=dynamic.dynamic_sampling,
+            max_refills=dynamic.max_refills,
+        )
         pipeline.start()
         pids = pipeline.worker_pids()
-        print(f"async_mode {asynchronous.async_mode}: rollout workers (pids {pids['rollout']}), reward "
-              f"workers (pids {pids['reward']}), buffer of {pipeline.capacity} groups")  # fmt: skip
+        print(
+            f"async_mode {asynchronous.async_mode}: rollout workers (pids {pids['rollout']}), reward "
+            f"workers (pids {pids['reward']}), buffer of {pipeline.capacity} groups"
+        )
     try:
         source = AsyncRolloutSource(
-            pipeline=pipeline, total_steps=total_steps, model=model, tokenizer=tokenizer,
-            prompts=stream, rewards=rewards, advantage=advantage, ctx=ctx,
-            dynamic_sampling=dynamic.dynamic_sampling,
-            rollout_log=Path(loop.output_dir) / "rollouts.jsonl", **source_options(cfg),
+            pipeline=pipeline,
+            total_steps=total_steps,
+            model=model,
+            tokenizer=tokenizer,
+            prompts=stream,
+            ctx=ctx,
+            settings=settings,
+            advantages=GroupAdvantages(advantage, settings.group_size),
+            rollout_log=Path(loop.output_dir) / "rollouts.jsonl",
             merged_adapters=rollout.get("engine") == "vllm" or bool(rollout.get("merge_adapters")),
-        )  # fmt: skip
+        )
     except BaseException:
         if pipeline is not None:
             pipeline.close()

@@ -1,28 +1,40 @@
 """The rollout source: a :class:`~tunesmith.training.sources.BatchSource` whose batches the
-policy generates. One collection, on every data-parallel rank at once:
+policy generates, one collection at a time, on every data-parallel rank at once, in stages
+that hand each other explicit records:
 
-1. this rank's prompts of the step (:class:`~tunesmith.rl.prompts.PromptStream`), each
-   chat-templated and repeated ``group_size`` times;
-2. completions sampled by the policy in eval mode (keyed sampling: a completion depends only on
-   ``seed``, the collection round, the prompt and its sample number, so rollouts are the same
-   on any number of ranks and after a resume); all ranks decode the same number of steps;
-3. rewards (:class:`~tunesmith.rl.rewards.RewardSet`) and advantages (per group);
-   with ``dynamic_sampling`` groups whose rewards are all equal are dropped and more prompts
-   drawn (up to ``max_refills`` rounds, then the zero-advantage groups fill the gap);
-4. the trainer's own log-probs of the sampled tokens (no gradient: the PPO ratio's "old"
-   policy) compared with the sampler's, the **log-prob parity check** (mean/max ``|delta|``, and
-   the run stops above ``max_logprob_mismatch``), and the reference's log-probs for the KL;
-5. ``updates_per_batch`` optimizer steps on the batch, each over all its rows in
-   micro-batches of ``micro_batch_size``.
+1. **sample** (a :class:`SampleStage`, called with the batch's index): this rank's scored
+   groups of the batch as a :class:`Rollouts` record. :class:`LocalGroups` (the default)
+   draws this rank's prompts of the step (:class:`~tunesmith.rl.prompts.PromptStream`),
+   samples ``group_size`` completions of each with the policy itself through
+   :func:`~tunesmith.generation.engine.generate_with` (keyed sampling: a completion depends
+   only on ``seed``, the collection round, the prompt and its sample number, so rollouts are
+   the same on any number of ranks and after a resume; all ranks decode the same number of
+   steps) and **scores** them (:class:`~tunesmith.rl.rewards.RewardSet`); with
+   ``dynamic_sampling`` groups whose rewards are all equal are dropped and more prompts drawn
+   (up to ``max_refills`` rounds, then the zero-advantage groups fill the gap). Asynchronous
+   GRPO passes :class:`~tunesmith.rl.asynchronous.source.PipelineGroups` instead.
+2. **rows**: the groups as training rows (:func:`~tunesmith.rl.rollout.group_batch`).
+3. **log-probs** (:class:`PolicyLogprobs`): the trainer's own log-probs of the sampled tokens
+   (no gradient: the PPO ratio's "old" policy), the reference's for the KL, and the
+   **log-prob parity check** against the sampler's (mean/max ``|delta|``; the run stops with
+   :class:`LogprobMismatchError` above ``max_logprob_mismatch``).
+4. **advantages** (an :class:`AdvantageStage`, after the log-probs, which PPO's needs):
+   :class:`GroupAdvantages` (a group's rewards relative to each other); PPO passes
+   :class:`~tunesmith.rl.ppo.trainer.GAEAdvantages` (the critic's values and GAE).
+5. **batches**: the collection's metrics over all ranks (:func:`rollout_metrics`), then
+   ``updates_per_batch`` optimizer steps on the batch, each over all its rows in micro-batches
+   of ``micro_batch_size``.
 
-Its state (prompt position, collection round, the current batch while it is being trained
-on) is saved with every checkpoint, so a resumed run continues exactly.
+The plain values come in one :class:`RolloutSettings`. The source's state (prompt position,
+the sample stage's, the current batch while it is being trained on) is saved with every
+checkpoint, so a resumed run continues exactly.
 
 Example::
 
+    settings = RolloutSettings(group_size=8, generation=GenerationConfig(max_new_tokens=64))
     source = RolloutSource(model=model, tokenizer=tok, prompts=stream, rewards=rewards,
-                           advantage=GroupNormalized(), group_size=8, ctx=ctx,
-                           generation=GenerationConfig(max_new_tokens=64))
+                           ctx=ctx, settings=settings,
+                           advantages=GroupAdvantages(GroupNormalized(), group_size=8))
     micro_batches = source.next_step()
 """
 
@@ -34,7 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,13 +58,26 @@ from tunesmith.generation.generate import GenerationOutput
 from tunesmith.models.atomic import open_no_follow
 from tunesmith.modules.dtypes import AUTOCAST
 from tunesmith.rl.groups import Group, sample_groups, score_groups
-from tunesmith.rl.prompts import Prompt, PromptStream
+from tunesmith.rl.prompts import PromptStream
 from tunesmith.rl.rewards import RewardSet
-from tunesmith.rl.rollout import completion_logprobs, micro_batches, rollout_batch
+from tunesmith.rl.rollout import completion_logprobs, group_batch, micro_batches, per_micro_batch
 from tunesmith.training.parallel.distributed import DistributedContext
-from tunesmith.training.setup import FrozenPolicy
+from tunesmith.training.setup import FrozenPolicy, pad_id
 
-__all__ = ["GenerationConfig", "LogprobMismatchError", "RolloutSource", "stop_token_ids"]
+__all__ = [
+    "AdvantageStage",
+    "GenerationConfig",
+    "GroupAdvantages",
+    "LocalGroups",
+    "LogprobMismatchError",
+    "PolicyLogprobs",
+    "RolloutSettings",
+    "RolloutSource",
+    "Rollouts",
+    "SampleStage",
+    "rollout_metrics",
+    "stop_token_ids",
+]
 
 Batch = dict[str, torch.Tensor]
 
@@ -61,82 +86,346 @@ class LogprobMismatchError(RuntimeError):
     """The trainer's log-probs of the sampled tokens differ from the sampler's too much."""
 
 
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The rollout source's plain settings (:func:`tunesmith.rl.setup.rollout_settings` reads
+    them from a config).
+
+    Attributes:
+        group_size: completions per prompt.
+        generation: how completions are sampled.
+        micro_batch_size: rows per forward (log-probs, values, the update).
+        updates_per_batch: optimizer steps on each batch.
+        dynamic_sampling / max_refills: groups with all-equal rewards replaced by refills,
+            at most this many rounds of them.
+        overlong_filter: a completion cut at ``max_new_tokens`` trains no token.
+        max_logprob_mismatch: the parity check's limit (None: none).
+        mixed_precision: the autocast of the forwards (``bf16``...; None: none).
+        chat_template: prompts through the tokenizer's chat template.
+        seed: keyed sampling's seed.
+        chunk_size: completion tokens per head application in the log-probs.
+        samples_file / log_samples_every: a group of completions appended every this many
+            batches (0: never).
+
+    Example::
+
+        >>> RolloutSettings(group_size=4).updates_per_batch
+        1
+        >>> RolloutSettings(group_size=0)
+        Traceback (most recent call last):
+        ValueError: group_size must be >= 1, got 0
+    """
+
+    group_size: int
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    micro_batch_size: int = 8
+    updates_per_batch: int = 1
+    dynamic_sampling: bool = False
+    max_refills: int = 4
+    overlong_filter: bool = False
+    max_logprob_mismatch: float | None = None
+    mixed_precision: str | None = None
+    chat_template: bool = True
+    seed: int = 0
+    chunk_size: int = 1024
+    samples_file: Path | None = None
+    log_samples_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        check_sampled(self.generation)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return AUTOCAST[self.mixed_precision]
+
+
+def check_sampled(config: GenerationConfig) -> GenerationConfig:
+    """``config``, refused when it decodes greedily: a policy gradient needs samples.
+
+    >>> check_sampled(GenerationConfig(temperature=0.0))
+    Traceback (most recent call last):
+    ValueError: generation.temperature must be > 0 for RL sampling, got 0.0
+    """
+    if config.temperature == 0:
+        raise ValueError(
+            f"generation.temperature must be > 0 for RL sampling, got {config.temperature}"
+        )
+    return config
+
+
 @dataclass
-class _Collected:
-    """One collection's rows on this rank."""
+class Rollouts:
+    """What a sample stage hands on: this rank's scored groups of one batch.
 
-    prompts: list[Prompt] = field(default_factory=list)
-    prompt_ids: list[list[int]] = field(default_factory=list)
-    prompt_texts: list[str] = field(default_factory=list)
-    completions: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    finish: list[str] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    rewards: list[torch.Tensor] = field(default_factory=list)
-    per_reward: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    Attributes:
+        groups: the groups of the batch, in order (scored: ``rewards``, ``per_reward``).
+        failures: the reward functions' failure counts.
+        drawn_groups / flat_groups: the groups drawn for the batch (refills included) and how
+            many of them had all-equal rewards (summed over the ranks: counted where drawn).
+        times: ``generate_s``, ``reward_s`` (seconds) and ``generated_tokens``.
+        epoch: the prompt stream's epoch after the draw.
+        version: the policy being trained, when the groups were sampled elsewhere (the rows
+            then get their ``policy_lag``); None: sampled by the policy itself.
+        metrics: the stage's own metrics, the same on every rank (added to the batch's).
+    """
+
+    groups: list[Group]
     failures: dict[str, int] = field(default_factory=dict)
+    drawn_groups: int = 0
+    flat_groups: int = 0
+    times: dict[str, float] = field(default_factory=dict)
+    epoch: int = 0
+    version: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
-    @classmethod
-    def of(cls, groups: Sequence[Group], failures: dict[str, int] | None = None) -> _Collected:
-        """The rows of ``groups``, in order."""
-        out = cls(failures=dict(failures or {}))
-        for g in groups:
-            out.prompts.append(g.prompt)
-            out.prompt_ids.extend([g.prompt_ids] * g.size)
-            out.prompt_texts.extend([g.prompt_text] * g.size)
-            out.completions.extend(g.completions)
-            out.logprobs.extend(g.logprobs)
-            out.finish.extend(g.finish)
-            out.texts.extend(g.texts)
-            out.rewards.append(g.rewards)
-            for key, values in g.per_reward.items():
-                out.per_reward.setdefault(key, []).append(values)
-        return out
+
+class SampleStage(Protocol):
+    """Where a batch's groups come from: ``stage(batch_index)`` returns the :class:`Rollouts`
+    of that batch (0 first); its state is saved with the source's."""
+
+    def __call__(self, batch_index: int) -> Rollouts: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class AdvantageStage(Protocol):
+    """``stage(batch)`` puts ``advantages`` (and whatever else its update reads) in a batch
+    that has its log-probs, and returns its metrics, reduced over the ranks (they replace the
+    rollout metrics of the same name)."""
+
+    def __call__(self, batch: Batch) -> dict[str, float]: ...
+
+
+# -- stages
+
+
+class LocalGroups:
+    """The sample stage of the synchronous recipes: every rank samples its prompts' groups
+    with ``model`` and scores them with ``rewards`` (see the module docs). Its state is the
+    collection round.
+
+    Example::
+
+        sample = LocalGroups(model, tokenizer, stream, rewards, ctx, settings)
+        rollouts = sample(0)  # rollouts.groups: this rank's prompts_per_step / dp groups
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        prompts: PromptStream,
+        rewards: RewardSet,
+        ctx: DistributedContext,
+        settings: RolloutSettings,
+    ) -> None:
+        self.tokenizer, self.prompts, self.rewards = tokenizer, prompts, rewards
+        self.ctx, self.settings = ctx, settings
+        self.stop_token_ids = stop_token_ids(tokenizer, settings.generation.stop_tokens)
+        self.engine = LocalEngine(
+            model,
+            tokenizer,
+            pad_id=pad_id(tokenizer),
+            autocast_dtype=settings.autocast_dtype,
+            sync_ranks=ctx.world_size > 1,
+        )
+        self.round = 0  # collections so far (one or more per batch with dynamic sampling)
+
+    def __call__(self, batch_index: int) -> Rollouts:
+        dynamic = self.settings.dynamic_sampling
+        times = {"generate_s": 0.0, "reward_s": 0.0}
+        kept, spare, failures = [], [], {}
+        wanted, drawn, flat_groups = 0, 0, 0  # wanted: the first round's groups
+        for _ in range(1 + (self.settings.max_refills if dynamic else 0)):
+            groups = self.sample(times)
+            for key, count in self.score(groups, times).items():
+                failures[key] = failures.get(key, 0) + count
+            wanted = wanted or len(groups)
+            drawn += len(groups)
+            for g in groups:
+                flat = bool((g.rewards == g.rewards[0]).all())
+                flat_groups += int(flat)
+                (spare if dynamic and flat else kept).append(g)
+            if not dynamic or not _any_rank(wanted - len(kept) > 0, self.ctx):
+                break
+        kept += spare[: max(wanted - len(kept), 0)]  # refills ran out: zero-advantage groups
+        return Rollouts(
+            kept[:wanted],
+            failures,
+            drawn_groups=drawn,
+            flat_groups=flat_groups,
+            times=times,
+            epoch=self.prompts.epoch,
+        )
+
+    def sample(self, times: dict[str, float]) -> list[Group]:
+        """The groups of the stream's next prompts (one collection round)."""
+        prompts = self.prompts.next_prompts()
+        start = time.perf_counter()
+        s = self.settings
+        groups = sample_groups(
+            self._generate,
+            self.tokenizer,
+            prompts,
+            round=self.round,
+            group_size=s.group_size,
+            seed=s.seed,
+            chat_template=s.chat_template,
+        )
+        self.round += 1
+        times["generate_s"] += time.perf_counter() - start
+        times["generated_tokens"] = times.get("generated_tokens", 0) + sum(
+            len(c) for g in groups for c in g.completions
+        )
+        return groups
+
+    def score(self, groups: list[Group], times: dict[str, float]) -> dict[str, int]:
+        """Score ``groups`` (their ``rewards``); returns the reward failures."""
+        start = time.perf_counter()
+        failures = score_groups(self.rewards, groups)
+        times["reward_s"] += time.perf_counter() - start
+        return failures
+
+    def _generate(self, rows: list[list[int]], keys: list[int]) -> GenerationOutput:
+        """The policy's completions of ``rows``, through the engine every rollout decodes with
+        (the trained model itself here; every rank decodes the same number of steps)."""
+        return generate_with(self.engine, rows, keys, self.settings.generation, self.stop_token_ids)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.round}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round = int(state["round"])
+
+
+class PolicyLogprobs:
+    """The log-probs stage: ``old_logprobs`` (the policy now, in train mode as the update
+    will see it) and, with a ``reference``, ``ref_logprobs``, micro-batch by micro-batch;
+    :meth:`check` is the parity check.
+
+    Example::
+
+        logprobs = PolicyLogprobs(model, reference, ctx, settings)
+        logprobs(batch)  # batch["old_logprobs"], batch["ref_logprobs"]: [b, L]
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        reference: FrozenPolicy | None,
+        ctx: DistributedContext,
+        settings: RolloutSettings,
+    ) -> None:
+        self.policies = {"old_logprobs": FrozenPolicy(model)}
+        if reference is not None:
+            self.policies["ref_logprobs"] = reference
+        self.ctx, self.settings = ctx, settings
+
+    def __call__(self, batch: Batch) -> None:
+        s = self.settings
+        for key, policy in self.policies.items():
+            batch[key] = per_micro_batch(
+                _logprobs_under(policy, s), batch, s.micro_batch_size, self.ctx, s.autocast_dtype
+            )
+
+    def check(self, metrics: dict[str, float]) -> None:
+        """Raise :class:`LogprobMismatchError` when the rollout ``metrics`` show a larger
+        ``|delta|`` than ``max_logprob_mismatch``."""
+        limit, worst = self.settings.max_logprob_mismatch, metrics["logprob_mismatch_max"]
+        if limit is not None and worst > limit:
+            raise LogprobMismatchError(
+                f"the trainer's log-probs of the sampled tokens differ from the sampler's by up "
+                f"to {worst:.3g} (mean {metrics['logprob_mismatch_mean']:.3g}), "
+                f"above max_logprob_mismatch={limit}: the generator does not run the policy "
+                "being trained (different weights, dtype or sampling temperature?)"
+            )
+
+
+def _logprobs_under(
+    policy: Callable[[], Any], settings: RolloutSettings
+) -> Callable[[Batch], torch.Tensor]:
+    """The completion log-probs of a micro-batch under ``policy`` (a
+    :class:`~tunesmith.training.setup.FrozenPolicy`), at the sampling temperature."""
+
+    def logprobs(part: Batch) -> torch.Tensor:
+        with policy() as model:
+            return completion_logprobs(
+                model,
+                part,
+                temperature=settings.generation.temperature,
+                chunk_size=settings.chunk_size,
+            )
+
+    return logprobs
+
+
+class GroupAdvantages:
+    """The advantages stage of GRPO and its variants: ``estimator(rewards, group_size)``
+    (e.g. :class:`~tunesmith.rl.advantages.GroupNormalized`), one advantage per row (the
+    metrics' ``advantage_mean`` / ``advantage_std`` are theirs).
+
+    Example::
+
+        >>> from tunesmith.rl.advantages import LeaveOneOut
+        >>> batch = {"rewards": torch.tensor([1.0, 0.0, 2.0, 2.0])}  # two groups of two
+        >>> GroupAdvantages(LeaveOneOut(), group_size=2)(batch)
+        {}
+        >>> batch["advantages"]
+        tensor([ 1., -1.,  0.,  0.])
+    """
+
+    def __init__(
+        self, estimator: Callable[[torch.Tensor, int], torch.Tensor], group_size: int
+    ) -> None:
+        self.estimator, self.group_size = estimator, int(group_size)
+
+    def __call__(self, batch: Batch) -> dict[str, float]:
+        batch["advantages"] = self.estimator(batch["rewards"], self.group_size).float()
+        return {}
+
+
+# -- the source
 
 
 class RolloutSource:
-    """Batches generated by ``model`` from ``prompts``, scored by ``rewards`` (see the module
-    docs). ``reference`` (a :class:`~tunesmith.training.setup.FrozenPolicy`) adds
-    ``ref_logprobs`` to the batch; ``importance_cap`` adds the truncated importance weights'
-    inputs (the sampler's log-probs are always in the batch as ``sampling_logprobs``)."""
+    """Batches generated by ``model`` from ``prompts`` (see the module docs), stage by stage:
+    ``sample`` (default: :class:`LocalGroups` of ``model`` scored by ``rewards``), the rows,
+    :class:`PolicyLogprobs` (``reference``, a :class:`~tunesmith.training.setup.FrozenPolicy`,
+    adds ``ref_logprobs``), ``advantages``, the metrics and micro-batches. The sampler's
+    log-probs are always in the batch as ``sampling_logprobs``."""
 
     def __init__(
-        self, *, model: nn.Module, tokenizer: Any, prompts: PromptStream, rewards: RewardSet,
-        advantage: Callable[[torch.Tensor, int], torch.Tensor], group_size: int,
-        ctx: DistributedContext, generation: GenerationConfig | None = None,
-        micro_batch_size: int = 8, updates_per_batch: int = 1,
-        reference: FrozenPolicy | None = None, dynamic_sampling: bool = False,
-        max_refills: int = 4, overlong_filter: bool = False,
-        max_logprob_mismatch: float | None = None, mixed_precision: str | None = None,
-        chat_template: bool = True, seed: int = 0, chunk_size: int = 1024,
-        samples_file: str | Path | None = None, log_samples_every: int = 0,
-    ) -> None:  # fmt: skip
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        self.model, self.tokenizer, self.prompts, self.rewards = model, tokenizer, prompts, rewards
-        self.advantage, self.group_size, self.ctx = advantage, int(group_size), ctx
-        self.generation = generation or GenerationConfig()
-        self.micro_batch_size, self.updates_per_batch = (
-            int(micro_batch_size),
-            int(updates_per_batch),
-        )
-        self.reference, self.dynamic_sampling = reference, bool(dynamic_sampling)
-        self.max_refills, self.overlong_filter = int(max_refills), bool(overlong_filter)
-        self.max_logprob_mismatch = max_logprob_mismatch
-        self.autocast_dtype = AUTOCAST[mixed_precision]
-        self.chat_template, self.seed, self.chunk_size = chat_template, int(seed), int(chunk_size)
-        self.samples_file = Path(samples_file) if samples_file else None
-        self.log_samples_every = int(log_samples_every)
-        self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-        self.stop_token_ids = stop_token_ids(tokenizer, self.generation.stop_tokens)
-        self.engine = LocalEngine(model, tokenizer, pad_id=self.pad_id,
-                                  autocast_dtype=self.autocast_dtype,
-                                  sync_ranks=ctx.world_size > 1)  # fmt: skip
+        self,
+        *,
+        model: nn.Module,
+        tokenizer: Any,
+        prompts: PromptStream,
+        ctx: DistributedContext,
+        settings: RolloutSettings,
+        advantages: AdvantageStage,
+        rewards: RewardSet | None = None,
+        reference: FrozenPolicy | None = None,
+        sample: SampleStage | None = None,
+    ) -> None:
+        if sample is None:
+            if rewards is None:
+                raise ValueError("RolloutSource: rewards= scores the groups it samples")
+            sample = LocalGroups(model, tokenizer, prompts, rewards, ctx, settings)
+        self.model, self.tokenizer, self.prompts, self.ctx = model, tokenizer, prompts, ctx
+        self.settings, self.pad_id = settings, pad_id(tokenizer)
+        # the ids that end a completion: what an evaluator decoding as the source does stops at
+        self.stop_token_ids = stop_token_ids(tokenizer, settings.generation.stop_tokens)
+        self.sample: SampleStage = sample
+        self.logprobs = PolicyLogprobs(model, reference, ctx, settings)
+        self.advantages = advantages
         self.epoch = 0  # kept in step with the prompt stream
-        self.round = 0  # collections so far (one or more per batch with dynamic sampling)
         self.batches = 0
+        self.updates_left = 0
         self._batch: Batch | None = None
-        self._updates_left = 0
         self._metrics: dict[str, float] = {}
 
     # -- BatchSource
@@ -145,12 +434,12 @@ class RolloutSource:
         """The micro-batches of the next optimizer step (collecting a new batch when the
         current one has had its ``updates_per_batch`` steps)."""
         self._metrics = {}
-        if self._batch is None or self._updates_left == 0:
+        if self._batch is None or self.updates_left == 0:
             self._batch = self._collect()
-            self._updates_left = self.updates_per_batch
+            self.updates_left = self.settings.updates_per_batch
             self.batches += 1
-        self._updates_left -= 1
-        return micro_batches(self._batch, self.micro_batch_size)
+        self.updates_left -= 1
+        return micro_batches(self._batch, self.settings.micro_batch_size)
 
     def step_metrics(self) -> dict[str, float]:
         """The metrics of the collection the last step made (empty when it made none)."""
@@ -158,198 +447,115 @@ class RolloutSource:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "prompts": self.prompts.state_dict(), "round": self.round, "batches": self.batches,
-            "updates_left": self._updates_left,
+            "prompts": self.prompts.state_dict(), **self.sample.state_dict(),
+            "batches": self.batches, "updates_left": self.updates_left,
             "batch": None if self._batch is None else {k: v.cpu() for k, v in self._batch.items()},
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state["prompts"])
         self.epoch = self.prompts.epoch
-        self.round, self.batches = int(state["round"]), int(state["batches"])
-        self._updates_left = int(state["updates_left"])
+        self.batches, self.updates_left = int(state["batches"]), int(state["updates_left"])
         self._batch = state["batch"]
+        self.sample.load_state_dict(state)
 
-    # -- one collection
+    # -- one collection: the stages in order
 
     @torch.no_grad()
     def _collect(self) -> Batch:
-        ctx, groups_wanted = self.ctx, None
-        times = {"generate_s": 0.0, "reward_s": 0.0, "logprobs_s": 0.0}
-        kept, spare = _Collected(), _Collected()
-        zero_variance = drawn_groups = 0
-        for _ in range(1 + (self.max_refills if self.dynamic_sampling else 0)):
-            got = self._generate_and_score(times)
-            groups_wanted = groups_wanted or len(got.prompts)
-            drawn_groups += len(got.prompts)
-            for key, count in got.failures.items():
-                kept.failures[key] = kept.failures.get(key, 0) + count
-            for g, rewards in enumerate(got.rewards):
-                flat = bool((rewards == rewards[0]).all())
-                zero_variance += int(flat)
-                _append_group(spare if (self.dynamic_sampling and flat) else kept, got, g)
-            short = groups_wanted - len(kept.prompts)
-            if not self.dynamic_sampling or not _any_rank(short > 0, ctx):
-                break
-        for g in range(len(spare.prompts)):  # refills ran out: zero-advantage groups fill up
-            if len(kept.prompts) >= groups_wanted:
-                break
-            _append_group(kept, spare, g)
-        _truncate(kept, groups_wanted)  # a refill may bring more groups than needed
-        batch = self._to_batch(kept)
-        start = time.perf_counter()
-        self._trainer_and_reference_logprobs(batch)
-        times["logprobs_s"] = time.perf_counter() - start
-        self._metrics = self._reduce_metrics(kept, batch, times, zero_variance, drawn_groups)
-        self._metrics |= self._finish_batch(batch)
-        self._maybe_log_samples(kept)
-        return batch
-
-    def _finish_batch(self, batch: Batch) -> dict[str, float]:
-        """A subclass's last stage of a collection, after the log-probs (PPO: the critic's
-        values and GAE, :mod:`tunesmith.rl.ppo.trainer`); returns its metrics, already reduced over
-        the ranks (they replace the base's of the same name). Nothing here."""
-        return {}
-
-    def _generate_and_score(self, times: dict[str, float]) -> _Collected:
-        prompts = self.prompts.next_prompts()
-        self.epoch = self.prompts.epoch
-        start = time.perf_counter()
-        groups = sample_groups(
-            self._generate, self.tokenizer, prompts, round=self.round,
-            group_size=self.group_size, seed=self.seed, chat_template=self.chat_template,
-        )  # fmt: skip
-        self.round += 1
-        times["generate_s"] += time.perf_counter() - start
-        times["generated_tokens"] = times.get("generated_tokens", 0) + sum(
-            len(c) for g in groups for c in g.completions
+        rollouts = self.sample(self.batches)
+        self.epoch = rollouts.epoch
+        batch = group_batch(
+            rollouts.groups,
+            self.pad_id,
+            version=rollouts.version,
+            overlong_filter=self.settings.overlong_filter,
         )
         start = time.perf_counter()
-        failures = score_groups(self.rewards, groups)
-        times["reward_s"] += time.perf_counter() - start
-        return _Collected.of(groups, failures)
+        self.logprobs(batch)
+        times = rollouts.times | {"logprobs_s": time.perf_counter() - start}
+        advantage_metrics = self.advantages(batch)
+        metrics = rollout_metrics(rollouts, batch, times, self.ctx)
+        self.logprobs.check(metrics)
+        self._metrics = metrics | rollouts.metrics | advantage_metrics
+        self._log_samples(rollouts.groups)
+        return batch
 
-    def _generate(self, rows: list[list[int]], keys: list[int]) -> GenerationOutput:
-        """The policy's completions of ``rows``, through the engine every rollout decodes with
-        (the trained model itself here; every rank decodes the same number of steps)."""
-        return generate_with(self.engine, rows, keys, self.generation, self.stop_token_ids)
-
-    def _to_batch(self, got: _Collected) -> Batch:
-        rewards = torch.cat(got.rewards).float()
-        advantages = self.advantage(rewards, self.group_size).float()
-        completions = got.completions
-        if self.overlong_filter:  # truncated completions are not trained on
-            completions = [c if f == "stop" else [] for c, f in zip(completions, got.finish)]
-        logprobs = [lp if f == "stop" or not self.overlong_filter else []
-                    for lp, f in zip(got.logprobs, got.finish)]  # fmt: skip
-        return rollout_batch(
-            got.prompt_ids, completions, self.pad_id,
-            per_token={"sampling_logprobs": logprobs},
-            per_row={"advantages": advantages, "rewards": rewards,
-                     "stopped": torch.tensor([float(f == "stop") for f in got.finish])},
-        )  # fmt: skip
-
-    def _trainer_and_reference_logprobs(self, batch: Batch) -> None:
-        """``old_logprobs`` (the policy now, in train mode as the update will see it) and,
-        with a reference, ``ref_logprobs``; micro-batch by micro-batch (on every rank the same
-        number of forwards: a sharded model needs each on all ranks)."""
-        models: list[tuple[str, Callable[[], Any]]] = [("old_logprobs", _no_grad(self.model))]
-        if self.reference is not None:
-            models.append(("ref_logprobs", self.reference))
-        temperature = self.generation.temperature
-        for key, context in models:
-            parts = []
-            for start in range(0, batch["input_ids"].shape[0], self.micro_batch_size):
-                part = {k: v[start : start + self.micro_batch_size].to(self.ctx.device)
-                        for k, v in batch.items()}  # fmt: skip
-                with (
-                    context() as model,
-                    torch.autocast(
-                        self.ctx.device.type, self.autocast_dtype, enabled=bool(self.autocast_dtype)
-                    ),
-                ):
-                    parts.append(completion_logprobs(model, part, temperature=temperature,
-                                                     chunk_size=self.chunk_size).cpu())  # fmt: skip
-            batch[key] = torch.cat(parts)
-
-    # -- metrics and samples
-
-    def _reduce_metrics(
-        self, got: _Collected, batch: Batch, times: dict[str, float], zero_variance: int,
-        drawn_groups: int,
-    ) -> dict[str, float]:  # fmt: skip
-        """This collection's metrics over all data-parallel ranks (one all-reduce of sums, one
-        of maxima)."""
-        mask = batch["labels"] != -100
-        if "policy_lag" in batch:  # asynchronous: only what the current policy sampled compares
-            mask = mask & (batch["policy_lag"] == 0)[:, None]
-        delta = (batch["old_logprobs"] - batch["sampling_logprobs"]).abs() * mask
-        rewards = batch["rewards"]
-        lengths = torch.tensor([len(c) for c in got.completions], dtype=torch.float64)
-        names = sorted(got.per_reward)
-        sums = {
-            "samples": float(len(rewards)), "reward_sum": float(rewards.sum()),
-            "reward_sq": float((rewards.double() ** 2).sum()),
-            "length_sum": float(lengths.sum()), "stopped": float(sum(f == "stop" for f in got.finish)),
-            "tokens": float(mask.sum()), "delta_sum": float(delta.sum()),
-            "kl_sum": float(((batch["sampling_logprobs"] - batch["old_logprobs"]) * mask).sum()),
-            "zero_variance": float(zero_variance), "groups": float(drawn_groups),
-            "adv_sum": float(batch["advantages"].sum()),
-            "adv_sq": float((batch["advantages"].double() ** 2).sum()),
-            "failures": float(sum(got.failures.values())),
-            **{f"r/{k}": float(torch.cat(got.per_reward[k]).sum()) for k in names},
-            **{f"t/{k}": v for k, v in times.items()},
-        }  # fmt: skip
-        maxima = {"delta_max": float(delta.max()) if mask.any() else 0.0,
-                  "length_max": float(lengths.max()) if len(lengths) else 0.0}  # fmt: skip
-        sums = _all_reduce(sums, self.ctx, dist.ReduceOp.SUM)
-        maxima = _all_reduce(maxima, self.ctx, dist.ReduceOp.MAX)
-        n, tokens = max(sums["samples"], 1.0), max(sums["tokens"], 1.0)
-        mean = sums["reward_sum"] / n
-        adv_mean = sums["adv_sum"] / n
-        metrics = {
-            "reward": mean, "reward_std": math.sqrt(max(sums["reward_sq"] / n - mean**2, 0.0)),
-            **{f"reward/{k}": sums[f"r/{k}"] / n for k in names},
-            "reward_failures": sums["failures"],
-            "completion_length": sums["length_sum"] / n, "completion_length_max": maxima["length_max"],
-            "stopped_fraction": sums["stopped"] / n,
-            "zero_variance_groups": sums["zero_variance"] / max(sums["groups"], 1.0),
-            "advantage_mean": adv_mean,
-            "advantage_std": math.sqrt(max(sums["adv_sq"] / n - adv_mean**2, 0.0)),
-            "logprob_mismatch_mean": sums["delta_sum"] / tokens,
-            "logprob_mismatch_max": maxima["delta_max"],
-            "logprob_mismatch_kl": sums["kl_sum"] / tokens,
-            "generate_s": sums["t/generate_s"] / self.ctx.dp_size,
-            "reward_s": sums["t/reward_s"] / self.ctx.dp_size,
-            "logprobs_s": sums["t/logprobs_s"] / self.ctx.dp_size,
-            "generated_tokens_per_s": sums["t/generated_tokens"]
-            / max(sums["t/generate_s"] / self.ctx.dp_size, 1e-9),
-            "rollout_samples": sums["samples"],
-        }  # fmt: skip
-        limit = self.max_logprob_mismatch
-        if limit is not None and maxima["delta_max"] > limit:
-            raise LogprobMismatchError(
-                f"the trainer's log-probs of the sampled tokens differ from the sampler's by up "
-                f"to {maxima['delta_max']:.3g} (mean {metrics['logprob_mismatch_mean']:.3g}), "
-                f"above max_logprob_mismatch={limit}: the generator does not run the policy "
-                "being trained (different weights, dtype or sampling temperature?)"
-            )
-        return metrics
-
-    def _maybe_log_samples(self, got: _Collected) -> None:
-        if not (self.samples_file and self.log_samples_every and self.ctx.is_rank_zero):
+    def _log_samples(self, groups: Sequence[Group]) -> None:
+        """Every ``log_samples_every`` batches, rank 0's first group to ``samples_file``."""
+        s = self.settings
+        if not (s.samples_file and s.log_samples_every and self.ctx.is_rank_zero):
             return
-        if self.batches % self.log_samples_every:
+        if self.batches % s.log_samples_every:
             return
-        n = self.group_size
+        first = groups[0]
         record = {
-            "batch": self.batches + 1, "prompt": got.prompt_texts[0],
-            "answer": _plain(got.prompts[0].answer),
-            "completions": got.texts[:n], "rewards": got.rewards[0].tolist(),
+            "batch": self.batches + 1, "prompt": first.prompt_text,
+            "answer": _plain(first.prompt.answer),
+            "completions": first.texts[: s.group_size], "rewards": first.rewards.tolist(),
         }  # fmt: skip
-        self.samples_file.parent.mkdir(parents=True, exist_ok=True)
-        with open_no_follow(self.samples_file, "a") as f:  # a planted link: refused
+        path = Path(s.samples_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open_no_follow(path, "a") as f:  # a planted link: refused
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+# -- metrics
+
+
+def rollout_metrics(
+    rollouts: Rollouts, batch: Batch, times: dict[str, float], ctx: DistributedContext
+) -> dict[str, float]:
+    """A collection's metrics over all data-parallel ranks (one all-reduce of sums, one of
+    maxima): rewards, lengths, the share of groups with all-equal rewards, the advantages
+    (per row), the log-prob parity (``logprob_mismatch_*``) and the stages' times."""
+    mask = batch["labels"] != -100
+    if "policy_lag" in batch:  # asynchronous: only what the current policy sampled compares
+        mask = mask & (batch["policy_lag"] == 0)[:, None]
+    delta = (batch["old_logprobs"] - batch["sampling_logprobs"]).abs() * mask
+    groups, rewards = rollouts.groups, batch["rewards"]
+    lengths = torch.tensor([len(c) for g in groups for c in g.completions], dtype=torch.float64)
+    names = sorted({k for g in groups for k in g.per_reward})
+    per_reward = {
+        k: torch.cat([g.per_reward[k] for g in groups if k in g.per_reward]) for k in names
+    }
+    sums = {
+        "samples": float(len(rewards)), "reward_sum": float(rewards.sum()),
+        "reward_sq": float((rewards.double() ** 2).sum()), "length_sum": float(lengths.sum()),
+        "stopped": float(sum(f == "stop" for g in groups for f in g.finish)),
+        "tokens": float(mask.sum()), "delta_sum": float(delta.sum()),
+        "kl_sum": float(((batch["sampling_logprobs"] - batch["old_logprobs"]) * mask).sum()),
+        "zero_variance": float(rollouts.flat_groups), "groups": float(rollouts.drawn_groups),
+        "adv_sum": float(batch["advantages"].sum()),
+        "adv_sq": float((batch["advantages"].double() ** 2).sum()),
+        "failures": float(sum(rollouts.failures.values())),
+        **{f"r/{k}": float(per_reward[k].sum()) for k in names},
+        **{f"t/{k}": v for k, v in times.items()},
+    }  # fmt: skip
+    maxima = {"delta_max": float(delta.max()) if mask.any() else 0.0,
+              "length_max": float(lengths.max()) if len(lengths) else 0.0}  # fmt: skip
+    sums = _all_reduce(sums, ctx, dist.ReduceOp.SUM)
+    maxima = _all_reduce(maxima, ctx, dist.ReduceOp.MAX)
+    n, tokens, ranks = max(sums["samples"], 1.0), max(sums["tokens"], 1.0), ctx.dp_size
+    mean, adv_mean = sums["reward_sum"] / n, sums["adv_sum"] / n
+    return {
+        "reward": mean, "reward_std": math.sqrt(max(sums["reward_sq"] / n - mean**2, 0.0)),
+        **{f"reward/{k}": sums[f"r/{k}"] / n for k in names},
+        "reward_failures": sums["failures"],
+        "completion_length": sums["length_sum"] / n, "completion_length_max": maxima["length_max"],
+        "stopped_fraction": sums["stopped"] / n,
+        "zero_variance_groups": sums["zero_variance"] / max(sums["groups"], 1.0),
+        "advantage_mean": adv_mean,
+        "advantage_std": math.sqrt(max(sums["adv_sq"] / n - adv_mean**2, 0.0)),
+        "logprob_mismatch_mean": sums["delta_sum"] / tokens,
+        "logprob_mismatch_max": maxima["delta_max"],
+        "logprob_mismatch_kl": sums["kl_sum"] / tokens,
+        "generate_s": sums["t/generate_s"] / ranks, "reward_s": sums["t/reward_s"] / ranks,
+        "logprobs_s": sums["t/logprobs_s"] / ranks,
+        "generated_tokens_per_s": sums["t/generated_tokens"]
+        / max(sums["t/generate_s"] / ranks, 1e-9),
+        "rollout_samples": sums["samples"],
+    }  # fmt: skip
 
 
 # -- helpers
@@ -364,10 +570,6 @@ def stop_token_ids(tokenizer: Any, stop_tokens: Sequence[str]) -> list[int]:
             raise ValueError(f"generation.stop_tokens: {token!r} is not a token of the tokenizer")
         ids.append(token_id)
     return sorted(set(ids))
-
-
-def _no_grad(model: nn.Module) -> Callable[[], Any]:
-    return FrozenPolicy(model)
 
 
 def _any_rank(flag: bool, ctx: DistributedContext) -> bool:
@@ -385,26 +587,6 @@ def _all_reduce(values: dict[str, float], ctx: DistributedContext, op: Any) -> d
     tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(tensor, op=op, group=ctx.dp_group)
     return dict(zip(keys, tensor.tolist()))
-
-
-def _append_group(target: _Collected, source: _Collected, g: int) -> None:
-    n = len(source.prompt_ids) // len(source.prompts)
-    rows = slice(g * n, (g + 1) * n)
-    target.prompts.append(source.prompts[g])
-    for name in ("prompt_ids", "prompt_texts", "completions", "logprobs", "finish", "texts"):
-        getattr(target, name).extend(getattr(source, name)[rows])
-    target.rewards.append(source.rewards[g])
-    for key, groups in source.per_reward.items():
-        target.per_reward.setdefault(key, []).append(groups[g])
-
-
-def _truncate(got: _Collected, groups: int) -> None:
-    n = len(got.prompt_ids) // len(got.prompts)
-    got.prompts = got.prompts[:groups]
-    for name in ("prompt_ids", "prompt_texts", "completions", "logprobs", "finish", "texts"):
-        setattr(got, name, getattr(got, name)[: groups * n])
-    got.rewards = got.rewards[:groups]
-    got.per_reward = {k: v[:groups] for k, v in got.per_reward.items()}
 
 
 def _plain(value: Any) -> Any:

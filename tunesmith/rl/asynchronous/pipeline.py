@@ -41,8 +41,8 @@ not ``max_staleness`` versions; refills may take the buffer past ``buffer_size``
 
 Example::
 
-    pipeline = RolloutPipeline(config, stream, workers=worker_settings(cfg), mode="overlap",
-                               total_batches=10)
+    pipeline = RolloutPipeline(PipelineSettings.from_config(config), stream,
+                               workers=worker_settings(cfg), mode="overlap", total_batches=10)
     pipeline.start()  # starts Ray (or joins ray.address) and the rollout / reward workers
     groups, metrics = pipeline.next_batch(0, version=0)
     # -> batch 0's groups, sampled by policy version 0, and metrics such as
@@ -61,7 +61,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,8 @@ from tunesmith.rl.groups import Group
 from tunesmith.rl.prompts import Prompt, PromptStream
 
 __all__ = [
-    "ALLOW_RUNTIME_ENV_ENV", "CONNECT_TIMEOUT_S", "MODES", "RAY_KEYS", "RolloutPipeline",
+    "ALLOW_RUNTIME_ENV_ENV", "CONNECT_TIMEOUT_S", "MODES", "RAY_KEYS", "PipelineSettings",
+    "RolloutPipeline", "WorkerResources",
     "actor_cause", "check_runtime_env", "dynamic_selection", "init_ray", "lead_versions",
     "ray_address_problem", "require_ray", "runtime_env", "runtime_env_allowed",
     "runtime_env_problem", "section_runtime_env_problem",
@@ -180,8 +181,10 @@ def ray_address_problem(address: Any) -> str | None:
         return None
     if isinstance(address, str) and _host_port(address) is not None:
         return None
-    return (f"expected null, 'auto' or HOST:PORT (e.g. 10.0.0.5:6379, ray://head:10001), "
-            f"got {address!r}")  # fmt: skip
+    return (
+        f"expected null, 'auto' or HOST:PORT (e.g. 10.0.0.5:6379, ray://head:10001), "
+        f"got {address!r}"
+    )
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
@@ -376,9 +379,11 @@ def runtime_env_problem(value: Any) -> str | None:
     if key == "env_vars" and isinstance(inner, dict) and inner:
         where += f".{next(iter(inner))}"
     what = _RUNS.get(key, "is part of a Ray runtime environment")
-    return (f"{where}: a Ray runtime environment runs code: {key} {what}; pass "
-            f"--allow-runtime-env (or --allow-any-component; {ALLOW_RUNTIME_ENV_ENV}=1) "
-            "to use it")  # fmt: skip
+    return (
+        f"{where}: a Ray runtime environment runs code: {key} {what}; pass "
+        f"--allow-runtime-env (or --allow-any-component; {ALLOW_RUNTIME_ENV_ENV}=1) "
+        "to use it"
+    )
 
 
 def section_runtime_env_problem(section: Mapping[str, Any]) -> str | None:
@@ -431,7 +436,7 @@ def dynamic_selection(
     flat: Sequence[bool], per_round: int, shares: int = 1
 ) -> tuple[list[int], bool]:
     """Dynamic sampling's choice among the groups drawn for one batch (the synchronous rule,
-    :meth:`tunesmith.rl.source.RolloutSource._collect`): ``flat[i]`` says whether group ``i``
+    :class:`tunesmith.rl.source.LocalGroups`): ``flat[i]`` says whether group ``i``
     has all-equal rewards, the groups being rounds of ``per_round``, one after the other. Each
     of ``shares`` (data-parallel ranks) takes its contiguous slice of every round: the groups
     with a signal in draw order, then flat ones to fill up, cut at ``per_round // shares``.
@@ -452,8 +457,11 @@ def dynamic_selection(
         )
     per_share, chosen, short = per_round // shares, [], False
     for share in range(shares):
-        mine = [start + share * per_share + i
-                for start in range(0, len(flat), per_round) for i in range(per_share)]  # fmt: skip
+        mine = [
+            start + share * per_share + i
+            for start in range(0, len(flat), per_round)
+            for i in range(per_share)
+        ]
         kept = [i for i in mine if not flat[i]]
         short = short or len(kept) < per_share
         chosen += (kept + [i for i in mine if flat[i]])[:per_share]
@@ -482,26 +490,99 @@ def _chunk_from_state(item: Sequence[Any], prompts: Mapping[int, Prompt]) -> _Ch
     )
 
 
+@dataclass(frozen=True)
+class WorkerResources:
+    """One role's Ray workers (the ``rollout`` or ``reward_workers`` section): how many, what
+    each reserves, and the ``runtime_env`` the config gives them (checked when they start).
+
+    >>> WorkerResources.of({"workers": 2, "num_gpus": 1})
+    WorkerResources(workers=2, num_cpus=1.0, num_gpus=1.0, runtime_env=None)
+    """
+
+    workers: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    runtime_env: Mapping[str, Any] | None = None
+
+    @classmethod
+    def of(cls, section: Mapping[str, Any] | None) -> WorkerResources:
+        """The resources a config section asks for (absent keys: the defaults)."""
+        given = {k: v for k, v in dict(section or {}).items() if v is not None}
+        default = cls()
+        return cls(
+            workers=int(given.get("workers", default.workers)),
+            num_cpus=float(given.get("num_cpus", default.num_cpus)),
+            num_gpus=float(given.get("num_gpus", default.num_gpus)),
+            runtime_env=_plain(given.get("runtime_env")) or None,
+        )
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """What the pipeline reads of the run, once (:meth:`from_config`): its two roles'
+    resources, Ray's options (:data:`RAY_KEYS`), and how weights reach the rollout workers.
+
+    >>> settings = PipelineSettings.from_config({"rollout": {"weight_sync": "collective"}})
+    >>> settings.weight_sync, settings.collective_backend, settings.reward.workers
+    ('collective', 'gloo', 1)
+    """
+
+    rollout: WorkerResources = WorkerResources()
+    reward: WorkerResources = WorkerResources()
+    ray: Mapping[str, Any] = field(default_factory=dict)
+    weight_sync: str = "object_store"
+    weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S
+    collective_backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        if self.weight_sync not in SYNC_MODES:
+            raise ValueError(
+                f"rollout.weight_sync must be one of {list(SYNC_MODES)}, got {self.weight_sync!r}"
+            )
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> PipelineSettings:
+        """The settings of a run's config (a plain, resolved mapping): its ``rollout``,
+        ``reward_workers`` and ``ray`` sections, and ``device`` for the collective's backend."""
+        rollout = dict(config.get("rollout") or {})
+        return cls(
+            rollout=WorkerResources.of(rollout),
+            reward=WorkerResources.of(config.get("reward_workers")),
+            ray={k: v for k, v in dict(config.get("ray") or {}).items() if k in RAY_KEYS},
+            weight_sync=str(rollout.get("weight_sync") or "object_store"),
+            weight_sync_timeout_s=float(rollout.get("weight_sync_timeout_s") or DEFAULT_TIMEOUT_S),
+            collective_backend=collective_backend(config),
+        )
+
+
 class RolloutPipeline:
     """Rollout and reward workers feeding a replay buffer (see the module docs).
 
+    ``settings`` are the pipeline's own (worker counts and resources, Ray, weight sync);
     ``workers`` is what every rollout and reward worker is sent (its settings and the config
-    sections it builds the policy, tokenizer, rewards and reference from); ``config`` the run's
-    config as a plain dict, for the pipeline's own sections; ``prompts`` the whole prompt
-    stream (every data-parallel rank's share). Worker counts and resources come from
-    ``config["rollout"]``, ``config["reward_workers"]`` and ``config["ray"]``;
-    ``dynamic_sampling`` and ``max_refills`` turn on refills (see the module docs) for
-    ``shares`` data-parallel ranks.
+    sections it builds the policy, tokenizer, rewards and reference from); ``prompts`` the whole
+    prompt stream (every data-parallel rank's share); ``dynamic_sampling`` and ``max_refills``
+    turn on refills (see the module docs) for ``shares`` data-parallel ranks.
     """
 
     def __init__(
-        self, config: Mapping[str, Any], prompts: PromptStream, *, workers: WorkerSettings,
-        mode: str = "sync", max_staleness: int = 0, updates_per_batch: int = 1,
-        total_batches: int, capacity: int | None = None, max_restarts: int = 3,
-        initial_version: int = 0, shares: int = 1, dynamic_sampling: bool = False,
+        self,
+        settings: PipelineSettings,
+        prompts: PromptStream,
+        *,
+        workers: WorkerSettings,
+        mode: str = "sync",
+        max_staleness: int = 0,
+        updates_per_batch: int = 1,
+        total_batches: int,
+        capacity: int | None = None,
+        max_restarts: int = 3,
+        initial_version: int = 0,
+        shares: int = 1,
+        dynamic_sampling: bool = False,
         max_refills: int = 4,
-    ) -> None:  # fmt: skip
-        self.config, self.workers = dict(config), workers
+    ) -> None:
+        self.settings, self.workers = settings, workers
         self.stream, self.mode = prompts, mode
         self.updates_per_batch = int(updates_per_batch)
         self.lead = lead_versions(mode, int(max_staleness), self.updates_per_batch)
@@ -516,12 +597,7 @@ class RolloutPipeline:
                 f"{per_step} groups (prompts_per_step): set buffer_size >= {per_step}"
             )
         self.buffer = ReplayBuffer(max_staleness=self.lead, capacity=self.capacity)
-        rollout = dict(config.get("rollout") or {})
-        reward = dict(config.get("reward_workers") or {})
-        self.n_rollout, self.n_reward = (
-            int(rollout.get("workers", 1)),
-            int(reward.get("workers", 1)),
-        )
+        self.n_rollout, self.n_reward = settings.rollout.workers, settings.reward.workers
         self.depth, self.max_restarts = depth, int(max_restarts)
         self.published = int(initial_version)  # the policy version the workers were sent last
         self.next_draw = 0  # the next batch to draw prompts for
@@ -546,11 +622,7 @@ class RolloutPipeline:
         self.failures: dict[str, int] = {}
         self.busy = {"rollout_s": 0.0, "reward_s": 0.0}
         self.worker_tokens = [[0.0, 0.0] for _ in range(self.n_rollout)]  # tokens, seconds
-        self.weight_sync = str(rollout.get("weight_sync") or "object_store")
-        if self.weight_sync not in SYNC_MODES:
-            raise ValueError(
-                f"rollout.weight_sync must be one of {list(SYNC_MODES)}, got {self.weight_sync!r}"
-            )
+        self.weight_sync = settings.weight_sync
         self._sync: ObjectStoreSync | CollectiveSync | None = None  # made at the first publish
         self._next_reward = 0
         self._ray: Any = None
@@ -564,14 +636,15 @@ class RolloutPipeline:
         """Start Ray (in this process, or join ``ray.address``) and the workers."""
         ray = self._ray = require_ray()
         if not ray.is_initialized():
-            init_ray(ray, dict(self.config.get("ray") or {}))
+            init_ray(ray, self.settings.ray)
             self._owns_ray = True  # a joined cluster: disconnect at the end
-        rollout = dict(self.config.get("rollout") or {})
-        reward = dict(self.config.get("reward_workers") or {})
-        self.rollout_workers = [self._actor(RolloutWorker, rollout, "rollout")
-                                for _ in range(self.n_rollout)]  # fmt: skip
-        self.reward_workers = [self._actor(RewardWorker, reward, "reward_workers")
-                               for _ in range(self.n_reward)]  # fmt: skip
+        rollout, reward = self.settings.rollout, self.settings.reward
+        self.rollout_workers = [
+            self._actor(RolloutWorker, rollout, "rollout") for _ in range(self.n_rollout)
+        ]
+        self.reward_workers = [
+            self._actor(RewardWorker, reward, "reward_workers") for _ in range(self.n_reward)
+        ]
         built = [("rollout", w.pid.remote()) for w in self.rollout_workers]
         built += [("reward", w.pid.remote()) for w in self.reward_workers]
         self.pids = {"rollout": [], "reward": []}
@@ -584,14 +657,17 @@ class RolloutPipeline:
                     f"a {role} worker could not start: {actor_cause(error)}"
                 ) from error
 
-    def _actor(self, role: type, resources: Mapping[str, Any], section: str) -> Any:
-        cpus = float(resources.get("num_cpus", 1))
+    def _actor(self, role: type, resources: WorkerResources, section: str) -> Any:
         actor = self._ray.remote(
-            num_cpus=cpus, num_gpus=float(resources.get("num_gpus", 0)),
-            max_restarts=-1, max_task_retries=0, runtime_env=runtime_env(resources, section),
-        )(role)  # fmt: skip
+            num_cpus=resources.num_cpus,
+            num_gpus=resources.num_gpus,
+            max_restarts=-1,
+            max_task_retries=0,
+            runtime_env=runtime_env({"runtime_env": resources.runtime_env}, section),
+        )(role)
         # relative paths of the config mean what they mean here
-        return actor.remote(self.workers, threads=max(1, int(cpus)), cwd=os.getcwd())
+        threads = max(1, int(resources.num_cpus))
+        return actor.remote(self.workers, threads=threads, cwd=os.getcwd())
 
     def worker_pids(self) -> dict[str, list[int]]:
         """The process ids of the rollout and reward workers."""
@@ -616,7 +692,7 @@ class RolloutPipeline:
     @property
     def sync_on_device(self) -> bool:
         """Whether the published tensors stay on the trainer's GPU (``collective`` over NCCL)."""
-        return self.weight_sync == "collective" and collective_backend(self.config) == "nccl"
+        return self.weight_sync == "collective" and self.settings.collective_backend == "nccl"
 
     def publish(self, named: Mapping[str, torch.Tensor], version: int) -> None:
         """Send the policy of ``version`` (its trainable tensors by name) to every rollout
@@ -629,12 +705,12 @@ class RolloutPipeline:
     def _weight_sync(self) -> ObjectStoreSync | CollectiveSync:
         if self._sync is None:
             if self.weight_sync == "collective":
-                rollout = dict(self.config.get("rollout") or {})
                 self._sync = CollectiveSync(
-                    self._ray, backend=collective_backend(self.config),
-                    timeout_s=float(rollout.get("weight_sync_timeout_s") or DEFAULT_TIMEOUT_S),
+                    self._ray,
+                    backend=self.settings.collective_backend,
+                    timeout_s=self.settings.weight_sync_timeout_s,
                     host=self._ray.util.get_node_ip_address(),
-                )  # fmt: skip
+                )
             else:
                 self._sync = ObjectStoreSync(self._ray)
         return self._sync
@@ -675,8 +751,10 @@ class RolloutPipeline:
         self._launch()  # sample ahead while the trainer trains on this batch
         stats = self.batch_stats.pop(batch, {})
         drawn = self.outcome.pop(batch, None) or {
-            "drawn_groups": float(len(groups)), "flat_groups": float(sum(map(_flat, groups))),
-            "refill_rounds": 0.0}  # fmt: skip
+            "drawn_groups": float(len(groups)),
+            "flat_groups": float(sum(map(_flat, groups))),
+            "refill_rounds": 0.0,
+        }
         behind = [version - g.version for g in groups]
         metrics = {
             "wait_s": time.perf_counter() - start,
@@ -869,12 +947,14 @@ class RolloutPipeline:
         self.stream.load_state_dict(state["stream"])
         self.next_draw = int(state["next_draw"])
         self.round = int(state.get("round", self.next_draw))  # before refills: one per batch
-        self.batch_ids = {int(k): [(int(r), int(i)) for r, i in ids]
-                          for k, ids in state["batch_ids"].items()}  # fmt: skip
+        self.batch_ids = {
+            int(k): [(int(r), int(i)) for r, i in ids] for k, ids in state["batch_ids"].items()
+        }
         self.open = None if state.get("open") is None else int(state["open"])
         self.refills = int(state.get("refills", 0))
-        self.outcome = {int(k): {n: float(v) for n, v in d.items()}
-                        for k, d in state.get("outcome", {}).items()}  # fmt: skip
+        self.outcome = {
+            int(k): {n: float(v) for n, v in d.items()} for k, d in state.get("outcome", {}).items()
+        }
         self.todo = deque(_chunk_from_state(item, prompts) for item in state["todo"])
         self.buffer.load_state_dict(state["buffer"], prompts)
         self.restarts, self.requeued = int(state["restarts"]), int(state["requeued"])

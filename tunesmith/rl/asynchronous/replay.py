@@ -144,10 +144,15 @@ _LISTS = ("prompt_ids", "completions", "logprobs", "finish", "texts")
 def group_state(group: Group) -> dict[str, Any]:
     """``group`` as plain data (tensors, lists, numbers, strings): the prompt by its index."""
     state: dict[str, Any] = {name: getattr(group, name) for name in _LISTS}
-    state |= {"prompt_index": group.prompt.index, "round": group.round,
-              "prompt_text": group.prompt_text, "version": group.version,
-              "rewards": group.rewards, "per_reward": dict(group.per_reward),
-              "ref_logprobs": group.ref_logprobs}  # fmt: skip
+    state |= {
+        "prompt_index": group.prompt.index,
+        "round": group.round,
+        "prompt_text": group.prompt_text,
+        "version": group.version,
+        "rewards": group.rewards,
+        "per_reward": dict(group.per_reward),
+        "ref_logprobs": group.ref_logprobs,
+    }
     return state
 
 
@@ -160,8 +165,12 @@ def group_from_state(state: Mapping[str, Any], prompts: Mapping[int, Prompt]) ->
         )
     rewards = state["rewards"]
     return Group(
-        prompt=prompts[index], round=int(state["round"]), prompt_text=state["prompt_text"],
-        **{name: list(state[name]) for name in _LISTS}, version=int(state["version"]),
+        prompt=prompts[index],
+        round=int(state["round"]),
+        prompt_text=state["prompt_text"],
+        **{name: list(state[name]) for name in _LISTS},
+        version=int(state["version"]),
         rewards=None if rewards is None else torch.as_tensor(rewards),
-        per_reward=dict(state["per_reward"]), ref_logprobs=state["ref_logprobs"],
-    )  # fmt: skip
+        per_reward=dict(state["per_reward"]),
+        ref_logprobs=state["ref_logprobs"],
+    )

@@ -121,8 +121,9 @@ def _group_problem(value: Any) -> str | None:
 
 TRAINER_GROUP_RULE = Rule(
     "a mapping of launcher (torchrun or ray), workers, num_cpus, num_gpus, or null (torchrun)",
-    lambda v: v is None or type_name(v) == "mapping", extra=_group_problem,
-)  # fmt: skip
+    lambda v: v is None or type_name(v) == "mapping",
+    extra=_group_problem,
+)
 """The rule of the ``trainer_group`` key.
 
 >>> TRAINER_GROUP_RULE.problem({"launcher": "slurm"})
@@ -147,8 +148,12 @@ class GroupSettings:
     def of(cls, cfg: DictConfig) -> GroupSettings:
         node = cfg.get("trainer_group")
         given = {} if node is None else dict(OmegaConf.to_container(node, resolve=True))
-        return cls(str(given.get("launcher", "torchrun")), int(given.get("workers", 1)),
-                   float(given.get("num_cpus", 1)), int(given.get("num_gpus", 0)))  # fmt: skip
+        return cls(
+            str(given.get("launcher", "torchrun")),
+            int(given.get("workers", 1)),
+            float(given.get("num_cpus", 1)),
+            int(given.get("num_gpus", 0)),
+        )
 
 
 class TrainerGroupError(RuntimeError):
@@ -174,8 +179,9 @@ def check_launch(cfg: DictConfig, world_size: int) -> None:
         )
 
 
-def run_trainers(train: Train, cfg: DictConfig, keys: Sequence[str],
-                 rules: Mapping[str, Rule]) -> None:  # fmt: skip
+def run_trainers(
+    train: Train, cfg: DictConfig, keys: Sequence[str], rules: Mapping[str, Rule]
+) -> None:
     """A recipe's ``main`` with ``cfg.trainer_group``: ``train`` on this process's ranks
     (:func:`~tunesmith.training.loop.run_main`, the ``torchrun`` launcher), or on a group of
     Ray actors this process drives (``ray``; see the module docs)."""
@@ -295,8 +301,14 @@ class _Driver:
     """Starts the trainer actors, shows rank 0's console, forwards signals, waits, and turns
     the first failure into one line (see the module docs)."""
 
-    def __init__(self, train: Train, cfg: DictConfig, keys: list[str], rules: dict[str, Rule],
-                 group: GroupSettings) -> None:  # fmt: skip
+    def __init__(
+        self,
+        train: Train,
+        cfg: DictConfig,
+        keys: list[str],
+        rules: dict[str, Rule],
+        group: GroupSettings,
+    ) -> None:
         self.train, self.cfg, self.keys, self.rules, self.group = train, cfg, keys, rules, group
         self.ray = require_ray()
         node = cfg.get("ray")
@@ -334,20 +346,28 @@ class _Driver:
         if owns:
             _check_resources(ray, self.cfg, group)
         actor_class = ray.remote(
-            num_cpus=group.num_cpus, num_gpus=group.num_gpus, max_restarts=0,
-            max_task_retries=0, runtime_env=runtime_env({}),
-        )(TrainerRank)  # fmt: skip
+            num_cpus=group.num_cpus,
+            num_gpus=group.num_gpus,
+            max_restarts=0,
+            max_task_retries=0,
+            runtime_env=runtime_env({}),
+        )(TrainerRank)
         self.actors = [actor_class.remote() for _ in range(group.workers)]
         try:
             self.where = ray.get([a.where.remote() for a in self.actors])
         except ray.exceptions.RayActorError as error:
             return f"a trainer rank could not start: {actor_cause(error)}"
         pids, nodes = [w["pid"] for w in self.where], len({w["node"] for w in self.where})
-        print(f"tunesmith: {group.workers} trainer ranks as Ray actors on {nodes} "
-              f"node{'s' * (nodes > 1)} (pids {pids}); the output of every rank goes to "
-              f"{self.log_dir}", file=self.err)  # fmt: skip
-        refs = {actor.run.remote(job): rank for rank, (actor, job) in
-                enumerate(zip(self.actors, self._jobs()))}  # fmt: skip
+        print(
+            f"tunesmith: {group.workers} trainer ranks as Ray actors on {nodes} "
+            f"node{'s' * (nodes > 1)} (pids {pids}); the output of every rank goes to "
+            f"{self.log_dir}",
+            file=self.err,
+        )
+        refs = {
+            actor.run.remote(job): rank
+            for rank, (actor, job) in enumerate(zip(self.actors, self._jobs()))
+        }
         return self._wait(refs)
 
     def _jobs(self) -> list[RankJob]:
@@ -362,10 +382,19 @@ class _Driver:
                    "LOCAL_WORLD_SIZE": str(nodes.count(node)),
                    "MASTER_ADDR": str(master["ip"]), "MASTER_PORT": str(master["port"]),
                    SECRET_NAMES_ENV: ",".join(secret_names())}  # fmt: skip
-            jobs.append(RankJob(
-                self.train, config, self.keys, self.rules, env, os.getcwd(), str(self.log_dir),
-                threads=max(1, int(self.group.num_cpus)), console_tty=self.out.isatty(),
-            ))  # fmt: skip
+            jobs.append(
+                RankJob(
+                    self.train,
+                    config,
+                    self.keys,
+                    self.rules,
+                    env,
+                    os.getcwd(),
+                    str(self.log_dir),
+                    threads=max(1, int(self.group.num_cpus)),
+                    console_tty=self.out.isatty(),
+                )
+            )
         return jobs
 
     def _wait(self, refs: dict[Any, int]) -> str | None:
@@ -445,8 +474,11 @@ class _Driver:
             return
         self.forwarded = True
         name = signal.Signals(self.signals[0]).name
-        print(f"\n{name}: sent SIGTERM to the trainer ranks: they save a checkpoint at the "
-              "end of this step, then stop (Ctrl-C again aborts at once)", file=self.err)  # fmt: skip
+        print(
+            f"\n{name}: sent SIGTERM to the trainer ranks: they save a checkpoint at the "
+            "end of this step, then stop (Ctrl-C again aborts at once)",
+            file=self.err,
+        )
         here = self.ray.get_runtime_context().get_node_id()
         for w in self.where:
             if w["node"] == here:
@@ -562,8 +594,11 @@ def _redirected(log: TextIO, enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    handlers = [h for h in logging.getLogger("ray").handlers
-                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]  # fmt: skip
+    handlers = [
+        h
+        for h in logging.getLogger("ray").handlers
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+    ]
     streams = [h.stream for h in handlers]
     saved = sys.stdout, sys.stderr
     sys.stdout = sys.stderr = log

@@ -243,15 +243,21 @@ class _Lane:
         self.sender, self.generation, self.size = sender, generation, size
         self.keys = _keys(generation)
         host, port = sender.address
-        self.store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                   timeout=_timedelta(sender.timeout_s))  # fmt: skip
+        self.store = dist.TCPStore(
+            host,
+            port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=_timedelta(sender.timeout_s),
+        )
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.abandoned = threading.Event()
         self.error: BaseException | None = None
         self.group: Any = None
         self.last: threading.Event | None = None
-        self.thread = threading.Thread(target=self._run, name=f"weight-sync-{generation}",
-                                       daemon=True)  # fmt: skip
+        self.thread = threading.Thread(
+            target=self._run, name=f"weight-sync-{generation}", daemon=True
+        )
         self.thread.start()
 
     def submit(self, job: _Job) -> None:
@@ -310,8 +316,7 @@ class _Lane:
         self._wait_for(self.keys["ready"], "join the group")
         self.store.set(self.keys["go"], "form")
         prefixed = dist.PrefixStore(self.keys["group"], self.store)
-        self.group = _make_group(self.sender.backend, prefixed, 0, self.size,
-                                 self.sender.timeout_s)  # fmt: skip
+        self.group = _make_group(self.sender.backend, prefixed, 0, self.size, self.sender.timeout_s)
 
     def _send(self, seq: int, buffers: list[torch.Tensor]) -> None:
         self._wait_for(f"{self.keys['at']}/{seq}", f"reach receive {seq}")
@@ -333,13 +338,19 @@ class WeightSender:
     free port of ``host``, forms generations of the group and broadcasts packed buffers,
     each generation in a thread of its own (the caller never waits for a worker)."""
 
-    def __init__(self, *, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 host: str = "127.0.0.1") -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        backend: str = "gloo",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        host: str = "127.0.0.1",
+    ) -> None:
         if float(timeout_s) <= 0:
             raise ValueError(f"rollout.weight_sync_timeout_s must be > 0, got {timeout_s}")
         self.backend, self.timeout_s, self.host = backend, float(timeout_s), host
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=_timedelta(self.timeout_s))  # fmt: skip
+        self.store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=_timedelta(self.timeout_s)
+        )
         self.generation = 0
         self.seq = 0
         self._lane: _Lane | None = None
@@ -406,9 +417,17 @@ class WeightReceiver:
         self.buffers: list[torch.Tensor] = []
 
     def join(
-        self, host: str, port: int, generation: int, *, rank: int, size: int, backend: str,
-        timeout_s: float, layout: Sequence[TensorSpec],
-    ) -> bool:  # fmt: skip
+        self,
+        host: str,
+        port: int,
+        generation: int,
+        *,
+        rank: int,
+        size: int,
+        backend: str,
+        timeout_s: float,
+        layout: Sequence[TensorSpec],
+    ) -> bool:
         """Join ``generation`` as ``rank`` of ``size`` (waits for the trainer's go); False
         when the trainer abandoned it. A store that cannot be reached raises naming its
         address and the timeout."""
@@ -422,8 +441,9 @@ class WeightReceiver:
         self.group = _make_group(backend, prefixed, int(rank), int(size), self.timeout_s)
         self.generation, self.rank, self.layout = int(generation), int(rank), list(layout)
         device = self.device if backend == "nccl" else torch.device("cpu")
-        self.buffers = [torch.empty(n, dtype=dtype, device=device)
-                        for dtype, n in buffer_specs(self.layout)]  # fmt: skip
+        self.buffers = [
+            torch.empty(n, dtype=dtype, device=device) for dtype, n in buffer_specs(self.layout)
+        ]
         return True
 
     def receive(self, generation: int, seq: int) -> dict[str, torch.Tensor] | None:
@@ -445,8 +465,13 @@ class WeightReceiver:
         if self.address == (host, port):
             return
         try:
-            self.store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                       timeout=_timedelta(self.timeout_s))  # fmt: skip
+            self.store = dist.TCPStore(
+                host,
+                port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=_timedelta(self.timeout_s),
+            )
         except Exception as error:
             raise RuntimeError(
                 f"weight sync: could not reach the trainer's store at {host}:{port} within "
@@ -481,8 +506,9 @@ class ObjectStoreSync:
         self._version = 0
         self._calls: dict[Any, int] = {}
 
-    def publish(self, workers: Sequence[Any], named: Mapping[str, torch.Tensor],
-                version: int) -> None:  # fmt: skip
+    def publish(
+        self, workers: Sequence[Any], named: Mapping[str, torch.Tensor], version: int
+    ) -> None:
         self._weights, self._version = self.ray.put(dict(named)), int(version)
         for index, worker in enumerate(workers):
             self._calls[worker.load_weights.remote(self._weights, self._version)] = index
@@ -514,8 +540,9 @@ class CollectiveSync:
         self._current: tuple[list[torch.Tensor], int] | None = None
         self._calls: dict[Any, int] = {}
 
-    def publish(self, workers: Sequence[Any], named: Mapping[str, torch.Tensor],
-                version: int) -> None:  # fmt: skip
+    def publish(
+        self, workers: Sequence[Any], named: Mapping[str, torch.Tensor], version: int
+    ) -> None:
         """Queue the broadcast of ``named`` (``version``) and each worker's receive call,
         forming the group first (the first time, or when the layout changed)."""
         layout = layout_of(named)
@@ -557,9 +584,15 @@ class CollectiveSync:
         host, port = self.sender.address
         for index, worker in enumerate(workers):
             call = worker.join_weight_sync.remote(
-                host, port, generation, rank=index + 1, size=size, backend=self.sender.backend,
-                timeout_s=self.sender.timeout_s, layout=layout,
-            )  # fmt: skip
+                host,
+                port,
+                generation,
+                rank=index + 1,
+                size=size,
+                backend=self.sender.backend,
+                timeout_s=self.sender.timeout_s,
+                layout=layout,
+            )
             self._calls[call] = index
         self.layout = layout
 

@@ -84,8 +84,9 @@ __all__ = ["BUILD_SECTIONS", "RewardWorker", "RolloutWorker", "WorkerSettings", 
 
 def local_context(device: str = "cpu") -> DistributedContext:
     """The context of a process that trains nothing and joins no process group."""
-    return DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device(device),
-                              mesh=None)  # type: ignore[arg-type]  # fmt: skip
+    return DistributedContext(
+        rank=0, world_size=1, local_rank=0, device=torch.device(device), mesh=None
+    )  # type: ignore[arg-type]
 
 
 class _Role:
@@ -118,14 +119,19 @@ class RolloutWorker(_Role):
         if settings.engine == "vllm":
             from tunesmith.generation.vllm_engine import VLLMEngine
 
-            self.engine: Any = VLLMEngine(self.build.model_dir, seed=settings.seed,
-                                          **dict(settings.vllm))  # fmt: skip
+            self.engine: Any = VLLMEngine(
+                self.build.model_dir, seed=settings.seed, **dict(settings.vllm)
+            )
         else:
             model = setup.build_policy(self.build, self.ctx, self.tokenizer)
             if settings.merge_adapters and adapter_modules(model):
                 merge_adapters(model)  # a dense copy: the trainer sends merged weights
-            self.engine = LocalEngine(model, self.tokenizer, pad_id=self.pad_id,
-                                      autocast_dtype=AUTOCAST[settings.mixed_precision])  # fmt: skip
+            self.engine = LocalEngine(
+                model,
+                self.tokenizer,
+                pad_id=self.pad_id,
+                autocast_dtype=AUTOCAST[settings.mixed_precision],
+            )
         self.version = 0
         self.receiver = WeightReceiver(self.device)
 
@@ -138,13 +144,29 @@ class RolloutWorker(_Role):
         return self.version
 
     def join_weight_sync(
-        self, host: str, port: int, generation: int, *, rank: int, size: int, backend: str,
-        timeout_s: float, layout: Sequence[TensorSpec],
-    ) -> None:  # fmt: skip
+        self,
+        host: str,
+        port: int,
+        generation: int,
+        *,
+        rank: int,
+        size: int,
+        backend: str,
+        timeout_s: float,
+        layout: Sequence[TensorSpec],
+    ) -> None:
         """Join ``generation`` of the weight-sync group of trainer rank 0 (its store at
         ``host:port``) as ``rank`` of ``size``; ``layout``: the tensors every send holds."""
-        self.receiver.join(host, port, generation, rank=rank, size=size, backend=backend,
-                           timeout_s=timeout_s, layout=layout)  # fmt: skip
+        self.receiver.join(
+            host,
+            port,
+            generation,
+            rank=rank,
+            size=size,
+            backend=backend,
+            timeout_s=timeout_s,
+            layout=layout,
+        )
 
     def receive_weights(self, generation: int, seq: int, version: int) -> bool | None:
         """Take the policy of ``version`` from send ``seq`` of the group (by name, as
@@ -170,9 +192,15 @@ class RolloutWorker(_Role):
             return generate_with(self.engine, rows, keys, g, self.stop_token_ids)
 
         groups = sample_groups(
-            generate, self.tokenizer, prompts, round=round, group_size=settings.group_size,
-            seed=settings.seed, chat_template=settings.chat_template, version=self.version,
-        )  # fmt: skip
+            generate,
+            self.tokenizer,
+            prompts,
+            round=round,
+            group_size=settings.group_size,
+            seed=settings.seed,
+            chat_template=settings.chat_template,
+            version=self.version,
+        )
         seconds = time.perf_counter() - start
         self.busy_s += seconds
         tokens = sum(len(c) for group in groups for c in group.completions)
@@ -188,8 +216,9 @@ class RewardWorker(_Role):
         self.reference = None
         if settings.kl_coef > 0:
             policy = setup.build_policy(self.build, self.ctx, self.tokenizer)
-            self.reference = setup.reference_policy(self.build, self.ctx, policy, lambda *a: None,
-                                                    tokenizer=self.tokenizer)  # fmt: skip
+            self.reference = setup.reference_policy(
+                self.build, self.ctx, policy, lambda *a: None, tokenizer=self.tokenizer
+            )
         self.temperature = settings.generation.temperature
         self.micro_batch_size = settings.micro_batch_size
         self.overlong_filter = settings.overlong_filter
@@ -215,18 +244,24 @@ class RewardWorker(_Role):
         """Each completion's tokens' log-probs under the reference, computed on the groups'
         rows padded together and cut in micro-batches as the synchronous recipe does."""
         prompts = [g.prompt_ids for g in groups for _ in range(g.size)]
-        completions = [c if f == "stop" or not self.overlong_filter else []
-                       for g in groups for c, f in zip(g.completions, g.finish)]  # fmt: skip
+        completions = [
+            c if f == "stop" or not self.overlong_filter else []
+            for g in groups
+            for c, f in zip(g.completions, g.finish)
+        ]
         batch = rollout_batch(prompts, completions, setup.pad_id(self.tokenizer))
         parts = []
         for begin in range(0, batch["input_ids"].shape[0], self.micro_batch_size):
-            part = {k: v[begin : begin + self.micro_batch_size].to(self.ctx.device)
-                    for k, v in batch.items()}  # fmt: skip
+            part = {
+                k: v[begin : begin + self.micro_batch_size].to(self.ctx.device)
+                for k, v in batch.items()
+            }
             with (
                 self.reference() as model,
-                torch.autocast(self.ctx.device.type, self.autocast_dtype,
-                               enabled=bool(self.autocast_dtype)),
-            ):  # fmt: skip
+                torch.autocast(
+                    self.ctx.device.type, self.autocast_dtype, enabled=bool(self.autocast_dtype)
+                ),
+            ):
                 parts.append(completion_logprobs(model, part, temperature=self.temperature).cpu())
         values = torch.cat(parts)
         row = 0

@@ -83,9 +83,12 @@ def critic_from_policy(policy: nn.Module, pad_token_id: int) -> RewardModel:
 
 
 def build_critic(
-    cfg: DictConfig, ctx: DistributedContext, policy: nn.Module, tokenizer: Any,
+    cfg: DictConfig,
+    ctx: DistributedContext,
+    policy: nn.Module,
+    tokenizer: Any,
     log: Callable[..., None] = print,
-) -> RewardModel:  # fmt: skip
+) -> RewardModel:
     """The critic of ``cfg``, on ``ctx.device``, not yet sharded: ``cfg.critic_model`` (a
     one-output reward model, checked against ``tokenizer``), else :func:`critic_from_policy`.
     Its spec gets the tokenizer's pad id when it has none.

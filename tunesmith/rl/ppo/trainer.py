@@ -1,10 +1,11 @@
-"""PPO with a learned critic: the batch stage that adds values and GAE advantages to each
-collection, and the trainer that updates the policy and the critic, each with its own
+"""PPO with a learned critic: the advantages stage that adds values and GAE advantages to
+each collection, and the trainer that updates the policy and the critic, each with its own
 optimizer, schedule and checkpoint.
 
-:class:`PPORolloutSource` is a :class:`~tunesmith.rl.source.RolloutSource` (generate, score,
-the trainer's and the reference's log-probs) whose last stage, per collection, adds
-``[b, L]`` tensors aligned with the labels:
+:class:`GAEAdvantages` is the advantages stage PPO passes to a
+:class:`~tunesmith.rl.source.RolloutSource` (which samples, scores and computes the trainer's
+and the reference's log-probs before it); per collection it adds ``[b, L]`` tensors aligned
+with the labels:
 
 * ``old_values``: the critic's values of the completion positions (no gradient);
 * the token-level rewards (:func:`token_rewards`): ``-kl_coef · (old_logprobs - ref_logprobs)``
@@ -22,8 +23,9 @@ same step, and resuming loads both (refused when the two disagree on the step).
 
 Example::
 
-    source = PPORolloutSource(critic=critic, gamma=1.0, lam=0.95, kl_coef=0.05,
-                              model=policy, tokenizer=tok, prompts=stream, ...)
+    advantages = GAEAdvantages(critic, ctx, settings, gamma=1.0, lam=0.95, kl_coef=0.05)
+    source = RolloutSource(model=policy, tokenizer=tok, prompts=stream, rewards=rewards,
+                           ctx=ctx, settings=settings, advantages=advantages, reference=ref)
     critic_trainer = Trainer(critic_config(cfg), ctx, model=critic,
                              objective=ValueObjective(ValueLoss(clip=0.2)))
     fit(cfg, ctx, model=policy, objective=PolicyGradient(loss), source=source,
@@ -46,14 +48,14 @@ from tunesmith.models.safetensors_io import CheckpointError
 from tunesmith.rl.advantages import gae, whiten
 from tunesmith.rl.ppo.critic import critic_checkpoint, critic_values
 from tunesmith.rl.rewards import RewardSet
-from tunesmith.rl.rollout import completion_mask
-from tunesmith.rl.source import RolloutSource
+from tunesmith.rl.rollout import completion_mask, per_micro_batch
+from tunesmith.rl.source import RolloutSettings
 from tunesmith.training.parallel.distributed import DistributedContext, all_reduce_sum
 from tunesmith.training.settings import LoopSettings
 from tunesmith.training.trainer import Objective, Trainer
 
 __all__ = [
-    "PPORolloutSource",
+    "GAEAdvantages",
     "PPOTrainer",
     "offload_reward_models",
     "token_rewards",
@@ -64,9 +66,11 @@ Batch = dict[str, torch.Tensor]
 
 
 def token_rewards(
-    rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``[b, L]`` float32 per-token rewards: ``-kl_coef · kl`` on the positions of ``mask``
     (``kl``, ``[b, L]``, e.g. ``old_logprobs - ref_logprobs``), plus each row's sequence
     reward ``rewards[i]`` on its last masked position; 0 elsewhere and on rows without one.
@@ -123,42 +127,47 @@ def whiten_across_ranks(
     return torch.where(mask, (x - mean) / math.sqrt(variance + eps), zero)
 
 
-def _advantages_later(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The per-row advantages the base source puts in the batch, replaced per token by
-    :meth:`PPORolloutSource._finish_batch`."""
-    return torch.zeros_like(rewards, dtype=torch.float32)
-
-
-class PPORolloutSource(RolloutSource):
-    """A :class:`~tunesmith.rl.source.RolloutSource` for PPO (see the module docs): every
-    keyword of the base except ``advantage``, plus the ``critic`` (sharded like the policy),
-    ``gamma`` and ``lam`` (GAE), ``kl_coef`` (the k1 KL to ``reference`` in the reward; a
-    ``reference`` is needed when it is > 0) and ``whiten_advantages``.
+class GAEAdvantages:
+    """PPO's advantages stage of a :class:`~tunesmith.rl.source.RolloutSource` (see the module
+    docs): the ``critic``'s values (sharded like the policy, forwards in micro-batches of
+    ``settings.micro_batch_size``), ``gamma`` and ``lam`` (GAE), ``kl_coef`` (the k1 KL to the
+    reference in the reward: the source needs a ``reference`` when it is > 0) and
+    ``whiten_advantages``.
 
     Logged per collection (over all ranks, per completion token): ``values``, ``returns``,
     ``advantage_mean`` / ``advantage_std`` (before whitening), ``explained_variance``
     (``1 - Var(returns - values) / Var(returns)``), ``kl`` (k1, to the reference) and
     ``values_s`` (the critic's forwards).
+
+    Example::
+
+        advantages = GAEAdvantages(critic, ctx, settings, gamma=1.0, lam=0.95)
+        source = RolloutSource(..., settings=settings, advantages=advantages)
     """
 
     def __init__(
-        self, *, critic: nn.Module, gamma: float = 1.0, lam: float = 0.95,
-        kl_coef: float = 0.0, whiten_advantages: bool = True, **kwargs: Any,
-    ) -> None:  # fmt: skip
-        if "advantage" in kwargs:
-            raise TypeError("PPORolloutSource computes its advantages (GAE): no advantage=")
+        self,
+        critic: nn.Module,
+        ctx: DistributedContext,
+        settings: RolloutSettings,
+        *,
+        gamma: float = 1.0,
+        lam: float = 0.95,
+        kl_coef: float = 0.0,
+        whiten_advantages: bool = True,
+    ) -> None:
         for name, value in (("gamma", gamma), ("lam", lam)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
         if not kl_coef >= 0:
             raise ValueError(f"kl_coef must be >= 0, got {kl_coef!r}")
-        if kl_coef > 0 and kwargs.get("reference") is None:
-            raise ValueError(f"kl_coef={kl_coef} needs a reference policy (reference=...)")
-        super().__init__(advantage=_advantages_later, **kwargs)
-        self.critic, self.gamma, self.lam = critic, float(gamma), float(lam)
+        self.critic, self.ctx, self.settings = critic, ctx, settings
+        self.gamma, self.lam = float(gamma), float(lam)
         self.kl_coef, self.whiten_advantages = float(kl_coef), bool(whiten_advantages)
 
-    def _finish_batch(self, batch: Batch) -> dict[str, float]:
+    def __call__(self, batch: Batch) -> dict[str, float]:
+        if self.kl_coef > 0 and "ref_logprobs" not in batch:
+            raise ValueError(f"kl_coef={self.kl_coef} needs a reference policy (reference=...)")
         start = time.perf_counter()
         values = batch["old_values"] = self._values(batch)
         values_s = time.perf_counter() - start
@@ -167,40 +176,55 @@ class PPORolloutSource(RolloutSource):
         rewards = token_rewards(batch["rewards"], mask, kl, self.kl_coef)
         advantages, returns = gae(rewards, values, mask, self.gamma, self.lam)
         batch["returns"] = returns
-        batch["advantages"] = (whiten_across_ranks(advantages, mask, self.ctx)
-                               if self.whiten_advantages else advantages)  # fmt: skip
-        return self._value_metrics(mask, values, returns, advantages, kl, values_s)
+        batch["advantages"] = (
+            whiten_across_ranks(advantages, mask, self.ctx)
+            if self.whiten_advantages
+            else advantages
+        )
+        return self._metrics(mask, values, returns, advantages, kl, values_s)
 
     @torch.no_grad()
     def _values(self, batch: Batch) -> torch.Tensor:
         """The critic's values of every position, micro-batch by micro-batch (the same number
         of forwards on every rank), in the mode the update sees."""
-        parts = []
-        for start in range(0, batch["input_ids"].shape[0], self.micro_batch_size):
-            part = {k: v[start : start + self.micro_batch_size].to(self.ctx.device)
-                    for k, v in batch.items()}  # fmt: skip
-            with torch.autocast(self.ctx.device.type, self.autocast_dtype,
-                                enabled=bool(self.autocast_dtype)):  # fmt: skip
-                parts.append(critic_values(self.critic, part)[0].float().cpu())
-        return torch.where(completion_mask(batch), torch.cat(parts), 0.0)
 
-    def _value_metrics(
-        self, mask: torch.Tensor, values: torch.Tensor, returns: torch.Tensor,
-        advantages: torch.Tensor, kl: torch.Tensor | None, values_s: float,
-    ) -> dict[str, float]:  # fmt: skip
+        def values(part: Batch) -> torch.Tensor:
+            return critic_values(self.critic, part)[0].float()
+
+        s = self.settings
+        every = per_micro_batch(values, batch, s.micro_batch_size, self.ctx, s.autocast_dtype)
+        return torch.where(completion_mask(batch), every, 0.0)
+
+    def _metrics(
+        self,
+        mask: torch.Tensor,
+        values: torch.Tensor,
+        returns: torch.Tensor,
+        advantages: torch.Tensor,
+        kl: torch.Tensor | None,
+        values_s: float,
+    ) -> dict[str, float]:
         def masked(x: torch.Tensor) -> torch.Tensor:
             return torch.where(mask, x.double(), 0.0)
 
         error = masked(returns - values)
-        sums = torch.stack([
-            mask.sum().double(), masked(values).sum(), masked(returns).sum(),
-            masked(returns).square().sum(), error.sum(), error.square().sum(),
-            masked(advantages).sum(), masked(advantages).square().sum(),
-            masked(kl).sum() if kl is not None else torch.zeros((), dtype=torch.float64),
-            torch.tensor(values_s, dtype=torch.float64),
-        ])  # fmt: skip
-        (n, v, r, r2, e, e2, a, a2, k, t) = all_reduce_sum(sums, self.ctx.device,
-                                                           self.ctx.dp_group).tolist()  # fmt: skip
+        sums = torch.stack(
+            [
+                mask.sum().double(),
+                masked(values).sum(),
+                masked(returns).sum(),
+                masked(returns).square().sum(),
+                error.sum(),
+                error.square().sum(),
+                masked(advantages).sum(),
+                masked(advantages).square().sum(),
+                masked(kl).sum() if kl is not None else torch.zeros((), dtype=torch.float64),
+                torch.tensor(values_s, dtype=torch.float64),
+            ]
+        )
+        (n, v, r, r2, e, e2, a, a2, k, t) = all_reduce_sum(
+            sums, self.ctx.device, self.ctx.dp_group
+        ).tolist()
         n = max(n, 1.0)
         var_returns = r2 / n - (r / n) ** 2
         metrics = {
@@ -242,10 +266,17 @@ class PPOTrainer(Trainer):
     """
 
     def __init__(
-        self, settings: LoopSettings, ctx: DistributedContext, *, model: nn.Module,
-        objective: Objective, source: Any = None, critic: Trainer, warmup_steps: int = 0,
+        self,
+        settings: LoopSettings,
+        ctx: DistributedContext,
+        *,
+        model: nn.Module,
+        objective: Objective,
+        source: Any = None,
+        critic: Trainer,
+        warmup_steps: int = 0,
         **trainer_kwargs: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         total = settings.max_steps or 0
@@ -255,9 +286,15 @@ class PPOTrainer(Trainer):
                 f"updates_per_batch) but the run has max_steps={total}: no step would update "
                 "the policy"
             )
-        super().__init__(settings, ctx, model=model, objective=objective, source=source,
-                         schedule_steps=total - warmup_steps if warmup_steps else None,
-                         **trainer_kwargs)  # fmt: skip
+        super().__init__(
+            settings,
+            ctx,
+            model=model,
+            objective=objective,
+            source=source,
+            schedule_steps=total - warmup_steps if warmup_steps else None,
+            **trainer_kwargs,
+        )
         self.critic, self.warmup_steps = critic, warmup_steps
 
     def step(self, micro_batches: Sequence[Batch]) -> dict[str, float]:
@@ -273,8 +310,9 @@ class PPOTrainer(Trainer):
     def _critic_only(self, micro_batches: Sequence[Batch], seen: int) -> dict[str, float]:
         """A warm-up step's bookkeeping for the policy (no forward, no update)."""
         ctx, step = self.ctx, self.progress["step"] + 1
-        units = all_reduce_sum(sum(self.objective.units(mb) for mb in micro_batches),
-                               ctx.device, ctx.dp_cp_group)  # fmt: skip
+        units = all_reduce_sum(
+            sum(self.objective.units(mb) for mb in micro_batches), ctx.device, ctx.dp_cp_group
+        )
         self.progress["step"] = step
         self.progress["tokens_seen"] += seen
         self.rank_tokens = self.critic.rank_tokens

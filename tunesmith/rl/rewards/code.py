@@ -183,8 +183,9 @@ def plan_test(test: str) -> TestPlan:
     try:
         module = ast.parse(test, "<test>")
     except SyntaxError as e:
-        raise ValueError(f"CodeTests: a test is not valid Python ({e.msg}, line {e.lineno}): "
-                         f"{test[:80]!r}") from None  # fmt: skip
+        raise ValueError(
+            f"CodeTests: a test is not valid Python ({e.msg}, line {e.lineno}): {test[:80]!r}"
+        ) from None
     plan = TestPlan()
     for statement in module.body:
         if isinstance(statement, ast.Assert):
@@ -426,10 +427,14 @@ class CodeTests:
 
     def _run(self, code: str, stdin: str = ""):
         return run_sandboxed(
-            code, timeout_s=self.timeout_s, memory_mb=self.memory_mb, stdin=stdin,
-            isolation=self.isolation, max_output_bytes=_OUTPUT_BYTES,
+            code,
+            timeout_s=self.timeout_s,
+            memory_mb=self.memory_mb,
+            stdin=stdin,
+            isolation=self.isolation,
+            max_output_bytes=_OUTPUT_BYTES,
             site_packages=self.site_packages,
-        )  # fmt: skip
+        )
 
     def score(self, sample: Sample) -> float:
         """The score of one sample."""

@@ -645,9 +645,16 @@ def _signal_reason(returncode: int) -> str | None:
 
 def _start(command, cwd, stdin, env, pass_fds=()) -> subprocess.Popen:
     return subprocess.Popen(
-        command, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-        env=env, start_new_session=True, close_fds=True, pass_fds=pass_fds,
-    )  # fmt: skip
+        command,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+        close_fds=True,
+        pass_fds=pass_fds,
+    )
 
 
 def _collect(proc, feeds, limit, deadline) -> tuple[str | None, _Output, _Output]:
@@ -842,9 +849,13 @@ def run_sandboxed(
     """
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
-    for name, value in (("memory_mb", memory_mb), ("file_mb", file_mb), ("disk_mb", disk_mb),
-                        ("max_processes", max_processes),
-                        ("max_output_bytes", max_output_bytes)):  # fmt: skip
+    for name, value in (
+        ("memory_mb", memory_mb),
+        ("file_mb", file_mb),
+        ("disk_mb", disk_mb),
+        ("max_processes", max_processes),
+        ("max_output_bytes", max_output_bytes),
+    ):
         _positive_int(name, value)
     mode = resolve_isolation(isolation)
     if mode == "best_effort":

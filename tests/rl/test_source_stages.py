@@ -1,0 +1,143 @@
+"""The rollout source's stages as a variant composes them: a sample stage of its own feeds the
+rows, log-probs, advantages and metrics stages unchanged (asynchronous GRPO's shape), an
+advantages stage replaces the per-row advantages (PPO's shape), and the log-prob parity check
+stops a collection whose sampler and trainer disagree."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from tunesmith.models import build_model, llama3
+from tunesmith.rl.advantages import LeaveOneOut
+from tunesmith.rl.groups import Group
+from tunesmith.rl.ppo.trainer import GAEAdvantages
+from tunesmith.rl.prompts import Prompt, PromptDataset, PromptStream
+from tunesmith.rl.rollout import completion_logprobs, group_batch
+from tunesmith.rl.source import (
+    GroupAdvantages,
+    LogprobMismatchError,
+    PolicyLogprobs,
+    Rollouts,
+    RolloutSettings,
+    RolloutSource,
+)
+from tunesmith.training.parallel.distributed import DistributedContext
+
+CTX = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+TOKENIZER = SimpleNamespace(pad_id=0, eos_id=None, token_to_id=lambda token: None)
+
+
+def make_group(index: int, rewards: list[float]) -> Group:
+    prompt = Prompt(index, [{"role": "user", "content": f"prompt {index}"}])
+    completions = [[10 + index, 20 + j, 30] for j in range(len(rewards))]
+    return Group(
+        prompt,
+        round=0,
+        prompt_ids=[1, 2 + index],
+        prompt_text=f"prompt {index}",
+        completions=completions,
+        logprobs=[[-1.0] * 3 for _ in completions],
+        finish=["stop"] * len(rewards),
+        texts=["x"] * len(rewards),
+        rewards=torch.tensor(rewards),
+        per_reward={"r": torch.tensor(rewards)},
+    )
+
+
+class FixedGroups:
+    """A sample stage of the test's own: the same two groups for every batch."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, batch_index: int) -> Rollouts:
+        self.calls.append(batch_index)
+        groups = [make_group(0, [1.0, 0.0]), make_group(1, [0.5, 0.5])]
+        return Rollouts(
+            groups,
+            drawn_groups=2,
+            flat_groups=1,
+            metrics={"own_metric": 7.0},
+            times={"generate_s": 0.0, "reward_s": 0.0, "generated_tokens": 12},
+        )
+
+    def state_dict(self) -> dict:
+        return {"calls": list(self.calls)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = list(state["calls"])
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_model(llama3.spec("llama3_tiny"))
+
+
+def make_source(model, tmp_path, **settings) -> RolloutSource:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "unused", "answer": "0"}\n')
+    stream = PromptStream(PromptDataset(str(prompts), prompt_column="prompt"), 1)
+    return RolloutSource(
+        model=model,
+        tokenizer=TOKENIZER,
+        prompts=stream,
+        ctx=CTX,
+        settings=RolloutSettings(group_size=2, micro_batch_size=4, **settings),
+        advantages=GroupAdvantages(LeaveOneOut(), group_size=2),
+        sample=FixedGroups(),
+    )
+
+
+def test_a_sample_stage_of_its_own_feeds_the_other_stages(model, tmp_path):
+    source = make_source(model, tmp_path, updates_per_batch=2)
+    (batch,) = source.next_step()  # one micro-batch of the 4 rows
+    metrics = source.step_metrics()
+    source.next_step()  # the batch's second update: no new collection
+    assert source.sample.calls == [0] and source.step_metrics() == {}
+    source.next_step()
+    assert source.sample.calls == [0, 1]  # the stage is called with the batch's number
+    rows = group_batch(FixedGroups()(0).groups, pad_id=0)
+    for key, value in rows.items():
+        torch.testing.assert_close(batch[key], value, rtol=0, atol=0, msg=key)
+    with torch.no_grad():
+        torch.testing.assert_close(batch["old_logprobs"], completion_logprobs(model, rows))
+    assert batch["advantages"].tolist() == [1.0, -1.0, 0.0, 0.0]  # LeaveOneOut; a flat group
+    assert metrics["own_metric"] == 7.0 and metrics["zero_variance_groups"] == 0.5
+    assert metrics["rollout_samples"] == 4 and metrics["reward/r"] == 0.5
+    assert source.state_dict()["calls"] == [0, 1]  # the stage's state is the source's
+    resumed = make_source(model, tmp_path, updates_per_batch=2)
+    resumed.load_state_dict(source.state_dict())
+    assert resumed.sample.calls == [0, 1] and resumed.updates_left == 1
+
+
+def test_the_parity_check_stops_a_collection_whose_sampler_disagrees(model, tmp_path):
+    source = make_source(model, tmp_path, max_logprob_mismatch=1e-3)  # sampled at -1.0 each
+    with pytest.raises(LogprobMismatchError, match="max_logprob_mismatch=0.001"):
+        source.next_step()
+    check = PolicyLogprobs(model, None, CTX, RolloutSettings(group_size=1)).check
+    check({"logprob_mismatch_max": 9.0, "logprob_mismatch_mean": 1.0})  # no limit: no stop
+
+
+def test_an_advantages_stage_with_a_kl_needs_the_references_logprobs():
+    stage = GAEAdvantages(nn.Identity(), CTX, RolloutSettings(group_size=1), kl_coef=0.1)
+    with pytest.raises(ValueError, match="kl_coef=0.1 needs a reference policy"):
+        stage({"labels": torch.zeros(1, 2, dtype=torch.long)})
+    with pytest.raises(ValueError, match="lam must be in"):
+        GAEAdvantages(nn.Identity(), CTX, RolloutSettings(group_size=1), lam=2.0)
+
+
+def test_the_default_sample_stage_needs_rewards(model, tmp_path):
+    with pytest.raises(ValueError, match="rewards= scores the groups it samples"):
+        RolloutSource(
+            model=model,
+            tokenizer=TOKENIZER,
+            prompts=None,
+            ctx=CTX,
+            settings=RolloutSettings(group_size=1),
+            advantages=GroupAdvantages(LeaveOneOut(), 1),
+        )
