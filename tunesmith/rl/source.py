@@ -73,6 +73,7 @@ __all__ = [
     "PolicyLogprobs",
     "RolloutSettings",
     "RolloutSource",
+    "logprobs_under",
     "Rollouts",
     "SampleStage",
     "rollout_metrics",
@@ -329,7 +330,11 @@ class PolicyLogprobs:
         s = self.settings
         for key, policy in self.policies.items():
             batch[key] = per_micro_batch(
-                _logprobs_under(policy, s), batch, s.micro_batch_size, self.ctx, s.autocast_dtype
+                logprobs_under(policy, s.generation.temperature, s.chunk_size),
+                batch,
+                s.micro_batch_size,
+                self.ctx,
+                s.autocast_dtype,
             )
 
     def check(self, metrics: dict[str, float]) -> None:
@@ -345,20 +350,17 @@ class PolicyLogprobs:
             )
 
 
-def _logprobs_under(
-    policy: Callable[[], Any], settings: RolloutSettings
+def logprobs_under(
+    policy: Callable[[], Any], temperature: float, chunk_size: int = 1024
 ) -> Callable[[Batch], torch.Tensor]:
     """The completion log-probs of a micro-batch under ``policy`` (a
-    :class:`~tunesmith.training.setup.FrozenPolicy`), at the sampling temperature."""
+    :class:`~tunesmith.training.setup.FrozenPolicy`) at ``temperature``: the trainer's and the
+    reference's (here and in the reward workers), one micro-batch at a time with
+    :func:`~tunesmith.rl.rollout.per_micro_batch`."""
 
     def logprobs(part: Batch) -> torch.Tensor:
         with policy() as model:
-            return completion_logprobs(
-                model,
-                part,
-                temperature=settings.generation.temperature,
-                chunk_size=settings.chunk_size,
-            )
+            return completion_logprobs(model, part, temperature=temperature, chunk_size=chunk_size)
 
     return logprobs
 

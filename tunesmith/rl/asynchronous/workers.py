@@ -41,8 +41,8 @@ from tunesmith.modules.peft.apply import adapter_modules, merge_adapters
 from tunesmith.rl.asynchronous.weight_sync import TensorSpec, WeightReceiver
 from tunesmith.rl.groups import Group, sample_groups, score_groups
 from tunesmith.rl.prompts import Prompt
-from tunesmith.rl.rollout import completion_logprobs, rollout_batch
-from tunesmith.rl.source import stop_token_ids
+from tunesmith.rl.rollout import per_micro_batch, rollout_batch
+from tunesmith.rl.source import logprobs_under, stop_token_ids
 from tunesmith.training import setup
 from tunesmith.training.parallel.distributed import DistributedContext
 
@@ -250,20 +250,10 @@ class RewardWorker(_Role):
             for c, f in zip(g.completions, g.finish)
         ]
         batch = rollout_batch(prompts, completions, setup.pad_id(self.tokenizer))
-        parts = []
-        for begin in range(0, batch["input_ids"].shape[0], self.micro_batch_size):
-            part = {
-                k: v[begin : begin + self.micro_batch_size].to(self.ctx.device)
-                for k, v in batch.items()
-            }
-            with (
-                self.reference() as model,
-                torch.autocast(
-                    self.ctx.device.type, self.autocast_dtype, enabled=bool(self.autocast_dtype)
-                ),
-            ):
-                parts.append(completion_logprobs(model, part, temperature=self.temperature).cpu())
-        values = torch.cat(parts)
+        logprobs = logprobs_under(self.reference, self.temperature)
+        values = per_micro_batch(
+            logprobs, batch, self.micro_batch_size, self.ctx, self.autocast_dtype
+        )
         row = 0
         for g in groups:
             g.ref_logprobs = []
