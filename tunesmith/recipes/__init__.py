@@ -11,42 +11,5 @@ Example::
     ['dpo', 'grpo', 'grpo_async']
 """
 
-from tunesmith.recipes.catalog import (
-    CONFIGS_DIR,
-    RECIPES_DIR,
-    CatalogError,
-    Recipe,
-    RecipeError,
-    check_config,
-    check_local_folders,
-    config_names,
-    config_path,
-    infer_recipe,
-    prepare_run,
-    recipe_header,
-    recipe_names,
-    recipe_of_config,
-    recipe_path,
-    run,
-    run_recipe,
-)
-
-__all__ = [
-    "CONFIGS_DIR",
-    "RECIPES_DIR",
-    "CatalogError",
-    "Recipe",
-    "RecipeError",
-    "check_config",
-    "check_local_folders",
-    "config_names",
-    "config_path",
-    "infer_recipe",
-    "prepare_run",
-    "recipe_header",
-    "recipe_names",
-    "recipe_of_config",
-    "recipe_path",
-    "run",
-    "run_recipe",
-]
+from tunesmith.recipes.catalog import *  # noqa: F403  (the names of its __all__)
+from tunesmith.recipes.catalog import __all__  # noqa: F401

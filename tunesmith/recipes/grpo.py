@@ -105,6 +105,7 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     rl.check_one_update_per_backward(cfg, ctx)
 
     # -- rollouts as the trainer's batch source
+    pipeline, on_step_end = None, []
     if asynchronous:
         source, pipeline = rl.asynchronous_source(
             cfg,
@@ -115,45 +116,33 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
             advantage=advantage,
             dynamic=dynamic,
         )
-        try:
-            evaluator = rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source)
-            make_trainer = partial(Trainer.from_config, on_step_end=[source.on_step_end])
-            fit_from_config(
-                cfg,
-                ctx,
-                model=model,
-                objective=objective,
-                source=source,
-                name="grpo",
-                evaluator=evaluator,
-                resumable=rl.ASYNC_RESUMABLE,
-                make_trainer=make_trainer,
-            )
-        finally:
-            if pipeline is not None:
-                pipeline.close()
-        return
-    source = RolloutSource(
-        model=model,
-        tokenizer=tokenizer,
-        prompts=stream,
-        rewards=rewards,
-        ctx=ctx,
-        settings=settings,
-        advantages=GroupAdvantages(advantage, settings.group_size),
-        reference=reference,
-    )
-    evaluator = rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source)
-    fit_from_config(
-        cfg,
-        ctx,
-        model=model,
-        objective=objective,
-        source=source,
-        name="grpo",
-        evaluator=evaluator,
-        resumable=rl.ASYNC_RESUMABLE,
-    )
+        on_step_end = [source.on_step_end]  # new weights to the rollout workers
+    else:
+        source = RolloutSource(
+            model=model,
+            tokenizer=tokenizer,
+            prompts=stream,
+            rewards=rewards,
+            ctx=ctx,
+            settings=settings,
+            advantages=GroupAdvantages(advantage, settings.group_size),
+            reference=reference,
+        )
+    try:
+        fit_from_config(
+            cfg,
+            ctx,
+            model=model,
+            objective=objective,
+            source=source,
+            name="grpo",
+            evaluator=rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source),
+            resumable=rl.ASYNC_RESUMABLE,
+            make_trainer=partial(Trainer.from_config, on_step_end=on_step_end),
+        )
+    finally:
+        if pipeline is not None:
+            pipeline.close()
 
 
 def _dp_group_for(node: DictConfig, ctx: DistributedContext) -> dict:
