@@ -1,8 +1,8 @@
 """``tunesmith demo rl --async``: its config is the GRPO demo's plus the asynchronous keys, the
 flag reaches the demo, and a shortened demo runs its GRPO stage through ``grpo_async``
-(``overlap``: every batch sampled by a policy exactly one update old, each prompt once; with
-``async_mode=sync`` the same weights as the synchronous demo), on one local Ray instance for
-the module; the full demo against the synchronous one (slow)."""
+(``overlap``: every batch sampled by a policy exactly one update old, each prompt once), on
+one local Ray instance for the module; marked slow: with ``async_mode=sync`` the same weights
+as the synchronous demo, and the full demo against the synchronous one."""
 
 from __future__ import annotations
 
@@ -106,6 +106,9 @@ def test_short_async_demo_trains_through_grpo_async(tmp_path, ray_instance, caps
     ]
 
 
+# In the default tier: sync mode == grpo bitwise (test_grpo_async, the recipe) and the demo's
+# way to grpo_async (test_short_async_demo_trains_through_grpo_async, above).
+@pytest.mark.slow
 def test_async_demo_in_sync_mode_is_the_synchronous_demo(tmp_path, ray_instance):
     """Same data, warm-up and GRPO settings: with ``async_mode=sync`` (and no importance
     weights, which only the lag of ``overlap`` needs) the asynchronous demo ends with bitwise

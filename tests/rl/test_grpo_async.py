@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray
 from omegaconf import OmegaConf
 
 from tests.recipes.sft_world import (
@@ -44,9 +45,9 @@ from tests.rl.rl_world import (
     launch_async_ranks,
     local_ray,
     make_prompts,
-    ray_temp_dir,
     run_rl,
 )
+from tunesmith.cli.main import main as cli_main
 from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
 from tunesmith.recipes import config_path
 from tunesmith.rl.asynchronous.pipeline import dynamic_selection
@@ -83,14 +84,19 @@ def run(world, recipe: str, config: str, name: str, *extra: str, model=None):
 _SHARED: dict[tuple[str, ...], Path] = {}
 
 
-def shared(world, recipe: str, *extra: str) -> Path:
-    """``recipe`` on ``tiny`` with ``extra``, run once for the module: the reference runs that
-    several tests compare with (read only)."""
-    key = (recipe, *extra)
+def shared(world, recipe: str, *extra: str, lora: bool = False) -> Path:
+    """``recipe`` on ``tiny`` with ``extra`` (``lora``: the model of ``tiny_lora``), run once
+    for the module: the reference runs that several tests compare with (read only)."""
+    key = (recipe, *extra, "lora" if lora else "full")
     if key not in _SHARED:
-        name = "-".join(["shared", recipe, *(e.replace("=", "_") for e in extra)])
-        _SHARED[key] = run(world, recipe, "tiny", name, *extra)
+        name = "-".join(["shared", *key]).replace("=", "_")
+        _SHARED[key] = run(world, recipe, "tiny", name, *extra, model=_lora() if lora else None)
     return _SHARED[key]
+
+
+def _lora():
+    """The model node of ``tiny_lora`` (``${model_dir}``: the run's)."""
+    return OmegaConf.load(config_path("tiny_lora", "sft")).model
 
 
 def rollouts(out):
@@ -122,7 +128,15 @@ def test_sync_mode_equals_the_synchronous_recipe(world, kl):
         assert sum(group_means) / len(group_means) == pytest.approx(ours[step]["reward"], abs=1e-5)
 
 
-@pytest.mark.parametrize(("mode", "allowed"), [("overlap", 1), ("off_policy", 2)])
+@pytest.mark.parametrize(
+    ("mode", "allowed"),
+    [
+        # overlap's lag of exactly one batch, each group once: the overlap run of
+        # test_overlap_with_dynamic_sampling (below) and the async demo (test_demo_rl_async)
+        pytest.param("overlap", 1, marks=pytest.mark.slow),
+        ("off_policy", 2),
+    ],
+)
 def test_async_modes_use_each_group_once_and_never_too_stale(world, mode, allowed):
     out = run(world, "grpo_async", "tiny", mode, f"async_mode={mode}", "max_staleness=2")
     records = rollouts(out)
@@ -257,26 +271,26 @@ def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path, w
     env = {**os.environ, "OMP_NUM_THREADS": "1", ALLOW_ANY_COMPONENT_ENV: "1",
            "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}  # fmt: skip
     lines, killed = [], None
-    with ray_temp_dir() as temp:
-        overrides = [*grpo_overrides(model_dir, prompts, out, *FAST), *slow, "async_mode=sync",
-                     f"ray.temp_dir={temp}", f"rollout.weight_sync={weight_sync}"]  # fmt: skip
-        command = [sys.executable, "-m", "tunesmith.cli.main", "run", "grpo_async", "--config",
-                   "tiny", *overrides]  # fmt: skip
-        process = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        try:
-            for line in process.stdout:
-                lines.append(line)
-                found = re.search(r"rollout workers \(pids \[(\d+)", line)
-                if found:
-                    pid = int(found.group(1))
-                if line.startswith("step 1/") and killed is None:  # batch 2 is being sampled
-                    os.kill(pid, signal.SIGKILL)
-                    killed = pid
-            assert process.wait(timeout=300) == 0, "".join(lines)
-        finally:
-            process.kill()
+    address = ray.get_runtime_context().gcs_address  # the run joins the module's instance
+    overrides = [*grpo_overrides(model_dir, prompts, out, *FAST), *slow, "async_mode=sync",
+                 f"ray.address={address}", f"rollout.weight_sync={weight_sync}"]  # fmt: skip
+    command = [sys.executable, "-m", "tunesmith.cli.main", "run", "grpo_async", "--config",
+               "tiny", *overrides]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            found = re.search(r"rollout workers \(pids \[(\d+)", line)
+            if found:
+                pid = int(found.group(1))
+            if line.startswith("step 1/") and killed is None:  # batch 2 is being sampled
+                os.kill(pid, signal.SIGKILL)
+                killed = pid
+        assert process.wait(timeout=300) == 0, "".join(lines)
+    finally:
+        process.kill()
     assert killed is not None, "".join(lines)
     metrics = read_metrics(out)
     assert sorted(metrics) == list(range(1, STEPS + 1))  # every update made
@@ -286,12 +300,12 @@ def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path, w
     assert_same_weights(final_weights(out), final_weights(quiet), atol=0.0)
 
 
+LORA_KL = ("kl.coef=0.1", "async_mode=sync")  # the reward workers' reference log-probs too
+
+
 def test_a_lora_policy_sends_its_adapters_and_equals_the_synchronous_recipe(world):
-    lora = OmegaConf.load(config_path("tiny_lora", "sft")).model  # ${model_dir}: the run's
-    plain = run(world, "grpo", "tiny", "grpo-lora", "kl.coef=0.1", model=lora)
-    remote = run(
-        world, "grpo_async", "tiny", "sync-lora", "kl.coef=0.1", "async_mode=sync", model=lora
-    )
+    plain = run(world, "grpo", "tiny", "grpo-lora", "kl.coef=0.1", model=_lora())
+    remote = shared(world, "grpo_async", *LORA_KL, lora=True)
     assert (remote / "checkpoints" / f"step_{STEPS:06d}" / "adapter_config.json").is_file()
     assert_same_weights(final_weights(remote), final_weights(plain), atol=0.0)
     assert read_metrics(remote)[STEPS]["kl"] > 0.0
@@ -318,62 +332,27 @@ def test_two_rollout_and_reward_workers_share_the_batches(world):
     assert_same_weights(final_weights(two), final_weights(one), atol=1e-5)
 
 
-def test_two_trainer_ranks_equal_one_process(world, tmp_path):
+def test_a_missing_ray_is_one_line_naming_the_extra(world, tmp_path, monkeypatch, capsys):
     root, model_dir, prompts = world
-    single = shared(world, "grpo_async", "async_mode=sync")
-    launch_async_ranks(
-        [*grpo_overrides(model_dir, prompts, tmp_path / "two", *FAST), "async_mode=sync"], tmp_path
-    )
-    one, two = read_metrics(single), read_metrics(tmp_path / "two")
-    for step in range(1, STEPS + 1):
-        assert two[step]["rollout_samples"] == one[step]["rollout_samples"] == 16
-        for key in ("reward", "completion_length"):  # the same rollouts, shared out
-            assert two[step][key] == pytest.approx(one[step][key], abs=1e-6), key
-        for key in ("loss", "grad_norm"):
-            assert two[step][key] == pytest.approx(one[step][key], rel=1e-5), key
-    assert_same_weights(final_weights(tmp_path / "two"), final_weights(single), 1e-5)
-
-
-def test_a_missing_ray_is_one_line_naming_the_extra(world, tmp_path):
-    root, model_dir, prompts = world
-    hide_ray = (
-        "import sys; sys.modules['ray'] = None; from tunesmith.cli.main import main; "
-        "sys.exit(main(sys.argv[1:]))"
-    )
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            hide_ray,
-            "run",
-            "grpo_async",
-            "--config",
-            "tiny",
-            *grpo_overrides(model_dir, prompts, tmp_path / "out", *FAST),
-            "async_mode=sync",
-        ],
-        cwd=REPO,
-        env={**os.environ, ALLOW_ANY_COMPONENT_ENV: "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.strip()]
-    assert errors == [errors[0]] and "pip install 'tunesmith[rl]'" in errors[0], result.stderr
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as if not installed
+    overrides = grpo_overrides(model_dir, prompts, tmp_path / "out", *FAST, "async_mode=sync")
+    argv = ["run", "grpo_async", "--config", "tiny", *overrides]
+    with _any_component_allowed():  # the test reward
+        assert cli_main(argv) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert errors == [errors[0]] and "pip install 'tunesmith[rl]'" in errors[0], errors
 
 
 def test_lora_workers_with_a_merged_copy_sample_what_the_adapters_would(world):
-    lora = OmegaConf.load(config_path("tiny_lora", "sft")).model
-    adapters = run(world, "grpo_async", "tiny", "lora-adapters", "async_mode=sync", model=lora)
+    adapters = shared(world, "grpo_async", *LORA_KL, lora=True)
     merged = run(
         world,
         "grpo_async",
         "tiny",
         "lora-merged",
-        "async_mode=sync",
+        *LORA_KL,
         "rollout.merge_adapters=true",
-        model=lora,
+        model=_lora(),
     )
     ours, theirs = read_metrics(merged), read_metrics(adapters)
     for step in range(1, STEPS + 1):  # the same completions from the merged dense weights

@@ -1,10 +1,10 @@
 """The trainer of asynchronous GRPO as Ray actors (``trainer_group.launcher: ray``), end to end
 on a tiny policy with real Ray actors and workers:
 
-* 2 trainer actors == the 1-process run, with the tolerances of ``test_grpo_async``'s "two
-  trainer ranks == one process" (the same rollouts, rewards and lengths; loss and grad norm
-  rel 1e-5; weights 1e-5), and the checkpoint records 2 data-parallel ranks; == 2 torchrun
-  ranks bitwise (the same per-rank code in the same process group);
+* 2 torchrun trainer ranks and 2 trainer actors each == the 1-process run (the same
+  rollouts, rewards and lengths; loss and grad norm rel 1e-5; weights 1e-5), the actors'
+  checkpoint recording 2 data-parallel ranks; actors == torchrun ranks bitwise (the same
+  per-rank code in the same process group); the three runs are made once for the module;
 * on a Ray cluster of two nodes (two raylets on this machine), one actor per node == the
   one-node run bitwise;
 * SIGTERM to the driver: the ranks save at the end of the step and the run exits 0; resumed,
@@ -105,17 +105,41 @@ def two_actors(world, ray_instance) -> Path:
     return run(world, "two-actors", *RAY_GROUP)
 
 
-@pytest.mark.slow  # implied: actors == torchrun ranks (bitwise, below) and torchrun ranks == one
-def test_two_trainer_actors_equal_one_process(world, two_actors):  # process (test_grpo_async)
-    single = run(world, "one-process")
-    one, two = read_metrics(single), read_metrics(two_actors)
+@pytest.fixture(scope="module")
+def one_process(world, ray_instance) -> Path:
+    """The same run in one trainer process."""
+    return run(world, "one-process")
+
+
+@pytest.fixture(scope="module")
+def torchrun_ranks(world) -> Path:
+    """The same run on 2 torchrun ranks (a Ray instance of the run's own)."""
+    root, model_dir, prompts = world
+    out, logs = root / "torchrun-ranks", root / "rank-logs"
+    logs.mkdir()
+    launch_async_ranks([*grpo_overrides(model_dir, prompts, out, *FAST), "async_mode=sync"], logs)
+    return out
+
+
+def _assert_equals_one_process(two: Path, single: Path) -> None:
+    """2 data-parallel trainer ranks == 1 process: the same rollouts, rewards and lengths;
+    loss and grad norm rel 1e-5; weights 1e-5."""
+    one, ours = read_metrics(single), read_metrics(two)
     for step in range(1, STEPS + 1):
-        assert two[step]["rollout_samples"] == one[step]["rollout_samples"] == 16
+        assert ours[step]["rollout_samples"] == one[step]["rollout_samples"] == 16
         for key in ("reward", "completion_length"):  # the same rollouts, shared out
-            assert two[step][key] == pytest.approx(one[step][key], abs=1e-6), key
+            assert ours[step][key] == pytest.approx(one[step][key], abs=1e-6), key
         for key in ("loss", "grad_norm"):
-            assert two[step][key] == pytest.approx(one[step][key], rel=1e-5), key
-    assert_same_weights(final_weights(two_actors), final_weights(single), 1e-5)
+            assert ours[step][key] == pytest.approx(one[step][key], rel=1e-5), key
+    assert_same_weights(final_weights(two), final_weights(single), 1e-5)
+
+
+def test_two_torchrun_ranks_equal_one_process(torchrun_ranks, one_process):
+    _assert_equals_one_process(torchrun_ranks, one_process)
+
+
+def test_two_trainer_actors_equal_one_process(two_actors, one_process):
+    _assert_equals_one_process(two_actors, one_process)
     last = two_actors / "checkpoints" / f"step_{STEPS:06d}"
     assert read_record(last, 0).data_parallel == 2  # two ranks trained, not two copies of one
     logs = sorted(p.name for p in (two_actors / "logs").glob("trainer-group-*/*"))
@@ -240,21 +264,12 @@ def test_a_bad_trainer_group_is_refused_naming_the_key(world, capsys, override, 
     assert "trainer_group" in grpo_async.KEYS
 
 
-def test_two_trainer_actors_equal_two_torchrun_ranks_bitwise(world, two_actors, tmp_path):
+def test_two_trainer_actors_equal_two_torchrun_ranks_bitwise(two_actors, torchrun_ranks):
     """The same per-rank code in the same process group: the same weights, bit for bit."""
-    root, model_dir, prompts = world
-    launch_async_ranks(
-        [*grpo_overrides(model_dir, prompts, tmp_path / "ranks", *FAST), "async_mode=sync"],
-        tmp_path,
-    )
-    assert_same_weights(final_weights(two_actors), final_weights(tmp_path / "ranks"), atol=0.0)
+    assert_same_weights(final_weights(two_actors), final_weights(torchrun_ranks), atol=0.0)
     assert [r["groups"] for r in rollouts(two_actors)] == [
-        r["groups"] for r in rollouts(tmp_path / "ranks")
+        r["groups"] for r in rollouts(torchrun_ranks)
     ]
-    last = two_actors / "checkpoints" / f"step_{STEPS:06d}"
-    assert read_record(last, 0).data_parallel == 2  # two ranks trained, not two copies of one
-    logs = sorted(p.name for p in (two_actors / "logs").glob("trainer-group-*/*"))
-    assert logs == ["console.log", "driver.log", "rank0.log", "rank1.log"]
 
 
 @pytest.fixture

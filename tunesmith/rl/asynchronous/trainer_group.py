@@ -321,6 +321,10 @@ class _Driver:
         self.forwarded = False
 
     def run(self) -> None:
+        need = _resources_needed(self.cfg, self.group)
+        if not self.options.get("address") and self.options.get("num_cpus") is not None:
+            have = {"CPU": float(self.options["num_cpus"])}
+            _refuse_if_short(self.group.workers, need, have, kinds=("CPU",))
         quiet = not bool(self.options.get("log_to_driver", False))
         for name in ["console.log", *(f"rank{r}.log" for r in range(self.group.workers))]:
             _open_log(self.log_dir / name).close()  # a planted link: refused before Ray starts
@@ -343,8 +347,9 @@ class _Driver:
 
     def _start_and_wait(self, owns: bool) -> str | None:
         ray, group = self.ray, self.group
-        if owns:
-            _check_resources(ray, self.cfg, group)
+        if owns:  # the CPUs and GPUs Ray found on this machine
+            need = _resources_needed(self.cfg, group)
+            _refuse_if_short(group.workers, need, ray.cluster_resources())
         actor_class = ray.remote(
             num_cpus=group.num_cpus,
             num_gpus=group.num_gpus,
@@ -502,24 +507,41 @@ def _terminate(pid: int) -> None:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _check_resources(ray: Any, cfg: DictConfig, group: GroupSettings) -> None:
-    """Refuse, before any actor waits forever, a local instance too small for the trainer
-    actors and the rollout and reward workers."""
+def _resources_needed(cfg: DictConfig, group: GroupSettings) -> dict[str, float]:
+    """The CPUs and GPUs the trainer actors and the rollout and reward workers ask Ray for."""
     rollout = dict(cfg.get("rollout") or {})
     reward = dict(cfg.get("reward_workers") or {})
-    need = {
+    return {
         "CPU": group.workers * group.num_cpus
         + int(rollout.get("workers", 1)) * float(rollout.get("num_cpus", 1))
         + int(reward.get("workers", 1)) * float(reward.get("num_cpus", 1)),
         "GPU": group.workers * group.num_gpus
         + int(rollout.get("workers", 1)) * float(rollout.get("num_gpus", 0)),
     }
-    have = ray.cluster_resources()
-    for kind, needed in need.items():
-        if needed > have.get(kind, 0) + 1e-9:
+
+
+def _refuse_if_short(
+    ranks: int,
+    need: Mapping[str, float],
+    have: Mapping[str, float],
+    kinds: Sequence[str] = ("CPU", "GPU"),
+) -> None:
+    """Refuse, before any actor waits forever, a local instance too small for what ``ranks``
+    trainer actors and the workers ``need`` (checked before Ray starts when ``ray.num_cpus``
+    is set, else once Ray has counted the machine).
+
+    >>> _refuse_if_short(2, {"CPU": 4.0, "GPU": 0.0}, {"CPU": 3.0})
+    Traceback (most recent call last):
+    ValueError: trainer_group: 2 trainer ranks and the rollout and reward workers need 4 CPUs, \
+the Ray instance has 3: set ray.num_cpus (CPUs Ray may count), or lower trainer_group.num_cpus, \
+rollout.num_cpus or reward_workers.num_cpus
+    """
+    for kind in kinds:
+        needed, there = need.get(kind, 0.0), have.get(kind, 0.0)
+        if needed > there + 1e-9:
             raise ValueError(
-                f"trainer_group: {group.workers} trainer ranks and the rollout and reward "
-                f"workers need {needed:g} {kind}s, the Ray instance has {have.get(kind, 0):g}: "
+                f"trainer_group: {ranks} trainer ranks and the rollout and reward workers need "
+                f"{needed:g} {kind}s, the Ray instance has {there:g}: "
                 f"set ray.num_cpus (CPUs Ray may count), or lower trainer_group.num_cpus, "
                 f"rollout.num_cpus or reward_workers.num_cpus"
             )
