@@ -95,3 +95,28 @@ def test_export_takes_a_run_folder_from_another_directory(world, tmp_path, monke
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
     base = load_file(world["model"] / "model.safetensors")
     assert max((got[k] - base[k]).abs().max().item() for k in base) > 1e-4  # merged, moved
+
+
+def test_export_replaces_an_existing_folder_only_with_force(world, tmp_path, capsys):
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    argv = ["export", str(world["lora"]), "--output-dir", str(out)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"tunesmith: error: --output-dir {out} already exists: pass --force to replace it"
+    ]
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]  # untouched
+    assert main([*argv, "--force"]) == 0
+    assert not (out / "notes.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_export_never_replaces_the_folder_it_reads_even_with_force(world, tmp_path, capsys):
+    run, _ = _copy_run(world, tmp_path, str(world["model"]), keep_config=True)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    for out in (run, run / "checkpoints"):  # the run folder, and the one holding the adapter
+        assert main(["export", str(run), "--output-dir", str(out), "--force"]) == 1
+        err = capsys.readouterr().err
+        assert f"--output-dir {out} holds {run.resolve()}/checkpoints/step_000002" in err, err
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before

@@ -457,6 +457,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_output_dir(
+    out: str | os.PathLike, *, force: bool, keep: Sequence[str | os.PathLike] = ()
+) -> None:
+    """Refuse an output folder that exists unless ``force`` (as ``cp`` without ``-f``), and,
+    even with ``force``, one that is or holds a folder in ``keep`` (the model being read):
+    replacing it would delete that.
+
+    >>> check_output_dir("/", force=False)
+    Traceback (most recent call last):
+    FileExistsError: --output-dir / already exists: pass --force to replace it
+    """
+    out = Path(out)
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not force:
+        raise FileExistsError(f"--output-dir {out} already exists: pass --force to replace it")
+    target = out.resolve()
+    for source in keep:
+        source = Path(source).resolve()
+        if source == target or target in source.parents:
+            raise ValueError(
+                f"--output-dir {out} holds {source}, which this command reads: replacing it "
+                "would delete that; choose another folder"
+            )
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """Merge a LoRA/DoRA adapter into its base and write a plain HF checkpoint."""
     from tunesmith.cli.checkpoint_loading import adapter_base, resolve_checkpoint
@@ -467,6 +493,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     base = args.base_dir
     if base is None and (path / ADAPTER_CONFIG_NAME).is_file():
         base = adapter_base(path)  # found from any working directory
+    check_output_dir(args.output_dir, force=args.force, keep=[p for p in (path, base) if p])
     out = export_merged(path, args.output_dir, base_dir=base, dtype=args.dtype)
     print(f"exported {args.path} to {out}")
     return 0
@@ -680,6 +707,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", required=True, help="where to write the merged HF folder")
     p.add_argument("--base-dir", help="base model folder (default: the adapter config's)")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: the base's)")
+    p.add_argument(
+        "--force", action="store_true", help="replace --output-dir when it exists (as cp -f)"
+    )
 
     p = add("plot", cmd_plot)
     p.add_argument("run_dir", help="run directory holding metrics.jsonl")

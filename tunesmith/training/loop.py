@@ -59,6 +59,7 @@ from tqdm import tqdm
 
 from tunesmith.config import ConfigError, check_keys, instantiate
 from tunesmith.modules.dtypes import AUTOCAST
+from tunesmith.training.checkpoint.checkpointer import not_continued
 from tunesmith.training.checkpoint.run_lock import hold_run_lock
 from tunesmith.training.datasets import inherit_val_dataset
 from tunesmith.training.logging.loggers import MetricLogger, MetricWindow, MultiLogger, NullLogger
@@ -128,7 +129,8 @@ def run_main(
     previous_sigint = signal.getsignal(signal.SIGINT)
     lock = None
     try:  # one run per output_dir, taken before anything is written into it
-        lock = hold_run_lock(settings.output_dir, ctx)
+        lock = hold_run_lock(settings.output_dir, ctx)  # a live run's lock is named first
+        refuse_another_runs(cfg)
         random.seed(settings.seed)
         torch.manual_seed(settings.seed)
         train(cfg, ctx)
@@ -165,13 +167,13 @@ def resolve_resume(cfg: DictConfig) -> DictConfig:
         >>> resolve_resume(cfg).resume, cfg.resume
         (False, 'auto')
     """
-    resume = value_of(cfg, "resume")
+    resume, existing = value_of(cfg, "resume"), _step_dirs(cfg.get("output_dir"))
     if resume == "auto":
         cfg = copy.deepcopy(cfg)
-        cfg.resume = _has_checkpoint(cfg.get("output_dir"))
+        cfg.resume = bool(existing)
     elif isinstance(resume, str) and not Path(resume).is_dir():
         raise FileNotFoundError(f"resume={resume}: no such checkpoint folder")
-    elif resume is True and not _has_checkpoint(cfg.get("output_dir")):
+    elif resume is True and not existing:
         raise FileNotFoundError(
             f"resume=true: no checkpoint to resume in {Path(cfg.output_dir) / 'checkpoints'}; "
             "start fresh with resume=false, or pass resume=auto (resume when there is a "
@@ -180,11 +182,27 @@ def resolve_resume(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def _has_checkpoint(output_dir: str | None) -> bool:
+def refuse_another_runs(cfg: DictConfig) -> None:
+    """Refuse, before anything is tokenised or built, a start (``resume`` resolved) that would
+    not continue the ``step_*`` folders of ``<output_dir>/checkpoints`` (another run's), unless
+    ``overwrite=true`` (:meth:`Checkpointer.start` then moves them aside): the line
+    :meth:`Checkpointer.start` would give after the data and the model."""
+    existing, resume = _step_dirs(cfg.get("output_dir")), value_of(cfg, "resume")
+    here = isinstance(resume, str) and Path(resume).parent.resolve() in {
+        p.parent.resolve() for p in existing
+    }  # resume=<a step folder of this run>: a rollback, not another run
+    if existing and resume is not True and not here and not value_of(cfg, "overwrite"):
+        root = Path(cfg.output_dir) / "checkpoints"
+        raise FileExistsError(not_continued(root, existing, resume))
+
+
+def _step_dirs(output_dir: str | None) -> list[Path]:
+    """The ``step_*`` folders of ``<output_dir>/checkpoints`` (complete or not), oldest first."""
     root = Path(output_dir) / "checkpoints" if output_dir else None
     if root is None or not root.is_dir():
-        return False
-    return any(_STEP_DIR.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
+        return []
+    steps = [p for p in root.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir()]
+    return sorted(steps, key=lambda p: int(p.name.removeprefix("step_")))
 
 
 def fit_from_config(
@@ -268,6 +286,9 @@ def fit(
         trainer.log = log
     if start:  # verified; refuses another run's checkpoints or a changed config
         trainer.start()
+    if trainer.done:  # resumed at its last step: nothing to train
+        log(_complete(trainer))
+        return
     logger = MultiLogger(list(loggers)) if ctx.is_rank_zero else NullLogger()
     logger.log_config(trainer.record.config)  # environment reads as ${oc.env:...}, never values
     total_steps, stop_after = trainer.total_steps, settings.stop_after_steps
@@ -341,6 +362,20 @@ def fit(
         restore_signals()
         bar.close()
         logger.close()
+
+
+def _complete(trainer: Trainer) -> str:
+    """What a run resumed at its last step says instead of training.
+
+    Example: ``runs/a/checkpoints/step_000300: the run is complete (step 300 of 300); to train
+    further, resume with a larger max_steps``.
+    """
+    key = "max_steps" if trainer.settings.max_steps else "epochs"
+    step, total = trainer.progress["step"], trainer.total_steps
+    return (
+        f"{trainer.last_checkpoint}: the run is complete (step {step} of {total}); to train "
+        f"further, resume with a larger {key}"
+    )
 
 
 _TRAINER_KEYS = ("loss", "lr", "grad_norm", "tokens_seen", "skipped_update")

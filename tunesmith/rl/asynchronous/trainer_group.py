@@ -69,7 +69,13 @@ from omegaconf import DictConfig, OmegaConf
 from tunesmith.config.errors import type_name
 from tunesmith.config.secrets import SECRET_NAMES_ENV, RedactingStream, redact, secret_names
 from tunesmith.models.atomic import UnsafePathError, open_no_follow, real_folder
-from tunesmith.rl.asynchronous.pipeline import actor_cause, init_ray, require_ray, runtime_env
+from tunesmith.rl.asynchronous.pipeline import (
+    WorkerResources,
+    actor_cause,
+    init_ray,
+    require_ray,
+    runtime_env,
+)
 from tunesmith.training.logging.console import Tee
 from tunesmith.training.loop import resolve_resume, run_main
 from tunesmith.training.parallel.distributed import (
@@ -509,14 +515,15 @@ def _terminate(pid: int) -> None:
 
 def _resources_needed(cfg: DictConfig, group: GroupSettings) -> dict[str, float]:
     """The CPUs and GPUs the trainer actors and the rollout and reward workers ask Ray for."""
-    rollout = dict(cfg.get("rollout") or {})
-    reward = dict(cfg.get("reward_workers") or {})
+    rollout = WorkerResources.of(cfg.get("rollout"))
+    reward = WorkerResources.of(cfg.get("reward_workers"))
     return {
         "CPU": group.workers * group.num_cpus
-        + int(rollout.get("workers", 1)) * float(rollout.get("num_cpus", 1))
-        + int(reward.get("workers", 1)) * float(reward.get("num_cpus", 1)),
+        + rollout.workers * rollout.num_cpus
+        + reward.workers * reward.num_cpus,
         "GPU": group.workers * group.num_gpus
-        + int(rollout.get("workers", 1)) * float(rollout.get("num_gpus", 0)),
+        + rollout.workers * rollout.num_gpus
+        + reward.workers * reward.num_gpus,
     }
 
 

@@ -58,7 +58,7 @@ from tunesmith.training.checkpoint.directory import (
 )
 from tunesmith.training.parallel.distributed import DistributedContext, full_tensor
 
-__all__ = ["Checkpointer", "layout", "rng_state", "saved_layout", "set_rng_state"]
+__all__ = ["Checkpointer", "layout", "not_continued", "rng_state", "saved_layout", "set_rng_state"]
 
 STATE_DIR = "training_state"
 LAYOUT_KEY = "layout"
@@ -335,6 +335,24 @@ def _chain(err: BaseException) -> list[BaseException]:
     return seen
 
 
+def not_continued(root: Path, existing: list[Path], resume: Any) -> str:
+    """Why a run that does not continue the ``existing`` checkpoints of ``root`` is refused
+    (said before anything is built, and again by :meth:`Checkpointer.start`).
+
+    >>> print(not_continued(Path("out/checkpoints"), [Path("step_000004")], False))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    out/checkpoints already holds checkpoints of another run (step_000004) and resume=false does
+    not continue them: pass resume=true to continue that run, overwrite=true to move them aside
+    and start over, or choose another output_dir
+    """
+    start = "resume=false" if resume is None or resume is False else f"resume={resume}"
+    return (
+        f"{root} already holds checkpoints of another run ({_names(existing)}) and "
+        f"{start} does not continue them: pass resume=true to continue that run, "
+        "overwrite=true to move them aside and start over, or choose another output_dir"
+    )
+
+
 def _names(paths: list[Path], limit: int = 4) -> str:
     """``step_000002, step_000004`` (``... and 7 more`` past ``limit``)."""
     names = [p.name for p in paths]
@@ -500,12 +518,7 @@ class Checkpointer:
         ``overwrite`` move them (and the output dir's metrics.jsonl, config.yaml) aside."""
         root = self.directory.root
         if not overwrite:
-            start = "resume=false" if resume is None or resume is False else f"resume={resume}"
-            raise FileExistsError(
-                f"{root} already holds checkpoints of another run ({_names(existing)}) and "
-                f"{start} does not continue them: pass resume=true to continue that run, "
-                "overwrite=true to move them aside and start over, or choose another output_dir"
-            )
+            raise FileExistsError(not_continued(root, existing, resume))
         into = aside_folder(root.parent, "overwritten")
         self.directory.set_aside(existing, into / root.name)
         logs = [root.parent / n for n in ("metrics.jsonl", "config.yaml")]
