@@ -6,7 +6,6 @@ cleanly)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import time
@@ -201,25 +200,6 @@ def test_resuming_a_complete_run_says_so_and_changes_nothing(world, tmp_path, ca
     assert (out / "metrics.jsonl").read_text() == metrics  # nothing logged, nothing trained
     assert checkpoints(out)[-1] == last
     assert all(torch.equal(weights[k], v) for k, v in final_weights(out).items())
-
-
-def test_a_fresh_run_starts_its_own_metrics_and_keeps_the_earlier_ones_aside(
-    world, tmp_path, capsys
-):
-    """A run killed before its first checkpoint leaves its records; the next run in the
-    folder starts from step 0 and must not continue them (overwrite=true moves them itself)."""
-    root, model_dir, data = world
-    out = tmp_path / "run"
-    out.mkdir()
-    earlier = '{"step": 1, "loss": 9.0, "elapsed_s": 1000.0}\n'
-    (out / "metrics.jsonl").write_text(earlier)
-    capsys.readouterr()
-    run_sft(model_dir, data, out, f"batch_size={BATCH}", "max_steps=3")
-    assert f"moved to {out / 'metrics.1.jsonl'}" in capsys.readouterr().out
-    assert (out / "metrics.1.jsonl").read_text() == earlier
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]  # this run's, each once
-    assert all(r["elapsed_s"] < 1000.0 for r in records)  # its own clock, not the earlier run's
 
 
 def test_another_runs_checkpoints_are_refused_before_anything_is_built(

@@ -39,7 +39,6 @@ import resource
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from itertools import count
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
@@ -367,43 +366,6 @@ class JSONLLogger(_ContextManager):
                 f"{path}: cannot write the run's config: {_write_failure(err)}"
             ) from err
 
-    def begin(self, total_steps: int, start_step: int = 0) -> None:
-        """A run that starts from step 0 (no checkpoint resumed) keeps its own record: a
-        file left by an earlier run (killed before its first checkpoint, or overwritten) is
-        moved aside to ``metrics.1.jsonl`` (then ``.2``...) and said so, never continued.
-
-        Example::
-
-            >>> with JSONLLogger("runs/exp2", timestamps=False) as logger:
-            ...     logger.log(1, {"loss": 2.5})
-            >>> with JSONLLogger("runs/exp2", timestamps=False) as logger:
-            ...     logger.begin(total_steps=10, start_step=0)
-            ...     logger.log(1, {"loss": 2.4})
-            runs/exp2/metrics.jsonl held the records of an earlier run (no checkpoint of it \
-was resumed): moved to runs/exp2/metrics.1.jsonl
-            >>> open("runs/exp2/metrics.jsonl").read()
-            '{"step": 1, "loss": 2.4}\\n'
-        """
-        if start_step != 0 or self._fd is None:
-            return
-        opened = os.fstat(self._fd)
-        with contextlib.suppress(FileNotFoundError):
-            there = os.lstat(self.path)
-            if (there.st_dev, there.st_ino) == (opened.st_dev, opened.st_ino):
-                if opened.st_size == 0:
-                    return  # a new file: this run's
-                aside = _free_name(self.path)
-                os.rename(self.path, aside)  # the file opened (a link was refused then)
-                print(
-                    f"{self.path} held the records of an earlier run (no checkpoint of it "
-                    f"was resumed): moved to {aside}",
-                    flush=True,
-                )
-        # the file opened was moved aside (here, or by overwrite=true): a new one at the path
-        os.close(self._fd)
-        self._fd = open_fd_no_follow(self.path, "a")
-        self._elapsed_before, self._opened = 0.0, time.monotonic()
-
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -454,12 +416,6 @@ def append_record(fd: int, path: Path, data: bytes, what: str = "a record") -> N
             f"{path}: cannot append {what}: {_write_failure(err)}; the {size} bytes written "
             "before it are kept"
         ) from err
-
-
-def _free_name(path: Path) -> Path:
-    """``metrics.1.jsonl`` for ``metrics.jsonl``, or the first of ``.2``, ``.3``... not taken."""
-    names = (path.with_name(f"{path.stem}.{n}{path.suffix}") for n in count(1))
-    return next(name for name in names if not os.path.lexists(name))
 
 
 def _last_elapsed(path: Path) -> float:
