@@ -286,8 +286,9 @@ def fit(
         trainer.log = log
     if start:  # verified; refuses another run's checkpoints or a changed config
         trainer.start()
-    if trainer.done:  # resumed at its last step: nothing to train
+    if trainer.done:  # resumed at its last step: nothing to train, nothing logged
         log(_complete(trainer))
+        MultiLogger(list(loggers)).close()  # the files and runs the caller opened
         return
     logger = MultiLogger(list(loggers)) if ctx.is_rank_zero else NullLogger()
     logger.log_config(trainer.record.config)  # environment reads as ${oc.env:...}, never values

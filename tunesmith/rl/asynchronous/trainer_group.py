@@ -325,12 +325,12 @@ class _Driver:
         self.where: list[dict[str, Any]] = []
         self.signals: list[int] = []
         self.forwarded = False
+        self.need = _resources_needed(cfg, group)
 
     def run(self) -> None:
-        need = _resources_needed(self.cfg, self.group)
         if not self.options.get("address") and self.options.get("num_cpus") is not None:
-            have = {"CPU": float(self.options["num_cpus"])}
-            _refuse_if_short(self.group.workers, need, have, kinds=("CPU",))
+            have = {"CPU": float(self.options["num_cpus"])}  # known before Ray starts
+            _refuse_if_short(self.group.workers, self.need, have, kinds=("CPU",))
         quiet = not bool(self.options.get("log_to_driver", False))
         for name in ["console.log", *(f"rank{r}.log" for r in range(self.group.workers))]:
             _open_log(self.log_dir / name).close()  # a planted link: refused before Ray starts
@@ -354,8 +354,7 @@ class _Driver:
     def _start_and_wait(self, owns: bool) -> str | None:
         ray, group = self.ray, self.group
         if owns:  # the CPUs and GPUs Ray found on this machine
-            need = _resources_needed(self.cfg, group)
-            _refuse_if_short(group.workers, need, ray.cluster_resources())
+            _refuse_if_short(group.workers, self.need, ray.cluster_resources())
         actor_class = ray.remote(
             num_cpus=group.num_cpus,
             num_gpus=group.num_gpus,
