@@ -18,7 +18,7 @@ import pytest
 import transformers
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from tests.data.tokenizer_factory import FAMILIES, make_tokenizer_folder
+from tests.data.tokenizer_factory import CHAT_FAMILIES, make_tokenizer_folder
 from tunesmith.data.chat_template import (
     TEMPLATE_NAMES,
     has_generation_tags,
@@ -70,6 +70,16 @@ def assistant(text: str | None, **fields: Any) -> dict[str, Any]:
     return {"role": "assistant", "content": text, **fields}
 
 
+def system(text: str, **fields: Any) -> dict[str, Any]:
+    return {"role": "system", "content": text, **fields}
+
+
+# Which families' formats can express what (a case outside a format lists the others only).
+TOOL_CALLS = ("llama3", "qwen2_5", "qwen3")  # assistant tool calls and tool results
+TOOL_LISTS = (*TOOL_CALLS, "phi4")  # tool schemas in the prompt
+FREE_ORDER = tuple(f for f in CHAT_FAMILIES if f != "gemma")  # Gemma: user/model alternate
+
+
 @dataclass
 class Case:
     name: str
@@ -77,7 +87,7 @@ class Case:
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)
-    families: tuple[str, ...] = FAMILIES
+    families: tuple[str, ...] = CHAT_FAMILIES
     qwen3_replies: list[str] | None = None  # hand-written when the generic rule does not apply
 
 
@@ -113,8 +123,37 @@ CASES = [
     ),
     Case("whitespace", [user("  padded question  \n"), assistant("\n line one\n\nline two  ")]),
     Case("empty_reply", [user("Say nothing."), assistant("")]),
-    Case("assistant_speaks_first", [assistant("Welcome!"), user("Hi"), assistant("Hello.")]),
-    Case("consecutive_replies", [user("Hi"), assistant("One."), assistant("Two.")]),
+    Case(
+        "assistant_speaks_first",
+        [assistant("Welcome!"), user("Hi"), assistant("Hello.")],
+        families=FREE_ORDER,
+    ),
+    Case(
+        "consecutive_replies",
+        [user("Hi"), assistant("One."), assistant("Two.")],
+        families=FREE_ORDER,
+    ),
+    Case(
+        "system_multi_turn",
+        [
+            system("Answer in one line."),
+            user("First question?"),
+            assistant("First answer."),
+            user("Second question?"),
+            assistant("Second answer."),
+            user("Third?"),
+            assistant("Third answer."),
+        ],
+    ),
+    Case(
+        "multiline_reply",
+        [
+            user("Show code."),
+            assistant("Here:\n\n```python\nprint('hi')\n```\n\n- one\n- two\n"),
+            user("Thanks"),
+        ],
+        add_generation_prompt=True,
+    ),
     Case(
         "tools_listed",
         [
@@ -123,8 +162,14 @@ CASES = [
             assistant("I cannot check right now."),
         ],
         tools=[WEATHER, ADD],
+        families=TOOL_LISTS,
     ),
-    Case("tools_no_system", [user("Add 2 and 40."), assistant("42")], tools=[ADD]),
+    Case(
+        "tools_no_system",
+        [user("Add 2 and 40."), assistant("42")],
+        tools=[ADD],
+        families=TOOL_LISTS,
+    ),
     Case(
         "tool_call_and_result",
         [
@@ -134,6 +179,7 @@ CASES = [
             assistant("It is 18°C and sunny in Paris."),
         ],
         tools=[WEATHER],
+        families=TOOL_CALLS,
     ),
     Case(
         "tool_result_then_prompt",
@@ -145,6 +191,7 @@ CASES = [
         ],
         tools=[ADD],
         add_generation_prompt=True,
+        families=TOOL_CALLS,
     ),
     Case(
         "parallel_tool_calls",
@@ -293,6 +340,30 @@ CASES = [
             "<think>\nDone.\n</think>\n\n25C in Rome.<|im_end|>",
         ],
     ),
+    Case(
+        # Gemma 3's content parts: text parts trimmed, an image part as <start_of_image>; the
+        # system text (from its first part) opens the first user turn.
+        "gemma_content_parts",
+        [
+            {"role": "system", "content": [{"type": "text", "text": "Describe briefly."}]},
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": " What is this? "}],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "A cat.\n"}]},
+        ],
+        families=("gemma",),
+    ),
+    Case(
+        # Microsoft's way: the system message carries its tools as a JSON string.
+        "phi4_tools_in_system_message",
+        [
+            system("Use tools.", tools=json.dumps([WEATHER["function"]])),
+            user("Weather in Oslo?"),
+            assistant("Let me check."),
+        ],
+        families=("phi4",),
+    ),
 ]
 
 
@@ -303,13 +374,13 @@ def family_cases(family: str) -> list[Case]:
 def all_cases() -> list[Any]:
     return [
         pytest.param(family, case, id=f"{family}-{case.name}")
-        for family in FAMILIES
+        for family in CHAT_FAMILIES
         for case in family_cases(family)
     ]
 
 
 def test_enough_cases_per_family() -> None:
-    for family in FAMILIES:
+    for family in CHAT_FAMILIES:
         assert len(family_cases(family)) >= 10, family
 
 
@@ -319,6 +390,17 @@ def expected_replies(family: str, case: Case) -> list[str]:
         return case.qwen3_replies
     replies = []
     replies_to = [m for m in case.messages if m["role"] == "assistant"]
+    if family in ("gemma", "phi4", "olmo2"):  # no tool calls; the content, then the end token
+        for message in replies_to:
+            content = message["content"]
+            if family == "gemma":  # trimmed, text parts too
+                parts = (
+                    content if isinstance(content, list) else [{"type": "text", "text": content}]
+                )
+                content = "".join(p["text"].strip() for p in parts if p["type"] == "text")
+            end = {"gemma": "<end_of_turn>", "phi4": "<|end|>", "olmo2": "<|endoftext|>"}[family]
+            replies.append(content + end)
+        return replies
     for k, message in enumerate(replies_to):
         content = message.get("content") or ""
         calls = [c["function"] for c in message.get("tool_calls", [])]
@@ -353,7 +435,7 @@ def expected_replies(family: str, case: Case) -> list[str]:
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Tokenizer, Any]]:
     out = {}
-    for family in FAMILIES:
+    for family in CHAT_FAMILIES:
         folder = make_tokenizer_folder(tmp_path_factory.mktemp(family), family)
         out[family] = (
             Tokenizer.from_pretrained(folder),
@@ -475,7 +557,7 @@ def tagged_template(family: str) -> str:
             "        {{- '\\n' }}\n"
             "    {%- elif message.role == 'user' %}",
         )
-    else:
+    elif family == "qwen3":
         s = _swap(
             s,
             "        {{- '<|im_start|>assistant\\n' }}\n        {%- if loop.index0 > state.last_query",
@@ -487,6 +569,29 @@ def tagged_template(family: str) -> str:
             "        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == 'tool' %}",
             "        {{- '<|im_end|>' }}\n        {%- endgeneration %}\n        {{- '\\n' }}\n"
             "    {%- elif message.role == 'tool' %}",
+        )
+    elif family == "gemma":
+        s = _swap(
+            s,
+            "    {{- state.text + '<end_of_turn>\\n' }}\n",
+            "    {%- if role == 'model' %}\n"
+            "        {%- generation %}{{- state.text + '<end_of_turn>' }}{%- endgeneration %}\n"
+            "        {{- '\\n' }}\n"
+            "    {%- else %}\n"
+            "        {{- state.text + '<end_of_turn>\\n' }}\n"
+            "    {%- endif %}\n",
+        )
+    elif family == "phi4":
+        s = _swap(
+            s,
+            "        {{- message.content + '<|end|>' }}\n",
+            "        {%- generation %}{{- message.content + '<|end|>' }}{%- endgeneration %}\n",
+        )
+    elif family == "olmo2":
+        s = _swap(
+            s,
+            "        {{- message.content + eos_token }}\n",
+            "        {%- generation %}{{- message.content + eos_token }}{%- endgeneration %}\n",
         )
     assert has_generation_tags(s)
     return s
@@ -597,11 +702,93 @@ def test_normalize_messages_like_transformers() -> None:
 
 
 def test_shipped_templates() -> None:
-    assert TEMPLATE_NAMES == ("llama3", "qwen2_5", "qwen3")
+    assert TEMPLATE_NAMES == ("gemma", "llama3", "olmo2", "phi4", "qwen2_5", "qwen3")
     for name in TEMPLATE_NAMES:
         assert not has_generation_tags(load_template(name))
     with pytest.raises(FileNotFoundError, match="neither a shipped template"):
         load_template("no_such_template")
+
+
+# The Gemma, Phi-4-mini and OLMo 2 formats written out by hand (the tests above compare our
+# tokens with transformers' on the same template; these pin the template's text itself).
+FORMAT_CONVERSATION = [system("Be brief."), user("Hi"), assistant("Hello!"), user("Bye")]
+FORMAT_TEXTS = {  # family: (the conversation with a generation prompt, its first three messages)
+    "gemma": (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n",
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello!<end_of_turn>\n",
+    ),
+    "phi4": (
+        "<|system|>Be brief.<|end|><|user|>Hi<|end|><|assistant|>Hello!<|end|>"
+        "<|user|>Bye<|end|><|assistant|>",
+        "<|system|>Be brief.<|end|><|user|>Hi<|end|><|assistant|>Hello!<|end|>",
+    ),
+    "olmo2": (  # the last message, when it is a reply, has no newline after its EOS
+        "<|endoftext|><|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello!<|endoftext|>\n"
+        "<|user|>\nBye\n<|assistant|>\n",
+        "<|endoftext|><|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello!<|endoftext|>",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FORMAT_TEXTS))
+def test_added_formats_render_the_documented_text(tokenizers: dict, family: str) -> None:
+    ours, _ = tokenizers[family]
+    with_prompt, first_three = FORMAT_TEXTS[family]
+    assert ours.apply_chat_template(FORMAT_CONVERSATION, add_generation_prompt=True) == with_prompt
+    assert ours.apply_chat_template(FORMAT_CONVERSATION[:3]) == first_three
+
+
+def test_phi4_writes_tools_in_the_system_turn(tokenizers: dict) -> None:
+    ours, hf = tokenizers["phi4"]
+    listed = json.dumps([WEATHER["function"], ADD["function"]])
+    for messages, tools, expected in [
+        # the tools given to the template: their function objects, after the system content
+        (
+            [system("Sys"), user("Hi")],
+            [WEATHER, ADD],
+            f"<|system|>Sys<|tool|>{listed}<|/tool|><|end|>",
+        ),
+        # no system message: a system turn of their own
+        ([user("Hi")], [WEATHER, ADD], f"<|system|><|tool|>{listed}<|/tool|><|end|>"),
+        # the system message's own tools (a JSON string, as is) win over the template's
+        (
+            [system("Sys", tools="[1]"), user("Hi")],
+            [ADD],
+            "<|system|>Sys<|tool|>[1]<|/tool|><|end|>",
+        ),
+    ]:
+        text = ours.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        assert text == expected + "<|user|>Hi<|end|><|assistant|>"
+        assert text == hf.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+
+
+TOOL_CALL_REPLY = [user("Add 1 and 2"), assistant("", tool_calls=[call("add", {"a": 1, "b": 2})])]
+
+
+@pytest.mark.parametrize(
+    "family, messages, match",
+    [
+        ("gemma", [assistant("Hi"), user("Hello")], r"roles must alternate.*messages\[0\]"),
+        ("gemma", [system("S"), user("a"), user("b")], r"roles must alternate.*messages\[2\]"),
+        ("gemma", TOOL_CALL_REPLY, "no tool calls"),
+        ("phi4", TOOL_CALL_REPLY, "no tool calls"),
+        ("olmo2", TOOL_CALL_REPLY, "no tool calls"),
+        ("olmo2", [user("a"), {"role": "tool", "content": "3"}], "only system, user and assistant"),
+    ],
+)
+def test_added_formats_refuse_what_they_cannot_write(
+    tokenizers: dict, family: str, messages: list[dict[str, Any]], match: str
+) -> None:
+    ours, hf = tokenizers[family]
+    with pytest.raises(jinja2.TemplateError, match=match):
+        ours.tokenize_conversation(messages)
+    with pytest.raises(jinja2.TemplateError, match=match):
+        hf.apply_chat_template(messages, tokenize=False)
 
 
 def test_template_without_generation_prompt_is_an_error() -> None:
@@ -642,6 +829,9 @@ MARKERS = {  # family: (end of turn, start of turn, assistant role header)
     ),
     "qwen2_5": ("<|im_end|>", "<|im_start|>", "<|im_start|>assistant\n"),
     "qwen3": ("<|im_end|>", "<|im_start|>", "<|im_start|>assistant\n"),
+    "gemma": ("<end_of_turn>", "<start_of_turn>", "<start_of_turn>model\n"),
+    "phi4": ("<|end|>", "<|user|>", "<|assistant|>"),
+    "olmo2": ("<|endoftext|>", "<|user|>", "<|assistant|>\n"),  # plain-text role tags
     "plain_headers": ("<|endoftext|>", "### ", "### Assistant:\n"),
 }
 
@@ -743,5 +933,5 @@ def test_mask_of_replies_quoting_the_markers_matches_transformers(
     assert ids == hf_ids(out)
     end = MARKERS[family][0]
     if any(end in m["content"] for m in messages):  # the quoted marker is the special token
-        assert ids.count(ours.token_to_id(end)) > len(messages)
+        assert ids.count(ours.token_to_id(end)) == ours.decode(ids).count(end)
     assert mask == list(out["assistant_masks"])

@@ -1,12 +1,14 @@
 """Tiny Hugging Face tokenizer folders for tests, trained on the spot with ``tokenizers``.
 
-Each family copies the real model's tokenizer layout at toy size: byte-level BPE (~640 ids)
-with the family's pre-tokenizer regex, normalizer, post-processor and added tokens (special
-and not), a ``tokenizer_config.json`` like the Hub's (``tokenizer_class``, special tokens,
+Each family copies the real model's tokenizer layout at toy size: BPE (~640 ids) with the
+family's pre-tokenizer regex, normalizer, post-processor and added tokens (special and not),
+byte-level except Gemma's (SentencePiece-style "▁" spaces with byte fallback), a
+``tokenizer_config.json`` like the Hub's (``tokenizer_class``, special tokens,
 ``added_tokens_decoder``, chat template) and a ``generation_config.json`` with the eos list.
-``transformers.AutoTokenizer`` loads the folders (for Qwen it rebuilds the tokenizer from the
-vocab and merges with its own pipeline, which therefore must match ours), and so does
-:class:`tunesmith.data.tokenizer.Tokenizer`.
+``transformers.AutoTokenizer`` loads the folders (for Qwen and Gemma it rebuilds the tokenizer
+from the vocab and merges with its own pipeline, which therefore must match ours; for Phi-4-mini
+and OLMo 2 a ``config.json`` with the model type makes it read ``tokenizer.json`` as it is, as it
+does for the real models), and so does :class:`tunesmith.data.tokenizer.Tokenizer`.
 
 Training is cached per (family, vocab size), so a test session trains each family once.
 
@@ -40,6 +42,9 @@ from tokenizers import (
 from tunesmith.data.chat_template import load_template
 
 FAMILIES = ("llama3", "qwen2_5", "qwen3")
+"""The families ``test_tokenizer`` checks token by token (its special-id checks know these)."""
+CHAT_FAMILIES = (*FAMILIES, "gemma", "phi4", "olmo2")
+"""Every family here; each has a shipped chat template of the same name."""
 
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -49,6 +54,18 @@ QWEN_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# tiktoken's o200k_base (Phi-4-mini); OLMo 2 uses cl100k_base's, which is LLAMA3_SPLIT.
+O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Gemma's SentencePiece pieces: "▁"-led words, single digits, newline runs. Used for training
+# only: the tokenizer itself (like transformers' GemmaTokenizer) does not pre-split, and the
+# merges learned within pieces never join two of them.
+GEMMA_TRAINING_SPLIT = r"\p{N}|\n+|▁*[^▁\n\p{N}]+|▁+"
 
 
 @dataclass(frozen=True)
@@ -57,6 +74,10 @@ class Family:
     plain: tuple[str, ...]  # added tokens with special=False (tool / think markers)
     config: dict[str, Any]  # tokenizer_config.json entries besides tokens and template
     generation_eos: tuple[str, ...]  # generation_config.json eos_token_id, as tokens
+    generation_ids: tuple[tuple[str, str], ...] = ()  # other generation_config ids: (key, token)
+    additional: tuple[str, ...] | None = None  # tokenizer_config.json additional_special_tokens
+    model_type: str | None = None  # written to config.json, which decides transformers' class
+    vocab_first: tuple[str, ...] = ()  # special tokens that open the vocabulary (ids 0, 1, ...)
 
 
 _QWEN_SPECIAL = (
@@ -81,6 +102,7 @@ _QWEN_CONFIG = {
     "tokenizer_class": "Qwen2Tokenizer",
     "unk_token": None,
 }
+_QWEN_ADDITIONAL = tuple(t for t in _QWEN_SPECIAL if t != "<|endoftext|>")
 
 FAMILY_SPECS = {
     "llama3": Family(
@@ -107,12 +129,15 @@ FAMILY_SPECS = {
             "tokenizer_class": "PreTrainedTokenizerFast",
         },
         generation_eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
+        generation_ids=(("bos_token_id", "<|begin_of_text|>"),),
     ),
     "qwen2_5": Family(
         special=_QWEN_SPECIAL,
         plain=("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>"),
         config=_QWEN_CONFIG,
         generation_eos=("<|im_end|>", "<|endoftext|>"),
+        generation_ids=(("pad_token_id", "<|endoftext|>"),),
+        additional=_QWEN_ADDITIONAL,
     ),
     "qwen3": Family(
         special=_QWEN_SPECIAL,
@@ -128,6 +153,97 @@ FAMILY_SPECS = {
         ),
         config=_QWEN_CONFIG,
         generation_eos=("<|im_end|>", "<|endoftext|>"),
+        generation_ids=(("pad_token_id", "<|endoftext|>"),),
+        additional=_QWEN_ADDITIONAL,
+    ),
+    # Gemma 3: BOS added by the post-processor, <end_of_turn> closes a turn, <eos> a document.
+    "gemma": Family(
+        special=(
+            "<pad>",
+            "<eos>",
+            "<bos>",
+            "<unk>",
+            "<mask>",
+            "<start_of_turn>",
+            "<end_of_turn>",
+            "<start_of_image>",
+            "<end_of_image>",
+            "<image_soft_token>",
+        ),
+        plain=(),
+        config={
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "bos_token": "<bos>",
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<eos>",
+            "model_max_length": 1000000000000000019884624838656,
+            "pad_token": "<pad>",
+            "spaces_between_special_tokens": False,
+            "tokenizer_class": "GemmaTokenizer",
+            "unk_token": "<unk>",
+            "use_default_system_prompt": False,
+        },
+        generation_eos=("<eos>", "<end_of_turn>"),
+        generation_ids=(("bos_token_id", "<bos>"), ("pad_token_id", "<pad>")),
+        vocab_first=("<pad>", "<eos>", "<bos>", "<unk>", "<mask>"),
+    ),
+    # Phi-4-mini: the role tags are special tokens; eos is <|endoftext|>, <|end|> closes a turn.
+    # The Hub says GPT2Tokenizer; transformers reads tokenizer.json as it is for model type phi3.
+    "phi4": Family(
+        special=(
+            "<|endoftext|>",
+            "<|endofprompt|>",
+            "<|assistant|>",
+            "<|end|>",
+            "<|user|>",
+            "<|system|>",
+            "<|tool|>",
+            "<|/tool|>",
+            "<|tool_call|>",
+            "<|/tool_call|>",
+            "<|tool_response|>",
+            "<|tag|>",
+        ),
+        plain=(),
+        config={
+            "add_prefix_space": False,
+            "bos_token": "<|endoftext|>",
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<|endoftext|>",
+            "model_max_length": 131072,
+            "pad_token": "<|endoftext|>",
+            "tokenizer_class": "GPT2Tokenizer",
+            "unk_token": "<|endoftext|>",
+        },
+        generation_eos=("<|end|>", "<|endoftext|>"),
+        generation_ids=(("bos_token_id", "<|endoftext|>"), ("pad_token_id", "<|endoftext|>")),
+        model_type="phi3",
+    ),
+    # OLMo 2 (dolma2 tokenizer): the role tags are plain text; <|endoftext|> is BOS and EOS.
+    # The Hub says GPT2Tokenizer; transformers reads tokenizer.json as it is for model type olmo2.
+    "olmo2": Family(
+        special=(
+            "<|endoftext|>",
+            "<|fim_prefix|>",
+            "<|fim_middle|>",
+            "<|fim_suffix|>",
+            "<|endofprompt|>",
+            "<|pad|>",
+        ),
+        plain=("|||PHONE_NUMBER|||", "|||EMAIL_ADDRESS|||", "|||IP_ADDRESS|||"),
+        config={
+            "bos_token": "<|endoftext|>",
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<|endoftext|>",
+            "model_max_length": 4096,
+            "pad_token": "<|pad|>",
+            "tokenizer_class": "GPT2Tokenizer",
+            "unk_token": "<|endoftext|>",
+        },
+        generation_eos=("<|endoftext|>",),
+        generation_ids=(("bos_token_id", "<|endoftext|>"), ("pad_token_id", "<|pad|>")),
+        model_type="olmo2",
     ),
 }
 
@@ -167,11 +283,19 @@ def corpus(lines: int = 1500, seed: int = 0) -> list[str]:
 
 
 def _pipeline(family: str) -> Tokenizer:
-    if family == "llama3":
-        tok = Tokenizer(models.BPE(ignore_merges=True))
+    if family == "gemma":  # the training pipeline; _gemma_pipeline() gives the final one
+        tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Split(
+            Regex(GEMMA_TRAINING_SPLIT), behavior="isolated", invert=False
+        )
+        return tok
+    if family in ("llama3", "phi4", "olmo2"):
+        split = {"llama3": LLAMA3_SPLIT, "phi4": O200K_SPLIT, "olmo2": LLAMA3_SPLIT}[family]
+        tok = Tokenizer(models.BPE(ignore_merges=family == "llama3"))
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
                 pre_tokenizers.ByteLevel(
                     add_prefix_space=False, trim_offsets=True, use_regex=False
                 ),
@@ -192,20 +316,40 @@ def _pipeline(family: str) -> Tokenizer:
     return tok
 
 
+def _gemma_pipeline(trained: Tokenizer) -> Tokenizer:
+    """The trained Gemma-style tokenizer with the 256 byte-fallback pieces ``<0x00>``..
+    ``<0xFF>`` in its vocabulary and transformers' ``GemmaTokenizer`` pipeline: no pre-split
+    (a split on " ", which the normalizer has already replaced), "▁" decoded as a space."""
+    data = json.loads(trained.to_str())
+    vocab = data["model"]["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    tok = Tokenizer.from_str(json.dumps(data))
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return tok
+
+
 @cache
 def tokenizer_json(family: str, vocab_size: int = 640) -> str:
     """The trained ``tokenizer.json`` text of a family (cached)."""
     if family not in FAMILY_SPECS:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; expected one of {tuple(FAMILY_SPECS)}")
     spec = FAMILY_SPECS[family]
     tok = _pipeline(family)
+    byte_level = family != "gemma"
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
         show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_level else [],
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in spec.vocab_first],
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
+    if family == "gemma":
+        tok = _gemma_pipeline(tok)
     # Added tokens come after the learned vocabulary, in the family's order, as on the Hub.
     for content in (*spec.special, *spec.plain):
         special = content in spec.special
@@ -214,17 +358,22 @@ def tokenizer_json(family: str, vocab_size: int = 640) -> str:
             tok.add_special_tokens([added])
         else:
             tok.add_tokens([added])
-    if family == "llama3":
-        bos = "<|begin_of_text|>"
-        tok.post_processor = processors.Sequence(
-            [
-                processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True),
-                processors.TemplateProcessing(
-                    single=f"{bos}:0 $A:0",
-                    pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-                    special_tokens=[(bos, tok.token_to_id(bos))],
-                ),
-            ]
+    if family in ("llama3", "gemma"):
+        bos = spec.config["bos_token"]
+        prepend_bos = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0",
+            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, tok.token_to_id(bos))],
+        )
+        tok.post_processor = (
+            prepend_bos
+            if family == "gemma"
+            else processors.Sequence(
+                [
+                    processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True),
+                    prepend_bos,
+                ]
+            )
         )
     else:
         tok.post_processor = processors.ByteLevel(
@@ -244,7 +393,10 @@ def make_tokenizer_folder(
     vocab_size: int = 640,
     **config_overrides: Any,
 ) -> Path:
-    """Write a tiny tokenizer folder of ``family`` ("llama3", "qwen2_5", "qwen3") and return it.
+    """Write a tiny tokenizer folder of ``family`` (one of :data:`CHAT_FAMILIES`) and return it.
+
+    A family whose model type decides transformers' tokenizer class (Phi-4-mini, OLMo 2) also
+    gets a ``config.json`` holding just that ``model_type``.
 
     Args:
         chat_template: ``"shipped"`` for tunesmith's template of the family, None for no
@@ -273,10 +425,8 @@ def make_tokenizer_folder(
         },
         **spec.config,
     }
-    if family != "llama3":
-        config["additional_special_tokens"] = [
-            t for t in spec.special if t not in ("<|endoftext|>",)
-        ]
+    if spec.additional is not None:
+        config["additional_special_tokens"] = list(spec.additional)
     if token_objects:
         for key in ("bos_token", "eos_token", "pad_token"):
             if isinstance(config.get(key), str):
@@ -299,11 +449,11 @@ def make_tokenizer_folder(
     if generation_config:
         eos = [ids[t] for t in spec.generation_eos]
         generation: dict[str, Any] = {"eos_token_id": eos}
-        if family == "llama3":
-            generation["bos_token_id"] = ids["<|begin_of_text|>"]
-        else:
-            generation["pad_token_id"] = ids["<|endoftext|>"]
+        generation.update((key, ids[token]) for key, token in spec.generation_ids)
         (folder / "generation_config.json").write_text(
             json.dumps(generation, indent=2), encoding="utf-8"
         )
+    if spec.model_type is not None:
+        model_config = {"model_type": spec.model_type}
+        (folder / "config.json").write_text(json.dumps(model_config, indent=2), encoding="utf-8")
     return folder

@@ -1,10 +1,11 @@
 """Loss parallel: on 2 gloo ranks, with the lm_head weight a DTensor sharded over an odd
 vocabulary (37 rows -> 19 + 18), LinearCrossEntropyLoss (gradients in forward or recomputed),
-token_logprobs, token_entropy and KDLoss (every kind; a teacher sharded alike or whole) give
-the values of the same functions on the plain full weight, the same on both ranks, with the
-full hidden gradient on every rank and the weight gradient of each rank's shard (gathered
-here). A replicated DTensor weight and a replicated DTensor hidden state work too; a
-vocabulary too small to give each rank a row is refused on every rank.
+token_logprobs, token_entropy and KDLoss (every kind; a teacher sharded alike or whole; and
+each with a soft-capped logit transform, applied to each rank's columns) give the values of
+the same functions on the plain full weight, the same on both ranks, with the full hidden
+gradient on every rank and the weight gradient of each rank's shard (gathered here). A
+replicated DTensor weight and a replicated DTensor hidden state work too; a vocabulary too
+small to give each rank a row is refused on every rank.
 
 One spawned world runs every case and saves what each rank got; the tests compare it with the
 single-process computation done here."""
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from tests.gloo_world import run_on_ranks
+from tunesmith.modules.logits import LogitTransform
 from tunesmith.modules.losses import (
     IGNORE_INDEX,
     KD_KINDS,
@@ -28,6 +30,7 @@ from tunesmith.modules.losses import (
 
 VOCAB, HIDDEN, TEACHER_HIDDEN, CHUNK = 37, 8, 6, 4
 KD_CASES = [(kind, 2.0) for kind in KD_KINDS] + [("forward", 1.0), ("js", 1.0)]
+CAPPED = LogitTransform(scale=1.7, softcap=3.0)  # applied to each rank's columns alone
 
 
 def _inputs() -> dict[str, torch.Tensor]:
@@ -119,6 +122,29 @@ def _cases(x: dict[str, torch.Tensor], teacher_weight) -> dict[str, object]:
             return torch.stack([kd, ce]), 0.7 * kd + 0.3 * ce
 
         cases[f"kd_{kind}_T={temperature}"] = kd
+
+    def ce_capped(hidden, weight):
+        loss = LinearCrossEntropyLoss(chunk_size=CHUNK)(
+            hidden, weight, x["labels"], transform=CAPPED
+        )
+        return loss, loss * 0.5
+
+    def logprobs_capped(hidden, weight):
+        logps = token_logprobs(hidden, weight, x["labels"], chunk_size=CHUNK, transform=CAPPED)
+        return logps, (logps * x["coeffs"]).sum()
+
+    def entropy_capped(hidden, weight):
+        return token_entropy(hidden, weight, x["mask"], chunk_size=CHUNK, transform=CAPPED), None
+
+    def kd_capped(hidden, weight):
+        kd, ce = KDLoss(kind="js", temperature=2.0, chunk_size=CHUNK)(
+            hidden, weight, x["teacher_hidden"], teacher_weight(), x["labels"],
+            student_transform=CAPPED, teacher_transform=LogitTransform(scale=0.5),
+        )  # fmt: skip
+        return torch.stack([kd, ce]), 0.7 * kd + 0.3 * ce
+
+    cases.update(ce_capped=ce_capped, logprobs_capped=logprobs_capped)
+    cases.update(entropy_capped=entropy_capped, kd_capped=kd_capped)
     return cases
 
 

@@ -15,7 +15,18 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-HF_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+HF_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mistral",
+    "gemma2",
+    "gemma3_text",
+    "olmo2",
+    "granite",
+    "smollm3",
+)
 
 _TINY: dict[str, Any] = {
     "vocab_size": 128,
@@ -30,6 +41,7 @@ _TINY: dict[str, Any] = {
     "tie_word_embeddings": False,
     "bos_token_id": 1,
     "eos_token_id": 2,
+    "pad_token_id": None,
 }
 _FAMILY_TINY: dict[str, dict[str, Any]] = {
     "llama": {"head_dim": 16},
@@ -45,7 +57,17 @@ _FAMILY_TINY: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [],
     },
     "mistral": {"head_dim": 16, "sliding_window": None},
-}
+    # The features that set a family apart are on (windows shorter than the test rows).
+    "gemma2": {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 20,
+               "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0},
+    "gemma3_text": {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 4,
+                    "query_pre_attn_scalar": 20, "rope_theta": 1000.0,
+                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    "olmo2": {"head_dim": 16},
+    "granite": {"head_dim": 16, "embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                "attention_multiplier": 0.1, "logits_scaling": 4.0},
+    "smollm3": {"head_dim": 16, "num_hidden_layers": 3, "no_rope_layer_interval": 2},
+}  # fmt: skip
 
 
 def tiny_hf_config(model_type: str, **overrides: Any) -> transformers.PretrainedConfig:

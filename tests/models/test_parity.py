@@ -5,7 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tunesmith.models import build_model, llama3, mistral, qwen3, qwen3_moe, spec_from_hf_config
+from tunesmith.models import (
+    build_model,
+    gemma2,
+    gemma3,
+    granite,
+    llama3,
+    mistral,
+    olmo2,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+    spec_from_hf_config,
+)
 from tunesmith.modules.masks import (
     document_causal_mask,
     document_position_ids,
@@ -24,11 +36,23 @@ LLAMA3_ROPE = {
     # branch of the llama3 rule (keep, blend, divide) applies at the test positions.
     "original_max_position_embeddings": 16,
 }
+# Odd sizes: width 48, six heads over two kv heads (GQA 3), vocab 131 (not a power of two).
+ODD = {"vocab_size": 131, "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 2}
 DENSE_CASES = {
     "llama_rope_llama3": ("llama", {"rope_scaling": LLAMA3_ROPE}),
     "qwen2_tied_qkv_bias": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3_qk_norm": ("qwen3", {}),
     "mistral_sliding_window": ("mistral", {"sliding_window": 4}),
+    # Window 4, both soft-caps, query_pre_attn_scalar 20, alternating layers (conftest).
+    "gemma2_caps_window": ("gemma2", {**ODD, "num_hidden_layers": 3, "attention_bias": True}),
+    # Local/global RoPE bases, linear scaling on global layers, per-head (1 + w) qk-norm.
+    "gemma3_text_local_rope": (
+        "gemma3_text",
+        {**ODD, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    ),
+    "olmo2_post_norms": ("olmo2", ODD),
+    "granite_multipliers": ("granite", {**ODD, "tie_word_embeddings": True}),
+    "smollm3_nope_window": ("smollm3", {**ODD, "use_sliding_window": True, "sliding_window": 4}),
 }
 
 
@@ -55,7 +79,7 @@ def dense_pair(request, hf_tiny):
 @torch.no_grad()
 def test_dense_logits_match_transformers(dense_pair):
     case, hf, ours = dense_pair
-    ids, mask, pos = _batch()
+    ids, mask, pos = _batch(vocab=ours.spec.vocab_size)
     full = ids[1:]
     assert torch.allclose(ours(full), hf(full).logits, atol=ATOL, rtol=0)
 
@@ -67,23 +91,57 @@ def test_dense_logits_match_transformers(dense_pair):
     assert torch.allclose(ours_padded[0, 3:], ours(ids[:1, 3:])[0], atol=ATOL, rtol=0)
 
 
+def test_dense_gradients_match_transformers(dense_pair):
+    """Gradients of one summed loss (random weights on every logit) agree, parameter by
+    parameter, within a relative 1e-4 of the gradient's largest entry."""
+    case, hf, ours = dense_pair
+    ids, mask, pos = _batch(vocab=ours.spec.vocab_size, seed=8)
+    weights = torch.randn(2, SEQ, ours.spec.vocab_size, generator=torch.Generator().manual_seed(9))
+    grads = []
+    for model, logits_of in ((hf, lambda out: out.logits), (ours, lambda out: out)):
+        model.zero_grad(set_to_none=True)
+        out = logits_of(model(ids, attention_mask=mask, position_ids=pos))
+        (out * weights * mask[..., None]).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    theirs, mine = grads
+    assert mine.keys() == theirs.keys()
+    for name, grad in mine.items():
+        scale = theirs[name].abs().max()
+        assert scale > 0, name  # every parameter takes part
+        assert (grad - theirs[name]).abs().max() <= 1e-4 * scale, name
+
+
 @torch.no_grad()
 @pytest.mark.parametrize(
     ("case", "ablation"),
     [
         ("llama_rope_llama3", {"rope_scaling": None}),
         ("mistral_sliding_window", {"sliding_window": None}),
+        ("gemma2_caps_window", {"attn_logit_softcapping": None}),
+        ("gemma2_caps_window", {"final_logit_softcapping": None}),
+        ("gemma2_caps_window", {"sliding_window": None, "layer_types": None}),
+        ("gemma2_caps_window", {"attention_multiplier": None}),
+        ("gemma3_text_local_rope", {"rope_local_theta": None}),
+        ("gemma3_text_local_rope", {"rope_scaling": None}),
+        ("granite_multipliers", {"embedding_multiplier": 1.0}),
+        ("granite_multipliers", {"residual_multiplier": 1.0}),
+        ("granite_multipliers", {"attention_multiplier": None}),
+        ("granite_multipliers", {"logits_scaling": 1.0}),
+        ("smollm3_nope_window", {"nope_layers": ()}),
+        ("smollm3_nope_window", {"sliding_window": None, "layer_types": None}),
     ],
 )
 def test_config_only_features_change_the_logits(hf_tiny, case, ablation):
-    """The parity above would be vacuous if rope scaling / the window did not matter."""
+    """The parity above would be vacuous if a feature that lives only in the config (rope
+    scaling, a window, a cap, a multiplier, NoPE layers) did not matter: turning it off moves
+    the logits by more than 100x the tolerance."""
     family, overrides = DENSE_CASES[case]
     hf = hf_tiny.model(family, seed=1, **overrides)
     spec = spec_from_hf_config(hf.config.to_dict())
     ablated = build_model(spec.replace(**ablation)).eval()
     ablated.load_state_dict(hf.state_dict())
-    ids = _batch()[0][1:]
-    assert (ablated(ids) - hf(ids).logits).abs().max() > 1e-2
+    ids = _batch(vocab=spec.vocab_size)[0][1:]
+    assert (ablated(ids) - hf(ids).logits).abs().max() > 100 * ATOL
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +192,17 @@ def _random_model(factory, hf_tiny, **overrides):
 
 @torch.no_grad()
 @pytest.mark.parametrize(
-    "factory", [qwen3.qwen3_tiny, mistral.mistral_tiny], ids=["qwen3", "mistral_window8"]
+    "factory",
+    [
+        qwen3.qwen3_tiny,
+        mistral.mistral_tiny,
+        gemma2.gemma2_tiny,
+        gemma3.gemma3_tiny,
+        olmo2.olmo2_tiny,
+        granite.granite_tiny,
+        smollm3.smollm3_tiny,
+    ],
+    ids=["qwen3", "mistral_window8", "gemma2", "gemma3", "olmo2", "granite", "smollm3"],
 )
 def test_kv_cache_decode_equals_full_forward(factory, hf_tiny):
     """Prefill, a chunked prefill and token-by-token decode with a padded batch == one pass."""
@@ -179,7 +247,9 @@ def test_kv_cache_without_masks_equals_full_forward(hf_tiny):
 
 @torch.no_grad()
 @pytest.mark.parametrize(
-    "factory", [llama3.llama3_tiny, qwen3_moe.qwen3_moe_tiny], ids=["llama", "qwen3_moe"]
+    "factory",
+    [llama3.llama3_tiny, qwen3_moe.qwen3_moe_tiny, gemma2.gemma2_tiny, smollm3.smollm3_tiny],
+    ids=["llama", "qwen3_moe", "gemma2", "smollm3"],
 )
 def test_document_mask_packing_equals_separate_documents(factory, hf_tiny):
     model = _random_model(factory, hf_tiny)

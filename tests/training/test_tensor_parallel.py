@@ -18,7 +18,18 @@ import torch.distributed as dist
 from tests.gloo_world import run_on_ranks
 from tunesmith.config import ConfigError
 from tunesmith.models import build_model
-from tunesmith.models.zoo import llama3, mistral, qwen2_5, qwen3, qwen3_moe
+from tunesmith.models.zoo import (
+    gemma2,
+    gemma3,
+    granite,
+    llama3,
+    mistral,
+    olmo2,
+    qwen2_5,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from tunesmith.modules.peft.apply import apply_lora
 from tunesmith.training.parallel.distributed import ParallelDims
 from tunesmith.training.parallel.tensor_parallel import apply_tensor_parallel, check_tp_shardable
@@ -31,6 +42,10 @@ SPECS = {
     "llama3_untied": lambda: llama3.spec("llama3_tiny", vocab_size=VOCAB),
     "mistral_window": lambda: mistral.spec("mistral_tiny", vocab_size=VOCAB, sliding_window=4),
     "qwen3_moe": lambda: qwen3_moe.spec("qwen3_moe_tiny", vocab_size=VOCAB),
+    "gemma2_caps_sandwich": lambda: gemma2.spec("gemma2_tiny", vocab_size=VOCAB),
+    "gemma3_local_rope": lambda: gemma3.spec("gemma3_tiny", vocab_size=VOCAB),
+    "granite_multipliers": lambda: granite.spec("granite_tiny", vocab_size=VOCAB),
+    "smollm3_nope": lambda: smollm3.spec("smollm3_tiny", vocab_size=VOCAB),
 }
 
 
@@ -115,3 +130,8 @@ def test_nf4_weights_are_refused_by_name():
     apply_lora(model, rank=2, alpha=4, target_modules=["q_proj"], quantize_base=True)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight: an NF4"):
         check_tp_shardable(model)
+
+
+def test_a_qk_norm_over_every_head_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn: a qk-norm over the whole"):
+        check_tp_shardable(build_model(olmo2.spec("olmo2_tiny")))

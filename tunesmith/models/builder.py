@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tunesmith.models.spec import ModelSpec
+from tunesmith.models.spec import ModelSpec, UnsupportedModelError
 from tunesmith.modules.attention import Attention
 from tunesmith.modules.decoder import DecoderLayer, DecoderModel, TransformerLM
 from tunesmith.modules.feed_forward import FeedForward
@@ -65,31 +65,49 @@ def _assemble(spec: ModelSpec) -> TransformerLM:
                 qkv_bias=spec.attention_bias or spec.qkv_bias,
                 o_bias=spec.attention_bias,
                 qk_norm=spec.qk_norm,
+                qk_norm_per_head=spec.qk_norm_per_head,
                 norm_eps=spec.rms_norm_eps,
+                norm_style=spec.norm_style,
+                scale=spec.attention_multiplier,
+                softcap=spec.attn_logit_softcapping,
+                rope=i not in spec.nope_layers,
             ),
             _mlp(spec, i),
             spec.hidden_size,
             spec.rms_norm_eps,
+            norm_layout=spec.norm_layout,
+            norm_style=spec.norm_style,
+            residual_multiplier=spec.residual_multiplier,
+            sliding_window=spec.layer_sliding_window(i),
         )
         for i in range(spec.num_hidden_layers)
     ]
+    local_rope = None
+    if spec.rope_local_theta is not None:
+        local_rope = RotaryEmbedding(spec.head_dim, spec.rope_local_theta)
     decoder = DecoderModel(
         nn.Embedding(spec.vocab_size, spec.hidden_size),
         layers,
-        RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps),
+        RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps, style=spec.norm_style),
         RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling),
-        sliding_window=spec.sliding_window,
+        rotary_emb_local=local_rope,
+        embedding_multiplier=spec.embedding_multiplier,
     )
     return TransformerLM(
         decoder,
         tie_word_embeddings=spec.tie_word_embeddings,
         initializer_range=spec.initializer_range,
+        logit_transform=spec.logit_transform,
         spec=spec,
     )
 
 
 def _mlp(spec: ModelSpec, layer_idx: int) -> nn.Module:
     if spec.is_moe_layer(layer_idx):
+        if spec.hidden_act != "silu":
+            raise UnsupportedModelError(
+                f"mixture-of-experts layers are SwiGLU only, got hidden_act {spec.hidden_act!r}"
+            )
         return MoE(
             spec.hidden_size,
             spec.moe_intermediate_size,
@@ -97,7 +115,9 @@ def _mlp(spec: ModelSpec, layer_idx: int) -> nn.Module:
             top_k=spec.num_experts_per_tok,
             norm_topk_prob=spec.norm_topk_prob,
         )
-    return FeedForward(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+    return FeedForward(
+        spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias, act=spec.hidden_act
+    )
 
 
 @contextlib.contextmanager

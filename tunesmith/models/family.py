@@ -81,8 +81,8 @@ class Family:
             model class is the same with ``ForSequenceClassification``.
         implied: spec fields every config of this type means (``{"qkv_bias": True}``).
         flags: names in :data:`FLAG_FIELDS` the config.json carries as keys of the same name.
-        defaults: transformers' values for keys in :data:`OPTIONAL_KEYS` (or ``head_dim``)
-            when a config.json omits them.
+        defaults: transformers' values for keys in :data:`OPTIONAL_KEYS` (or ``head_dim``,
+            ``tie_word_embeddings``) when a config.json omits them.
         from_hf_config: config.json dict -> further spec fields (sliding window, experts).
         to_hf_config: spec -> further config.json keys; it may raise
             :class:`UnsupportedModelError` for what it cannot write. A spec with a sliding
@@ -116,7 +116,9 @@ class Family:
         both = sorted(set(self.flags) & set(self.implied))
         if both:
             raise ValueError(f"family {self.name!r}: {both} both implied and read as flags")
-        bad = [k for k in self.defaults if k not in (*OPTIONAL_KEYS, "head_dim")]
+        bad = [
+            k for k in self.defaults if k not in (*OPTIONAL_KEYS, "head_dim", "tie_word_embeddings")
+        ]
         if bad:
             raise ValueError(f"family {self.name!r}: defaults for {bad} are not read")
 

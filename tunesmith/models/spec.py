@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,10 @@ from tunesmith.models.family import (
     families,
     family_for,
 )
+from tunesmith.modules.decoder import NORM_LAYOUTS
+from tunesmith.modules.feed_forward import ACTIVATIONS
+from tunesmith.modules.logits import LogitTransform
+from tunesmith.modules.norms import NORM_STYLES
 
 __all__ = [
     "SIZE_LIMITS",
@@ -37,6 +41,8 @@ __all__ = [
     "ModelSpec",
     "UnsupportedModelError",
     "check_sizes",
+    "layer_types_from_config",
+    "layer_types_to_config",
     "spec_from_hf_config",
     "use_sliding_window_from_config",
     "use_sliding_window_to_config",
@@ -111,9 +117,25 @@ class ModelSpec:
     """Architecture of a decoder-only transformer LM (field names follow HF configs).
 
     Attention biases: ``attention_bias`` puts a bias on q, k, v *and* o (Llama's
-    flag); ``qkv_bias`` puts one on q, k, v only (Qwen2). ``qk_norm`` adds a
-    per-head RMSNorm on q and k before RoPE (Qwen3). A layer ``i`` is a
+    flag); ``qkv_bias`` puts one on q, k, v only (Qwen2). ``qk_norm`` adds an
+    RMSNorm on q and k before RoPE, per head (Qwen3, Gemma 3) or, with
+    ``qk_norm_per_head=False``, over the whole projection (OLMo 2). A layer ``i`` is a
     mixture-of-experts layer when :meth:`is_moe_layer` says so (Qwen3-MoE rule).
+
+    What only some families have (each family file reads and writes its own keys):
+
+    - ``layer_types``: per layer ``"sliding_attention"`` (window ``sliding_window``) or
+      ``"full_attention"``; None means every layer slides when ``sliding_window`` is set.
+      ``rope_local_theta``: the RoPE base of sliding layers (Gemma 3), None = ``rope_theta``.
+      ``nope_layers``: layers without RoPE (SmolLM3).
+    - ``norm_layout`` (:data:`~tunesmith.modules.decoder.NORM_LAYOUTS`: ``pre``, ``sandwich``,
+      ``post``) and ``norm_style`` (:data:`~tunesmith.modules.norms.NORM_STYLES`).
+    - ``hidden_act``: the MLP gate's activation (SwiGLU ``silu``, GeGLU ``gelu_pytorch_tanh``).
+    - ``attention_multiplier``: the softmax scale (None: ``head_dim ** -0.5``);
+      ``attn_logit_softcapping``: a soft-cap on attention scores.
+    - ``embedding_multiplier``, ``residual_multiplier``: scale the embeddings and each block's
+      output; ``logits_scaling`` divides and ``final_logit_softcapping`` caps the logits
+      (see :attr:`logit_transform`).
     """
 
     model_type: str
@@ -142,6 +164,20 @@ class ModelSpec:
     router_aux_loss_coef: float = 0.001
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # What only some families have (see the class docs).
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    nope_layers: tuple[int, ...] = ()
+    norm_layout: str = "pre"
+    norm_style: str = "plain"
+    qk_norm_per_head: bool = True
+    hidden_act: str = "silu"
+    attention_multiplier: float | None = None
+    attn_logit_softcapping: float | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    final_logit_softcapping: float | None = None
     # Initialisation and tokens (carried through to config.json).
     initializer_range: float = 0.02
     bos_token_id: int | None = None
@@ -176,8 +212,71 @@ class ModelSpec:
             raise ValueError("moe_intermediate_size must be positive for a MoE model")
         # Normalise list-valued fields so that specs compare equal however they were made.
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        self._check_family_fields()
+
+    def _check_family_fields(self) -> None:
+        for name, value, known in (
+            ("hidden_act", self.hidden_act, ACTIVATIONS),
+            ("norm_layout", self.norm_layout, NORM_LAYOUTS),
+            ("norm_style", self.norm_style, NORM_STYLES),
+        ):
+            if value not in known:
+                raise UnsupportedModelError(
+                    f"{name} {value!r} is not supported; supported: {', '.join(known)}"
+                )
+        n = self.num_hidden_layers
+        if self.layer_types is not None:
+            if len(self.layer_types) != n:
+                raise ValueError(
+                    f"layer_types lists {len(self.layer_types)} layers, the model has {n}"
+                )
+            kinds = set(self.layer_types) - {"full_attention", "sliding_attention"}
+            if kinds:
+                raise UnsupportedModelError(
+                    f"layer_types {sorted(kinds)} are not supported (full_attention, "
+                    "sliding_attention)"
+                )
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but no sliding_window")
+        outside = [i for i in self.nope_layers if not (isinstance(i, int) and 0 <= i < n)]
+        if outside:
+            raise ValueError(f"nope_layers {outside} are not layers of a {n}-layer model")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("attention_multiplier", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
+        if self.rope_local_theta is not None and not self.rope_local_theta > 0:
+            raise ValueError(f"rope_local_theta must be > 0, got {self.rope_local_theta!r}")
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The window of layer ``layer_idx`` (None: full attention).
+
+        Example::
+
+            >>> from tunesmith.models import llama3
+            >>> spec = llama3.spec("llama3_tiny").replace(
+            ...     sliding_window=4, layer_types=("sliding_attention", "full_attention"))
+            >>> spec.layer_sliding_window(0), spec.layer_sliding_window(1)
+            (4, None)
+        """
+        if self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def logit_transform(self) -> LogitTransform | None:
+        """What the family does to ``lm_head``'s output (None: nothing)."""
+        return LogitTransform.of(
+            LogitTransform(1.0 / self.logits_scaling, self.final_logit_softcapping)
+        )
 
     @property
     def is_moe(self) -> bool:
@@ -245,7 +344,7 @@ class ModelSpec:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": copy.deepcopy(self.rope_scaling),
@@ -277,6 +376,12 @@ class ModelSpec:
             raise UnsupportedModelError(f"{self.model_type} configs have no sliding window")
         if self.num_experts and back.get("num_experts") != self.num_experts:
             raise UnsupportedModelError(f"{self.model_type} has no mixture-of-experts layers")
+        for name, default in _FAMILY_FIELDS.items():
+            value = getattr(self, name)
+            if back.get(name, default) != value:
+                raise UnsupportedModelError(
+                    f"{name}={value!r} cannot be expressed by model_type {self.model_type!r}"
+                )
         if num_labels is not None:
             config.update(self._sequence_classification_fields(num_labels))
         return config
@@ -303,6 +408,28 @@ class ModelSpec:
 # config.json -> ModelSpec
 # ---------------------------------------------------------------------------------------------
 
+_FAMILY_FIELDS: dict[str, Any] = {
+    f.name: f.default
+    for f in dataclasses.fields(ModelSpec)
+    if f.name
+    in (
+        "layer_types",
+        "rope_local_theta",
+        "nope_layers",
+        "norm_layout",
+        "norm_style",
+        "qk_norm_per_head",
+        "attention_multiplier",
+        "attn_logit_softcapping",
+        "embedding_multiplier",
+        "residual_multiplier",
+        "logits_scaling",
+        "final_logit_softcapping",
+    )
+}
+"""Spec fields only a family's own hooks read and write, with their defaults: a spec whose
+value a family's config cannot carry back is refused when written."""
+
 _REQUIRED_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -312,14 +439,30 @@ _REQUIRED_KEYS = (
 )
 
 
-def _rope_from_config(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from a 4.x (``rope_theta``/``rope_scaling``) or 5.x
-    (``rope_parameters``) config; a scaling dict of type "default" becomes None."""
+def _rope_from_config(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(rope_theta, rope_scaling, rope_local_theta) from a 4.x (``rope_theta``/``rope_scaling``)
+    or 5.x (``rope_parameters``) config; a scaling dict of type "default" becomes None.
+
+    5.x per-layer-type parameters (``{"full_attention": {...}, "sliding_attention": {...}}``)
+    give the full layers' RoPE and the sliding layers' base (``rope_local_theta``; None when
+    it is the same), whose scaling must be plain."""
     params = config.get("rope_parameters") or {}
+    local_theta = None
     if params and any(isinstance(v, dict) for v in params.values()):
-        raise UnsupportedModelError(
-            f"per-layer-type rope_parameters ({sorted(params)}) are not supported"
-        )
+        unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise UnsupportedModelError(f"rope_parameters for layer types {unknown}")
+        local = dict(params.get("sliding_attention") or {})
+        params = dict(params.get("full_attention") or {})
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(
+                f"a scaled RoPE on sliding layers (rope_type {local['rope_type']!r}) is "
+                "not supported"
+            )
+        if local.get("rope_theta") is not None:
+            local_theta = float(local["rope_theta"])
+        config = {k: v for k, v in config.items() if k not in ("rope_scaling", "rope_parameters")}
+        config["rope_parameters"] = params
     scaling = dict(config.get("rope_scaling") or params)
     theta = scaling.pop("rope_theta", None)
     if theta is None:
@@ -342,7 +485,9 @@ def _rope_from_config(config: dict[str, Any]) -> tuple[float, dict[str, Any] | N
             scaling["original_max_position_embeddings"] = max_pos
         if rope_type == "yarn" and scaling.get("factor") is None and max_pos:
             scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
-    return float(theta), (scaling if rope_type != "default" else None)
+    if local_theta == float(theta):
+        local_theta = None
+    return float(theta), (scaling if rope_type != "default" else None), local_theta
 
 
 def _inexpressible(name: str, value: Any, family: Family) -> str:
@@ -406,6 +551,47 @@ def use_sliding_window_to_config(spec: ModelSpec, *, per_layer: bool) -> dict[st
     return keys
 
 
+def layer_types_from_config(
+    config: Mapping[str, Any], window: int | None, default: Callable[[int], str]
+) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` of a config that lists HF ``layer_types``
+    (``"sliding_attention"`` / ``"full_attention"`` per layer), ``default(i)`` being layer
+    ``i``'s type when it lists none. ``window`` None (or no sliding layer) means full attention
+    everywhere; layer types are None when every layer is alike.
+
+    Example::
+
+        >>> alternate = lambda i: "sliding_attention" if i % 2 == 0 else "full_attention"
+        >>> layer_types_from_config({"num_hidden_layers": 2}, 4, alternate)
+        {'sliding_window': 4, 'layer_types': ('sliding_attention', 'full_attention')}
+    """
+    n = config["num_hidden_layers"]
+    types = config.get("layer_types") or [default(i) for i in range(n)]
+    if len(types) != n:
+        raise ValueError(f"layer_types lists {len(types)} layers, num_hidden_layers is {n}")
+    if window is None or "sliding_attention" not in types:
+        return {"sliding_window": None, "layer_types": None}
+    if set(types) == {"sliding_attention"}:
+        return {"sliding_window": window, "layer_types": None}
+    return {"sliding_window": window, "layer_types": tuple(types)}
+
+
+def layer_types_to_config(spec: ModelSpec) -> list[str]:
+    """HF ``layer_types`` of ``spec``: each layer's ``"sliding_attention"`` or
+    ``"full_attention"``.
+
+    Example::
+
+        >>> from tunesmith.models import llama3
+        >>> layer_types_to_config(llama3.spec("llama3_tiny"))
+        ['full_attention', 'full_attention']
+    """
+    return [
+        "full_attention" if spec.layer_sliding_window(i) is None else "sliding_attention"
+        for i in range(spec.num_hidden_layers)
+    ]
+
+
 def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     """Translate a Hugging Face ``config.json`` dict into a :class:`ModelSpec`.
 
@@ -441,14 +627,16 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
             "supported; load the unquantized weights"
         )
     act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"hidden_act {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+        )
 
     heads = config["num_attention_heads"]
     head_dim = (
         config.get("head_dim") or family.defaults.get("head_dim") or config["hidden_size"] // heads
     )
-    rope_theta, rope_scaling = _rope_from_config(config)
+    rope_theta, rope_scaling, rope_local_theta = _rope_from_config(config)
     fields: dict[str, Any] = {
         "model_type": model_type,
         "vocab_size": config["vocab_size"],
@@ -460,9 +648,14 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
         "head_dim": head_dim,
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
-        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": bool(
+            config.get("tie_word_embeddings", family.defaults.get("tie_word_embeddings", False))
+        ),
         "torch_dtype": _dtype_name(config.get("torch_dtype", config.get("dtype"))),
+        "hidden_act": act,
     }
+    if rope_local_theta is not None:
+        fields["rope_local_theta"] = rope_local_theta
     for key in OPTIONAL_KEYS:  # present > the family's default > ModelSpec's default
         if key in config:
             fields[key] = config[key]

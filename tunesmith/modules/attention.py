@@ -3,10 +3,16 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from tunesmith.modules.attention_backends import ATTENTION_BACKENDS, AttentionBatch
+from tunesmith.modules.attention_backends import (
+    ATTENTION_BACKENDS,
+    AttentionBatch,
+    softcapped_attention,
+)
 from tunesmith.modules.kv_cache import KVCache
 from tunesmith.modules.norms import RMSNorm
 from tunesmith.modules.rope import apply_rotary
@@ -18,8 +24,8 @@ class Attention(nn.Module):
     """Multi-head attention with grouped key/value heads (GQA) and rotary positions.
 
     Submodules carry Hugging Face names: ``q_proj``, ``k_proj``, ``v_proj``,
-    ``o_proj`` and, with ``qk_norm`` (Qwen3), ``q_norm``/``k_norm`` — per-head
-    RMSNorms applied before RoPE.
+    ``o_proj`` and, with ``qk_norm``, ``q_norm``/``k_norm``: RMSNorms applied before RoPE,
+    per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2).
 
     Args:
         hidden_size: model width.
@@ -28,8 +34,14 @@ class Attention(nn.Module):
         head_dim: width of one head.
         qkv_bias: bias on the q, k, v projections.
         o_bias: bias on the output projection.
-        qk_norm: per-head RMSNorm on q and k.
+        qk_norm: RMSNorm on q and k.
+        qk_norm_per_head: that norm per head (else over all heads of the projection at once).
         norm_eps: epsilon of those norms.
+        norm_style: their :data:`~tunesmith.modules.norms.NORM_STYLES` style.
+        scale: the softmax scale (default ``head_dim ** -0.5``).
+        softcap: soft-cap on the attention scores, ``cap * tanh(scores / cap)`` (Gemma 2),
+            computed by :func:`~tunesmith.modules.attention_backends.softcapped_attention`.
+        rope: rotate q and k (False: a NoPE layer, which ignores ``cos``/``sin``).
 
     Example::
 
@@ -50,7 +62,12 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm: bool = False,
+        qk_norm_per_head: bool = True,
         norm_eps: float = 1e-6,
+        norm_style: str = "plain",
+        scale: float | None = None,
+        softcap: float | None = None,
+        rope: bool = True,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -64,11 +81,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.qk_norm_per_head = qk_norm_per_head
         if qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps=norm_eps)
-            self.k_norm = RMSNorm(head_dim, eps=norm_eps)
+            q_dim, k_dim = (head_dim, head_dim)
+            if not qk_norm_per_head:
+                q_dim, k_dim = num_heads * head_dim, num_kv_heads * head_dim
+            self.q_norm = RMSNorm(q_dim, eps=norm_eps, style=norm_style)
+            self.k_norm = RMSNorm(k_dim, eps=norm_eps, style=norm_style)
         else:
             self.q_norm = self.k_norm = None
+        self.scale = scale
+        self.softcap = softcap
+        self.rope = rope
 
     def forward(
         self,
@@ -94,13 +118,17 @@ class Attention(nn.Module):
         positions getting zeros.
         """
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and not self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, -1, self.head_dim)
+        k = k.view(b, s, -1, self.head_dim)
+        v = v.view(b, s, -1, self.head_dim)
+        if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rotary(q, k, cos, sin)
+        if self.rope:
+            q, k = apply_rotary(q, k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)
 
@@ -108,8 +136,19 @@ class Attention(nn.Module):
             batch = AttentionBatch("sdpa", mask=mask)
             if spans is not None:
                 batch.backend, batch.prepared["loop"] = "loop", spans
-        out = ATTENTION_BACKENDS[batch.backend](q, k, v, batch)
+        if self.softcap is not None:
+            out = softcapped_attention(q, k, v, batch, scale=self.scale, softcap=self.softcap)
+        else:
+            if self.scale is not None:  # the backends all scale by head_dim ** -0.5
+                q = q * (self.scale * math.sqrt(self.head_dim))
+            out = ATTENTION_BACKENDS[batch.backend](q, k, v, batch)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        extra = "" if self.rope else ", rope=False"
+        extra += "" if self.scale is None else f", scale={self.scale:g}"
+        extra += "" if self.softcap is None else f", softcap={self.softcap:g}"
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+            + extra
+        )

@@ -46,6 +46,7 @@ __all__ = [
     "register_attention_backend",
     "resolve_attention_backend",
     "sdpa_attention",
+    "softcapped_attention",
     "varlen_attention",
     "varlen_layout",
 ]
@@ -172,6 +173,49 @@ def sdpa_attention(
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+
+# -- soft-capped scores (Gemma 2) ------------------------------------------------------------
+
+
+def softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: AttentionBatch,
+    *,
+    softcap: float,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``softmax(cap * tanh(q k^T * scale / cap)) v`` under ``batch``'s dense mask (causal
+    when None), written out: no fused kernel caps the scores, so this holds one
+    ``[b, heads, q_len, kv_len]`` score tensor. Any backend's batch works (packed rows carry
+    their block-causal mask) except context parallel's ring, which is refused by name.
+
+    Example::
+
+        >>> q = k = v = torch.randn(1, 2, 4, 8)
+        >>> out = softcapped_attention(q, k, v, AttentionBatch(), softcap=1e9)  # no cap at all
+        >>> torch.allclose(out, sdpa_attention(q, k, v, AttentionBatch()), atol=1e-5)
+        True
+    """
+    if batch.backend == "ring":
+        raise ValueError(
+            "attention soft-capping (attn_logit_softcapping) is not supported with context "
+            "parallel (ring attention); turn context parallel off for this model"
+        )
+    groups = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    mask = batch.mask
+    if mask is None:  # causal, the new queries being the last of the keys
+        q_len, kv_len = q.shape[2], k.shape[2]
+        mask = causal_mask(q_len, kv_len, device=q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return probs @ v
 
 
 # -- varlen ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,21 +17,60 @@ from torch import nn
 from tunesmith.modules.attention import Attention
 from tunesmith.modules.attention_backends import AttentionBatch, resolve_attention_backend
 from tunesmith.modules.kv_cache import KVCache
+from tunesmith.modules.logits import LogitTransform
 from tunesmith.modules.masks import build_attention_mask, document_causal_mask
 from tunesmith.modules.moe import GroupedExperts
 from tunesmith.modules.norms import RMSNorm
 from tunesmith.modules.ring_attention import RingShard, ring_batch
 from tunesmith.modules.rope import RotaryEmbedding
 
-__all__ = ["DecoderLayer", "DecoderModel", "TransformerLM"]
+__all__ = ["NORM_LAYOUTS", "DecoderLayer", "DecoderModel", "NormLayout", "TransformerLM"]
+
+
+@dataclass(frozen=True)
+class NormLayout:
+    """The names of a layer's RMSNorms around its two blocks; None where a layout has none.
+
+    ``h = x + attn_out(attn(attn_in(x)))``, ``out = h + mlp_out(mlp(mlp_in(h)))``. The names
+    are the Hugging Face ones, so the state dict needs no key map.
+    """
+
+    attn_in: str | None
+    attn_out: str | None
+    mlp_in: str | None
+    mlp_out: str | None
+
+    def names(self) -> tuple[str, ...]:
+        """The norms this layout has, in order."""
+        return tuple(n for n in (self.attn_in, self.attn_out, self.mlp_in, self.mlp_out) if n)
+
+
+NORM_LAYOUTS: dict[str, NormLayout] = {
+    # Llama, Qwen, Mistral, Granite, SmolLM3: a norm before each block.
+    "pre": NormLayout("input_layernorm", None, "post_attention_layernorm", None),
+    # Gemma 2/3: norms before and after each block.
+    "sandwich": NormLayout(
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+    # OLMo 2/3: a norm after each block only.
+    "post": NormLayout(None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+}
+"""Norm placements by name (a spec's ``norm_layout``)."""
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x))``, ``out = h + mlp(norm(h))``.
+    """One block: attention then MLP, each added to the residual stream, with the norms of
+    ``norm_layout`` (:data:`NORM_LAYOUTS`; default pre-norm:
+    ``h = x + attn(norm(x))``, ``out = h + mlp(norm(h))``).
 
     ``mlp`` is a :class:`~tunesmith.modules.feed_forward.FeedForward` or a
-    :class:`~tunesmith.modules.moe.MoE` (which also returns router logits).
-    ``forward`` returns ``(hidden, router_logits or None)``.
+    :class:`~tunesmith.modules.moe.MoE` (which also returns router logits). Each block's output
+    is multiplied by ``residual_multiplier`` before it is added (Granite). ``sliding_window``
+    makes it a ``"sliding_attention"`` layer (its queries see only the last ``sliding_window``
+    keys), else ``"full_attention"``. ``forward`` returns ``(hidden, router_logits or None)``.
 
     Example::
 
@@ -40,16 +80,49 @@ class DecoderLayer(nn.Module):
         >>> cos, sin = RotaryEmbedding(8)(torch.arange(5)[None])
         >>> layer(torch.randn(1, 5, 32), cos, sin)[0].shape
         torch.Size([1, 5, 32])
+        >>> DecoderLayer(Attention(32, 4, 2, 8), FeedForward(32, 64), 32,
+        ...              norm_layout="post").norm_names
+        ('post_attention_layernorm', 'post_feedforward_layernorm')
     """
 
     def __init__(
-        self, self_attn: Attention, mlp: nn.Module, hidden_size: int, norm_eps: float = 1e-6
+        self,
+        self_attn: Attention,
+        mlp: nn.Module,
+        hidden_size: int,
+        norm_eps: float = 1e-6,
+        *,
+        norm_layout: str = "pre",
+        norm_style: str = "plain",
+        residual_multiplier: float = 1.0,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        if norm_layout not in NORM_LAYOUTS:
+            raise ValueError(
+                f"norm_layout must be one of {list(NORM_LAYOUTS)}, got {norm_layout!r}"
+            )
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, eps=norm_eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps=norm_eps)
+        self.layout = NORM_LAYOUTS[norm_layout]
+        self.norm_names = self.layout.names()
+        for name in self.norm_names:
+            self.add_module(name, RMSNorm(hidden_size, eps=norm_eps, style=norm_style))
+        self.residual_multiplier = residual_multiplier
+        self.sliding_window = sliding_window
+
+    @property
+    def attention_type(self) -> str:
+        """``"sliding_attention"`` or ``"full_attention"`` (the names of HF's ``layer_types``)."""
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
+
+    def _norm(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
+        return x if name is None else getattr(self, name)(x)
+
+    def _add(self, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        return residual + out
 
     def forward(
         self,
@@ -63,8 +136,9 @@ class DecoderLayer(nn.Module):
         spans: list[list[tuple[int, int]]] | None = None,
         batch: AttentionBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        h = x + self.self_attn(
-            self.input_layernorm(x),
+        layout = self.layout
+        attn = self.self_attn(
+            self._norm(layout.attn_in, x),
             cos,
             sin,
             mask=mask,
@@ -73,11 +147,12 @@ class DecoderLayer(nn.Module):
             spans=spans,
             batch=batch,
         )
-        out = self.mlp(self.post_attention_layernorm(h))
+        h = self._add(x, self._norm(layout.attn_out, attn))
+        out = self.mlp(self._norm(layout.mlp_in, h))
         router_logits = None
         if isinstance(out, tuple):
             out, router_logits = out
-        return h + out, router_logits
+        return self._add(h, self._norm(layout.mlp_out, out)), router_logits
 
 
 class DecoderModel(nn.Module):
@@ -91,6 +166,12 @@ class DecoderModel(nn.Module):
     the :mod:`~tunesmith.modules.attention_backends` backend for each forward through
     :func:`~tunesmith.modules.attention_backends.resolve_attention_backend`: ``auto`` is
     ``varlen`` for packed rows (``flex`` on CUDA), ``sdpa`` otherwise; a KV cache is ``sdpa``.
+
+    Each layer's own ``sliding_window`` decides what it attends to (one mask is built per
+    distinct window, once per forward). ``rotary_emb_local``, when given, rotates the sliding
+    layers (Gemma 3: a lower RoPE base for local layers), ``rotary_emb`` the others.
+    ``embedding_multiplier`` scales the embeddings, as a scalar of their dtype (Gemma:
+    ``sqrt(hidden_size)``; Granite: its ``embedding_multiplier``).
     """
 
     def __init__(
@@ -100,7 +181,8 @@ class DecoderModel(nn.Module):
         norm: RMSNorm,
         rotary_emb: RotaryEmbedding,
         *,
-        sliding_window: int | None = None,
+        rotary_emb_local: RotaryEmbedding | None = None,
+        embedding_multiplier: float = 1.0,
         attention_backend: str = "auto",
     ) -> None:
         super().__init__()
@@ -108,8 +190,14 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.rotary_emb = rotary_emb
-        self.sliding_window = sliding_window
+        self.rotary_emb_local = rotary_emb_local
+        self.embedding_multiplier = embedding_multiplier
         self.attention_backend = attention_backend
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """The distinct windows of the layers (None = full attention), in layer order."""
+        return tuple(dict.fromkeys(layer.sliding_window for layer in self.layers))
 
     @property
     def attention_backend(self) -> str:
@@ -160,33 +248,44 @@ class DecoderModel(nn.Module):
                     f"got {list(document_ids.shape)}"
                 )
             attention_mask = document_causal_mask(document_ids)
-        mask = build_attention_mask(
-            attention_mask,
-            batch_size=b,
-            q_len=s,
-            kv_len=cache_len + s,
-            sliding_window=self.sliding_window,
-            device=input_ids.device,
-        )
         backend = resolve_attention_backend(
             self.attention_backend,
             device=input_ids.device,
             packed=document_ids is not None,
             cached=kv_cache is not None,
         )
-        batch = AttentionBatch(
-            backend, mask=mask, document_ids=document_ids, sliding_window=self.sliding_window
-        )
-        if cp_index is not None:  # context parallel: rows split over a ring of ranks
-            shard = RingShard(getattr(self, "context_parallel_group", None), cp_index)
-            mask, batch = None, ring_batch(shard, document_ids=document_ids,
-                                           sliding_window=self.sliding_window)  # fmt: skip
-        if not torch.compiler.is_compiling():
-            batch.prepare()  # index tensors / block masks, once for every layer
+        # One mask and batch per distinct window, built once for every layer that has it.
+        batches: dict[int | None, tuple[torch.Tensor | None, AttentionBatch]] = {}
+        for window in self.sliding_windows:
+            mask = build_attention_mask(
+                attention_mask,
+                batch_size=b,
+                q_len=s,
+                kv_len=cache_len + s,
+                sliding_window=window,
+                device=input_ids.device,
+            )
+            batch = AttentionBatch(
+                backend, mask=mask, document_ids=document_ids, sliding_window=window
+            )
+            if cp_index is not None:  # context parallel: rows split over a ring of ranks
+                shard = RingShard(getattr(self, "context_parallel_group", None), cp_index)
+                mask, batch = None, ring_batch(shard, document_ids=document_ids,
+                                               sliding_window=window)  # fmt: skip
+            if not torch.compiler.is_compiling():
+                batch.prepare()  # index tensors / block masks, once for every layer
+            batches[window] = (mask, batch)
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(position_ids, dtype=h.dtype)
+        if self.embedding_multiplier != 1.0:
+            h = h * torch.tensor(self.embedding_multiplier, dtype=h.dtype)
+        rope = {None: self.rotary_emb(position_ids, dtype=h.dtype)}
+        if self.rotary_emb_local is not None:
+            rope["local"] = self.rotary_emb_local(position_ids, dtype=h.dtype)
         router_logits = []
         for i, layer in enumerate(self.layers):
+            mask, batch = batches[layer.sliding_window]
+            local = layer.sliding_window is not None and self.rotary_emb_local is not None
+            cos, sin = rope["local" if local else None]
             h, layer_router_logits = layer(
                 h, cos, sin, mask=mask, kv_cache=kv_cache, layer_idx=i, batch=batch
             )
@@ -235,6 +334,11 @@ class TransformerLM(nn.Module):
     ``spec`` is the :class:`~tunesmith.models.ModelSpec` the model was built from
     (set by the builder; any object, since this layer does not know models).
 
+    ``logit_transform`` (a :class:`~tunesmith.modules.logits.LogitTransform`, or None) is what
+    the family does to ``lm_head``'s output (Granite's scaling, Gemma 2's soft-cap): applied
+    here to the logits, and by every chunked loss to its chunks (they read it through
+    :func:`~tunesmith.training.forward.head_transform`).
+
     Example::
 
         >>> from tunesmith.models import llama3
@@ -249,10 +353,12 @@ class TransformerLM(nn.Module):
         *,
         tie_word_embeddings: bool = False,
         initializer_range: float = 0.02,
+        logit_transform: LogitTransform | None = None,
         spec: Any = None,
     ) -> None:
         super().__init__()
         vocab_size, hidden_size = model.embed_tokens.weight.shape
+        self.logit_transform = LogitTransform.of(logit_transform)
         self.model = model
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
         self.tie_word_embeddings = tie_word_embeddings
@@ -320,13 +426,17 @@ class TransformerLM(nn.Module):
         if return_hidden_states:
             head = lambda h: h  # noqa: E731
         elif logits_to_keep:
-            head = lambda h: self.lm_head(h[:, -logits_to_keep:])  # noqa: E731
+            head = lambda h: self._logits(h[:, -logits_to_keep:])  # noqa: E731
         else:
-            head = self.lm_head
+            head = self._logits
         if output_router_logits:
             hidden, router_logits = out
             return head(hidden), router_logits
         return head(out)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        return logits if self.logit_transform is None else self.logit_transform(logits)
 
     def init_kv_cache(
         self,

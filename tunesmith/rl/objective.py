@@ -31,7 +31,7 @@ from torch import nn
 
 from tunesmith.modules.losses import token_entropy, token_logprobs
 from tunesmith.modules.losses.rl import KLPenalty, PolicyLoss, aggregate
-from tunesmith.rl.rollout import completion_mask, tempered_hidden
+from tunesmith.rl.rollout import completion_mask, tempered_hidden, tempered_transform
 from tunesmith.training.forward import head_weight, router_aux_loss
 from tunesmith.training.trainer import LossOutput
 
@@ -79,8 +79,10 @@ class PolicyGradient:
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
         mask = completion_mask(batch)
         hidden, router_logits = tempered_hidden(model, batch, self.temperature)
-        weight = head_weight(model)
-        logprobs = token_logprobs(hidden, weight, batch["labels"], chunk_size=self.chunk_size)
+        weight, transform = head_weight(model), tempered_transform(model, self.temperature)
+        logprobs = token_logprobs(
+            hidden, weight, batch["labels"], chunk_size=self.chunk_size, transform=transform
+        )
         weights = None
         if self.importance_cap is not None:
             log_ratio = (batch["old_logprobs"] - batch["sampling_logprobs"]).clamp(max=30.0)
@@ -93,7 +95,11 @@ class PolicyGradient:
             metrics["kl"] = kl.detach() / self.kl.coef
         if self.log_entropy:  # of the tempered policy at the sampled positions; no gradient
             entropy = token_entropy(
-                hidden.detach(), weight.detach(), mask, chunk_size=self.chunk_size
+                hidden.detach(),
+                weight.detach(),
+                mask,
+                chunk_size=self.chunk_size,
+                transform=transform,
             )
             metrics["entropy"] = aggregate(
                 entropy, mask, self.loss.aggregation, self.loss.max_tokens

@@ -27,9 +27,10 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from tunesmith.modules.logits import LogitTransform
 from tunesmith.modules.losses import IGNORE_INDEX, token_logprobs
 from tunesmith.rl.groups import Group
-from tunesmith.training.forward import forward_batch, head_weight
+from tunesmith.training.forward import forward_batch, head_transform, head_weight
 from tunesmith.training.parallel.distributed import DistributedContext
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "per_micro_batch",
     "rollout_batch",
     "tempered_hidden",
+    "tempered_transform",
 ]
 
 Batch = dict[str, torch.Tensor]
@@ -113,7 +115,10 @@ def completion_logprobs(
     other positions. Gradients flow unless called under ``torch.no_grad``; the head is applied
     ``chunk_size`` completion tokens at a time, so the ``[b, L, vocab]`` logits never exist."""
     hidden, _ = tempered_hidden(model, batch, temperature)
-    return token_logprobs(hidden, head_weight(model), batch["labels"], chunk_size=chunk_size)
+    transform = tempered_transform(model, temperature)
+    return token_logprobs(
+        hidden, head_weight(model), batch["labels"], chunk_size=chunk_size, transform=transform
+    )
 
 
 def tempered_hidden(
@@ -123,6 +128,24 @@ def tempered_hidden(
     and the MoE router logits (empty for dense models)."""
     hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
     return (hidden / temperature if temperature != 1.0 else hidden), router_logits
+
+
+def tempered_transform(model: nn.Module, temperature: float = 1.0) -> LogitTransform | None:
+    """The model's logit transform (:func:`~tunesmith.training.forward.head_transform`) for
+    the logits of :func:`tempered_hidden`'s ``h / T``, so that they come out as the sampler's
+    ``transform(z) / T``: a scale commutes with ``1 / T``, a soft cap becomes ``cap / T``
+    (``cap/T · tanh(s·(z/T) / (cap/T)) = cap · tanh(s·z / cap) / T``).
+
+    Example::
+
+        >>> from tunesmith.models import llama3
+        >>> tempered_transform(llama3.llama3_tiny(), temperature=0.7) is None
+        True
+    """
+    transform = head_transform(model)
+    if transform is None or transform.softcap is None or temperature == 1.0:
+        return transform
+    return LogitTransform(transform.scale, transform.softcap / temperature)
 
 
 def micro_batches(batch: Mapping[str, torch.Tensor], size: int) -> list[Batch]:

@@ -18,17 +18,27 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from tunesmith.modules.logits import LogitTransform
 from tunesmith.modules.losses import IGNORE_INDEX, token_logprobs
 from tunesmith.modules.moe import load_balancing_loss
 from tunesmith.training.parallel.context_parallel import CP_INDEX, context_parallel_group, cp_sum
 
-__all__ = ["forward_batch", "head_weight", "model_inputs", "router_aux_loss", "sequence_logps"]
+__all__ = [
+    "forward_batch",
+    "head_transform",
+    "head_weight",
+    "model_inputs",
+    "router_aux_loss",
+    "sequence_logps",
+    "transform_kwargs",
+]
 
 
 def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -69,6 +79,60 @@ def head_weight(model: nn.Module) -> torch.Tensor:
     return head.weight if effective is None else effective()
 
 
+def head_transform(model: nn.Module) -> LogitTransform | None:
+    """What the model does to its head's output before the softmax (its ``logit_transform``:
+    Granite's scale, Gemma 2's soft cap), for a loss that owns the head; None when nothing.
+
+    >>> from tunesmith.models import llama3
+    >>> from tunesmith.modules.losses import LinearCrossEntropyLoss
+    >>> model = llama3.llama3_tiny()
+    >>> hidden = model(torch.tensor([[1, 2, 3]]), return_hidden_states=True)
+    >>> labels = torch.tensor([[2, 3, -100]])
+    >>> loss = LinearCrossEntropyLoss()(
+    ...     hidden, head_weight(model), labels, transform=head_transform(model)
+    ... )
+    >>> head_transform(model) is None  # Llama's logits are the projection's
+    True
+    """
+    return LogitTransform.of(getattr(model, "logit_transform", None))
+
+
+def transform_kwargs(loss_fn: Any, **transforms: LogitTransform | None) -> dict[str, Any]:
+    """The keyword arguments that hand a loss owning the head (``needs_hidden_states``) its
+    model's ``transforms``: the ones that are not None, so a custom loss without such a keyword
+    keeps working for plain models. A transform the loss cannot take is an error (its logits
+    would silently be wrong).
+
+    >>> from tunesmith.modules.losses import LinearCrossEntropyLoss
+    >>> transform_kwargs(LinearCrossEntropyLoss(), transform=None)
+    {}
+    >>> def my_loss(hidden, weight, labels): ...
+    >>> transform_kwargs(my_loss, transform=LogitTransform(0.5))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: my_loss takes no 'transform' keyword, but the model's logits are transformed ...
+    """
+    given = {name: t for name, t in transforms.items() if t is not None}
+    if not given:
+        return given
+    fn = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return given
+    loss_name = type(loss_fn).__name__
+    if not isinstance(loss_fn, nn.Module):
+        loss_name = getattr(loss_fn, "__qualname__", loss_name)
+    for name, transform in given.items():
+        if name not in params:
+            raise TypeError(
+                f"{loss_name} takes no {name!r} keyword, but the model's logits "
+                f"are transformed ({transform}) before the softmax: add a keyword-only "
+                f"`{name}: LogitTransform | None = None` to its forward and apply it to the "
+                "logits of every chunk"
+            )
+    return given
+
+
 def router_aux_loss(
     model: nn.Module, router_logits: tuple[torch.Tensor, ...], batch: Mapping[str, torch.Tensor]
 ) -> torch.Tensor | None:
@@ -96,7 +160,9 @@ def sequence_logps(
     so every rank of it gets the whole rows' values."""
     hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
     labels = batch["labels"]
-    logps = token_logprobs(hidden, head_weight(model), labels, chunk_size=chunk_size)
+    logps = token_logprobs(
+        hidden, head_weight(model), labels, chunk_size=chunk_size, transform=head_transform(model)
+    )
     sums, counts = logps.sum(-1), (labels != IGNORE_INDEX).sum(-1)
     if CP_INDEX in batch:
         group = context_parallel_group(model)

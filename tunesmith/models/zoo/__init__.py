@@ -4,8 +4,8 @@ family file in it. Adding a family is adding a file here (and its chat template)
 Example::
 
     >>> from tunesmith.models import zoo
-    >>> sorted(zoo.FAMILY_FILES)[:2]
-    ['llama3', 'mistral']
+    >>> sorted(zoo.FAMILY_FILES)[:3]
+    ['gemma2', 'gemma3', 'granite']
 """
 
 import importlib

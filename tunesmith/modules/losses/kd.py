@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tunesmith.config.registry import component
+from tunesmith.modules.logits import LogitTransform
 from tunesmith.modules.losses import vocab_parallel as vp
 from tunesmith.modules.losses.token import IGNORE_INDEX, rows_per_chunk
 
@@ -106,6 +107,20 @@ def _check_kind(kind: str, temperature: float, js_beta: float) -> None:
         raise ValueError(f"js_beta must be in (0, 1), got {js_beta!r}")
 
 
+def _head_logits(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    transform: LogitTransform | None,
+) -> torch.Tensor:
+    """``transform(rows @ weight.T)`` of one chunk: the matmul in ``dtype``, the logits in
+    ``out_dtype`` (differentiable; the transform is elementwise, so a vocabulary shard's
+    columns are transformed alone)."""
+    logits = (rows.to(dtype) @ weight.to(dtype).t()).to(out_dtype)
+    return logits if transform is None else transform(logits)
+
+
 def _projection_dtype(rows: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """Autocast's dtype when autocast is on (as the ``lm_head`` matmul would run), else the
     promoted dtype of the two operands."""
@@ -122,10 +137,14 @@ class KDLoss(nn.Module):
     student inputs).
 
     ``forward(student_hidden [b, s, h_s], student_weight [V, h_s], teacher_hidden [b, s, h_t],
-    teacher_weight [V, h_t], labels [b, s])``. The divergence (see :func:`divergence`, which
-    documents ``kind``, ``temperature`` and ``js_beta``) compares the softened teacher and
-    student distributions; the cross-entropy is the student's on the labels at temperature 1.
-    The recipe divides both by the global trained-token count and mixes them.
+    teacher_weight [V, h_t], labels [b, s], *, student_transform=None,
+    teacher_transform=None)``. The divergence (see :func:`divergence`, which documents
+    ``kind``, ``temperature`` and ``js_beta``) compares the softened teacher and student
+    distributions; the cross-entropy is the student's on the labels at temperature 1. Each
+    transform (its model's :class:`~tunesmith.modules.logits.LogitTransform`: Granite's scale,
+    Gemma 2's soft cap) is applied to that model's logits in every chunk, before the
+    temperature, and the CE uses the transformed student logits. The recipe divides both by
+    the global trained-token count and mixes them.
 
     Ignored rows are dropped first; the trained rows are processed ``chunk_size`` rows at a
     time (or split into ``num_chunks`` chunks; by default up to 8 chunks of at least 512 rows
@@ -210,6 +229,9 @@ class KDLoss(nn.Module):
         teacher_hidden: torch.Tensor,
         teacher_weight: torch.Tensor,
         labels: torch.Tensor,
+        *,
+        student_transform: LogitTransform | None = None,
+        teacher_transform: LogitTransform | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         _check_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight, labels)
         vocab = student_weight.shape[0]
@@ -249,9 +271,13 @@ class KDLoss(nn.Module):
             and (s_rows.requires_grad or student_weight.requires_grad)
             and (s_rows.shape[0] > chunk if self.recompute is None else self.recompute)
         )  # one chunk is kept by default: see the class docs
-        chunk_fn = self._chunk
+        transforms = {
+            "s_transform": LogitTransform.of(student_transform),
+            "t_transform": LogitTransform.of(teacher_transform),
+        }
+        chunk_fn = partial(self._chunk, **transforms)
         if shard is not None:
-            chunk_fn = partial(self._sharded_chunk, shard=shard)
+            chunk_fn = partial(self._sharded_chunk, shard=shard, **transforms)
             s_rows = vp.copy_to_ranks(s_rows, shard)  # each rank's d hidden is a partial sum
         kd_total = torch.zeros((), dtype=out_dtype, device=s_rows.device)
         ce_total = torch.zeros((), dtype=out_dtype, device=s_rows.device)
@@ -280,11 +306,13 @@ class KDLoss(nn.Module):
         s_dtype: torch.dtype,
         t_dtype: torch.dtype,
         out_dtype: torch.dtype,
+        s_transform: LogitTransform | None = None,
+        t_transform: LogitTransform | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed divergence and summed student CE of one chunk of trained rows."""
-        s_logits = (s_rows.to(s_dtype) @ s_weight.to(s_dtype).t()).to(out_dtype)
+        s_logits = _head_logits(s_rows, s_weight, s_dtype, out_dtype, s_transform)
         with torch.no_grad():
-            t_logits = (t_rows.to(t_dtype) @ t_weight.to(t_dtype).t()).to(out_dtype)
+            t_logits = _head_logits(t_rows, t_weight, t_dtype, out_dtype, t_transform)
             log_t = torch.log_softmax(_soften(t_logits, self.temperature), dim=-1)
         log_s = torch.log_softmax(_soften(s_logits, self.temperature), dim=-1)
         kd = _divergence_sum(log_s, log_t, self.kind, self.js_beta).sum() * self.temperature**2
@@ -304,13 +332,15 @@ class KDLoss(nn.Module):
         t_dtype: torch.dtype,
         out_dtype: torch.dtype,
         shard: vp.VocabShard,
+        s_transform: LogitTransform | None = None,
+        t_transform: LogitTransform | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_chunk` on this rank's vocabulary rows (loss parallel): the log-sum-exps
         (softened student and teacher, student at temperature 1) and the target logit are
         combined over the ranks, the divergence is summed over the local rows, then over the
         ranks."""
-        s_logits = (s_rows.to(s_dtype) @ s_weight.to(s_dtype).t()).to(out_dtype)
-        t_logits = (t_rows.to(t_dtype) @ t_weight.to(t_dtype).t()).to(out_dtype)
+        s_logits = _head_logits(s_rows, s_weight, s_dtype, out_dtype, s_transform)
+        t_logits = _head_logits(t_rows, t_weight, t_dtype, out_dtype, t_transform)
         soft = [s_logits / self.temperature, t_logits / self.temperature]
         plain = [s_logits] if self.temperature != 1 else []  # the CE's log-sum-exp
         lses, (target_logits,) = vp.logsumexp_over_ranks(

@@ -25,6 +25,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from tunesmith.config.registry import component
+from tunesmith.modules.logits import LogitTransform
 from tunesmith.modules.losses import vocab_parallel as vp
 
 __all__ = [
@@ -107,14 +108,46 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor | None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    buffer: torch.Tensor | None,
+    transform: LogitTransform | None = None,
 ) -> torch.Tensor:
-    """``hidden @ weight.T`` in the accumulation dtype: written into ``buffer`` (one
-    ``[rows, vocab]`` block reused by every chunk, so no chunk pays for fresh pages) when the
-    matmul already runs in that dtype, else a 16-bit matmul cast to float32."""
+    """``transform(hidden @ weight.T)`` (no autograd) in the accumulation dtype: written into
+    ``buffer`` (one ``[rows, vocab]`` block reused by every chunk, so no chunk pays for fresh
+    pages) when the matmul already runs in that dtype, else a 16-bit matmul cast to float32;
+    then transformed in place."""
     if buffer is None:
-        return (hidden @ weight.t()).to(_accumulation_dtype(hidden.dtype))
-    return torch.mm(hidden, weight.t(), out=buffer[: hidden.shape[0]])
+        logits = (hidden @ weight.t()).to(_accumulation_dtype(hidden.dtype))
+    else:
+        logits = torch.mm(hidden, weight.t(), out=buffer[: hidden.shape[0]])
+    return logits if transform is None else transform.apply_(logits)
+
+
+def _raw_grad_fn(
+    transformed: torch.Tensor, transform: LogitTransform | None, buffer: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For one chunk whose logits ``transformed`` are ``y = transform(z)``: a function that
+    turns a gradient wrt ``y`` in place into the gradient wrt the raw logits ``z``
+    (``dL/dz = dL/dy · dy/dz``). Without a cap ``dy/dz`` is the constant ``scale``; with one it
+    is taken from ``y`` now, before ``y`` is overwritten, into ``buffer`` (a second
+    ``[rows, vocab]`` block reused by every chunk; None: a fresh one)."""
+    if transform is None:
+        return lambda grad: grad
+    if transform.softcap is None:
+        return lambda grad: grad.mul_(transform.scale)
+    slope = buffer[: transformed.shape[0]] if buffer is not None else torch.empty_like(transformed)
+    slope = transform.derivative_(slope.copy_(transformed))
+    return lambda grad: grad.mul_(slope)
+
+
+def _slope_buffer(
+    transform: LogitTransform | None, rows: int, vocab: int, dtype: torch.dtype, device: Any
+) -> torch.Tensor | None:
+    """The second chunk of logits a capped transform's gradient needs (None otherwise)."""
+    if transform is None or transform.softcap is None:
+        return None
+    return torch.empty(rows, vocab, dtype=dtype, device=device)
 
 
 def _softmax_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -192,25 +225,31 @@ def _chunked_cross_entropy(
     ce_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     need_hidden: bool = False,
     need_weight: bool = False,
+    transform: LogitTransform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Summed CE of ``hidden @ weight.T`` against ``targets``, ``chunk_size`` rows at a time,
-    and (where asked) the *unscaled* gradients of that sum wrt ``hidden`` (its dtype) and
-    ``weight`` (float32 at least). At most one chunk of logits exists at any time."""
+    """Summed CE of ``transform(hidden @ weight.T)`` against ``targets``, ``chunk_size`` rows
+    at a time, and (where asked) the *unscaled* gradients of that sum wrt ``hidden`` (its
+    dtype) and ``weight`` (float32 at least). At most one chunk of logits exists at any time
+    (two for a gradient through a soft cap: ``dy/dz`` is kept beside ``softmax - one_hot``)."""
     rows, acc_dtype, device = hidden.shape[0], _accumulation_dtype(hidden.dtype), hidden.device
+    block = (min(chunk_size, rows), weight.shape[0])
     buffer = None
     if hidden.dtype == acc_dtype:
-        buffer = torch.empty(min(chunk_size, rows), weight.shape[0], dtype=acc_dtype, device=device)
+        buffer = torch.empty(block, dtype=acc_dtype, device=device)
+    need_grad = need_hidden or need_weight
+    slopes = _slope_buffer(transform, *block, acc_dtype, device) if need_grad else None
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
     grad_weight = torch.empty(weight.shape, dtype=acc_dtype, device=device) if need_weight else None
     total = torch.zeros((), dtype=acc_dtype, device=device)
     for start in range(0, rows, chunk_size):
         part = slice(start, start + chunk_size)
-        logits = _chunk_logits(hidden[part], weight, buffer)
-        total += ce_fn(logits, targets[part])
-        if need_hidden or need_weight:
+        logits = _chunk_logits(hidden[part], weight, buffer, transform)
+        to_raw = _raw_grad_fn(logits, transform, slopes) if need_grad else None
+        total += ce_fn(logits, targets[part])  # logits become d CE / d transformed logits
+        if to_raw is not None:
             chunk_grad_hidden = grad_hidden[part] if grad_hidden is not None else None
             _add_chunk_grads(
-                logits, hidden[part], weight, chunk_grad_hidden, grad_weight, first=start == 0
+                to_raw(logits), hidden[part], weight, chunk_grad_hidden, grad_weight, start == 0
             )
         del logits
     return total, grad_hidden, grad_weight
@@ -235,13 +274,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk_size: int,
         ce_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         grad_in_forward: bool,
+        transform: LogitTransform | None,
     ) -> torch.Tensor:
         need = ctx.needs_input_grad[:2] if grad_in_forward else (False, False)
         total, grad_hidden, grad_weight = _chunked_cross_entropy(
-            hidden, weight, targets, chunk_size, ce_fn, *need
+            hidden, weight, targets, chunk_size, ce_fn, *need, transform
         )
         ctx.save_for_backward(hidden, weight, targets)  # for a recompute only
         ctx.chunk_size, ctx.ce_fn, ctx.weight_dtype = chunk_size, ce_fn, weight.dtype
+        ctx.transform = transform
         ctx.grads = (grad_hidden, grad_weight) if grad_in_forward else None
         return total
 
@@ -254,13 +295,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             hidden, weight, targets = ctx.saved_tensors
             _, grad_hidden, grad_weight = _chunked_cross_entropy(
-                hidden, weight, targets, ctx.chunk_size, ctx.ce_fn, *ctx.needs_input_grad[:2]
+                hidden,
+                weight,
+                targets,
+                ctx.chunk_size,
+                ctx.ce_fn,
+                *ctx.needs_input_grad[:2],
+                ctx.transform,
             )
         if grad_hidden is not None:
             grad_hidden.mul_(grad_output)
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_output).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 @component
@@ -289,6 +336,12 @@ class LinearCrossEntropyLoss(nn.Module):
     Logits, log-sum-exp and the weight-gradient sum are float32 for 16-bit inputs (float64
     for float64 inputs). A weight that needs no gradient (a frozen head under LoRA) costs no
     weight-gradient matmul. The loss is differentiable once (no double backward).
+
+    ``transform`` (a :class:`~tunesmith.modules.logits.LogitTransform`, the model's
+    ``logit_transform``: Granite's scale, Gemma 2's soft cap) is applied to every chunk's
+    logits before the softmax, and its derivative goes into the gradients. A scale costs one
+    pass over each chunk; a soft cap also keeps ``dy/dz`` beside the chunk's gradient, so a
+    capped model holds two chunks of logits at a time when a gradient is computed.
 
     The result is the same *sum* over trained tokens as :class:`CrossEntropyLoss` (the
     recipe divides by the global trained-token count, so gradient accumulation and data
@@ -385,10 +438,16 @@ class LinearCrossEntropyLoss(nn.Module):
         )
 
     def forward(
-        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        transform: LogitTransform | None = None,
     ) -> torch.Tensor:
         """Summed CE (float32; float64 for float64 inputs) of ``hidden`` ``[..., h]``
-        projected by ``weight`` ``[V, h]``, against ``labels`` ``[...]`` (already shifted)."""
+        projected by ``weight`` ``[V, h]`` (then ``transform`` ed), against ``labels``
+        ``[...]`` (already shifted)."""
         if hidden.shape[:-1] != labels.shape:
             raise ValueError(
                 f"hidden {list(hidden.shape)} and labels {list(labels.shape)} must agree on "
@@ -398,7 +457,7 @@ class LinearCrossEntropyLoss(nn.Module):
             raise ValueError(
                 f"weight must be [vocab, hidden={hidden.shape[-1]}], got {list(weight.shape)}"
             )
-        vocab = weight.shape[0]
+        vocab, transform = weight.shape[0], LogitTransform.of(transform)
         weight, shard = vp.local_head(weight)  # a vocabulary shard: loss parallel
         hidden = vp.local_hidden(hidden)
         flat_labels = labels.reshape(-1)
@@ -431,37 +490,55 @@ class LinearCrossEntropyLoss(nn.Module):
         with torch.autocast(device_type, enabled=False):
             if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
                 return _LinearCrossEntropy.apply(
-                    rows, weight, targets, chunk, ce_fn, self.grad_in_forward
+                    rows, weight, targets, chunk, ce_fn, self.grad_in_forward, transform
                 )
-            return _chunked_cross_entropy(rows, weight, targets, chunk, ce_fn)[0]
+            total, _, _ = _chunked_cross_entropy(
+                rows, weight, targets, chunk, ce_fn, transform=transform
+            )
+            return total
 
 
 # -- per-token log-probabilities -------------------------------------------------------------
 
 
-def _chunk_token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype
+def _projected(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    dtype: torch.dtype,
+    transform: LogitTransform | None,
 ) -> torch.Tensor:
-    """``log softmax(hidden @ weight.T)[targets]`` of one chunk of rows (float32 at least).
-
-    The casts to the compute ``dtype`` happen here, so a float32 weight's gradient is summed
-    over chunks in float32 even when the matmul runs in bf16.
-    """
+    """``transform(hidden @ weight.T)`` of one chunk through autograd: the matmul in ``dtype``,
+    the logits float32 at least. The casts to ``dtype`` happen here, so a float32 weight's
+    gradient is summed over chunks in float32 even when the matmul runs in bf16."""
     logits = (hidden.to(dtype) @ weight.to(dtype).t()).to(_accumulation_dtype(dtype))
+    return logits if transform is None else transform(logits)
+
+
+def _chunk_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    dtype: torch.dtype,
+    transform: LogitTransform | None = None,
+) -> torch.Tensor:
+    """``log softmax(transform(hidden @ weight.T))[targets]`` of one chunk of rows (float32
+    at least)."""
+    logits = _projected(hidden, weight, dtype, transform)
     target_logits = logits.gather(1, targets[:, None]).squeeze(1)
     return target_logits - torch.logsumexp(logits, dim=-1)
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """``log softmax(hidden @ weight.T)[targets]`` of ``[rows, h]`` rows, ``chunk_size`` rows
-    at a time, with a hand-written backward.
+    """``log softmax(transform(hidden @ weight.T))[targets]`` of ``[rows, h]`` rows,
+    ``chunk_size`` rows at a time, with a hand-written backward.
 
-    Forward keeps each chunk's float32 logits for backward, or (``recompute``) nothing but the
-    log-sum-exps, and backward then recomputes them. Backward turns the logits in place into
-    ``d logp / d logits = g · (one_hot - softmax)`` and feeds the two gradient matmuls: no
-    ``[rows, V]`` tensor is allocated besides the logits themselves. The matmuls run in
-    ``dtype``; the weight gradient is summed over chunks in float32 (at least) and returned in
-    the weight's dtype, the hidden gradient in the hidden states' dtype.
+    Forward keeps each chunk's float32 (transformed) logits for backward, or (``recompute``)
+    nothing but the log-sum-exps, and backward then recomputes them. Backward turns the logits
+    in place into ``d logp / d logits = g · (one_hot - softmax)`` (times ``dy/dz`` with a
+    transform) and feeds the two gradient matmuls: no ``[rows, V]`` tensor is allocated
+    besides the logits themselves (and, with a soft cap, one chunk of ``dy/dz``). The matmuls
+    run in ``dtype``; the weight gradient is summed over chunks in float32 (at least) and
+    returned in the weight's dtype, the hidden gradient in the hidden states' dtype.
     """
 
     @staticmethod
@@ -473,19 +550,20 @@ class _TokenLogprobs(torch.autograd.Function):
         chunk_size: int,
         dtype: torch.dtype,
         recompute: bool,
+        transform: LogitTransform | None,
     ) -> torch.Tensor:
         rows_c, weight_c = hidden.to(dtype), weight.to(dtype)
         logps, lses, kept = [], [], []
         for start in range(0, rows_c.shape[0], chunk_size):
             part = slice(start, start + chunk_size)
-            logits = _chunk_logits(rows_c[part], weight_c, None)
+            logits = _chunk_logits(rows_c[part], weight_c, None, transform)
             lse = torch.logsumexp(logits, dim=-1)
             logps.append(logits.gather(1, targets[part, None]).squeeze(1) - lse)
             lses.append(lse)
             kept.append(None if recompute else logits)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.lses, ctx.logits = lses, kept
-        ctx.chunk_size, ctx.dtype = chunk_size, dtype
+        ctx.chunk_size, ctx.dtype, ctx.transform = chunk_size, dtype, transform
         return torch.cat(logps)
 
     @staticmethod
@@ -500,24 +578,27 @@ class _TokenLogprobs(torch.autograd.Function):
             torch.empty(weight.shape, dtype=acc, device=weight.device) if need_weight else None
         )
         kept, ctx.logits = ctx.logits, [None] * len(ctx.logits)  # a second backward recomputes
+        rows = min(ctx.chunk_size, rows_c.shape[0])
+        slopes = _slope_buffer(ctx.transform, rows, weight.shape[0], acc, weight.device)
         for index, start in enumerate(range(0, rows_c.shape[0], ctx.chunk_size)):
             part = slice(start, start + ctx.chunk_size)
             logits = kept[index]
             if logits is None:
-                logits = _chunk_logits(rows_c[part], weight_c, None)
+                logits = _chunk_logits(rows_c[part], weight_c, None, ctx.transform)
+            to_raw = _raw_grad_fn(logits, ctx.transform, slopes)
             grad = grad_output[part].to(acc)[:, None]
             probs = logits.sub_(ctx.lses[index][:, None]).exp_()
             grad_logits = probs.mul_(-grad).scatter_add_(1, targets[part, None], grad)
             chunk_hidden = grad_hidden[part] if grad_hidden is not None else None
             _add_chunk_grads(
-                grad_logits, rows_c[part], weight_c, chunk_hidden, grad_weight, first=start == 0
+                to_raw(grad_logits), rows_c[part], weight_c, chunk_hidden, grad_weight, start == 0
             )
             del logits, probs, grad_logits
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _sharded_chunk_token_logprobs(
@@ -526,10 +607,12 @@ def _sharded_chunk_token_logprobs(
     targets: torch.Tensor,
     dtype: torch.dtype,
     shard: vp.VocabShard,
+    transform: LogitTransform | None = None,
 ) -> torch.Tensor:
     """:func:`_chunk_token_logprobs` on this rank's vocabulary rows (loss parallel): the
-    log-sum-exp and the target logit are combined over the ranks."""
-    logits = (hidden.to(dtype) @ weight.to(dtype).t()).to(_accumulation_dtype(dtype))
+    log-sum-exp and the target logit are combined over the ranks (the transform is
+    elementwise, so each rank applies it to its own columns)."""
+    logits = _projected(hidden, weight, dtype, transform)
     (lse,), (target_logits,) = vp.logsumexp_over_ranks(
         [logits], shard, [shard.target_logits(logits, targets)]
     )
@@ -571,9 +654,13 @@ def token_logprobs(
     chunk_size: int = 1024,
     ignore_index: int = IGNORE_INDEX,
     recompute: bool | None = None,
+    transform: LogitTransform | None = None,
 ) -> torch.Tensor:
-    """Log-probability of each label under ``softmax(hidden @ weight.T)``, without ever
-    materialising the ``[batch, seq, vocab]`` logits.
+    """Log-probability of each label under ``softmax(transform(hidden @ weight.T))``, without
+    ever materialising the ``[batch, seq, vocab]`` logits. ``transform`` (the model's
+    :class:`~tunesmith.modules.logits.LogitTransform`, or None) is applied to every chunk, and
+    its derivative goes into the gradients (a soft cap needs a second chunk of ``dy/dz`` in
+    backward).
 
     ``hidden`` is ``[..., h]``, ``weight`` the ``lm_head`` weight ``[V, h]`` (possibly the tied
     embedding, possibly frozen), ``labels`` ``[...]`` (already shifted). Returns a tensor shaped
@@ -609,7 +696,7 @@ def token_logprobs(
         >>> torch.allclose(logps, full * (labels != -100), atol=1e-6)
         True
     """
-    vocab = weight.shape[0]
+    vocab, transform = weight.shape[0], LogitTransform.of(transform)
     weight, shard = vp.local_head(weight)  # a vocabulary shard: loss parallel
     hidden = vp.local_hidden(hidden)
     dtype = _head_dtype("token_logprobs", hidden, weight, labels, "labels", chunk_size)
@@ -632,10 +719,12 @@ def token_logprobs(
         recompute = rows.shape[0] > chunk_size
     if shard is None and grad:
         with torch.autocast(device_type, enabled=False):
-            picked = _TokenLogprobs.apply(rows, weight, targets, chunk_size, dtype, recompute)
+            picked = _TokenLogprobs.apply(
+                rows, weight, targets, chunk_size, dtype, recompute, transform
+            )
     else:
         picked = _checkpointed_chunks(
-            rows, weight, targets, chunk_size, dtype, shard, checkpointed=grad and recompute
+            rows, weight, targets, chunk_size, dtype, shard, grad and recompute, transform
         )
     flat = torch.zeros(flat_labels.shape[0], dtype=out_dtype, device=hidden.device)
     return flat.index_copy(0, keep, picked).reshape(labels.shape)
@@ -649,15 +738,16 @@ def _checkpointed_chunks(
     dtype: torch.dtype,
     shard: vp.VocabShard | None,
     checkpointed: bool,
+    transform: LogitTransform | None = None,
 ) -> torch.Tensor:
     """:func:`token_logprobs` of the trained rows through autograd (no gradient, or a weight
     sharded over the vocabulary), each chunk under ``torch.utils.checkpoint`` when
     ``checkpointed``."""
     from torch.utils.checkpoint import checkpoint
 
-    chunk_fn: Callable[..., torch.Tensor] = _chunk_token_logprobs
+    chunk_fn: Callable[..., torch.Tensor] = partial(_chunk_token_logprobs, transform=transform)
     if shard is not None:
-        chunk_fn = partial(_sharded_chunk_token_logprobs, shard=shard)
+        chunk_fn = partial(_sharded_chunk_token_logprobs, shard=shard, transform=transform)
         rows = vp.copy_to_ranks(rows, shard)  # each rank's d hidden is a partial sum
     pieces = []
     with torch.autocast(rows.device.type, enabled=False):
@@ -683,10 +773,13 @@ def token_entropy(
     weight: torch.Tensor,
     mask: torch.Tensor,
     chunk_size: int = 1024,
+    *,
+    transform: LogitTransform | None = None,
 ) -> torch.Tensor:
-    """Entropy of ``softmax(hidden @ weight.T)`` at each position where ``mask`` is true, a
-    metric (computed under ``torch.no_grad``, no gradient), without ever materialising the
-    ``[batch, seq, vocab]`` logits.
+    """Entropy of ``softmax(transform(hidden @ weight.T))`` at each position where ``mask``
+    is true, a metric (computed under ``torch.no_grad``, no gradient), without ever
+    materialising the ``[batch, seq, vocab]`` logits (``transform``: the model's
+    :class:`~tunesmith.modules.logits.LogitTransform`, or None).
 
     ``hidden`` is ``[..., h]``, ``weight`` the ``lm_head`` weight ``[V, h]``, ``mask``
     ``[...]`` (bool or 0/1). Returns a tensor shaped like ``mask``: float32 (float64 for
@@ -710,6 +803,7 @@ def token_entropy(
         >>> torch.allclose(entropy, full, atol=1e-5)
         True
     """
+    transform = LogitTransform.of(transform)
     weight, shard = vp.local_head(weight)  # a vocabulary shard: loss parallel
     hidden = vp.local_hidden(hidden)
     dtype = _head_dtype("token_entropy", hidden, weight, mask, "mask", chunk_size)
@@ -722,6 +816,8 @@ def token_entropy(
         for start in range(0, rows.shape[0], chunk_size):
             chunk = rows[start : start + chunk_size].to(dtype)
             logits = (chunk @ weight.to(dtype).t()).to(out_dtype)
+            if transform is not None:
+                transform.apply_(logits)
             if shard is not None:
                 pieces.append(_sharded_entropy(logits, shard))
                 continue

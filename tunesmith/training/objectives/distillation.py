@@ -19,7 +19,13 @@ import torch
 from torch import nn
 
 from tunesmith.modules.losses import IGNORE_INDEX
-from tunesmith.training.forward import forward_batch, head_weight, router_aux_loss
+from tunesmith.training.forward import (
+    forward_batch,
+    head_transform,
+    head_weight,
+    router_aux_loss,
+    transform_kwargs,
+)
 from tunesmith.training.trainer import LossOutput
 
 __all__ = ["Distillation", "shared_vocab"]
@@ -50,6 +56,11 @@ class Distillation:
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        transforms = transform_kwargs(  # each model's own logit transform
+            self.loss_fn,
+            student_transform=head_transform(model),
+            teacher_transform=head_transform(self.teacher),
+        )
         hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
         with torch.no_grad():
             teacher_hidden, _ = forward_batch(self.teacher, batch, return_hidden_states=True)
@@ -57,7 +68,9 @@ class Distillation:
         if self.vocab_size is not None:  # padded differently: the shared rows only (under
             rows = slice(self.vocab_size)  # tensor parallel the slice is gathered whole)
             student_head, teacher_head = student_head[rows], teacher_head[rows]
-        kd, ce = self.loss_fn(hidden, student_head, teacher_hidden, teacher_head, batch["labels"])
+        kd, ce = self.loss_fn(
+            hidden, student_head, teacher_hidden, teacher_head, batch["labels"], **transforms
+        )
         loss = self.kd_ratio * kd + (1.0 - self.kd_ratio) * ce
         metrics = {"kd_loss": kd.detach(), "ce_loss": ce.detach()}
         return LossOutput(loss, metrics, aux_loss=router_aux_loss(model, router_logits, batch))

@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from tunesmith.modules.losses import IGNORE_INDEX
-from tunesmith.training.forward import forward_batch, head_weight, router_aux_loss
+from tunesmith.training.forward import (
+    forward_batch,
+    head_transform,
+    head_weight,
+    router_aux_loss,
+    transform_kwargs,
+)
 from tunesmith.training.trainer import LossOutput
 
 __all__ = ["TokenCrossEntropy", "token_loss"]
@@ -44,9 +50,11 @@ def token_loss(
     model: nn.Module, loss_fn: nn.Module, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, tuple]:
     """Summed loss over the batch's trained tokens, and the MoE router logits. A loss that owns
-    the output projection (``needs_hidden_states``) gets hidden states and the head's weight."""
+    the output projection (``needs_hidden_states``) gets hidden states, the head's weight and
+    (when the model has one) its logit ``transform``."""
     if getattr(loss_fn, "needs_hidden_states", False):
+        kwargs = transform_kwargs(loss_fn, transform=head_transform(model))
         hidden, router_logits = forward_batch(model, batch, return_hidden_states=True)
-        return loss_fn(hidden, head_weight(model), batch["labels"]), router_logits
+        return loss_fn(hidden, head_weight(model), batch["labels"], **kwargs), router_logits
     logits, router_logits = forward_batch(model, batch)
     return loss_fn(logits, batch["labels"]), router_logits

@@ -94,14 +94,15 @@ def apply_tensor_parallel(
         attn = layer.self_attn
         if not isinstance(attn, Attention):
             raise TypeError(f"tensor parallel needs tunesmith's Attention, got {type(attn)}")
+        after = (layer.layout.attn_out, layer.layout.mlp_out)
         plan: dict[str, ParallelStyle] = {
             "self_attn": Gathered(stream),
             "self_attn.q_proj": _colwise(attn.q_proj),
             "self_attn.k_proj": _colwise(attn.k_proj),
             "self_attn.v_proj": _colwise(attn.v_proj),
             "self_attn.o_proj": _rowwise(attn.o_proj, stream),
-            "input_layernorm": StreamNorm(stream),
-            "post_attention_layernorm": StreamNorm(stream),
+            # Norms before a block feed it; norms after one are added to the stream.
+            **{name: StreamNorm(stream, local_output=name in after) for name in layer.norm_names},
         }
         if attn.q_norm is not None:
             plan["self_attn.q_norm"] = plan["self_attn.k_norm"] = HeadNorm()
@@ -184,8 +185,17 @@ def _shard_head(model: nn.Module, head: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def check_tp_shardable(model: nn.Module) -> None:
-    """Refuse, naming the weight, an NF4 (QLoRA) base weight: torchao's NF4 tensors cannot be
-    split into tensor-parallel shards (use data parallel, ``dp_shard``, for QLoRA)."""
+    """Refuse, naming the module or weight, what tensor parallel cannot split: a qk-norm over
+    the whole projection (it spans the heads that TP splits), and an NF4 (QLoRA) base weight
+    (torchao's NF4 tensors cannot be split into shards; use data parallel, ``dp_shard``)."""
+    for name, module in model.named_modules():
+        whole_qk_norm = getattr(module, "q_norm", None) is not None and not module.qk_norm_per_head
+        if isinstance(module, Attention) and whole_qk_norm:
+            raise ValueError(
+                f"{name}: a qk-norm over the whole projection (OLMo 2) spans every head, "
+                "so tensor parallel (which splits the heads) cannot run it yet; use tp: 1 "
+                "(shard with dp_shard instead)"
+            )
     for name, param in model.named_parameters():
         if is_nf4(param.data if isinstance(param, nn.Parameter) else param):
             raise ValueError(

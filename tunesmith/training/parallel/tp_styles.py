@@ -47,18 +47,28 @@ def replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
 
 class StreamNorm(ParallelStyle):
     """An RMSNorm on the residual stream: replicated weight, input/output laid out as the
-    stream (its weight gradient is summed over the sequence shards)."""
+    stream (its weight gradient is summed over the sequence shards). With ``local_output``
+    the output is this rank's plain tensor, for a norm whose output is added to the stream
+    (Gemma's post-attention and post-MLP norms), not fed to a block."""
 
-    def __init__(self, stream: Stream) -> None:
+    def __init__(self, stream: Stream, *, local_output: bool = False) -> None:
         self.stream = stream
+        self.local_output = local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def to_stream(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple:
             x = DTensor.from_local(inputs[0], mesh, (self.stream.placement,), run_check=False)
             return (x, *inputs[1:])
 
+        def to_local(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+            return out.to_local()
+
         return distribute_module(
-            module, device_mesh, lambda name, mod, mesh: replicate_params(mod, mesh), to_stream
+            module,
+            device_mesh,
+            lambda name, mod, mesh: replicate_params(mod, mesh),
+            to_stream,
+            to_local if self.local_output else None,
         )
 
 
