@@ -42,6 +42,10 @@ DENSE_CASES = {
     "llama_rope_llama3": ("llama", {"rope_scaling": LLAMA3_ROPE}),
     "qwen2_tied_qkv_bias": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3_qk_norm": ("qwen3", {}),
+    "qwen3_mixed_windows": (
+        "qwen3",
+        {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+    ),
     "mistral_sliding_window": ("mistral", {"sliding_window": 4}),
     # Window 4, both soft-caps, query_pre_attn_scalar 20, alternating layers (conftest).
     "gemma2_caps_window": ("gemma2", {**ODD, "num_hidden_layers": 3, "attention_bias": True}),
@@ -117,6 +121,7 @@ def test_dense_gradients_match_transformers(dense_pair):
     [
         ("llama_rope_llama3", {"rope_scaling": None}),
         ("mistral_sliding_window", {"sliding_window": None}),
+        ("qwen3_mixed_windows", {"layer_types": None}),
         ("gemma2_caps_window", {"attn_logit_softcapping": None}),
         ("gemma2_caps_window", {"final_logit_softcapping": None}),
         ("gemma2_caps_window", {"sliding_window": None, "layer_types": None}),

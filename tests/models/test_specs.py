@@ -174,7 +174,6 @@ def _tiny_config(**changes):
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
         ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}}, "longrope"),
         ({"hidden_act": "relu2"}, "relu2"),
-        ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}, "sliding"),
         ({"quantization_config": {"quant_method": "gptq"}}, "gptq"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ],
@@ -189,6 +188,12 @@ def test_supported_sliding_windows():
     assert spec_from_hf_config(everywhere).sliding_window == 4
     unused = _tiny_config(use_sliding_window=True, sliding_window=4, max_window_layers=2)
     assert spec_from_hf_config(unused).sliding_window is None
+    mixed = spec_from_hf_config(
+        _tiny_config(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    )
+    assert mixed.layer_types == ("full_attention", "sliding_attention")
+    assert [mixed.layer_sliding_window(i) for i in range(2)] == [None, 4]
+    assert spec_from_hf_config(mixed.to_hf_config()) == mixed  # written back as it was read
     mistral_v01 = mistral.spec("mistral_tiny").to_hf_config()
     del mistral_v01["sliding_window"]  # transformers' MistralConfig default applies
     assert spec_from_hf_config(mistral_v01).sliding_window == 4096

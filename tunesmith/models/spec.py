@@ -499,37 +499,30 @@ def _inexpressible(name: str, value: Any, family: Family) -> str:
 
 
 def use_sliding_window_from_config(config: Mapping[str, Any], *, per_layer: bool) -> dict[str, Any]:
-    """``sliding_window`` of a config in the ``use_sliding_window`` convention (Qwen2/Qwen3):
-    the window applied to every layer, None for full attention; mixed layers are refused.
+    """``sliding_window`` and ``layer_types`` of a config in the ``use_sliding_window``
+    convention (Qwen2/Qwen3): no window unless ``use_sliding_window``.
 
-    With ``per_layer`` the config's ``layer_types`` or ``max_window_layers`` (first sliding
-    layer, transformers' default 28) decide which layers slide; without, every layer does.
-    A family's ``from_hf_config`` returns it (or updates its own fields with it).
+    With ``per_layer`` the config's ``layer_types``, else ``max_window_layers`` (the first
+    sliding layer, transformers' default 28), decide which layers slide; without, every layer
+    does. A family's ``from_hf_config`` returns it (or updates its own fields with it).
 
     Example::
 
         >>> use_sliding_window_from_config({"use_sliding_window": False}, per_layer=True)
-        {'sliding_window': None}
+        {'sliding_window': None, 'layer_types': None}
+        >>> use_sliding_window_from_config({"use_sliding_window": True, "sliding_window": 4,
+        ...     "max_window_layers": 1, "num_hidden_layers": 2}, per_layer=True)["layer_types"]
+        ('full_attention', 'sliding_attention')
     """
-    model_type = config.get("model_type")
     window = config.get("sliding_window", 4096) if config.get("use_sliding_window") else None
-    layer_types = config.get("layer_types")
-    if layer_types is not None and window is not None and per_layer:
-        kinds = set(layer_types)
-    elif window is None or not per_layer:
-        kinds = {"sliding_attention" if window else "full_attention"}
-    else:
-        first = config.get("max_window_layers", 28)
-        n = config["num_hidden_layers"]
-        kinds = {"sliding_attention" if i >= first else "full_attention" for i in range(n)}
-    if kinds == {"full_attention"}:
-        return {"sliding_window": None}
-    if kinds == {"sliding_attention"}:
-        return {"sliding_window": window}
-    raise UnsupportedModelError(
-        f"{model_type}: sliding-window attention on only some layers "
-        f"(use_sliding_window with max_window_layers/layer_types) is not supported"
-    )
+    if window is None or not per_layer:
+        return {"sliding_window": window, "layer_types": None}
+    first = config.get("max_window_layers", 28)
+
+    def default(i: int) -> str:
+        return "sliding_attention" if i >= first else "full_attention"
+
+    return layer_types_from_config(config, window, default)
 
 
 def use_sliding_window_to_config(spec: ModelSpec, *, per_layer: bool) -> dict[str, Any]:
@@ -546,8 +539,13 @@ def use_sliding_window_to_config(spec: ModelSpec, *, per_layer: bool) -> dict[st
         "sliding_window": spec.sliding_window,
     }
     if per_layer:
-        # Layers >= max_window_layers slide: 0 = all of them.
-        keys["max_window_layers"] = 0 if spec.sliding_window else spec.num_hidden_layers
+        types = layer_types_to_config(spec)
+        # Layers >= max_window_layers slide; transformers reads layer_types first.
+        keys["max_window_layers"] = next(
+            (i for i, kind in enumerate(types) if kind == "sliding_attention"), len(types)
+        )
+        if spec.layer_types is not None:
+            keys["layer_types"] = types
     return keys
 
 
