@@ -26,6 +26,7 @@ HF_FAMILIES = (
     "olmo2",
     "granite",
     "smollm3",
+    "phi3",
 )
 
 _TINY: dict[str, Any] = {
@@ -67,6 +68,10 @@ _FAMILY_TINY: dict[str, dict[str, Any]] = {
     "granite": {"head_dim": 16, "embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                 "attention_multiplier": 0.1, "logits_scaling": 4.0},
     "smollm3": {"head_dim": 16, "num_hidden_layers": 3, "no_rope_layer_interval": 2},
+    "phi3": {"head_dim": 16, "partial_rotary_factor": 0.5, "sliding_window": 5,
+             "original_max_position_embeddings": 8, "rope_scaling": {
+                 "rope_type": "longrope", "long_factor": [1.0, 2.0, 4.0, 8.0],
+                 "short_factor": [1.0, 1.0, 1.5, 2.0]}},
 }  # fmt: skip
 
 

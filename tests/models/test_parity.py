@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -13,11 +15,14 @@ from tunesmith.models import (
     llama3,
     mistral,
     olmo2,
+    phi3,
     qwen3,
     qwen3_moe,
     smollm3,
     spec_from_hf_config,
 )
+from tunesmith.models.family import family_for
+from tunesmith.models.fused_keys import fuse_state, fused_parts, split_state
 from tunesmith.modules.masks import (
     document_causal_mask,
     document_position_ids,
@@ -56,6 +61,8 @@ DENSE_CASES = {
     ),
     "olmo2_post_norms": ("olmo2", ODD),
     "granite_multipliers": ("granite", {**ODD, "tie_word_embeddings": True}),
+    # Fused qkv/gate_up on disk, half rotary, LongRoPE past 8 positions, window 5.
+    "phi3_longrope_partial": ("phi3", {**ODD, "num_attention_heads": 3, "num_key_value_heads": 1}),
     "smollm3_nope_window": ("smollm3", {**ODD, "use_sliding_window": True, "sliding_window": 4}),
 }
 
@@ -75,9 +82,15 @@ def dense_pair(request, hf_tiny):
     family, overrides = DENSE_CASES[request.param]
     hf = hf_tiny.model(family, seed=1, **overrides)
     ours = build_model(spec_from_hf_config(hf.config.to_dict())).eval()
-    # Strict: every HF key has a parameter of the same name here and vice versa.
-    ours.load_state_dict(hf.state_dict(), strict=True)
+    # Strict: every HF key has a parameter of the same name here and vice versa (a fused
+    # projection on the HF side is the rows of our parts).
+    ours.load_state_dict(_as_ours(ours, hf.state_dict()), strict=True)
     return request.param, hf, ours
+
+
+def _as_ours(model, hf_state):
+    fused = family_for(model.spec.model_type).fused
+    return split_state(hf_state, fused_parts(model.state_dict(), fused))
 
 
 @torch.no_grad()
@@ -108,6 +121,7 @@ def test_dense_gradients_match_transformers(dense_pair):
         (out * weights * mask[..., None]).sum().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     theirs, mine = grads
+    mine = fuse_state(mine, family_for(ours.spec.model_type).fused)  # HF names throughout
     assert mine.keys() == theirs.keys()
     for name, grad in mine.items():
         scale = theirs[name].abs().max()
@@ -133,6 +147,9 @@ def test_dense_gradients_match_transformers(dense_pair):
         ("granite_multipliers", {"attention_multiplier": None}),
         ("granite_multipliers", {"logits_scaling": 1.0}),
         ("smollm3_nope_window", {"nope_layers": ()}),
+        ("phi3_longrope_partial", {"partial_rotary_factor": 1.0, "rope_scaling": None}),
+        ("phi3_longrope_partial", {"sliding_window": None}),
+        ("phi3_longrope_partial", {"rope_scaling": None}),
         ("smollm3_nope_window", {"sliding_window": None, "layer_types": None}),
     ],
 )
@@ -144,7 +161,7 @@ def test_config_only_features_change_the_logits(hf_tiny, case, ablation):
     hf = hf_tiny.model(family, seed=1, **overrides)
     spec = spec_from_hf_config(hf.config.to_dict())
     ablated = build_model(spec.replace(**ablation)).eval()
-    ablated.load_state_dict(hf.state_dict())
+    ablated.load_state_dict(_as_ours(ablated, hf.state_dict()))
     ids = _batch(vocab=spec.vocab_size)[0][1:]
     assert (ablated(ids) - hf(ids).logits).abs().max() > 100 * ATOL
 
@@ -206,8 +223,12 @@ def _random_model(factory, hf_tiny, **overrides):
         olmo2.olmo2_tiny,
         granite.granite_tiny,
         smollm3.smollm3_tiny,
+        # LongRoPE changes every position's rotation once a forward reaches past the original
+        # context (keys cached before the switch keep the short one, as in transformers), so
+        # cache == full holds only without the switch.
+        partial(phi3.phi3_tiny, rope_scaling=None),
     ],
-    ids=["qwen3", "mistral_window8", "gemma2", "gemma3", "olmo2", "granite", "smollm3"],
+    ids=["qwen3", "mistral_window8", "gemma2", "gemma3", "olmo2", "granite", "smollm3", "phi3"],
 )
 def test_kv_cache_decode_equals_full_forward(factory, hf_tiny):
     """Prefill, a chunked prefill and token-by-token decode with a padded batch == one pass."""

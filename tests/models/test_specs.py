@@ -172,7 +172,6 @@ def _tiny_config(**changes):
     [
         ({"model_type": "gpt2"}, "gpt2"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
-        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}}, "longrope"),
         ({"hidden_act": "relu2"}, "relu2"),
         ({"quantization_config": {"quant_method": "gptq"}}, "gptq"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),

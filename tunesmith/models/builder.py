@@ -71,6 +71,7 @@ def _assemble(spec: ModelSpec) -> TransformerLM:
                 scale=spec.attention_multiplier,
                 softcap=spec.attn_logit_softcapping,
                 rope=i not in spec.nope_layers,
+                rope_interleaved=spec.rope_interleaved,
             ),
             _mlp(spec, i),
             spec.hidden_size,
@@ -84,12 +85,16 @@ def _assemble(spec: ModelSpec) -> TransformerLM:
     ]
     local_rope = None
     if spec.rope_local_theta is not None:
-        local_rope = RotaryEmbedding(spec.head_dim, spec.rope_local_theta)
+        local_rope = RotaryEmbedding(
+            spec.rotary_dim, spec.rope_local_theta, interleaved=spec.rope_interleaved
+        )
     decoder = DecoderModel(
         nn.Embedding(spec.vocab_size, spec.hidden_size),
         layers,
         RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps, style=spec.norm_style),
-        RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling),
+        RotaryEmbedding(
+            spec.rotary_dim, spec.rope_theta, spec.rope_scaling, interleaved=spec.rope_interleaved
+        ),
         rotary_emb_local=local_rope,
         embedding_multiplier=spec.embedding_multiplier,
     )

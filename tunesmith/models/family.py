@@ -90,6 +90,10 @@ class Family:
             back to the same ``sliding_window`` (``num_experts``).
         template: its chat template: a shipped name (``tunesmith/data/templates/<name>.jinja``)
             or the path of a ``.jinja`` file; None when the family ships none.
+        fused: projections its checkpoints store fused, by HF module name, with the module
+            names tunesmith keeps apart, in row order (Phi-3:
+            ``{"qkv_proj": ("q_proj", "k_proj", "v_proj")}``); see
+            :mod:`~tunesmith.models.fused_keys`.
 
     Example::
 
@@ -107,6 +111,7 @@ class Family:
     from_hf_config: Callable[[Mapping[str, Any]], dict[str, Any]] = _no_fields
     to_hf_config: Callable[[ModelSpec], dict[str, Any]] = _no_keys
     template: str | None = None
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flags", tuple(self.flags))
@@ -116,6 +121,9 @@ class Family:
         both = sorted(set(self.flags) & set(self.implied))
         if both:
             raise ValueError(f"family {self.name!r}: {both} both implied and read as flags")
+        short = [name for name, parts in self.fused.items() if len(tuple(parts)) < 2]
+        if short:
+            raise ValueError(f"family {self.name!r}: fused {short} must name two parts or more")
         bad = [
             k for k in self.defaults if k not in (*OPTIONAL_KEYS, "head_dim", "tie_word_embeddings")
         ]

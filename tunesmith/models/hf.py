@@ -31,6 +31,8 @@ from torch import nn
 from tunesmith.config.registry import component
 from tunesmith.models.atomic import UnsafePathError, open_no_follow, real_folder, refuse_unsafe
 from tunesmith.models.builder import build_model
+from tunesmith.models.family import family_for
+from tunesmith.models.fused_keys import fuse_state, fused_parts
 from tunesmith.models.manifest import has_manifest, manifest_problem
 from tunesmith.models.safetensors_io import (
     CheckpointError,
@@ -181,13 +183,23 @@ def load_hf_weights(
     resolved = None if dtype is None else resolve_dtype(dtype)
     if verify:
         verify_own_checkpoint(folder)
-    load_into_module(model, folder, device=device, dtype=resolved)
+    load_into_module(model, folder, device=device, dtype=resolved, parts=_fused_parts(model))
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     if hasattr(model, "init_buffers"):
         model.init_buffers()
     assert_no_meta(model, str(folder))
     return model
+
+
+def _fused(spec: Any) -> Mapping[str, tuple[str, ...]]:
+    """The projections ``spec``'s family stores fused on disk (none for other objects)."""
+    return family_for(spec.model_type).fused if isinstance(spec, ModelSpec) else {}
+
+
+def _fused_parts(model: nn.Module) -> dict[str, tuple[str, int, int]]:
+    fused = _fused(getattr(model, "spec", None))
+    return fused_parts(model.state_dict(keep_vars=True), fused) if fused else {}
 
 
 def verify_own_checkpoint(folder: str | os.PathLike) -> None:
@@ -514,7 +526,7 @@ def write_hf_checkpoint(
         )
     out_dtype = resolve_dtype(dtype) if dtype is not None else _dominant_dtype(state)
     written = write_safetensors_shards(
-        state, folder, max_shard_size=max_shard_size, dtype=out_dtype
+        fuse_state(state, _fused(spec)), folder, max_shard_size=max_shard_size, dtype=out_dtype
     )
 
     config = spec.to_hf_config(num_labels=num_labels)

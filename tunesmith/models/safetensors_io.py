@@ -292,6 +292,7 @@ def load_into_module(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    parts: Mapping[str, tuple[str, int, int]] | None = None,
 ) -> None:
     """Load a safetensors folder into ``module`` shard by shard, replacing its tensors.
 
@@ -302,6 +303,10 @@ def load_into_module(
     module's own load hooks run. Names tied to one tensor in ``module`` (e.g. ``lm_head.weight``
     and ``model.embed_tokens.weight``) need only one of them in the checkpoint and are re-tied
     after loading; if the checkpoint holds several with different values, that is an error.
+
+    ``parts`` names tensors the checkpoint stores fused with others (see
+    :func:`~tunesmith.models.fused_keys.fused_parts`): state-dict name -> (checkpoint name,
+    first row, end row); such a tensor is read as those rows of the fused one.
 
     Every name and shape is checked from the file headers before any data is read.
 
@@ -325,9 +330,15 @@ def load_into_module(
     # ---- validate names and shapes from headers only
     source: dict[str, str] = {}  # state-dict name -> checkpoint name its data is read from
     duplicates: dict[str, list[str]] = {}  # state-dict name -> tied copies also in the checkpoint
+    rows: dict[str, tuple[int, int]] = {}  # state-dict name -> its rows of a fused tensor
+    parts = parts or {}
     missing = []
     for key in expected:
         present = [n for n in [key, *tied[key]] if n in infos]
+        if not present and key in parts and parts[key][0] in infos:
+            name, start, stop = parts[key]
+            source[key], duplicates[key], rows[key] = name, [], (start, stop)
+            continue
         if not present:
             missing.append(key)
             continue
@@ -339,7 +350,8 @@ def load_into_module(
             f"checkpoint {folder} is missing {len(missing)} tensor(s) the model needs: "
             f"{_names(missing)} (searched {', '.join(files)})"
         )
-    known = {n for key in expected for n in [key, *tied[key]]}
+    known = {n for key in expected for n in [key, *tied[key]]} | set(source.values())
+    _check_fused_rows(infos, source, rows)
     unexpected = {n: info for n, info in infos.items() if n not in known}
     if unexpected:
         listed = sorted(unexpected.items())
@@ -352,10 +364,18 @@ def load_into_module(
     for key, tensor in expected.items():
         for name in [source[key], *duplicates[key]]:
             info = infos[name]
-            if info.shape != tuple(tensor.shape):
+            shape = (
+                info.shape if key not in rows else (rows[key][1] - rows[key][0], *info.shape[1:])
+            )
+            if shape != tuple(tensor.shape):
                 raise CheckpointError(
                     f"{info.file}: tensor '{name}' has shape {list(info.shape)}, "
                     f"the model expects {list(tensor.shape)}"
+                    + (
+                        f" (as rows {rows[key][0]}:{rows[key][1]} for '{key}')"
+                        if key in rows
+                        else ""
+                    )
                 )
             if info.dtype not in _DTYPES:
                 raise CheckpointError(
@@ -373,19 +393,23 @@ def load_into_module(
         by_file.setdefault(infos[name].file, []).append(key)
     for path in sorted(by_file):
         with _open_shard(path) as f:
-            shard = {}
+            shard, fused = {}, {}
             for key in by_file[path]:
                 target = expected[key]
                 dt = (dtype or target.dtype) if target.is_floating_point() else target.dtype
-                shard[key] = _read(f, path, source[key]).to(
-                    device=_target_device(target, device), dtype=dt
-                )
+                if key in rows:  # read once, cut into its parts
+                    if source[key] not in fused:
+                        fused[source[key]] = _read(f, path, source[key])
+                    tensor = fused[source[key]][rows[key][0] : rows[key][1]]
+                else:
+                    tensor = _read(f, path, source[key])
+                shard[key] = tensor.to(device=_target_device(target, device), dtype=dt)
             result = module.load_state_dict(shard, strict=False, assign=True)
             if result.unexpected_keys:
                 raise CheckpointError(
                     f"{path}: the module rejected tensor(s) {_names(result.unexpected_keys)}"
                 )
-            del shard
+            del shard, fused
 
     # ---- re-tie, then check that tied copies stored in the checkpoint agree
     loaded = module.state_dict(keep_vars=True)
@@ -402,6 +426,23 @@ def load_into_module(
                     f"({infos[source[key]].file.name}) but the model ties them; set "
                     f"tie_word_embeddings=false in config.json if the checkpoint is really untied"
                 )
+
+
+def _check_fused_rows(
+    infos: Mapping[str, Any], source: Mapping[str, str], rows: Mapping[str, tuple[int, int]]
+) -> None:
+    """A fused checkpoint tensor must have exactly the rows of the parts read from it."""
+    needed: dict[str, int] = {}
+    for key, (_, stop) in rows.items():
+        needed[source[key]] = max(needed.get(source[key], 0), stop)
+    for name, count in needed.items():
+        info = infos[name]
+        if info.shape[0] != count:
+            parts = [key for key in rows if source[key] == name]
+            raise CheckpointError(
+                f"{info.file}: fused tensor '{name}' has {info.shape[0]} rows, the model's "
+                f"{_names(parts)} take {count}"
+            )
 
 
 def _target_device(tensor: torch.Tensor, device: torch.device | str | None) -> torch.device:

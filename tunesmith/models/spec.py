@@ -43,18 +43,20 @@ __all__ = [
     "check_sizes",
     "layer_types_from_config",
     "layer_types_to_config",
+    "partial_rotary_from_config",
     "spec_from_hf_config",
     "use_sliding_window_from_config",
     "use_sliding_window_to_config",
 ]
 
 # RoPE variants implemented by tunesmith.modules.rope.
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _ROPE_KEYS: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
 
 
@@ -127,7 +129,9 @@ class ModelSpec:
     - ``layer_types``: per layer ``"sliding_attention"`` (window ``sliding_window``) or
       ``"full_attention"``; None means every layer slides when ``sliding_window`` is set.
       ``rope_local_theta``: the RoPE base of sliding layers (Gemma 3), None = ``rope_theta``.
-      ``nope_layers``: layers without RoPE (SmolLM3).
+      ``nope_layers``: layers without RoPE (SmolLM3). ``partial_rotary_factor``: the share of
+      each head that RoPE rotates (:attr:`rotary_dim`); ``rope_interleaved``: rotate pairs
+      of features instead of halves (GLM-4).
     - ``norm_layout`` (:data:`~tunesmith.modules.decoder.NORM_LAYOUTS`: ``pre``, ``sandwich``,
       ``post``) and ``norm_style`` (:data:`~tunesmith.modules.norms.NORM_STYLES`).
     - ``hidden_act``: the MLP gate's activation (SwiGLU ``silu``, GeGLU ``gelu_pytorch_tanh``).
@@ -166,6 +170,8 @@ class ModelSpec:
     mlp_only_layers: tuple[int, ...] = ()
     # What only some families have (see the class docs).
     layer_types: tuple[str, ...] | None = None
+    partial_rotary_factor: float = 1.0
+    rope_interleaved: bool = False
     rope_local_theta: float | None = None
     nope_layers: tuple[int, ...] = ()
     norm_layout: str = "pre"
@@ -253,8 +259,18 @@ class ModelSpec:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value!r}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] and "
+                f"rotate an even number of features (head_dim {self.head_dim})"
+            )
         if self.rope_local_theta is not None and not self.rope_local_theta > 0:
             raise ValueError(f"rope_local_theta must be > 0, got {self.rope_local_theta!r}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The features of each head that RoPE rotates (``head_dim`` unless partial)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The window of layer ``layer_idx`` (None: full attention).
@@ -414,6 +430,8 @@ _FAMILY_FIELDS: dict[str, Any] = {
     if f.name
     in (
         "layer_types",
+        "partial_rotary_factor",
+        "rope_interleaved",
         "rope_local_theta",
         "nope_layers",
         "norm_layout",
@@ -470,20 +488,20 @@ def _rope_from_config(config: dict[str, Any]) -> tuple[float, dict[str, Any] | N
     if "type" in scaling and "rope_type" not in scaling:  # very old configs
         scaling["rope_type"] = scaling.pop("type")
     scaling.pop("type", None)
-    partial = scaling.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported")
+    scaling.pop("partial_rotary_factor", None)  # read by the families that have it
     rope_type = scaling.get("rope_type", "default")
     if rope_type not in _ROPE_TYPES:
         raise UnsupportedModelError(
             f"rope_type {rope_type!r} is not supported; supported: {', '.join(_ROPE_TYPES)}"
         )
-    if rope_type in ("llama3", "yarn"):
+    if rope_type in ("llama3", "yarn", "longrope"):
         # transformers fills these in from max_position_embeddings when absent.
         max_pos = config.get("max_position_embeddings")
-        if scaling.get("original_max_position_embeddings") is None:
-            scaling["original_max_position_embeddings"] = max_pos
-        if rope_type == "yarn" and scaling.get("factor") is None and max_pos:
+        if scaling.get("original_max_position_embeddings") is None:  # 4.x Phi-3: top level
+            scaling["original_max_position_embeddings"] = (
+                config.get("original_max_position_embeddings") or max_pos
+            )
+        if rope_type in ("yarn", "longrope") and scaling.get("factor") is None and max_pos:
             scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
     if local_theta == float(theta):
         local_theta = None
@@ -665,7 +683,28 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
         elif name in family.implied:
             fields[name] = family.implied[name]
     fields.update(family.from_hf_config(config))
+    partial = partial_rotary_from_config(config)
+    if partial != 1.0 and "partial_rotary_factor" not in fields:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor={partial} is not supported for model_type {model_type!r}"
+        )
     return ModelSpec(**fields)
+
+
+def partial_rotary_from_config(config: Mapping[str, Any]) -> float:
+    """The ``partial_rotary_factor`` of a config: at the top level (4.x) or in its
+    ``rope_parameters`` / ``rope_scaling`` (5.x); 1.0 when absent.
+
+    Example::
+
+        >>> partial_rotary_from_config({"rope_parameters": {"partial_rotary_factor": 0.5}})
+        0.5
+    """
+    for place in (config.get("rope_parameters"), config.get("rope_scaling")):
+        if isinstance(place, Mapping) and place.get("partial_rotary_factor") is not None:
+            return float(place["partial_rotary_factor"])
+    value = config.get("partial_rotary_factor")
+    return 1.0 if value is None else float(value)
 
 
 def _dtype_name(value: Any) -> str | None:

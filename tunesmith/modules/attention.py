@@ -42,6 +42,8 @@ class Attention(nn.Module):
         softcap: soft-cap on the attention scores, ``cap * tanh(scores / cap)`` (Gemma 2),
             computed by :func:`~tunesmith.modules.attention_backends.softcapped_attention`.
         rope: rotate q and k (False: a NoPE layer, which ignores ``cos``/``sin``).
+        rope_interleaved: rotate pairs ``(0, 1), (2, 3), ...`` instead of the two halves
+            (GLM-4; the rotary embedding must lay cos/sin out the same way).
 
     Example::
 
@@ -68,6 +70,7 @@ class Attention(nn.Module):
         scale: float | None = None,
         softcap: float | None = None,
         rope: bool = True,
+        rope_interleaved: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -93,6 +96,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.softcap = softcap
         self.rope = rope
+        self.rope_interleaved = rope_interleaved
 
     def forward(
         self,
@@ -128,7 +132,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rope:
-            q, k = apply_rotary(q, k, cos, sin)
+            q, k = apply_rotary(q, k, cos, sin, interleaved=self.rope_interleaved)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)
 
