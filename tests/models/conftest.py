@@ -27,6 +27,7 @@ HF_FAMILIES = (
     "granite",
     "smollm3",
     "phi3",
+    "glm4",
 )
 
 _TINY: dict[str, Any] = {
@@ -72,6 +73,7 @@ _FAMILY_TINY: dict[str, dict[str, Any]] = {
              "original_max_position_embeddings": 8, "rope_scaling": {
                  "rope_type": "longrope", "long_factor": [1.0, 2.0, 4.0, 8.0],
                  "short_factor": [1.0, 1.0, 1.5, 2.0]}},
+    "glm4": {"head_dim": 16},
 }  # fmt: skip
 
 

@@ -11,6 +11,7 @@ from tunesmith.models import (
     build_model,
     gemma2,
     gemma3,
+    glm4,
     granite,
     llama3,
     mistral,
@@ -63,6 +64,8 @@ DENSE_CASES = {
     "granite_multipliers": ("granite", {**ODD, "tie_word_embeddings": True}),
     # Fused qkv/gate_up on disk, half rotary, LongRoPE past 8 positions, window 5.
     "phi3_longrope_partial": ("phi3", {**ODD, "num_attention_heads": 3, "num_key_value_heads": 1}),
+    # Fused gate_up on disk, half of each head rotated in interleaved pairs, GLM's norms.
+    "glm4_interleaved_partial": ("glm4", ODD),
     "smollm3_nope_window": ("smollm3", {**ODD, "use_sliding_window": True, "sliding_window": 4}),
 }
 
@@ -150,6 +153,8 @@ def test_dense_gradients_match_transformers(dense_pair):
         ("phi3_longrope_partial", {"partial_rotary_factor": 1.0, "rope_scaling": None}),
         ("phi3_longrope_partial", {"sliding_window": None}),
         ("phi3_longrope_partial", {"rope_scaling": None}),
+        ("glm4_interleaved_partial", {"rope_interleaved": False}),
+        ("glm4_interleaved_partial", {"partial_rotary_factor": 1.0}),
         ("smollm3_nope_window", {"sliding_window": None, "layer_types": None}),
     ],
 )
@@ -227,8 +232,19 @@ def _random_model(factory, hf_tiny, **overrides):
         # context (keys cached before the switch keep the short one, as in transformers), so
         # cache == full holds only without the switch.
         partial(phi3.phi3_tiny, rope_scaling=None),
+        glm4.glm4_tiny,
     ],
-    ids=["qwen3", "mistral_window8", "gemma2", "gemma3", "olmo2", "granite", "smollm3", "phi3"],
+    ids=[
+        "qwen3",
+        "mistral_window8",
+        "gemma2",
+        "gemma3",
+        "olmo2",
+        "granite",
+        "smollm3",
+        "phi3",
+        "glm4",
+    ],  # fmt: skip
 )
 def test_kv_cache_decode_equals_full_forward(factory, hf_tiny):
     """Prefill, a chunked prefill and token-by-token decode with a padded batch == one pass."""

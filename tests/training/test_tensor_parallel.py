@@ -21,10 +21,12 @@ from tunesmith.models import build_model
 from tunesmith.models.zoo import (
     gemma2,
     gemma3,
+    glm4,
     granite,
     llama3,
     mistral,
     olmo2,
+    phi3,
     qwen2_5,
     qwen3,
     qwen3_moe,
@@ -46,6 +48,8 @@ SPECS = {
     "gemma3_local_rope": lambda: gemma3.spec("gemma3_tiny", vocab_size=VOCAB),
     "granite_multipliers": lambda: granite.spec("granite_tiny", vocab_size=VOCAB),
     "smollm3_nope": lambda: smollm3.spec("smollm3_tiny", vocab_size=VOCAB),
+    "phi3_longrope_partial": lambda: phi3.spec("phi3_tiny", vocab_size=VOCAB),
+    "glm4_interleaved_partial": lambda: glm4.spec("glm4_tiny", vocab_size=VOCAB),
 }
 
 

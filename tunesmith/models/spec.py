@@ -691,9 +691,9 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     return ModelSpec(**fields)
 
 
-def partial_rotary_from_config(config: Mapping[str, Any]) -> float:
+def partial_rotary_from_config(config: Mapping[str, Any], default: float = 1.0) -> float:
     """The ``partial_rotary_factor`` of a config: at the top level (4.x) or in its
-    ``rope_parameters`` / ``rope_scaling`` (5.x); 1.0 when absent.
+    ``rope_parameters`` / ``rope_scaling`` (5.x); ``default`` when absent.
 
     Example::
 
@@ -704,7 +704,7 @@ def partial_rotary_from_config(config: Mapping[str, Any]) -> float:
         if isinstance(place, Mapping) and place.get("partial_rotary_factor") is not None:
             return float(place["partial_rotary_factor"])
     value = config.get("partial_rotary_factor")
-    return 1.0 if value is None else float(value)
+    return default if value is None else float(value)
 
 
 def _dtype_name(value: Any) -> str | None:

@@ -48,12 +48,19 @@ class NormLayout:
 NORM_LAYOUTS: dict[str, NormLayout] = {
     # Llama, Qwen, Mistral, Granite, SmolLM3: a norm before each block.
     "pre": NormLayout("input_layernorm", None, "post_attention_layernorm", None),
-    # Gemma 2/3: norms before and after each block.
+    # Gemma 2/3: norms before and after each block ("sandwich").
     "sandwich": NormLayout(
         "input_layernorm",
         "post_attention_layernorm",
         "pre_feedforward_layernorm",
         "post_feedforward_layernorm",
+    ),
+    # GLM-4: the same four norms under other names.
+    "sandwich_glm": NormLayout(
+        "input_layernorm",
+        "post_self_attn_layernorm",
+        "post_attention_layernorm",
+        "post_mlp_layernorm",
     ),
     # OLMo 2/3: a norm after each block only.
     "post": NormLayout(None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
