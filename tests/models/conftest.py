@@ -28,6 +28,7 @@ HF_FAMILIES = (
     "smollm3",
     "phi3",
     "glm4",
+    "olmo3",
 )
 
 _TINY: dict[str, Any] = {
@@ -74,6 +75,7 @@ _FAMILY_TINY: dict[str, dict[str, Any]] = {
                  "rope_type": "longrope", "long_factor": [1.0, 2.0, 4.0, 8.0],
                  "short_factor": [1.0, 1.0, 1.5, 2.0]}},
     "glm4": {"head_dim": 16},
+    "olmo3": {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 4},
 }  # fmt: skip
 
 

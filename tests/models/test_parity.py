@@ -61,6 +61,18 @@ DENSE_CASES = {
         {**ODD, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     ),
     "olmo2_post_norms": ("olmo2", ODD),
+    # Three sliding layers then a global one; YaRN on the global layers only.
+    "olmo3_yarn_global": (
+        "olmo3",
+        {
+            **ODD,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
+        },
+    ),  # fmt: skip
     "granite_multipliers": ("granite", {**ODD, "tie_word_embeddings": True}),
     # Fused qkv/gate_up on disk, half rotary, LongRoPE past 8 positions, window 5.
     "phi3_longrope_partial": ("phi3", {**ODD, "num_attention_heads": 3, "num_key_value_heads": 1}),
@@ -154,6 +166,8 @@ def test_dense_gradients_match_transformers(dense_pair):
         ("phi3_longrope_partial", {"sliding_window": None}),
         ("phi3_longrope_partial", {"rope_scaling": None}),
         ("glm4_interleaved_partial", {"rope_interleaved": False}),
+        ("olmo3_yarn_global", {"rope_local_theta": None}),
+        ("olmo3_yarn_global", {"sliding_window": None, "layer_types": None}),
         ("glm4_interleaved_partial", {"partial_rotary_factor": 1.0}),
         ("smollm3_nope_window", {"sliding_window": None, "layer_types": None}),
     ],

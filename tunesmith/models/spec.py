@@ -386,8 +386,8 @@ class ModelSpec:
             elif value != family.implied.get(name, False):
                 raise UnsupportedModelError(_inexpressible(name, value, family))
         config.update(family.to_hf_config(self))
-        # What only some families have must come back when the family reads its own config.
-        back = family.from_hf_config(config)
+        # What only some families have must come back when the written config is read.
+        back = {**_family_fields(config), **family.from_hf_config(config)}
         if self.sliding_window is not None and back.get("sliding_window") != self.sliding_window:
             raise UnsupportedModelError(f"{self.model_type} configs have no sliding window")
         if self.num_experts and back.get("num_experts") != self.num_experts:
@@ -448,6 +448,14 @@ _FAMILY_FIELDS: dict[str, Any] = {
 """Spec fields only a family's own hooks read and write, with their defaults: a spec whose
 value a family's config cannot carry back is refused when written."""
 
+
+def _family_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The fields of :data:`_FAMILY_FIELDS` the generic reader takes from a config (the
+    sliding layers' RoPE base of per-layer-type ``rope_parameters``), before the family's own."""
+    local = _rope_from_config(config)[2]
+    return {} if local is None else {"rope_local_theta": local}
+
+
 _REQUIRED_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -463,7 +471,7 @@ def _rope_from_config(config: dict[str, Any]) -> tuple[float, dict[str, Any] | N
 
     5.x per-layer-type parameters (``{"full_attention": {...}, "sliding_attention": {...}}``)
     give the full layers' RoPE and the sliding layers' base (``rope_local_theta``; None when
-    it is the same), whose scaling must be plain."""
+    both are the same plain RoPE), whose scaling must be plain."""
     params = config.get("rope_parameters") or {}
     local_theta = None
     if params and any(isinstance(v, dict) for v in params.values()):
@@ -503,7 +511,7 @@ def _rope_from_config(config: dict[str, Any]) -> tuple[float, dict[str, Any] | N
             )
         if rope_type in ("yarn", "longrope") and scaling.get("factor") is None and max_pos:
             scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
-    if local_theta == float(theta):
+    if local_theta == float(theta) and rope_type == "default":  # the same RoPE everywhere
         local_theta = None
     return float(theta), (scaling if rope_type != "default" else None), local_theta
 
@@ -652,7 +660,7 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     head_dim = (
         config.get("head_dim") or family.defaults.get("head_dim") or config["hidden_size"] // heads
     )
-    rope_theta, rope_scaling, rope_local_theta = _rope_from_config(config)
+    rope_theta, rope_scaling, _ = _rope_from_config(config)
     fields: dict[str, Any] = {
         "model_type": model_type,
         "vocab_size": config["vocab_size"],
@@ -670,8 +678,7 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
         "torch_dtype": _dtype_name(config.get("torch_dtype", config.get("dtype"))),
         "hidden_act": act,
     }
-    if rope_local_theta is not None:
-        fields["rope_local_theta"] = rope_local_theta
+    fields.update(_family_fields(config))
     for key in OPTIONAL_KEYS:  # present > the family's default > ModelSpec's default
         if key in config:
             fields[key] = config[key]

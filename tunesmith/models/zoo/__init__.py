@@ -4,8 +4,8 @@ family file in it. Adding a family is adding a file here (and its chat template)
 Example::
 
     >>> from tunesmith.models import zoo
-    >>> sorted(zoo.FAMILY_FILES)[:3]
-    ['gemma2', 'gemma3', 'granite']
+    >>> zoo.FAMILY_FILES["qwen3"].FAMILY.model_type
+    'qwen3'
 """
 
 import importlib

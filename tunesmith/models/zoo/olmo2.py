@@ -28,7 +28,7 @@ from tunesmith.modules.decoder import TransformerLM
 
 __all__ = ["FAMILY", "SIZES", "olmo2_1b", "olmo2_7b", "olmo2_13b", "olmo2_tiny", "spec"]
 
-_IMPLIED: dict[str, Any] = {
+OLMO_IMPLIED: dict[str, Any] = {
     "norm_layout": "post",
     "norm_style": "float_weight",
     "qk_norm_per_head": False,
@@ -36,7 +36,7 @@ _IMPLIED: dict[str, Any] = {
 
 
 def _read(config: Mapping[str, Any]) -> dict[str, Any]:
-    return dict(_IMPLIED)
+    return dict(OLMO_IMPLIED)
 
 
 FAMILY = register_family(
@@ -60,7 +60,7 @@ FAMILY = register_family(
 _COMMON: dict[str, Any] = {
     "model_type": FAMILY.model_type,
     **FAMILY.implied,
-    **_IMPLIED,
+    **OLMO_IMPLIED,
     "vocab_size": 100352,
     "rms_norm_eps": 1e-6,
     "rope_theta": 500000.0,
