@@ -219,6 +219,9 @@ def test_a_layout_that_does_not_fit_the_world_is_refused_before_launching(world,
         "Qwen/Qwen3-30B-A3B",
         "meta-llama/Llama-3.2-1B-Instruct",
         "mistralai/Mistral-7B-Instruct-v0.3",
+        "google/gemma-3-1b-it",
+        "allenai/OLMo-2-0425-1B-Instruct",
+        "HuggingFaceTB/SmolLM3-3B",
     ],
 )
 def test_download_writes_where_the_shipped_configs_read(repo_id):

@@ -139,6 +139,7 @@ FILES: dict[str, list[str]] = {
 # Text a command must print.
 PRINTS: dict[str, list[str]] = {
     "tunesmith ls": ["sft ", "dpo ", "grpo "],
+    "tunesmith ls --models": ["qwen3_moe ", "olmo2 ", "gemma3_1b"],
     "tunesmith cat my_sft.yaml optimizer.lr=1e-4": ["lr: 0.0001", "folder: ${model_dir}"],
     f"tunesmith validate my_sft.yaml {_MY}": ["my_sft.yaml: OK"],
 }

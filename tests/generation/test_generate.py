@@ -6,9 +6,9 @@ import pytest
 import torch
 import transformers
 
+from tests.models.conftest import HF_FAMILIES, randomize_, tiny_hf_model
 from tunesmith.generation import generate, left_pad, policy_logprobs
-from tunesmith.models import build_model
-from tunesmith.models.spec import spec_from_hf_config
+from tunesmith.models import build_model, from_hf
 
 VOCAB = 160
 PROMPTS = [
@@ -18,52 +18,40 @@ PROMPTS = [
 ]
 
 
-def _hf_config(family: str) -> transformers.PretrainedConfig:
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    if family == "llama":
-        return transformers.LlamaConfig(**common, tie_word_embeddings=False)
-    if family == "qwen3":
-        return transformers.Qwen3Config(**common, tie_word_embeddings=True)
-    raise ValueError(family)
+# tests/models/conftest.py's tiny models with larger weights (std 0.2: varied greedy output),
+# pad 0 and no eos in the model's own config: ``generate`` fills the unset fields of the config
+# it is given from the model's, and min_new_tokens would then mask the eos logit in
+# transformers only. Qwen3 with a tied head.
+_GEN_CONFIG = {"vocab_size": VOCAB, "eos_token_id": None, "pad_token_id": 0}
+_GEN_FAMILY = {"qwen3": {"tie_word_embeddings": True}}
 
 
-_PAIRS: dict[str, tuple[torch.nn.Module, torch.nn.Module]] = {}
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """``pairs(family)``: (transformers model, our model loaded by ``from_hf`` from its
+    checkpoint), built once per family."""
+    built: dict[str, tuple[torch.nn.Module, torch.nn.Module]] = {}
+
+    def get(family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+        if family not in built:
+            overrides = {**_GEN_CONFIG, **_GEN_FAMILY.get(family, {})}
+            hf = randomize_(tiny_hf_model(family, seed=0, **overrides), seed=0, std=0.2)
+            folder = tmp_path_factory.mktemp(family)
+            hf.save_pretrained(folder)  # Qwen3-MoE: fused experts in memory, not on disk
+            built[family] = (hf, from_hf(folder).eval())
+        return built[family]
+
+    return get
 
 
-def _pair(family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(transformers model, our model with the same weights), built once per family."""
-    if family not in _PAIRS:
-        torch.manual_seed(0)
-        config = _hf_config(family)
-        hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-        ours = build_model(spec_from_hf_config(hf.config.to_dict()))
-        ours.load_state_dict(hf.state_dict())
-        _PAIRS[family] = (hf, ours.float().eval())
-    return _PAIRS[family]
-
-
-@pytest.fixture(params=["llama", "qwen3"])
-def pair(request):
-    return _pair(request.param)
+@pytest.fixture(params=HF_FAMILIES)
+def pair(request, pairs):
+    return pairs(request.param)
 
 
 @pytest.fixture
-def model():
-    return _pair("llama")[1]
+def model(pairs):
+    return pairs("llama")[1]
 
 
 def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int):
@@ -81,10 +69,11 @@ def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], max_new_tokens: in
     return out[:, ids.shape[1] :].tolist()
 
 
-def test_greedy_matches_transformers_with_left_padding(pair):
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])
+def test_greedy_matches_transformers_with_left_padding(pair, use_cache):
     hf, ours = pair
-    expected = _hf_greedy(hf, PROMPTS, 12)
-    out = generate(ours, PROMPTS, max_new_tokens=12)
+    expected = _hf_greedy(hf, PROMPTS, 20)
+    out = generate(ours, PROMPTS, max_new_tokens=20, use_cache=use_cache)
     assert out.sequences == expected
     assert out.finish_reasons == ["length"] * 3
     assert out.prompt_lengths == [len(p) for p in PROMPTS]

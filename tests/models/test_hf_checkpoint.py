@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tests.models.conftest import HF_FAMILIES, tiny_hf_config
 from tunesmith.models import atomic, safetensors_io
 from tunesmith.models import hf as hf_io
 from tunesmith.models.builder import build_model
@@ -53,7 +55,10 @@ _COMMON = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-FAMILIES = {
+# Hand-written configs of the first families (other tests here rely on their sizes); every
+# other family of HF_FAMILIES gets its tests/models/conftest.py config (features that set it
+# apart switched on), so a family added there is covered by the parity tests below at once.
+_OWN_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(
         **_COMMON,
         rope_parameters={
@@ -78,6 +83,7 @@ FAMILIES = {
     ),
     "mistral": lambda: transformers.MistralConfig(**_COMMON, head_dim=8),
 }
+FAMILIES = {f: _OWN_CONFIGS.get(f, partial(tiny_hf_config, f)) for f in HF_FAMILIES}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -194,13 +200,13 @@ def test_round_trip_loads_in_transformers(family: str, hf_folders, tmp_path: Pat
     out = save_hf_checkpoint(from_hf(folder), tmp_path / "out")
     # Same tensor names as transformers itself writes (a tied head is not stored).
     assert _tensor_names(out) == _tensor_names(folder)
-    assert ("lm_head.weight" in _tensor_names(out)) == (family != "qwen2")
+    source = json.loads((folder / "config.json").read_text())
+    assert ("lm_head.weight" in _tensor_names(out)) == (not source["tie_word_embeddings"])
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["model_type"], saved["architectures"]) == (family, source["architectures"])
     reloaded, warnings = _load_with_transformers(out)
     assert warnings == []
-    assert (
-        type(reloaded).__name__
-        == json.loads((folder / "config.json").read_text())["architectures"][0]
-    )
+    assert type(reloaded).__name__ == source["architectures"][0]
     assert torch.equal(_hf_logits(reloaded), _hf_logits(_load_with_transformers(folder)[0]))
     torch.testing.assert_close(_hf_logits(reloaded), expected, rtol=1e-5, atol=1e-5)
 

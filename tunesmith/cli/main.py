@@ -6,6 +6,7 @@ Every subcommand has ``--help``. Errors print as one line (``tunesmith: error: .
 Example::
 
     $ tunesmith ls
+    $ tunesmith ls --models
     $ tunesmith run sft --config demo max_steps=10
     $ tunesmith run sft --config qwen3_0_6b --nproc-per-node 2
 """
@@ -41,7 +42,13 @@ class CLIError(Exception):
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """List the built-in recipes and their configs."""
+    """List the built-in recipes and their configs (--models: the model families)."""
+    if args.models:
+        from tunesmith.models.catalog import text_table
+
+        print(text_table())
+        print("TP / CP / EP: tensor, context, expert parallel (docs/architecture.md)")
+        return 0
     print(f"{'RECIPE':<12} CONFIGS")
     for recipe in catalog.recipe_names():
         configs = catalog.config_names(recipe)
@@ -587,7 +594,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=fn)
         return p
 
-    add("ls", cmd_ls)
+    p = add("ls", cmd_ls)
+    p.add_argument(
+        "--models",
+        action="store_true",
+        help="list the model families instead: model_type, sizes, template, what works with each",
+    )
 
     p = add("cp", cmd_cp)
     p.add_argument("source", help="recipe name (sft) or config name (demo, sft/demo)")

@@ -166,8 +166,36 @@ def family_spec(
 ) -> ModelSpec:
     """``ModelSpec(**common, **sizes[size], **overrides)`` with a clear error for unknown sizes.
 
-    Family modules keep their fields as data and call this from their ``spec()``.
+    Family modules keep their fields as data and call this from their ``spec()``. Overriding
+    ``num_hidden_layers`` keeps the size's per-layer pattern (layer types, NoPE and dense
+    layers), cut or repeated to the new depth.
+
+    Example::
+
+        >>> from tunesmith.models import gemma2
+        >>> gemma2.spec("gemma2_2b", num_hidden_layers=3).layer_types
+        ('sliding_attention', 'full_attention', 'sliding_attention')
     """
     if size not in sizes:
         raise KeyError(f"unknown size {size!r}; known: {', '.join(sizes)}")
-    return ModelSpec(**{**common, **sizes[size], **overrides})
+    fields = {**common, **sizes[size]}
+    layers = overrides.get("num_hidden_layers")
+    if layers is not None and layers != fields.get("num_hidden_layers"):
+        fields.update(_per_layer_fields(fields, layers, overrides))
+    return ModelSpec(**{**fields, **overrides})
+
+
+def _per_layer_fields(
+    fields: dict[str, Any], layers: int, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """The size's per-layer fields for ``layers`` layers (a deeper or shallower model of the
+    same pattern): layer ``i`` is like layer ``i mod n`` of the size's ``n`` layers."""
+    n = fields["num_hidden_layers"]
+    out: dict[str, Any] = {}
+    if fields.get("layer_types") is not None and "layer_types" not in overrides:
+        out["layer_types"] = tuple(fields["layer_types"][i % n] for i in range(layers))
+    for name in ("nope_layers", "mlp_only_layers"):
+        if fields.get(name) and name not in overrides:
+            chosen = set(fields[name])
+            out[name] = tuple(i for i in range(layers) if i % n in chosen)
+    return out
