@@ -38,6 +38,7 @@ __all__ = [
     "UnsupportedModelError",
     "families",
     "family_for",
+    "language_model_config",
     "register_family",
     "unregister_family",
 ]
@@ -56,6 +57,22 @@ OPTIONAL_KEYS: tuple[str, ...] = (
 )
 """config.json keys read as they are when present, else from ``Family.defaults``, else the
 :class:`ModelSpec` default. ``head_dim`` may also be defaulted (else width / heads)."""
+
+
+DEFAULTABLE_KEYS: tuple[str, ...] = (
+    *OPTIONAL_KEYS,
+    "head_dim",
+    "tie_word_embeddings",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+"""Keys a family may give transformers' defaults for (``Family.defaults``): the optional ones,
+and the sizes, which a multimodal config's ``text_config`` often leaves at transformers'
+defaults (Gemma 3 4B's names neither its vocabulary nor its heads)."""
 
 
 class UnsupportedModelError(ValueError):
@@ -90,6 +107,9 @@ class Family:
             back to the same ``sliding_window`` (``num_experts``).
         template: its chat template: a shipped name (``tunesmith/data/templates/<name>.jinja``)
             or the path of a ``.jinja`` file; None when the family ships none.
+        multimodal_types: ``model_type``s of multimodal configs whose ``text_config`` is this
+            family's language model (``gemma3`` for ``gemma3_text``): tunesmith loads that
+            model and leaves the other towers out (see :func:`language_model_config`).
         fused: projections its checkpoints store fused, by HF module name, with the module
             names tunesmith keeps apart, in row order (Phi-3:
             ``{"qkv_proj": ("q_proj", "k_proj", "v_proj")}``); see
@@ -112,6 +132,7 @@ class Family:
     to_hf_config: Callable[[ModelSpec], dict[str, Any]] = _no_keys
     template: str | None = None
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    multimodal_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flags", tuple(self.flags))
@@ -124,9 +145,7 @@ class Family:
         short = [name for name, parts in self.fused.items() if len(tuple(parts)) < 2]
         if short:
             raise ValueError(f"family {self.name!r}: fused {short} must name two parts or more")
-        bad = [
-            k for k in self.defaults if k not in (*OPTIONAL_KEYS, "head_dim", "tie_word_embeddings")
-        ]
+        bad = [k for k in self.defaults if k not in DEFAULTABLE_KEYS]
         if bad:
             raise ValueError(f"family {self.name!r}: defaults for {bad} are not read")
 
@@ -154,7 +173,8 @@ def register_family(family: Family) -> Family:
     if not isinstance(family, Family):
         raise TypeError(f"register_family expects a Family, got {type(family).__name__}")
     for other in _FAMILIES.values():
-        if other.model_type == family.model_type or other.name == family.name:
+        wraps = set(other.multimodal_types) & {family.model_type, *family.multimodal_types}
+        if other.model_type == family.model_type or other.name == family.name or wraps:
             raise ValueError(
                 f"family {family.name!r} (model_type {family.model_type!r}) clashes with the "
                 f"registered family {other.name!r} (model_type {other.model_type!r})"
@@ -187,3 +207,36 @@ def family_for(model_type: Any) -> Family:
             f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(_FAMILIES))}"
         )
     return family
+
+
+def language_model_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The config of the language model a config.json describes, and a note when that is not
+    the whole model: a multimodal ``model_type`` some family lists in ``multimodal_types``
+    gives its ``text_config`` (as that family's ``model_type``); any other config is its own.
+
+    Example::
+
+        >>> text, note = language_model_config(
+        ...     {"model_type": "gemma3", "text_config": {"hidden_size": 8}})
+        >>> text["model_type"], note
+        ('gemma3_text', 'a multimodal gemma3 model: tunesmith loads its language model (gemma3_text) and leaves the other towers out')
+    """
+    model_type = config.get("model_type")
+    for family in _FAMILIES.values():
+        if model_type in family.multimodal_types:
+            text = dict(config.get("text_config") or {})
+            text.setdefault("model_type", family.model_type)
+            if text["model_type"] != family.model_type:
+                raise UnsupportedModelError(
+                    f"{model_type}: text_config.model_type {text['model_type']!r} is not "
+                    f"{family.model_type!r}"
+                )
+            for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
+                if key in config and key not in text:
+                    text[key] = config[key]
+            note = (
+                f"a multimodal {model_type} model: tunesmith loads its language model "
+                f"({family.model_type}) and leaves the other towers out"
+            )
+            return text, note
+    return dict(config), None

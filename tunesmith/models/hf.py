@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import stat
@@ -31,7 +32,7 @@ from torch import nn
 from tunesmith.config.registry import component
 from tunesmith.models.atomic import UnsafePathError, open_no_follow, real_folder, refuse_unsafe
 from tunesmith.models.builder import build_model
-from tunesmith.models.family import family_for
+from tunesmith.models.family import family_for, language_model_config
 from tunesmith.models.fused_keys import fuse_state, fused_parts
 from tunesmith.models.manifest import has_manifest, manifest_problem
 from tunesmith.models.safetensors_io import (
@@ -47,6 +48,8 @@ from tunesmith.models.safetensors_io import (
 from tunesmith.models.spec import ModelSpec, UnsupportedModelError, spec_from_hf_config
 from tunesmith.modules.decoder import TransformerLM
 from tunesmith.modules.dtypes import dtype_from_name
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CONFIG_NAME",
@@ -116,7 +119,7 @@ def spec_from_hf_folder(folder: str | os.PathLike) -> ModelSpec:
 
 def _spec_from_config(config: dict[str, Any], folder: str | os.PathLike) -> ModelSpec:
     try:
-        return spec_from_hf_config(config)
+        return spec_from_hf_config(language_model_config(config)[0])
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"{Path(folder) / CONFIG_NAME}: {e}") from e
     except (ValueError, TypeError, KeyError) as e:
@@ -183,13 +186,57 @@ def load_hf_weights(
     resolved = None if dtype is None else resolve_dtype(dtype)
     if verify:
         verify_own_checkpoint(folder)
-    load_into_module(model, folder, device=device, dtype=resolved, parts=_fused_parts(model))
+    rename = _language_model_names(folder)
+    load_into_module(
+        model, folder, device=device, dtype=resolved, parts=_fused_parts(model), rename=rename
+    )
+    if rename is not None:
+        rename.report(folder)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     if hasattr(model, "init_buffers"):
         model.init_buffers()
     assert_no_meta(model, str(folder))
     return model
+
+
+# Where transformers keeps a multimodal model's language model: 5.x, then 4.x.
+_LANGUAGE_MODEL_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("lm_head.", "lm_head."),
+)
+
+
+class _LanguageModelNames:
+    """Checkpoint name -> our name for a multimodal folder's language model (see
+    :func:`~tunesmith.models.family.language_model_config`), None for the other towers'
+    tensors, which it counts by their first name part for :meth:`report`."""
+
+    def __init__(self, note: str) -> None:
+        self.note = note
+        self.left_out: dict[str, int] = {}
+
+    def __call__(self, name: str) -> str | None:
+        for prefix, ours in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                return ours + name[len(prefix) :]
+        tower = name.split(".")[0]
+        self.left_out[tower] = self.left_out.get(tower, 0) + 1
+        return None
+
+    def report(self, folder: str | os.PathLike) -> None:
+        towers = ", ".join(f"{t} ({n} tensors)" for t, n in sorted(self.left_out.items()))
+        logger.warning("%s: %s: %s not loaded", folder, self.note, towers or "nothing")
+
+
+def _language_model_names(folder: str | os.PathLike) -> _LanguageModelNames | None:
+    """The renaming of a multimodal folder's tensors, None for any other folder."""
+    if not (Path(folder) / CONFIG_NAME).is_file():
+        return None
+    note = language_model_config(read_hf_config(folder))[1]
+    return None if note is None else _LanguageModelNames(note)
 
 
 def _fused(spec: Any) -> Mapping[str, tuple[str, ...]]:

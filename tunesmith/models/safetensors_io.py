@@ -26,12 +26,13 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,7 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype code, e.g. "BF16"
+    stored_name: str | None = None  # its name in the file, when the index renamed it
 
 
 def _names(names: list[str] | set[str], limit: int = 20) -> str:
@@ -293,6 +295,7 @@ def load_into_module(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     parts: Mapping[str, tuple[str, int, int]] | None = None,
+    rename: Callable[[str], str | None] | None = None,
 ) -> None:
     """Load a safetensors folder into ``module`` shard by shard, replacing its tensors.
 
@@ -304,6 +307,8 @@ def load_into_module(
     and ``model.embed_tokens.weight``) need only one of them in the checkpoint and are re-tied
     after loading; if the checkpoint holds several with different values, that is an error.
 
+    ``rename`` maps each checkpoint name to the state-dict name it holds, or to None for a
+    tensor that is not the model's (a multimodal checkpoint's vision tower), which is skipped.
     ``parts`` names tensors the checkpoint stores fused with others (see
     :func:`~tunesmith.models.fused_keys.fused_parts`): state-dict name -> (checkpoint name,
     first row, end row); such a tensor is read as those rows of the fused one.
@@ -323,6 +328,8 @@ def load_into_module(
     """
     folder = Path(folder)
     infos = read_tensor_index(folder)
+    if rename is not None:
+        infos = _renamed(infos, rename)
     state = module.state_dict(keep_vars=True)
     tied = _tied_names(module, state)
     expected = {key: state[key] for key in tied}  # one name per tensor object
@@ -399,10 +406,10 @@ def load_into_module(
                 dt = (dtype or target.dtype) if target.is_floating_point() else target.dtype
                 if key in rows:  # read once, cut into its parts
                     if source[key] not in fused:
-                        fused[source[key]] = _read(f, path, source[key])
+                        fused[source[key]] = _read(f, path, _stored(infos, source[key]))
                     tensor = fused[source[key]][rows[key][0] : rows[key][1]]
                 else:
-                    tensor = _read(f, path, source[key])
+                    tensor = _read(f, path, _stored(infos, source[key]))
                 shard[key] = tensor.to(device=_target_device(target, device), dtype=dt)
             result = module.load_state_dict(shard, strict=False, assign=True)
             if result.unexpected_keys:
@@ -419,13 +426,36 @@ def load_into_module(
         for name in duplicates[key]:
             info = infos[name]
             with _open_shard(info.file) as f:
-                copy = _read(f, info.file, name).to(loaded[key].device, loaded[key].dtype)
+                copy = _read(f, info.file, _stored(infos, name)).to(
+                    loaded[key].device, loaded[key].dtype
+                )
             if not torch.equal(copy, loaded[key]):
                 raise CheckpointError(
                     f"{info.file}: '{name}' differs from '{source[key]}' "
                     f"({infos[source[key]].file.name}) but the model ties them; set "
                     f"tie_word_embeddings=false in config.json if the checkpoint is really untied"
                 )
+
+
+def _renamed(
+    infos: Mapping[str, TensorInfo], rename: Callable[[str], str | None]
+) -> dict[str, TensorInfo]:
+    """``infos`` under the names ``rename`` gives (None: left out), each remembering its own."""
+    out: dict[str, TensorInfo] = {}
+    for name, info in infos.items():
+        new = rename(name)
+        if new is None:
+            continue
+        if new in out:
+            raise CheckpointError(
+                f"{info.file}: tensors '{out[new].stored_name}' and '{name}' both hold '{new}'"
+            )
+        out[new] = dataclasses.replace(info, stored_name=name)
+    return out
+
+
+def _stored(infos: Mapping[str, TensorInfo], name: str) -> str:
+    return infos[name].stored_name or name
 
 
 def _check_fused_rows(

@@ -640,6 +640,8 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     config = dict(config)
     family = family_for(config.get("model_type"))
     model_type = family.model_type
+    sizes = {k: v for k, v in family.defaults.items() if k not in OPTIONAL_KEYS}
+    config = {**sizes, **config}  # transformers' defaults for sizes a config leaves out
     missing = [k for k in _REQUIRED_KEYS if k not in config]
     if missing:
         raise ValueError(f"config.json for {model_type!r} lacks required key(s): {missing}")

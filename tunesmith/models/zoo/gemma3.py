@@ -1,5 +1,5 @@
 """Gemma 3 text models (Google): the ``gemma3_text`` checkpoints (1B) and the language model of
-the others.
+the others (their ``gemma3`` multimodal folders load as it, the vision tower left out).
 
 Gemma 2's structure (scaled embeddings, GeGLU, ``1 + w`` sandwich norms,
 ``query_pre_attn_scalar``) with a per-head qk-norm, five sliding-window layers to one global
@@ -72,7 +72,14 @@ FAMILY = register_family(
         architecture="Gemma3ForCausalLM",
         implied={"qk_norm": True},
         flags=("attention_bias",),
+        # Gemma3TextConfig's defaults: multimodal configs' text_config leave sizes out.
         defaults={
+            "vocab_size": 262208,
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
             "head_dim": 256,
             "max_position_embeddings": 131072,
             "rms_norm_eps": 1e-6,
@@ -84,6 +91,7 @@ FAMILY = register_family(
         from_hf_config=_read,
         to_hf_config=_write,
         template="gemma",
+        multimodal_types=("gemma3",),
     )
 )
 
