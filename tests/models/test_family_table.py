@@ -39,7 +39,7 @@ def test_a_row_is_its_family_entry_and_family_file(family):
 
 
 def test_what_works_with_the_families_that_limit_it():
-    assert ROWS["olmo2"].tensor_parallel is False  # its qk-norm spans every head
+    assert ROWS["olmo2"].tensor_parallel is True  # its whole-projection qk-norm is sharded too
     assert ROWS["gemma2"].context_parallel is False  # soft-capped attention
     assert ROWS["qwen3_moe"].expert_parallel is True
     assert ROWS["gemma3"].context_parallel is True  # the config carries a soft-cap it ignores
@@ -95,7 +95,9 @@ def test_the_markdown_table_has_a_line_per_family():
     assert len(lines) == 2 + len(families())
     olmo2 = next(line for line in lines if line.startswith("| `olmo2` |"))
     cells = [c.strip() for c in olmo2.strip("|").split("|")]
-    assert cells[HEADERS.index("TP")] == "no" and "`olmo2_1b`" in cells[-1]
+    assert cells[HEADERS.index("TP")] == "yes" and "`olmo2_1b`" in cells[-1]
+    gemma2 = next(line for line in lines if line.startswith("| `gemma2` |"))
+    assert [c.strip() for c in gemma2.strip("|").split("|")][HEADERS.index("CP")] == "no"
 
 
 def test_ls_models_prints_the_table(capsys):
@@ -112,7 +114,7 @@ def test_ls_models_prints_the_table(capsys):
         assert words[1] == family.model_type
         printed[family.name] = {h: words[header.index(h)] for h in ("TP", "CP", "EP")}
         assert ROWS[family.name].cells()[-1] in line  # the sizes, last
-    assert printed["olmo2"]["TP"] == printed["gemma2"]["CP"] == "no"
+    assert printed["gemma2"]["CP"] == "no" and printed["olmo2"]["TP"] == "yes"
     assert printed["qwen3_moe"]["EP"] == printed["llama3"]["TP"] == printed["llama3"]["CP"] == "yes"
 
 

@@ -50,6 +50,7 @@ SPECS = {
     "smollm3_nope": lambda: smollm3.spec("smollm3_tiny", vocab_size=VOCAB),
     "phi3_longrope_partial": lambda: phi3.spec("phi3_tiny", vocab_size=VOCAB),
     "glm4_interleaved_partial": lambda: glm4.spec("glm4_tiny", vocab_size=VOCAB),
+    "olmo2_projection_qk_norm": lambda: olmo2.spec("olmo2_tiny", vocab_size=VOCAB),
 }
 
 
@@ -136,18 +137,12 @@ def test_nf4_weights_are_refused_by_name():
         check_tp_shardable(model)
 
 
-def test_a_qk_norm_over_every_head_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn: a qk-norm over the whole"):
-        check_tp_shardable(build_model(olmo2.spec("olmo2_tiny")))
-
-
 @pytest.mark.parametrize(
     ("spec", "dims", "named"),
     [
         (lambda: gemma2.spec("gemma2_tiny"), ParallelDims(cp=2), "cp 2: context parallel"),
-        (lambda: olmo2.spec("olmo2_tiny"), ParallelDims(tp=2), "tp 2: the qk-norm of olmo2"),
     ],
-    ids=["gemma2_cp", "olmo2_tp"],
+    ids=["gemma2_cp"],
 )
 def test_layouts_a_family_cannot_run_are_refused_before_loading(spec, dims, named):
     with pytest.raises(ConfigError, match=named):

@@ -8,9 +8,8 @@ out), and which parallel layouts its architecture allows, read from its largest 
 
 - every recipe (sft, dpo, kd, reward_model, grpo, grpo_async, ppo): recipes build models from
   a config.json through the family table and never name a family;
-- tensor parallel, unless a qk-norm spans the whole projection (``qk_norm`` and not
-  ``qk_norm_per_head``: every head), which TP's head split cannot run
-  (``training/parallel/tensor_parallel.py::check_tp_shardable``);
+- tensor parallel: every layout the builder makes (heads split; a qk-norm over the whole
+  projection sharded with its columns, ``training/parallel/tp_styles.py::ProjectionNorm``);
 - context parallel, unless attention is soft-capped (``attn_logit_softcapping``), which the
   ring attention refuses;
 - expert parallel for mixture-of-experts models (``num_experts > 0``) only.
@@ -113,7 +112,7 @@ def family_row(family: Family) -> FamilyRow:
     sizes, spec = _largest_spec(family)
     tp = cp = ep = None
     if spec is not None:
-        tp = not (spec.qk_norm and not spec.qk_norm_per_head)  # a qk-norm spanning every head
+        tp = True  # the plan covers every layout: per-head and whole-projection qk-norms alike
         cp = spec.attn_logit_softcapping is None  # the ring refuses soft-capped attention
         ep = spec.num_experts > 0
     return FamilyRow(

@@ -88,9 +88,8 @@ def parallelize(
 def check_model_fits(spec: Any, dims: ParallelDims) -> None:
     """Refuse (:class:`~tunesmith.config.ConfigError`, the numbers named) a model whose
     attention heads or kv heads do not divide by ``tp`` or whose experts do not divide by
-    ``ep``, and what a layout cannot run: soft-capped attention under ``cp`` (Gemma 2), a
-    qk-norm over the whole projection under ``tp`` (OLMo 2/3); call it on the spec before
-    loading weights. A model without a spec passes.
+    ``ep``, and soft-capped attention under ``cp`` (Gemma 2: the ring cannot cap its blocks'
+    scores); call it on the spec before loading weights. A model without a spec passes.
 
     >>> from tunesmith.models import qwen3
     >>> from tunesmith.training.parallel.distributed import ParallelDims
@@ -117,12 +116,6 @@ def check_model_fits(spec: Any, dims: ParallelDims) -> None:
             "parallelism",
             f"cp {dims.cp}: context parallel's ring attention cannot soft-cap attention scores "
             f"(attn_logit_softcapping of {spec.model_type}); use cp: 1",
-        ))  # fmt: skip
-    if dims.tp > 1 and getattr(spec, "qk_norm", False) and not spec.qk_norm_per_head:
-        issues.append(ConfigIssue(
-            "parallelism",
-            f"tp {dims.tp}: the qk-norm of {spec.model_type} spans every head of the projection, "
-            "which tensor parallel splits; use tp: 1 (shard with dp_shard instead)",
         ))  # fmt: skip
     if issues:
         raise ConfigError.from_issues(issues)

@@ -7,7 +7,9 @@ The plan is written against Hugging Face parameter names, so it serves every fam
   ``mlp.down_proj`` row-wise (each rank's partial sums are reduced); attention then runs on
   ``num_heads / tp`` query and ``num_kv_heads / tp`` key/value heads per rank (GQA groups stay
   whole; the per-head qk-norm weights are replicated and their gradients summed over the
-  ranks; attention biases are sharded with their projection);
+  ranks, a qk-norm over the whole projection (OLMo) has its weight sharded with the columns
+  and its mean of squares all-reduced; attention biases are sharded with their projection);
+  every RMSNorm of a layer's layout (pre, post, sandwich) runs on the residual stream;
 * ``model.embed_tokens`` row-wise over the vocabulary (uneven shards allowed: any vocabulary),
   ``lm_head`` column-wise over the vocabulary; a tied head *is* the embedding's sharded
   parameter. Calling ``lm_head`` gathers the logits (generation, full-logits losses); the
@@ -55,6 +57,7 @@ from tunesmith.training.parallel.tp_adapters import AdapterColwise, AdapterRowwi
 from tunesmith.training.parallel.tp_styles import (
     Gathered,
     HeadNorm,
+    ProjectionNorm,
     RowwiseToStream,
     Stream,
     StreamNorm,
@@ -105,7 +108,8 @@ def apply_tensor_parallel(
             **{name: StreamNorm(stream, local_output=name in after) for name in layer.norm_names},
         }
         if attn.q_norm is not None:
-            plan["self_attn.q_norm"] = plan["self_attn.k_norm"] = HeadNorm()
+            norm = HeadNorm() if attn.qk_norm_per_head else ProjectionNorm()
+            plan["self_attn.q_norm"] = plan["self_attn.k_norm"] = norm
         if isinstance(layer.mlp, MoE):
             plan["mlp"] = Gathered(stream, local=True)
         else:
@@ -185,17 +189,8 @@ def _shard_head(model: nn.Module, head: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def check_tp_shardable(model: nn.Module) -> None:
-    """Refuse, naming the module or weight, what tensor parallel cannot split: a qk-norm over
-    the whole projection (it spans the heads that TP splits), and an NF4 (QLoRA) base weight
-    (torchao's NF4 tensors cannot be split into shards; use data parallel, ``dp_shard``)."""
-    for name, module in model.named_modules():
-        whole_qk_norm = getattr(module, "q_norm", None) is not None and not module.qk_norm_per_head
-        if isinstance(module, Attention) and whole_qk_norm:
-            raise ValueError(
-                f"{name}: a qk-norm over the whole projection (OLMo 2) spans every head, "
-                "so tensor parallel (which splits the heads) cannot run it yet; use tp: 1 "
-                "(shard with dp_shard instead)"
-            )
+    """Refuse, naming the weight, an NF4 (QLoRA) base weight: torchao's NF4 tensors cannot be
+    split into tensor-parallel shards (use data parallel, ``dp_shard``, for QLoRA)."""
     for name, param in model.named_parameters():
         if is_nf4(param.data if isinstance(param, nn.Parameter) else param):
             raise ValueError(

@@ -23,7 +23,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-__all__ = ["Gathered", "HeadNorm", "RowwiseToStream", "Stream", "StreamNorm", "replicate_params"]
+__all__ = [
+    "Gathered",
+    "HeadNorm",
+    "ProjectionNorm",
+    "RowwiseToStream",
+    "Stream",
+    "StreamNorm",
+    "replicate_params",
+]
 
 
 class Stream:
@@ -86,6 +94,26 @@ class HeadNorm(ParallelStyle):
             lambda name, mod, mesh: replicate_params(mod, mesh),
             shard_heads,
             lambda mod, out, mesh: out.to_local(),
+        )
+
+
+class ProjectionNorm(ParallelStyle):
+    """A norm over a whole column-sharded projection ``[b, s, heads * d]`` (OLMo's qk-norm):
+    its weight sharded like the projection's columns, the mean of squares taken over every
+    rank's columns (DTensor all-reduces it), the output this rank's columns again."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard_params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                dist = distribute_tensor(param.data, mesh, [Shard(0)])
+                mod.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+        def shard_columns(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple:
+            return (DTensor.from_local(inputs[0], mesh, (Shard(inputs[0].dim() - 1),),
+                                       run_check=False),)  # fmt: skip
+
+        return distribute_module(
+            module, device_mesh, shard_params, shard_columns, lambda mod, out, mesh: out.to_local()
         )
 
 
