@@ -40,7 +40,7 @@ def test_a_row_is_its_family_entry_and_family_file(family):
 
 def test_what_works_with_the_families_that_limit_it():
     assert ROWS["olmo2"].tensor_parallel is True  # its whole-projection qk-norm is sharded too
-    assert ROWS["gemma2"].context_parallel is False  # soft-capped attention
+    assert ROWS["gemma2"].context_parallel is True  # the ring caps each block's scores
     assert ROWS["qwen3_moe"].expert_parallel is True
     assert ROWS["gemma3"].context_parallel is True  # the config carries a soft-cap it ignores
     assert ROWS["qwen3"].tensor_parallel is True  # a per-head qk-norm splits with the heads
@@ -50,9 +50,9 @@ def test_what_works_with_the_families_that_limit_it():
 
 @pytest.mark.parametrize("family", families(), ids=lambda f: f.name)
 def test_the_parallel_columns_agree_with_the_refusals(family):
-    """TP is 'no' exactly where check_tp_shardable refuses the family's model, CP 'no' exactly
-    where an attention layer soft-caps (the ring refuses it), EP 'yes' where layers hold experts
-    (the tiny model: the same architecture as the sizes, built on the meta device)."""
+    """TP is 'yes' where check_tp_shardable takes the family's model, CP 'yes' for every
+    attention kind (ring attention runs them all), EP 'yes' where layers hold experts (the tiny
+    model: the same architecture as the sizes, built on the meta device)."""
     row = ROWS[family.name]
     module = zoo.FAMILY_FILES[family.name]
     tiny = [s for s in module.SIZES if s.endswith("_tiny")]
@@ -64,7 +64,8 @@ def test_the_parallel_columns_agree_with_the_refusals(family):
         shardable = False
     assert row.tensor_parallel is shardable
     attention = [m for m in model.modules() if isinstance(m, Attention)]
-    assert row.context_parallel is all(m.softcap is None for m in attention)
+    assert row.context_parallel is True  # ring attention serves every Attention
+    assert attention
     assert row.expert_parallel is model.spec.is_moe
 
 
@@ -97,7 +98,7 @@ def test_the_markdown_table_has_a_line_per_family():
     cells = [c.strip() for c in olmo2.strip("|").split("|")]
     assert cells[HEADERS.index("TP")] == "yes" and "`olmo2_1b`" in cells[-1]
     gemma2 = next(line for line in lines if line.startswith("| `gemma2` |"))
-    assert [c.strip() for c in gemma2.strip("|").split("|")][HEADERS.index("CP")] == "no"
+    assert [c.strip() for c in gemma2.strip("|").split("|")][HEADERS.index("CP")] == "yes"
 
 
 def test_ls_models_prints_the_table(capsys):
@@ -114,7 +115,7 @@ def test_ls_models_prints_the_table(capsys):
         assert words[1] == family.model_type
         printed[family.name] = {h: words[header.index(h)] for h in ("TP", "CP", "EP")}
         assert ROWS[family.name].cells()[-1] in line  # the sizes, last
-    assert printed["gemma2"]["CP"] == "no" and printed["olmo2"]["TP"] == "yes"
+    assert printed["gemma2"]["CP"] == "yes" and printed["olmo2"]["TP"] == "yes"
     assert printed["qwen3_moe"]["EP"] == printed["llama3"]["TP"] == printed["llama3"]["CP"] == "yes"
 
 

@@ -8,7 +8,8 @@ float64 ``gradcheck`` of the whole two-rank function (inputs replicated, outputs
 checks the backward, key/value gradients travelling around the ring included. The ranks
 attend 3 queries at a time (``QUERY_CHUNK``), so chunks that see no key of a block are
 skipped too. On one process
-(no group) the kernel is checked against SDPA, and bad shapes are refused.
+(no group) the kernel is checked against SDPA, and bad shapes are refused. Soft-capped scores
+(Gemma 2) are checked the same way, gradcheck included.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _zigzag(seq: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in keep])
 
 
-def _reference(q, k, v, docs, window):
+def _reference(q, k, v, docs, window, scale=None, softcap=None):
     """Full attention by an explicit mask; queries of negative documents give zeros."""
     s = q.shape[2]
     pos = torch.arange(s)
@@ -43,9 +44,16 @@ def _reference(q, k, v, docs, window):
         mask = mask & (docs[:, :, None] == docs[:, None, :])
     real = torch.ones(q.shape[0], s, dtype=torch.bool) if docs is None else docs >= 0
     mask = mask | (~real[:, :, None] & torch.eye(s, dtype=torch.bool))  # finite padding rows
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[:, None], enable_gqa=k.shape[1] != q.shape[1]
-    )
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None], enable_gqa=k.shape[1] != q.shape[1], scale=scale
+        )
+    else:  # written out: scores capped before the mask and the softmax
+        groups = q.shape[1] // k.shape[1]
+        kk, vv = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scores = q @ kk.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask[:, None], -torch.inf)
+        out = torch.softmax(scores, -1) @ vv
     return torch.where(real[:, None, :, None], out, 0.0)
 
 
@@ -57,6 +65,14 @@ CASES = {
         kv_heads=2, docs=[[0] * 6 + [1] * 7 + [2] * 3, [0] * 3 + [1] * 10 + [-1] * 3], window=None
     ),
     "window": dict(kv_heads=2, docs=None, window=5),
+    # Gemma 2: scores soft-capped (cap 1.5 bites at scale 0.7) under packed documents
+    "softcap": dict(
+        kv_heads=2,
+        docs=[[0] * 6 + [1] * 10, [0] * 3 + [1] * 10 + [-1] * 3],
+        window=None,
+        scale=0.7,
+        softcap=1.5,
+    ),
 }
 
 
@@ -69,7 +85,8 @@ def _case(name: str, rank: int) -> dict[str, float]:
     v = torch.randn(b, case["kv_heads"], s, d, dtype=torch.float64, requires_grad=True)
     docs = None if case["docs"] is None else torch.tensor(case["docs"])
     grad_out = torch.randn(b, heads, s, d, dtype=torch.float64)
-    expected = _reference(q, k, v, docs, case["window"])
+    extra = {key: case[key] for key in ("scale", "softcap") if key in case}
+    expected = _reference(q, k, v, docs, case["window"], **extra)
     expected.backward(grad_out)
     mine = _zigzag(s, rank)
     local = [t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
@@ -80,6 +97,7 @@ def _case(name: str, rank: int) -> dict[str, float]:
         enable_gqa=case["kv_heads"] != heads,
         document_ids=None if docs is None else docs[:, mine],
         sliding_window=case["window"],
+        **extra,
     )
     out.backward(grad_out[:, :, mine])
     errors = {"out": (out - expected[:, :, mine]).abs().max().item()}
@@ -123,7 +141,7 @@ class _Gather(torch.autograd.Function):
         return grad[:, :, ctx.mine], None
 
 
-def _gradcheck(rank: int) -> bool:
+def _gradcheck(rank: int, softcap: float | None = None) -> bool:
     torch.manual_seed(0)
     b, heads, s, d = 1, 2, 8, 3
     q = torch.randn(b, heads, s, d, dtype=torch.float64, requires_grad=True)
@@ -135,8 +153,9 @@ def _gradcheck(rank: int) -> bool:
     def fn(q, k, v):
         parts = [_Scatter.apply(t, mine) for t in (q, k, v)]
         out = ring_attention(
-            *parts, group=None, index=mine, document_ids=docs[:, mine], enable_gqa=True
-        )
+            *parts, group=None, index=mine, document_ids=docs[:, mine], enable_gqa=True,
+            softcap=softcap,
+        )  # fmt: skip
         return _Gather.apply(out, mine)
 
     return torch.autograd.gradcheck(fn, (q, k, v))
@@ -146,6 +165,7 @@ def _worker(rank: int) -> dict:
     ring_module.QUERY_CHUNK = 3  # several query chunks per block (8 local positions)
     results = {name: _case(name, rank) for name in CASES}
     results["gradcheck"] = _gradcheck(rank)
+    results["gradcheck_softcap"] = _gradcheck(rank, softcap=0.8)
     return results
 
 
@@ -161,8 +181,9 @@ def test_two_ranks_equal_full_attention(ring_results, name):
             assert error < 1e-12, f"{name} rank {rank}: {what} differs by {error}"
 
 
-def test_gradcheck_on_two_ranks(ring_results):
-    assert [r["gradcheck"] for r in ring_results] == [True] * CP
+@pytest.mark.parametrize("name", ["gradcheck", "gradcheck_softcap"])
+def test_gradcheck_on_two_ranks(ring_results, name):
+    assert [r[name] for r in ring_results] == [True] * CP
 
 
 def test_one_process_is_sdpa():

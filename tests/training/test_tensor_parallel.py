@@ -135,15 +135,3 @@ def test_nf4_weights_are_refused_by_name():
     apply_lora(model, rank=2, alpha=4, target_modules=["q_proj"], quantize_base=True)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight: an NF4"):
         check_tp_shardable(model)
-
-
-@pytest.mark.parametrize(
-    ("spec", "dims", "named"),
-    [
-        (lambda: gemma2.spec("gemma2_tiny"), ParallelDims(cp=2), "cp 2: context parallel"),
-    ],
-    ids=["gemma2_cp"],
-)
-def test_layouts_a_family_cannot_run_are_refused_before_loading(spec, dims, named):
-    with pytest.raises(ConfigError, match=named):
-        check_model_fits(spec(), dims)

@@ -10,8 +10,8 @@ out), and which parallel layouts its architecture allows, read from its largest 
   a config.json through the family table and never name a family;
 - tensor parallel: every layout the builder makes (heads split; a qk-norm over the whole
   projection sharded with its columns, ``training/parallel/tp_styles.py::ProjectionNorm``);
-- context parallel, unless attention is soft-capped (``attn_logit_softcapping``), which the
-  ring attention refuses;
+- context parallel: every attention kind (ring attention caps soft-capped scores in each
+  block; windows, document masks and RoPE variants happen before or inside it);
 - expert parallel for mixture-of-experts models (``num_experts > 0``) only.
 
 ``tunesmith ls --models`` prints :func:`text_table`; the table of ``docs/architecture.md`` is
@@ -113,7 +113,7 @@ def family_row(family: Family) -> FamilyRow:
     tp = cp = ep = None
     if spec is not None:
         tp = True  # the plan covers every layout: per-head and whole-projection qk-norms alike
-        cp = spec.attn_logit_softcapping is None  # the ring refuses soft-capped attention
+        cp = True  # ring attention: windows, soft-caps, partial/interleaved/no RoPE alike
         ep = spec.num_experts > 0
     return FamilyRow(
         name=family.name,

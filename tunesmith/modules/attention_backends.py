@@ -190,7 +190,7 @@ def softcapped_attention(
     """``softmax(cap * tanh(q k^T * scale / cap)) v`` under ``batch``'s dense mask (causal
     when None), written out: no fused kernel caps the scores, so this holds one
     ``[b, heads, q_len, kv_len]`` score tensor. Any backend's batch works (packed rows carry
-    their block-causal mask) except context parallel's ring, which is refused by name.
+    their block-causal mask); context parallel's ring caps its blocks' scores itself.
 
     Example::
 
@@ -199,11 +199,8 @@ def softcapped_attention(
         >>> torch.allclose(out, sdpa_attention(q, k, v, AttentionBatch()), atol=1e-5)
         True
     """
-    if batch.backend == "ring":
-        raise ValueError(
-            "attention soft-capping (attn_logit_softcapping) is not supported with context "
-            "parallel (ring attention); turn context parallel off for this model"
-        )
+    if batch.backend == "ring":  # context parallel: the ring caps each block's scores
+        return ATTENTION_BACKENDS["ring"](q, k, v, batch, scale=scale, softcap=softcap)
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -44,6 +44,8 @@ def ring_attention(
     document_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
     enable_gqa: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the local queries over the keys of every rank of ``group`` (see the module
     docs); differentiable in ``q``, ``k`` and ``v``. All ranks of ``group`` must call it with
@@ -58,6 +60,8 @@ def ring_attention(
         document_ids: ``[b, s_local]`` document of each position (packed rows), or None.
         sliding_window: attend only to the last ``sliding_window`` positions, or None.
         enable_gqa: let ``kv_heads`` be a divisor of ``heads`` (grouped-query attention).
+        scale: the softmax scale (default ``d ** -0.5``).
+        softcap: soft-cap every block's scores, ``cap * tanh(scores / cap)`` (Gemma 2).
 
     Returns:
         ``[b, heads, s_local, d]``, zeros for queries that may see no key (padding).
@@ -93,7 +97,8 @@ def ring_attention(
         raise ValueError(
             f"document_ids must be [b, s_local] = {[b, s]}, got {list(document_ids.shape)}"
         )
-    return _Ring.apply(q, k, v, group, index, document_ids, sliding_window)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    return _Ring.apply(q, k, v, group, index, document_ids, sliding_window, scale, softcap)
 
 
 # -- the kernel -------------------------------------------------------------------------------
@@ -106,14 +111,13 @@ QUERY_CHUNK = 1024
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, index, document_ids, sliding_window):  # type: ignore[override]
+    def forward(ctx, q, k, v, group, index, document_ids, sliding_window, scale, softcap):  # type: ignore[override]
         ring = _RingInfo(group)
         layout = _Layout(ring, index, document_ids, sliding_window)
         b, heads, s, d = q.shape
         kv_heads = k.shape[1]
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         q5 = q.view(b, kv_heads, heads // kv_heads, s, d)
-        scale = 1.0 / math.sqrt(d)
         acc = torch.zeros(q5.shape, dtype=work, device=q.device)
         row_max = torch.full(q5.shape[:-1], -math.inf, dtype=work, device=q.device)
         row_sum = torch.zeros_like(row_max)
@@ -124,6 +128,8 @@ class _Ring(torch.autograd.Function):
             kb, vb = block[0].to(work)[:, :, None], block[1].to(work)[:, :, None]
             for rows, mask in layout.chunks(source):
                 scores = (q5[..., rows, :].to(work) @ kb.transpose(-1, -2)) * scale
+                if softcap is not None:
+                    scores = scores.div_(softcap).tanh_().mul_(softcap)
                 scores = scores.masked_fill_(~mask, -math.inf)
                 old = row_max[..., rows]
                 new_max = torch.maximum(old, scores.amax(-1))
@@ -141,6 +147,7 @@ class _Ring(torch.autograd.Function):
         lse = torch.where(seen, row_max + torch.log(torch.where(seen, row_sum, 1.0)), -math.inf)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.layout, ctx.scale, ctx.work = ring, layout, scale, work
+        ctx.softcap = softcap
         return out.view(b, heads, s, d).to(q.dtype)
 
     @staticmethod
@@ -166,8 +173,16 @@ class _Ring(torch.autograd.Function):
             for rows, mask in layout.chunks(source):
                 qc, doc = q5[..., rows, :].to(work), do[..., rows, :]
                 scores = (qc @ kb.transpose(-1, -2)) * scale
+                slope = None
+                if ctx.softcap is not None:  # d capped / d raw = 1 - tanh^2
+                    tanh = scores.div_(ctx.softcap).tanh_()
+                    slope = 1.0 - tanh * tanh
+                    scores = tanh.mul_(ctx.softcap)
                 p = torch.exp_(scores.sub_(safe_lse[..., rows, :])).masked_fill_(~mask, 0.0)
-                ds = (doc @ vb.transpose(-1, -2)).sub_(delta[..., rows, :]).mul_(p).mul_(scale)
+                ds = (doc @ vb.transpose(-1, -2)).sub_(delta[..., rows, :]).mul_(p)
+                if slope is not None:
+                    ds = ds.mul_(slope)
+                ds = ds.mul_(scale)
                 dq[..., rows, :] += ds @ kb
                 mine[0] += (ds.transpose(-1, -2) @ qc).sum(2)
                 mine[1] += (p.transpose(-1, -2) @ doc).sum(2)
@@ -178,7 +193,7 @@ class _Ring(torch.autograd.Function):
         if ring.size > 1:  # the last block's gradient is its owner's (the next rank)
             dkv = ring.shift(dkv)()
         dq = dq.view(b, heads, s, d).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 class _RingInfo:
@@ -287,10 +302,17 @@ def ring_batch(
 
 
 def ring_backend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: AttentionBatch,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The ``ring`` attention backend: :func:`ring_attention` with the batch's
-    :class:`RingShard` (see :func:`ring_batch`), document ids and sliding window."""
+    :class:`RingShard` (see :func:`ring_batch`), document ids and sliding window (and, from
+    :func:`~tunesmith.modules.attention_backends.softcapped_attention`, a scale and soft-cap)."""
     shard = batch.prepared.get("ring")
     if shard is None:
         raise ValueError(
@@ -306,6 +328,8 @@ def ring_backend(
         document_ids=batch.document_ids,
         sliding_window=batch.sliding_window,
         enable_gqa=q.shape[1] != k.shape[1],
+        scale=scale,
+        softcap=softcap,
     )
 
 

@@ -88,8 +88,7 @@ def parallelize(
 def check_model_fits(spec: Any, dims: ParallelDims) -> None:
     """Refuse (:class:`~tunesmith.config.ConfigError`, the numbers named) a model whose
     attention heads or kv heads do not divide by ``tp`` or whose experts do not divide by
-    ``ep``, and soft-capped attention under ``cp`` (Gemma 2: the ring cannot cap its blocks'
-    scores); call it on the spec before loading weights. A model without a spec passes.
+    ``ep``; call it on the spec before loading weights. A model without a spec passes.
 
     >>> from tunesmith.models import qwen3
     >>> from tunesmith.training.parallel.distributed import ParallelDims
@@ -111,11 +110,5 @@ def check_model_fits(spec: Any, dims: ParallelDims) -> None:
         for dim, size, field in needs
         if size > 1 and getattr(spec, field, 0) and getattr(spec, field) % size
     ]
-    if dims.cp > 1 and getattr(spec, "attn_logit_softcapping", None) is not None:
-        issues.append(ConfigIssue(
-            "parallelism",
-            f"cp {dims.cp}: context parallel's ring attention cannot soft-cap attention scores "
-            f"(attn_logit_softcapping of {spec.model_type}); use cp: 1",
-        ))  # fmt: skip
     if issues:
         raise ConfigError.from_issues(issues)
