@@ -63,7 +63,8 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     # -- data: SFT samples (the teacher sees exactly the student's tokens)
     tokenizer = setup.load_tokenizer(cfg)
     dataset, val_dataset = setup.datasets_for(cfg, tokenizer, log)
-    dataset, collate = setup.token_batches(cfg, dataset, tokenizer)  # packed: true -> packs
+    # packed: true -> packs, of the validation set too (evaluated with the same collate)
+    dataset, val_dataset, collate = setup.sft_batches(cfg, dataset, val_dataset, tokenizer)
 
     # -- student, frozen teacher
     model = setup.build_policy(cfg, ctx, tokenizer)

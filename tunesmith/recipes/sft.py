@@ -48,7 +48,8 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     # -- data
     tokenizer = setup.load_tokenizer(cfg)
     dataset, val_dataset = setup.datasets_for(cfg, tokenizer, log)
-    dataset, collate = setup.token_batches(cfg, dataset, tokenizer)  # packed: true -> packs
+    # packed: true -> packs, of the validation set too (evaluated with the same collate)
+    dataset, val_dataset, collate = setup.sft_batches(cfg, dataset, val_dataset, tokenizer)
     source = DatasetSource.build(dataset, collate, LoopSettings.from_config(cfg), ctx)
 
     # -- model and loss

@@ -4,7 +4,8 @@ objective and what is its own.
 * :func:`rank_zero_log`: ``print`` on rank 0, nothing elsewhere;
 * :func:`load_tokenizer`, :func:`pad_id`, :func:`datasets_for` (training and validation
   sets), :func:`token_batches` (SFT samples packed or padded; the pack length is the
-  dataset's own ``max_seq_len``);
+  dataset's own ``max_seq_len``), :func:`sft_batches` (the training and validation sets
+  alike, one collate for both);
 * :func:`build_policy`: the trained model, checked against the tokenizer (:func:`check_vocab`);
 * :func:`apply_attention_backend`: the ``attention_backend`` key set on every decoder of a
   model (``build_policy`` and ``frozen_model`` call it);
@@ -21,7 +22,7 @@ Example (the prologue of a recipe)::
     log = rank_zero_log(ctx)
     tokenizer = load_tokenizer(cfg)
     dataset, val_dataset = datasets_for(cfg, tokenizer, log)
-    dataset, collate = token_batches(cfg, dataset, tokenizer)
+    dataset, val_dataset, collate = sft_batches(cfg, dataset, val_dataset, tokenizer)
     model = build_policy(cfg, ctx, tokenizer)
     teacher = frozen_model(cfg, ctx, "teacher_model")
     model = parallelize(model, ctx, cfg)
@@ -68,6 +69,7 @@ __all__ = [
     "rank_zero_log",
     "FrozenPolicy",
     "reference_policy",
+    "sft_batches",
     "token_batches",
 ]
 
@@ -153,6 +155,31 @@ def token_batches(
             f"{type(dataset).__name__} sets none: give the dataset a max_seq_len"
         )
     return packed_or_padded(dataset, packed=packed, max_seq_len=length, pad_id=pad_id(tokenizer))
+
+
+def sft_batches(
+    cfg: DictConfig, dataset: Sequence[Any], val_dataset: Sequence[Any] | None, tokenizer: Any
+) -> tuple[Sequence[Any], Sequence[Any] | None, Callable[[list[Any]], dict[str, torch.Tensor]]]:
+    """:func:`token_batches` of the training set and, the same way, of the validation set (None
+    stays None), and the one collate of both: the loop evaluates ``val_dataset`` with the
+    training collate (:meth:`~tunesmith.training.trainer.Trainer.evaluate`), so with
+    ``packed: true`` the held-out samples are packed too (to their dataset's ``max_seq_len``;
+    a ``val_fraction`` split: the training set's).
+
+    Packed, the validation loss is the unpacked one: it is summed over the trained tokens and
+    divided by their count, and a pack gives every token the loss it has alone (attention
+    within its document, positions restarting at each document, no target across documents).
+    The validation batches then have the training batches' ``[batch_size, max_seq_len]``
+    shape: the memory plan, the compiled layers and the attention backend are the training's.
+
+    Example::
+
+        dataset, val_dataset, collate = sft_batches(cfg, dataset, val_dataset, tokenizer)
+    """
+    dataset, collate = token_batches(cfg, dataset, tokenizer)
+    if val_dataset is not None:
+        val_dataset, _ = token_batches(cfg, val_dataset, tokenizer)
+    return dataset, val_dataset, collate
 
 
 def check_vocab(tokenizer: Any, model: nn.Module, cfg: DictConfig, key: str = "model") -> None:
