@@ -833,6 +833,7 @@ MARKERS = {  # family: (end of turn, start of turn, assistant role header)
     "phi4": ("<|end|>", "<|user|>", "<|assistant|>"),
     "olmo2": ("<|endoftext|>", "<|user|>", "<|assistant|>\n"),  # plain-text role tags
     "plain_headers": ("<|endoftext|>", "### ", "### Assistant:\n"),
+    "trailing_eos": ("<|end|>", "<|user|>", "<|assistant|>"),
 }
 
 # A third template shape: plain-text role headers (Alpaca / Zephyr style) closed by the eos.
@@ -842,6 +843,20 @@ PLAIN_HEADERS = (
     "{% endgeneration %}{% else %}{{ m.content + '<|endoftext|>' }}{% endif %}{{ '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '### Assistant:\\n' }}{% endif %}"
 )
+
+
+# A fourth: Phi-4-mini's own template closes a finished conversation with the eos, which the
+# same conversation continued (or given the generation prompt) does not have.
+TRAILING_EOS = (
+    "{% for m in messages %}{{ '<|' + m.role + '|>' }}"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content + '<|end|>' }}"
+    "{% endgeneration %}{% else %}{{ m.content + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+TAGGED_SHAPES = {
+    "plain_headers": ("qwen2_5", PLAIN_HEADERS),
+    "trailing_eos": ("phi4", TRAILING_EOS),
+}
 
 
 def quoting_conversations(family: str) -> list[tuple[str, list[dict[str, Any]], bool]]:
@@ -907,13 +922,14 @@ def quoting_cases() -> list[Any]:
 
 def _tokenizer_pair(tokenizers: dict, family: str) -> tuple[Tokenizer, Any, str]:
     """Ours without tags, transformers', and the tagged template, for ``family``."""
-    if family != "plain_headers":
+    if family not in TAGGED_SHAPES:
         ours, hf = tokenizers[family]
         return ours, hf, tagged_template(family)
-    ours, hf = tokenizers["qwen2_5"]
-    untagged = PLAIN_HEADERS.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    base, tagged = TAGGED_SHAPES[family]
+    ours, hf = tokenizers[base]
+    untagged = tagged.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     plain = Tokenizer(ours.backend, special_tokens=ours.special_tokens, chat_template=untagged)
-    return plain, hf, PLAIN_HEADERS
+    return plain, hf, tagged
 
 
 @pytest.mark.parametrize("family, name, messages, prompt", quoting_cases())

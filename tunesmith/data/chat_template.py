@@ -712,14 +712,16 @@ def _infer_spans(
         return prefixes[n]
 
     headers = _header_candidates(
-        _generation_prompt(renderer, messages, replies, prefix), control_tokens
+        _generation_prompt(renderer, messages, replies, prefix, end_tokens), control_tokens
     )
     spans = []
     cursor = 0
     for i in replies:
-        before = prefix(i)
-        if before is not None and len(before) >= cursor and text.startswith(before):
-            cursor = len(before)  # the turn starts here, unless the header comes a bit later
+        rendered = prefix(i)
+        for before in _open_ended(rendered, end_tokens) if rendered is not None else ():
+            if len(before) >= cursor and text.startswith(before):
+                cursor = len(before)  # the turn starts here, unless the header comes later
+                break
         here = text.startswith(headers[-1], cursor)
         content_start = (
             None if here else _content_edge(renderer, messages, i, text, add_generation_prompt)
@@ -743,7 +745,11 @@ def _infer_spans(
         content_end = _content_edge(renderer, messages, i, text, add_generation_prompt, end=True)
         end = _end_of_turn(text, max(start, content_end or 0), end_tokens)
         through = prefix(i + 1) if i + 1 < len(messages) else None
-        turn_end = len(through) if through is not None and text.startswith(through) else None
+        turn_end = None
+        for head in _open_ended(through, end_tokens) if through is not None else ():
+            if text.startswith(head):
+                turn_end = len(head)
+                break
         if end is None or (turn_end is not None and end > turn_end):
             raise ValueError(
                 f"messages[{i}]: the assistant turn is not closed by an end-of-turn token "
@@ -807,19 +813,30 @@ def _common_prefix(a: str, b: str) -> int:
     return low
 
 
+def _open_ended(rendered: str, end_tokens: Collection[str]) -> list[str]:
+    """``rendered`` (a conversation without the generation prompt), then the same without a
+    trailing end token: some templates close a finished conversation with the eos (Phi-4-mini),
+    which the next turn's text does not have."""
+    return [rendered] + [rendered[: -len(t)] for t in end_tokens if t and rendered.endswith(t)]
+
+
 def _generation_prompt(
     renderer: _Renderer,
     messages: list[dict[str, Any]],
     replies: list[int],
     prefix: Callable[[int], str | None],
+    end_tokens: Collection[str],
 ) -> str:
-    for i in replies:
-        without = prefix(i)
-        with_prompt = renderer.try_render(messages[:i], True)
-        if without is None or with_prompt is None:
-            continue
-        if with_prompt.startswith(without) and len(with_prompt) > len(without):
-            return with_prompt[len(without) :]
+    for closed in (False, True):  # as rendered first; then without a closing eos, if any
+        for i in replies:
+            without = prefix(i)
+            with_prompt = renderer.try_render(messages[:i], True)
+            if without is None or with_prompt is None:
+                continue
+            heads = _open_ended(without, end_tokens)[1:] if closed else [without]
+            for head in heads:
+                if with_prompt.startswith(head) and len(with_prompt) > len(head):
+                    return with_prompt[len(head) :]
     raise ValueError(
         "cannot locate the assistant replies: add_generation_prompt=True does not add an "
         "assistant header to this chat template's output; add {% generation %} tags to the "
