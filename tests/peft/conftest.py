@@ -9,30 +9,19 @@ import pytest
 import torch
 
 from tests.models.conftest import HF_FAMILIES, write_tiny_hf_checkpoint
-from tunesmith.models.family import family_for
 
 # The families whose adapters are plain linear layers; Qwen3-MoE's expert adapters (PEFT's
 # fused ``target_parameters`` format) have their own tests in test_lora_experts.py.
 DENSE_FAMILIES = tuple(f for f in HF_FAMILIES if f != "qwen3_moe")
 
 # A family whose checkpoints fuse projections that tunesmith keeps apart (``Family.fused``:
-# Phi-3's ``qkv_proj``, ``gate_up_proj``) has adapters on q/k/v and gate/up in memory, but
-# peft adapts the fused modules; peft_io does not translate between the two yet (written:
-# ``A = [A_q; A_k; A_v]``, ``B = blockdiag(B_q, B_k, B_v)``, rank and alpha scaled as for the
-# MoE experts; read: every part takes the fused A and its rows of B).
-FUSED_PEFT = pytest.mark.xfail(
-    strict=True,
-    reason="peft_io writes/reads adapters of fused projections (qkv_proj, gate_up_proj) "
-    "under the split names q/k/v_proj, gate/up_proj, which peft's model does not have",
-)
+# Phi-3's ``qkv_proj``, ``gate_up_proj``) has adapters on q/k/v and gate/up in memory, while
+# peft adapts the fused modules; peft_io translates (tests/peft/test_peft_format.py).
 
 
 def dense_family_params(*rest: object) -> list:
-    """``pytest.param(family, *rest)`` for each of ``DENSE_FAMILIES``, xfail for the fused."""
-    return [
-        pytest.param(f, *rest, marks=FUSED_PEFT if family_for(f).fused else ())
-        for f in DENSE_FAMILIES
-    ]
+    """``pytest.param(family, *rest)`` for each of ``DENSE_FAMILIES``."""
+    return [pytest.param(f, *rest) for f in DENSE_FAMILIES]
 
 
 # Every weight of this shape set holds a multiple of 64 * 256 values, torchao's default NF4

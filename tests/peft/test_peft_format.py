@@ -14,12 +14,14 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from tests.peft.conftest import dense_family_params, randomize_adapters_, token_batch
-from tunesmith.models import from_hf
+from tunesmith.models import from_hf, glm4, phi3
 from tunesmith.models.export import export_merged
+from tunesmith.models.family import family_for
 from tunesmith.models.peft_io import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     load_peft_adapter,
+    peft_adapter_config,
     read_peft_adapter,
     save_peft_adapter,
 )
@@ -57,11 +59,45 @@ def _peft_name(ours: str) -> str:
     return f"base_model.model.{module}.{kind.replace('.weight', '.default.weight')}"
 
 
+def _peft_view(model, ours: str) -> tuple[str, tuple[slice, ...]]:
+    """Our adapter parameter name -> (PeftModel parameter name, the part of it that is ours):
+    a part of a fused projection (Phi-3's ``q_proj`` in ``qkv_proj``) is its rows of the
+    fused lora_B and magnitude, its block of columns of lora_B and its rows of lora_A."""
+    module, _, kind = ours.rpartition(".lora_")
+    parent, _, leaf = module.rpartition(".")
+    fused = family_for(model.spec.model_type).fused
+    name = next((f for f, parts in fused.items() if leaf in parts), None)
+    if name is None:
+        return _peft_name(ours), (slice(None),)
+    layers = adapter_modules(model)
+    parts = [layers[f"{parent}.{p}"] for p in fused[name]]
+    i = fused[name].index(leaf)
+    rows = sum(m.out_features for m in parts[:i])
+    rows = slice(rows, rows + parts[i].out_features)
+    cols = sum(m.rank for m in parts[:i])
+    cols = slice(cols, cols + parts[i].rank)
+    index = {"A.weight": (cols,), "B.weight": (rows, cols), "magnitude_vector": (rows,)}[kind]
+    return _peft_name(f"{parent}.{name}.lora_{kind}"), index
+
+
+def _hf_leaves(family: str, leaves: list[str]) -> list[str]:
+    """``leaves`` with every complete group of a fused projection as its fused name."""
+    out = set(leaves)
+    for name, parts in family_for(family).fused.items():
+        if out >= set(parts):
+            out = (out - set(parts)) | {name}
+    return sorted(out)
+
+
 def _our_model(folder: Path, case: str):
     model = from_hf(folder)
     if case == "mixed_ranks":
         apply_lora(model, target_modules=["q_proj", "o_proj"], rank=4, alpha=8)
         apply_lora(model, target_modules=["v_proj", "lm_head"], rank=2, alpha=6, use_rslora=False)
+    elif case == "fused_mixed":  # parts of one fused projection: ranks differ, scaling equal
+        apply_lora(model, target_modules=["q_proj", "o_proj"], rank=4, alpha=8)
+        apply_lora(model, target_modules=["k_proj", "v_proj"], rank=2, alpha=4)
+        apply_lora(model, target_modules=["gate_up_proj", "lm_head"], rank=2, alpha=6)
     else:
         targets = [*ATTN_MLP, "lm_head"]
         apply_lora(model, target_modules=targets, rank=4, alpha=8, use_dora=case == "dora")
@@ -69,8 +105,15 @@ def _our_model(folder: Path, case: str):
     return model
 
 
-# Plain LoRA on every dense family; DoRA and per-layer ranks on Qwen2 (q/k/v biases).
-FAMILY_CASES = [*dense_family_params("lora"), ("qwen2", "dora"), ("qwen2", "mixed_ranks")]
+# Plain LoRA on every dense family; DoRA and per-layer ranks on Qwen2 (q/k/v biases); DoRA and
+# parts of a fused projection with different ranks on Phi-3 (q/k/v and gate/up fused on disk).
+FAMILY_CASES = [
+    *dense_family_params("lora"),
+    ("qwen2", "dora"),
+    ("qwen2", "mixed_ranks"),
+    ("phi3", "dora"),
+    ("phi3", "fused_mixed"),
+]
 
 
 @pytest.mark.parametrize(("family", "case"), FAMILY_CASES)
@@ -86,8 +129,12 @@ def test_our_adapter_loads_in_peft_with_equal_logits_and_grads(family_dir, tmp_p
         assert config["r"] == 4 and config["lora_alpha"] == 8
         assert config["rank_pattern"]["model.layers.1.self_attn.v_proj"] == 2
         assert config["alpha_pattern"]["lm_head"] == 6
+    elif case == "fused_mixed":  # qkv_proj: rank 4 + 2 + 2, scaling 2; gate_up_proj: 2 + 2, 3
+        assert config["target_modules"] == ["gate_up_proj", "lm_head", "o_proj", "qkv_proj"]
+        assert config["rank_pattern"]["model.layers.1.self_attn.qkv_proj"] == 8
+        assert config["r"] == 4 and config["alpha_pattern"]["model.layers.1.mlp.gate_up_proj"] == 12
     else:
-        assert config["target_modules"] == sorted([*ATTN_MLP, "lm_head"])
+        assert config["target_modules"] == _hf_leaves(family, [*ATTN_MLP, "lm_head"])
 
     theirs = peft.PeftModel.from_pretrained(_hf(folder), tmp_path / "adapter", is_trainable=True)
     ids = token_batch(seed=3)
@@ -99,16 +146,20 @@ def test_our_adapter_loads_in_peft_with_equal_logits_and_grads(family_dir, tmp_p
     _loss(their_logits, ids).backward()
     their_params = dict(theirs.named_parameters())
     our_params = trainable_parameters(ours)
-    assert {_peft_name(n) for n in our_params} == {
+    views = {name: _peft_view(ours, name) for name in our_params}
+    assert {name for name, _ in views.values()} == {
         n for n, p in their_params.items() if p.requires_grad
     }
     for name, param in our_params.items():
+        their_name, index = views[name]  # a fused projection's part: its block of peft's
         torch.testing.assert_close(
-            param.grad, their_params[_peft_name(name)].grad, atol=1e-5, rtol=1e-3
+            param.grad, their_params[their_name].grad[index], atol=1e-5, rtol=1e-3
         )
 
 
-@pytest.mark.parametrize(("family", "use_dora"), [*dense_family_params(False), ("qwen2", True)])
+@pytest.mark.parametrize(
+    ("family", "use_dora"), [*dense_family_params(False), ("qwen2", True), ("phi3", True)]
+)
 def test_peft_made_adapter_loads_in_tunesmith(family_dir, tmp_path, family, use_dora):
     folder = family_dir(family)
     hf = _hf(folder)
@@ -117,11 +168,12 @@ def test_peft_made_adapter_loads_in_tunesmith(family_dir, tmp_path, family, use_
         {n.rpartition(".")[2] for n, m in hf.named_modules() if type(m) is torch.nn.Linear}
     )
     torch.manual_seed(0)
+    fused = family_for(family).fused  # Phi-3, GLM-4: a rank keyed by a fused name too
     config = peft.LoraConfig(
         r=4,
         lora_alpha=8,
         target_modules=targets,
-        rank_pattern={"down_proj": 2},
+        rank_pattern={"down_proj": 2, **({"gate_up_proj": 6} if fused else {})},
         alpha_pattern={"o_proj": 3},
         use_rslora=True,
         use_dora=use_dora,
@@ -145,9 +197,153 @@ def test_peft_made_adapter_loads_in_tunesmith(family_dir, tmp_path, family, use_
     assert layers["model.layers.0.mlp.down_proj"].rank == 2
     assert layers["model.layers.0.self_attn.o_proj"].alpha == 3
     assert all(isinstance(m, DoRALinear) == use_dora and m.use_rslora for m in layers.values())
+    if fused:  # every part: the whole fused lora_A (peft's rank), its rows of lora_B
+        file = load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS_NAME)
+        mlp = "model.layers.0.mlp"
+        a = file[f"base_model.model.{mlp}.gate_up_proj.lora_A.weight"]
+        b = file[f"base_model.model.{mlp}.gate_up_proj.lora_B.weight"]
+        gate, up = layers[f"{mlp}.gate_proj"], layers[f"{mlp}.up_proj"]
+        assert (gate.rank, up.rank, gate.alpha) == (6, 6, 8)
+        assert torch.equal(gate.lora_A.weight, a) and torch.equal(up.lora_A.weight, a)
+        assert torch.equal(torch.cat([gate.lora_B.weight, up.lora_B.weight]), b)
     ids = token_batch(seed=4)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(input_ids=ids).logits, rtol=0, atol=ATOL)
+
+
+def _phi3():
+    torch.manual_seed(0)  # one base model
+    return phi3.phi3_tiny()
+
+
+def _fused_file(tmp_path: Path, model) -> tuple[dict[str, torch.Tensor], dict]:
+    folder = save_peft_adapter(model, tmp_path / "adapter")
+    config = json.loads((folder / ADAPTER_CONFIG_NAME).read_text())
+    tensors = load_file(folder / ADAPTER_WEIGHTS_NAME)
+    return {k.removeprefix("base_model.model."): v for k, v in tensors.items()}, config
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_fused_dora_adapter_has_the_parts_row_norms(tmp_path, use_rslora):
+    """Written fused adapter: A stacked, B block-diagonal, rank 3r, scaling kept (alpha 3a, or
+    a*sqrt(3) with rsLoRA); W + s'BA then has exactly the parts' rows, so DoRA's per-row norms
+    (and the magnitudes, concatenated) are the parts'."""
+    model = apply_lora(
+        phi3.phi3_tiny(), target_modules=["qkv_proj"], rank=2, alpha=4, use_dora=True,
+        use_rslora=use_rslora,
+    )  # fmt: skip
+    randomize_adapters_(trainable_parameters(model), seed=2)
+    file, config = _fused_file(tmp_path, model)
+    attn = "model.layers.0.self_attn"
+    parts = [adapter_modules(model)[f"{attn}.{p}"] for p in ("q_proj", "k_proj", "v_proj")]
+    assert config["target_modules"] == ["qkv_proj"] and config["r"] == 6
+    assert config["lora_alpha"] == (4 * 3**0.5 if use_rslora else 12)
+    a, b = file[f"{attn}.qkv_proj.lora_A.weight"], file[f"{attn}.qkv_proj.lora_B.weight"]
+    assert torch.equal(a, torch.cat([m.lora_A.weight for m in parts]))
+    assert torch.equal(b, torch.block_diag(*[m.lora_B.weight for m in parts]))
+    magnitude = file[f"{attn}.qkv_proj.lora_magnitude_vector"]
+    assert torch.equal(magnitude, torch.cat([m.lora_magnitude_vector for m in parts]))
+    scaling = config["lora_alpha"] / (6**0.5 if use_rslora else 6)
+    assert scaling == pytest.approx(parts[0].scaling, rel=1e-12)
+    with torch.no_grad():
+        fused = torch.cat([m.weight for m in parts]) + scaling * b @ a
+        split = torch.cat([m.weight + m.scaling * m.lora_B.weight @ m.lora_A.weight for m in parts])
+        torch.testing.assert_close(fused, split, rtol=1e-6, atol=1e-7)  # row for row
+        torch.testing.assert_close(
+            torch.linalg.vector_norm(fused, dim=1),
+            torch.cat([m.weight_norm(m.weight, m.lora_B.weight @ m.lora_A.weight) for m in parts]),
+        )
+
+    back = load_peft_adapter(phi3.phi3_tiny(), tmp_path / "adapter")  # the same adapters back
+    assert adapter_state_dict(back).keys() == adapter_state_dict(model).keys()
+    for key, value in adapter_state_dict(model).items():
+        assert torch.equal(adapter_state_dict(back)[key], value), key
+    for name in adapter_modules(model):
+        other = adapter_modules(back)[name]
+        assert (other.rank, other.alpha, other.use_rslora) == (2, 4, use_rslora)
+
+
+def test_resume_a_fused_adapter_with_the_parts_ranks(tmp_path):
+    """Parts of one fused projection with different ranks (same scaling): written exactly;
+    resuming into a model adapted the same way takes every block back."""
+
+    def adapted():
+        model = _phi3()
+        apply_lora(model, target_modules=["q_proj", "o_proj"], rank=4, alpha=8)
+        apply_lora(model, target_modules=["k_proj", "v_proj", "gate_up_proj"], rank=2, alpha=4)
+        return model
+
+    ours = adapted()
+    randomize_adapters_(trainable_parameters(ours), seed=4)
+    _, config = _fused_file(tmp_path, ours)
+    assert config["r"] == 4 and config["lora_alpha"] == 8  # gate_up_proj: 2 + 2
+    assert config["rank_pattern"]["model.layers.0.self_attn.qkv_proj"] == 8
+    assert config["alpha_pattern"]["model.layers.0.self_attn.qkv_proj"] == 16
+    resumed = load_peft_adapter(adapted(), tmp_path / "adapter")
+    for key, value in adapter_state_dict(ours).items():
+        assert torch.equal(adapter_state_dict(resumed)[key], value), key
+    ids = torch.randint(0, 256, (2, 6))
+    fresh = load_peft_adapter(_phi3(), tmp_path / "adapter")  # unequal blocks
+    assert adapter_modules(fresh)["model.layers.0.self_attn.q_proj"].rank == 8  # the whole A
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids), ours(ids), rtol=0, atol=1e-5)
+    other = phi3.phi3_tiny()
+    apply_lora(other, target_modules=["qkv_proj"], rank=3, alpha=6)
+    with pytest.raises(CheckpointError, match=r"qkv_proj' is rank 8 in the file, its parts"):
+        load_peft_adapter(other, tmp_path / "adapter")
+
+
+def test_parts_of_a_fused_projection_go_together(tmp_path):
+    only_q = apply_lora(phi3.phi3_tiny(), target_modules=["q_proj", "o_proj"], rank=4, alpha=8)
+    message = (
+        r"model.layers.0.self_attn: q_proj adapted without k_proj and v_proj, but phi3's "
+        r"checkpoints fuse q_proj, k_proj and v_proj into qkv_proj, which peft adapts as one "
+        r"layer: adapt q_proj, k_proj and v_proj together with the same rank and alpha for "
+        r"phi3 \(target_modules: \[qkv_proj\]\), or none of them"
+    )
+    with pytest.raises(ValueError, match=message):
+        save_peft_adapter(only_q, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    scalings = phi3.phi3_tiny()
+    apply_lora(scalings, target_modules=["gate_proj"], rank=4, alpha=8)
+    apply_lora(scalings, target_modules=["up_proj"], rank=4, alpha=16)
+    with pytest.raises(
+        ValueError,
+        match=r"mlp.gate_up_proj: gate_proj \(rank 4, alpha 8\), up_proj \(rank 4, alpha 16\) "
+        r"cannot be written as one gate_up_proj adapter .*give gate_proj and up_proj the same",
+    ):
+        save_peft_adapter(scalings, tmp_path / "a")
+
+
+@pytest.mark.parametrize(
+    ("build", "targets", "adapted"),
+    [
+        (phi3.phi3_tiny, ["qkv_proj"], ["q_proj", "k_proj", "v_proj"]),
+        (
+            phi3.phi3_tiny,
+            ["self_attn.qkv_proj", "o_proj", "gate_up_proj"],
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"],
+        ),
+        (
+            glm4.glm4_tiny,
+            ["gate_up_proj", "down_proj"],
+            ["gate_proj", "up_proj", "down_proj"],
+        ),
+    ],
+)
+def test_fused_names_as_lora_targets(build, targets, adapted):
+    """The names peft users write for Phi-3 / GLM-4 (``qkv_proj``, ``gate_up_proj``) adapt
+    the parts tunesmith keeps apart."""
+    model = apply_lora(build(), target_modules=targets, rank=2, alpha=4)
+    layers = adapter_modules(model)
+    assert {n.rpartition(".")[2] for n in layers} == set(adapted)
+    assert len(layers) == model.spec.num_hidden_layers * len(adapted)
+    assert peft_adapter_config(model)["target_modules"] == _hf_leaves(
+        model.spec.model_type, adapted
+    )
+    with pytest.raises(ValueError, match=r"\['qkv'\] match no linear layer.*'o_proj'.*fused "
+                       r"checkpoint names: .*gate_up_proj \(gate_proj, up_proj\)"):  # fmt: skip
+        apply_lora(build(), target_modules=["qkv"], rank=2, alpha=4)
 
 
 def test_resume_into_an_adapted_model_and_config_mismatch(llama_dir, tmp_path):

@@ -7,7 +7,9 @@ An adapter folder is what ``peft`` writes with ``save_pretrained``: ``adapter_co
 and, for DoRA, ``...q_proj.lora_magnitude_vector``. Our adapter keys are the same without the
 prefix, so the mapping is only that prefix (stacked MoE expert adapters excepted: they are
 written as PEFT writes them for transformers 5's fused Qwen3-MoE experts, see "MoE experts"
-below). ``peft.PeftModel.from_pretrained(hf_model, folder)``
+below; and so are the projections a family's checkpoints store fused, Phi-3's ``qkv_proj``
+and ``gate_up_proj``, GLM-4's ``gate_up_proj``: see "Fused projections" below).
+``peft.PeftModel.from_pretrained(hf_model, folder)``
 loads what :func:`save_peft_adapter` writes, and :func:`load_peft_adapter` reads adapters
 trained with ``peft``.
 
@@ -28,10 +30,11 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tunesmith.models.family import family_for
 from tunesmith.models.hf import resolve_dtype
 from tunesmith.models.safetensors_io import (
     CheckpointError,
@@ -48,6 +52,7 @@ from tunesmith.models.safetensors_io import (
     atomic_directory,
     read_json_object,
 )
+from tunesmith.models.spec import ModelSpec
 from tunesmith.modules.moe import ExpertLoRA, GroupedExperts
 from tunesmith.modules.peft import (
     DoRALinear,
@@ -211,6 +216,233 @@ def _expert_adapters(
     return out
 
 
+# ----------------------------------------------------------------------------- fused projections
+#
+# A family whose checkpoints store projections fused (``Family.fused``: Phi-3's ``qkv_proj``
+# = q, k, v rows and ``gate_up_proj`` = gate, up rows; GLM-4's ``gate_up_proj``) keeps them
+# apart in memory, with an adapter on each part, while peft adapts the fused module of the
+# transformers model. Written: one adapter on the fused name, ``A = [A_q; A_k; A_v]`` (rank
+# ``r_q + r_k + r_v``), ``B = blockdiag(B_q, B_k, B_v)``, DoRA magnitudes concatenated, and an
+# alpha that keeps the parts' scaling (``n * alpha`` for n parts of rank r; ``alpha * sqrt(n)``
+# with rsLoRA, as the scaling is then ``alpha / sqrt(r)``), in ``rank_pattern`` /
+# ``alpha_pattern``. Row j of block i of ``B A`` is ``B_i[j] A_i``: every output row of the
+# fused adapter is its part's, so the outputs and DoRA's per-row weight norms are the parts'.
+# Parts adapted without the others, or with different scalings, are refused.
+# Read: a ``B`` block-diagonal in the model's part ranks (resuming into an adapted model) or
+# in n equal blocks (what is written here) gives each part its block back; any other (a
+# peft-trained adapter: dense ``B``) gives every part the whole ``A`` (rank r) and its rows of
+# ``B``, same alpha. Either is exact.
+
+
+def _fused_of(model: nn.Module) -> tuple[str, Mapping[str, tuple[str, ...]]]:
+    """(family name, ``Family.fused``) of the model's spec; ``("", {})`` without one."""
+    for module in model.modules():
+        spec = getattr(module, "spec", None)
+        if isinstance(spec, ModelSpec):
+            family = family_for(spec.model_type)
+            return family.name, family.fused
+    return "", {}
+
+
+def _join(names: Collection[str]) -> str:
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _sibling(parent: str, leaf: str) -> str:
+    return f"{parent}.{leaf}" if parent else leaf
+
+
+def _fused_groups(
+    adapted: Collection[str], fused: Mapping[str, tuple[str, ...]], family: str
+) -> dict[str, tuple[str, ...]]:
+    """Fused module name (``model.layers.0.self_attn.qkv_proj``) -> its parts' names, for the
+    ``adapted`` layers that are parts of a fused projection; ``ValueError`` when only some parts
+    of one are adapted."""
+    groups: dict[str, tuple[str, ...]] = {}
+    adapted_set = set(adapted)
+    for name in adapted:
+        parent, _, leaf = name.rpartition(".")
+        fused_name = next((f for f, parts in fused.items() if leaf in parts), None)
+        if fused_name is None:
+            continue
+        parts = fused[fused_name]
+        names = tuple(_sibling(parent, p) for p in parts)
+        missing = [p for p, n in zip(parts, names, strict=True) if n not in adapted_set]
+        if missing:
+            present = [p for p in parts if p not in missing]
+            raise ValueError(
+                f"{parent or 'the model'}: {_join(present)} adapted without {_join(missing)}, "
+                f"but {family}'s checkpoints fuse {_join(parts)} into {fused_name}, which peft "
+                f"adapts as one layer: adapt {_join(parts)} together with the same rank and "
+                f"alpha for {family} (target_modules: [{fused_name}]), or none of them"
+            )
+        groups[_sibling(parent, fused_name)] = names
+    return groups
+
+
+def _fused_rank_alpha(name: str, parts: Mapping[str, LoRALinear], family: str) -> tuple[int, float]:
+    """Rank and alpha of the one adapter on fused module ``name`` equal to ``parts``' adapters
+    (block-diagonal ``B``); ``ValueError`` when their scalings differ."""
+    mods = list(parts.values())
+    rslora = mods[0].use_rslora
+    first = mods[0]
+
+    def scaling(m: LoRALinear) -> float:
+        return m.alpha / (math.sqrt(m.rank) if rslora else m.rank)
+
+    if any(not math.isclose(scaling(m), scaling(first), rel_tol=1e-9) for m in mods):
+        found = ", ".join(
+            f"{n.rpartition('.')[2]} (rank {m.rank}, alpha {m.alpha})" for n, m in parts.items()
+        )
+        leaves = [n.rpartition(".")[2] for n in parts]
+        raise ValueError(
+            f"{name}: {found} cannot be written as one {name.rpartition('.')[2]} adapter "
+            f"({family}'s checkpoints fuse them; peft scales the fused layer once): give "
+            f"{_join(leaves)} the same rank and alpha"
+        )
+    rank = sum(m.rank for m in mods)
+    equal = all(m.rank == first.rank for m in mods)
+    ratio = len(mods) if equal else rank / first.rank  # alpha' / rank' = alpha / rank
+    return rank, first.alpha * (math.sqrt(ratio) if rslora else ratio)
+
+
+def _hf_names(names: list[str], fused: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """``names`` with every complete group of parts replaced by the fused module's name (where
+    its first part was)."""
+    present = set(names)
+    out: dict[str, None] = {}
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        for fused_name, parts in fused.items():
+            if leaf in parts and all(_sibling(parent, p) in present for p in parts):
+                name = _sibling(parent, fused_name)
+                break
+        out[name] = None
+    return list(out)
+
+
+def _adapter_groups(model: nn.Module) -> tuple[str, dict[str, tuple[str, ...]]]:
+    family, fused = _fused_of(model)
+    names = [n for n, m in adapter_modules(model).items() if not isinstance(m, ExpertLoRA)]
+    return family, _fused_groups(names, fused, family) if fused else {}
+
+
+def _to_peft_fused_tensors(
+    state: Mapping[str, torch.Tensor], groups: Mapping[str, tuple[str, ...]]
+) -> dict[str, torch.Tensor]:
+    """Our part adapters (``...q_proj.lora_A.weight``) -> one fused adapter per group
+    (``...qkv_proj.lora_A.weight``: A stacked, B block-diagonal, magnitudes concatenated)."""
+    out = dict(state)
+    for fused_name, parts in groups.items():
+        tensors = {
+            kind: [out.pop(f"{p}.{kind}") for p in parts]
+            for kind in _ADAPTER_KINDS
+            if f"{parts[0]}.{kind}" in out
+        }
+        out[f"{fused_name}.lora_A.weight"] = torch.cat(tensors["lora_A.weight"])
+        out[f"{fused_name}.lora_B.weight"] = torch.block_diag(*tensors["lora_B.weight"])
+        if "lora_magnitude_vector" in tensors:
+            out[f"{fused_name}.lora_magnitude_vector"] = torch.cat(tensors["lora_magnitude_vector"])
+    return out
+
+
+def _block_diagonal(b: torch.Tensor, rows: list[int], ranks: list[int]) -> bool:
+    """Whether ``b`` ``[sum(rows), sum(ranks)]`` is zero outside the blocks ``rows x ranks``."""
+    if sum(ranks) != b.shape[1]:
+        return False
+    row = col = 0
+    for n_rows, rank in zip(rows, ranks, strict=True):
+        block = b[row : row + n_rows]
+        if block[:, :col].any() or block[:, col + rank :].any():
+            return False
+        row, col = row + n_rows, col + rank
+    return True
+
+
+def _tidy(x: float) -> float:
+    """``x`` without float noise (``7.999999999999999`` -> 8.0) from scaling alphas."""
+    return float(f"{x:.12g}")
+
+
+def _split_fused(
+    model: nn.Module, adapter: PeftAdapter, existing: Mapping[str, LoRALinear]
+) -> None:
+    """Replace the adapters on fused module names in ``adapter.layers`` by one per part (see
+    "Fused projections" above); ``adapter.alphas`` gets the parts' alphas."""
+    family, fused = _fused_of(model)
+    if not fused:
+        return
+    file = adapter.weights_file
+    use_rslora = bool(adapter.config.get("use_rslora", False))
+    modules = dict(model.named_modules())
+    for layer in list(adapter.layers):
+        parent, _, leaf = layer.rpartition(".")
+        if leaf not in fused or layer in modules:
+            continue
+        names = [_sibling(parent, p) for p in fused[leaf]]
+        source = adapter.sources[f"{layer}.lora_B.weight"]
+        outs = []
+        for name in names:
+            module = modules.get(name)
+            if not isinstance(module, (nn.Linear, LoRALinear)):
+                raise CheckpointError(
+                    f"{file}: tensor '{source}' adapts '{layer}', {family}'s fused "
+                    f"{_join(fused[leaf])}, but the model has no linear layer '{name}'"
+                )
+            outs.append(module.out_features)
+        tensors = adapter.layers.pop(layer)
+        a, b = tensors["lora_A.weight"], tensors["lora_B.weight"]
+        magnitude = tensors.get("lora_magnitude_vector")
+        for kind, tensor in (("lora_B.weight", b), ("lora_magnitude_vector", magnitude)):
+            if tensor is not None and tensor.shape[0] != sum(outs):
+                raise CheckpointError(
+                    f"{file}: tensor '{adapter.sources[f'{layer}.{kind}']}' has "
+                    f"{tensor.shape[0]} rows, the model's {_join(names)} "
+                    f"{'+'.join(map(str, outs))} = {sum(outs)}"
+                )
+        rank, alpha = int(a.shape[0]), adapter.alpha(layer)
+        adapted = [existing.get(n) for n in names]
+        ranks: list[int] | None = None  # None: every part takes the whole A
+        if all(m is not None for m in adapted):  # resuming: the model's ranks decide
+            want = [m.rank for m in adapted]
+            if any(r != rank for r in want):
+                if not _block_diagonal(b, outs, want):
+                    raise CheckpointError(
+                        f"{file}: '{layer}' is rank {rank} in the file, its parts "
+                        f"{_join(names)} have ranks {want} in the model, and lora_B is not "
+                        f"block-diagonal in those"
+                    )
+                ranks = want
+        elif rank % len(names) == 0 and _block_diagonal(b, outs, [rank // len(names)] * len(names)):
+            ranks = [rank // len(names)] * len(names)
+        row = col = 0
+        for i, name in enumerate(names):
+            if name in adapter.layers:
+                raise CheckpointError(
+                    f"{file}: adapts both '{layer}' and its part '{name}' ({family} fuses "
+                    f"{_join(fused[leaf])} into {leaf})"
+                )
+            part_rank = rank if ranks is None else ranks[i]
+            rows = slice(row, row + outs[i])
+            cols = slice(0, rank) if ranks is None else slice(col, col + part_rank)
+            part = {"lora_A.weight": a[cols], "lora_B.weight": b[rows, cols]}
+            if magnitude is not None:
+                part["lora_magnitude_vector"] = magnitude[rows]
+            adapter.layers[name] = part
+            for kind in part:
+                adapter.sources[f"{name}.{kind}"] = adapter.sources[f"{layer}.{kind}"]
+            part_alpha = alpha
+            if ranks is not None:
+                ratio = part_rank / rank
+                part_alpha = _tidy(alpha * (math.sqrt(ratio) if use_rslora else ratio))
+                model_alpha = adapted[i].alpha if adapted[i] is not None else None
+                if model_alpha is not None and math.isclose(part_alpha, model_alpha, rel_tol=1e-9):
+                    part_alpha = model_alpha
+            adapter.alphas[name] = part_alpha
+            row, col = row + outs[i], col + part_rank
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -237,15 +469,22 @@ def _most_common_and_pattern(values: dict[str, Any]) -> tuple[Any, dict[str, Any
     return common, {name: v for name, v in values.items() if v != common}
 
 
-def _target_modules(model: nn.Module, adapted: list[str]) -> list[str]:
-    """Leaf names (``q_proj``) when they select exactly the adapted layers, else full names."""
-    adapted_set = set(adapted)
+def _target_modules(
+    model: nn.Module, adapted: list[str], fused: Mapping[str, tuple[str, ...]]
+) -> list[str]:
+    """Leaf names (``q_proj``) when they select exactly the adapted layers, else full names;
+    names as in the Hugging Face model (fused projections under their fused name)."""
     inside = tuple(f"{name}." for name in adapted)
-    candidates = [
-        name
-        for name, m in model.named_modules()
-        if isinstance(m, (nn.Linear, LoRALinear)) and name and not name.startswith(inside)
-    ]
+    candidates = _hf_names(
+        [
+            name
+            for name, m in model.named_modules()
+            if isinstance(m, (nn.Linear, LoRALinear)) and name and not name.startswith(inside)
+        ],
+        fused,
+    )
+    adapted = _hf_names(adapted, fused)
+    adapted_set = set(adapted)
     leaves = sorted({name.rpartition(".")[2] for name in adapted})
     selected = {n for n in candidates if n.rpartition(".")[2] in leaves}
     return leaves if selected == adapted_set else sorted(adapted)
@@ -258,7 +497,24 @@ def peft_adapter_config(
 
     Reads module attributes only (works on sharded models). Different ranks or alphas per
     layer become ``rank_pattern``/``alpha_pattern`` entries; DoRA, rsLoRA and dropout must be
-    the same on every layer, as the PEFT format has one value for each.
+    the same on every layer, as the PEFT format has one value for each. Projections the
+    family's checkpoints fuse (Phi-3's ``qkv_proj``) are one adapter of the summed rank on the
+    fused name; their parts must be adapted together, with one scaling.
+
+    Example::
+
+        >>> from tunesmith.models import phi3
+        >>> from tunesmith.modules.peft import apply_lora
+        >>> model = apply_lora(phi3.phi3_tiny(), target_modules=["qkv_proj"], rank=4, alpha=8)
+        >>> config = peft_adapter_config(model)
+        >>> config["target_modules"], config["rank_pattern"], config["alpha_pattern"]
+        (['qkv_proj'], {}, {})
+        >>> config["r"], config["lora_alpha"]
+        (12, 24)
+        >>> model = apply_lora(phi3.phi3_tiny(), target_modules=["q_proj"], rank=4, alpha=8)
+        >>> peft_adapter_config(model)
+        Traceback (most recent call last):
+        ValueError: model.layers.0.self_attn: q_proj adapted without k_proj and v_proj, but ...
     """
     every = adapter_modules(model)
     if not every:
@@ -269,10 +525,19 @@ def peft_adapter_config(
     use_dora = _one_value({n: isinstance(m, DoRALinear) for n, m in every.items()}, "use_dora")
     use_rslora = _one_value({n: m.use_rslora for n, m in every.items()}, "use_rslora")
     dropout = _one_value({n: m.dropout for n, m in every.items()}, "lora_dropout")
-    r, rank_pattern = _most_common_and_pattern({n: m.rank for n, m in every.items()})
-    alpha, alpha_pattern = _most_common_and_pattern({n: m.alpha for n, m in every.items()})
-    rank_pattern = {n: v for n, v in rank_pattern.items() if n in modules}
-    alpha_pattern = {n: v for n, v in alpha_pattern.items() if n in modules}
+    family, fused = _fused_of(model)
+    groups = _fused_groups(names, fused, family) if fused else {}
+    # (rank, alpha) of every adapted layer as peft sees it: fused projections as one layer.
+    values = {n: (m.rank, m.alpha) for n, m in every.items()}
+    for fused_name, parts in groups.items():
+        for part in parts:
+            del values[part]
+        values[fused_name] = _fused_rank_alpha(fused_name, {p: modules[p] for p in parts}, family)
+    layers = set(values) - set(experts)
+    r, rank_pattern = _most_common_and_pattern({n: v[0] for n, v in values.items()})
+    alpha, alpha_pattern = _most_common_and_pattern({n: v[1] for n, v in values.items()})
+    rank_pattern = {n: v for n, v in rank_pattern.items() if n in layers}
+    alpha_pattern = {n: v for n, v in alpha_pattern.items() if n in layers}
     target_parameters: list[str] = []
     if experts:
         e_rank = _one_value({n: m.rank for n, m in experts.items()}, "expert rank")
@@ -298,7 +563,7 @@ def peft_adapter_config(
         "r": r,
         "lora_alpha": alpha,
         "lora_dropout": dropout,
-        "target_modules": _target_modules(model, names) if names else [],
+        "target_modules": _target_modules(model, names, fused) if names else [],
         "target_parameters": target_parameters or None,
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
@@ -391,6 +656,7 @@ def write_peft_adapter(
         )
     out_dtype = None if dtype is None else resolve_dtype(dtype)
     plain = {k: _plain_cpu(k, v, out_dtype) for k, v in expected.items()}
+    plain = _to_peft_fused_tensors(plain, _adapter_groups(model)[1])
     tensors = {
         PEFT_KEY_PREFIX + k: v.contiguous() for k, v in _to_peft_expert_tensors(plain).items()
     }
@@ -447,7 +713,8 @@ class PeftAdapter:
     ``layers`` maps a layer name (``model.layers.0.self_attn.q_proj``) to its tensors by kind
     (``lora_A.weight``, ``lora_B.weight``, ``lora_magnitude_vector``); ``base`` holds base
     weights the file replaces (``lm_head.weight`` from PEFT's ``lm_head.base_layer.weight``,
-    saved when embedding layers are targeted); ``sources`` maps our keys to file keys.
+    saved when embedding layers are targeted); ``sources`` maps our keys to file keys;
+    ``alphas`` holds layers' alphas that are not the config's (parts of a fused projection).
     """
 
     folder: Path
@@ -455,6 +722,7 @@ class PeftAdapter:
     layers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     base: dict[str, torch.Tensor] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
+    alphas: dict[str, float] = field(default_factory=dict)
 
     @property
     def weights_file(self) -> Path:
@@ -464,6 +732,8 @@ class PeftAdapter:
         return int(self.layers[layer]["lora_A.weight"].shape[0])
 
     def alpha(self, layer: str) -> float:
+        if layer in self.alphas:
+            return self.alphas[layer]
         return _pattern_value(
             self.config.get("alpha_pattern") or {}, layer, self.config["lora_alpha"]
         )
@@ -597,6 +867,11 @@ def load_peft_adapter(
     (``"nf4"``) quantises the adapted layers' bases after that (QLoRA); ``adapter_dtype``
     sets the dtype of new adapter parameters. Afterwards only adapters require grad.
 
+    An adapter on a projection the family's checkpoints fuse (Phi-3's ``qkv_proj``) becomes
+    one per part (``q_proj``, ``k_proj``, ``v_proj``), exactly: each part its block of a
+    block-diagonal ``lora_B`` (as :func:`save_peft_adapter` writes it, or in the ranks of the
+    model's adapters when resuming), else the whole ``lora_A`` and its rows of ``lora_B``.
+
     On an FSDP2-sharded model (adapters applied before sharding), every rank calls this and
     each parameter takes its own shard of the file's tensor.
     """
@@ -624,6 +899,7 @@ def load_peft_adapter(
         )
     if not adapter.layers and not expert_parts:
         raise CheckpointError(f"{file}: holds no adapter for this model's layers")
+    _split_fused(model, adapter, existing)
     if every and set(existing) != set(adapter.layers):
         missing = sorted(set(adapter.layers) - set(existing))
         extra = sorted(set(existing) - set(adapter.layers))

@@ -295,6 +295,14 @@ class ModelSpec:
         )
 
     @property
+    def fused_projections(self) -> Mapping[str, tuple[str, ...]]:
+        """The projections this family's checkpoints store fused, by Hugging Face name, with
+        the module names tunesmith keeps apart (``Family.fused``; Phi-3:
+        ``{"qkv_proj": ("q_proj", "k_proj", "v_proj"), ...}``). ``apply_lora`` reads it (the
+        model's ``spec``) to take those names as LoRA targets."""
+        return family_for(self.model_type).fused
+
+    @property
     def is_moe(self) -> bool:
         """True when at least one layer is a mixture-of-experts layer."""
         return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))

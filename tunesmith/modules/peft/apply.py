@@ -13,6 +13,11 @@ adapter, stacked (:class:`~tunesmith.modules.moe.ExpertLoRA`, computed with grou
 ``gate_proj`` and ``up_proj`` go together (the PEFT format fuses them); DoRA and QLoRA on
 experts are refused.
 
+A family whose checkpoints store projections fused (Phi-3's ``qkv_proj`` and
+``gate_up_proj``, GLM-4's ``gate_up_proj``) has them apart in memory; a list entry naming the
+fused module (``qkv_proj``, ``self_attn.qkv_proj``) selects its parts (``q_proj``, ``k_proj``,
+``v_proj``), as :func:`target_aliases` reads them from the model's ``spec``.
+
 Adapted layers keep their base parameters under the original names, so the base part of
 ``model.state_dict()`` still has the Hugging Face keys; adapter tensors add
 ``<layer>.lora_A.weight``, ``<layer>.lora_B.weight`` and, for DoRA,
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -59,6 +64,7 @@ __all__ = [
     "mark_adapters_trainable",
     "merge_adapters",
     "resolve_quantize_base",
+    "target_aliases",
     "trainable_parameters",
 ]
 
@@ -105,6 +111,47 @@ def _matches(name: str, targets: Sequence[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
+def target_aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Target names that stand for several layers of ``model``: the projections its Hugging
+    Face checkpoints store fused, with the layers they are in memory (Phi-3:
+    ``{"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}``).
+
+    Read from the ``spec.fused_projections`` of ``model`` or of a module inside it (tunesmith's
+    ``ModelSpec``; this layer does not know model families); empty for other models.
+
+    Example::
+
+        >>> from tunesmith.models import llama3, phi3
+        >>> target_aliases(phi3.phi3_tiny())["qkv_proj"], target_aliases(llama3.llama3_tiny())
+        (('q_proj', 'k_proj', 'v_proj'), {})
+    """
+    aliases: dict[str, tuple[str, ...]] = {}
+    for module in model.modules():
+        fused = getattr(getattr(module, "spec", None), "fused_projections", None)
+        if isinstance(fused, Mapping):
+            aliases.update({name: tuple(parts) for name, parts in fused.items()})
+    return aliases
+
+
+def _expand_aliases(model: nn.Module, target_modules: str | Sequence[str]) -> str | Sequence[str]:
+    """``target_modules`` with each list entry that names a fused module (``qkv_proj``,
+    ``self_attn.qkv_proj``) and no layer of ``model`` replaced by the names of its parts."""
+    if isinstance(target_modules, str):
+        return target_modules
+    aliases = target_aliases(model)
+    if not aliases:
+        return target_modules
+    names = [name for name, _ in model.named_modules()]
+    out: list = []
+    for target in target_modules:
+        prefix, _, leaf = target.rpartition(".") if isinstance(target, str) else ("", "", "")
+        if leaf in aliases and not any(_matches(n, [target]) for n in names):
+            out.extend(f"{prefix}.{part}" if prefix else part for part in aliases[leaf])
+        else:
+            out.append(target)
+    return out
+
+
 def _stacked_projections(model: nn.Module) -> dict[str, tuple[str, GroupedExperts, str]]:
     """``"<experts>.<proj>"`` -> (experts name, module, projection) for every stacked expert."""
     return {
@@ -142,6 +189,7 @@ def find_expert_targets(model: nn.Module, target_modules: str | Sequence[str]) -
     stacked = _stacked_projections(model)
     if not stacked or target_modules == "all-linear":
         return []
+    target_modules = _expand_aliases(model, target_modules)
     containers = sorted({experts for experts, _, _ in stacked.values()})
     if isinstance(target_modules, str):
         pattern = re.compile(target_modules)
@@ -197,7 +245,15 @@ def find_linear_targets(model: nn.Module, target_modules: str | Sequence[str]) -
     Raises ``ValueError`` when an entry matches no linear layer and no stacked MoE expert
     projection (listing the available layer names), and when a selected layer already carries
     an adapter. Stacked experts are not linear layers: :func:`find_expert_targets` finds them.
+    An entry naming a fused checkpoint module (:func:`target_aliases`) selects its parts.
+
+    Example::
+
+        >>> from tunesmith.models import phi3
+        >>> find_linear_targets(phi3.phi3_tiny(), ["layers.1.self_attn.qkv_proj"])[1]
+        'model.layers.1.self_attn.k_proj'
     """
+    target_modules = _expand_aliases(model, target_modules)
     experts = find_expert_targets(model, target_modules)
     adapted = adapter_modules(model)
     inside = tuple(f"{name}." for name in adapted)  # lora_A/lora_B are linears too
@@ -238,9 +294,13 @@ def find_linear_targets(model: nn.Module, target_modules: str | Sequence[str]) -
         ]
         if unmatched:
             leaves = sorted({n.rpartition(".")[2] for n in linears})
+            fused = "; ".join(
+                f"{name} ({', '.join(parts)})" for name, parts in target_aliases(model).items()
+            )
             raise ValueError(
                 f"target_modules {unmatched} match no linear layer of "
                 f"{type(model).__name__}; linear layer names: {leaves}"
+                + (f"; fused checkpoint names: {fused}" if fused else "")
             )
         chosen = [n for n in linears if _matches(n, targets)]
     again = [n for n in chosen if n in adapted]
