@@ -17,7 +17,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from tunesmith.models import RewardModel, build_reward_model, reward_model_from_hf
+from tunesmith.models import (
+    RewardModel,
+    build_reward_model,
+    granite,
+    reward_model_from_hf,
+)
 from tunesmith.models.hf import (
     CheckpointError,
     save_hf_checkpoint,
@@ -402,3 +407,17 @@ def test_an_moe_body_gives_its_router_logits_to_the_load_balancing_loss() -> Non
     dense = build_reward_model(llama3.spec("llama3_tiny", pad_token_id=PAD))
     assert dense(ids, attention_mask=mask, output_router_logits=True)[1] == ()
     assert PairwiseRanking(BradleyTerryLoss())(dense, batch).aux_loss is None
+
+
+def test_a_family_transformers_has_no_classifier_for_saves_with_a_warning(tmp_path):
+    """Granite has no *ForSequenceClassification in transformers: its reward (or PPO value)
+    model still saves and loads back in tunesmith, with no class named and a warning."""
+    model = build_reward_model(granite.spec("granite_tiny", pad_token_id=0))
+    with pytest.warns(UserWarning, match="no sequence-classification class for granite"):
+        save_hf_checkpoint(model, tmp_path / "rm")
+    config = json.loads((tmp_path / "rm" / "config.json").read_text())
+    assert config["architectures"] == [] and config["num_labels"] == 1
+    again = reward_model_from_hf(tmp_path / "rm")
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(again(ids), model(ids))

@@ -152,7 +152,7 @@ def reference_divergence(
 
 def recipe_samples(world: dict[str, Path], source: Path) -> list[dict]:
     """The samples the kd config's dataset builds from ``source``, in source order."""
-    cfg = kd_config(world, Path("unused"), f"dataset.source={source}")  # never run
+    cfg = kd_config(world, Path("unused"), f"dataset.source={source}", "dataset.cache_dir=null")
     return list(instantiate(cfg.dataset, Tokenizer.from_pretrained(world["student"])))
 
 

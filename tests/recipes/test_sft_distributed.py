@@ -9,15 +9,21 @@ different numbers of tokens, so the ranks' token counts differ and only a global
 
 The default-set test starts the two ranks itself (``python -m tunesmith.cli.launch`` with the
 torchrun environment variables); the slow one goes through ``tunesmith run --nproc-per-node 2``.
+The newer families (:data:`FAMILIES`) run one after another in the ranks of a single 2-rank
+world (:func:`tests.gloo_world.run_on_ranks`), so together they cost one start of two processes.
 """
 
 from __future__ import annotations
 
 import subprocess
+from contextlib import redirect_stdout
+from pathlib import Path
 
 import pytest
 import torch
 
+import tunesmith.training.loop
+from tests.gloo_world import run_on_ranks
 from tests.recipes.sft_world import (
     assert_same_as_single,
     cli_command,
@@ -26,10 +32,13 @@ from tests.recipes.sft_world import (
     make_counting_data,
     make_model_dir,
     read_metrics,
+    recipe_config,
+    run_config,
     run_sft,
     sft_overrides,
     subprocess_env,
 )
+from tunesmith.models.zoo import gemma2, gemma3, glm4, granite, olmo2, olmo3, phi3, smollm3
 
 PER_RANK, STEPS = 2, 3
 
@@ -171,3 +180,67 @@ def test_dp_shard_2_is_exactly_todays_fsdp2(world, tmp_path):
     assert weights_1.keys() == weights_2.keys()
     for name in weights_1:
         assert torch.equal(weights_1[name], weights_2[name]), name
+
+
+# -- the newer families: all of them in one 2-rank world ---------------------------------------
+
+FAMILIES = {m.__name__.rsplit(".", 1)[-1]: m
+            for m in (gemma2, gemma3, olmo2, olmo3, granite, smollm3, phi3, glm4)}  # fmt: skip
+"""Soft caps and sandwich norms, local RoPE, post norms and whole-projection qk-norm (with
+sliding windows in OLMo 3), multipliers, NoPE layers, partial/LongRoPE and interleaved rotary."""
+FAMILY_STEPS = 5
+
+
+def _sft_runs_in_one_group(rank: int, runs: list[tuple[str, str, str, str]]) -> list[str]:
+    """Rank ``rank`` of a gloo world (:func:`~tests.gloo_world.run_on_ranks`): the SFT recipe
+    for each ``(name, model_dir, data, output_dir)`` of ``runs`` in turn, FSDP2 over the whole
+    world (``dp_shard`` 2, per-rank batch PER_RANK), each run's output in
+    ``<output_dir>.rank<N>.log``. The recipe would close the process group at its end; here
+    the group stays for the next run (``run_on_ranks`` closes it after the last)."""
+    tunesmith.training.loop.close_distributed = lambda: None  # in this rank's process only
+    for _, model_dir, data, output_dir in runs:
+        cfg = recipe_config(
+            "sft",
+            "tiny",
+            Path(model_dir),
+            Path(data),
+            Path(output_dir),
+            f"batch_size={PER_RANK}",
+            f"max_steps={FAMILY_STEPS}",
+            "parallelism.dp_shard=2",
+        )
+        with open(f"{output_dir}.rank{rank}.log", "w") as log, redirect_stdout(log):
+            run_config("sft", cfg)
+    return [name for name, *_ in runs]
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory) -> dict[str, tuple[Path, Path, Path]]:
+    """family -> (its model folder, the single process's run, the 2-rank run): every family
+    trained FAMILY_STEPS steps in this process at batch 2 x PER_RANK, and on two ranks of one
+    gloo world (one launch for all) at PER_RANK each."""
+    root = tmp_path_factory.mktemp("fsdp_families")
+    data = make_counting_data(root / "count.jsonl", rows=24)
+    runs, folders = [], {}
+    for name, family in FAMILIES.items():
+        model_dir = make_model_dir(root / name, family=family)
+        single = run_sft(
+            model_dir,
+            data,
+            root / name / "single",
+            f"batch_size={2 * PER_RANK}",
+            f"max_steps={FAMILY_STEPS}",
+        )
+        folders[name] = (model_dir, single, root / name / "fsdp")
+        runs.append((name, str(model_dir), str(data), str(root / name / "fsdp")))
+    done = run_on_ranks(_sft_runs_in_one_group, 2, runs, timeout_s=300)
+    assert done == [list(FAMILIES)] * 2
+    return folders
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_newer_families_on_two_gloo_ranks_equal_one_process(family_runs, family):
+    model_dir, single, fsdp = family_runs[family]
+    mesh = "parallelism: ('dp_shard',) mesh of (2,) ranks, 2 data-parallel"
+    assert mesh in Path(f"{fsdp}.rank0.log").read_text()
+    assert_same_as_single(model_dir, single, fsdp, steps=FAMILY_STEPS)

@@ -32,12 +32,13 @@ from tests.recipes.sft_world import (
     make_counting_data,
     make_model_dir,
     read_metrics,
+    run_recipe,
     run_sft,
     run_sft_keeping_model,
     sft_overrides,
 )
 from tunesmith.data import SFTDataset, Tokenizer, collate_padded
-from tunesmith.models import from_hf
+from tunesmith.models import from_hf, phi3
 from tunesmith.models.export import export_merged
 from tunesmith.models.peft_io import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, load_peft_adapter
 from tunesmith.modules.peft import (
@@ -364,3 +365,15 @@ def test_shipped_lora_configs_run_on_the_tiny_world(
         assert module.dense_weight().dtype == torch.bfloat16, name  # the frozen bf16 base
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert all(math.isfinite(r["loss"]) for r in read_metrics(out).values())
+
+
+def test_lora_the_peft_format_cannot_hold_is_refused_before_training(world, tmp_path):
+    """Phi-3's checkpoints fuse q, k and v: adapting q_proj and v_proj alone could never be
+    saved as a PEFT adapter, so the run stops at setup, naming the fix, with nothing written."""
+    root, _, data = world
+    phi3_dir = make_model_dir(tmp_path / "phi3", family=phi3, rope_scaling=None)
+    with pytest.raises(
+        ValueError, match=r"q_proj and v_proj adapted without k_proj.*target_modules: \[qkv_proj\]"
+    ):
+        run_recipe("sft", "tiny_lora", phi3_dir, data, tmp_path / "out")
+    assert not (tmp_path / "out" / "checkpoints").exists()

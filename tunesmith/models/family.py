@@ -110,6 +110,9 @@ class Family:
         multimodal_types: ``model_type``s of multimodal configs whose ``text_config`` is this
             family's language model (``gemma3`` for ``gemma3_text``): tunesmith loads that
             model and leaves the other towers out (see :func:`language_model_config`).
+        classifier: the transformers ``*ForSequenceClassification`` class when it is not the
+            causal-LM class renamed (Gemma 3: ``Gemma3TextForSequenceClassification``);
+            ``has_classifier`` False when transformers has none (Granite).
         fused: projections its checkpoints store fused, by HF module name, with the module
             names tunesmith keeps apart, in row order (Phi-3:
             ``{"qkv_proj": ("q_proj", "k_proj", "v_proj")}``); see
@@ -133,6 +136,8 @@ class Family:
     template: str | None = None
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     multimodal_types: tuple[str, ...] = ()
+    classifier: str | None = None
+    has_classifier: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flags", tuple(self.flags))
@@ -150,9 +155,25 @@ class Family:
             raise ValueError(f"family {self.name!r}: defaults for {bad} are not read")
 
     @property
-    def classifier_architecture(self) -> str:
-        """The transformers reward-model (``*ForSequenceClassification``) class."""
-        return self.architecture.replace("ForCausalLM", "ForSequenceClassification")
+    def classifier_architecture(self) -> str | None:
+        """The transformers reward-model (``*ForSequenceClassification``) class:
+        ``classifier``, else the causal-LM class renamed; None for a family transformers gives
+        none (its reward models load with tunesmith only).
+
+        Example::
+
+            >>> family_for("qwen3").classifier_architecture
+            'Qwen3ForSequenceClassification'
+            >>> family_for("gemma3_text").classifier_architecture
+            'Gemma3TextForSequenceClassification'
+            >>> family_for("granite").classifier_architecture is None
+            True
+        """
+        if not self.has_classifier:
+            return None
+        return self.classifier or self.architecture.replace(
+            "ForCausalLM", "ForSequenceClassification"
+        )
 
 
 # model_type -> Family, in registration order (the order of imports in tunesmith.models).

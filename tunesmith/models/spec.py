@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -420,8 +421,16 @@ class ModelSpec:
                 "scores the last token that is not padding); set it on the spec"
             )
         labels = [f"LABEL_{i}" for i in range(num_labels)]
+        classifier = family_for(self.model_type).classifier_architecture
+        if classifier is None:
+            warnings.warn(
+                f"transformers has no sequence-classification class for {self.model_type}: "
+                "this reward/value model's folder loads with tunesmith (reward_model_from_hf), "
+                "not with transformers",
+                stacklevel=2,
+            )
         return {
-            "architectures": [family_for(self.model_type).classifier_architecture],
+            "architectures": [classifier] if classifier else [],
             "num_labels": num_labels,
             "id2label": {str(i): label for i, label in enumerate(labels)},
             "label2id": {label: i for i, label in enumerate(labels)},

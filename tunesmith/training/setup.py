@@ -43,6 +43,7 @@ from torch.utils.data import Subset
 
 from tunesmith.config import instantiate
 from tunesmith.data import packed_or_padded
+from tunesmith.models.peft_io import peft_adapter_config
 from tunesmith.modules.decoder import DecoderModel
 from tunesmith.modules.losses import LinearCrossEntropyLoss
 from tunesmith.modules.peft import adapter_modules, disable_adapters
@@ -208,6 +209,8 @@ def build_policy(
         model = _parallelize(build_policy(cfg, ctx, tokenizer), ctx, cfg)
     """
     model = instantiate(cfg.model)
+    if adapter_modules(model):  # adapters the PEFT format cannot hold: refused now, not at a save
+        peft_adapter_config(model)
     cast_weights(model, check_precision(cfg))  # precision.weights: bf16 casts the trained model
     apply_attention_backend(model, cfg.get("attention_backend"))
     if on_device:

@@ -92,6 +92,7 @@ FAMILY = register_family(
         to_hf_config=_write,
         template="gemma",
         multimodal_types=("gemma3",),
+        classifier="Gemma3TextForSequenceClassification",
     )
 )
 

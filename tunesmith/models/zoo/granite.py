@@ -60,6 +60,7 @@ FAMILY = register_family(
         defaults={"max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
         from_hf_config=_read,
         to_hf_config=_write,
+        has_classifier=False,  # transformers has no GraniteForSequenceClassification
     )
 )
 
