@@ -222,6 +222,7 @@ def test_a_layout_that_does_not_fit_the_world_is_refused_before_launching(world,
         "google/gemma-3-1b-it",
         "allenai/OLMo-2-0425-1B-Instruct",
         "HuggingFaceTB/SmolLM3-3B",
+        "microsoft/Phi-4-mini-instruct",
     ],
 )
 def test_download_writes_where_the_shipped_configs_read(repo_id):

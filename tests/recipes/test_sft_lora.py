@@ -377,3 +377,17 @@ def test_lora_the_peft_format_cannot_hold_is_refused_before_training(world, tmp_
     ):
         run_recipe("sft", "tiny_lora", phi3_dir, data, tmp_path / "out")
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_shipped_phi4_mini_lora_config_runs_on_a_tiny_phi3(world, tmp_path):
+    """phi4_mini_lora names Phi's fused qkv_proj: on a tiny Phi-3 (partial rotary, LongRoPE)
+    it adapts q, k, v and o and saves the adapter in peft's fused layout."""
+    _, _, data = world
+    phi3_dir = make_model_dir(tmp_path / "phi3", family=phi3)
+    out = run_sft(
+        phi3_dir, data, tmp_path / "out", "max_steps=2", "dataset.max_seq_len=128",
+        "val_fraction=0.0", "lr_scheduler.num_warmup_steps=1", config="phi4_mini_lora",
+    )  # fmt: skip
+    adapter_config = json.loads((checkpoints(out)[-1] / ADAPTER_CONFIG_NAME).read_text())
+    assert sorted(adapter_config["target_modules"]) == ["o_proj", "qkv_proj"]
+    assert all(math.isfinite(r["loss"]) for r in read_metrics(out).values())
