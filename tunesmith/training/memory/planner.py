@@ -26,7 +26,8 @@ heaviest rank (rank 0: uneven shards are rounded up):
   checkpointed, bytes per token of the sequence (``a`` = activation bytes, ``r`` = the
   residual stream's, i.e. the weights' dtype; RMSNorm computes in float32)::
 
-      norms        2 * (4H + rH + 4) / s       input kept in fp32 and normed, both norms
+      norms        n * (4H + rH + 4) / s       input kept in fp32 and normed, for each of the
+                                               layer's n norms (2; 4 in the sandwich layouts)
       layer inputs 2rH                         the normed, weighted input attention and the
                                                MLP save for their weight gradients (under SP
                                                the all-gathered input: the whole sequence)
@@ -34,6 +35,9 @@ heaviest rank (rank 0: uneven shards are rounded up):
                    (a block-causal mask with grouped heads: k and v are repeated to nh
                     heads, a*4*nh*hd / tp; and SDPA keeps the mask as a float a*s per token)
       qk-norm      ((4 + a)*(nh + nkv)*hd) / tp (Qwen3) the per-head norms' inputs and outputs
+      soft-cap     nh * S * (2a + 4) / tp      capped attention scores written out (Gemma 2):
+                                               tanh, float32 softmax and its copy, for the
+                                               S keys each query sees
       MLP          4*a*I / tp                  gate, SiLU(gate), up, their product
                    (MoE: top_k experts * (4*a*I_moe + a*H), plus router tensors; experts
                     are replicated under TP: not divided)
@@ -124,6 +128,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from tunesmith.modules.decoder import NORM_LAYOUTS
 from tunesmith.modules.dtypes import AUTOCAST
 from tunesmith.modules.losses import LinearCrossEntropyLoss
 from tunesmith.training.memory.usage import storage_bytes
@@ -349,8 +354,12 @@ def activation_bytes_per_token(
     a, r = act_bytes, residual_bytes
     h, nh, nkv, hd = _dims(spec)
     stream = tp if sequence_parallel else 1
-    total = _ceil(2 * (4 * h + r * h + 4), stream) + 2 * r * h
+    norms = len(NORM_LAYOUTS[getattr(spec, "norm_layout", "pre")].names())  # 2, or 4: sandwich
+    total = _ceil(norms * (4 * h + r * h + 4), stream) + 2 * r * h
     sharded = 0  # bytes split over the tensor-parallel ranks
+    if getattr(spec, "attn_logit_softcapping", None) is not None:
+        # soft-capped scores are written out: tanh (a), float32 softmax, its a-byte copy
+        sharded += nh * seq_len * (2 * a + 4)
     if masked and nh > nkv:
         sharded += a * 4 * nh * hd + 4 * nh
     else:
