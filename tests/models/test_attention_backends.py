@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tunesmith.models import llama3, mistral, qwen2_5, qwen3, qwen3_moe
+from tunesmith.models import (
+    gemma2,
+    glm4,
+    llama3,
+    mistral,
+    olmo3,
+    phi3,
+    qwen2_5,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from tunesmith.modules.attention_backends import (
     ATTENTION_BACKENDS,
     AttentionBatch,
@@ -23,6 +35,12 @@ FAMILIES = {
     "qwen3": qwen3.qwen3_tiny,  # qk norm
     "qwen3_moe": qwen3_moe.qwen3_moe_tiny,
     "mistral": mistral.mistral_tiny,  # sliding window 8 < the longest document
+    # soft-capped scores (a cap that bites): written out, or a score_mod inside flex
+    "gemma2": partial(gemma2.gemma2_tiny, attn_logit_softcapping=0.5),
+    "olmo3": olmo3.olmo3_tiny,  # three windowed layers to one global
+    "phi3": partial(phi3.phi3_tiny, rope_scaling=None),  # partial rotary
+    "glm4": glm4.glm4_tiny,  # interleaved partial rotary
+    "smollm3": smollm3.smollm3_tiny,  # NoPE layers
 }
 # Row 0: documents of 3, 1, 12 tokens and 4 padding; row 1: 9 then 11 tokens.
 DOCS = torch.tensor([[0] * 3 + [1] + [2] * 12 + [-1] * 4, [5] * 9 + [3] * 11])

@@ -190,7 +190,10 @@ def softcapped_attention(
     """``softmax(cap * tanh(q k^T * scale / cap)) v`` under ``batch``'s dense mask (causal
     when None), written out: no fused kernel caps the scores, so this holds one
     ``[b, heads, q_len, kv_len]`` score tensor. Any backend's batch works (packed rows carry
-    their block-causal mask); context parallel's ring caps its blocks' scores itself.
+    their block-causal mask); context parallel's ring caps its blocks' scores itself, and
+    flex attention caps them inside its kernel: the ``flex`` backend, and on CUDA every
+    forward whose queries are all its keys (training, prefill), so a GPU never holds the
+    ``[s, s]`` scores (a cached decode step, one query, is written out).
 
     Example::
 
@@ -201,6 +204,9 @@ def softcapped_attention(
     """
     if batch.backend == "ring":  # context parallel: the ring caps each block's scores
         return ATTENTION_BACKENDS["ring"](q, k, v, batch, scale=scale, softcap=softcap)
+    fused = q.is_cuda and _HAS_FLEX and q.shape[2] == k.shape[2]  # training, prefill on GPU
+    if batch.backend == "flex" or fused:  # the cap as a score_mod, inside the kernel
+        return flex_attention(q, k, v, batch, scale=scale, softcap=softcap)
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -433,10 +439,18 @@ def _prepare_flex(batch: AttentionBatch) -> None:
 
 
 def flex_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: AttentionBatch,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Compiled flex attention under a block mask of the documents, the sliding window, or
-    ``batch.mask``; positions that may attend to nothing (padding) get zeros.
+    ``batch.mask``; positions that may attend to nothing (padding) get zeros. ``scale`` is the
+    softmax scale (default ``d ** -0.5``), ``softcap`` caps the scores inside the kernel
+    (``cap * tanh(score / cap)``, a ``score_mod``: no ``[s, s]`` scores are written out).
 
     Raises:
         NotImplementedError: gradients on CPU (torch's flex attention has no CPU backward);
@@ -469,7 +483,15 @@ def flex_attention(
         block_mask = _flex_module.create_block_mask(causal, None, None, s, s, device=q.device)
         batch.prepared["flex"] = block_mask
     groups = q.shape[1] // k.shape[1]
-    return _flex_kernel(q.device)(q, k, v, block_mask=block_mask, enable_gqa=groups > 1)
+    score_mod = None
+    if softcap is not None:
+
+        def score_mod(score, bi, hi, qi, ki):
+            return torch.tanh(score / softcap) * softcap
+
+    return _flex_kernel(q.device)(
+        q, k, v, block_mask=block_mask, enable_gqa=groups > 1, scale=scale, score_mod=score_mod
+    )
 
 
 flex_attention.prepare = _prepare_flex  # type: ignore[attr-defined]

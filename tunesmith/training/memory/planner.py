@@ -37,7 +37,8 @@ heaviest rank (rank 0: uneven shards are rounded up):
       qk-norm      ((4 + a)*(nh + nkv)*hd) / tp (Qwen3) the per-head norms' inputs and outputs
       soft-cap     nh * S * (2a + 4) / tp      capped attention scores written out (Gemma 2):
                                                tanh, float32 softmax and its copy, for the
-                                               S keys each query sees
+                                               S keys each query sees (on CUDA flex attention
+                                               caps inside its kernel: an upper bound there)
       MLP          4*a*I / tp                  gate, SiLU(gate), up, their product
                    (MoE: top_k experts * (4*a*I_moe + a*H), plus router tensors; experts
                     are replicated under TP: not divided)
