@@ -63,7 +63,7 @@ def test_exactly_the_builders_are_marked(name: str, module: ModuleType) -> None:
         o.__name__ for o in marked_objects() if getattr(o, "__module__", "") == module.__name__
     }
     assert marked == set(module.SIZES), sorted(marked ^ set(module.SIZES))
-    for helper in (*NOT_BUILDERS, "_build"):
+    for helper in NOT_BUILDERS:
         assert not is_marked(getattr(module, helper)), helper
 
 
@@ -71,8 +71,8 @@ def test_exactly_the_builders_are_marked(name: str, module: ModuleType) -> None:
 def test_helpers_of_a_family_file_are_refused(name: str, module: ModuleType) -> None:
     refusal = component_refusal(f"tunesmith.models.{name}.spec")
     assert refusal is not None and "which is not marked as a component" in refusal, refusal
-    refusal = component_refusal(f"tunesmith.models.{name}._build")
-    assert refusal is not None and "names the private attribute '_build'" in refusal, refusal
+    refusal = component_refusal(f"tunesmith.models.{name}._COMMON")
+    assert refusal is not None and "names the private attribute '_COMMON'" in refusal, refusal
 
 
 @pytest.mark.parametrize(("name", "module", "size"), BUILDERS, ids=[s for _, _, s in BUILDERS])

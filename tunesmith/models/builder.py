@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from tunesmith.config.registry import component
 from tunesmith.models.spec import ModelSpec, UnsupportedModelError
 from tunesmith.modules.attention import Attention
 from tunesmith.modules.decoder import DecoderLayer, DecoderModel, TransformerLM
@@ -17,7 +18,7 @@ from tunesmith.modules.moe import MoE
 from tunesmith.modules.norms import RMSNorm
 from tunesmith.modules.rope import RotaryEmbedding
 
-__all__ = ["build_model", "family_spec"]
+__all__ = ["build_model", "family_spec", "size_builder"]
 
 
 def build_model(
@@ -199,3 +200,31 @@ def _per_layer_fields(
             chosen = set(fields[name])
             out[name] = tuple(i for i in range(layers) if i % n in chosen)
     return out
+
+
+def size_builder(
+    module: str, spec: Callable[..., ModelSpec], size: str, doc: str
+) -> Callable[..., TransformerLM]:
+    """The builder of one size of a family file, marked ``@component`` so that a config names
+    it (``model: {_component_: tunesmith.models.qwen3.qwen3_8b}``): ``(*, device, dtype,
+    **overrides)`` builds ``spec(size, **overrides)`` like :func:`build_model`; named ``size``
+    in ``module``, documented by ``doc``.
+
+    Example::
+
+        >>> from tunesmith.models import qwen3
+        >>> qwen3.qwen3_8b.__name__, qwen3.qwen3_8b.__doc__
+        ('qwen3_8b', 'Qwen3 8B (8.19B parameters).')
+        >>> qwen3.qwen3_8b(device="meta", num_hidden_layers=2).spec.num_hidden_layers
+        2
+    """
+
+    def build(
+        *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
+    ) -> TransformerLM:
+        return build_model(spec(size, **overrides), device=device, dtype=dtype)
+
+    build.__name__ = build.__qualname__ = size
+    build.__module__ = module
+    build.__doc__ = doc
+    return component(build)

@@ -20,13 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from tunesmith.config.registry import component
-from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.builder import family_spec, size_builder
 from tunesmith.models.family import Family, UnsupportedModelError, register_family
 from tunesmith.models.spec import ModelSpec, layer_types_from_config, layer_types_to_config
-from tunesmith.modules.decoder import TransformerLM
 
 __all__ = ["FAMILY", "SIZES", "gemma2_2b", "gemma2_9b", "gemma2_27b", "gemma2_tiny", "spec"]
 
@@ -148,37 +144,18 @@ def spec(size: str, **overrides: Any) -> ModelSpec:
     return family_spec(_COMMON, SIZES, size, overrides)
 
 
-def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
-    return build_model(spec(size, **overrides), device=device, dtype=dtype)
-
-
-@component
-def gemma2_2b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Gemma 2 2B (2.61B parameters, tied embeddings)."""
-    return _build("gemma2_2b", device, dtype, overrides)
-
-
-@component
-def gemma2_9b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Gemma 2 9B (9.24B parameters, tied embeddings)."""
-    return _build("gemma2_9b", device, dtype, overrides)
-
-
-@component
-def gemma2_27b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Gemma 2 27B (27.2B parameters, tied embeddings, head_dim 128)."""
-    return _build("gemma2_27b", device, dtype, overrides)
-
-
-@component
-def gemma2_tiny(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """A 2-layer, 64-wide random Gemma 2 for tests (vocab 256, window 4, both soft-caps)."""
-    return _build("gemma2_tiny", device, dtype, overrides)
+gemma2_2b = size_builder(
+    __name__, spec, "gemma2_2b", "Gemma 2 2B (2.61B parameters, tied embeddings)."
+)
+gemma2_9b = size_builder(
+    __name__, spec, "gemma2_9b", "Gemma 2 9B (9.24B parameters, tied embeddings)."
+)
+gemma2_27b = size_builder(
+    __name__, spec, "gemma2_27b", "Gemma 2 27B (27.2B parameters, tied embeddings, head_dim 128)."
+)
+gemma2_tiny = size_builder(
+    __name__,
+    spec,
+    "gemma2_tiny",
+    "A 2-layer, 64-wide random Gemma 2 for tests (vocab 256, window 4, both soft-caps).",
+)

@@ -21,14 +21,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from tunesmith.config.registry import component
-from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.builder import family_spec, size_builder
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import ModelSpec
 from tunesmith.models.zoo.gemma2 import GEMMA_IMPLIED, read_gemma, write_gemma
-from tunesmith.modules.decoder import TransformerLM
 
 __all__ = [
     "FAMILY",
@@ -149,45 +145,30 @@ def spec(size: str, **overrides: Any) -> ModelSpec:
     return family_spec(_COMMON, SIZES, size, overrides)
 
 
-def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
-    return build_model(spec(size, **overrides), device=device, dtype=dtype)
-
-
-@component
-def gemma3_1b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Gemma 3 1B (1.00B parameters, tied embeddings, text only)."""
-    return _build("gemma3_1b", device, dtype, overrides)
-
-
-@component
-def gemma3_4b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """The language model of Gemma 3 4B (3.88B parameters, tied embeddings)."""
-    return _build("gemma3_4b", device, dtype, overrides)
-
-
-@component
-def gemma3_12b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """The language model of Gemma 3 12B (11.8B parameters, tied embeddings)."""
-    return _build("gemma3_12b", device, dtype, overrides)
-
-
-@component
-def gemma3_27b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """The language model of Gemma 3 27B (27.0B parameters, tied embeddings)."""
-    return _build("gemma3_27b", device, dtype, overrides)
-
-
-@component
-def gemma3_tiny(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """A 3-layer, 64-wide random Gemma 3 for tests (vocab 256, window 4, local RoPE base)."""
-    return _build("gemma3_tiny", device, dtype, overrides)
+gemma3_1b = size_builder(
+    __name__, spec, "gemma3_1b", "Gemma 3 1B (1.00B parameters, tied embeddings, text only)."
+)
+gemma3_4b = size_builder(
+    __name__,
+    spec,
+    "gemma3_4b",
+    "The language model of Gemma 3 4B (3.88B parameters, tied embeddings).",
+)
+gemma3_12b = size_builder(
+    __name__,
+    spec,
+    "gemma3_12b",
+    "The language model of Gemma 3 12B (11.8B parameters, tied embeddings).",
+)
+gemma3_27b = size_builder(
+    __name__,
+    spec,
+    "gemma3_27b",
+    "The language model of Gemma 3 27B (27.0B parameters, tied embeddings).",
+)
+gemma3_tiny = size_builder(
+    __name__,
+    spec,
+    "gemma3_tiny",
+    "A 3-layer, 64-wide random Gemma 3 for tests (vocab 256, window 4, local RoPE base).",
+)

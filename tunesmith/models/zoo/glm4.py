@@ -19,13 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from tunesmith.config.registry import component
-from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.builder import family_spec, size_builder
 from tunesmith.models.family import Family, UnsupportedModelError, register_family
 from tunesmith.models.spec import ModelSpec, partial_rotary_from_config
-from tunesmith.modules.decoder import TransformerLM
 
 __all__ = ["FAMILY", "SIZES", "glm4_9b", "glm4_tiny", "spec"]
 
@@ -90,21 +86,10 @@ def spec(size: str, **overrides: Any) -> ModelSpec:
     return family_spec(_COMMON, SIZES, size, overrides)
 
 
-def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
-    return build_model(spec(size, **overrides), device=device, dtype=dtype)
-
-
-@component
-def glm4_9b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """GLM-4-9B-0414 (9.40B parameters)."""
-    return _build("glm4_9b", device, dtype, overrides)
-
-
-@component
-def glm4_tiny(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """A 2-layer, 64-wide random GLM-4 for tests (vocab 256, half interleaved rotary)."""
-    return _build("glm4_tiny", device, dtype, overrides)
+glm4_9b = size_builder(__name__, spec, "glm4_9b", "GLM-4-9B-0414 (9.40B parameters).")
+glm4_tiny = size_builder(
+    __name__,
+    spec,
+    "glm4_tiny",
+    "A 2-layer, 64-wide random GLM-4 for tests (vocab 256, half interleaved rotary).",
+)

@@ -18,13 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from tunesmith.config.registry import component
-from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.builder import family_spec, size_builder
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import ModelSpec
-from tunesmith.modules.decoder import TransformerLM
 
 __all__ = ["FAMILY", "SIZES", "granite3_3_2b", "granite3_3_8b", "granite_tiny", "spec"]
 
@@ -102,29 +98,15 @@ def spec(size: str, **overrides: Any) -> ModelSpec:
     return family_spec(_COMMON, SIZES, size, overrides)
 
 
-def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
-    return build_model(spec(size, **overrides), device=device, dtype=dtype)
-
-
-@component
-def granite3_3_2b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Granite 3.3 2B (2.53B parameters, tied embeddings)."""
-    return _build("granite3_3_2b", device, dtype, overrides)
-
-
-@component
-def granite3_3_8b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Granite 3.3 8B (8.17B parameters, tied embeddings)."""
-    return _build("granite3_3_8b", device, dtype, overrides)
-
-
-@component
-def granite_tiny(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """A 2-layer, 64-wide random Granite for tests (vocab 256, every multiplier set)."""
-    return _build("granite_tiny", device, dtype, overrides)
+granite3_3_2b = size_builder(
+    __name__, spec, "granite3_3_2b", "Granite 3.3 2B (2.53B parameters, tied embeddings)."
+)
+granite3_3_8b = size_builder(
+    __name__, spec, "granite3_3_8b", "Granite 3.3 8B (8.17B parameters, tied embeddings)."
+)
+granite_tiny = size_builder(
+    __name__,
+    spec,
+    "granite_tiny",
+    "A 2-layer, 64-wide random Granite for tests (vocab 256, every multiplier set).",
+)

@@ -16,13 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from tunesmith.config.registry import component
-from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.builder import family_spec, size_builder
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import ModelSpec
-from tunesmith.modules.decoder import TransformerLM
 
 __all__ = [
     "FAMILY",
@@ -102,61 +98,21 @@ def spec(size: str, **overrides: Any) -> ModelSpec:
     return family_spec(_COMMON, SIZES, size, overrides)
 
 
-def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
-    return build_model(spec(size, **overrides), device=device, dtype=dtype)
-
-
-@component
-def llama3_1_8b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Llama 3.1 8B (8.03B parameters)."""
-    return _build("llama3_1_8b", device, dtype, overrides)
-
-
-@component
-def llama3_1_70b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Llama 3.1 70B (70.6B parameters)."""
-    return _build("llama3_1_70b", device, dtype, overrides)
-
-
-@component
-def llama3_1_405b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Llama 3.1 405B (405.9B parameters)."""
-    return _build("llama3_1_405b", device, dtype, overrides)
-
-
-@component
-def llama3_2_1b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Llama 3.2 1B (1.24B parameters, tied embeddings)."""
-    return _build("llama3_2_1b", device, dtype, overrides)
-
-
-@component
-def llama3_2_3b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Llama 3.2 3B (3.21B parameters, tied embeddings)."""
-    return _build("llama3_2_3b", device, dtype, overrides)
-
-
-@component
-def llama3_3_70b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Llama 3.3 70B Instruct (same architecture as 3.1 70B)."""
-    return _build("llama3_3_70b", device, dtype, overrides)
-
-
-@component
-def llama3_tiny(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """A 2-layer, 64-wide random Llama 3 for tests (vocab 256, llama3 RoPE scaling)."""
-    return _build("llama3_tiny", device, dtype, overrides)
+llama3_1_8b = size_builder(__name__, spec, "llama3_1_8b", "Llama 3.1 8B (8.03B parameters).")
+llama3_1_70b = size_builder(__name__, spec, "llama3_1_70b", "Llama 3.1 70B (70.6B parameters).")
+llama3_1_405b = size_builder(__name__, spec, "llama3_1_405b", "Llama 3.1 405B (405.9B parameters).")
+llama3_2_1b = size_builder(
+    __name__, spec, "llama3_2_1b", "Llama 3.2 1B (1.24B parameters, tied embeddings)."
+)
+llama3_2_3b = size_builder(
+    __name__, spec, "llama3_2_3b", "Llama 3.2 3B (3.21B parameters, tied embeddings)."
+)
+llama3_3_70b = size_builder(
+    __name__, spec, "llama3_3_70b", "Llama 3.3 70B Instruct (same architecture as 3.1 70B)."
+)
+llama3_tiny = size_builder(
+    __name__,
+    spec,
+    "llama3_tiny",
+    "A 2-layer, 64-wide random Llama 3 for tests (vocab 256, llama3 RoPE scaling).",
+)

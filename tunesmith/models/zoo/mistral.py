@@ -16,13 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from tunesmith.config.registry import component
-from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.builder import family_spec, size_builder
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import ModelSpec
-from tunesmith.modules.decoder import TransformerLM
 
 __all__ = ["FAMILY", "SIZES", "mistral_7b_v0_3", "mistral_nemo_12b", "mistral_tiny", "spec"]
 
@@ -79,29 +75,15 @@ def spec(size: str, **overrides: Any) -> ModelSpec:
     return family_spec(_COMMON, SIZES, size, overrides)
 
 
-def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
-    return build_model(spec(size, **overrides), device=device, dtype=dtype)
-
-
-@component
-def mistral_7b_v0_3(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Mistral 7B v0.3 (7.25B parameters)."""
-    return _build("mistral_7b_v0_3", device, dtype, overrides)
-
-
-@component
-def mistral_nemo_12b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Mistral NeMo 12B (12.2B parameters)."""
-    return _build("mistral_nemo_12b", device, dtype, overrides)
-
-
-@component
-def mistral_tiny(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """A 2-layer random Mistral for tests (vocab 256, sliding window 8)."""
-    return _build("mistral_tiny", device, dtype, overrides)
+mistral_7b_v0_3 = size_builder(
+    __name__, spec, "mistral_7b_v0_3", "Mistral 7B v0.3 (7.25B parameters)."
+)
+mistral_nemo_12b = size_builder(
+    __name__, spec, "mistral_nemo_12b", "Mistral NeMo 12B (12.2B parameters)."
+)
+mistral_tiny = size_builder(
+    __name__,
+    spec,
+    "mistral_tiny",
+    "A 2-layer random Mistral for tests (vocab 256, sliding window 8).",
+)

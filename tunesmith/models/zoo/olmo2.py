@@ -18,13 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from tunesmith.config.registry import component
-from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.builder import family_spec, size_builder
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import ModelSpec
-from tunesmith.modules.decoder import TransformerLM
 
 __all__ = ["FAMILY", "SIZES", "olmo2_1b", "olmo2_7b", "olmo2_13b", "olmo2_tiny", "spec"]
 
@@ -90,37 +86,12 @@ def spec(size: str, **overrides: Any) -> ModelSpec:
     return family_spec(_COMMON, SIZES, size, overrides)
 
 
-def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
-    return build_model(spec(size, **overrides), device=device, dtype=dtype)
-
-
-@component
-def olmo2_1b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """OLMo 2 1B (1.48B parameters)."""
-    return _build("olmo2_1b", device, dtype, overrides)
-
-
-@component
-def olmo2_7b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """OLMo 2 7B (7.30B parameters)."""
-    return _build("olmo2_7b", device, dtype, overrides)
-
-
-@component
-def olmo2_13b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """OLMo 2 13B (13.7B parameters)."""
-    return _build("olmo2_13b", device, dtype, overrides)
-
-
-@component
-def olmo2_tiny(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """A 2-layer, 64-wide random OLMo 2 for tests (vocab 256, post-norms, qk-norm)."""
-    return _build("olmo2_tiny", device, dtype, overrides)
+olmo2_1b = size_builder(__name__, spec, "olmo2_1b", "OLMo 2 1B (1.48B parameters).")
+olmo2_7b = size_builder(__name__, spec, "olmo2_7b", "OLMo 2 7B (7.30B parameters).")
+olmo2_13b = size_builder(__name__, spec, "olmo2_13b", "OLMo 2 13B (13.7B parameters).")
+olmo2_tiny = size_builder(
+    __name__,
+    spec,
+    "olmo2_tiny",
+    "A 2-layer, 64-wide random OLMo 2 for tests (vocab 256, post-norms, qk-norm).",
+)

@@ -18,14 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from tunesmith.config.registry import component
-from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.builder import family_spec, size_builder
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import ModelSpec, layer_types_from_config, layer_types_to_config
 from tunesmith.models.zoo.olmo2 import OLMO_IMPLIED
-from tunesmith.modules.decoder import TransformerLM
 
 __all__ = ["FAMILY", "SIZES", "olmo3_7b", "olmo3_tiny", "spec"]
 
@@ -122,21 +118,12 @@ def spec(size: str, **overrides: Any) -> ModelSpec:
     return family_spec(_COMMON, SIZES, size, overrides)
 
 
-def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
-    return build_model(spec(size, **overrides), device=device, dtype=dtype)
-
-
-@component
-def olmo3_7b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """OLMo 3 7B (7.30B parameters, YaRN to 64k on its global layers)."""
-    return _build("olmo3_7b", device, dtype, overrides)
-
-
-@component
-def olmo3_tiny(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """A 4-layer, 64-wide random OLMo 3 for tests (window 4, the fourth layer global)."""
-    return _build("olmo3_tiny", device, dtype, overrides)
+olmo3_7b = size_builder(
+    __name__, spec, "olmo3_7b", "OLMo 3 7B (7.30B parameters, YaRN to 64k on its global layers)."
+)
+olmo3_tiny = size_builder(
+    __name__,
+    spec,
+    "olmo3_tiny",
+    "A 4-layer, 64-wide random OLMo 3 for tests (window 4, the fourth layer global).",
+)

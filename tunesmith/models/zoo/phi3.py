@@ -20,13 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from tunesmith.config.registry import component
-from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.builder import family_spec, size_builder
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import ModelSpec, partial_rotary_from_config
-from tunesmith.modules.decoder import TransformerLM
 
 __all__ = ["FAMILY", "SIZES", "phi3_mini_4k", "phi3_tiny", "phi4_mini", "spec"]
 
@@ -116,29 +112,18 @@ def spec(size: str, **overrides: Any) -> ModelSpec:
     return family_spec(_COMMON, SIZES, size, overrides)
 
 
-def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
-    return build_model(spec(size, **overrides), device=device, dtype=dtype)
-
-
-@component
-def phi3_mini_4k(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Phi-3-mini-4k (3.82B parameters, window 2047)."""
-    return _build("phi3_mini_4k", device, dtype, overrides)
-
-
-@component
-def phi4_mini(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Phi-4-mini (3.84B parameters, tied embeddings, partial rotary, LongRoPE to 128k)."""
-    return _build("phi4_mini", device, dtype, overrides)
-
-
-@component
-def phi3_tiny(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """A 2-layer, 64-wide random Phi-3 for tests (half rotary, LongRoPE past 8 positions)."""
-    return _build("phi3_tiny", device, dtype, overrides)
+phi3_mini_4k = size_builder(
+    __name__, spec, "phi3_mini_4k", "Phi-3-mini-4k (3.82B parameters, window 2047)."
+)
+phi4_mini = size_builder(
+    __name__,
+    spec,
+    "phi4_mini",
+    "Phi-4-mini (3.84B parameters, tied embeddings, partial rotary, LongRoPE to 128k).",
+)
+phi3_tiny = size_builder(
+    __name__,
+    spec,
+    "phi3_tiny",
+    "A 2-layer, 64-wide random Phi-3 for tests (half rotary, LongRoPE past 8 positions).",
+)

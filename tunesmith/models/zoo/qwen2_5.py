@@ -16,17 +16,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import torch
-
-from tunesmith.config.registry import component
-from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.builder import family_spec, size_builder
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import (
     ModelSpec,
     use_sliding_window_from_config,
     use_sliding_window_to_config,
 )
-from tunesmith.modules.decoder import TransformerLM
 
 __all__ = [
     "FAMILY",
@@ -103,69 +99,22 @@ def spec(size: str, **overrides: Any) -> ModelSpec:
     return family_spec(_COMMON, SIZES, size, overrides)
 
 
-def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
-    return build_model(spec(size, **overrides), device=device, dtype=dtype)
-
-
-@component
-def qwen2_5_0_5b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen2.5 0.5B (0.49B parameters, tied embeddings)."""
-    return _build("qwen2_5_0_5b", device, dtype, overrides)
-
-
-@component
-def qwen2_5_1_5b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen2.5 1.5B (1.54B parameters, tied embeddings)."""
-    return _build("qwen2_5_1_5b", device, dtype, overrides)
-
-
-@component
-def qwen2_5_3b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen2.5 3B (3.09B parameters, tied embeddings)."""
-    return _build("qwen2_5_3b", device, dtype, overrides)
-
-
-@component
-def qwen2_5_7b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen2.5 7B (7.61B parameters)."""
-    return _build("qwen2_5_7b", device, dtype, overrides)
-
-
-@component
-def qwen2_5_14b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen2.5 14B (14.7B parameters)."""
-    return _build("qwen2_5_14b", device, dtype, overrides)
-
-
-@component
-def qwen2_5_32b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen2.5 32B (32.8B parameters)."""
-    return _build("qwen2_5_32b", device, dtype, overrides)
-
-
-@component
-def qwen2_5_72b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen2.5 72B (72.7B parameters)."""
-    return _build("qwen2_5_72b", device, dtype, overrides)
-
-
-@component
-def qwen2_5_tiny(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """A 2-layer, 64-wide random Qwen2.5 for tests (vocab 256, qkv bias, tied)."""
-    return _build("qwen2_5_tiny", device, dtype, overrides)
+qwen2_5_0_5b = size_builder(
+    __name__, spec, "qwen2_5_0_5b", "Qwen2.5 0.5B (0.49B parameters, tied embeddings)."
+)
+qwen2_5_1_5b = size_builder(
+    __name__, spec, "qwen2_5_1_5b", "Qwen2.5 1.5B (1.54B parameters, tied embeddings)."
+)
+qwen2_5_3b = size_builder(
+    __name__, spec, "qwen2_5_3b", "Qwen2.5 3B (3.09B parameters, tied embeddings)."
+)
+qwen2_5_7b = size_builder(__name__, spec, "qwen2_5_7b", "Qwen2.5 7B (7.61B parameters).")
+qwen2_5_14b = size_builder(__name__, spec, "qwen2_5_14b", "Qwen2.5 14B (14.7B parameters).")
+qwen2_5_32b = size_builder(__name__, spec, "qwen2_5_32b", "Qwen2.5 32B (32.8B parameters).")
+qwen2_5_72b = size_builder(__name__, spec, "qwen2_5_72b", "Qwen2.5 72B (72.7B parameters).")
+qwen2_5_tiny = size_builder(
+    __name__,
+    spec,
+    "qwen2_5_tiny",
+    "A 2-layer, 64-wide random Qwen2.5 for tests (vocab 256, qkv bias, tied).",
+)

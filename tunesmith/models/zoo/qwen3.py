@@ -15,17 +15,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import torch
-
-from tunesmith.config.registry import component
-from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.builder import family_spec, size_builder
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import (
     ModelSpec,
     use_sliding_window_from_config,
     use_sliding_window_to_config,
 )
-from tunesmith.modules.decoder import TransformerLM
 
 __all__ = [
     "FAMILY",
@@ -96,61 +92,19 @@ def spec(size: str, **overrides: Any) -> ModelSpec:
     return family_spec(_COMMON, SIZES, size, overrides)
 
 
-def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
-    return build_model(spec(size, **overrides), device=device, dtype=dtype)
-
-
-@component
-def qwen3_0_6b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen3 0.6B (0.60B parameters, tied embeddings)."""
-    return _build("qwen3_0_6b", device, dtype, overrides)
-
-
-@component
-def qwen3_1_7b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen3 1.7B (1.72B parameters, tied embeddings)."""
-    return _build("qwen3_1_7b", device, dtype, overrides)
-
-
-@component
-def qwen3_4b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen3 4B (4.02B parameters, tied embeddings)."""
-    return _build("qwen3_4b", device, dtype, overrides)
-
-
-@component
-def qwen3_8b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen3 8B (8.19B parameters)."""
-    return _build("qwen3_8b", device, dtype, overrides)
-
-
-@component
-def qwen3_14b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen3 14B (14.8B parameters)."""
-    return _build("qwen3_14b", device, dtype, overrides)
-
-
-@component
-def qwen3_32b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen3 32B (32.8B parameters)."""
-    return _build("qwen3_32b", device, dtype, overrides)
-
-
-@component
-def qwen3_tiny(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """A 2-layer, 64-wide random Qwen3 for tests (vocab 256, qk-norm, head_dim 32, tied)."""
-    return _build("qwen3_tiny", device, dtype, overrides)
+qwen3_0_6b = size_builder(
+    __name__, spec, "qwen3_0_6b", "Qwen3 0.6B (0.60B parameters, tied embeddings)."
+)
+qwen3_1_7b = size_builder(
+    __name__, spec, "qwen3_1_7b", "Qwen3 1.7B (1.72B parameters, tied embeddings)."
+)
+qwen3_4b = size_builder(__name__, spec, "qwen3_4b", "Qwen3 4B (4.02B parameters, tied embeddings).")
+qwen3_8b = size_builder(__name__, spec, "qwen3_8b", "Qwen3 8B (8.19B parameters).")
+qwen3_14b = size_builder(__name__, spec, "qwen3_14b", "Qwen3 14B (14.8B parameters).")
+qwen3_32b = size_builder(__name__, spec, "qwen3_32b", "Qwen3 32B (32.8B parameters).")
+qwen3_tiny = size_builder(
+    __name__,
+    spec,
+    "qwen3_tiny",
+    "A 2-layer, 64-wide random Qwen3 for tests (vocab 256, qk-norm, head_dim 32, tied).",
+)

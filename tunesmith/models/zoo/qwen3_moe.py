@@ -16,17 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from tunesmith.config.registry import component
-from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.builder import family_spec, size_builder
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import (
     ModelSpec,
     use_sliding_window_from_config,
     use_sliding_window_to_config,
 )
-from tunesmith.modules.decoder import TransformerLM
 
 __all__ = ["FAMILY", "SIZES", "qwen3_30b_a3b", "qwen3_235b_a22b", "qwen3_moe_tiny", "spec"]
 
@@ -114,29 +110,15 @@ def spec(size: str, **overrides: Any) -> ModelSpec:
     return family_spec(_COMMON, SIZES, size, overrides)
 
 
-def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
-    return build_model(spec(size, **overrides), device=device, dtype=dtype)
-
-
-@component
-def qwen3_30b_a3b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen3-30B-A3B (30.5B parameters, 3.3B active per token)."""
-    return _build("qwen3_30b_a3b", device, dtype, overrides)
-
-
-@component
-def qwen3_235b_a22b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """Qwen3-235B-A22B (235B parameters, 22B active per token)."""
-    return _build("qwen3_235b_a22b", device, dtype, overrides)
-
-
-@component
-def qwen3_moe_tiny(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """A 3-layer random Qwen3-MoE for tests (8 experts, top-2, layer 1 dense)."""
-    return _build("qwen3_moe_tiny", device, dtype, overrides)
+qwen3_30b_a3b = size_builder(
+    __name__, spec, "qwen3_30b_a3b", "Qwen3-30B-A3B (30.5B parameters, 3.3B active per token)."
+)
+qwen3_235b_a22b = size_builder(
+    __name__, spec, "qwen3_235b_a22b", "Qwen3-235B-A22B (235B parameters, 22B active per token)."
+)
+qwen3_moe_tiny = size_builder(
+    __name__,
+    spec,
+    "qwen3_moe_tiny",
+    "A 3-layer random Qwen3-MoE for tests (8 experts, top-2, layer 1 dense).",
+)

@@ -18,13 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from tunesmith.config.registry import component
-from tunesmith.models.builder import build_model, family_spec
+from tunesmith.models.builder import family_spec, size_builder
 from tunesmith.models.family import Family, register_family
 from tunesmith.models.spec import ModelSpec, layer_types_from_config, layer_types_to_config
-from tunesmith.modules.decoder import TransformerLM
 
 __all__ = ["FAMILY", "SIZES", "smollm3_3b", "smollm3_tiny", "spec"]
 
@@ -103,21 +99,15 @@ def spec(size: str, **overrides: Any) -> ModelSpec:
     return family_spec(_COMMON, SIZES, size, overrides)
 
 
-def _build(size: str, device: Any, dtype: torch.dtype | None, overrides: Any) -> TransformerLM:
-    return build_model(spec(size, **overrides), device=device, dtype=dtype)
-
-
-@component
-def smollm3_3b(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """SmolLM3 3B (3.08B parameters, tied embeddings, every fourth layer NoPE)."""
-    return _build("smollm3_3b", device, dtype, overrides)
-
-
-@component
-def smollm3_tiny(
-    *, device: Any = None, dtype: torch.dtype | None = None, **overrides: Any
-) -> TransformerLM:
-    """A 4-layer, 64-wide random SmolLM3 for tests (vocab 256, layers 1 and 3 NoPE)."""
-    return _build("smollm3_tiny", device, dtype, overrides)
+smollm3_3b = size_builder(
+    __name__,
+    spec,
+    "smollm3_3b",
+    "SmolLM3 3B (3.08B parameters, tied embeddings, every fourth layer NoPE).",
+)
+smollm3_tiny = size_builder(
+    __name__,
+    spec,
+    "smollm3_tiny",
+    "A 4-layer, 64-wide random SmolLM3 for tests (vocab 256, layers 1 and 3 NoPE).",
+)
