@@ -32,7 +32,7 @@ from torch import nn
 from tunesmith.config.registry import component
 from tunesmith.models.atomic import UnsafePathError, open_no_follow, real_folder, refuse_unsafe
 from tunesmith.models.builder import build_model
-from tunesmith.models.family import family_for, language_model_config
+from tunesmith.models.family import language_model_config
 from tunesmith.models.fused_keys import fuse_state, fused_parts
 from tunesmith.models.manifest import has_manifest, manifest_problem
 from tunesmith.models.safetensors_io import (
@@ -239,13 +239,10 @@ def _language_model_names(folder: str | os.PathLike) -> _LanguageModelNames | No
     return None if note is None else _LanguageModelNames(note)
 
 
-def _fused(spec: Any) -> Mapping[str, tuple[str, ...]]:
-    """The projections ``spec``'s family stores fused on disk (none for other objects)."""
-    return family_for(spec.model_type).fused if isinstance(spec, ModelSpec) else {}
-
-
 def _fused_parts(model: nn.Module) -> dict[str, tuple[str, int, int]]:
-    fused = _fused(getattr(model, "spec", None))
+    """Where each of ``model``'s parts of a fused projection is read from (its spec's family
+    stores them fused); empty for other models."""
+    fused = getattr(getattr(model, "spec", None), "fused_projections", None)
     return fused_parts(model.state_dict(keep_vars=True), fused) if fused else {}
 
 
@@ -573,7 +570,10 @@ def write_hf_checkpoint(
         )
     out_dtype = resolve_dtype(dtype) if dtype is not None else _dominant_dtype(state)
     written = write_safetensors_shards(
-        fuse_state(state, _fused(spec)), folder, max_shard_size=max_shard_size, dtype=out_dtype
+        fuse_state(state, spec.fused_projections),
+        folder,
+        max_shard_size=max_shard_size,
+        dtype=out_dtype,
     )
 
     config = spec.to_hf_config(num_labels=num_labels)

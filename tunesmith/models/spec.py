@@ -679,7 +679,7 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     head_dim = (
         config.get("head_dim") or family.defaults.get("head_dim") or config["hidden_size"] // heads
     )
-    rope_theta, rope_scaling, _ = _rope_from_config(config)
+    rope_theta, rope_scaling, rope_local_theta = _rope_from_config(config)
     fields: dict[str, Any] = {
         "model_type": model_type,
         "vocab_size": config["vocab_size"],
@@ -697,7 +697,8 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
         "torch_dtype": _dtype_name(config.get("torch_dtype", config.get("dtype"))),
         "hidden_act": act,
     }
-    fields.update(_family_fields(config))
+    if rope_local_theta is not None:  # per-layer-type rope_parameters (the family may override)
+        fields["rope_local_theta"] = rope_local_theta
     for key in OPTIONAL_KEYS:  # present > the family's default > ModelSpec's default
         if key in config:
             fields[key] = config[key]

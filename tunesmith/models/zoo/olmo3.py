@@ -15,12 +15,14 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from tunesmith.models.builder import family_spec, size_builder
-from tunesmith.models.family import Family, register_family
+from tunesmith.models.family import register_family
 from tunesmith.models.spec import ModelSpec, layer_types_from_config, layer_types_to_config
+from tunesmith.models.zoo.olmo2 import FAMILY as OLMO2
 from tunesmith.models.zoo.olmo2 import OLMO_IMPLIED
 
 __all__ = ["FAMILY", "SIZES", "olmo3_7b", "olmo3_tiny", "spec"]
@@ -57,22 +59,16 @@ def _write(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
+# OLMo 2's entry (what the type implies, its flags, transformers' defaults, the template) with
+# OLMo 3's name, class and window hooks.
 FAMILY = register_family(
-    Family(
+    dataclasses.replace(
+        OLMO2,
         name="olmo3",
         model_type="olmo3",
         architecture="Olmo3ForCausalLM",
-        implied={"qk_norm": True},
-        flags=("attention_bias",),
-        defaults={
-            "max_position_embeddings": 2048,
-            "rms_norm_eps": 1e-5,
-            "pad_token_id": 1,
-            "eos_token_id": 50279,
-        },  # fmt: skip
         from_hf_config=_read,
         to_hf_config=_write,
-        template="olmo2",
     )
 )
 
