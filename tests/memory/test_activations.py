@@ -115,7 +115,7 @@ def test_bad_arguments_raise(base):
         apply_activation_checkpointing(model, mode="some")
     with pytest.raises(ValueError, match="every_k must be an int >= 1"):
         apply_activation_checkpointing(model, every_k=0)
-    with pytest.raises(ValueError, match="found no DecoderLayer in Linear"):
+    with pytest.raises(ValueError, match="found no decoder layer in Linear"):
         apply_activation_checkpointing(torch.nn.Linear(2, 2))
     apply_activation_checkpointing(model)
     with pytest.raises(ValueError, match="already applied"):

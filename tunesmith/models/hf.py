@@ -46,6 +46,12 @@ from tunesmith.models.safetensors_io import (
     write_safetensors_shards,
 )
 from tunesmith.models.spec import ModelSpec, UnsupportedModelError, spec_from_hf_config
+from tunesmith.models.transformers_backend import (
+    TransformersLM,
+    TransformersSpec,
+    choose_backend,
+    transformers_from_hf,
+)
 from tunesmith.modules.decoder import TransformerLM
 from tunesmith.modules.dtypes import dtype_from_name
 
@@ -282,8 +288,15 @@ def from_hf(
     device: torch.device | str = "cpu",
     load_weights: bool = True,
     verify: bool = True,
-) -> TransformerLM:
+    backend: str = "auto",
+) -> TransformerLM | TransformersLM:
     """Build the model of a HF folder from its ``config.json`` and load its weights.
+
+    ``backend`` (:func:`~tunesmith.models.transformers_backend.choose_backend`): ``auto``
+    builds a native family's model where one exists and otherwise transformers' own
+    (:class:`~tunesmith.models.transformers_backend.TransformersLM`, never remote code);
+    ``native`` or ``transformers`` insist on one. The transformers backend logs once that
+    it runs and what it cannot do.
 
     ``dtype`` defaults to the config's ``dtype``/``torch_dtype``, else float32. The model is
     built on the meta device and each tensor is assigned once (memory-mapped, cast, moved),
@@ -300,8 +313,20 @@ def from_hf(
         >>> type(model).__name__, next(model.parameters()).dtype
         ('TransformerLM', torch.bfloat16)
     """
-    spec, resolved = hf_folder_spec(path, dtype)
     folder = Path(path)
+    config = read_hf_config(folder)
+    choice = choose_backend(
+        language_model_config(config)[0], backend, where=f"{folder / CONFIG_NAME}: "
+    )
+    if choice.backend == "transformers":
+        logger.warning("%s: %s", folder, choice)
+        resolved = resolve_dtype(dtype, default=_config_dtype(config, folder))
+        if load_weights and verify:
+            verify_own_checkpoint(folder)
+        return transformers_from_hf(
+            folder, dtype=resolved, device=device, load_weights=load_weights
+        )
+    spec, resolved = hf_folder_spec(path, dtype)
     if not load_weights:
         _check_fits(spec, resolved, device, folder)
         return build_model(spec, device=device, dtype=resolved)
@@ -345,9 +370,14 @@ def score_num_labels(state: Mapping[str, Any]) -> int | None:
     return None if score is None else int(score.shape[0])
 
 
-def _reference_state(spec: ModelSpec, num_labels: int | None) -> dict[str, torch.Tensor]:
+def _reference_state(
+    spec: ModelSpec | TransformersSpec, num_labels: int | None
+) -> dict[str, torch.Tensor]:
     """Meta tensors named and shaped as the HF checkpoint of ``spec`` holds them: the causal
     LM's, or with ``num_labels`` the ``*ForSequenceClassification``'s (``score``, no head)."""
+    if isinstance(spec, TransformersSpec):
+        spec.to_hf_config(num_labels)  # refuses a classifier
+        return spec.reference_state()
     reference = build_model(spec, device="meta").state_dict()
     if num_labels is not None:
         reference.pop("lm_head.weight", None)
@@ -363,7 +393,7 @@ def _model_and_state(
         spec = spec if spec is not None else getattr(model_or_state_dict, "spec", None)
     else:
         state = dict(model_or_state_dict)
-    if not isinstance(spec, ModelSpec):
+    if not isinstance(spec, (ModelSpec, TransformersSpec)):
         raise TypeError("save_hf_checkpoint needs spec=ModelSpec(...) to write config.json")
     num_labels = score_num_labels(state)
     if spec.tie_word_embeddings and num_labels is None:

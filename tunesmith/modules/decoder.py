@@ -24,7 +24,15 @@ from tunesmith.modules.norms import RMSNorm
 from tunesmith.modules.ring_attention import RingShard, ring_batch
 from tunesmith.modules.rope import RotaryEmbedding
 
-__all__ = ["NORM_LAYOUTS", "DecoderLayer", "DecoderModel", "NormLayout", "TransformerLM"]
+__all__ = [
+    "NORM_LAYOUTS",
+    "DecoderLayer",
+    "DecoderModel",
+    "NormLayout",
+    "TransformerLM",
+    "decoder_layers",
+    "mark_decoder_layers",
+]
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,8 @@ class DecoderLayer(nn.Module):
         ...              norm_layout="post").norm_names
         ('post_attention_layernorm', 'post_feedforward_layernorm')
     """
+
+    is_decoder_layer = True  # what decoder_layers() finds (other models' layers are marked)
 
     def __init__(
         self,
@@ -160,6 +170,24 @@ class DecoderLayer(nn.Module):
         if isinstance(out, tuple):
             out, router_logits = out
         return self._add(h, self._norm(layout.mlp_out, out)), router_logits
+
+
+def mark_decoder_layers(layers: Iterable[nn.Module]) -> None:
+    """Mark another model's layers (transformers' own) as decoder layers: the units that
+    activation checkpointing, compile and FSDP2 work on (:func:`decoder_layers`)."""
+    for layer in layers:
+        layer.is_decoder_layer = True
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """Every decoder layer inside ``model``, in order: :class:`DecoderLayer` modules and the
+    layers :func:`mark_decoder_layers` marked.
+
+    >>> from tunesmith.models import llama3
+    >>> len(decoder_layers(llama3.llama3_tiny()))
+    2
+    """
+    return [m for m in model.modules() if getattr(m, "is_decoder_layer", False)]
 
 
 class DecoderModel(nn.Module):

@@ -52,7 +52,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from tunesmith.modules.decoder import DecoderLayer
+from tunesmith.modules.decoder import decoder_layers
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -120,7 +120,7 @@ def apply_activation_checkpointing(
     *,
     mode: Literal["full", "selective"] = "full",
     every_k: int = 1,
-    layer_type: type[nn.Module] = DecoderLayer,
+    layer_type: type[nn.Module] | None = None,
 ) -> int:
     """Make every ``every_k``-th ``layer_type`` module of ``model`` (in order: layers
     ``0, k, 2k, ...``) checkpoint its activations; return how many layers now do.
@@ -129,7 +129,8 @@ def apply_activation_checkpointing(
         mode: ``"full"`` (recompute the whole layer) or ``"selective"`` (keep matmul and
             attention outputs, recompute the rest); see the module docstring.
         every_k: checkpoint one layer in ``every_k`` (1: all layers).
-        layer_type: the block class to checkpoint (default: the decoder layer).
+        layer_type: the block class to checkpoint (default: the decoder layers,
+            :func:`~tunesmith.modules.decoder.decoder_layers`).
 
     Raises:
         ValueError: unknown ``mode``, ``every_k < 1``, no ``layer_type`` module in
@@ -141,10 +142,14 @@ def apply_activation_checkpointing(
         )
     if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
         raise ValueError(f"activation_checkpointing.every_k must be an int >= 1, got {every_k!r}")
-    layers = [module for module in model.modules() if isinstance(module, layer_type)]
+    layers = (
+        decoder_layers(model)
+        if layer_type is None
+        else [module for module in model.modules() if isinstance(module, layer_type)]
+    )
     if not layers:
         raise ValueError(
-            f"apply_activation_checkpointing found no {layer_type.__name__} in "
+            f"apply_activation_checkpointing found no {'decoder layer' if layer_type is None else layer_type.__name__} in "
             f"{type(model).__name__}"
         )
     if any(is_checkpointed(layer) for layer in layers):

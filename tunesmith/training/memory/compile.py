@@ -29,7 +29,7 @@ from typing import Any
 from torch import nn
 
 from tunesmith.config import ConfigError, ConfigIssue
-from tunesmith.modules.decoder import DecoderLayer
+from tunesmith.modules.decoder import decoder_layers
 from tunesmith.modules.losses import LinearCrossEntropyLoss
 
 __all__ = ["CompileOptions", "compile_loss", "compile_model", "compile_options", "is_compiled"]
@@ -97,7 +97,7 @@ def compile_model(
     mode: str | None = None,
     fullgraph: bool = False,
     dynamic: bool | None = None,
-    layer_type: type[nn.Module] = DecoderLayer,
+    layer_type: type[nn.Module] | None = None,
 ) -> int:
     """Compile every ``layer_type`` module of ``model`` in place (``module.compile``);
     return how many. Apply it after activation checkpointing.
@@ -106,9 +106,15 @@ def compile_model(
         ValueError: ``model`` has no ``layer_type`` module, or its layers are compiled
             already.
     """
-    layers = [module for module in model.modules() if isinstance(module, layer_type)]
+    layers = (
+        decoder_layers(model)
+        if layer_type is None
+        else [module for module in model.modules() if isinstance(module, layer_type)]
+    )
     if not layers:
-        raise ValueError(f"compile_model found no {layer_type.__name__} in {type(model).__name__}")
+        raise ValueError(
+            f"compile_model found no {'decoder layer' if layer_type is None else layer_type.__name__} in {type(model).__name__}"
+        )
     if any(is_compiled(layer) for layer in layers):
         raise ValueError("compile_model: the layers of this model are compiled already")
     for layer in layers:

@@ -57,6 +57,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tunesmith.config import ConfigError, ConfigIssue
+from tunesmith.modules.decoder import decoder_layers
 from tunesmith.modules.peft.nf4 import is_nf4
 from tunesmith.training.settings import LOOP_RULES
 
@@ -481,7 +482,7 @@ def shard_model(
     # expert-parallel experts are already split (expert_parallel.py): FSDP2 leaves them alone
     experts = {p for p in model.parameters() if getattr(p, "expert_parallel", False)}
     policy = {**policy, "ignored_params": experts} if experts else policy
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, **policy)
     fully_shard(model, mesh=mesh, **policy)
     return model
