@@ -147,7 +147,7 @@ def test_compile_model_keeps_names_and_refuses_twice():
     assert not is_compiled(model) and not is_compiled(model.lm_head)
     with pytest.raises(ValueError, match="compiled already"):
         compile_model(model, backend="eager")
-    with pytest.raises(ValueError, match="found no DecoderLayer"):
+    with pytest.raises(ValueError, match="found no decoder layer"):
         compile_model(torch.nn.Linear(2, 2))
     linear = LinearCrossEntropyLoss(num_chunks=3)  # its in-place chunk step stays eager
     assert compile_loss(linear) is linear and not linear.compile
