@@ -45,7 +45,9 @@ def test_validate_of_a_copied_config_knows_the_recipe_arguments(world, tmp_path,
     main(["cp", "sft/tiny", str(dest)])
     capsys.readouterr()
     assert main(["validate", str(dest), f"model_dir={model_dir}", f"dataset.source={data}"]) == 0
-    assert capsys.readouterr().out == "my_sft.yaml: OK\n"
+    assert capsys.readouterr().out == (
+        "my_sft.yaml: OK\n  model: native backend (qwen2 is a native family)\n"
+    )
     # no values given: only the two `???` are named, not the interpolations that use them
     assert main(["validate", str(dest)]) == 1
     assert _error(capsys).splitlines() == [

@@ -109,7 +109,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 "--recipe NAME or a .py file"
             )
     from tunesmith.config import load_config
-    from tunesmith.recipes import check_config, check_local_folders, infer_recipe
+    from tunesmith.recipes import check_config, check_local_folders, infer_recipe, model_backends
 
     cfg = load_config(config_file, args.overrides)
     if recipe is None:
@@ -120,7 +120,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     check_config(cfg, recipe_file)
     if recipe_file is not None and recipe_file.parent == catalog.RECIPES_DIR:
         check_local_folders(cfg)
+    backends = model_backends(cfg)
     print(f"{config_file.name}: OK{how}")
+    for line in backends:
+        print(f"  {line}")
     return 0
 
 

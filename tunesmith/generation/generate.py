@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tunesmith.generation.sampling import LogitsProcessor, build_processors, sample
+from tunesmith.models.transformers_backend import TransformersLM
 from tunesmith.modules.decoder import TransformerLM
 from tunesmith.modules.masks import padding_position_ids
 
@@ -187,10 +188,11 @@ def _check_positions(rows: list[list[int]], model: nn.Module) -> None:
 def _last_logits(model: nn.Module, input_ids: Tensor, **kwargs: object) -> Tensor:
     """Logits ``[b, V]`` of the last position only.
 
-    A ``TransformerLM`` projects only the last hidden state (``logits_to_keep=1``), so a long
-    prefill never materialises ``[b, s, V]`` logits; other models run their full forward.
+    A ``TransformerLM`` (or the transformers backend's ``TransformersLM``) projects only the
+    last hidden state (``logits_to_keep=1``), so a long prefill never materialises
+    ``[b, s, V]`` logits; other models run their full forward.
     """
-    if isinstance(model, TransformerLM):
+    if isinstance(model, (TransformerLM, TransformersLM)):
         return model(input_ids, logits_to_keep=1, **kwargs)[:, -1]
     return model(input_ids, **kwargs)[:, -1]
 

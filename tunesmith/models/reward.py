@@ -39,6 +39,7 @@ from torch import nn
 
 from tunesmith.config.registry import component
 from tunesmith.models.builder import build_model
+from tunesmith.models.family import UnsupportedModelError, families
 from tunesmith.models.hf import (
     CONFIG_NAME,
     SCORE_WEIGHT,
@@ -315,6 +316,14 @@ def reward_model_from_hf(
     """
     _check_num_labels(num_labels)
     folder = Path(path)
+    model_type = read_hf_config(folder).get("model_type")
+    if not any(f.model_type == model_type for f in families()):
+        raise UnsupportedModelError(
+            f"{folder / CONFIG_NAME}: model_type {model_type!r} has no native family, and "
+            "reward models need one: the transformers backend (which trains such models with "
+            f"every other recipe) has no score head; native families: "
+            f"{', '.join(sorted(f.model_type for f in families()))}"
+        )
     spec, resolved = hf_folder_spec(folder, dtype)
     if pad_token_id is not None:
         spec = spec.replace(pad_token_id=pad_token_id)

@@ -305,6 +305,8 @@ class TransformersLM(nn.Module):
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         mark_decoder_layers(self.layers)
         self.register_load_state_dict_pre_hook(_fill_tied_head)
+        if not any(p.is_meta for p in self.parameters()):
+            self.check_head()
 
     # A list of this module's own children would be registered twice: keep the layers aside.
     def __setattr__(self, name: str, value: Any) -> None:
@@ -400,6 +402,30 @@ class TransformersLM(nn.Module):
             raise ValueError(
                 "document_ids (packed rows) needs the position ids that restart at each "
                 "document, and takes no attention_mask or kv_cache"
+            )
+
+    @torch.no_grad()
+    def check_head(self, tokens: int = 8) -> None:
+        """Refuse a model whose causal LM class does more to the head's output than
+        :attr:`logit_transform` says: the losses that own the head (linear cross-entropy,
+        token log-probs, KD) would train on other logits than its forward's. Runs ``tokens``
+        tokens through both, once, at construction."""
+        ids = torch.arange(1, 1 + min(tokens, self.spec.vocab_size - 1))[None]
+        ids = ids.to(self.hf_model.get_input_embeddings().weight.device)
+        was_training = self.hf_model.training
+        self.hf_model.eval()
+        try:
+            theirs = self.hf_model(input_ids=ids).logits.float()
+            ours = self(ids).float()
+        finally:
+            self.hf_model.train(was_training)
+        gap = (theirs - ours).abs().max().item()
+        if not gap <= 1e-3 * (1.0 + theirs.abs().max().item()):
+            raise UnsupportedModelError(
+                f"{self.spec.model_type} ({type(self.hf_model).__name__}): its forward's logits "
+                f"differ from lm_head(hidden) with {self.logit_transform} by {gap:.3g}; the "
+                "transformers backend knows no other change to the logits, so it cannot train "
+                "this model with the losses that own the head"
             )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

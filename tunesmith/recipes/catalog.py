@@ -45,6 +45,7 @@ __all__ = [
     "config_names",
     "config_path",
     "infer_recipe",
+    "model_backends",
     "prepare_run",
     "recipe_header",
     "recipe_names",
@@ -405,6 +406,40 @@ def check_local_folders(cfg: Any) -> None:
             f"is a Hub id, download it first with `tunesmith download {value}` (it writes "
             f"models/{name}), then give {key}=models/{name}"
         )
+
+
+def model_backends(cfg: Any) -> list[str]:
+    """One line per top-level model of ``cfg`` built by ``from_hf`` from a local folder: which
+    backend builds it and why (``tunesmith validate`` prints them). A folder only its own
+    code could build (``auto_map``) is refused here, before a run, naming ``trust_remote_code``.
+
+    Example::
+
+        >>> from omegaconf import OmegaConf
+        >>> model_backends(OmegaConf.create({"model": {"path": "nowhere"}}))  # no folder yet
+        []
+    """
+    from tunesmith.config.components import resolve_component
+    from tunesmith.models.family import language_model_config
+    from tunesmith.models.hf import CONFIG_NAME, from_hf, read_hf_config
+    from tunesmith.models.transformers_backend import choose_backend
+
+    lines = []
+    for key in cfg:
+        try:
+            node = cfg[key]
+            target = resolve_component(node["_component_"], allow_any_component=True)
+            path, backend = node.get("path"), node.get("backend", "auto")
+        except Exception:  # not a component, or broken: check_config has reported it
+            continue
+        if target is not from_hf or not isinstance(path, str):
+            continue
+        if not (Path(path) / CONFIG_NAME).is_file():
+            continue
+        config = language_model_config(read_hf_config(path))[0]
+        where = f"{key}: {Path(path) / CONFIG_NAME}: "
+        lines.append(f"{key}: {choose_backend(config, backend, where=where)}")
+    return lines
 
 
 def run(

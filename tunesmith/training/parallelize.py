@@ -43,7 +43,7 @@ from tunesmith.training.parallel.distributed import DistributedContext, Parallel
 from tunesmith.training.parallel.expert_parallel import apply_expert_parallel
 from tunesmith.training.parallel.tensor_parallel import apply_tensor_parallel
 
-__all__ = ["check_model_fits", "parallelize"]
+__all__ = ["check_backend_plans", "check_model_fits", "parallelize"]
 
 
 def parallelize(
@@ -65,6 +65,7 @@ def parallelize(
     cfg = cfg or {}
     if ctx.dims is not None:  # 1. tensor / sequence parallel: the sizes must fit
         check_model_fits(getattr(model, "spec", None), ctx.dims)
+        check_backend_plans(getattr(model, "spec", None), ctx.dims)
     if ctx.tp_mesh is not None:
         apply_tensor_parallel(model, ctx.tp_mesh, sequence_parallel=ctx.dims.sequence_parallel)
     if ctx.expert_mesh is not None:  # 1b. expert parallel
@@ -109,6 +110,35 @@ def check_model_fits(spec: Any, dims: ParallelDims) -> None:
         )
         for dim, size, field in needs
         if size > 1 and getattr(spec, field, 0) and getattr(spec, field) % size
+    ]
+    if issues:
+        raise ConfigError.from_issues(issues)
+
+
+def check_backend_plans(spec: Any, dims: ParallelDims) -> None:
+    """Refuse the parallel layouts a model of the transformers backend has no plan for
+    (context and expert parallel: its attention and experts are transformers' own), naming
+    the backend and the model type, before anything is changed.
+
+    >>> from tunesmith.models.transformers_backend import TransformersSpec
+    >>> from tunesmith.training.parallel.distributed import ParallelDims
+    >>> check_backend_plans(TransformersSpec({"model_type": "starcoder2"}), ParallelDims(cp=2))
+    Traceback (most recent call last):
+    tunesmith.config.errors.ConfigError: parallelism: cp 2: starcoder2 runs on the transformers ...
+    """
+    if getattr(spec, "backend", "native") != "transformers":
+        return
+    issues = [
+        ConfigIssue(
+            "parallelism",
+            f"{dim} {size}: {spec.model_type} runs on the transformers backend, which has no "
+            f"{what} (only native families do); set {dim}: 1",
+        )
+        for dim, size, what in (
+            ("cp", dims.cp, "context parallel"),
+            ("ep", dims.ep, "expert parallel"),
+        )  # fmt: skip
+        if size > 1
     ]
     if issues:
         raise ConfigError.from_issues(issues)

@@ -44,6 +44,7 @@ from torch.utils.data import Subset
 from tunesmith.config import instantiate
 from tunesmith.data import packed_or_padded
 from tunesmith.models.peft_io import peft_adapter_config
+from tunesmith.models.transformers_backend import TransformersLM
 from tunesmith.modules.decoder import DecoderModel
 from tunesmith.modules.losses import LinearCrossEntropyLoss
 from tunesmith.modules.peft import adapter_modules, disable_adapters
@@ -223,7 +224,9 @@ def apply_attention_backend(model: nn.Module, name: str | None) -> nn.Module:
     """Set ``name`` (``auto``, ``sdpa``, ``varlen``, ``flex``, ``loop``; the config's
     ``attention_backend``) on every :class:`~tunesmith.modules.decoder.DecoderModel` inside
     ``model``; None leaves the models as they are (``auto`` unless built otherwise). A name
-    that is no backend, or a model without a decoder to set it on, is refused.
+    that is no backend, or a model without a decoder to set it on, is refused. A model of the
+    transformers backend takes ``auto``, ``sdpa``, ``eager`` (or ``loop``) and ``flex``
+    (transformers' own ``attn_implementation``).
 
     >>> from tunesmith.models import llama3
     >>> model = apply_attention_backend(llama3.llama3_tiny(), "sdpa")
@@ -235,7 +238,7 @@ def apply_attention_backend(model: nn.Module, name: str | None) -> nn.Module:
     """
     if name is None:
         return model
-    decoders = [m for m in model.modules() if isinstance(m, DecoderModel)]
+    decoders = [m for m in model.modules() if isinstance(m, (DecoderModel, TransformersLM))]
     if not decoders:
         raise ValueError(
             f"attention_backend: {name!r} is set, but {type(model).__name__} has no "

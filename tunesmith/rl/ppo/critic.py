@@ -76,6 +76,12 @@ def critic_from_policy(policy: nn.Module, pad_token_id: int) -> RewardModel:
             "(a critic checkpoint would keep only them): set critic_model, e.g. "
             "{_component_: tunesmith.models.reward_model_from_hf, path: <the base model folder>}"
         )
+    if getattr(policy.spec, "backend", "native") == "transformers":
+        raise ValueError(
+            f"critic_model: null copies the policy's body, but the policy "
+            f"({policy.spec.model_type}) runs on the transformers backend, which has no critic "
+            "head: set critic_model to a reward model of a native family with the same tokenizer"
+        )
     spec = policy.spec.replace(pad_token_id=pad_token_id)
     body = copy.deepcopy(policy.model)
     body.requires_grad_(True)
