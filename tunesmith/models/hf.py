@@ -395,6 +395,8 @@ def _model_and_state(
         state = dict(model_or_state_dict)
     if not isinstance(spec, (ModelSpec, TransformersSpec)):
         raise TypeError("save_hf_checkpoint needs spec=ModelSpec(...) to write config.json")
+    if isinstance(spec, TransformersSpec):
+        state = spec.checkpoint_layout(state)
     num_labels = score_num_labels(state)
     if spec.tie_word_embeddings and num_labels is None:
         state.pop("lm_head.weight", None)  # transformers stores tied heads once

@@ -209,11 +209,20 @@ class TransformersSpec:
     def reference_state(self) -> dict[str, torch.Tensor]:
         """Meta tensors named and shaped as this model's checkpoint holds them (a tied head
         stored once, as transformers saves it)."""
-        model = _build(self.config, device="meta")
-        state = model.state_dict()
+        state = self.checkpoint_layout(_build(self.config, device="meta").state_dict())
         if self.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         return state
+
+    def checkpoint_layout(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` (the model's own names) as the model type's checkpoints store it:
+        transformers 5 fuses some tensors on load (a MoE's per-expert ``w1``/``w3`` into
+        ``experts.gate_up_proj``) and splits them back on save; so does this."""
+        try:
+            from transformers.core_model_loading import revert_weight_conversion
+        except ImportError:  # transformers 4: the modules' names are the checkpoints'
+            return dict(state)
+        return revert_weight_conversion(_build(self.config, device="meta"), dict(state))
 
     def approx_parameters(self) -> int:
         """The parameter count (built on the meta device: exact)."""
@@ -396,7 +405,7 @@ class TransformersLM(nn.Module):
             raise ValueError(
                 f"{self.spec.model_type} (transformers backend) has layers that are not "
                 "attention, which would run across the documents of a packed row: set "
-                "packing: false"
+                "packed: false"
             )
         if position_ids is None or attention_mask is not None or kv_cache is not None:
             raise ValueError(

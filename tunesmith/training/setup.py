@@ -214,10 +214,24 @@ def build_policy(
         peft_adapter_config(model)
     cast_weights(model, check_precision(cfg))  # precision.weights: bf16 casts the trained model
     apply_attention_backend(model, cfg.get("attention_backend"))
+    check_packing(model, cfg)
     if on_device:
         model = model.to(ctx.device)
     check_vocab(tokenizer, model, cfg)
     return model
+
+
+def check_packing(model: nn.Module, cfg: DictConfig, key: str = "model") -> None:
+    """Refuse ``packed: true`` for a model whose layers would run across the documents of a
+    packed row (the transformers backend's convolution or recurrent layers), before any
+    data is read or step is run."""
+    if value_of(cfg, "packed") and not getattr(model, "accepts_packing", True):
+        node = cfg[key]
+        raise ValueError(
+            f"packed: true, but {key} ({node.get('path', node._component_)}, "
+            f"{model.spec.model_type} on the transformers backend) has layers that are not "
+            "attention, which would run across the documents of a packed row: set packed: false"
+        )
 
 
 def apply_attention_backend(model: nn.Module, name: str | None) -> nn.Module:
@@ -270,6 +284,7 @@ def frozen_model(
     """
     if cfg.get(key):
         model = instantiate(cfg[key])
+        check_packing(model, cfg, key)
         if tokenizer is not None:
             check_vocab(tokenizer, model, cfg, key=key)
     elif copy_of is not None:
