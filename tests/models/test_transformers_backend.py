@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.models.transformers_world import ARCHITECTURES, make_transformers_model_dir
@@ -31,7 +32,7 @@ from tunesmith.models.transformers_backend import (
 from tunesmith.modules.decoder import decoder_layers
 from tunesmith.modules.losses import LinearCrossEntropyLoss
 from tunesmith.rl.ppo.critic import critic_from_policy
-from tunesmith.training.forward import head_transform, head_weight
+from tunesmith.training.forward import forward_batch, head_transform, head_weight, router_aux_loss
 from tunesmith.training.memory.activations import apply_activation_checkpointing
 from tunesmith.training.parallel.distributed import ParallelDims
 from tunesmith.training.parallelize import check_backend_plans
@@ -229,3 +230,42 @@ def test_reward_models_critics_and_other_plans_are_refused_naming_the_backend(tm
     assert isinstance(model, TransformersLM) and model.spec.model_type == "qwen2"
     with pytest.raises(UnsupportedModelError, match="has no native family"):
         from_hf(model_dir, backend="native")
+
+
+# -- mixture of experts ------------------------------------------------------------------------
+
+
+def _mixtral() -> TransformersLM:
+    torch.manual_seed(0)
+    config = tiny_config("mixtral", num_local_experts=4, num_experts_per_tok=2,
+                         router_aux_loss_coef=0.02)  # fmt: skip
+    return build_transformers_model(config)
+
+
+def test_moe_router_logits_give_transformers_own_auxiliary_loss():
+    model = _mixtral()
+    ids = _ids()
+    batch = {"input_ids": ids, "position_ids": torch.arange(ids.shape[1])[None]}
+    _, router_logits = forward_batch(model, batch)
+    assert len(router_logits) == 2 and router_logits[0].shape == (ids.numel(), 4)
+    theirs = model.hf_model(input_ids=ids, output_router_logits=True).aux_loss
+    ours = router_aux_loss(model, router_logits, batch)
+    torch.testing.assert_close(ours, 0.02 * theirs, rtol=1e-6, atol=0)
+
+
+def test_moe_checkpoints_are_in_the_layout_transformers_saves(tmp_path):
+    """transformers 5 fuses Mixtral's per-expert w1/w3 on load; a checkpoint holds them as
+    transformers' own save_pretrained writes them, and loads back equal."""
+    model = _mixtral()
+    ours = save_hf_checkpoint(model, tmp_path / "ours")
+    model.hf_model.save_pretrained(tmp_path / "theirs")
+    assert set(load_file(ours / "model.safetensors")) == set(
+        load_file(tmp_path / "theirs" / "model.safetensors")
+    )
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in load_file(
+        ours / "model.safetensors"
+    )
+    ids = _ids()
+    with torch.no_grad():
+        reloaded = AutoModelForCausalLM.from_pretrained(ours, dtype=torch.float32)
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(ids), rtol=0, atol=0)
