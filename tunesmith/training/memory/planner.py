@@ -77,6 +77,18 @@ logits are freed; by the optimizer step the activations are gone and every gradi
 exists. In between, gradients grow as activations are freed. LoRA is accounted for through
 ``requires_grad``: only trainable parameters get gradients and states (activations are
 estimated as for full fine-tuning, an upper bound).
+**The transformers backend** (a :class:`~tunesmith.models.transformers_backend.TransformersLM`,
+``spec.backend == "transformers"``): weights, gradients and optimizer states are priced from
+its parameters as for any model (exact), but its layers are transformers' own code, whose
+norms, MLP shape and extras the planner cannot know; their activations are estimated from the
+config sizes alone (``hidden_size``, ``intermediate_size``, ``num_attention_heads``,
+``num_key_value_heads``, ``head_dim``, ``num_hidden_layers``) as a generic llama-like layer:
+two pre-norms, attention as above, a gated MLP ``4*a*I`` (a model with routed experts:
+``top_k`` experts of ``moe_intermediate_size``, or ``intermediate_size`` where the config has
+no such key, in every layer), no qk-norm, soft cap or sandwich norms. The plan's table says so
+on its last line (:data:`GENERIC_LAYER_BASIS`). Checked against measured activations of
+StarCoder 2 (a plain GELU MLP: the estimate is high, about 1.6x) in
+``tests/memory/test_planner_transformers.py``.
 **Context parallel** (``cp``): each rank keeps ``ceil(seq_len / 2cp) * 2`` positions of every
 row (its zigzag share, padding included), so every per-token term above (attention and the
 other sequence-sharded activations, the loss rows, the RoPE tables and masks) is that of the
@@ -118,6 +130,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -136,6 +149,7 @@ from tunesmith.training.memory.usage import storage_bytes
 from tunesmith.training.parallel.distributed import ParallelDims
 
 __all__ = [
+    "GENERIC_LAYER_BASIS",
     "OPTIMIZER_KINDS",
     "MemoryPlan",
     "activation_bytes_per_token",
@@ -157,6 +171,11 @@ _STATE_BYTES = {
 OPTIMIZER_KINDS = tuple(_STATE_BYTES)
 
 Checkpointing = Literal["full", "selective"] | None
+
+GENERIC_LAYER_BASIS = (
+    "estimated from config sizes as a generic llama-like layer; transformers backend"
+)
+"""How the activations of a transformers-backend model are priced (the plan's table says it)."""
 
 # The tensor-parallel plan by parameter name (tunesmith.training.parallel.tensor_parallel):
 # column-wise projections and the vocabulary-sharded embedding and head split dim 0, row-wise ones
@@ -183,7 +202,10 @@ class MemoryPlan:
     ``step_temporaries`` S. ``activations_per_token_layer`` is the bytes one un-checkpointed
     layer keeps per token; ``tokens`` the tokens of the batch on this rank (``batch_size *
     seq_len``; under context parallel ``seq_len`` is the rank's share of each row);
-    ``world_size`` the ranks of ``parallel`` (the layout; None: one device).
+    ``world_size`` the ranks of ``parallel`` (the layout; None: one device);
+    ``activation_basis`` how the activations were estimated where that is not from the
+    native family's own layout (:data:`GENERIC_LAYER_BASIS` for the transformers backend),
+    stated on the table's last line.
     """
 
     weights: int
@@ -202,6 +224,7 @@ class MemoryPlan:
     gathered_root: int = 0
     gathered_layers: int = 0
     parallel: ParallelDims | None = None
+    activation_basis: str = ""
 
     @property
     def tokens(self) -> int:
@@ -248,6 +271,8 @@ class MemoryPlan:
         lines += [f"  {name:<{width}}  {_size(value):>10}" for name, value in rows if value]
         phase = "backward" if self.backward_peak >= self.step_peak else "optimizer step"
         lines.append(f"  {'estimated peak (' + phase + ')':<{width}}  {_size(self.total):>10}")
+        if self.activation_basis:
+            lines.append(f"  activations ({self.activation_basis})")
         return "\n".join(lines)
 
 
@@ -382,6 +407,66 @@ def activation_bytes_per_token(
     return total + _ceil(sharded, tp)
 
 
+@dataclass(frozen=True)
+class _GenericLayer:
+    """The sizes a generic llama-like decoder layer is priced from (what
+    :func:`activation_bytes_per_token` reads of a spec; the native-family fields it reads with
+    ``getattr`` are absent: two pre-norms, no qk-norm, no soft cap)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_hidden_layers: int
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return bool(self.num_experts and self.num_experts_per_tok)
+
+
+def _generic_layer(spec: Any) -> _GenericLayer:
+    """A :class:`~tunesmith.models.transformers_backend.TransformersSpec`'s config sizes as a
+    generic llama-like layer (routed experts in every layer of a model that has them).
+
+    >>> from tunesmith.models.transformers_backend import TransformersSpec
+    >>> spec = TransformersSpec({"model_type": "starcoder2", "hidden_size": 32,
+    ...                          "intermediate_size": 64, "num_attention_heads": 4,
+    ...                          "num_key_value_heads": 2, "num_hidden_layers": 2})
+    >>> _generic_layer(spec)  # head_dim: hidden_size / num_attention_heads
+    _GenericLayer(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8, ...)
+    """
+    sizes = {
+        name: getattr(spec, name, None)
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "num_hidden_layers")
+    }  # fmt: skip
+    missing = [name for name, value in sizes.items() if not value]
+    if missing:
+        raise ValueError(
+            f"estimate_memory: the config of {getattr(spec, 'model_type', '?')} has no "
+            f"{', '.join(missing)}; the transformers backend's activations are estimated from "
+            "these sizes"
+        )
+    layer = _GenericLayer(**{name: int(value) for name, value in sizes.items()})
+    if getattr(spec, "is_moe", False):
+        config = getattr(spec, "config", None) or {}
+        moe_width = (
+            config.get("moe_intermediate_size")
+            or (config.get("text_config") or {}).get("moe_intermediate_size")
+            or layer.intermediate_size
+        )
+        layer = dataclasses.replace(
+            layer,
+            num_experts=int(spec.num_experts),
+            num_experts_per_tok=int(spec.num_experts_per_tok),
+            moe_intermediate_size=int(moe_width),
+        )
+    return layer
+
+
 def _ceil(n: int, k: int) -> int:
     return -(-n // k)
 
@@ -494,12 +579,15 @@ def estimate_memory(
     else:
         step_temporaries = 2 * largest
 
-    # activations
-    num_layers = spec.num_hidden_layers
+    # activations: a native family's own layout; a transformers-backend model's config sizes
+    # as a generic llama-like layer (its layers are transformers' code)
+    generic = getattr(spec, "backend", "native") == "transformers"
+    layer_spec = _generic_layer(spec) if generic else spec
+    num_layers = layer_spec.num_hidden_layers
     stream = tp if sp else 1
     layer_bytes = partial(
         activation_bytes_per_token,
-        spec,
+        layer_spec,
         act_bytes=a,
         residual_bytes=r,
         seq_len=seq_len,
@@ -516,12 +604,12 @@ def estimate_memory(
         if i not in checkpointed:
             kept += full
         elif mode == "full":
-            kept += _ceil(r * spec.hidden_size, stream)
+            kept += _ceil(r * layer_spec.hidden_size, stream)
         else:
-            kept += _selective_bytes_per_token(spec, a, r, tp, sp)
+            kept += _selective_bytes_per_token(layer_spec, a, r, tp, sp)
     recompute = max(per_layer) if checkpointed else 0
-    shared = 2 * spec.head_dim * r + (2 * seq_len if packed else 0)  # RoPE tables, bool masks
-    hidden = spec.hidden_size
+    shared = 2 * layer_spec.head_dim * r + (2 * seq_len if packed else 0)  # RoPE, bool masks
+    hidden = layer_spec.hidden_size
     final_norm = _ceil(4 * hidden + r * hidden, stream) + r * hidden
     activations = tokens * (kept + shared + final_norm)
     recompute *= tokens
@@ -567,6 +655,7 @@ def estimate_memory(
         gathered_root=int(gathered_root),
         gathered_layers=int(gathered_layers),
         parallel=dims if dims.world_size > 1 else None,
+        activation_basis=GENERIC_LAYER_BASIS if generic else "",
     )
 
 

@@ -31,6 +31,19 @@ The plan is written against Hugging Face parameter names, so it serves every fam
   so any head (``lm_head``, a reward ``score``, a critic's value head) and any loss sees the
   full hidden states.
 
+A model of the transformers backend (:class:`~tunesmith.models.transformers_backend.TransformersLM`)
+follows transformers' own plan for its class instead (:func:`transformers_plan`), translated
+into torch's styles: ``colwise`` / ``rowwise`` as above (LoRA/DoRA layers too),
+``colwise_gather_output`` (the head: logits gathered, a tied head the embedding's parameter)
+and ``rowwise_split_input`` (a row-wise layer that cuts its replicated input itself),
+``embedding_rowwise`` over the vocabulary, ``replicated_with_grad_allreduce`` (per-head
+qk-norms) as the native per-head norm. transformers' attention finds the local head count
+from the projections' widths, so nothing else changes; the residual stream stays replicated
+(no sequence parallel) and the modules the plan leaves out (the residual stream's norms)
+keep plain, replicated parameters, whose gradients are whole on every rank (each column-wise
+layer all-reduces its input's gradient); a per-head norm's would not be, hence its style. Any other style, or a plan that leaves a decoder
+layer out (transformers has none for LFM2's layers), is refused before anything is changed.
+
 Example::
 
     apply_tensor_parallel(model, ctx.mesh["tp"], sequence_parallel=True)
@@ -38,6 +51,8 @@ Example::
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -46,9 +61,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from tunesmith.models.transformers_backend import TransformersLM
 from tunesmith.modules.attention import Attention
 from tunesmith.modules.moe import MoE
 from tunesmith.modules.peft.lora import LoRALinear
@@ -63,7 +79,16 @@ from tunesmith.training.parallel.tp_styles import (
     StreamNorm,
 )
 
-__all__ = ["apply_tensor_parallel", "check_tp_shardable"]
+__all__ = [
+    "TRANSFORMERS_STYLES",
+    "apply_tensor_parallel",
+    "check_tp_shardable",
+    "transformers_plan",
+]
+
+TRANSFORMERS_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+                       "embedding_rowwise", "replicated_with_grad_allreduce")  # fmt: skip
+"""The styles of transformers' tensor-parallel plans that :func:`transformers_plan` translates."""
 
 
 def _colwise(linear: nn.Module, **kwargs: Any) -> ParallelStyle:
@@ -85,11 +110,14 @@ def apply_tensor_parallel(
     model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = True
 ) -> nn.Module:
     """Shard ``model`` (a :class:`~tunesmith.modules.decoder.TransformerLM`, or any model with
-    a ``.model`` decoder body and optional ``lm_head``) over the 1-D ``mesh`` in place, as the
-    module docs say; returns it. Head counts must divide by the mesh size (checked before:
+    a ``.model`` decoder body and optional ``lm_head``; a transformers-backend model by its
+    own plan, :func:`transformers_plan`) over the 1-D ``mesh`` in place, as the module docs
+    say; returns it. Head counts must divide by the mesh size (checked before:
     :func:`~tunesmith.training.parallelize.check_model_fits`)."""
     tp = mesh.size()
     check_tp_shardable(model)
+    if isinstance(model, TransformersLM):
+        return _apply_transformers_plan(model, mesh, sequence_parallel)
     body = model.model
     stream = Stream(sequence_parallel)
     parallelize_module(body, mesh, {"embed_tokens": RowwiseToStream(stream)})
@@ -128,7 +156,8 @@ def apply_tensor_parallel(
     body.register_forward_hook(_cut_padding, with_kwargs=True)
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Module):
-        _shard_head(model, head, mesh)
+        tied = getattr(model, "tie_word_embeddings", False)
+        _shard_head(head, mesh, body.embed_tokens if tied else None)
     return model
 
 
@@ -178,14 +207,111 @@ def _cut_padding(body: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
     return out[:, :s]
 
 
-def _shard_head(model: nn.Module, head: nn.Module, mesh: DeviceMesh) -> None:
-    """``lm_head`` column-wise over the vocabulary, its logits gathered when called; a tied
-    head takes the embedding's (already sharded) parameter."""
+def _shard_head(head: nn.Module, mesh: DeviceMesh, tied_to: nn.Module | None) -> None:
+    """``lm_head`` column-wise over the vocabulary, its logits gathered when called; a head
+    tied to an embedding (``tied_to``) takes its (already sharded) parameter."""
     style = _colwise(head, output_layouts=Replicate())
-    if getattr(model, "tie_word_embeddings", False):
-        head.weight = model.model.embed_tokens.weight
+    if tied_to is not None:
+        head.weight = tied_to.weight
         style._partition_linear_fn = lambda *args: None  # the parameter is already sharded
     parallelize_module(head, mesh, style)
+
+
+# -- the transformers backend: transformers' own plan --------------------------------------------
+
+
+def transformers_plan(model: TransformersLM, tp: int) -> dict[str, str]:
+    """transformers' tensor-parallel plan of ``model``'s class (``hf_model.tp_plan``: the
+    base model's ``base_model_tp_plan`` under its prefix, the embedding and ``lm_head``), as
+    ``{module name: style}`` for each module it names; a :class:`ValueError` (one line naming
+    the model type and the entry) for what :data:`TRANSFORMERS_STYLES` cannot run: another
+    style, a style on a module of the wrong kind, an entry naming a parameter, a decoder layer
+    the plan leaves out, head counts ``tp`` does not divide.
+
+    Example::
+
+        >>> from tunesmith.models.transformers_backend import build_transformers_model, tiny_config
+        >>> model = build_transformers_model(tiny_config("starcoder2"))
+        >>> plan = transformers_plan(model, 2)
+        >>> plan["lm_head"], plan["model.layers.0.mlp.c_proj"]
+        ('colwise_gather_output', 'rowwise')
+        >>> transformers_plan(build_transformers_model(tiny_config("lfm2")), 2)
+        Traceback (most recent call last):
+        ValueError: tensor parallel: transformers' plan for lfm2 leaves decoder layer ...
+    """
+    model_type = model.spec.model_type
+    where = f"tensor parallel: transformers' plan for {model_type}"
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(model.spec, field) % tp:
+            raise ValueError(f"{where}: tp {tp} does not divide its {field}")
+    modules = dict(model.named_modules())
+    params = [name for name, _ in model.named_parameters()]
+    plan: dict[str, str] = {}
+    hf = model.hf_model
+    hf_plan = getattr(hf, "tp_plan", None) or getattr(hf, "_tp_plan", None) or {}  # 4.x: _tp_plan
+    for entry, style in hf_plan.items():
+        pattern = re.compile(re.escape(entry).replace(r"\*", r"[^.]+"))
+        names = [name for name in modules if pattern.fullmatch(name)]
+        if style not in TRANSFORMERS_STYLES:
+            raise ValueError(f"{where}: {entry!r} is {style!r}, which tunesmith does not run "
+                             f"(it runs {', '.join(TRANSFORMERS_STYLES)}); use tp: 1")  # fmt: skip
+        if not names and any(pattern.fullmatch(name) for name in params):
+            raise ValueError(f"{where}: {entry!r} ({style!r}) names a parameter; use tp: 1")
+        for name in names:
+            if not _fits(style, modules[name]):
+                kind = type(modules[name]).__name__
+                raise ValueError(f"{where}: {name!r} is {style!r}, which cannot take a {kind}")
+            plan[name] = style
+    names = {id(module): name for name, module in modules.items()}
+    for layer in model.layers:
+        if not any(name.startswith(names[id(layer)] + ".") for name in plan):
+            raise ValueError(f"{where} leaves decoder layer {names[id(layer)]!r} out; use tp: 1")
+    head, embed = model.lm_head, model.hf_model.get_input_embeddings()
+    if head.weight is embed.weight and (names[id(head)] in plan) != (names[id(embed)] in plan):
+        raise ValueError(f"{where} shards only one of the tied embedding and lm_head")
+    return plan
+
+
+def _fits(style: str, module: nn.Module) -> bool:
+    """Whether ``style`` runs on ``module``: linears (a LoRA/DoRA layer not
+    ``rowwise_split_input``), an embedding, a norm (no children, 1-D parameters)."""
+    if style == "embedding_rowwise":
+        return isinstance(module, nn.Embedding)
+    if style == "replicated_with_grad_allreduce":
+        return not list(module.children()) and all(p.dim() == 1 for p in module.parameters())
+    if isinstance(module, LoRALinear):
+        return style != "rowwise_split_input"
+    return isinstance(module, nn.Linear)
+
+
+def _apply_transformers_plan(
+    model: TransformersLM, mesh: DeviceMesh, sequence_parallel: bool
+) -> TransformersLM:
+    """Shard a transformers-backend model by :func:`transformers_plan` (module docs)."""
+    if sequence_parallel:
+        raise ValueError(
+            f"sequence parallel: the transformers backend ({model.spec.model_type}) has none; "
+            "set parallelism.sequence_parallel: false"
+        )
+    plan = transformers_plan(model, mesh.size())
+    head, embed = model.lm_head, model.hf_model.get_input_embeddings()
+    tied = head.weight is embed.weight
+    replicated = Stream(sequence_parallel=False)
+    styles: dict[str, Callable[[nn.Module], ParallelStyle]] = {
+        "colwise": _colwise,
+        "rowwise": lambda m: _rowwise(m, replicated),
+        "colwise_gather_output": lambda m: _colwise(m, output_layouts=Replicate()),
+        "rowwise_split_input": lambda m: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": lambda m: RowwiseToStream(replicated),
+        "replicated_with_grad_allreduce": lambda m: HeadNorm(),
+    }
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        if modules[name] is not head:
+            parallelize_module(modules[name], mesh, styles[style](modules[name]))
+    if head in (modules[name] for name in plan):  # whatever its style: full logits when called
+        _shard_head(head, mesh, embed if tied else None)
+    return model
 
 
 def check_tp_shardable(model: nn.Module) -> None:
