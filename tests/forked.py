@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import transformers  # noqa: F401  (imported once in the server, not in every child)
+import transformers.modeling_utils  # noqa: F401  (the transformers backend's ranks need it)
 
 import tunesmith.cli.launch  # noqa: F401
 import tunesmith.recipes.dpo  # noqa: F401

@@ -151,7 +151,7 @@ def test_a_model_with_convolution_layers_refuses_packed_rows():
     model = _model("lfm2")
     assert not model.accepts_packing
     ids = _ids(1, 6)
-    with pytest.raises(ValueError, match="lfm2 .* not attention.* packing: false"):
+    with pytest.raises(ValueError, match="lfm2 .* not attention.* packed: false"):
         model(ids, position_ids=torch.arange(6)[None], document_ids=torch.zeros_like(ids))
 
 
@@ -222,7 +222,8 @@ def test_reward_models_critics_and_other_plans_are_refused_naming_the_backend(tm
     with pytest.raises(ValueError, match="transformers backend, which has no critic head"):
         critic_from_policy(from_hf(model_dir), pad_token_id=0)
     for dims, what in ((ParallelDims(cp=2), "context parallel"),
-                       (ParallelDims(ep=2), "expert parallel")):  # fmt: skip
+                       (ParallelDims(ep=2), "expert parallel"),
+                       (ParallelDims(tp=2), "sequence parallel")):  # fmt: skip
         with pytest.raises(ConfigError, match=f"starcoder2 runs on the transformers .* {what}"):
             check_backend_plans(from_hf(model_dir).spec, dims)
     native = make_model_dir(tmp_path / "native")  # a native folder on the other backend

@@ -117,8 +117,9 @@ def check_model_fits(spec: Any, dims: ParallelDims) -> None:
 
 def check_backend_plans(spec: Any, dims: ParallelDims) -> None:
     """Refuse the parallel layouts a model of the transformers backend has no plan for
-    (context and expert parallel: its attention and experts are transformers' own), naming
-    the backend and the model type, before anything is changed.
+    (context and expert parallel: its attention and experts are transformers' own; sequence
+    parallel: its norms are), naming the backend and the model type, before anything is
+    changed.
 
     >>> from tunesmith.models.transformers_backend import TransformersSpec
     >>> from tunesmith.training.parallel.distributed import ParallelDims
@@ -137,8 +138,17 @@ def check_backend_plans(spec: Any, dims: ParallelDims) -> None:
         for dim, size, what in (
             ("cp", dims.cp, "context parallel"),
             ("ep", dims.ep, "expert parallel"),
-        )  # fmt: skip
+        )
         if size > 1
     ]
+    if dims.tp > 1 and dims.sequence_parallel:
+        issues.append(
+            ConfigIssue(
+                "parallelism.sequence_parallel",
+                f"{spec.model_type} runs on the transformers backend, whose tensor parallel "
+                "(transformers' own plan) has no sequence parallel; set "
+                "parallelism.sequence_parallel: false",
+            )
+        )
     if issues:
         raise ConfigError.from_issues(issues)
