@@ -32,6 +32,12 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 """model_type -> config overrides of :func:`tiny_config`."""
 
+MIXTURE_OF_EXPERTS: dict[str, dict[str, Any]] = {
+    # transformers 5 fuses its per-expert w1/w3 on load: checkpoints and the modules differ
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02},
+}
+"""model_type -> config overrides: a mixture of experts on the transformers backend."""
+
 
 def make_transformers_model_dir(
     root: Path, model_type: str, seed: int = 0, **overrides: Any
@@ -44,7 +50,11 @@ def make_transformers_model_dir(
     config = tiny_config(
         model_type,
         vocab_size=tokenizer.vocab_size,
-        **{**ARCHITECTURES.get(model_type, {}), **overrides},
+        **{
+            **ARCHITECTURES.get(model_type, {}),
+            **MIXTURE_OF_EXPERTS.get(model_type, {}),
+            **overrides,
+        },
     )
     torch.manual_seed(seed)
     model = build_transformers_model(config)

@@ -140,6 +140,9 @@ def choose_backend(
 
 # -- the spec --------------------------------------------------------------------------------
 
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")  # fmt: skip
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformersSpec:
@@ -152,11 +155,22 @@ class TransformersSpec:
     """
 
     config: dict[str, Any]
+    sizes: dict[str, Any] = dataclasses.field(default_factory=dict)
     backend = "transformers"
     fused_projections: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
+    @classmethod
+    def of(cls, config: Any) -> TransformersSpec:
+        """The spec of a transformers config object: its dict, and the sizes under their usual
+        names (GPT-2's ``n_layer`` is ``num_hidden_layers``: transformers' attribute map)."""
+        text = config.get_text_config()
+        sizes = {name: getattr(text, name, None) for name in _SIZES}
+        return cls(_config_dict(config), {k: v for k, v in sizes.items() if v is not None})
+
     def _text(self, key: str, default: Any = None) -> Any:
-        value = self.config.get(key)
+        value = self.sizes.get(key)
+        if value is None:
+            value = self.config.get(key)
         if value is None:  # multimodal configs keep the language model's under text_config
             value = (self.config.get("text_config") or {}).get(key)
         return default if value is None else value
@@ -224,6 +238,17 @@ class TransformersSpec:
             return dict(state)
         return revert_weight_conversion(_build(self.config, device="meta"), dict(state))
 
+    def runtime_layout(
+        self, weights: Mapping[str, torch.Tensor], folder: str | os.PathLike
+    ) -> dict[str, torch.Tensor]:
+        """``weights`` read from checkpoint ``folder`` under the model's own names: as they
+        are, or, for a model type transformers converts on load (a MoE's per-expert tensors),
+        as transformers' loader converts that folder."""
+        names = _build(self.config, device="meta").state_dict()
+        if set(self.checkpoint_layout(names)) == set(names):
+            return dict(weights)
+        return _load(folder, dtype="auto").state_dict()
+
     def approx_parameters(self) -> int:
         """The parameter count (built on the meta device: exact)."""
         model = _build(self.config, device="meta")
@@ -273,11 +298,10 @@ def _fill_tied_head(
 ) -> None:
     """load_state_dict pre-hook: a tied head takes the embedding's values, present or not."""
     if module.spec.tie_word_embeddings:
-        embed = module.hf_model.get_input_embeddings()
-        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-        key = prefix + names[id(embed.weight)]
-        if key in state_dict:
-            state_dict[prefix + "lm_head.weight"] = state_dict[key]
+        embed = module.hf_model.get_input_embeddings().weight
+        name = next(n for n, p in module.named_parameters(remove_duplicate=False) if p is embed)
+        if prefix + name in state_dict:
+            state_dict[prefix + "lm_head.weight"] = state_dict[prefix + name]
 
 
 class TransformersLM(nn.Module):
@@ -486,7 +510,7 @@ def build_transformers_model(
     False
     """
     hf_model = _build(config, device=device, dtype=dtype)
-    return TransformersLM(hf_model, TransformersSpec(_config_dict(hf_model.config)))
+    return TransformersLM(hf_model, TransformersSpec.of(hf_model.config))
 
 
 def _config_dict(config: Any) -> dict[str, Any]:
@@ -510,18 +534,23 @@ def transformers_from_hf(
     if not load_weights:
         config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False)
         return build_transformers_model(config, device=device, dtype=dtype)
+    hf_model = _load(folder, dtype=dtype).to(device)
+    return TransformersLM(hf_model, TransformersSpec.of(hf_model.config))
+
+
+def _load(folder: str | os.PathLike, dtype: torch.dtype | str) -> nn.Module:
+    """transformers' causal LM of ``folder``, loaded by transformers (no remote code)."""
+    transformers = _transformers()
     bars = transformers.utils.logging
     shown = bars.is_progress_bar_enabled()
     bars.disable_progress_bar()  # a bar per load would flood the logs of every rank
     try:
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        return transformers.AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, attn_implementation="sdpa", trust_remote_code=False
         )
     finally:
         if shown:
             bars.enable_progress_bar()
-    hf_model = hf_model.to(device)
-    return TransformersLM(hf_model, TransformersSpec(_config_dict(hf_model.config)))
 
 
 def tiny_config(model_type: str, **overrides: Any) -> Any:

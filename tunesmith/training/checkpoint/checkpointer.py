@@ -48,6 +48,7 @@ from tunesmith.models.hf import check_model_files, write_hf_checkpoint
 from tunesmith.models.manifest import MARKER, has_manifest
 from tunesmith.models.peft_io import load_peft_adapter, write_peft_adapter
 from tunesmith.models.safetensors_io import CheckpointError, find_weight_files
+from tunesmith.models.transformers_backend import TransformersSpec
 from tunesmith.modules.moe import split_expert_keys, stack_expert_keys, stacked_state
 from tunesmith.modules.peft import adapter_modules, adapter_state_dict
 from tunesmith.training.checkpoint import safe_dcp
@@ -197,8 +198,31 @@ def _gather_weights(model: nn.Module) -> dict[str, torch.Tensor]:
             name: full_tensor(t).detach().cpu() for name, t in adapter_state_dict(model).items()
         }
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if _transformers_built(model):  # its own names; checkpoint_layout() converts on write
+        return get_model_state_dict(model, options=options)
     with stacked_state(model):  # DCP needs parameter names; HF keys for MoE experts after
         return split_expert_keys(get_model_state_dict(model, options=options))
+
+
+def _transformers_built(model: nn.Module) -> bool:
+    """Whether ``model`` is the transformers backend's: its experts are transformers' own
+    modules, whose checkpoint layout transformers' conversion gives (not our expert split)."""
+    return isinstance(getattr(model, "spec", None), TransformersSpec)
+
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """Second name -> first name of each parameter the state dict of a transformers-built
+    model holds under two names (its tied ``lm_head.weight``; checkpoints store it once, as
+    transformers does). Native models leave the tied head out of their state dict."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    keys = model.state_dict().keys()
+    return {name: other for name, other in tied.items() if name in keys}
 
 
 def _check_shapes(
@@ -210,7 +234,9 @@ def _check_shapes(
         stacked = {
             name: torch.empty(t.shape, device="meta") for name, t in model.state_dict().items()
         }
-    expected = {name: tuple(t.shape) for name, t in split_expert_keys(stacked).items()}
+    if not _transformers_built(model):
+        stacked = split_expert_keys(stacked)
+    expected = {name: tuple(t.shape) for name, t in stacked.items()}
     for name, tensor in weights.items():
         if name in expected and tuple(tensor.shape) != expected[name]:
             raise CheckpointError(
@@ -625,10 +651,16 @@ class Checkpointer:
                         ) from err
                     weights.update(tensors)
                     origin.update(dict.fromkeys(tensors, file))
+                if _transformers_built(model):  # a MoE's per-expert tensors, fused
+                    weights = model.spec.runtime_layout(weights, path)
+                    origin = {name: origin.get(name, path) for name in weights}
+                    for name, first in _tied_names(model).items():  # stored once: twice
+                        if name not in weights and first in weights:
+                            weights[name], origin[name] = weights[first], origin[first]
                 _check_shapes(model, weights, origin)
             set_model_state_dict(
                 model,
-                stack_expert_keys(weights),  # HF per-expert keys -> stacked MoE parameters
+                weights if _transformers_built(model) else stack_expert_keys(weights),
                 options=StateDictOptions(
                     full_state_dict=True, broadcast_from_rank0=self.ctx.world_size > 1
                 ),
