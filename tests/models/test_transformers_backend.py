@@ -31,6 +31,7 @@ from tunesmith.models.transformers_backend import (
 )
 from tunesmith.modules.decoder import decoder_layers
 from tunesmith.modules.losses import LinearCrossEntropyLoss
+from tunesmith.modules.peft import apply_lora
 from tunesmith.rl.ppo.critic import critic_from_policy
 from tunesmith.training.forward import forward_batch, head_transform, head_weight, router_aux_loss
 from tunesmith.training.memory.activations import apply_activation_checkpointing
@@ -270,3 +271,19 @@ def test_moe_checkpoints_are_in_the_layout_transformers_saves(tmp_path):
     with torch.no_grad():
         reloaded = AutoModelForCausalLM.from_pretrained(ours, dtype=torch.float32)
         torch.testing.assert_close(reloaded(input_ids=ids).logits, model(ids), rtol=0, atol=0)
+
+
+def test_gpt2_sizes_come_through_the_attribute_map_and_conv1d_is_not_adapted():
+    """GPT-2 names its sizes n_layer/n_embd and stores its projections as Conv1D ([in, out])."""
+    torch.manual_seed(0)
+    model = build_transformers_model(
+        tiny_config("gpt2", n_embd=32, num_hidden_layers=3, n_head=4, n_positions=64)
+    ).eval()
+    assert model.spec.config["n_layer"] == 3 and "num_hidden_layers" not in model.spec.config
+    assert (model.spec.num_hidden_layers, model.spec.hidden_size) == (3, 32)
+    assert len(decoder_layers(model)) == 3
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), model.hf_model(input_ids=ids).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"\['c_attn'\] are transformers Conv1D layers"):
+        apply_lora(model, target_modules=["c_attn"], rank=2, alpha=4)

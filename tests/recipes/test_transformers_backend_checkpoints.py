@@ -221,6 +221,7 @@ SWITCHES = {
     "checkpoint_selective": ["activation_checkpointing={mode: selective, every_k: 1}"],
     "compile_eager": ["compile={backend: eager}"],  # dynamo's graphs of each layer, run eagerly
     "compile_aot_eager": ["compile={backend: aot_eager}"],  # + AOTAutograd's joint graph
+    "optimizer_in_backward": ["optimizer_in_backward=true", "max_grad_norm=null"],
 }
 
 
@@ -245,6 +246,7 @@ def plain_step(world) -> Callable[[str], Path]:
         pytest.param("cohere2", "checkpoint_full", id="cohere2-checkpoint_full"),
         pytest.param("starcoder2", "checkpoint_selective", id="starcoder2-checkpoint_selective"),
         pytest.param("starcoder2", "compile_aot_eager", id="starcoder2-compile_aot_eager"),
+        pytest.param("cohere2", "optimizer_in_backward", id="cohere2-optimizer_in_backward"),
         pytest.param("starcoder2", "checkpoint_full", id="starcoder2-checkpoint_full",
                      marks=pytest.mark.slow),
         pytest.param("lfm2", "checkpoint_full", id="lfm2-checkpoint_full", marks=pytest.mark.slow),
@@ -264,13 +266,15 @@ def test_switch_gives_the_plain_step(world, plain_step, tmp_path, model_type, sw
     )
     layers = decoder_layers(model)
     assert len(layers) == model.spec.num_hidden_layers
-    applied = is_checkpointed if switch.startswith("checkpoint") else is_compiled
-    assert all(applied(layer) for layer in layers), f"{switch} is not on every layer"
+    if switch.startswith(("checkpoint", "compile")):
+        applied = is_checkpointed if switch.startswith("checkpoint") else is_compiled
+        assert all(applied(layer) for layer in layers), f"{switch} is not on every layer"
 
     expected, got = read_metrics(plain)[1], read_metrics(out)[1]
     assert got["trained_tokens"] == expected["trained_tokens"]
     assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
-    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    if "grad_norm" in got:  # the optimizer in backward frees each gradient as it steps
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
     weights, plain_weights = final_weights(out), final_weights(plain)
     assert largest_change(plain_weights, checkpoint_weights(model_dir(model_type))) > 1e-3
     assert_same_weights(weights, plain_weights, 2e-6)  # w - lr x grad: the same gradients

@@ -293,6 +293,15 @@ def find_linear_targets(model: nn.Module, target_modules: str | Sequence[str]) -
             )
         ]
         if unmatched:
+            convs = sorted(  # transformers' GPT-2-style Conv1D: a linear stored [in, out]
+                {n.rpartition(".")[2] for n, m in model.named_modules()
+                 if type(m).__name__ == "Conv1D" and _matches(n, unmatched)}
+            )  # fmt: skip
+            if convs:
+                raise ValueError(
+                    f"target_modules {convs} are transformers Conv1D layers (GPT-2 style, the "
+                    "weight stored [in, out]); LoRA adapts nn.Linear layers only"
+                )
             leaves = sorted({n.rpartition(".")[2] for n in linears})
             fused = "; ".join(
                 f"{name} ({', '.join(parts)})" for name, parts in target_aliases(model).items()
