@@ -408,3 +408,22 @@ def test_two_trainer_ranks_with_dynamic_sampling_equal_grpo_on_two_ranks(world, 
         for key in ("reward", "zero_variance_groups", "loss", "rollout_samples"):
             assert ours[step][key] == theirs[step][key], (step, key)
     assert_same_weights(final_weights(remote), final_weights(plain), atol=0.0)
+
+
+@pytest.mark.slow  # the transformers backend's own file covers grpo; this adds the workers
+def test_sync_mode_on_the_transformers_backend_equals_the_synchronous_recipe(world):
+    """LFM2 (no native family: transformers' own modules, a convolution cache) in the rollout
+    workers and the trainer: the same rollouts and bitwise-equal weights as ``grpo``."""
+    from tests.models.transformers_world import make_transformers_model_dir
+
+    root, _, prompts = world
+    model_dir = make_transformers_model_dir(root / "lfm2", "lfm2")
+    outs = {}
+    for recipe, extra in (("grpo", ()), ("grpo_async", ("async_mode=sync",))):
+        outs[recipe] = root / f"lfm2-{recipe}"
+        run_rl(recipe, "tiny", grpo_overrides(model_dir, prompts, outs[recipe], *FAST, *extra))
+    ours, theirs = read_metrics(outs["grpo_async"]), read_metrics(outs["grpo"])
+    for step in range(1, STEPS + 1):
+        for key in ("reward", "completion_length", "loss", "logprob_mismatch_max"):
+            assert ours[step][key] == theirs[step][key], (step, key)
+    assert_same_weights(final_weights(outs["grpo_async"]), final_weights(outs["grpo"]), atol=0.0)
