@@ -183,8 +183,27 @@ def _missing_shard(world: World) -> Setup:
 
 def _unknown_model_type(world: World) -> Setup:
     model = _model_copy(world)
+    _edit_json(model / "config.json", model_type="no_such_arch")
+    return Setup(
+        [f"model_dir={model}"],
+        [str(model / "config.json"), "'no_such_arch' is neither a native family nor"],
+    )
+
+
+def _weights_of_another_type(world: World) -> Setup:
+    """A type transformers builds (the transformers backend) over another type's weights:
+    transformers would draw the missing tensors at random; refused naming them."""
+    model = _model_copy(world)
     _edit_json(model / "config.json", model_type="gpt2")
-    return Setup([f"model_dir={model}"], [str(model / "config.json"), "'gpt2' is not supported"])
+    return Setup(
+        [f"model_dir={model}"],
+        [
+            str(model),
+            "do not match its config's gpt2 model: missing_keys [",
+            "'transformer.h.0.attn.c_attn.bias'",
+            "unexpected_keys ['model.embed_tokens.weight'",
+        ],
+    )
 
 
 def _missing_config(world: World) -> Setup:
@@ -487,9 +506,16 @@ BAD_INPUTS: list[BadInput] = [
     BadInput(
         "checkpoint-unknown-model-type",
         "checkpoint",
-        "config.json with model_type 'gpt2'",
+        "config.json with a model_type neither native nor transformers'",
         _REFUSED.format("config.json and the type"),
         _unknown_model_type,
+    ),
+    BadInput(
+        "checkpoint-weights-of-another-type",
+        "checkpoint",
+        "config.json with model_type 'gpt2' over Qwen2.5 weights (the transformers backend)",
+        _REFUSED.format("the folder and the missing tensors"),
+        _weights_of_another_type,
     ),
     BadInput(
         "checkpoint-missing-config",

@@ -522,9 +522,19 @@ def test_missing_config_is_named(llama_dir: Path) -> None:
 
 def test_unsupported_model_type_names_folder(llama_dir: Path) -> None:
     config = json.loads((llama_dir / "config.json").read_text())
+    config["model_type"] = "no_such_arch"
+    (llama_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=rf"{llama_dir}.*no_such_arch"):
+        from_hf(llama_dir)
+
+
+def test_weights_of_another_type_are_refused_not_drawn(llama_dir: Path) -> None:
+    """gpt2 (the transformers backend) over Llama weights: transformers' loader would draw the
+    missing tensors at random; refused naming them."""
+    config = json.loads((llama_dir / "config.json").read_text())
     config["model_type"] = "gpt2"
     (llama_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match=rf"{llama_dir}.*gpt2"):
+    with pytest.raises(CheckpointError, match=r"gpt2 model: missing_keys \[.*'transformer\.h"):
         from_hf(llama_dir)
 
 

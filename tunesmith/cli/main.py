@@ -48,6 +48,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
         print(text_table())
         print("TP / CP / EP: tensor, context, expert parallel (docs/architecture.md)")
+        print(
+            "any other causal LM model_type transformers ships runs on the transformers "
+            "backend: every recipe, LoRA, FSDP2, TP where transformers has a plan; no CP/EP"
+        )
         return 0
     print(f"{'RECIPE':<12} CONFIGS")
     for recipe in catalog.recipe_names():

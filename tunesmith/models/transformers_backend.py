@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from tunesmith.models.family import UnsupportedModelError, families
+from tunesmith.models.safetensors_io import CheckpointError
 from tunesmith.modules.decoder import mark_decoder_layers
 from tunesmith.modules.logits import LogitTransform
 
@@ -62,6 +63,9 @@ ATTENTION_IMPLEMENTATIONS = {"auto": "sdpa", "sdpa": "sdpa", "eager": "eager",
                              "loop": "eager", "flex": "flex_attention"}  # fmt: skip
 """Our ``attention_backend`` names -> transformers' ``attn_implementation`` (the others,
 ``varlen`` and ``ring``, are native kernels)."""
+
+_LOADING_PROBLEMS = ("missing_keys", "unexpected_keys", "mismatched_keys")
+"""What transformers' loader tolerates (and reports) that a checkpoint may not have."""
 
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """``config.layer_types`` entries that are attention (packing is per-document masking)."""
@@ -545,12 +549,25 @@ def _load(folder: str | os.PathLike, dtype: torch.dtype | str) -> nn.Module:
     shown = bars.is_progress_bar_enabled()
     bars.disable_progress_bar()  # a bar per load would flood the logs of every rank
     try:
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, attn_implementation="sdpa", trust_remote_code=False
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            folder,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            trust_remote_code=False,
+            output_loading_info=True,
         )
     finally:
         if shown:
             bars.enable_progress_bar()
+    problems = {kind: sorted(info.get(kind) or ()) for kind in _LOADING_PROBLEMS}
+    problems = {kind: names for kind, names in problems.items() if names}
+    if problems:  # transformers would draw the missing tensors at random: nothing is guessed
+        said = "; ".join(f"{kind} {names[:5]}" for kind, names in problems.items())
+        raise CheckpointError(
+            f"{Path(folder)}: the weights do not match its config's {model.config.model_type} "
+            f"model: {said}"
+        )
+    return model
 
 
 def tiny_config(model_type: str, **overrides: Any) -> Any:
