@@ -55,6 +55,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
+from decode import SMALL_LLAMA  # noqa: E402
 from machine_info import machine  # noqa: E402
 
 from tunesmith.generation import generate  # noqa: E402
@@ -67,23 +68,10 @@ from tunesmith.training.memory.usage import AllocatedBytes, storage_bytes  # noq
 
 BACKENDS = ("native", "transformers")
 
-_COMMON = {
-    "vocab_size": 8192,
-    "hidden_size": 512,
-    "intermediate_size": 1408,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": True,
-    "attention_bias": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+# benchmarks/decode.py's model (RMSNorm, GQA, SwiGLU, tied embeddings, llama3 rope theta)
+_COMMON = {**SMALL_LLAMA, "bos_token_id": 1, "eos_token_id": 2}
 CONFIGS = {
-    # benchmarks/decode.py's model: RMSNorm, GQA, SwiGLU, llama3 rope theta
-    "llama": {**_COMMON, "model_type": "llama", "rms_norm_eps": 1e-5, "rope_theta": 500000.0},
+    "llama": _COMMON,
     # the same sizes with Qwen3's per-head q/k RMSNorm and rope theta
     "qwen3": {**_COMMON, "model_type": "qwen3", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0},
 }
