@@ -69,6 +69,8 @@ def test_native_families_stay_native_and_others_run_on_transformers():
         choose_backend({"model_type": "llama"}, "fast")
     with pytest.raises(UnsupportedModelError, match="neither a native family nor a model type"):
         choose_backend({"model_type": "no_such_arch"})
+    with pytest.raises(UnsupportedModelError, match="'t5' has no causal language model class"):
+        choose_backend({"model_type": "t5"})  # an encoder-decoder: no AutoModelForCausalLM
 
 
 def test_a_folder_of_remote_code_is_refused_naming_trust_remote_code(tmp_path, capsys):

@@ -138,6 +138,14 @@ def choose_backend(
             else f"{where}model_type {model_type!r} is neither a native family nor a model "
             f"type of transformers {_transformers().__version__}"
         )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModelError(
+            f"{where}model_type {model_type!r} has no causal language model class in "
+            f"transformers (AutoModelForCausalLM), which the transformers backend builds: "
+            "tunesmith post-trains causal LMs"
+        )
     why = "backend: transformers asked" if native else f"{model_type} has no native family"
     return BackendChoice("transformers", why)
 
