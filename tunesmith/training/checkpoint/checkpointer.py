@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from tunesmith.models.atomic import fsync_path
 from tunesmith.models.hf import check_model_files, write_hf_checkpoint
 from tunesmith.models.manifest import MARKER, has_manifest
 from tunesmith.models.peft_io import load_peft_adapter, write_peft_adapter
@@ -386,6 +387,28 @@ def _names(paths: list[Path], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + more
 
 
+RUN_FILES = ("metrics.jsonl", "config.yaml")
+"""The files of the output dir a run's loggers write, moved aside with a run that is not
+continued (:meth:`Checkpointer.start`)."""
+
+
+def _run_files(output_dir: Path) -> list[Path]:
+    """The :data:`RUN_FILES` present in ``output_dir``."""
+    return [output_dir / name for name in RUN_FILES if (output_dir / name).is_file()]
+
+
+def _move_run_files(files: list[Path], into: Path) -> Path:
+    """Move ``files`` into the folder ``into`` (created if missing; :func:`aside_folder`
+    names a new one); nothing is deleted. Returns ``into``."""
+    into.mkdir(parents=True, exist_ok=True)
+    for file in files:
+        os.rename(file, into / file.name)
+    if files:
+        fsync_path(into, directory=True)
+        fsync_path(files[0].parent, directory=True)
+    return into
+
+
 def _is_step_dir(path: Path) -> bool:
     try:
         CheckpointDirectory.step_of(path)
@@ -448,6 +471,10 @@ class Checkpointer:
         * ``resume=false``: ``root`` must hold no ``step_*`` folder (complete or not): they
           are another run's. ``overwrite=true`` moves them, with ``metrics.jsonl`` and
           ``config.yaml`` of the output dir, into ``<output_dir>/overwritten-<time>/``.
+        * Any run starting at step 0 (no checkpoint to resume) starts its own record: an
+          earlier run's ``metrics.jsonl`` and ``config.yaml`` left in the output dir (a run
+          stopped before its first checkpoint) move into ``<output_dir>/earlier-run-<time>/``
+          (logged). A resumed run keeps appending to them.
         * ``resume=true``: the newest checkpoint whose files match their manifest (newer
           damaged ones are skipped with a warning naming the file); with none, step 0 when
           ``root`` holds no ``step_*`` folder, else an error naming each one's problem.
@@ -534,6 +561,12 @@ class Checkpointer:
                 )
         elif existing:
             self._replace(existing, resume, overwrite, log)
+        elif path is None and (files := _run_files(directory.root.parent)):
+            into = _move_run_files(files, aside_folder(directory.root.parent, "earlier-run"))
+            log(
+                f"starting a fresh run (no checkpoint to resume): moved the earlier run's "
+                f"{_names(files)} to {into} (not deleted)"
+            )
         if path is not None:
             directory.adopt(path)
 
@@ -547,9 +580,7 @@ class Checkpointer:
             raise FileExistsError(not_continued(root, existing, resume))
         into = aside_folder(root.parent, "overwritten")
         self.directory.set_aside(existing, into / root.name)
-        logs = [root.parent / n for n in ("metrics.jsonl", "config.yaml")]
-        for file in [f for f in logs if f.is_file()]:
-            os.rename(file, into / file.name)
+        _move_run_files(_run_files(root.parent), into)
         log(
             f"overwrite=true: moved the previous run's {_names(existing)} (and its "
             f"metrics.jsonl, config.yaml) to {into} (not deleted)"

@@ -299,7 +299,9 @@ class JSONLLogger(_ContextManager):
     last one's ``elapsed_s`` (the time the run was down is not counted), so runs compare
     against time. ``timestamps=False`` leaves both out. The file is opened in append mode: a
     resumed run continues the same file (readers such as :func:`tunesmith.training.plot_run`
-    keep the last value logged for a step). ``log_config`` writes ``log_dir/config.yaml``.
+    keep the last value logged for a step); a recipe's fresh run finds none (its
+    :meth:`~tunesmith.training.Checkpointer.start` moves an earlier run's aside first).
+    ``log_config`` writes ``log_dir/config.yaml``.
 
     Both files are opened without following a symbolic link (one planted in ``log_dir`` is
     refused, naming it; ``log_dir`` itself is the user's and may be a link). Each record is

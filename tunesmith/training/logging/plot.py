@@ -5,7 +5,9 @@ the recipe's own metrics the run logged (:data:`RECIPE_PANELS`: DPO's rewards an
 the reward accuracy, distillation's KD and CE losses, RL rewards, KL, PPO's policy and value
 losses; their ``val_`` curves with them); bottom panel: ``lr``, when logged.
 When a step appears more than once (a run resumed from an earlier checkpoint appends to the same
-file) the last value logged for it wins.
+file) the last value logged for it wins. A file holding two runs (the steps start over: a
+second ``"step": 1`` after step 5, written before fresh runs moved an earlier run's file aside)
+is read from where the last run starts, with a warning naming that line.
 
 Needs ``matplotlib`` (``pip install tunesmith[plot]``), imported only when plotting. The figure is
 drawn with matplotlib's object API and the Agg canvas, so pyplot's global backend is left alone.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 
 from tunesmith.models.atomic import open_no_follow
@@ -66,10 +69,14 @@ def read_metrics(path: str | os.PathLike[str]) -> dict[str, list[tuple[int, floa
     """Read a ``metrics.jsonl`` into ``{metric: [(step, value), ...]}`` sorted by step.
 
     Later lines override earlier ones for the same (metric, step). Non-numeric values are
-    skipped. A malformed line raises ``ValueError`` naming the file and line number.
+    skipped. A malformed line raises ``ValueError`` naming the file and line number. Where
+    the steps go back to (or before) the first step of the run so far, a later run starts:
+    only the last run is read, and a warning names the line where it starts (a resumed run
+    going back a few steps, to redo them from its checkpoint, is the same run).
     """
     path = Path(path)
     series: dict[str, dict[int, float]] = {}
+    first = previous = restart = None  # the run's first step, the last line's, a later run's
     with open(path, "rb") as f:
         for lineno, raw in enumerate(iter(lambda: f.readline(_MAX_LINE + 1), b""), start=1):
             if len(raw) > _MAX_LINE:
@@ -82,10 +89,21 @@ def read_metrics(path: str | os.PathLike[str]) -> dict[str, list[tuple[int, floa
             step = record["step"]
             if isinstance(step, bool) or not isinstance(step, int):
                 raise ValueError(f"{path}:{lineno}: step must be an int, got {step!r}")
+            if previous is not None and step < previous and step <= first:  # a later run
+                series, first, restart = {}, step, (lineno, step, previous)
+            first = step if first is None else first
+            previous = step
             for key, value in record.items():
                 if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
                     continue
                 series.setdefault(key, {})[step] = float(value)
+    if restart is not None:
+        lineno, step, before = restart
+        warnings.warn(
+            f"{path}:{lineno}: a later run starts here (step {step} after step {before}); "
+            "reading only that run, the lines before it are another run's",
+            stacklevel=2,
+        )
     return {k: sorted(v.items()) for k, v in series.items()}
 
 
