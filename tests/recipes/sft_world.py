@@ -425,12 +425,30 @@ def noise_tolerance(atol: float) -> Callable[[str], float]:
 
 
 def assert_same_as_single(
-    model_dir: Path, single: Path, distributed: Path, *, steps: int, ranks: int = 2
+    model_dir: Path,
+    single: Path,
+    distributed: Path,
+    *,
+    steps: int,
+    ranks: int = 2,
+    resumed: bool = False,
+    lora: bool = False,
 ) -> None:
     """``distributed`` is one world of ``ranks`` ranks that logged the single process's
     losses, grad norms and token counts at each of ``steps`` steps and ended with its weights
-    (which moved from ``model_dir``'s)."""
-    assert [p.name for p in checkpoints(distributed)] == [f"step_{steps:06d}"]
+    (which moved from ``model_dir``'s). ``resumed``: it stopped and resumed, so it kept an
+    earlier checkpoint too (only the last must be step ``steps``); ``lora``: its checkpoints
+    are LoRA adapters (PEFT folders), whose B matrices (zero at the start) moved.
+
+    Example::
+
+        assert_same_as_single(model_dir, single, fsdp, steps=3, resumed=True, lora=True)
+    """
+    if resumed:
+        assert checkpoints(distributed)[-1].name == f"step_{steps:06d}"
+    else:
+        assert [p.name for p in checkpoints(distributed)] == [f"step_{steps:06d}"]
+    assert (checkpoints(distributed)[-1] / ADAPTER_CONFIG_NAME).is_file() is lora
     state = checkpoints(distributed)[-1] / "training_state"
     assert sorted(p.name for p in state.glob("rank*.pt")) == [f"rank{r}.pt" for r in range(ranks)]
     logged_1, logged_2 = read_metrics(single), read_metrics(distributed)
@@ -444,5 +462,36 @@ def assert_same_as_single(
     weights_1, weights_2 = final_weights(single), final_weights(distributed)
     assert weights_1.keys() == weights_2.keys()
     assert_same_weights(weights_2, weights_1, noise_tolerance(1e-5))
+    if lora:
+        assert min(w.abs().max().item() for n, w in weights_1.items() if ".lora_B." in n) > 1e-4
+        return
     initial = checkpoint_weights(model_dir)
     assert max((weights_1[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
+
+
+RESUME_COMPARED = ("loss", "lr", "grad_norm", "tokens_seen", "trained_tokens")
+"""The metrics a resumed run logs exactly as the uninterrupted one."""
+
+
+def assert_resumed_as_uninterrupted(
+    resumed: Path,
+    uninterrupted: Path,
+    *,
+    steps: int,
+    from_step: int = 1,
+    compared: tuple[str, ...] = RESUME_COMPARED,
+) -> None:
+    """A run stopped and resumed (``resumed``) ended with bitwise the weights of the
+    ``uninterrupted`` one; both logged steps 1 to ``steps``, with the same ``compared``
+    metrics from ``from_step`` on.
+
+    Example::
+
+        assert_resumed_as_uninterrupted(out, reference, steps=10, from_step=5)
+    """
+    assert_same_weights(final_weights(resumed), final_weights(uninterrupted), 0.0)  # bitwise
+    logged, expected = read_metrics(resumed), read_metrics(uninterrupted)
+    assert sorted(logged) == sorted(expected) == list(range(1, steps + 1))
+    for step in range(from_step, steps + 1):
+        for key in compared:
+            assert logged[step][key] == expected[step][key], f"{key} at step {step}"

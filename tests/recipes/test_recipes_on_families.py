@@ -3,9 +3,10 @@
 The families of :data:`FAMILIES` (soft caps, sandwich and post norms, multipliers and a scaled
 head, NoPE layers, partial and interleaved rotary, LongRoPE, whole-projection qk-norm) are
 assigned round-robin to the recipes (:data:`CASES`: every recipe runs at least one of them,
-every family at least two recipes), and every run is checked against a reference computed in
-this file from the model itself with full logits (``model(...)`` applies the family's logit
-transform; the recipes' chunked head paths must apply it too):
+every family at least two recipes), and every run is checked against a reference computed from
+the model itself (``from_hf``) with full logits (``model(...)`` applies the family's logit
+transform; the recipes' chunked head paths must apply it too), by the checks of
+:mod:`tests.recipes.recipe_references` (``reward_model``'s and the logit transform's here):
 
 - ``sft``: the logged loss and gradient norm of step 1 are the token-mean cross-entropy of the
   step-1 batch and the norm of its gradient (and, for a family with a logit transform, that
@@ -25,8 +26,8 @@ transform; the recipes' chunked head paths must apply it too):
 
 from __future__ import annotations
 
-import math
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
@@ -35,26 +36,25 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from tests.recipes.preference_world import collate_pairs, make_preference_data
+from tests.recipes import recipe_references as references
+from tests.recipes.preference_world import collate_pairs
+from tests.recipes.recipe_references import (
+    BATCH,
+    RecipeWorld,
+    Reference,
+    grad_norm,
+    trained_logits,
+)
 from tests.recipes.sft_world import (
-    _any_component_allowed,
     checkpoint_weights,
     checkpoints,
     largest_change,
-    make_chat_data,
     make_model_dir,
     read_metrics,
-    recipe_config,
-    run_config,
     run_recipe,
 )
-from tests.rl.rl_world import grpo_overrides, make_prompts, run_rl
-from tunesmith.config import instantiate, load_config
-from tunesmith.data import Tokenizer
 from tunesmith.models import from_hf, reward_model_from_hf
 from tunesmith.models.zoo import gemma2, gemma3, glm4, granite, olmo2, olmo3, phi3, smollm3
-from tunesmith.modules.losses import IGNORE_INDEX
-from tunesmith.recipes import config_path
 
 FAMILIES: dict[str, tuple[ModuleType, dict]] = {
     # Logits up to ~4 (a wider init) under a soft cap of 2: the cap bites (the shipped 30 would
@@ -85,11 +85,6 @@ CASES: list[tuple[str, str, str | None]] = [
 """(recipe, family, kd teacher's family)."""
 
 RECIPES = ("sft", "dpo", "kd", "reward_model", "grpo", "ppo")
-BATCH = 4
-ONE_STEP = [f"batch_size={BATCH}", "max_steps=1", "shuffle=false"]
-RL = ["max_steps=2", "generation.max_new_tokens=8", "generation.temperature=0.7",
-      "optimizer.lr=1e-2"]  # fmt: skip
-PPO = ["prompts_per_step=4", "batch_size=2", "kl_coef=0.1"]
 
 
 def test_every_recipe_runs_a_new_family_and_every_family_two_recipes():
@@ -102,14 +97,14 @@ def test_every_recipe_runs_a_new_family_and_every_family_two_recipes():
 # -- the world: a model folder of every family, the data of every recipe ----------------------
 
 
-class World:
-    """A model folder of every family (one tokenizer), chat data, pairs and prompts."""
+class World(RecipeWorld):
+    """A model folder of every family (one tokenizer), chat data, pairs and prompts; the
+    reference is our own model of a folder (``from_hf``, float32)."""
+
+    reference = Reference(load=lambda folder: from_hf(folder, dtype=torch.float32))
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.chat = make_chat_data(root / "chat.jsonl", rows=8)
-        self.pairs = make_preference_data(root / "pairs.jsonl", rows=8, task="add")
-        self.prompts = make_prompts(root / "prompts.jsonl", rows=16)
+        super().__init__(root)
         self.dirs = {
             family: make_model_dir(root / family, family=module, **overrides)
             for family, (module, overrides) in FAMILIES.items()
@@ -124,105 +119,16 @@ def world(tmp_path_factory) -> World:
     return World(tmp_path_factory.mktemp("families"))
 
 
-def _grad_norm(model: torch.nn.Module) -> float:
-    grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+# -- the contract of each recipe (the rest: tests.recipes.recipe_references) ------------------
 
 
-def _samples(recipe: str, model_dir: Path, data: Path, n: int, *overrides: str) -> list[dict]:
-    """The first ``n`` samples the recipe's dataset config builds from ``data``."""
-    cfg = recipe_config(
-        recipe, "tiny", model_dir, data, Path("unused"), "dataset.cache_dir=null", *overrides
-    )
-    dataset = instantiate(cfg.dataset, Tokenizer.from_pretrained(model_dir))
-    return [dataset[i] for i in range(n)]
-
-
-def _trained_logits(model: torch.nn.Module, samples: list[dict]) -> tuple[torch.Tensor, ...]:
-    """``model``'s full logits (its forward: transform applied) at the trained positions of
-    ``samples``, one unpadded row at a time, and their labels."""
-    rows, labels = [], []
-    for sample in samples:
-        logits = model(torch.tensor([sample["input_ids"]]))[0]
-        target = torch.tensor(sample["labels"])
-        rows.append(logits[target != IGNORE_INDEX])
-        labels.append(target[target != IGNORE_INDEX])
-    return torch.cat(rows), torch.cat(labels)
-
-
-def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    return (p_log.exp() * (p_log - q_log)).sum(-1)
-
-
-# -- the contract of each recipe --------------------------------------------------------------
-
-
-def check_sft(world: World, family: str, _teacher: str | None, out: Path) -> None:
-    model_dir = world.model_dir(family)
-    logged = read_metrics(run_recipe("sft", "tiny", model_dir, world.chat, out, *ONE_STEP))[1]
-    model = from_hf(model_dir, dtype=torch.float32)
-    samples = _samples("sft", model_dir, world.chat, BATCH)
-    logits, labels = _trained_logits(model, samples)
-    loss = F.cross_entropy(logits, labels)  # the token mean
-    loss.backward()
-    assert logged["trained_tokens"] == labels.numel()
-    assert logged["loss"] == pytest.approx(loss.item(), rel=1e-5)
-    assert logged["grad_norm"] == pytest.approx(_grad_norm(model), rel=1e-4)
+def check_sft(world: World, family: str, teacher: str | None, out: Path) -> None:
+    logged, model, samples = references.check_sft(world, family, teacher, out)
     if family in TRANSFORMED:  # the raw head's loss is far from it: the check above tells
         transform, model.logit_transform = model.logit_transform, None
         with torch.no_grad():
-            raw = F.cross_entropy(*_trained_logits(model, samples)).item()
+            raw = F.cross_entropy(*trained_logits(world.reference, model, samples)).item()
         assert abs(raw - logged["loss"]) > 1e-3 * logged["loss"], (raw, transform)
-
-
-def _sequence_logps(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """Per row of a collated pair batch: the summed log-probability of its trained labels."""
-    logps = model(batch["input_ids"]).log_softmax(-1)
-    labels = batch["labels"]
-    picked = logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (picked * (labels != IGNORE_INDEX)).sum(-1)
-
-
-def check_dpo(world: World, family: str, _teacher: str | None, out: Path) -> None:
-    model_dir = world.model_dir(family)
-    logged = read_metrics(run_recipe("dpo", "tiny", model_dir, world.pairs, out, *ONE_STEP))[1]
-    model = from_hf(model_dir, dtype=torch.float32)
-    logps = _sequence_logps(model, collate_pairs(model_dir, world.pairs, list(range(BATCH))))
-    chosen, rejected = logps[:BATCH], logps[BATCH:]
-    beta = 0.1  # the reference is the policy: its log-probs are the policy's, detached
-    margin = beta * ((chosen - chosen.detach()) - (rejected - rejected.detach()))
-    loss = -F.logsigmoid(margin).mean()
-    loss.backward()
-    assert logged["pairs"] == BATCH
-    assert logged["logps/chosen"] == pytest.approx(chosen.mean().item(), rel=1e-5)
-    assert logged["logps/rejected"] == pytest.approx(rejected.mean().item(), rel=1e-5)
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margin"):
-        assert abs(logged[key]) < 1e-5, (key, logged[key])  # policy == reference at step 1
-    assert logged["loss"] == pytest.approx(math.log(2), rel=1e-5)
-    assert logged["grad_norm"] == pytest.approx(_grad_norm(model), rel=1e-4)
-
-
-def check_kd(world: World, family: str, teacher: str | None, out: Path) -> None:
-    assert teacher is not None
-    student_dir, teacher_dir = world.model_dir(family), world.model_dir(teacher)
-    extra = [f"teacher_dir={teacher_dir}", *ONE_STEP]
-    out = run_recipe("kd", "tiny", student_dir, world.chat, out, *extra)
-    logged = read_metrics(out)[1]
-    samples = _samples("kd", student_dir, world.chat, BATCH, f"teacher_dir={teacher_dir}")
-    student = from_hf(student_dir, dtype=torch.float32)
-    with torch.no_grad():
-        teacher_logits, _ = _trained_logits(from_hf(teacher_dir, dtype=torch.float32), samples)
-    logits, labels = _trained_logits(student, samples)
-    kl = _kl(teacher_logits.log_softmax(-1), logits.log_softmax(-1)).mean()  # forward, T = 1
-    ce = F.cross_entropy(logits, labels)
-    loss = 0.5 * kl + 0.5 * ce  # the tiny config's kd_ratio
-    loss.backward()
-    assert logged["trained_tokens"] == labels.numel()
-    assert kl.item() > 1e-2  # two models, two distributions
-    assert logged["kd_loss"] == pytest.approx(kl.item(), rel=1e-5)
-    assert logged["ce_loss"] == pytest.approx(ce.item(), rel=1e-5)
-    assert logged["loss"] == pytest.approx(loss.item(), rel=1e-5)
-    assert logged["grad_norm"] == pytest.approx(_grad_norm(student), rel=1e-4)
 
 
 def check_reward_model(world: World, family: str, _teacher: str | None, out: Path) -> None:
@@ -244,7 +150,7 @@ def check_reward_model(world: World, family: str, _teacher: str | None, out: Pat
     assert record["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert record["margin"] == pytest.approx(margins.mean().item(), rel=1e-4, abs=1e-6)
     assert record["accuracy"] == (margins > 0).double().mean().item()
-    assert record["grad_norm"] == pytest.approx(_grad_norm(model), rel=1e-4)
+    assert record["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4)
     hf = AutoModelForSequenceClassification.from_pretrained(step_1, dtype=torch.float32).eval()
     with torch.no_grad():
         hf_scores = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
@@ -253,43 +159,10 @@ def check_reward_model(world: World, family: str, _teacher: str | None, out: Pat
     assert largest_change(checkpoint_weights(step_1), initial) > 1e-3  # step 1 trained
 
 
-def _assert_sampler_is_trainer(out: Path, model_dir: Path) -> dict[int, dict]:
-    logged = {s: r for s, r in read_metrics(out).items() if "logprob_mismatch_max" in r}
-    assert sorted(logged) == [1, 2], sorted(logged)
-    for step, record in logged.items():
-        assert record["completion_tokens"] > 0, step
-        assert record["logprob_mismatch_max"] < 1e-5, (step, record["logprob_mismatch_max"])
-    assert largest_change(_final(out), checkpoint_weights(model_dir)) > 1e-4
-    return logged
-
-
-def _final(out: Path) -> dict[str, torch.Tensor]:
-    return checkpoint_weights(checkpoints(out)[-1])
-
-
-def check_grpo(world: World, family: str, _teacher: str | None, out: Path) -> None:
-    model_dir = world.model_dir(family)
-    run_rl("grpo", "tiny", grpo_overrides(model_dir, world.prompts, out, *RL))
-    logged = _assert_sampler_is_trainer(out, model_dir)
-    assert logged[1]["rollout_samples"] == 16 and logged[1]["advantage_std"] > 0.1
-
-
-def check_ppo(world: World, family: str, _teacher: str | None, out: Path) -> None:
-    model_dir = world.model_dir(family)
-    overrides = grpo_overrides(model_dir, world.prompts, out, *RL, *PPO)
-    cfg = load_config(config_path("tiny", "ppo"), overrides)
-    with _any_component_allowed():  # the test reward lives in tests/
-        run_config("ppo", cfg)
-    records = [r for r in read_metrics(out).values() if "kl" in r]
-    assert abs(records[0]["kl"]) < 1e-6  # step 1: the reference is the policy
-    _assert_sampler_is_trainer(out, model_dir)
-    critic = checkpoint_weights(out / "critic" / "checkpoints" / "step_000002")
-    assert "score.weight" in critic
-
-
 CHECKS = {
-    "sft": check_sft, "dpo": check_dpo, "kd": check_kd, "reward_model": check_reward_model,
-    "grpo": check_grpo, "ppo": check_ppo,
+    "sft": check_sft, "dpo": references.check_dpo,
+    "kd": partial(references.check_kd, min_kl=1e-2), "reward_model": check_reward_model,
+    "grpo": references.check_grpo, "ppo": references.check_ppo,
 }  # fmt: skip
 
 

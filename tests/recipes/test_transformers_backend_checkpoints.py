@@ -36,6 +36,7 @@ from torch import nn
 from tests import forked
 from tests.models.transformers_world import make_transformers_model_dir
 from tests.recipes.sft_world import (
+    assert_resumed_as_uninterrupted,
     assert_same_as_single,
     assert_same_weights,
     checkpoint_weights,
@@ -44,7 +45,6 @@ from tests.recipes.sft_world import (
     largest_change,
     launch_ranks,
     make_counting_data,
-    noise_tolerance,
     read_metrics,
     run_sft,
     run_sft_keeping_model,
@@ -63,7 +63,6 @@ from tunesmith.training.memory.compile import is_compiled
 ROWS, BATCH, PER_RANK, STEPS = 24, 4, 2, 3  # the single process's batch: 2 ranks x PER_RANK
 TOTAL = 10  # resumed runs: 6 steps an epoch, so two epochs
 TARGETS = ("q_proj", "v_proj")  # what tiny_lora.yaml adapts
-COMPARED = ("loss", "lr", "grad_norm", "tokens_seen", "trained_tokens")
 # One plain SGD step at the full learning rate, no clipping (a bound no norm reaches: the norm
 # is logged, the gradients are left as they are): the weights move by lr x grad, so equal
 # weights after it are equal step-1 gradients (Adam would magnify rounding noise).
@@ -122,42 +121,19 @@ def _probe_ids(model_dir: Path, data: Path) -> torch.Tensor:
     return torch.cat([ids, noise])
 
 
-def _hf(folder: Path) -> tuple[transformers.PreTrainedModel, dict]:
-    """transformers' own model of ``folder`` (eval mode) and its loading info."""
+def _hf(folder: Path) -> transformers.PreTrainedModel:
+    """transformers' own model of ``folder`` (eval mode), loaded with no missing, unexpected or
+    mismatched weights."""
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         folder, output_loading_info=True
     )
-    return model.eval(), info
+    assert not any(info.values()), info
+    return model.eval()
 
 
 def _assert_same_logits(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert got.dtype == expected.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=ATOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
-
-
-def _assert_two_ranks_match(model_dir: Path, single: Path, fsdp: Path, lora: bool) -> None:
-    """:func:`~tests.recipes.sft_world.assert_same_as_single` for runs whose checkpoints are
-    LoRA adapters or that resumed (two checkpoints kept): the last checkpoint is step STEPS of
-    two ranks, with the single process's logged metrics and weights, which moved."""
-    step_dir = checkpoints(fsdp)[-1]
-    assert step_dir.name == f"step_{STEPS:06d}"
-    assert (step_dir / ADAPTER_CONFIG_NAME).is_file() is lora
-    ranks = sorted(p.name for p in (step_dir / "training_state").glob("rank*.pt"))
-    assert ranks == ["rank0.pt", "rank1.pt"]
-    logged_1, logged_2 = read_metrics(single), read_metrics(fsdp)
-    assert sorted(logged_1) == sorted(logged_2) == list(range(1, STEPS + 1))
-    for step in logged_1:
-        one, two = logged_1[step], logged_2[step]
-        assert one["trained_tokens"] == two["trained_tokens"]
-        assert one["tokens_seen"] == two["tokens_seen"]
-        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), f"loss at step {step}"
-        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5), f"step {step}"
-    weights_1, weights_2 = final_weights(single), final_weights(fsdp)
-    assert_same_weights(weights_2, weights_1, noise_tolerance(1e-5))
-    if lora:
-        assert min(w.abs().max().item() for n, w in weights_1.items() if ".lora_B." in n) > 1e-4
-    else:
-        assert largest_change(weights_1, checkpoint_weights(model_dir)) > 1e-3
 
 
 # -- FSDP2 on two gloo ranks == one process ---------------------------------------------------
@@ -182,10 +158,8 @@ def test_two_gloo_ranks_equal_one_process(world, trained, tmp_path, model_type, 
     )
     launch_ranks(overrides, tmp_path, config=config)
     assert "transformers backend" in (tmp_path / "rank0.log").read_text()
-    if config == "tiny":
-        assert_same_as_single(model_dir(model_type), single, fsdp, steps=STEPS)
-    else:
-        _assert_two_ranks_match(model_dir(model_type), single, fsdp, lora=True)
+    lora = config == "tiny_lora"
+    assert_same_as_single(model_dir(model_type), single, fsdp, steps=STEPS, lora=lora)
 
 
 @pytest.mark.slow  # two launches of two ranks
@@ -211,7 +185,8 @@ def test_two_gloo_ranks_stop_and_resume_equal_one_process(
         if extra.startswith("stop"):
             assert [p.name for p in checkpoints(fsdp)] == ["step_000002"]
     assert "resumed from" in (tmp_path / "rank0.log").read_text()
-    _assert_two_ranks_match(model_dir(model_type), single, fsdp, lora=config == "tiny_lora")
+    lora = config == "tiny_lora"
+    assert_same_as_single(model_dir(model_type), single, fsdp, steps=STEPS, resumed=True, lora=lora)
 
 
 # -- activation checkpointing and compiled layers == the plain run ------------------------------
@@ -305,21 +280,9 @@ def test_stop_and_resume_equals_uninterrupted(world, tmp_path, model_type, confi
     assert sorted(read_metrics(out)) == list(range(1, stop_at + 1))
     run_sft(folder, data, out, *common, "resume=true", config=config)
     assert checkpoints(out)[-1].name == f"step_{TOTAL:06d}"
-
-    weights, expected = final_weights(out), final_weights(reference)
-    assert weights.keys() == expected.keys()
-    for name in weights:
-        assert torch.equal(weights[name], expected[name]), (
-            f"{name} differs after resuming by up to "
-            f"{(weights[name] - expected[name]).abs().max().item():.3g}"
-        )
-    logged, logged_ref = read_metrics(out), read_metrics(reference)
-    assert sorted(logged) == sorted(logged_ref) == list(range(1, TOTAL + 1))
-    for step in range(stop_at + 1, TOTAL + 1):
-        for key in COMPARED:
-            assert logged[step][key] == logged_ref[step][key], f"{key} at step {step}"
+    assert_resumed_as_uninterrupted(out, reference, steps=TOTAL, from_step=stop_at + 1)
     if config == "tiny":
-        assert largest_change(expected, checkpoint_weights(folder)) > 1e-3
+        assert largest_change(final_weights(reference), checkpoint_weights(folder)) > 1e-3
 
 
 # -- what transformers and peft load -----------------------------------------------------------
@@ -327,12 +290,20 @@ def test_stop_and_resume_equals_uninterrupted(world, tmp_path, model_type, confi
 ARCHS = ["starcoder2", "cohere2", "lfm2"]
 
 
-@pytest.mark.parametrize("model_type", ARCHS)
-def test_lora_checkpoint_is_a_peft_adapter_peft_loads_with_our_logits(world, trained, model_type):
+def _trained_checkpoint(
+    world, trained, model_type: str, config: str
+) -> tuple[Path, nn.Module, Path, torch.Tensor]:
+    """(the base folder of ``model_type``, the model ``trained`` trained on ``config``, its
+    last checkpoint, the probe ids)."""
     _, data, model_dir = world
     folder = model_dir(model_type)
-    out, model = trained(model_type, "tiny_lora")
-    step_dir = checkpoints(out)[-1]
+    out, model = trained(model_type, config)
+    return folder, model, checkpoints(out)[-1], _probe_ids(folder, data)
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_lora_checkpoint_is_a_peft_adapter_peft_loads_with_our_logits(world, trained, model_type):
+    folder, model, step_dir, ids = _trained_checkpoint(world, trained, model_type, "tiny_lora")
     assert sorted(p.name for p in step_dir.iterdir()) == sorted(
         [ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, MARKER, "training_state"]
     )
@@ -344,10 +315,7 @@ def test_lora_checkpoint_is_a_peft_adapter_peft_loads_with_our_logits(world, tra
     assert len(tensors) == 2 * len(adapter_modules(model)) > 0
     assert all(n.startswith("base_model.model.") for n in tensors)
 
-    ids = _probe_ids(folder, data)
-    hf, info = _hf(folder)
-    assert not any(info.values()), info
-    theirs_model = peft.PeftModel.from_pretrained(hf, step_dir).eval()
+    theirs_model = peft.PeftModel.from_pretrained(_hf(folder), step_dir).eval()
     with torch.no_grad():
         ours = model(ids)
         with disable_adapters(model):
@@ -370,18 +338,14 @@ def test_lora_checkpoint_is_a_peft_adapter_peft_loads_with_our_logits(world, tra
 def test_cli_export_merges_the_lora_checkpoint_into_a_folder_transformers_loads(
     world, trained, tmp_path, model_type
 ):
-    _, data, model_dir = world
-    folder = model_dir(model_type)
-    out, model = trained(model_type, "tiny_lora")
+    folder, model, step_dir, ids = _trained_checkpoint(world, trained, model_type, "tiny_lora")
     merged_dir = tmp_path / "merged"
-    result = forked.run_cli(["export", checkpoints(out)[-1], "--output-dir", merged_dir])
+    result = forked.run_cli(["export", step_dir, "--output-dir", merged_dir])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert not (merged_dir / ADAPTER_CONFIG_NAME).exists()
     assert json.loads((merged_dir / "config.json").read_text())["model_type"] == model_type
 
-    merged, info = _hf(merged_dir)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
-    ids = _probe_ids(folder, data)
+    merged = _hf(merged_dir)  # no missing, unexpected or mismatched weights
     with torch.no_grad():
         _assert_same_logits(merged(ids).logits, model(ids), "merged export vs base + adapter")
     merged_weights, base = checkpoint_weights(merged_dir), checkpoint_weights(folder)
@@ -391,13 +355,8 @@ def test_cli_export_merges_the_lora_checkpoint_into_a_folder_transformers_loads(
 
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_full_checkpoint_loads_in_transformers_with_our_logits(world, trained, model_type):
-    _, data, model_dir = world
-    folder = model_dir(model_type)
-    out, model = trained(model_type, "tiny")
-    step_dir = checkpoints(out)[-1]
-    hf, info = _hf(step_dir)
-    assert not any(info.values()), info
-    ids = _probe_ids(folder, data)
+    folder, model, step_dir, ids = _trained_checkpoint(world, trained, model_type, "tiny")
+    hf = _hf(step_dir)
     with torch.no_grad():
         expected = hf(ids).logits
         _assert_same_logits(model(ids), expected, "the trained model vs transformers")
