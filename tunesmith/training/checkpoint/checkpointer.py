@@ -25,6 +25,7 @@ import pickle
 import random
 import resource
 import shutil
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,6 +59,7 @@ from tunesmith.training.checkpoint.directory import (
     CheckpointWriteError,
     aside_folder,
 )
+from tunesmith.training.logging.loggers import OPEN_LOG_DIRS
 from tunesmith.training.parallel.distributed import DistributedContext, full_tensor
 
 __all__ = ["Checkpointer", "layout", "not_continued", "rng_state", "saved_layout", "set_rng_state"]
@@ -397,6 +399,19 @@ def _run_files(output_dir: Path) -> list[Path]:
     return [output_dir / name for name in RUN_FILES if (output_dir / name).is_file()]
 
 
+def _earlier_run_files(output_dir: Path) -> list[Path]:
+    """The :data:`RUN_FILES` an earlier run left in ``output_dir``: none while a logger of
+    this process already writes there (a script that opened it before starting)."""
+    if os.path.abspath(output_dir) in OPEN_LOG_DIRS:
+        return []
+    files = [output_dir / name for name in RUN_FILES if os.path.lexists(output_dir / name)]
+    for file in files:  # a planted link stays, for the logger to refuse naming it
+        info = os.lstat(file)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            return []
+    return files
+
+
 def _move_run_files(files: list[Path], into: Path) -> Path:
     """Move ``files`` into the folder ``into`` (created if missing; :func:`aside_folder`
     names a new one); nothing is deleted. Returns ``into``."""
@@ -561,7 +576,7 @@ class Checkpointer:
                 )
         elif existing:
             self._replace(existing, resume, overwrite, log)
-        elif path is None and (files := _run_files(directory.root.parent)):
+        elif path is None and (files := _earlier_run_files(directory.root.parent)):
             into = _move_run_files(files, aside_folder(directory.root.parent, "earlier-run"))
             log(
                 f"starting a fresh run (no checkpoint to resume): moved the earlier run's "

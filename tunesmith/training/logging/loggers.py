@@ -328,6 +328,7 @@ class JSONLLogger(_ContextManager):
         self.path = self.log_dir / filename
         self.timestamps = bool(timestamps)
         self._fd: int | None = open_fd_no_follow(self.path, "a")  # a planted link: refused
+        OPEN_LOG_DIRS.add(os.path.abspath(self.log_dir))
         self._elapsed_before = _last_elapsed(self.path) if self.timestamps else 0.0
         self._opened = time.monotonic()
 
@@ -372,6 +373,13 @@ class JSONLLogger(_ContextManager):
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+            OPEN_LOG_DIRS.discard(os.path.abspath(self.log_dir))
+
+
+OPEN_LOG_DIRS: set[str] = set()
+"""Folders whose ``metrics.jsonl`` a :class:`JSONLLogger` of this process has open: a fresh
+run leaves them where they are (a script that opened its logger before the trainer started
+writes there; see :meth:`~tunesmith.training.checkpoint.checkpointer.Checkpointer.start`)."""
 
 
 class MetricsWriteError(OSError):
