@@ -127,16 +127,17 @@ def choose_backend(
                 "backend: auto or transformers builds it with transformers' own modules"
             )
         return BackendChoice("native", f"{model_type} is a native family")
-    known = _transformers().CONFIG_MAPPING
-    if model_type not in known:
-        code = " (its auto_map)" if config.get("auto_map") else ""
+    transformers = _transformers()
+    if model_type not in transformers.CONFIG_MAPPING and config.get("auto_map"):
         raise UnsupportedModelError(
-            f"{where}model_type {model_type!r} needs the folder's own code{code}, "
+            f"{where}model_type {model_type!r} needs the folder's own code (its auto_map), "
             "which would run with trust_remote_code: tunesmith refuses remote code; it builds "
             "only native families and the model types transformers ships"
-            if code
-            else f"{where}model_type {model_type!r} is neither a native family nor a model "
-            f"type of transformers {_transformers().__version__}"
+        )
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise UnsupportedModelError(
+            f"{where}model_type {model_type!r} is neither a native family nor a model type "
+            f"of transformers {transformers.__version__}"
         )
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
