@@ -428,7 +428,7 @@ def model_backends(cfg: Any) -> list[str]:
     for key in cfg:
         try:
             node = cfg[key]
-            target = resolve_component(node["_component_"], allow_any_component=True)
+            target = resolve_component(node["_component_"])  # the allow-list applies
             path, backend = node.get("path"), node.get("backend", "auto")
         except Exception:  # not a component, or broken: check_config has reported it
             continue
