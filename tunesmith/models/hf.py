@@ -318,15 +318,15 @@ def from_hf(
     choice = choose_backend(
         language_model_config(config)[0], backend, where=f"{folder / CONFIG_NAME}: "
     )
+    resolved = resolve_dtype(dtype, default=_config_dtype(config, folder))
     if choice.backend == "transformers":
         logger.warning("%s: %s", folder, choice)
-        resolved = resolve_dtype(dtype, default=_config_dtype(config, folder))
         if load_weights and verify:
             verify_own_checkpoint(folder)
         return transformers_from_hf(
             folder, dtype=resolved, device=device, load_weights=load_weights
         )
-    spec, resolved = hf_folder_spec(path, dtype)
+    spec = _spec_from_config(config, folder)
     if not load_weights:
         _check_fits(spec, resolved, device, folder)
         return build_model(spec, device=device, dtype=resolved)

@@ -26,7 +26,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -236,10 +238,14 @@ class TransformersSpec:
     def reference_state(self) -> dict[str, torch.Tensor]:
         """Meta tensors named and shaped as this model's checkpoint holds them (a tied head
         stored once, as transformers saves it)."""
-        state = self.checkpoint_layout(_build(self.config, device="meta").state_dict())
+        state = self.checkpoint_layout(self._meta_model().state_dict())
         if self.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         return state
+
+    def _meta_model(self) -> nn.Module:
+        """transformers' model of this config on the meta device (built once per config)."""
+        return _meta_model(json.dumps(self.config, sort_keys=True))
 
     def checkpoint_layout(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state`` (the model's own names) as the model type's checkpoints store it:
@@ -249,7 +255,7 @@ class TransformersSpec:
             from transformers.core_model_loading import revert_weight_conversion
         except ImportError:  # transformers 4: the modules' names are the checkpoints'
             return dict(state)
-        return revert_weight_conversion(_build(self.config, device="meta"), dict(state))
+        return revert_weight_conversion(self._meta_model(), dict(state))
 
     def runtime_layout(
         self, weights: Mapping[str, torch.Tensor], folder: str | os.PathLike
@@ -257,15 +263,14 @@ class TransformersSpec:
         """``weights`` read from checkpoint ``folder`` under the model's own names: as they
         are, or, for a model type transformers converts on load (a MoE's per-expert tensors),
         as transformers' loader converts that folder."""
-        names = _build(self.config, device="meta").state_dict()
+        names = self._meta_model().state_dict()
         if set(self.checkpoint_layout(names)) == set(names):
             return dict(weights)
         return _load(folder, dtype="auto").state_dict()
 
     def approx_parameters(self) -> int:
         """The parameter count (built on the meta device: exact)."""
-        model = _build(self.config, device="meta")
-        return sum(p.numel() for p in model.parameters())
+        return sum(p.numel() for p in self._meta_model().parameters())
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -304,6 +309,15 @@ def _layers_of(decoder: nn.Module, count: int, model_type: str) -> nn.ModuleList
             f"{type(decoder).__name__}, expected one"
         )
     return lists[0]
+
+
+def _drop_tied_head(
+    module: TransformersLM, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """state_dict post-hook: a tied ``lm_head.weight`` is not listed (stored once, as
+    transformers saves it; :func:`_fill_tied_head` gives it back on load)."""
+    if module.spec.tie_word_embeddings:
+        state_dict.pop(prefix + "lm_head.weight", None)
 
 
 def _fill_tied_head(
@@ -347,9 +361,16 @@ class TransformersLM(nn.Module):
         self.logit_transform = _logit_transform(hf_model.config)
         self._decoder_name = hf_model.base_model_prefix
         self.layers = _layers_of(self.decoder, spec.num_hidden_layers, spec.model_type)
+        types = spec.config.get("layer_types") or ()
+        # Whether every layer is attention, which transformers masks per document from the
+        # position ids (a recurrent or convolution layer would run across documents).
+        self.accepts_packing = not getattr(hf_model, "_is_stateful", False) and all(
+            t in _ATTENTION_LAYER_TYPES for t in types
+        )
         params = inspect.signature(self.decoder.forward).parameters  # transformers 5: "cache"
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         mark_decoder_layers(self.layers)
+        self.register_state_dict_post_hook(_drop_tied_head)
         self.register_load_state_dict_pre_hook(_fill_tied_head)
         if not any(p.is_meta for p in self.parameters()):
             self.check_head()
@@ -382,14 +403,6 @@ class TransformersLM(nn.Module):
                 f"takes one of {sorted(ATTENTION_IMPLEMENTATIONS)}"
             )
         self.hf_model.set_attn_implementation(ATTENTION_IMPLEMENTATIONS[name])
-
-    @property
-    def accepts_packing(self) -> bool:
-        """Whether every layer is attention, which transformers masks per document from the
-        position ids (a recurrent or convolution layer would run across documents)."""
-        types = self.hf_model.config.to_dict().get("layer_types") or ()
-        stateful = getattr(self.hf_model, "_is_stateful", False)
-        return not stateful and all(t in _ATTENTION_LAYER_TYPES for t in types)
 
     def forward(
         self,
@@ -511,6 +524,11 @@ def _build(config: Any, *, device: torch.device | str = "cpu", dtype: torch.dtyp
         return transformers.AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=False
         )
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_model(config_json: str) -> nn.Module:
+    return _build(json.loads(config_json), device="meta")
 
 
 def build_transformers_model(

@@ -213,21 +213,6 @@ def _transformers_built(model: nn.Module) -> bool:
     return isinstance(getattr(model, "spec", None), TransformersSpec)
 
 
-def _tied_names(model: nn.Module) -> dict[str, str]:
-    """Second name -> first name of each parameter the state dict of a transformers-built
-    model holds under two names (its tied ``lm_head.weight``; checkpoints store it once, as
-    transformers does). Native models leave the tied head out of their state dict."""
-    first: dict[int, str] = {}
-    tied: dict[str, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            tied[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    keys = model.state_dict().keys()
-    return {name: other for name, other in tied.items() if name in keys}
-
-
 def _check_shapes(
     model: nn.Module, weights: Mapping[str, torch.Tensor], files: Mapping[str, Path]
 ) -> None:
@@ -700,9 +685,6 @@ class Checkpointer:
                 if _transformers_built(model):  # a MoE's per-expert tensors, fused
                     weights = model.spec.runtime_layout(weights, path)
                     origin = {name: origin.get(name, path) for name in weights}
-                    for name, first in _tied_names(model).items():  # stored once: twice
-                        if name not in weights and first in weights:
-                            weights[name], origin[name] = weights[first], origin[first]
                 _check_shapes(model, weights, origin)
             set_model_state_dict(
                 model,
