@@ -3,7 +3,7 @@
 A rollout worker needs two things from whatever decodes for it: completions with the sampling
 log-prob of every token (:meth:`RolloutEngine.generate`), and new policy weights by Hugging
 Face name after each update (:meth:`RolloutEngine.load_weights`). :class:`LocalEngine` is the
-project's own engine (:func:`~tunesmith.generation.generate`, CPU or GPU, the default);
+project's own engine (:mod:`~tunesmith.generation.paged`, CPU or GPU, the default);
 :class:`~tunesmith.generation.vllm_engine.VLLMEngine` is the same interface over vLLM. RL
 rollouts, held-out rewards, in-training samples, ``tunesmith generate``/``chat``, lm-eval and
 the demos all decode through :func:`generate_with` (a :class:`GenerationConfig`, greedy or
@@ -29,8 +29,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from tunesmith.generation.config import GenerationConfig
+from tunesmith.generation.config import EngineSettings, GenerationConfig
 from tunesmith.generation.generate import GenerationOutput, generate
+from tunesmith.generation.paged import generate_paged, supports_paged
 
 __all__ = ["LocalEngine", "RolloutEngine", "check_named_weights", "generate_with"]
 
@@ -105,7 +106,10 @@ def check_named_weights(
 
 
 class LocalEngine:
-    """The project's own rollout engine: :func:`~tunesmith.generation.generate` on ``model``.
+    """The project's own rollout engine: :func:`~tunesmith.generation.paged.generate_paged`
+    (paged cache, shared prompts, continuous batching) on ``model``, or the plain
+    :func:`~tunesmith.generation.generate` when ``settings.paged`` is false or the model keeps
+    its own cache (the transformers backend).
 
     ``generate`` runs the model in eval mode (its previous mode restored after) under
     ``torch.no_grad()``, with keyed sampling when ``row_keys`` are given, ``tokenizer.decode``
@@ -124,6 +128,9 @@ class LocalEngine:
             longest (a model sharded over the ranks, e.g. a trainer's FSDP2 policy).
         generator: the ``torch.Generator`` (on the model's device) rows without a key draw
             from, e.g. a chat session's, seeded once; None: torch's global generator.
+        settings: the engine's :class:`~tunesmith.generation.config.EngineSettings` (slots,
+            cache budget, prefix sharing, compile); the compiled decode step, if any, is made
+            on the first call and kept for the engine's life.
 
     Example::
 
@@ -144,6 +151,7 @@ class LocalEngine:
         autocast_dtype: torch.dtype | None = None,
         sync_ranks: bool = False,
         generator: torch.Generator | None = None,
+        settings: EngineSettings | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -151,6 +159,24 @@ class LocalEngine:
         self.autocast_dtype = autocast_dtype
         self.sync_ranks = sync_ranks
         self.generator = generator
+        self.settings = settings or EngineSettings()
+        self.paged = self.settings.paged and supports_paged(model)
+        self._compiled: Any = None
+
+    def _compiled_step(self) -> Any:
+        """The decode step compiled once (CUDA graphs on CUDA), or None."""
+        if not (self.paged and self.settings.compile):
+            return None
+        if self._compiled is None:
+            if any(type(p).__name__ == "DTensor" for p in self.model.parameters()):
+                raise ValueError(
+                    "generation.engine.compile: the decode step of a sharded model (FSDP2, "
+                    "tensor parallel) is not compiled; set compile: false"
+                )
+            cuda = next(iter(self.model.parameters())).is_cuda
+            mode = "reduce-overhead" if cuda else None
+            self._compiled = torch.compile(self.model, dynamic=False, mode=mode)
+        return self._compiled
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -183,9 +209,14 @@ class LocalEngine:
             decode = self.tokenizer.decode
         was_training = self.model.training
         self.model.eval()
+        paged = (
+            {"settings": self.settings, "compiled_step": self._compiled_step()}
+            if self.paged
+            else {}
+        )
         try:
             with torch.no_grad(), self._autocast():
-                return generate(
+                return (generate_paged if self.paged else generate)(
                     self.model,
                     prompt_ids,
                     max_new_tokens=max_new_tokens,
@@ -200,6 +231,7 @@ class LocalEngine:
                     generator=self.generator,
                     row_keys=row_keys,
                     sync_ranks=self.sync_ranks,
+                    **paged,
                 )
         finally:
             self.model.train(was_training)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -67,7 +67,8 @@ class GenerationOutput:
     :func:`tunesmith.generation.sampling.sample`). ``finish_reasons[i]`` is ``"stop"`` when a
     stop token or stop string ended the row, else ``"length"`` (its ``max_new_tokens``).
     ``seconds`` is the wall time of the :func:`generate` call, so
-    ``out.new_tokens / out.seconds`` is the generated tokens per second.
+    ``out.new_tokens / out.seconds`` is the generated tokens per second. ``stats``: what the
+    engine did (the paged engine's prefilled tokens, decode steps, slots and cache blocks).
 
     Example::
 
@@ -82,6 +83,7 @@ class GenerationOutput:
     prompt_lengths: list[int]
     finish_reasons: list[FinishReason]
     seconds: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
 
     @property
     def new_tokens(self) -> int:

@@ -24,10 +24,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["keyed_sample", "keyed_uniform", "row_key"]
+__all__ = ["keyed_sample", "keyed_sample_probs", "keyed_uniform", "row_key"]
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
+_CHUNK = 256
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:
@@ -61,28 +62,57 @@ def row_key(*parts: int) -> int:
     return int(h)
 
 
-def keyed_uniform(keys: Tensor, step: int) -> Tensor:
+def keyed_uniform(keys: Tensor, step: int | Tensor) -> Tensor:
     """``[b]`` float64 uniform numbers in ``(0, 1)``; row ``i``'s depends only on
-    ``(keys[i], step)`` (keys: ``[b]`` integers in ``[0, 2**32)``)."""
+    ``(keys[i], step)`` (keys: ``[b]`` integers in ``[0, 2**32)``; ``step``: one decoding step
+    for every row, or ``[b]`` steps, one per row, as a continuous-batching engine has them).
+
+    >>> keys = torch.tensor([5, 6])
+    >>> torch.equal(keyed_uniform(keys, torch.tensor([2, 9]))[1:], keyed_uniform(keys[1:], 9))
+    True
+    """
     keys = keys.to(torch.int64) & _MASK32
-    step_mix = _fmix32(
-        torch.tensor((step * _GOLDEN) & _MASK32, dtype=torch.int64, device=keys.device)
-    )
+    steps = torch.as_tensor(step, dtype=torch.int64, device=keys.device) & _MASK32
+    step_mix = _fmix32(_mul32(steps, _GOLDEN))
     bits = _fmix32(_fmix32(keys ^ step_mix) + _GOLDEN & _MASK32)
     return (bits.to(torch.float64) + 0.5) / 2.0**32
 
 
-def keyed_sample(logits: Tensor, keys: Tensor, step: int) -> Tensor:
+def keyed_sample(logits: Tensor, keys: Tensor, step: int | Tensor) -> Tensor:
     """``[b]`` tokens drawn from ``softmax(logits)`` (``[b, V]``, ``-inf`` = excluded): row
     ``i`` takes the first token whose cumulative probability exceeds its keyed uniform
-    number at ``step``. A token of probability 0 is never drawn.
+    number at ``step`` (one for all rows, or ``[b]``). A token of probability 0 is never
+    drawn.
 
     >>> logits = torch.tensor([[0.0, float("-inf"), 0.0]])
     >>> int(keyed_sample(logits, torch.tensor([3]), step=0)) in (0, 2)
     True
     """
-    probs = torch.softmax(logits.float(), dim=-1)
-    cdf = torch.cumsum(probs, dim=-1)
-    u = keyed_uniform(keys.to(logits.device), step).to(cdf.dtype)[:, None] * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)
-    return tokens.clamp(max=logits.shape[-1] - 1)
+    return keyed_sample_probs(torch.softmax(logits.float(), dim=-1), keys, step)
+
+
+def keyed_sample_probs(probs: Tensor, keys: Tensor, step: int | Tensor) -> Tensor:
+    """:func:`keyed_sample` from probabilities ``[b, V]`` already computed (e.g. the exponent
+    of log-probabilities the caller needs anyway).
+
+    >>> int(keyed_sample_probs(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([3]), step=0))
+    1
+    """
+    # Two levels: find the chunk of 256 tokens the draw falls in from the chunks' sums, then
+    # the token inside it; the same draw as one cumulative sum over the vocabulary, at a
+    # fraction of its cost on a large one.
+    b, vocab = probs.shape
+    chunk = min(_CHUNK, vocab)
+    full = vocab - vocab % chunk
+    sums = probs[:, :full].reshape(b, -1, chunk).sum(-1)
+    if full < vocab:
+        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], dim=1)
+    chunk_cdf = torch.cumsum(sums, dim=-1)  # [b, chunks]
+    u = keyed_uniform(keys.to(probs.device), step).to(probs.dtype)[:, None] * chunk_cdf[:, -1:]
+    which = torch.searchsorted(chunk_cdf, u, right=True).clamp(max=chunk_cdf.shape[1] - 1)
+    before = torch.where(which > 0, chunk_cdf.gather(1, (which - 1).clamp(min=0)), 0.0)
+    columns = which * chunk + torch.arange(chunk, device=probs.device)  # [b, chunk]
+    inside = probs.gather(1, columns.clamp(max=vocab - 1)) * (columns < vocab)
+    offset = torch.searchsorted(inside.cumsum(-1), u - before, right=True).clamp(max=chunk - 1)
+    tokens = (which * chunk + offset).squeeze(-1)
+    return tokens.clamp(max=vocab - 1)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tunesmith.generation.keyed import keyed_sample
+from tunesmith.generation.keyed import keyed_sample, keyed_sample_probs
 
 __all__ = [
     "LogitsProcessor",
@@ -211,7 +211,7 @@ def policy_logprobs(logits: Tensor, temperature: float = 0.0) -> Tensor:
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     logits = logits.float()
-    if temperature > 0:
+    if temperature > 0 and temperature != 1:  # dividing by 1 changes nothing: skip the pass
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1)
 
@@ -234,7 +234,7 @@ def sample(
     processors: Sequence[LogitsProcessor] = (),
     generator: torch.Generator | None = None,
     keys: Tensor | None = None,
-    step: int = 0,
+    step: int | Tensor = 0,
 ) -> SampleOutput:
     """Pick one token per row of ``[b, V]`` logits.
 
@@ -244,7 +244,8 @@ def sample(
       top-p, min-p, then any extra ``processors``) with ``torch.multinomial`` and ``generator``
       (which must live on the logits' device), so a seeded generator gives repeatable draws;
       or, with ``keys`` (``[b]``), by keyed sampling (:mod:`tunesmith.generation.keyed`): row
-      ``i``'s draw depends only on ``(keys[i], step)``, not on the other rows.
+      ``i``'s draw depends only on ``(keys[i], step)``, not on the other rows (``step``: one
+      for every row, or ``[b]``).
 
     Returned ``logprobs`` are those of the **raw policy**, not of the filtered distribution
     (top-k, top-p and min-p never change them):
@@ -269,10 +270,13 @@ def sample(
                 f"generator is on {generator.device} but logits are on {logits.device}; "
                 "create the generator on the model's device"
             )
-        processed = apply_processors(logits, [*built, *processors])
-        if keys is not None:
-            tokens = keyed_sample(processed, keys, step)
+        if keys is not None and len(built) == 1 and not processors:
+            # Temperature alone: the distribution is the policy's, whose log-probs are here.
+            tokens = keyed_sample_probs(logprobs_all.exp(), keys, step)
+        elif keys is not None:
+            tokens = keyed_sample(apply_processors(logits, [*built, *processors]), keys, step)
         else:
+            processed = apply_processors(logits, [*built, *processors])
             probs = torch.softmax(processed.float(), dim=-1)
             tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     logprobs = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)

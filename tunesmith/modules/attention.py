@@ -15,6 +15,7 @@ from tunesmith.modules.attention_backends import (
 )
 from tunesmith.modules.kv_cache import KVCache
 from tunesmith.modules.norms import RMSNorm
+from tunesmith.modules.paged_cache import PagedKVCache
 from tunesmith.modules.rope import apply_rotary
 
 __all__ = ["Attention"]
@@ -105,7 +106,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         *,
         mask: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | PagedKVCache | None = None,
         layer_idx: int = 0,
         spans: list[list[tuple[int, int]]] | None = None,
         batch: AttentionBatch | None = None,

@@ -166,6 +166,8 @@ def sdpa_attention(
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=q.shape[2] > 1, enable_gqa=groups > 1
         )
+    if q.device.type == "cpu":  # the CPU kernels group heads under a mask too (no copies)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, enable_gqa=groups > 1)
     # With an explicit mask, repeat kv heads so every SDPA backend accepts it.
     k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask)

@@ -21,6 +21,7 @@ from tunesmith.modules.logits import LogitTransform
 from tunesmith.modules.masks import build_attention_mask, document_causal_mask
 from tunesmith.modules.moe import GroupedExperts
 from tunesmith.modules.norms import RMSNorm
+from tunesmith.modules.paged_cache import PagedKVCache
 from tunesmith.modules.ring_attention import RingShard, ring_batch
 from tunesmith.modules.rope import RotaryEmbedding
 
@@ -148,7 +149,7 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         *,
         mask: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | PagedKVCache | None = None,
         layer_idx: int = 0,
         spans: list[list[tuple[int, int]]] | None = None,
         batch: AttentionBatch | None = None,
@@ -251,22 +252,23 @@ class DecoderModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | PagedKVCache | None = None,
         output_router_logits: bool = False,
         cp_index: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
         b, s = input_ids.shape
-        cache_len = 0
-        if kv_cache is not None:
-            if kv_cache.num_layers != len(self.layers):
-                raise ValueError(
-                    f"kv_cache has {kv_cache.num_layers} layers, the model {len(self.layers)}"
-                )
-            cache_len = kv_cache.seq_len
+        if kv_cache is not None and kv_cache.num_layers != len(self.layers):
+            raise ValueError(
+                f"kv_cache has {kv_cache.num_layers} layers, the model {len(self.layers)}"
+            )
         if position_ids is None:
-            position_ids = torch.arange(cache_len, cache_len + s, device=input_ids.device)[None]
+            position_ids = (
+                torch.arange(s, device=input_ids.device)[None]
+                if kv_cache is None
+                else kv_cache.next_positions(s, device=input_ids.device)
+            )
         elif position_ids.dim() == 1:
             position_ids = position_ids[None]
         if position_ids.shape[-1] != s or position_ids.shape[0] not in (1, b):
@@ -292,14 +294,13 @@ class DecoderModel(nn.Module):
         # One mask and batch per distinct window, built once for every layer that has it.
         batches: dict[int | None, tuple[torch.Tensor | None, AttentionBatch]] = {}
         for window in self.sliding_windows:
-            mask = build_attention_mask(
-                attention_mask,
-                batch_size=b,
-                q_len=s,
-                kv_len=cache_len + s,
-                sliding_window=window,
-                device=input_ids.device,
-            )
+            shape = {"batch_size": b, "q_len": s, "sliding_window": window}
+            if kv_cache is None:
+                mask = build_attention_mask(
+                    attention_mask, kv_len=s, device=input_ids.device, **shape
+                )
+            else:  # the cache knows where the cached keys sit
+                mask = kv_cache.attention_mask(attention_mask, device=input_ids.device, **shape)
             batch = AttentionBatch(
                 backend, mask=mask, document_ids=document_ids, sliding_window=window
             )
@@ -411,7 +412,7 @@ class TransformerLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | PagedKVCache | None = None,
         output_router_logits: bool = False,
         return_hidden_states: bool = False,
         logits_to_keep: int = 0,
@@ -488,6 +489,28 @@ class TransformerLM(nn.Module):
             num_layers=len(self.model.layers),
             batch_size=batch_size,
             max_seq_len=max_seq_len,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            dtype=weight.dtype if dtype is None else dtype,
+            device=weight.device if device is None else device,
+        )
+
+    def init_paged_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> PagedKVCache:
+        """An empty :class:`~tunesmith.modules.paged_cache.PagedKVCache` of ``num_blocks``
+        blocks for this model (default: the weights' dtype/device)."""
+        attn = self.model.layers[0].self_attn
+        weight = self.model.embed_tokens.weight
+        return PagedKVCache(
+            num_layers=len(self.model.layers),
+            num_blocks=num_blocks,
+            block_size=block_size,
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
             dtype=weight.dtype if dtype is None else dtype,

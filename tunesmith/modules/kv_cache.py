@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tunesmith.modules.masks import build_attention_mask
+
 __all__ = ["KVCache"]
 
 
@@ -73,6 +75,31 @@ class KVCache:
                 f"past max_seq_len={self.max_seq_len}"
             )
         self.seq_len += num_tokens
+
+    def next_positions(self, s: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """``[1, s]`` positions of ``s`` new tokens after the cached ones (the model's default
+        ``position_ids``)."""
+        return torch.arange(self.seq_len, self.seq_len + s, device=device)[None]
+
+    def attention_mask(
+        self,
+        attention_mask: torch.Tensor | None,
+        *,
+        batch_size: int,
+        q_len: int,
+        sliding_window: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor | None:
+        """The mask of a forward of ``q_len`` new tokens after the cached ones (see
+        :func:`~tunesmith.modules.masks.build_attention_mask`)."""
+        return build_attention_mask(
+            attention_mask,
+            batch_size=batch_size,
+            q_len=q_len,
+            kv_len=self.seq_len + q_len,
+            sliding_window=sliding_window,
+            device=device,
+        )
 
     def reset(self) -> None:
         """Forget all cached tokens (buffers are kept and overwritten later)."""

@@ -21,9 +21,12 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
+from tunesmith.generation.config import GenerationConfig
 from tunesmith.rl.asynchronous.pipeline import (
     RAY_KEYS,
     ray_address_problem,
@@ -156,6 +159,29 @@ def _workers_problem(keys: Sequence[str]) -> Callable[[Any], str | None]:
     return problem
 
 
+def _generation_problem(section: Any) -> str | None:
+    """What is wrong in the ``generation`` section: what building its
+    :class:`~tunesmith.generation.config.GenerationConfig` (and its ``engine`` settings)
+    raises, so ``validate`` refuses what a run would.
+
+    >>> _generation_problem({"engine": {"max_slots": 0}})
+    'engine.max_slots must be an int >= 1, got 0'
+    >>> _generation_problem({"max_new_token": 8})
+    'max_new_token: unknown key (allowed: max_new_tokens, temperature, top_p, top_k, min_p, stop_strings, stop_tokens, engine)'
+    """
+    if section is None:
+        return None
+    unknown = _unknown_key(section, [f.name for f in fields(GenerationConfig)])
+    if unknown is not None:
+        return unknown
+    values = OmegaConf.to_container(section) if isinstance(section, DictConfig) else section
+    try:
+        GenerationConfig(**dict(values))
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return None
+
+
 def _ray_problem(section: Any) -> str | None:
     """What is wrong in the ``ray`` section: an unknown key, an address that is not one, a
     connect timeout that is not a positive number.
@@ -243,8 +269,9 @@ RL_SECTIONS: tuple[Setting, ...] = (
     Setting("reference_model", component(
         null="the policy with its adapters off, or a frozen copy"),
         "the reference policy of the KL term", None),
-    Setting("generation", mapping("a mapping of generation settings"),
-            "how completions are sampled (max_new_tokens, temperature, ...)", None),
+    Setting("generation", replace(mapping("a mapping of generation settings"),
+            extra=_generation_problem), "how completions are sampled (max_new_tokens, "
+            "temperature, ...) and the engine that samples them (engine: slots, cache)", None),
 )  # fmt: skip
 """The RL keys whose values are components or sections read by what they build."""
 

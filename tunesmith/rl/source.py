@@ -233,6 +233,7 @@ class LocalGroups:
             pad_id=pad_id(tokenizer),
             autocast_dtype=settings.autocast_dtype,
             sync_ranks=ctx.world_size > 1,
+            settings=settings.generation.engine,
         )
         self.round = 0  # collections so far (one or more per batch with dynamic sampling)
 

@@ -131,6 +131,7 @@ class RolloutWorker(_Role):
                 self.tokenizer,
                 pad_id=self.pad_id,
                 autocast_dtype=AUTOCAST[settings.mixed_precision],
+                settings=self.generation.engine,
             )
         self.version = 0
         self.receiver = WeightReceiver(self.device)

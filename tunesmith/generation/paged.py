@@ -1,0 +1,455 @@
+"""The rollout engine: paged KV cache, shared prompts, continuous batching.
+
+:func:`generate_paged` answers the same call as :func:`~tunesmith.generation.generate` and
+returns the same tokens (greedy, and keyed sampling: a row's draws depend only on its key and
+its own step), but does less work for them:
+
+* **Shared prompts.** Rows with the same prompt (a GRPO group) are prefilled once; their block
+  tables point at the same cache blocks for the prompt's full blocks, and each row gets its own
+  copy of the last, partly filled one (copy on write), so the prompt's keys exist once.
+* **Continuous batching.** At most ``max_slots`` rows decode at a time within a cache of
+  ``kv_cache_mib`` MiB. A row that stops (stop token or string, its own ``max_new_tokens``)
+  leaves the batch at once and gives its slot and blocks to the next waiting row, whose prompt
+  is prefilled between two decode steps. A finished row costs no more decode work.
+* **A static cache.** One pool of blocks, allocated once per call (and released after it, so
+  a training step that follows has its memory back); nothing is concatenated or reallocated
+  while decoding. Each row reserves the blocks it can need at admission (prompt plus its
+  ``max_new_tokens``), so a row never waits for memory mid-way and nothing is truncated.
+* **A compiled decode step** (``compile=True``): ``torch.compile`` of the decode forward, with
+  batch and cache widths rounded up to powers of two so a few graphs serve a whole run (CUDA
+  graphs on CUDA: ``mode="reduce-overhead"``).
+
+Under data parallelism with a sharded model (FSDP2, ``sync_ranks``) every rank makes the same
+forward calls: each round, one all-reduce says whether any rank prefills or decodes, and a rank
+with nothing to do runs a one-token forward on the scratch block. Tensor-parallel ranks take
+the first rank's tokens each step, as in the plain engine.
+
+Example::
+
+    >>> from tunesmith.models import llama3
+    >>> from tunesmith.generation.generate import generate
+    >>> model = llama3.llama3_tiny().eval()
+    >>> rows = [[1, 5, 7]] * 4 + [[1, 9]]
+    >>> out = generate_paged(model, rows, max_new_tokens=[3, 3, 3, 3, 5], row_keys=[1, 2, 3, 4, 5],
+    ...                      temperature=1.0, settings=EngineSettings(max_slots=2))
+    >>> out.sequences == generate(model, rows, max_new_tokens=[3, 3, 3, 3, 5],
+    ...                           row_keys=[1, 2, 3, 4, 5], temperature=1.0).sequences
+    True
+    >>> out.stats["prefill_tokens"]  # the shared prompt once, the other once
+    5
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from tunesmith.generation.config import EngineSettings
+from tunesmith.generation.generate import (
+    GenerationOutput,
+    _as_token_lists,
+    _check_positions,
+    _check_vocab,
+    _find_tp_group,
+    _model_device,
+    _RankSync,
+    _reshard,
+    _SharedTokens,
+    _StopStrings,
+    row_limits,
+)
+from tunesmith.generation.sampling import LogitsProcessor, build_processors, sample
+from tunesmith.modules.paged_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["generate_paged", "supports_paged"]
+
+
+def supports_paged(model: nn.Module) -> bool:
+    """Whether ``model`` can decode with a paged cache (our own ``TransformerLM``s can; the
+    transformers backend keeps transformers' own cache and decodes on the plain engine).
+
+    >>> from tunesmith.models import llama3
+    >>> supports_paged(llama3.llama3_tiny())
+    True
+    """
+    return callable(getattr(model, "init_paged_kv_cache", None))
+
+
+def _blocks(positions: int, block_size: int) -> int:
+    return -(-positions // block_size)
+
+
+@dataclass
+class _Prompt:
+    """One distinct prompt (the shared prefix of the rows that repeat it)."""
+
+    ids: list[int]
+    full_blocks: int  # its full cache blocks, shared as they are (the partial one is copied)
+    rows_left: int = 0  # rows of this prompt not finished yet
+    blocks: list[int] = field(default_factory=list)  # its cache blocks, once prefilled
+    logits: Tensor | None = None  # the next-token logits after it, once prefilled
+
+
+@dataclass
+class _Row:
+    index: int
+    prompt: _Prompt
+    limit: int
+    key: int | None
+    table: list[int] = field(default_factory=list)  # its block table (shared blocks first)
+    own: list[int] = field(default_factory=list)  # the blocks it owns (freed when it ends)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stopped: bool = False
+
+
+class _BlockPool:
+    """Free-list of the cache's blocks (block 0 is scratch, never handed out)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free = list(range(num_blocks - 1, 0, -1))
+        self.peak_used = 0
+        self.num_blocks = num_blocks
+
+    def take(self, n: int) -> list[int]:
+        taken = [self.free.pop() for _ in range(n)]
+        self.peak_used = max(self.peak_used, self.num_blocks - 1 - len(self.free))
+        return taken
+
+    def give(self, blocks: list[int]) -> None:
+        self.free.extend(reversed(blocks))
+
+
+class _Scheduler:
+    """Which rows decode, which wait, which cache blocks each holds (host side, no tensors)."""
+
+    def __init__(
+        self,
+        rows: list[list[int]],
+        limits: list[int],
+        keys: list[int] | None,
+        settings: EngineSettings,
+        block_size: int,
+        num_blocks: int,
+    ) -> None:
+        self.block_size = block_size
+        prompts: dict[tuple[int, ...], _Prompt] = {}
+        self.waiting: list[_Row] = []
+        self.rows: list[_Row] = []
+        for i, (ids, limit) in enumerate(zip(rows, limits)):
+            tag: tuple[int, ...] = tuple(ids) if settings.share_prefixes else (i, *ids)
+            prompt = prompts.get(tag)
+            if prompt is None:
+                prompt = prompts[tag] = _Prompt(list(ids), len(ids) // block_size)
+            prompt.rows_left += 1
+            row = _Row(i, prompt, limit, None if keys is None else keys[i])
+            self.rows.append(row)
+            if limit > 0:
+                self.waiting.append(row)
+            else:
+                self._finish(row)
+        self.max_slots = settings.max_slots or len(rows)
+        self.pool = _BlockPool(num_blocks)
+        self.running: list[_Row] = []
+        for row in self.waiting:  # every row must fit alone, or the call could never end
+            if self._need(row, fresh=True) > num_blocks - 1:
+                raise ValueError(
+                    f"generation.engine.kv_cache_mib: prompt {row.index} ({len(row.prompt.ids)} "
+                    f"tokens) with max_new_tokens {row.limit} needs "
+                    f"{self._need(row, fresh=True)} cache blocks of {block_size} positions, the "
+                    f"cache holds {num_blocks - 1}: raise kv_cache_mib or lower max_new_tokens"
+                )
+
+    def _own_blocks(self, row: _Row) -> int:
+        """Blocks a row writes to: its copy of the prompt's last partial block, and its tokens
+        (every sampled token but the last is fed back)."""
+        positions = len(row.prompt.ids) + row.limit - 1
+        return _blocks(positions, self.block_size) - row.prompt.full_blocks
+
+    def _need(self, row: _Row, fresh: bool) -> int:
+        shared = _blocks(len(row.prompt.ids), self.block_size) if fresh else 0
+        return shared + self._own_blocks(row)
+
+    def admit(self) -> tuple[list[_Row], list[_Prompt]]:
+        """Start waiting rows (in order) while a slot and their blocks are free; return them
+        and the prompts among theirs that need a prefill."""
+        started: list[_Row] = []
+        prefill: list[_Prompt] = []
+        while self.waiting and len(self.running) < self.max_slots:
+            row = self.waiting[0]
+            fresh = not row.prompt.blocks
+            if self._need(row, fresh) > len(self.pool.free):
+                break
+            self.waiting.pop(0)
+            if fresh:
+                row.prompt.blocks = self.pool.take(_blocks(len(row.prompt.ids), self.block_size))
+                prefill.append(row.prompt)
+            row.own = self.pool.take(self._own_blocks(row))
+            row.table = row.prompt.blocks[: row.prompt.full_blocks] + row.own
+            self.running.append(row)
+            started.append(row)
+        return started, prefill
+
+    def _finish(self, row: _Row) -> None:
+        self.pool.give(row.own)
+        row.own = []
+        row.prompt.rows_left -= 1
+        if row.prompt.rows_left == 0 and row.prompt.blocks:
+            self.pool.give(row.prompt.blocks)
+            row.prompt.blocks, row.prompt.logits = [], None
+
+    def finish(self, row: _Row) -> None:
+        """A row ended: its slot and blocks go back (its prompt's too, after its last row)."""
+        self.running.remove(row)
+        self._finish(row)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class _Forward:
+    """The model's forward on the paged cache: prefills, and the decode step (compiled when
+    asked, on shapes rounded up to powers of two)."""
+
+    def __init__(self, model: nn.Module, cache: PagedKVCache, compile_step: Any) -> None:
+        self.model, self.cache, self.compiled = model, cache, compile_step
+
+    def __call__(self, ids: Tensor, positions: Tensor, tables: Tensor) -> Tensor:
+        """Last-position logits ``[b, V]`` of ``ids`` ``[b, s]`` at ``positions`` ``[b, s]``."""
+        self.cache.bind(tables, positions)
+        step = self.compiled if self.compiled is not None and ids.shape[1] == 1 else self.model
+        logits = step(ids, position_ids=positions, kv_cache=self.cache, logits_to_keep=1)
+        return logits[:, -1]
+
+    def decode(self, ids: Tensor, positions: Tensor, tables: Tensor) -> Tensor:
+        """One token per row; padded to a power-of-two batch and width when compiled."""
+        if self.compiled is None:
+            return self(ids, positions, tables)
+        b, n = tables.shape
+        pb, pn = _pow2(b), _pow2(n)
+        ids = torch.nn.functional.pad(ids, (0, 0, 0, pb - b))
+        positions = torch.nn.functional.pad(positions, (0, 0, 0, pb - b))
+        tables = torch.nn.functional.pad(tables, (0, pn - n, 0, pb - b))
+        return self(ids, positions, tables)[:b]
+
+
+def _cache_blocks(
+    model: nn.Module,
+    scheduler_rows: list[list[int]],
+    limits: list[int],
+    settings: EngineSettings,
+    share: bool,
+) -> tuple[int, int]:
+    """``(num_blocks, bytes per block)`` of the pool: ``kv_cache_mib``'s worth, or what every
+    row (and each distinct prompt once) needs at worst, plus the scratch block."""
+    probe = model.init_paged_kv_cache(2, settings.block_size, device="meta")
+    per_block = sum(t[0].numel() * t.element_size() for t in (*probe.k, *probe.v))
+    if settings.kv_cache_mib is not None:
+        return max(int(settings.kv_cache_mib * 2**20 // per_block), 2), per_block
+    bs = settings.block_size
+    seen: set[tuple[int, ...]] = set()
+    total = 1
+    for i, (ids, limit) in enumerate(zip(scheduler_rows, limits)):
+        if limit == 0:
+            continue
+        tag = tuple(ids) if share else (i, *ids)
+        if tag not in seen:
+            seen.add(tag)
+            total += _blocks(len(ids), bs)
+        total += _blocks(len(ids) + limit - 1, bs) - len(ids) // bs
+    return max(total, 2), per_block
+
+
+def _table_tensor(rows: list[_Row], used: list[int], device: torch.device) -> Tensor:
+    """The rows' block tables up to the blocks they use now (``used[i]`` each), so a decode step
+    reads only the keys written so far; zero (scratch) beyond."""
+    width = max(used)
+    return torch.tensor(
+        [r.table[:n] + [0] * (width - n) for r, n in zip(rows, used)], device=device
+    )
+
+
+@torch.no_grad()
+def generate_paged(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]] | Tensor,
+    *,
+    max_new_tokens: int | Sequence[int],
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    stop_token_ids: Sequence[int] = (),
+    stop_strings: Sequence[str] = (),
+    decode: Callable[[list[int]], str] | None = None,
+    pad_id: int = 0,
+    generator: torch.Generator | None = None,
+    row_keys: Sequence[int] | Tensor | None = None,
+    processors: Sequence[LogitsProcessor] = (),
+    sync_ranks: bool = False,
+    sync_group: ProcessGroup | None = None,
+    tp_group: ProcessGroup | None = None,
+    settings: EngineSettings | None = None,
+    compiled_step: Any = None,
+) -> GenerationOutput:
+    """Decode like :func:`~tunesmith.generation.generate` (same arguments, same result) with
+    the rollout engine of this module; ``settings`` size and shape it (see
+    :class:`~tunesmith.generation.config.EngineSettings`). ``compiled_step``: a compiled
+    ``model`` forward to decode with (the engine that owns it keeps it across calls).
+
+    Rows without ``row_keys`` draw from ``generator`` in the order the engine samples them,
+    which differs from the plain engine's; with keys (and greedy) the tokens are the plain
+    engine's. ``out.stats``: ``prefill_tokens``, ``decode_steps``, ``decode_rows`` (rows fed
+    over all steps), ``peak_slots``, ``cache_blocks``, ``peak_blocks``, ``cache_mib``.
+    """
+    started = time.perf_counter()
+    settings = settings or EngineSettings()
+    sync_wanted = sync_ranks or sync_group is not None
+    build_processors(temperature, top_k, top_p, min_p)
+    stops = _StopStrings(stop_strings, decode)
+    rows = _as_token_lists(prompts, allow_empty=sync_wanted)
+    limits = row_limits(max_new_tokens, len(rows))
+    keys = None if row_keys is None else [int(k) for k in torch.as_tensor(row_keys).flatten()]
+    if keys is not None and len(keys) != len(rows):
+        raise ValueError(f"row_keys has {len(keys)} keys for {len(rows)} prompts")
+    for i, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    _check_vocab(rows, model)
+    _check_positions(rows, model)
+    device = _model_device(model)
+    stop_ids = sorted(set(map(int, stop_token_ids)))
+    shared = _SharedTokens(tp_group if tp_group is not None else _find_tp_group(model), device)
+    shared.check_same(
+        (rows, limits, keys, stop_ids, tuple(stop_strings), temperature, top_k, top_p, min_p,
+         pad_id, settings)
+    )  # fmt: skip
+    sync = _RankSync(sync_wanted, sync_group, device)
+
+    bs = settings.block_size
+    num_blocks, per_block = _cache_blocks(model, rows, limits, settings, settings.share_prefixes)
+    cache = model.init_paged_kv_cache(num_blocks, bs)
+    if compiled_step is not None and device.type == "cuda":
+        for pool in (*cache.k, *cache.v):  # CUDA graphs write the pools in place, not copies
+            torch._dynamo.mark_static_address(pool)
+    forward = _Forward(model, cache, compiled_step)
+    plan = _Scheduler(rows, limits, keys, settings, bs, num_blocks)
+    stop_set = set(stop_ids)
+    stats = {"prefill_tokens": 0, "decode_steps": 0, "decode_rows": 0, "peak_slots": 0}
+
+    def take(batch: list[_Row], logits: Tensor) -> None:
+        """Sample each row's next token from its logits; finish the rows that end."""
+        out = sample(
+            logits,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            processors=processors,
+            generator=generator,
+            keys=None if keys is None else torch.tensor([r.key for r in batch], device=device),
+            step=torch.tensor([len(r.tokens) for r in batch], device=device),
+        )
+        tokens, logprobs = shared(out.tokens, out.logprobs)
+        for row, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist()):
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            row.stopped = token in stop_set or bool(stops and stops(row.tokens))
+            if row.stopped or len(row.tokens) >= row.limit:
+                plan.finish(row)
+
+    while True:
+        admitted, prefill = plan.admit()
+        stats["peak_slots"] = max(stats["peak_slots"], len(plan.running))
+        # One all-reduce a round under sync_ranks: does any rank prefill, does any decode?
+        any_prefill, any_decode = sync.max(int(bool(prefill)), int(bool(plan.running)))
+        if not (any_prefill or any_decode):
+            break  # nothing runs, so nothing waits either: every row fits an empty cache
+        if any_prefill:
+            _prefill(forward, prefill, pad_id, device, stats)
+        if admitted:
+            for row in admitted:
+                _copy_partial(cache, row, bs)
+            take(admitted, torch.stack([r.prompt.logits for r in admitted]))
+        if not any_decode:
+            continue
+        decoding = list(plan.running)
+        if not decoding:  # another rank decodes: join its collectives on the scratch block
+            _idle_forward(forward, pad_id, device)
+            continue
+        ids = torch.tensor([[r.tokens[-1]] for r in decoding], device=device)
+        at = [len(r.prompt.ids) + len(r.tokens) - 1 for r in decoding]
+        tables = _table_tensor(decoding, [p // bs + 1 for p in at], device)
+        logits = forward.decode(ids, torch.tensor(at, device=device)[:, None], tables)
+        stats["decode_steps"] += 1
+        stats["decode_rows"] += len(decoding)
+        take(decoding, logits)
+    _reshard(model)
+    del cache, forward
+    return GenerationOutput(
+        sequences=[r.tokens for r in plan.rows],
+        logprobs=[r.logprobs for r in plan.rows],
+        prompt_lengths=[len(r) for r in rows],
+        finish_reasons=["stop" if r.stopped else "length" for r in plan.rows],
+        seconds=time.perf_counter() - started,
+        stats={
+            **stats,
+            "cache_blocks": num_blocks - 1,
+            "peak_blocks": plan.pool.peak_used,
+            "cache_mib": num_blocks * per_block / 2**20,
+        },
+    )
+
+
+def _prefill(
+    forward: _Forward,
+    prompts: list[_Prompt],
+    pad_id: int,
+    device: torch.device,
+    stats: dict[str, int],
+) -> None:
+    """Run the new prompts (left-padded into one batch; padding writes to the scratch block)
+    and keep each one's next-token logits. No prompt (another rank prefills): a scratch
+    forward."""
+    if not prompts:
+        _idle_forward(forward, pad_id, device)
+        return
+    length = max(len(p.ids) for p in prompts)
+    width = max(len(p.blocks) for p in prompts)
+    capacity = width * forward.cache.block_size  # a position here writes to scratch
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    positions = torch.full((len(prompts), length), capacity, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, length - len(p.ids) :] = torch.tensor(p.ids)
+        positions[i, length - len(p.ids) :] = torch.arange(len(p.ids))
+    tables = torch.tensor([p.blocks + [0] * (width - len(p.blocks)) for p in prompts])
+    logits = forward(ids.to(device), positions.to(device), tables.to(device))
+    for p, row_logits in zip(prompts, logits):
+        p.logits = row_logits
+    stats["prefill_tokens"] += sum(len(p.ids) for p in prompts)
+
+
+def _copy_partial(cache: PagedKVCache, row: _Row, block_size: int) -> None:
+    """Give ``row`` its own copy of its prompt's last, partly filled block (its first own
+    block), which its first tokens will extend."""
+    prompt = row.prompt
+    if len(prompt.ids) % block_size == 0:
+        return
+    source, target = prompt.blocks[prompt.full_blocks], row.own[0]
+    for pool in (*cache.k, *cache.v):
+        pool[target].copy_(pool[source])
+
+
+def _idle_forward(forward: _Forward, pad_id: int, device: torch.device) -> None:
+    """A one-token forward on the scratch block: joins the collectives of sharded ranks."""
+    zero = torch.zeros((1, 1), dtype=torch.long, device=device)
+    forward(zero + pad_id, zero, zero)
