@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from tunesmith.generation import LocalEngine, RolloutEngine, generate
+from tunesmith.generation.config import EngineSettings
+from tunesmith.generation.paged import generate_paged
 from tunesmith.models import llama3
 from tunesmith.modules.peft.apply import apply_lora
 
@@ -37,12 +39,14 @@ def test_local_engine_is_a_rollout_engine():
     ],
     ids=["greedy", "filtered"],
 )
-def test_generate_is_generate_called_directly(sampling):
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "plain"])
+def test_generate_is_generate_called_directly(sampling, paged):
     model = tiny(0)
     keys = [101, 202, 303]
     settings = {**SETTINGS, **sampling}
-    direct = generate(model, PROMPTS, row_keys=keys, stop_token_ids=[3], pad_id=0, **settings)
-    engine = LocalEngine(model, None, pad_id=0)
+    call = generate_paged if paged else generate
+    direct = call(model, PROMPTS, row_keys=keys, stop_token_ids=[3], pad_id=0, **settings)
+    engine = LocalEngine(model, None, pad_id=0, settings=EngineSettings(paged=paged))
     out = engine.generate(PROMPTS, row_keys=keys, stop_token_ids=[3], **settings)
     assert out.sequences == direct.sequences
     assert out.logprobs == direct.logprobs
@@ -64,31 +68,39 @@ def test_generate_runs_in_eval_mode_without_grad_and_restores_the_mode():
     assert model.training
 
 
-def test_stop_strings_use_the_tokenizer_and_autocast_matches_direct_autocast():
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "plain"])
+def test_stop_strings_use_the_tokenizer_and_autocast_matches_direct_autocast(paged):
     model = tiny(0)
     codec = LetterCodec()
+    engine_settings = EngineSettings(paged=paged)
+    call = generate_paged if paged else generate
     greedy = dict(SETTINGS, temperature=0.0, max_new_tokens=8)
     free = generate(model, PROMPTS, **{**greedy, "stop_strings": []})
     stop = codec.decode(free.sequences[0][1:3])  # the text of tokens 1..2 of row 0
-    engine = LocalEngine(model, codec, pad_id=0)
+    engine = LocalEngine(model, codec, pad_id=0, settings=engine_settings)
     out = engine.generate(
         PROMPTS, row_keys=None, stop_token_ids=[], **{**greedy, "stop_strings": [stop]}
     )
     assert out.finish_reasons[0] == "stop" and out.sequences[0] == free.sequences[0][:3]
     with pytest.raises(ValueError, match="tokenizer=None"):
-        LocalEngine(model, None, pad_id=0).generate(
+        LocalEngine(model, None, pad_id=0, settings=engine_settings).generate(
             PROMPTS, row_keys=None, stop_token_ids=[], **{**greedy, "stop_strings": ["x"]}
         )
+    # under autocast the engine decodes as the function it calls does under the same autocast
+    # (bf16 rounding differs between batchings, so the paged engine is compared to paged)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        direct = generate(model, PROMPTS, **greedy)
-    bf16 = LocalEngine(model, None, pad_id=0, autocast_dtype=torch.bfloat16)
+        direct = call(model, PROMPTS, **greedy)
+    bf16 = LocalEngine(
+        model, None, pad_id=0, autocast_dtype=torch.bfloat16, settings=engine_settings
+    )
     out = bf16.generate(PROMPTS, row_keys=None, stop_token_ids=[], **greedy)
     assert out.sequences == direct.sequences and out.logprobs == direct.logprobs
 
 
-def test_load_weights_round_trip_gives_the_sender_s_model():
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "plain"])
+def test_load_weights_round_trip_gives_the_sender_s_model(paged):
     target, source = tiny(0), tiny(1)
-    engine = LocalEngine(target, None, pad_id=0)
+    engine = LocalEngine(target, None, pad_id=0, settings=EngineSettings(paged=paged))
     sent = {n: p.detach().clone().double() for n, p in source.named_parameters()}  # cast too
     engine.load_weights(sent)
     for name, param in target.named_parameters():
@@ -97,7 +109,7 @@ def test_load_weights_round_trip_gives_the_sender_s_model():
     settings = dict(SETTINGS, temperature=1.0)
     keys = [7, 8, 9]
     ours = engine.generate(PROMPTS, row_keys=keys, stop_token_ids=[], **settings)
-    theirs = generate(source, PROMPTS, row_keys=keys, **settings)
+    theirs = (generate_paged if paged else generate)(source, PROMPTS, row_keys=keys, **settings)
     assert ours.sequences == theirs.sequences and ours.logprobs == theirs.logprobs
 
 

@@ -141,6 +141,7 @@ class _Scheduler:
         num_blocks: int,
     ) -> None:
         self.block_size = block_size
+        self.pool = _BlockPool(num_blocks)
         prompts: dict[tuple[int, ...], _Prompt] = {}
         self.waiting: list[_Row] = []
         self.rows: list[_Row] = []
@@ -157,7 +158,6 @@ class _Scheduler:
             else:
                 self._finish(row)
         self.max_slots = settings.max_slots or len(rows)
-        self.pool = _BlockPool(num_blocks)
         self.running: list[_Row] = []
         for row in self.waiting:  # every row must fit alone, or the call could never end
             if self._need(row, fresh=True) > num_blocks - 1:
@@ -184,11 +184,17 @@ class _Scheduler:
         started: list[_Row] = []
         prefill: list[_Prompt] = []
         while self.waiting and len(self.running) < self.max_slots:
-            row = self.waiting[0]
+            # A row whose prompt is in the cache first (its shared blocks are paid for).
+            row = next((r for r in self.waiting if r.prompt.blocks), self.waiting[0])
             fresh = not row.prompt.blocks
             if self._need(row, fresh) > len(self.pool.free):
-                break
-            self.waiting.pop(0)
+                if self.running:
+                    break  # a running row will give blocks back
+                # Nothing runs, yet prompts kept for their waiting rows fill the cache: drop
+                # them (prefilled again when their rows start), so the row fits the empty cache.
+                self._drop_cached_prompts()
+                continue
+            self.waiting.remove(row)
             if fresh:
                 row.prompt.blocks = self.pool.take(_blocks(len(row.prompt.ids), self.block_size))
                 prefill.append(row.prompt)
@@ -197,6 +203,12 @@ class _Scheduler:
             self.running.append(row)
             started.append(row)
         return started, prefill
+
+    def _drop_cached_prompts(self) -> None:
+        for prompt in {id(r.prompt): r.prompt for r in self.waiting}.values():
+            if prompt.blocks:
+                self.pool.give(prompt.blocks)
+                prompt.blocks, prompt.logits = [], None
 
     def _finish(self, row: _Row) -> None:
         self.pool.give(row.own)
@@ -223,11 +235,15 @@ class _Forward:
     def __init__(self, model: nn.Module, cache: PagedKVCache, compile_step: Any) -> None:
         self.model, self.cache, self.compiled = model, cache, compile_step
 
-    def __call__(self, ids: Tensor, positions: Tensor, tables: Tensor) -> Tensor:
-        """Last-position logits ``[b, V]`` of ``ids`` ``[b, s]`` at ``positions`` ``[b, s]``."""
+    def __call__(
+        self, ids: Tensor, positions: Tensor, tables: Tensor, rope: Tensor | None = None
+    ) -> Tensor:
+        """Last-position logits ``[b, V]`` of ``ids`` ``[b, s]`` written at ``positions``
+        ``[b, s]``; ``rope``: the positions the model sees, where they differ (padding)."""
         self.cache.bind(tables, positions)
         step = self.compiled if self.compiled is not None and ids.shape[1] == 1 else self.model
-        logits = step(ids, position_ids=positions, kv_cache=self.cache, logits_to_keep=1)
+        position_ids = positions if rope is None else rope
+        logits = step(ids, position_ids=position_ids, kv_cache=self.cache, logits_to_keep=1)
         return logits[:, -1]
 
     def decode(self, ids: Tensor, positions: Tensor, tables: Tensor) -> Tensor:
@@ -312,6 +328,11 @@ def generate_paged(
     over all steps), ``peak_slots``, ``cache_blocks``, ``peak_blocks``, ``cache_mib``.
     """
     started = time.perf_counter()
+    if not supports_paged(model):
+        raise ValueError(
+            f"generate_paged: {type(model).__name__} keeps its own KV cache (no "
+            "init_paged_kv_cache); decode it with tunesmith.generation.generate"
+        )
     settings = settings or EngineSettings()
     sync_wanted = sync_ranks or sync_group is not None
     build_processors(temperature, top_k, top_p, min_p)
@@ -432,7 +453,10 @@ def _prefill(
         ids[i, length - len(p.ids) :] = torch.tensor(p.ids)
         positions[i, length - len(p.ids) :] = torch.arange(len(p.ids))
     tables = torch.tensor([p.blocks + [0] * (width - len(p.blocks)) for p in prompts])
-    logits = forward(ids.to(device), positions.to(device), tables.to(device))
+    # Padding is written past the table (to scratch) but rotated as position 0: a family
+    # whose rotary table depends on the largest position (LongRoPE) sees only real ones.
+    rope = positions.masked_fill(positions == capacity, 0)
+    logits = forward(ids.to(device), positions.to(device), tables.to(device), rope.to(device))
     for p, row_logits in zip(prompts, logits):
         p.logits = row_logits
     stats["prefill_tokens"] += sum(len(p.ids) for p in prompts)
