@@ -131,8 +131,8 @@ def test_update_writes_where_the_table_says_and_gathers_every_row_in_position_or
     pool = cache.k[1]
     for row, table in enumerate(tables.tolist()):
         for j, p in enumerate(positions[row].tolist()[:4]):
-            torch.testing.assert_close(pool[table[p // 2], :, p % 2], k[row, :, j])
-    torch.testing.assert_close(pool[0, :, 9 % 2], k[1, :, 4])  # past the table: scratch
+            torch.testing.assert_close(pool[table[p // 2], p % 2], k[row, :, j])
+    torch.testing.assert_close(pool[0, 9 % 2], k[1, :, 4])  # past the table: scratch
     assert not cache.k[0].any() and not cache.v[0].any()  # the other layer: untouched
     # a row reads its own blocks only: row 1's table never names row 0's blocks
     assert not set(tables[0].tolist()) & set(tables[1].tolist()[:2])
@@ -195,7 +195,7 @@ def test_bytes_per_block_is_what_the_pools_hold_per_block(dtype):
     per_block = PagedKVCache.bytes_per_block(layers, size, heads, dim, dtype)
     assert held == blocks * per_block
     assert per_block == 2 * layers * size * heads * dim * (4 if dtype == torch.float32 else 2)
-    assert all(t.dtype == dtype and t.shape == (blocks, heads, size, dim) for t in cache.k)
+    assert all(t.dtype == dtype and t.shape == (blocks, size, heads, dim) for t in cache.k)
 
 
 def test_a_model_s_paged_cache_matches_its_plain_cache_layout():
@@ -203,6 +203,6 @@ def test_a_model_s_paged_cache_matches_its_plain_cache_layout():
     plain: KVCache = model.init_kv_cache(1, 4)
     paged = model.init_paged_kv_cache(3, BLOCK, dtype=torch.bfloat16)
     assert paged.num_layers == plain.num_layers == len(model.model.layers)
-    assert paged.k[0].shape[1] == plain.k[0].shape[1]  # kv heads
+    assert paged.k[0].shape[2] == plain.k[0].shape[1]  # kv heads
     assert paged.k[0].shape[3] == plain.k[0].shape[3]  # head dim
     assert paged.k[0].dtype == torch.bfloat16 and plain.k[0].dtype == torch.float32

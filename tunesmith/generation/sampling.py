@@ -260,7 +260,9 @@ def sample(
     """
     _check_logits(logits)
     built = build_processors(temperature, top_k, top_p, min_p)
-    logprobs_all = policy_logprobs(logits, temperature)
+    scaled = logits.float()
+    if temperature > 0 and temperature != 1:  # dividing by 1 changes nothing: skip the pass
+        scaled = scaled / temperature
     if temperature == 0:
         processed = apply_processors(logits, processors) if processors else logits
         tokens = torch.argmax(processed, dim=-1)
@@ -271,13 +273,15 @@ def sample(
                 "create the generator on the model's device"
             )
         if keys is not None and len(built) == 1 and not processors:
-            # Temperature alone: the distribution is the policy's, whose log-probs are here.
-            tokens = keyed_sample_probs(logprobs_all.exp(), keys, step)
+            # Temperature alone: the draw is from the policy itself.
+            tokens = keyed_sample_probs(torch.softmax(scaled, dim=-1), keys, step)
         elif keys is not None:
             tokens = keyed_sample(apply_processors(logits, [*built, *processors]), keys, step)
         else:
             processed = apply_processors(logits, [*built, *processors])
             probs = torch.softmax(processed.float(), dim=-1)
             tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    logprobs = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+    # log_softmax at the sampled tokens only: their logit less the row's log-sum-exp.
+    picked = scaled.gather(-1, tokens[:, None]).squeeze(-1)
+    logprobs = picked - torch.logsumexp(scaled, dim=-1)
     return SampleOutput(tokens=tokens, logprobs=logprobs)

@@ -32,7 +32,7 @@ __all__ = ["PagedKVCache"]
 
 
 class PagedKVCache:
-    """Per-layer pools ``[num_blocks, kv_heads, block_size, head_dim]`` of keys and values.
+    """Per-layer pools ``[num_blocks, block_size, kv_heads, head_dim]`` of keys and values.
 
     Args:
         num_layers: attention layers of the model (one pool pair each).
@@ -57,13 +57,13 @@ class PagedKVCache:
             raise ValueError(
                 f"PagedKVCache needs at least 2 blocks (one is scratch), got {num_blocks}"
             )
-        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.block_tables: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
-        self._write_block: torch.Tensor | None = None
+        self._write_at: torch.Tensor | None = None
 
     @staticmethod
     def bytes_per_block(
@@ -89,9 +89,8 @@ class PagedKVCache:
         n = block_tables.shape[1]
         logical = (positions // self.block_size).clamp(max=n - 1)
         block = block_tables.gather(1, logical)
-        self._write_block = torch.where(positions < n * self.block_size, block, 0)[:, None]
-        self._write_offset = (positions % self.block_size)[:, None]
-        self._heads = torch.arange(self.k[0].shape[1], device=positions.device)[None, :, None]
+        block = torch.where(positions < n * self.block_size, block, 0)
+        self._write_at = (block * self.block_size + positions % self.block_size).reshape(-1)
 
     def next_positions(self, s: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The bound positions (the model's default ``position_ids``)."""
@@ -104,17 +103,21 @@ class PagedKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``/``v`` (``[b, kv_heads, s, head_dim]``) at the bound positions and return
         every bound row's keys/values ``[b, kv_heads, n * block_size, head_dim]``."""
-        if self._write_block is None or self.block_tables is None:
+        if self._write_at is None or self.block_tables is None:
             raise RuntimeError("PagedKVCache: bind(block_tables, positions) before each forward")
         b, h, s, d = k.shape
         pool_k, pool_v = self.k[layer_idx], self.v[layer_idx]
-        where = (self._write_block, self._heads, self._write_offset)  # [b, h, s] each
-        pool_k[where] = k.to(pool_k.dtype)
-        pool_v[where] = v.to(pool_v.dtype)
-        # One gather per pool, straight into [b, h, n, block, d]: contiguous, no transpose.
-        read = (self.block_tables[:, None, :], self._heads)
+        new_k = k.transpose(1, 2).reshape(b * s, h, d).to(pool_k.dtype)
+        new_v = v.transpose(1, 2).reshape(b * s, h, d).to(pool_v.dtype)
+        pool_k.view(-1, h, d).index_copy_(0, self._write_at, new_k)
+        pool_v.view(-1, h, d).index_copy_(0, self._write_at, new_v)
+        # Whole blocks gathered in table order: position p of a row is index p of its keys
+        # (a view as [b, h, n * block, d], no second copy).
+        blocks = self.block_tables.reshape(-1)
         length = self.block_tables.shape[1] * self.block_size
-        return pool_k[read].view(b, h, length, d), pool_v[read].view(b, h, length, d)
+        keys = pool_k.index_select(0, blocks).view(b, length, h, d).transpose(1, 2)
+        values = pool_v.index_select(0, blocks).view(b, length, h, d).transpose(1, 2)
+        return keys, values
 
     def attention_mask(
         self,
@@ -144,7 +147,7 @@ class PagedKVCache:
         """Nothing to do: every forward binds its own positions."""
 
     def __repr__(self) -> str:
-        _, h, bs, d = self.k[0].shape if self.k else (0, 0, self.block_size, 0)
+        _, bs, h, d = self.k[0].shape if self.k else (0, self.block_size, 0, 0)
         return (
             f"PagedKVCache(layers={self.num_layers}, blocks={self.num_blocks}x{bs}, kv_heads={h}, "
             f"head_dim={d}, dtype={self.k[0].dtype if self.k else None})"
