@@ -2,7 +2,9 @@
 
 :func:`generate_paged` answers the same call as :func:`~tunesmith.generation.generate` and
 returns the same tokens (greedy, and keyed sampling: a row's draws depend only on its key and
-its own step), but does less work for them:
+its own step; up to float rounding: log-probs agree to about 1e-6, and a keyed draw within
+rounding of a token boundary can flip, as between two batchings of the plain engine), but does
+less work for them:
 
 * **Shared prompts.** Rows with the same prompt (a GRPO group) are prefilled once; their block
   tables point at the same cache blocks for the prompt's full blocks, and each row gets its own

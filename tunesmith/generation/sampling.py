@@ -273,8 +273,12 @@ def sample(
                 "create the generator on the model's device"
             )
         if keys is not None and len(built) == 1 and not processors:
-            # Temperature alone: the draw is from the policy itself.
-            tokens = keyed_sample_probs(torch.softmax(scaled, dim=-1), keys, step)
+            # Temperature alone: the draw is from the policy itself, whose probability of the
+            # drawn token gives its log-prob (never 0: a token of probability 0 is not drawn).
+            probs = torch.softmax(scaled, dim=-1)
+            tokens = keyed_sample_probs(probs, keys, step)
+            logprobs = probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+            return SampleOutput(tokens=tokens, logprobs=logprobs)
         elif keys is not None:
             tokens = keyed_sample(apply_processors(logits, [*built, *processors]), keys, step)
         else:
