@@ -52,7 +52,15 @@ from tunesmith.modules.masks import padding_position_ids
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["FinishReason", "GenerationOutput", "generate", "left_pad", "model_positions"]
+__all__ = [
+    "CheckedCall",
+    "FinishReason",
+    "GenerationOutput",
+    "check_call",
+    "generate",
+    "left_pad",
+    "model_positions",
+]
 
 FinishReason = Literal["stop", "length"]
 
@@ -358,6 +366,77 @@ def _reshard(model: nn.Module) -> None:
             module.reshard()
 
 
+@dataclass
+class CheckedCall:
+    """A decode call's arguments, checked once, as both engines start from them (see
+    :func:`check_call`)."""
+
+    rows: list[list[int]]
+    limits: list[int]
+    keys: list[int] | None
+    stop_ids: list[int]
+    stops: _StopStrings
+    device: torch.device
+    shared: _SharedTokens
+    sync: _RankSync
+
+
+def check_call(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]] | Tensor,
+    *,
+    max_new_tokens: int | Sequence[int],
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
+    stop_token_ids: Sequence[int],
+    stop_strings: Sequence[str],
+    decode: Callable[[list[int]], str] | None,
+    pad_id: int,
+    row_keys: Sequence[int] | Tensor | None,
+    sync_ranks: bool,
+    sync_group: ProcessGroup | None,
+    tp_group: ProcessGroup | None,
+    engine: object,
+) -> CheckedCall:
+    """Check a :func:`generate` call's arguments (the same for every engine) before any work:
+    sampling settings, stop strings, prompts (token ids in the vocabulary, room to generate),
+    one limit and key per prompt; tp ranks must agree on all of it and on ``engine`` (the
+    engine's own settings).
+
+    >>> from tunesmith.models import llama3
+    >>> check_call(llama3.llama3_tiny(), [[1, 2], []], max_new_tokens=2, temperature=0.0,
+    ...            top_k=None, top_p=None, min_p=None, stop_token_ids=(), stop_strings=(),
+    ...            decode=None, pad_id=0, row_keys=None, sync_ranks=False, sync_group=None,
+    ...            tp_group=None, engine=None)
+    Traceback (most recent call last):
+    ValueError: prompt 1 is empty: every prompt needs at least one token
+    """
+    sync_wanted = sync_ranks or sync_group is not None
+    build_processors(temperature, top_k, top_p, min_p)  # validate the settings before any work
+    stops = _StopStrings(stop_strings, decode)
+    rows = _as_token_lists(prompts, allow_empty=sync_wanted)
+    limits = row_limits(max_new_tokens, len(rows))
+    keys = None if row_keys is None else [int(k) for k in torch.as_tensor(row_keys).flatten()]
+    if keys is not None and len(keys) != len(rows):
+        raise ValueError(f"row_keys has {len(keys)} keys for {len(rows)} prompts")
+    for i, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    _check_vocab(rows, model)
+    _check_positions(rows, model)
+    device = _model_device(model)
+    stop_ids = sorted(set(map(int, stop_token_ids)))
+    shared = _SharedTokens(tp_group if tp_group is not None else _find_tp_group(model), device)
+    shared.check_same(
+        (rows, limits, keys, stop_ids, tuple(stop_strings), temperature, top_k, top_p, min_p,
+         pad_id, engine)
+    )  # fmt: skip
+    sync = _RankSync(sync_wanted, sync_group, device)
+    return CheckedCall(rows, limits, keys, stop_ids, stops, device, shared, sync)
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -421,40 +500,27 @@ def generate(
     after.
     """
     started = time.perf_counter()
-    sync_wanted = sync_ranks or sync_group is not None
-    build_processors(temperature, top_k, top_p, min_p)  # validate the settings before any work
-    stop_strings_check = _StopStrings(stop_strings, decode)
-    rows = _as_token_lists(prompts, allow_empty=sync_wanted)
-    limits = row_limits(max_new_tokens, len(rows))
+    call = check_call(
+        model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, min_p=min_p, stop_token_ids=stop_token_ids, stop_strings=stop_strings,
+        decode=decode, pad_id=pad_id, row_keys=row_keys, sync_ranks=sync_ranks,
+        sync_group=sync_group, tp_group=tp_group, engine=use_cache,
+    )  # fmt: skip
+    rows, limits, stop_ids, device, shared = (
+        call.rows,
+        call.limits,
+        call.stop_ids,
+        call.device,
+        call.shared,
+    )
+    stop_strings_check = call.stops
     prompt_lengths = [len(r) for r in rows]
     n_rows = len(rows)
-    keys = None if row_keys is None else torch.as_tensor(row_keys, dtype=torch.int64).flatten()
-    if keys is not None and keys.numel() != len(rows):
-        raise ValueError(f"row_keys has {keys.numel()} keys for {len(rows)} prompts")
-    _check_vocab([r for r in rows if r], model)
-    _check_positions(rows, model)
-    device = _model_device(model)
-    stop_ids = sorted(set(map(int, stop_token_ids)))
-    shared = _SharedTokens(tp_group if tp_group is not None else _find_tp_group(model), device)
-    shared.check_same(
-        (
-            rows,
-            limits,
-            None if keys is None else keys.tolist(),
-            stop_ids,
-            tuple(stop_strings),
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            pad_id,
-            use_cache,
-        )
-    )
+    keys = None if call.keys is None else torch.tensor(call.keys, dtype=torch.int64)
     if not rows:  # a rank with nothing to do still joins every step: one masked dummy row
         rows, limits = [[pad_id]], [0]
         keys = None if keys is None else torch.zeros(1, dtype=torch.int64)
-    sync = _RankSync(sync_wanted, sync_group, device)
+    sync = call.sync
     # The loop runs ``steps`` times at most on every rank; it can end earlier only if a row
     # can stop before its limit (a stop token or string on some rank).
     steps, can_stop = sync.max(max(limits), int(bool(stop_ids) or bool(stop_strings_check)))

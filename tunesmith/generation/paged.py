@@ -52,20 +52,8 @@ import torch
 from torch import Tensor, nn
 
 from tunesmith.generation.config import EngineSettings
-from tunesmith.generation.generate import (
-    GenerationOutput,
-    _as_token_lists,
-    _check_positions,
-    _check_vocab,
-    _find_tp_group,
-    _model_device,
-    _RankSync,
-    _reshard,
-    _SharedTokens,
-    _StopStrings,
-    row_limits,
-)
-from tunesmith.generation.sampling import LogitsProcessor, build_processors, sample
+from tunesmith.generation.generate import GenerationOutput, _reshard, check_call
+from tunesmith.generation.sampling import LogitsProcessor, sample
 from tunesmith.modules.paged_cache import PagedKVCache
 
 if TYPE_CHECKING:
@@ -265,7 +253,6 @@ def _cache_blocks(
     scheduler_rows: list[list[int]],
     limits: list[int],
     settings: EngineSettings,
-    share: bool,
 ) -> tuple[int, int]:
     """``(num_blocks, bytes per block)`` of the pool: ``kv_cache_mib``'s worth, or what every
     row (and each distinct prompt once) needs at worst, plus the scratch block."""
@@ -279,7 +266,7 @@ def _cache_blocks(
     for i, (ids, limit) in enumerate(zip(scheduler_rows, limits)):
         if limit == 0:
             continue
-        tag = tuple(ids) if share else (i, *ids)
+        tag = tuple(ids) if settings.share_prefixes else (i, *ids)
         if tag not in seen:
             seen.add(tag)
             total += _blocks(len(ids), bs)
@@ -336,30 +323,17 @@ def generate_paged(
             "init_paged_kv_cache); decode it with tunesmith.generation.generate"
         )
     settings = settings or EngineSettings()
-    sync_wanted = sync_ranks or sync_group is not None
-    build_processors(temperature, top_k, top_p, min_p)
-    stops = _StopStrings(stop_strings, decode)
-    rows = _as_token_lists(prompts, allow_empty=sync_wanted)
-    limits = row_limits(max_new_tokens, len(rows))
-    keys = None if row_keys is None else [int(k) for k in torch.as_tensor(row_keys).flatten()]
-    if keys is not None and len(keys) != len(rows):
-        raise ValueError(f"row_keys has {len(keys)} keys for {len(rows)} prompts")
-    for i, row in enumerate(rows):
-        if not row:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-    _check_vocab(rows, model)
-    _check_positions(rows, model)
-    device = _model_device(model)
-    stop_ids = sorted(set(map(int, stop_token_ids)))
-    shared = _SharedTokens(tp_group if tp_group is not None else _find_tp_group(model), device)
-    shared.check_same(
-        (rows, limits, keys, stop_ids, tuple(stop_strings), temperature, top_k, top_p, min_p,
-         pad_id, settings)
+    call = check_call(
+        model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, min_p=min_p, stop_token_ids=stop_token_ids, stop_strings=stop_strings,
+        decode=decode, pad_id=pad_id, row_keys=row_keys, sync_ranks=sync_ranks,
+        sync_group=sync_group, tp_group=tp_group, engine=settings,
     )  # fmt: skip
-    sync = _RankSync(sync_wanted, sync_group, device)
+    rows, limits, keys, stops, device = call.rows, call.limits, call.keys, call.stops, call.device
+    shared, sync, stop_ids = call.shared, call.sync, call.stop_ids
 
     bs = settings.block_size
-    num_blocks, per_block = _cache_blocks(model, rows, limits, settings, settings.share_prefixes)
+    num_blocks, per_block = _cache_blocks(model, rows, limits, settings)
     cache = model.init_paged_kv_cache(num_blocks, bs)
     if compiled_step is not None and device.type == "cuda":
         for pool in (*cache.k, *cache.v):  # CUDA graphs write the pools in place, not copies

@@ -474,6 +474,18 @@ class TransformerLM(nn.Module):
         logits = self.lm_head(hidden)
         return logits if self.logit_transform is None else self.logit_transform(logits)
 
+    def _cache_sizes(self, dtype: torch.dtype | None, device: Any) -> dict[str, Any]:
+        """What every cache of this model is sized by (default: the weights' dtype/device)."""
+        attn = self.model.layers[0].self_attn
+        weight = self.model.embed_tokens.weight
+        return {
+            "num_layers": len(self.model.layers),
+            "num_kv_heads": attn.num_kv_heads,
+            "head_dim": attn.head_dim,
+            "dtype": weight.dtype if dtype is None else dtype,
+            "device": weight.device if device is None else device,
+        }
+
     def init_kv_cache(
         self,
         batch_size: int,
@@ -483,17 +495,8 @@ class TransformerLM(nn.Module):
         device: torch.device | str | None = None,
     ) -> KVCache:
         """An empty :class:`KVCache` sized for this model (default: the weights' dtype/device)."""
-        attn = self.model.layers[0].self_attn
-        weight = self.model.embed_tokens.weight
-        return KVCache(
-            num_layers=len(self.model.layers),
-            batch_size=batch_size,
-            max_seq_len=max_seq_len,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            dtype=weight.dtype if dtype is None else dtype,
-            device=weight.device if device is None else device,
-        )
+        sizes = self._cache_sizes(dtype, device)
+        return KVCache(batch_size=batch_size, max_seq_len=max_seq_len, **sizes)
 
     def init_paged_kv_cache(
         self,
@@ -505,17 +508,8 @@ class TransformerLM(nn.Module):
     ) -> PagedKVCache:
         """An empty :class:`~tunesmith.modules.paged_cache.PagedKVCache` of ``num_blocks``
         blocks for this model (default: the weights' dtype/device)."""
-        attn = self.model.layers[0].self_attn
-        weight = self.model.embed_tokens.weight
-        return PagedKVCache(
-            num_layers=len(self.model.layers),
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            dtype=weight.dtype if dtype is None else dtype,
-            device=weight.device if device is None else device,
-        )
+        sizes = self._cache_sizes(dtype, device)
+        return PagedKVCache(num_blocks=num_blocks, block_size=block_size, **sizes)
 
     # -- weights -----------------------------------------------------------------------------
 
