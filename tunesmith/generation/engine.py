@@ -168,7 +168,9 @@ class LocalEngine:
         if not (self.paged and self.settings.compile):
             return None
         if self._compiled is None:
-            if any(type(p).__name__ == "DTensor" for p in self.model.parameters()):
+            from torch.distributed.tensor import DTensor
+
+            if any(isinstance(p, DTensor) for p in self.model.parameters()):
                 raise ValueError(
                     "generation.engine.compile: the decode step of a sharded model (FSDP2, "
                     "tensor parallel) is not compiled; set compile: false"
