@@ -1,4 +1,4 @@
-"""The machine line every benchmark results file starts with.
+"""The lines every benchmark results file starts with: the machine, the command that made it.
 
 >>> "x" in machine()  # e.g. '2 x AMD EPYC 7B13 (x86_64), 24 GiB RAM'
 True
@@ -6,9 +6,12 @@ True
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 
 def machine() -> str:
@@ -24,3 +27,27 @@ def machine() -> str:
     except OSError:
         mem = ""
     return f"{os.cpu_count()} x {cpu} ({platform.machine()}){mem}"
+
+
+def command_line(
+    script: str, args: argparse.Namespace, defaults: Mapping[str, Any], skip: Iterable[str] = ()
+) -> str:
+    """``python SCRIPT`` and every flag whose value is not its default (``skip``: left out).
+
+    >>> ns = argparse.Namespace(threads=1, new_tokens=32, dry_run=True)
+    >>> command_line("benchmarks/x.py", ns, {"threads": 1, "new_tokens": 64, "dry_run": False})
+    'python benchmarks/x.py --new-tokens 32 --dry-run'
+    """
+    parts = [f"python {script}"]
+    for flag, default in defaults.items():
+        value = getattr(args, flag)
+        if flag in skip or value == default:
+            continue
+        key = "--" + flag.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(key)
+        elif isinstance(value, list):
+            parts.append(f"{key} {' '.join(map(str, value))}")
+        else:
+            parts.append(f"{key} {value}")
+    return " ".join(parts)

@@ -58,6 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "rl_step.md"
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
+from machine_info import command_line  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from sft_ladder import machine  # noqa: E402
 from sft_mfu import MODEL  # noqa: E402
@@ -333,18 +334,7 @@ def comparisons(summary: dict[str, dict[str, Any]]) -> str:
 
 
 def command(args: argparse.Namespace) -> str:
-    parts = ["python benchmarks/rl_step.py"]
-    for flag, default in DEFAULTS.items():
-        value = getattr(args, flag)
-        if value != default:
-            key = "--" + flag.replace("_", "-")
-            if isinstance(value, bool):
-                parts.append(key)
-            elif isinstance(value, list):
-                parts.append(f"{key} {' '.join(map(str, value))}")
-            else:
-                parts.append(f"{key} {value}")
-    return " ".join(parts)
+    return command_line("benchmarks/rl_step.py", args, DEFAULTS)
 
 
 def device_text(args: argparse.Namespace) -> str:

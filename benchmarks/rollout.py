@@ -77,7 +77,7 @@ RESULTS_DIR = REPO / "benchmarks" / "results"
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 import rl_step  # noqa: E402
-from machine_info import machine  # noqa: E402
+from machine_info import command_line, machine  # noqa: E402
 from sft_mfu import MODEL  # noqa: E402
 
 from tunesmith.generation import generate  # noqa: E402
@@ -955,23 +955,13 @@ def gpu_section(bench: Bench, out_dir: Path) -> str:
 
 
 def command(args: argparse.Namespace) -> str:
-    parts = ["python benchmarks/rollout.py"]
-    for flag, default in DEFAULTS.items():
-        value = getattr(args, flag)
-        if flag in ("out", "sections") or value == default:
-            continue
-        if flag == "compile_backend" and value == ("eager" if args.dry_run else "inductor"):
-            continue
-        key = "--" + flag.replace("_", "-")
-        if isinstance(value, bool):
-            parts.append(key)
-        elif isinstance(value, list):
-            parts.append(f"{key} {' '.join(map(str, value))}")
-        else:
-            parts.append(f"{key} {value}")
+    skip = ["out", "sections"]
+    if args.compile_backend == ("eager" if args.dry_run else "inductor"):
+        skip.append("compile_backend")  # the backend the run picks by itself
+    line = command_line("benchmarks/rollout.py", args, DEFAULTS, skip)
     if set(args.sections) != set(DEFAULTS["sections"]):
-        parts.append(f"--sections {' '.join(args.sections)}")
-    return " ".join(parts)
+        line += f" --sections {' '.join(args.sections)}"
+    return line
 
 
 def device_text(bench: Bench) -> str:

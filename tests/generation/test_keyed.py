@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tunesmith.generation.keyed import keyed_sample, keyed_uniform, row_key
+from tunesmith.generation import keyed
+from tunesmith.generation.keyed import keyed_sample, keyed_sample_probs, keyed_uniform, row_key
 
 
 def test_rows_do_not_depend_on_their_batch():
@@ -48,3 +49,24 @@ def test_draws_follow_the_softmax_and_respect_masked_tokens():
     assert counts[4] == 0  # a -inf logit is never drawn
     # 40000 draws: the standard error of each frequency is below 0.0025
     assert torch.allclose(freq, probs, atol=0.015), freq
+
+
+def test_the_two_level_draw_is_the_full_cumulative_sum_s_and_never_a_zero(monkeypatch):
+    """Chunk sums then one chunk pick the token one cumulative sum over the vocabulary picks;
+    a draw rounded up to the total (float32) takes the last token with mass, not a zero."""
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(64, 1000) * 3, dim=-1)  # 1000 = 3 chunks of 256 + 232
+    keys = torch.arange(64)
+    for step in range(5):
+        cdf = torch.cumsum(probs.double(), -1)
+        u = keyed_uniform(keys, step)[:, None] * cdf[:, -1:]
+        full = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+        two_level = keyed_sample_probs(probs, keys, step)
+        assert (two_level != full).sum() <= 1  # a float32 rounding at a boundary, at most
+    zeros_after = probs.clone()
+    zeros_after[:, 700:] = 0.0  # the last chunk and the end of the one before: no mass
+    monkeypatch.setattr(
+        keyed, "keyed_uniform", lambda k, s: torch.ones(len(k), dtype=torch.float64)
+    )
+    tokens = keyed_sample_probs(zeros_after, keys, 0)
+    assert torch.equal(tokens, torch.full((64,), 699))

@@ -92,8 +92,8 @@ def keyed_sample(logits: Tensor, keys: Tensor, step: int | Tensor) -> Tensor:
 
 
 def keyed_sample_probs(probs: Tensor, keys: Tensor, step: int | Tensor) -> Tensor:
-    """:func:`keyed_sample` from probabilities ``[b, V]`` already computed (e.g. the exponent
-    of log-probabilities the caller needs anyway).
+    """:func:`keyed_sample` from probabilities ``[b, V]`` already computed (e.g. the softmax
+    whose entry at the drawn token the caller keeps as its probability).
 
     >>> int(keyed_sample_probs(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([3]), step=0))
     1
@@ -109,10 +109,18 @@ def keyed_sample_probs(probs: Tensor, keys: Tensor, step: int | Tensor) -> Tenso
         sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], dim=1)
     chunk_cdf = torch.cumsum(sums, dim=-1)  # [b, chunks]
     u = keyed_uniform(keys.to(probs.device), step).to(probs.dtype)[:, None] * chunk_cdf[:, -1:]
-    which = torch.searchsorted(chunk_cdf, u, right=True).clamp(max=chunk_cdf.shape[1] - 1)
+    # A draw rounded up to the total (u cast to the probabilities' dtype) would fall past the
+    # last chunk or token with any mass: it takes that last one instead, never a zero.
+    which = torch.minimum(torch.searchsorted(chunk_cdf, u, right=True), _last_positive(sums))
     before = torch.where(which > 0, chunk_cdf.gather(1, (which - 1).clamp(min=0)), 0.0)
     columns = which * chunk + torch.arange(chunk, device=probs.device)  # [b, chunk]
     inside = probs.gather(1, columns.clamp(max=vocab - 1)) * (columns < vocab)
-    offset = torch.searchsorted(inside.cumsum(-1), u - before, right=True).clamp(max=chunk - 1)
-    tokens = (which * chunk + offset).squeeze(-1)
-    return tokens.clamp(max=vocab - 1)
+    offset = torch.searchsorted(inside.cumsum(-1), u - before, right=True)
+    offset = torch.minimum(offset, _last_positive(inside))
+    return (which * chunk + offset).squeeze(-1)
+
+
+def _last_positive(x: Tensor) -> Tensor:
+    """``[b, 1]``: the index of each row's last entry > 0 (0 when there is none)."""
+    last = x.shape[-1] - 1 - (x > 0).flip(-1).to(torch.int8).argmax(-1, keepdim=True)
+    return torch.where((x > 0).any(-1, keepdim=True), last, 0)

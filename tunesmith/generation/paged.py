@@ -128,10 +128,8 @@ class _Scheduler:
         keys: list[int] | None,
         settings: EngineSettings,
         block_size: int,
-        num_blocks: int,
     ) -> None:
         self.block_size = block_size
-        self.pool = _BlockPool(num_blocks)
         prompts: dict[tuple[int, ...], _Prompt] = {}
         self.waiting: list[_Row] = []
         self.rows: list[_Row] = []
@@ -140,22 +138,31 @@ class _Scheduler:
             prompt = prompts.get(tag)
             if prompt is None:
                 prompt = prompts[tag] = _Prompt(list(ids), len(ids) // block_size)
-            prompt.rows_left += 1
             row = _Row(i, prompt, limit, None if keys is None else keys[i])
             self.rows.append(row)
-            if limit > 0:
+            if limit > 0:  # a row with nothing to generate is answered empty, never prefilled
+                prompt.rows_left += 1
                 self.waiting.append(row)
-            else:
-                self._finish(row)
         self.max_slots = settings.max_slots or len(rows)
         self.running: list[_Row] = []
-        for row in self.waiting:  # every row must fit alone, or the call could never end
+
+    def worst_case_blocks(self) -> int:
+        """Blocks for every row at once (each distinct prompt once), the scratch one too."""
+        prompts = {id(r.prompt): r.prompt for r in self.waiting}.values()
+        shared = sum(_blocks(len(p.ids), self.block_size) for p in prompts)
+        return 1 + shared + sum(self._own_blocks(r) for r in self.waiting)
+
+    def use_pool(self, num_blocks: int) -> None:
+        """Hand out the blocks of a cache of ``num_blocks``, which must hold every row alone
+        (or the call could never end)."""
+        self.pool = _BlockPool(num_blocks)
+        for row in self.waiting:
             if self._need(row, fresh=True) > num_blocks - 1:
                 raise ValueError(
                     f"generation.engine.kv_cache_mib: prompt {row.index} ({len(row.prompt.ids)} "
                     f"tokens) with max_new_tokens {row.limit} needs "
-                    f"{self._need(row, fresh=True)} cache blocks of {block_size} positions, the "
-                    f"cache holds {num_blocks - 1}: raise kv_cache_mib or lower max_new_tokens"
+                    f"{self._need(row, fresh=True)} cache blocks of {self.block_size} positions, "
+                    f"the cache holds {num_blocks - 1}: raise kv_cache_mib or lower max_new_tokens"
                 )
 
     def _own_blocks(self, row: _Row) -> int:
@@ -200,18 +207,15 @@ class _Scheduler:
                 self.pool.give(prompt.blocks)
                 prompt.blocks, prompt.logits = [], None
 
-    def _finish(self, row: _Row) -> None:
+    def finish(self, row: _Row) -> None:
+        """A row ended: its slot and blocks go back (its prompt's too, after its last row)."""
+        self.running.remove(row)
         self.pool.give(row.own)
         row.own = []
         row.prompt.rows_left -= 1
         if row.prompt.rows_left == 0 and row.prompt.blocks:
             self.pool.give(row.prompt.blocks)
             row.prompt.blocks, row.prompt.logits = [], None
-
-    def finish(self, row: _Row) -> None:
-        """A row ended: its slot and blocks go back (its prompt's too, after its last row)."""
-        self.running.remove(row)
-        self._finish(row)
 
 
 def _pow2(n: int) -> int:
@@ -248,30 +252,13 @@ class _Forward:
         return self(ids, positions, tables)[:b]
 
 
-def _cache_blocks(
-    model: nn.Module,
-    scheduler_rows: list[list[int]],
-    limits: list[int],
-    settings: EngineSettings,
-) -> tuple[int, int]:
+def _cache_blocks(model: nn.Module, plan: _Scheduler, settings: EngineSettings) -> tuple[int, int]:
     """``(num_blocks, bytes per block)`` of the pool: ``kv_cache_mib``'s worth, or what every
     row (and each distinct prompt once) needs at worst, plus the scratch block."""
-    probe = model.init_paged_kv_cache(2, settings.block_size, device="meta")
-    per_block = sum(t[0].numel() * t.element_size() for t in (*probe.k, *probe.v))
+    per_block = model.init_paged_kv_cache(2, settings.block_size, device="meta").block_bytes
     if settings.kv_cache_mib is not None:
         return max(int(settings.kv_cache_mib * 2**20 // per_block), 2), per_block
-    bs = settings.block_size
-    seen: set[tuple[int, ...]] = set()
-    total = 1
-    for i, (ids, limit) in enumerate(zip(scheduler_rows, limits)):
-        if limit == 0:
-            continue
-        tag = tuple(ids) if settings.share_prefixes else (i, *ids)
-        if tag not in seen:
-            seen.add(tag)
-            total += _blocks(len(ids), bs)
-        total += _blocks(len(ids) + limit - 1, bs) - len(ids) // bs
-    return max(total, 2), per_block
+    return max(plan.worst_case_blocks(), 2), per_block
 
 
 def _table_tensor(rows: list[_Row], used: list[int], device: torch.device) -> Tensor:
@@ -333,13 +320,14 @@ def generate_paged(
     shared, sync, stop_ids = call.shared, call.sync, call.stop_ids
 
     bs = settings.block_size
-    num_blocks, per_block = _cache_blocks(model, rows, limits, settings)
+    plan = _Scheduler(rows, limits, keys, settings, bs)
+    num_blocks, per_block = _cache_blocks(model, plan, settings)
+    plan.use_pool(num_blocks)
     cache = model.init_paged_kv_cache(num_blocks, bs)
     if compiled_step is not None and device.type == "cuda":
         for pool in (*cache.k, *cache.v):  # CUDA graphs write the pools in place, not copies
             torch._dynamo.mark_static_address(pool)
     forward = _Forward(model, cache, compiled_step)
-    plan = _Scheduler(rows, limits, keys, settings, bs, num_blocks)
     stop_set = set(stop_ids)
     stats = {"prefill_tokens": 0, "decode_steps": 0, "decode_rows": 0, "peak_slots": 0}
 

@@ -210,10 +210,15 @@ def policy_logprobs(logits: Tensor, temperature: float = 0.0) -> Tensor:
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return torch.log_softmax(_tempered(logits, temperature), dim=-1)
+
+
+def _tempered(logits: Tensor, temperature: float) -> Tensor:
+    """``logits / temperature`` in float32 (as they are for 0, greedy, and for 1)."""
     logits = logits.float()
     if temperature > 0 and temperature != 1:  # dividing by 1 changes nothing: skip the pass
         logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1)
+    return logits
 
 
 @dataclass
@@ -260,9 +265,7 @@ def sample(
     """
     _check_logits(logits)
     built = build_processors(temperature, top_k, top_p, min_p)
-    scaled = logits.float()
-    if temperature > 0 and temperature != 1:  # dividing by 1 changes nothing: skip the pass
-        scaled = scaled / temperature
+    scaled = _tempered(logits, temperature)
     if temperature == 0:
         processed = apply_processors(logits, processors) if processors else logits
         tokens = torch.argmax(processed, dim=-1)

@@ -81,6 +81,12 @@ class PagedKVCache:
     def num_layers(self) -> int:
         return len(self.k)
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block of this cache takes over all layers (keys and values)."""
+        _, block_size, heads, dim = self.k[0].shape
+        return self.bytes_per_block(self.num_layers, block_size, heads, dim, self.k[0].dtype)
+
     def bind(self, block_tables: torch.Tensor, positions: torch.Tensor) -> None:
         """Set the rows of the next forward: ``block_tables`` ``[b, n]`` (pool block ids) and
         ``positions`` ``[b, s]`` of the new tokens (a position at or past ``n * block_size``,
