@@ -104,7 +104,7 @@ DRY_QWEN = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}  # fmt: skip
 # Metrics of a GRPO step that depend on the sampled tokens (compared between the engines).
 GRPO_CHECKED = ("reward", "reward_std", "completion_length", "completion_length_max",
-                "stopped_fraction", "tokens_seen", "completion_tokens", "loss", "grad_norm",
+                "stopped_fraction", "tokens_seen", "completion_tokens_in_window", "loss", "grad_norm",
                 "entropy", "kl", "approx_kl", "advantage_mean", "advantage_std")  # fmt: skip
 # The sampler's log-probs against the trainer's: each engine rounds its own way, so these are
 # shown side by side rather than expected equal.

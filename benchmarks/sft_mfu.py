@@ -340,7 +340,7 @@ def run_config(name: str, world: Path, steps: int, threads: int, profile: bool) 
         "cpu_peak": max(p[1] for p in peaks),
         "first_step_s": next(r["first_step_s"] for r in records if "first_step_s" in r),
         "tokens": [r["tokens_per_s"] * r["step_time_s"] for r in timed],
-        "trained": [r["trained_tokens"] for r in timed],
+        "trained": [r["trained_tokens_in_window"] for r in timed],
         "linear_ce": "Linear" in cfg["loss"]["_component_"],
         "seconds": [r["step_time_s"] for r in timed],
         "cpu_seconds": [(clock[r["step"]] - clock[r["step"] - 1]) / threads for r in timed],

@@ -18,6 +18,7 @@ from tunesmith.cli.checkpoint_loading import (
     resolve_checkpoint,
 )
 from tunesmith.cli.main import main
+from tunesmith.models.base_record import BASE_RECORD
 from tunesmith.models.export import export_merged
 
 
@@ -62,6 +63,7 @@ def _copy_run(world, tmp_path, base_name: str, keep_config: bool):
     config = json.loads((step / "adapter_config.json").read_text())
     config["base_model_name_or_path"] = base_name
     (step / "adapter_config.json").write_text(json.dumps(config))
+    (step / BASE_RECORD).unlink()  # an adapter without a record (peft's, or an older one)
     return run, step
 
 
@@ -76,7 +78,7 @@ def test_a_relative_or_stale_base_is_found_from_anywhere(world, tmp_path, monkey
     with pytest.raises(
         CheckpointNotFoundError,
         match=r"base model '/gone/model' not found "
-        r"\(tried /gone/model\); pass the base model folder with --base-dir",
+        r"\(tried /gone/model\); give the base model's folder \(`tunesmith ... --base-dir DIR`",
     ):
         adapter_base(step)
     assert adapter_base(step, world["model"]) == world["model"]

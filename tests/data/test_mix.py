@@ -297,7 +297,9 @@ def test_sft_trains_on_a_mixed_config(world, tmp_path, capsys):
     assert "dataset: mix of 3 parts -> 8 samples (seed 0)" in out
     metrics = read_metrics(tmp_path / "out")
     assert sorted(metrics) == [1, 2, 3]
-    assert all(math.isfinite(m["loss"]) and m["trained_tokens"] > 0 for m in metrics.values())
+    assert all(
+        math.isfinite(m["loss"]) and m["trained_tokens_in_window"] > 0 for m in metrics.values()
+    )
 
 
 def test_a_mix_packs_to_its_longest_max_seq_len(world, tok):

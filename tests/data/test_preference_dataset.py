@@ -311,15 +311,15 @@ def test_drop_and_emptied_responses_are_bad_rows(tok, tmp_path):
     path = write_jsonl(tmp_path / "two.jsonl", [short, PAIR])
     limit = len(reference(tok, short_prompt, msg("assistant", "go away"))[0])
     assert len(prompt_ids(tok, PROMPT)) >= limit  # the long pair's prompt alone fills it
-    with pytest.raises(BadRowError, match=r"two\.jsonl: bad row 1 \(line 2\): too_long"):
+    with pytest.raises(BadRowError, match=r"two\.jsonl: bad row at line 2: too_long"):
         PreferenceDataset(tok, source=path, max_seq_len=limit, truncation="drop")
     dropped = PreferenceDataset(
         tok, source=path, max_seq_len=limit, truncation="drop", on_bad_row="skip"
     )
-    assert dropped.row_indices == [0] and dropped.report.examples == {"too_long": [1]}
+    assert dropped.row_indices == [0] and dropped.report.examples == {"too_long": [2]}  # line 2
     # keep_end without max_prompt_len: the long prompt leaves the responses nothing
     with pytest.raises(
-        BadRowError, match=r"bad row 1 \(line 2\): no_trained_tokens: .*max_prompt_len"
+        BadRowError, match=r"bad row at line 2: no_trained_tokens: .*max_prompt_len"
     ):
         PreferenceDataset(tok, source=path, max_seq_len=limit)
     # a budget of one response token: that token is trained, its label sits on the prompt's
@@ -334,7 +334,7 @@ def test_identical_after_truncation_or_tokenisation_is_a_bad_row(tok, llama_tok,
     path = write_jsonl(
         tmp_path / "trim.jsonl", [{"prompt": "hi", "chosen": "hot ", "rejected": "hot"}]
     )
-    with pytest.raises(BadRowError, match="bad row 0 .*identical_responses: .*same tokens"):
+    with pytest.raises(BadRowError, match="bad row at line 1: identical_responses: .*same tokens"):
         PreferenceDataset(llama_tok, source=path, format="prompt_chosen_rejected")
     # two replies that share their first tokens, cut to that shared head
     same_start = {"prompt": "hi", "chosen": "the answer is 4", "rejected": "the answer is 5"}
@@ -380,7 +380,7 @@ def test_every_bad_pair_is_counted_with_its_row_index_under_skip(tok, tmp_path):
     assert ds.row_indices == [0, n_bad + 1]
     assert ds.report.rows == n_bad + 2 and ds.report.samples == 2
     assert ds.report.skipped == dict.fromkeys(BAD_LINES, 1)
-    assert ds.report.examples == {reason: [i + 1] for i, reason in enumerate(BAD_LINES)}
+    assert ds.report.examples == {reason: [i + 3] for i, reason in enumerate(BAD_LINES)}  # lines
     summary = ds.report.summary()
     assert all(reason in summary for reason in BAD_LINES)
 
@@ -392,7 +392,7 @@ def test_bad_pair_raises_with_file_row_and_line_under_error(tok, tmp_path, reaso
         PreferenceDataset(tok, source=path, max_seq_len=64, truncation="drop")
     err = info.value
     assert (err.source, err.row, err.reason) == (str(path), 1, reason)
-    assert str(err).startswith(f"{path}: bad row 1 (line 3): {reason}: ")
+    assert str(err).startswith(f"{path}: bad row at line 3: {reason}: ")
 
 
 def test_template_error_is_a_bad_pair(tmp_path):
@@ -406,8 +406,8 @@ def test_template_error_is_a_bad_pair(tmp_path):
     t = Tokenizer.from_pretrained(folder)
     path = write_jsonl(tmp_path / "t.jsonl", [GOOD, PAIR])
     ds = PreferenceDataset(t, source=path, on_bad_row="skip")
-    assert ds.row_indices == [0] and ds.report.examples == {"template_error": [1]}
-    with pytest.raises(BadRowError, match="bad row 1 .*template_error: .*too many turns"):
+    assert ds.row_indices == [0] and ds.report.examples == {"template_error": [2]}  # line 2
+    with pytest.raises(BadRowError, match="bad row at line 2: template_error: .*too many turns"):
         PreferenceDataset(t, source=path)
 
 

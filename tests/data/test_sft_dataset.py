@@ -166,7 +166,7 @@ def test_truncation_right_left_drop(tok, tmp_path):
     assert left[0]["input_ids"] == full[-n:]
     assert count_trained(left[0]["labels"]) == sum(mask[-n + 1 :])
 
-    with pytest.raises(BadRowError, match=r"one\.jsonl: bad row 0 \(line 1\): too_long"):
+    with pytest.raises(BadRowError, match=r"one\.jsonl: bad row at line 1: too_long"):
         SFTDataset(tok, source=path, max_seq_len=n, truncation="drop")
     kept = SFTDataset(tok, source=path, max_seq_len=len(full), truncation="drop")
     assert kept[0]["input_ids"] == full and kept.report.truncated == 0
@@ -183,9 +183,9 @@ def test_fully_truncated_assistant_turn_is_reported_not_trained(tok, tmp_path):
     ds = SFTDataset(tok, source=path, max_seq_len=max_len, on_bad_row="skip")
     assert ds.row_indices == [0]
     assert ds.report.skipped == {"no_trained_tokens": 1}
-    assert ds.report.examples == {"no_trained_tokens": [1]}
+    assert ds.report.examples == {"no_trained_tokens": [2]}  # line 2
     assert "after truncation" in ds.report.summary()
-    with pytest.raises(BadRowError, match=r"cut\.jsonl: bad row 1 \(line 2\): no_trained_tokens"):
+    with pytest.raises(BadRowError, match=r"cut\.jsonl: bad row at line 2: no_trained_tokens"):
         SFTDataset(tok, source=path, max_seq_len=max_len)
 
 
@@ -221,7 +221,7 @@ def test_every_bad_row_is_counted_with_its_row_index_under_skip(tok, tmp_path):
     assert ds.row_indices == [0, n_bad + 1]
     assert ds.report.rows == n_bad + 2 and ds.report.samples == 2
     assert ds.report.skipped == dict.fromkeys(BAD_LINES, 1)
-    assert ds.report.examples == {reason: [i + 1] for i, reason in enumerate(BAD_LINES)}
+    assert ds.report.examples == {reason: [i + 3] for i, reason in enumerate(BAD_LINES)}  # lines
     summary = ds.report.summary()
     for reason in BAD_LINES:
         assert reason in summary
@@ -234,7 +234,7 @@ def test_bad_row_raises_with_file_row_and_line_under_error(tok, tmp_path, reason
         SFTDataset(tok, source=path, max_seq_len=64, truncation="drop")
     err = info.value
     assert (err.source, err.row, err.reason) == (str(path), 1, reason)
-    assert str(err).startswith(f"{path}: bad row 1 (line 3): {reason}: ")
+    assert str(err).startswith(f"{path}: bad row at line 3: {reason}: ")
 
 
 def test_huge_line_is_truncated_when_asked(tok, tmp_path):
@@ -256,7 +256,7 @@ def test_template_error_is_a_bad_row(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [GOOD, {"messages": CONVERSATIONS[1]}])
     ds = SFTDataset(tok, source=path, on_bad_row="skip")
     assert ds.report.skipped == {"template_error": 1} and ds.report.examples["template_error"] == [
-        1
+        2
     ]
     with pytest.raises(BadRowError, match="template_error: .*too many turns"):
         SFTDataset(tok, source=path)
@@ -265,7 +265,7 @@ def test_template_error_is_a_bad_row(tmp_path):
 def test_all_rows_bad_is_an_error_even_when_skipping(tok, tmp_path):
     path = write_lines(tmp_path / "bad.jsonl", [BAD_LINES["no_assistant_turn"]])
     with pytest.raises(
-        DataError, match=r"(?s)bad\.jsonl: no usable samples.*no_assistant_turn \(rows 0;"
+        DataError, match=r"(?s)bad\.jsonl: no usable samples.*no_assistant_turn \(lines 1;"
     ):
         SFTDataset(tok, source=path, on_bad_row="skip")
 
@@ -333,7 +333,7 @@ def test_parquet_messages_with_arrow_filled_nulls_and_wrong_types(tok, tmp_path)
     # a whole column of the wrong type: every row is bad
     pd.DataFrame({"prompt": [1, 2], "completion": ["a", "b"]}).to_parquet(tmp_path / "n.parquet")
     with pytest.raises(
-        BadRowError, match=r"n\.parquet: bad row 0: wrong_type: column 'prompt' is int"
+        BadRowError, match=r"n\.parquet: bad row at row 1: wrong_type: column 'prompt' is int"
     ):
         SFTDataset(tok, source=tmp_path / "n.parquet", format="prompt_completion")
 
@@ -342,7 +342,7 @@ def test_csv_cells_stay_text_and_empty_cells_are_missing(tok, tmp_path):
     path = tmp_path / "n.csv"
     path.write_text("prompt,completion\n2+2=,4\nempty,\n", encoding="utf-8")
     ds = SFTDataset(tok, source=path, format="prompt_completion", on_bad_row="skip")
-    assert ds.row_indices == [0] and ds.report.examples == {"missing_field": [1]}
+    assert ds.row_indices == [0] and ds.report.examples == {"missing_field": [3]}  # line 3
     assert tok.decode([t for t in ds[0]["labels"] if t != IGNORE_INDEX]) == "4<|im_end|>"
 
 

@@ -300,7 +300,7 @@ def test_max_row_bytes_is_a_dataset_key_that_respects_on_bad_row(tok, tmp_path):
     size = len(json.dumps(json.loads(path.read_text())[1]))
     with pytest.raises(
         BadRowError,
-        match=rf"^{path}: bad row 1 \(line 1\): row_too_large: "
+        match=rf"^{path}: bad row at line 1: row_too_large: "
         rf"the row is {size} bytes, over the limit of 1000",
     ):
         SFTDataset(tok, source=path, max_row_bytes=1000)
@@ -313,7 +313,7 @@ def test_max_row_bytes_reaches_prompt_datasets(tmp_path):
     )
     assert len(PromptDataset(path)) == 2
     ds = PromptDataset(path, max_row_bytes=1000, on_bad_row="skip")
-    assert len(ds) == 1 and ds.report.examples == {ROW_TOO_LARGE: [1]}
+    assert len(ds) == 1 and ds.report.examples == {ROW_TOO_LARGE: [2]}  # line 2
 
 
 @pytest.mark.parametrize("value", [0, -5, True, "1000", 1.5, None])

@@ -18,7 +18,7 @@ assume:
 Every command is either run or listed in :data:`SKIP` with the reason it cannot run here;
 :func:`test_every_command_is_run_or_skipped_with_a_reason` fails on a new command that is
 neither, and on a table entry no page holds any more. The tables below are the only places
-where a command is changed: :data:`SUBSTITUTE` (the README's checkpoint of a longer run) and
+where a command is changed: :data:`SUBSTITUTE` (empty now: the pages name run folders) and
 :data:`CAPS` (overrides appended to keep a run short). The default set runs the README and the
 single-process commands in one shared workspace, in page order (README first), so the
 commands after a run find what it wrote; the multi-rank commands are marked slow and each runs
@@ -49,8 +49,9 @@ REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 VENV_BIN = Path(sys.executable).parent
 
-# The README's checkpoint folders are those of a 100-step run; the workspace's data makes 4.
-SUBSTITUTE = {"step_000100": "step_000004"}
+# Text to change in a command before it runs (none: the pages name run folders, which mean
+# their newest checkpoint whatever the number of steps).
+SUBSTITUTE: dict[str, str] = {}
 
 _SFT = "tunesmith run sft --config my_sft.yaml"
 _MY = "model_dir=models/Qwen3-0.6B dataset.source=data.jsonl"
@@ -95,6 +96,11 @@ SKIP: dict[str, str] = {
     "eval_tasks/ folder (a task over a local JSONL): tests/cli/test_eval.py builds one",
 }
 
+_QUICK_SFT = "tunesmith sft models/Qwen3-0.6B data.jsonl"
+_QUICK_LORA = f"{_QUICK_SFT} --lora --epochs 3 --output-dir outputs/my-lora"
+_ONE_ROW = ("batch_size=1", "gradient_accumulation_steps=1")
+_FEW_ROLLOUTS = ("max_steps=2", "prompts_per_step=4", "group_size=2", "generation.max_new_tokens=8")
+
 # Overrides appended to a command (the RL configs' 10 steps of generation take a while).
 CAPS: dict[str, tuple[str, ...]] = {
     f"tunesmith run grpo {_PROMPTS}": ("max_steps=2",),
@@ -103,6 +109,12 @@ CAPS: dict[str, tuple[str, ...]] = {
     # a resume across layouts: the first run stops early so that the others have steps left
     f"{_SFT} --nproc-per-node 4 parallelism.tp=2 batch_size=2": ("stop_after_steps=2",),
     f"{_SFT} --nproc-per-node 2 parallelism.tp=1 batch_size=2 resume=true": ("stop_after_steps=3",),
+    # the quick start's defaults are a real model's (2 x 8 packed rows of 2048 tokens a step;
+    # 500 GRPO steps of 32 x 8 completions): here one row a step, a few short rollouts
+    _QUICK_SFT: _ONE_ROW,
+    _QUICK_LORA: _ONE_ROW,
+    "tunesmith dpo models/Qwen3-0.6B pairs.jsonl --lora": (*_ONE_ROW, "max_steps=2"),
+    "tunesmith grpo models/Qwen3-0.6B prompts.jsonl --reward math_answer": _FEW_ROLLOUTS,
 }
 
 # Multi-rank commands: slow (each rank imports torch); each in a fresh workspace, except the
@@ -131,7 +143,9 @@ FILES: dict[str, list[str]] = {
     "tunesmith cp sft/tiny my_sft.yaml": ["my_sft.yaml"],
     f"{_SFT} {_MY}": ["outputs/sft-tiny/checkpoints/step_000004/model.safetensors"],
     "tunesmith plot outputs/sft-tiny": ["outputs/sft-tiny/loss.png"],
-    "tunesmith export outputs/sft-tiny_lora/checkpoints/step_000100 --output-dir merged": [
+    _QUICK_SFT: ["outputs/sft/config.yaml", "outputs/sft/checkpoints/step_000001/config.json"],
+    _QUICK_LORA: ["outputs/my-lora/checkpoints/step_000003/adapter_model.safetensors"],
+    "tunesmith export outputs/sft-tiny_lora --output-dir merged": [
         "merged/config.json",
         "merged/model.safetensors",
     ],
@@ -142,6 +156,7 @@ PRINTS: dict[str, list[str]] = {
     "tunesmith ls --models": ["qwen3_moe ", "olmo2 ", "gemma3_1b"],
     "tunesmith cat my_sft.yaml optimizer.lr=1e-4": ["lr: 0.0001", "folder: ${model_dir}"],
     f"tunesmith validate my_sft.yaml {_MY}": ["my_sft.yaml: OK"],
+    f"{_QUICK_SFT} --print-config": ["source: data.jsonl", "format: messages"],
 }
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from tests.faults.kit import (
     BAD_LINE,
-    BAD_ROW,
     REFUSED,
     BadInput,
     Setup,
@@ -105,9 +104,9 @@ def _bad_row(line: bytes, reason: str, skip: bool) -> Callable[[World], Setup]:
     def build(world: World) -> Setup:
         path = _rows_with(world, line)
         if skip:  # the shipped config skips bad rows; the report must count this one
-            words = [f"{path}: 17 rows -> 16 samples", f"skipped 1 x {reason} (rows {BAD_ROW};"]
+            words = [f"{path}: 17 rows -> 16 samples", f"skipped 1 x {reason} (lines {BAD_LINE};"]
             return Setup([f"dataset.source={path}"], words, skipped=reason)
-        words = [f"{path}: bad row {BAD_ROW} (line {BAD_LINE}): {reason}"]
+        words = [f"{path}: bad row at line {BAD_LINE}: {reason}"]
         return Setup([f"dataset.source={path}", "dataset.on_bad_row=error"], words)
 
     return build
@@ -381,7 +380,7 @@ BAD_INPUTS: list[BadInput] = [
         "config",
         "`dataset.train_on=user`",
         _REFUSED.format("dataset and train_on"),
-        _override("dataset.train_on=user", "dataset", "train_on must be one of", "'user'"),
+        _override("dataset.train_on=user", "dataset.train_on: expected one of", "'user'"),
     ),
     BadInput(
         "config-bad-timeout",
@@ -441,7 +440,7 @@ BAD_INPUTS: list[BadInput] = [
             f"dataset-{name}-skipped",
             "dataset",
             f"{what} (row 8), `on_bad_row=skip`",
-            f"trains on the 16 good rows; the log counts 'skipped 1 x {reason} (rows 8'",
+            f"trains on the 16 good rows; the log counts 'skipped 1 x {reason} (lines 9'",
             _bad_row(line, reason, skip=True),
         )
         for name, (what, line, reason) in _ROW_CASES.items()

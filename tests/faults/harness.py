@@ -132,7 +132,7 @@ def read_mark(mark: Path) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- comparisons
 
-COMPARED = ("loss", "lr", "grad_norm", "tokens_seen", "trained_tokens")
+COMPARED = ("loss", "lr", "grad_norm", "tokens_seen", "trained_tokens_in_window")
 
 
 def assert_same_weights(got: dict, expected: dict, what: str) -> None:

@@ -536,7 +536,7 @@ def _json_array_element(skip: bool) -> Callable[[World], Attempt]:
         )
         if skip:
             return Attempt(argv, ["row_too_large"], skipped="row_too_large", isolate=True)
-        words = [str(path), "bad row 8 (line 10)", "row_too_large", "16777216"]
+        words = [str(path), "bad row at line 10", "row_too_large", "16777216"]
         return Attempt(argv, words, isolate=True)
 
     return build
@@ -574,7 +574,7 @@ def _max_row_bytes_key(world: World) -> Attempt:
     argv = _sft(
         world, f"dataset.source={path}", "dataset.max_row_bytes=2000", "dataset.on_bad_row=error"
     )
-    return Attempt(argv, [str(path), "bad row 8 (line 9)", "row_too_large", "limit of 2000"])
+    return Attempt(argv, [str(path), "bad row at line 9", "row_too_large", "limit of 2000"])
 
 
 def _max_row_bytes_invalid(world: World) -> Attempt:

@@ -18,7 +18,7 @@ CONFIGS = {
         "batch_size=2", "max_steps=4", "packed=true", "gradient_accumulation_steps=2",
     ),
 }  # fmt: skip
-LOGGED = ("loss", "grad_norm", "lr", "trained_tokens")
+LOGGED = ("loss", "grad_norm", "lr", "trained_tokens_in_window")
 
 
 def _run(world, tmp_path, name: str, *overrides: str):

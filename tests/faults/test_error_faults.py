@@ -46,17 +46,20 @@ def torchrun_errors(output: str) -> tuple[list[str], Path]:
 
 @pytest.mark.parametrize("case", params("fault", "torchrun"))
 def test_the_same_error_on_every_rank_is_one_line(case, fault_world, tmp_path, outcome):
-    out = tmp_path / "out"
-    overrides = sft_overrides(fault_world.model_dir, tmp_path / "missing.jsonl", out, "max_steps=2")
+    out, data = tmp_path / "out", tmp_path / "broken.jsonl"
+    good = '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}'
+    data.write_text(good + '\n{"messages": [}\n')  # there (the CLI's check passes); line 2 bad
+    overrides = sft_overrides(fault_world.model_dir, data, out, "max_steps=2")
+    overrides.append("dataset.on_bad_row=error")
     argv = ["run", "sft", "--config", "tiny", "--nproc-per-node", "2", *overrides]
     log = tmp_path / "cli.log"
     done = finish(start_child(argv, log), log, timeout=240, started=time.monotonic())
     assert done.exitcode == 1, done.output[-3000:]
     lines, run_log = torchrun_errors(done.output)
-    assert lines == [
-        f"tunesmith: error: ranks 0, 1 of 2: dataset: DataError: {tmp_path / 'missing.jsonl'}: "
-        "no such file or folder"
-    ], lines
+    assert len(lines) == 1 and lines[0].startswith(
+        f"tunesmith: error: ranks 0, 1 of 2: dataset: BadRowError: {data}: "
+    ), lines
+    assert "line 2" in lines[0] and "malformed_json" in lines[0], lines
     assert run_log.parent == out / "logs"  # the run's log is the only thing written
     assert [p.relative_to(out).as_posix() for p in out.rglob("*")] == [
         "logs",

@@ -1,8 +1,9 @@
 """SIGTERM (a preemption notice) at a step, during a checkpoint write and during the final
 export: the process finishes what it is doing, writes a checkpoint and exits 0 within 30 s of
 the signal, and resuming from that checkpoint reproduces the uninterrupted run bitwise. Through
-``tunesmith run --nproc-per-node 2`` the CLI forwards the signal via torchrun to both ranks,
-which save together and exit cleanly."""
+``tunesmith run --nproc-per-node 2`` the CLI sends the signal on to both ranks (not to torchrun,
+which would stop them), which save together and exit cleanly; INT and HUP too, and Ctrl-C to
+the whole process group: ``test_signals_multirank.py``."""
 
 from __future__ import annotations
 

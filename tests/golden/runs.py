@@ -43,7 +43,7 @@ FIRST_VALUES = 8
 """How many leading values of every final tensor a golden keeps (for an approximate look)."""
 
 TEACHER_SIZE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8}
-VOLATILE = re.compile(r"(^time$|_s$|per_s|memory|_time)")
+VOLATILE = re.compile(r"(^time$|_s$|per_s|memory|_gb$|_time)")
 """Metrics that depend on the machine's speed or memory, not on the training: not recorded."""
 
 

@@ -1,7 +1,8 @@
 """Loss parallel: on 2 gloo ranks, with the lm_head weight a DTensor sharded over an odd
 vocabulary (37 rows -> 19 + 18), LinearCrossEntropyLoss (gradients in forward or recomputed),
-token_logprobs, token_entropy and KDLoss (every kind; a teacher sharded alike or whole; and
-each with a soft-capped logit transform, applied to each rank's columns) give the values of
+the tokens it counts right (``count_correct``), token_logprobs, token_entropy and KDLoss
+(every kind; a teacher sharded alike or whole; and each with a soft-capped logit transform,
+applied to each rank's columns) give the values of
 the same functions on the plain full weight, the same on both ranks, with the full hidden
 gradient on every rank and the weight gradient of each rank's shard (gathered here). A
 replicated DTensor weight and a replicated DTensor hidden state work too; a vocabulary too
@@ -40,9 +41,12 @@ def _inputs() -> dict[str, torch.Tensor]:
     labels[0, :3] = IGNORE_INDEX  # a prompt
     labels[1, -2:] = IGNORE_INDEX  # padding
     labels[0, 3], labels[0, 4], labels[1, 0], labels[1, 1] = 0, 18, 19, 36  # both shards' edges
+    hidden = torch.randn(2, 9, HIDDEN, generator=gen)
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen)
+    labels[1, 2:6] = (hidden[1, 2:6] @ weight.T).argmax(-1)  # tokens the model gets right
     return {
-        "hidden": torch.randn(2, 9, HIDDEN, generator=gen),
-        "weight": torch.randn(VOCAB, HIDDEN, generator=gen),
+        "hidden": hidden,
+        "weight": weight,
         "teacher_hidden": torch.randn(2, 9, TEACHER_HIDDEN, generator=gen),
         "teacher_weight": torch.randn(VOCAB, TEACHER_HIDDEN, generator=gen),
         "labels": labels,
@@ -100,9 +104,9 @@ def _cases(x: dict[str, torch.Tensor], teacher_weight) -> dict[str, object]:
     for grad_in_forward in (True, False):
         loss_fn = LinearCrossEntropyLoss(chunk_size=CHUNK, grad_in_forward=grad_in_forward)
 
-        def ce(hidden, weight, loss_fn=loss_fn):
-            loss = loss_fn(hidden, weight, x["labels"])
-            return loss, loss * 0.5
+        def ce(hidden, weight, loss_fn=loss_fn):  # the loss and the tokens right
+            loss, right = loss_fn(hidden, weight, x["labels"], count_correct=True)
+            return torch.stack([loss, right.to(loss.dtype)]), loss * 0.5
 
         cases[f"ce_grad_in_forward={grad_in_forward}"] = ce
 
@@ -124,10 +128,10 @@ def _cases(x: dict[str, torch.Tensor], teacher_weight) -> dict[str, object]:
         cases[f"kd_{kind}_T={temperature}"] = kd
 
     def ce_capped(hidden, weight):
-        loss = LinearCrossEntropyLoss(chunk_size=CHUNK)(
-            hidden, weight, x["labels"], transform=CAPPED
+        loss, right = LinearCrossEntropyLoss(chunk_size=CHUNK)(
+            hidden, weight, x["labels"], transform=CAPPED, count_correct=True
         )
-        return loss, loss * 0.5
+        return torch.stack([loss, right.to(loss.dtype)]), loss * 0.5
 
     def logprobs_capped(hidden, weight):
         logps = token_logprobs(hidden, weight, x["labels"], chunk_size=CHUNK, transform=CAPPED)
@@ -234,6 +238,10 @@ def test_the_values_are_not_trivial():
     assert len({round(float(v), 4) for v in kd}) == len(KD_KINDS) and min(kd) > 0
     for name in ("ce_grad_in_forward=True", "logprobs", "kd_js_T=2.0"):
         assert values[name][1].abs().sum() > 0.1
+    x = _inputs()  # some of the trained tokens are right, so the sharded count can differ
+    logits, trained = x["hidden"] @ x["weight"].T, x["mask"]
+    right = int(((logits.argmax(-1) == x["labels"]) & trained).sum())
+    assert values["ce_grad_in_forward=True"][0][1] == right > 0
 
 
 def test_no_grad_loss_and_a_rankless_shard_is_refused(ranks):

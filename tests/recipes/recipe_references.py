@@ -175,7 +175,7 @@ def check_sft(
     logged = read_metrics(run_recipe("sft", "tiny", model_dir, world.chat, out, *ONE_STEP))[1]
     samples = recipe_samples("sft", model_dir, world.chat, BATCH)
     expected = sft_reference(world.reference, model_dir, samples)
-    assert logged["trained_tokens"] == expected.tokens
+    assert logged["trained_tokens_in_window"] == expected.tokens
     assert logged["loss"] == pytest.approx(expected.loss, rel=1e-5)
     assert logged["grad_norm"] == pytest.approx(expected.grad_norm, rel=1e-4)
     return logged, expected.model, samples
@@ -194,7 +194,7 @@ def check_dpo(world: RecipeWorld, name: str, _partner: str | None, out: Path) ->
     margin = beta * ((chosen - chosen.detach()) - (rejected - rejected.detach()))
     loss = -F.logsigmoid(margin).mean()
     loss.backward()
-    assert logged["pairs"] == BATCH
+    assert logged["pairs_in_window"] == BATCH
     assert logged["logps/chosen"] == pytest.approx(chosen.mean().item(), rel=1e-5)
     assert logged["logps/rejected"] == pytest.approx(rejected.mean().item(), rel=1e-5)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margin"):
@@ -234,7 +234,7 @@ def check_kd(
     ce = F.cross_entropy(logits, labels)
     loss = 0.5 * divergence + 0.5 * ce  # the tiny config's kd_ratio
     loss.backward()
-    assert logged["trained_tokens"] == labels.numel()
+    assert logged["trained_tokens_in_window"] == labels.numel()
     assert divergence.item() > min_kl  # two models, two distributions
     assert logged["kd_loss"] == pytest.approx(divergence.item(), rel=1e-5)
     assert logged["ce_loss"] == pytest.approx(ce.item(), rel=1e-5)
@@ -249,7 +249,7 @@ def assert_sampler_is_trainer(out: Path, model_dir: Path) -> dict[int, dict]:
     logged = {s: r for s, r in read_metrics(out).items() if "logprob_mismatch_max" in r}
     assert sorted(logged) == [1, 2], sorted(logged)
     for step, record in logged.items():
-        assert record["completion_tokens"] > 0, step
+        assert record["completion_tokens_in_window"] > 0, step
         assert record["logprob_mismatch_max"] < 1e-5, (step, record["logprob_mismatch_max"])
     final = checkpoint_weights(checkpoints(out)[-1])
     initial = checkpoint_weights(model_dir)

@@ -492,7 +492,7 @@ def assert_same_as_single(
     assert sorted(logged_1) == sorted(logged_2) == list(range(1, steps + 1))
     for step in logged_1:
         one, two = logged_1[step], logged_2[step]
-        assert one["trained_tokens"] == two["trained_tokens"]
+        assert one["trained_tokens_in_window"] == two["trained_tokens_in_window"]
         assert one["tokens_seen"] == two["tokens_seen"]
         assert one["loss"] == pytest.approx(two["loss"], rel=1e-5), f"loss at step {step}"
         assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-5), f"step {step}"
@@ -506,7 +506,7 @@ def assert_same_as_single(
     assert max((weights_1[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
 
 
-RESUME_COMPARED = ("loss", "lr", "grad_norm", "tokens_seen", "trained_tokens")
+RESUME_COMPARED = ("loss", "lr", "grad_norm", "tokens_seen", "trained_tokens_in_window")
 """The metrics a resumed run logs exactly as the uninterrupted one."""
 
 

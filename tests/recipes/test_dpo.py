@@ -196,7 +196,7 @@ def test_logged_step_one_equals_the_loss_formula(world, tmp_path, variant):
         "rewards/accuracy": (chosen > rejected).double().mean(),
         "logps/chosen": policy[:4].mean(), "logps/rejected": policy[4:].mean(),
     }  # fmt: skip
-    assert logged["pairs"] == 4
+    assert logged["pairs_in_window"] == 4
     for key, value in expected.items():
         assert logged[key] == pytest.approx(value.item(), rel=1e-5, abs=1e-6), key
 
@@ -310,7 +310,7 @@ def test_accumulated_micro_batches_equal_one_big_batch(world, tmp_path):
     assert sorted(logged_a) == sorted(logged_b) == [1, 2, 3, 4]
     for step in logged_a:
         a, b = logged_a[step], logged_b[step]
-        assert a["pairs"] == b["pairs"] == 4
+        assert a["pairs_in_window"] == b["pairs_in_window"] == 4
         for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
             assert a[key] == pytest.approx(b[key], rel=1e-6), f"{key} at step {step}"
         for key in ("rewards/chosen", "rewards/margin"):  # small differences of big log-probs

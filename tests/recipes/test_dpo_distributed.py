@@ -66,7 +66,7 @@ def _check_same_as_single(model_dir, single, distributed, ranks: int = 2) -> Non
     assert sorted(logged_1) == sorted(logged_2) == list(range(1, STEPS + 1))
     for step in logged_1:
         one, two = logged_1[step], logged_2[step]
-        assert one["pairs"] == two["pairs"] == 2 * PER_RANK
+        assert one["pairs_in_window"] == two["pairs_in_window"] == 2 * PER_RANK
         assert one["tokens_seen"] == two["tokens_seen"]
         for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
             assert two[key] == pytest.approx(one[key], rel=1e-5), f"{key} at step {step}"

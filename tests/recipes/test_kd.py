@@ -226,7 +226,7 @@ def test_each_kind_is_its_definition_and_chunking_changes_nothing(
 
     logged_1, logged_7 = read_metrics(whole), read_metrics(chunked)
     student, teacher = step1_logits
-    rows = logged_1[1]["trained_tokens"]
+    rows = logged_1[1]["trained_tokens_in_window"]
     assert rows == student.shape[0] and rows % math.ceil(rows / 7) != 0  # a short last chunk
     expected = reference_divergence(kind, student, teacher, temperature=2.0).mean().item()
     assert logged_1[1]["kd_loss"] == pytest.approx(expected, rel=1e-5), kind
@@ -261,7 +261,7 @@ def test_kd_ratio_0_is_the_sft_recipe(world, tmp_path):
     assert sorted(logged_kd) == sorted(logged_sft) == [1, 2, 3, 4]
     for step in logged_kd:
         a, b = logged_kd[step], logged_sft[step]
-        assert a["trained_tokens"] == b["trained_tokens"]
+        assert a["trained_tokens_in_window"] == b["trained_tokens_in_window"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), f"loss at step {step}"
         assert a["ce_loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), f"step {step}"
@@ -378,7 +378,8 @@ def check_same_as_single(world, fsdp_world, out: Path) -> None:
     tokens = rank_token_counts(world, data)
     for step in logged_1:
         one, two = logged_1[step], logged_2[step]
-        assert one["trained_tokens"] == two["trained_tokens"] == sum(tokens[step - 1])
+        tokens_in_window = (one["trained_tokens_in_window"], two["trained_tokens_in_window"])
+        assert tokens_in_window == (sum(tokens[step - 1]),) * 2
         for key in ("loss", "kd_loss", "ce_loss", "grad_norm"):
             assert two[key] == pytest.approx(one[key], rel=1e-5), f"{key} at step {step}"
     weights_1 = final_weights(single)

@@ -146,7 +146,7 @@ def check_reward_model(world: World, family: str, _teacher: str | None, out: Pat
     loss = -F.logsigmoid(margins).mean()
     loss.backward()
     record = logged[2]
-    assert record["pairs"] == BATCH
+    assert record["pairs_in_window"] == BATCH
     assert record["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert record["margin"] == pytest.approx(margins.mean().item(), rel=1e-4, abs=1e-6)
     assert record["accuracy"] == (margins > 0).double().mean().item()

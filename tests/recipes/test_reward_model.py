@@ -201,7 +201,7 @@ def test_transformers_ranks_held_out_pairs_as_the_logged_val_accuracy_says(world
 
 
 RESUME_ROWS, RESUME_BATCH, RESUME_TOTAL = 24, 4, 8  # 6 steps an epoch: the run spans two
-COMPARED = ("loss", "lr", "grad_norm", "pairs", "accuracy", "margin")
+COMPARED = ("loss", "lr", "grad_norm", "pairs_in_window", "accuracy", "margin")
 
 
 def test_stop_and_resume_is_bitwise_the_uninterrupted_run(world, tmp_path):
@@ -244,7 +244,7 @@ def test_gradient_accumulation_equals_one_big_batch(world, tmp_path):
     assert sorted(logged_a) == sorted(logged_b) == list(range(1, steps + 1))
     for step in logged_a:
         a, b = logged_a[step], logged_b[step]
-        assert a["pairs"] == b["pairs"] == micro * accum
+        assert a["pairs_in_window"] == b["pairs_in_window"] == micro * accum
         for key in ("loss", "grad_norm", "accuracy", "margin"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), f"{key} at step {step}"
     weights_a = final_weights(accumulated)

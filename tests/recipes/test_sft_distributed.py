@@ -174,7 +174,7 @@ def test_dp_shard_2_is_exactly_todays_fsdp2(world, tmp_path):
         launch_ranks(overrides, tmp_path / f"logs_{name}")
     plain, sharded = read_metrics(runs["plain"]), read_metrics(runs["dp_shard"])
     for step in plain:
-        for key in ("loss", "grad_norm", "trained_tokens", "tokens_seen"):
+        for key in ("loss", "grad_norm", "trained_tokens_in_window", "tokens_seen"):
             assert plain[step][key] == sharded[step][key], (step, key)
     weights_1, weights_2 = final_weights(runs["plain"]), final_weights(runs["dp_shard"])
     assert weights_1.keys() == weights_2.keys()

@@ -217,7 +217,7 @@ def test_ep2_stopped_and_resumed_equals_uninterrupted(world, tmp_path):
     logged, logged_ref = read_metrics(resumed), read_metrics(reference)
     assert sorted(logged) == sorted(logged_ref) == list(range(1, steps + 1))
     for step in range(stop + 1, steps + 1):
-        for key in ("loss", "grad_norm", "trained_tokens"):
+        for key in ("loss", "grad_norm", "trained_tokens_in_window"):
             assert logged[step][key] == pytest.approx(logged_ref[step][key], rel=1e-6), (
                 f"{key} at step {step}"
             )

@@ -74,7 +74,8 @@ def test_accumulated_micro_batches_equal_one_big_batch(world, tmp_path, optimize
     expected_tokens = [sum(c) for c in _trained_tokens_per_micro_batch(model_dir, data)]
     for step in logged_a:
         a, b = logged_a[step], logged_b[step]
-        assert a["trained_tokens"] == b["trained_tokens"] == expected_tokens[step - 1]
+        tokens = a["trained_tokens_in_window"]
+        assert tokens == b["trained_tokens_in_window"] == expected_tokens[step - 1]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), f"loss at step {step}"
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6), f"grad at step {step}"
 

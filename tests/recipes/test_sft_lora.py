@@ -39,6 +39,7 @@ from tests.recipes.sft_world import (
 )
 from tunesmith.data import SFTDataset, Tokenizer, collate_padded
 from tunesmith.models import from_hf, phi3
+from tunesmith.models.base_record import BASE_RECORD
 from tunesmith.models.export import export_merged
 from tunesmith.models.peft_io import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, load_peft_adapter
 from tunesmith.modules.peft import (
@@ -54,7 +55,7 @@ CONFIG = "tiny_lora"
 ROWS, BATCH, STEPS = 24, 4, 8  # 6 steps an epoch: STEPS spans two epochs
 RANK, TARGETS = 8, ("q_proj", "v_proj")  # what tiny_lora.yaml adapts
 ATTENTION, MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
-COMPARED = ("loss", "lr", "grad_norm", "tokens_seen", "trained_tokens")
+COMPARED = ("loss", "lr", "grad_norm", "tokens_seen", "trained_tokens_in_window")
 # NF4 bases shard over FSDP2 ranks when every quantised weight holds a multiple of
 # 64 * 256 * world_size values (torchao splits whole scaler groups): 4 heads x 64, 2 KV heads.
 FSDP_QLORA_SIZES = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
@@ -149,7 +150,7 @@ def test_lora_checkpoint_is_a_peft_adapter_that_peft_and_export_load(world, lora
     step_dir = checkpoints(out)[-1]
     assert step_dir.name == f"step_{STEPS:06d}"
     assert sorted(p.name for p in step_dir.iterdir()) == sorted(
-        [ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, MARKER, "training_state"]
+        [ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, BASE_RECORD, MARKER, "training_state"]
     )
     config = json.loads((step_dir / ADAPTER_CONFIG_NAME).read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", RANK, 16)
@@ -245,7 +246,8 @@ def _assert_two_ranks_match(fsdp: Path, single: Path, steps: int) -> None:
     logged_1, logged_2 = read_metrics(single), read_metrics(fsdp)
     assert sorted(logged_1) == sorted(logged_2) == list(range(1, steps + 1))
     for step in logged_1:
-        assert logged_1[step]["trained_tokens"] == logged_2[step]["trained_tokens"]
+        tokens = "trained_tokens_in_window"
+        assert logged_1[step][tokens] == logged_2[step][tokens]
         assert logged_2[step]["loss"] == pytest.approx(logged_1[step]["loss"], rel=1e-5)
         assert logged_2[step]["grad_norm"] == pytest.approx(logged_1[step]["grad_norm"], rel=1e-5)
     weights_1, weights_2 = final_weights(single), final_weights(fsdp)

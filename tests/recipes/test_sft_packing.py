@@ -97,7 +97,7 @@ def test_packed_run_equals_unpacked_run(model_dir, tmp_path):
     assert sorted(logged_p) == sorted(logged_u) == list(range(1, steps + 1))
     for step in logged_p:
         p, u = logged_p[step], logged_u[step]
-        assert p["trained_tokens"] == u["trained_tokens"]
+        assert p["trained_tokens_in_window"] == u["trained_tokens_in_window"]
         assert p["tokens_seen"] == u["tokens_seen"] == step * per_pack * length
         assert p["loss"] == pytest.approx(u["loss"], rel=1e-6), f"loss at step {step}"
         assert p["grad_norm"] == pytest.approx(u["grad_norm"], rel=1e-5), f"grad at step {step}"

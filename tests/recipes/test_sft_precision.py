@@ -140,7 +140,7 @@ def test_two_gloo_ranks_equal_one_process_in_bf16_master_mode(world, runs, tmp_p
     single, two = read_metrics(runs("bf16-master")), read_metrics(out)
     assert sorted(two) == list(range(1, TOTAL + 1))
     for step in single:
-        assert two[step]["trained_tokens"] == single[step]["trained_tokens"]
+        assert two[step]["trained_tokens_in_window"] == single[step]["trained_tokens_in_window"]
         assert abs(two[step]["loss"] - single[step]["loss"]) < FSDP_LOSS_TOLERANCE, step
     weights, expected = final_weights(out), final_weights(runs("bf16-master"))
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}

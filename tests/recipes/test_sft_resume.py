@@ -28,7 +28,7 @@ from tests.recipes.sft_world import (
 from tunesmith.training import CheckpointDirectory
 
 ROWS, BATCH, TOTAL = 24, 4, 10  # 6 steps an epoch: TOTAL spans two epochs
-COMPARED = ("loss", "lr", "grad_norm", "tokens_seen", "trained_tokens")
+COMPARED = ("loss", "lr", "grad_norm", "tokens_seen", "trained_tokens_in_window")
 
 
 @pytest.fixture(scope="module")

@@ -277,11 +277,7 @@ def parallel_run(world: dict, recipe: str, parallel: Parallel, out: Path, log_di
 def _compared(record: dict[str, float]) -> dict[str, float]:
     """The metrics of a logged record that must match: all but wall-clock times, throughput
     (``*_s``, ``tokens_per_s``) and the memory peak (each rank holds a share of the model)."""
-    return {
-        k: v
-        for k, v in record.items()
-        if k != "time" and not k.endswith("_s") and not k.startswith("peak_memory")
-    }
+    return {k: v for k, v in record.items() if k != "time" and not k.endswith(("_s", "_gb"))}
 
 
 def assert_same_run(single: Path, parallel: Path) -> None:

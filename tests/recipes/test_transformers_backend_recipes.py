@@ -196,7 +196,7 @@ def check_sft_lora(world: World, arch: str, _partner: str | None, out: Path) -> 
     assert sorted(logged) == [1, 2, 3]
     samples = recipe_samples("sft", model_dir, world.chat, BATCH)
     expected = sft_reference(world.reference, model_dir, samples)
-    assert logged[1]["trained_tokens"] == expected.tokens
+    assert logged[1]["trained_tokens_in_window"] == expected.tokens
     assert logged[1]["loss"] == pytest.approx(expected.loss, rel=1e-5)  # B = 0: the base model's
 
     step_dir = checkpoints(out)[-1]
@@ -239,7 +239,7 @@ def check_packing(world: World, arch: str, out: Path) -> None:
     p, u = read_metrics(packed)[1], read_metrics(unpacked)[1]
     expected = sft_reference(world.reference, model_dir, samples[:BATCH])
     assert p["tokens_seen"] == u["tokens_seen"] == BATCH * length
-    assert p["trained_tokens"] == u["trained_tokens"] == expected.tokens
+    assert p["trained_tokens_in_window"] == u["trained_tokens_in_window"] == expected.tokens
     assert p["loss"] == pytest.approx(u["loss"], rel=1e-5)
     assert p["loss"] == pytest.approx(expected.loss, rel=1e-5)
     assert p["grad_norm"] == pytest.approx(u["grad_norm"], rel=1e-4)

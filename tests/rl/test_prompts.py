@@ -119,7 +119,7 @@ BAD_ROWS = [
 
 def test_bad_rows_are_reported_by_row_or_skipped(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "bad.jsonl", BAD_ROWS)
-    with pytest.raises(BadRowError, match=r"bad row 1 \(line 2\): missing_field.*'prompt'") as e:
+    with pytest.raises(BadRowError, match=r"bad row at line 2: missing_field.*'prompt'") as e:
         PromptDataset(str(path))
     assert e.value.row == 1 and e.value.reason == "missing_field"
     ds = PromptDataset(str(path), on_bad_row="skip")
@@ -127,18 +127,16 @@ def test_bad_rows_are_reported_by_row_or_skipped(tmp_path: Path) -> None:
     assert [p.messages for p in ds] == [[user("ok 0")], [user("ok 5")]]
     assert ds.report.rows == 6 and ds.report.samples == 2
     assert ds.report.skipped == {"missing_field": 2, "wrong_type": 1, "roles_out_of_order": 1}
-    assert ds.report.examples == {
-        "missing_field": [1, 4],
-        "wrong_type": [2],
-        "roles_out_of_order": [3],
+    assert ds.report.examples == {  # by line
+        "missing_field": [2, 5],
+        "wrong_type": [3],
+        "roles_out_of_order": [4],
     }
     assert "int" in ds.report.details["wrong_type"]
     assert "must end with a user message" in ds.report.details["roles_out_of_order"]
     # The first bad row after a good one, met with on_bad_row="error", names its row.
     only_type = write_jsonl(tmp_path / "t.jsonl", [BAD_ROWS[0], BAD_ROWS[2]])
-    with pytest.raises(
-        BadRowError, match=r"bad row 1 \(line 2\): wrong_type: column 'prompt' is int"
-    ):
+    with pytest.raises(BadRowError, match=r"bad row at line 2: wrong_type: column 'prompt' is int"):
         PromptDataset(str(only_type))
     with pytest.raises(DataError, match="every row was skipped"):
         PromptDataset(str(write_jsonl(tmp_path / "all.jsonl", BAD_ROWS[1:3])), on_bad_row="skip")

@@ -24,6 +24,7 @@ from tunesmith.rl.source import (
     Rollouts,
     RolloutSettings,
     RolloutSource,
+    stop_token_ids,
 )
 from tunesmith.training.parallel.distributed import DistributedContext
 
@@ -141,3 +142,24 @@ def test_the_default_sample_stage_needs_rewards(model, tmp_path):
             settings=RolloutSettings(group_size=1),
             advantages=GroupAdvantages(LeaveOneOut(), 1),
         )
+
+
+def test_rollouts_stop_where_generate_stops(tmp_path):
+    """An instruct model ends its turn with an end-of-turn token that is not its eos (Qwen's
+    ``<|im_end|>`` next to ``<|endoftext|>``): rollouts stop there as ``generate`` and ``chat``
+    do, and at the config's own ``stop_tokens``, not only at eos."""
+    from tests.data.tokenizer_factory import make_tokenizer_folder
+    from tunesmith.data import Tokenizer
+
+    folder = make_tokenizer_folder(
+        tmp_path / "tok", "qwen2_5", generation_config=False, eos_token="<|endoftext|>"
+    )  # a base model's folder: eos is <|endoftext|>, the chat template ends turns with <|im_end|>
+    tokenizer = Tokenizer.from_pretrained(folder)
+    end_of_turn, eos = tokenizer.token_to_id("<|im_end|>"), tokenizer.eos_id
+    assert eos == tokenizer.token_to_id("<|endoftext|>") and end_of_turn not in (None, eos)
+    assert stop_token_ids(tokenizer, []) == sorted({eos, end_of_turn})
+    assert stop_token_ids(tokenizer, ["<|im_start|>"]) == sorted(
+        {eos, end_of_turn, tokenizer.token_to_id("<|im_start|>")}
+    )
+    with pytest.raises(ValueError, match="generation.stop_tokens: '<nope>'"):
+        stop_token_ids(tokenizer, ["<nope>"])

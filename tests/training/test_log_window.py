@@ -56,12 +56,12 @@ def test_logged_loss_is_the_unit_weighted_mean_of_the_window(tmp_path):
     steps, lines = read_metrics(every), read_metrics(windowed)
     assert sorted(lines) == [3, 5]  # every 3rd step, and the last
     for end, window in ((3, [1, 2, 3]), (5, [4, 5])):
-        units = [steps[s]["trained_tokens"] for s in window]
+        units = [steps[s]["trained_tokens_in_window"] for s in window]
         assert len(set(units)) > 1  # the weighting matters
-        loss = sum(steps[s]["loss"] * steps[s]["trained_tokens"] for s in window) / sum(units)
+        loss = sum(steps[s]["loss"] * u for s, u in zip(window, units)) / sum(units)
         assert lines[end]["loss"] == pytest.approx(loss, rel=1e-12)
         assert lines[end]["loss"] != pytest.approx(steps[end]["loss"], rel=1e-6)
-        assert lines[end]["trained_tokens"] == sum(units)
+        assert lines[end]["trained_tokens_in_window"] == sum(units)
         assert lines[end]["grad_norm"] == pytest.approx(
             sum(steps[s]["grad_norm"] for s in window) / len(window), rel=1e-12
         )
@@ -81,8 +81,8 @@ def test_stdout_lines_show_step_of_total_elapsed_and_eta(monkeypatch):
     logger.log(10, {"loss": 1.5})  # 30 s for 10 steps: 190 left take 570 s
     logger.log(20, {"loss": 1.25})  # 60 s for 20 steps: 180 left take 540 s
     assert stream.getvalue().splitlines() == [
-        "step 10/200 | loss 1.5000 | elapsed 0:00:30 | eta 0:09:30",
-        "step 20/200 | loss 1.2500 | elapsed 0:01:00 | eta 0:09:00",
+        "step 10/200 | loss 1.5 | elapsed 0:00:30 | eta 0:09:30",
+        "step 20/200 | loss 1.25 | elapsed 0:01:00 | eta 0:09:00",
     ]
     assert format_duration(3725.9) == "1:02:05"
 
@@ -94,7 +94,7 @@ def test_a_resumed_run_counts_its_pace_from_where_it_resumed(monkeypatch):
     logger = StdoutLogger(stream)
     logger.begin(100, start_step=50)
     logger.log(60, {"loss": 1.0})  # 10 steps in 10 s: 40 left take 40 s
-    assert stream.getvalue() == "step 60/100 | loss 1.0000 | elapsed 0:00:10 | eta 0:00:40\n"
+    assert stream.getvalue() == "step 60/100 | loss 1 | elapsed 0:00:10 | eta 0:00:40\n"
 
 
 def test_log_lines_are_never_glued_to_a_progress_bar(capsys):
@@ -105,8 +105,8 @@ def test_log_lines_are_never_glued_to_a_progress_bar(capsys):
     bar.close()
     out = capsys.readouterr().out
     pieces = re.split(r"[\r\n]", out)
-    line = [p for p in pieces if "loss 1.5000" in p]
-    assert line == ["step 3 | loss 1.5000"], out  # alone on its line: no bar text around it
+    line = [p for p in pieces if "loss 1.5" in p]
+    assert line == ["step 3 | loss 1.5"], out  # alone on its line: no bar text around it
     assert out.index("step 3 | loss") > out.index("3/10")  # the bar was drawn before it ...
     assert "4/10" in out[out.index("step 3 | loss") :]  # ... and again after it
 

@@ -165,8 +165,9 @@ def test_recipe_keys_have_rules_too():
     assert str(issue) == "kd_ratio: expected a number >= 0 and <= 1, got 1.5"
 
 
-def test_validate_runs_the_same_check(capsys):
-    fills = ["model_dir=m", "dataset.source=d.jsonl"]
+def test_validate_runs_the_same_check(capsys, tmp_path):
+    model_dir, data = make_model_dir(tmp_path), make_chat_data(tmp_path / "d.jsonl", rows=2)
+    fills = [f"model_dir={model_dir}", f"dataset.source={data}"]
     assert main(["validate", "sft/tiny", *fills, "max_grad_norm=-1", "on_nonfinite_loss=STOP"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("tunesmith: error: max_grad_norm: expected a number > 0"), err

@@ -27,10 +27,12 @@ def test_stdout_format(capsys):
     logger = StdoutLogger()
     logger.log(10, {"loss": 1.23454321, "lr": 2e-5, "tokens": 4096, "grad_norm": torch.tensor(0.5)})
     logger.log(11, {"loss": float("nan"), "big": 123456.0, "zero": 0.0})
+    logger.log(11, {"val_loss": 2.0, "big": 123456.0, "n": 3})  # not a training record: all
     out = capsys.readouterr().out
-    assert out.splitlines() == [
-        "step 10 | loss 1.2345 | lr 2.0e-05 | tokens 4096 | grad_norm 0.5000",
-        "step 11 | loss nan | big 1.2e+05 | zero 0.0000",
+    assert out.splitlines() == [  # a training record: the console's fields only
+        "step 10 | loss 1.235 | lr 2.0e-05 | grad_norm 0.5",
+        "step 11 | loss nan",
+        "step 11 | val_loss 2 | big 1.235e+05 | n 3",
     ]
 
 
@@ -195,7 +197,7 @@ def test_multi_logger_fans_out_and_null_logger(tmp_path, capsys):
     multi.log(1, {"loss": 0.5})
     multi.log_config({"a": 1})
     multi.close()
-    assert capsys.readouterr().out.splitlines()[0] == "step 1 | loss 0.5000"
+    assert capsys.readouterr().out.splitlines()[0] == "step 1 | loss 0.5"
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 0.5}
     assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == {"a": 1}
     with pytest.raises(RuntimeError, match="closed"):  # closed through the fan-out

@@ -4,12 +4,14 @@
 
 * a HF model folder (a downloaded model, a full fine-tuning checkpoint ``step_N``, or a merged
   ``tunesmith export``);
-* a PEFT LoRA/DoRA adapter folder (a LoRA run's ``step_N``): its base model is loaded and the
-  adapter put on top, no export needed. The base is ``base_dir`` when given, else the adapter
-  config's ``base_model_name_or_path`` (see :func:`adapter_base` for how a relative one is
-  found);
+* a PEFT LoRA/DoRA adapter folder (a LoRA run's ``step_N``, or a copy of it anywhere): its
+  base model is loaded and the adapter put on top, no export needed. The base is
+  ``base_dir`` when given, else the folder the adapter records, found and checked from any
+  working directory (:func:`adapter_base`, :mod:`tunesmith.models.base_record`);
 * a run folder (``output_dir`` of a run, holding ``checkpoints/``) or its ``checkpoints``
-  folder: its newest complete checkpoint (:func:`resolve_checkpoint`).
+  folder: its newest complete checkpoint (:func:`resolve_checkpoint`; an unfinished write,
+  a ``step_N`` without its ``COMPLETE`` manifest, is never chosen). :func:`chosen` says which
+  one was.
 
 The tokenizer is the checkpoint's own when it holds ``tokenizer.json``, else the base's.
 
@@ -32,14 +34,17 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from tunesmith.data import Tokenizer
+from tunesmith.models.base_record import find_base
 from tunesmith.models.hf import CONFIG_NAME, from_hf
 from tunesmith.models.peft_io import ADAPTER_CONFIG_NAME, load_peft_adapter, read_adapter_config
+from tunesmith.models.safetensors_io import CheckpointFileNotFoundError
 from tunesmith.training.checkpoint.directory import CheckpointDirectory
 
 __all__ = [
     "CheckpointNotFoundError",
     "LoadedCheckpoint",
     "adapter_base",
+    "chosen",
     "load_checkpoint",
     "resolve_checkpoint",
 ]
@@ -99,6 +104,20 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     )
 
 
+def chosen(given: str | os.PathLike[str], path: Path, base: Path | None = None) -> str:
+    """One line saying which checkpoint ``given`` stood for (and the base of an adapter).
+
+    Example::
+
+        >>> chosen("out", Path("out/checkpoints/step_000008"), Path("/models/Qwen3-0.6B"))
+        'checkpoint: out/checkpoints/step_000008 (the newest complete one of out); base model: /models/Qwen3-0.6B'
+    """
+    line = f"checkpoint: {path}"
+    if Path(given) != path:
+        line += f" (the newest complete one of {given})"
+    return line + (f"; base model: {base}" if base is not None else "")
+
+
 def _run_folder(checkpoint: Path) -> Path | None:
     """The run folder of ``run/checkpoints/step_N``, or None for a folder elsewhere."""
     if checkpoint.parent.name == CHECKPOINTS_DIR:
@@ -106,17 +125,15 @@ def _run_folder(checkpoint: Path) -> Path | None:
     return None
 
 
-def _is_model(folder: Path) -> bool:
-    return (folder / CONFIG_NAME).is_file()
-
-
 def adapter_base(
     adapter_dir: str | os.PathLike[str], base_dir: str | os.PathLike[str] | None = None
 ) -> Path:
-    """The base model folder of an adapter: ``base_dir`` when given; else the adapter config's
-    ``base_model_name_or_path`` as written (absolute, or relative to the working directory),
-    then relative to the adapter folder and its run folder; else the ``model_dir`` of the
-    run's ``config.yaml``. An error lists what was tried.
+    """The base model folder of an adapter: ``base_dir`` when given; else found by
+    :func:`~tunesmith.models.base_record.find_base` (the adapter config's absolute path, the
+    recorded path and spelling, tried from the working directory, the adapter folder and its
+    run folder, then ``$TUNESMITH_MODEL_PATH``), with the run's ``config.yaml`` ``model_dir``
+    as one more spelling; a folder whose weights are not the recorded base's is passed over.
+    An error lists what was tried.
 
     Example::
 
@@ -130,31 +147,25 @@ def adapter_base(
         PosixPath('Qwen3-0.6B')
     """
     adapter_dir = Path(adapter_dir)
-    if base_dir is not None:
-        if not _is_model(Path(base_dir)):
-            raise CheckpointNotFoundError(f"--base-dir {base_dir}: no {CONFIG_NAME} there")
-        return Path(base_dir)
-    named = read_adapter_config(adapter_dir).get("base_model_name_or_path")
+    read_adapter_config(adapter_dir)  # an unsupported adapter: refused before any search
     run = _run_folder(adapter_dir)
-    candidates: list[Path] = []
-    if isinstance(named, str) and named:
-        candidates.append(Path(named))
-        if not Path(named).is_absolute():
-            candidates += [adapter_dir / named] + ([run / named] if run else [])
-    if run is not None and (run / RUN_CONFIG).is_file():
-        model_dir = OmegaConf.load(run / RUN_CONFIG).get("model_dir")
-        if isinstance(model_dir, str) and model_dir:
-            candidates += [Path(model_dir)] + (
-                [] if Path(model_dir).is_absolute() else [run / model_dir]
-            )
-    for candidate in candidates:
-        if _is_model(candidate):
-            return candidate
-    tried = ", ".join(str(c) for c in dict.fromkeys(candidates)) or "nothing (no base named)"
-    raise CheckpointNotFoundError(
-        f"{adapter_dir / ADAPTER_CONFIG_NAME}: base model {named!r} not found (tried {tried}); "
-        f"pass the base model folder with --base-dir"
-    )
+    try:
+        return find_base(
+            adapter_dir,
+            base_dir,
+            spellings=_run_model_dir(run),
+            roots=[run] if run is not None else [],
+        )
+    except CheckpointFileNotFoundError as err:
+        raise CheckpointNotFoundError(str(err)) from None
+
+
+def _run_model_dir(run: Path | None) -> list[str]:
+    """The ``model_dir`` of the run's ``config.yaml`` (none when there is no such file)."""
+    if run is None or not (run / RUN_CONFIG).is_file():
+        return []
+    model_dir = OmegaConf.load(run / RUN_CONFIG).get("model_dir")
+    return [model_dir] if isinstance(model_dir, str) and model_dir else []
 
 
 def load_checkpoint(

@@ -1,9 +1,10 @@
 """``tunesmith data``: look at a config's dataset before training on it.
 
-``tunesmith data preview --config CONFIG [overrides] [--n 3]`` builds the config's tokenizer
-and dataset (as the recipe does) and prints its report, a few samples with the trained tokens
-marked (colour on a terminal, ``[[...]]`` otherwise), truncation stats and a histogram of the
-sample lengths (see :mod:`tunesmith.data.preview`).
+``tunesmith data preview --config CONFIG [overrides] [--n 3]`` checks the config's tokenizer
+and dataset as ``tunesmith validate`` does (:func:`check_preview`), builds them (as the recipe
+does) and prints the dataset's report, a few samples with the trained tokens marked (colour on
+a terminal, ``[[...]]`` otherwise), truncation stats and a histogram of the sample lengths
+(see :mod:`tunesmith.data.preview`).
 
 Example::
 
@@ -19,7 +20,7 @@ import random
 import sys
 from typing import Any
 
-__all__ = ["add_parser", "cmd_data_preview", "use_color"]
+__all__ = ["PREVIEWED", "add_parser", "check_preview", "cmd_data_preview", "use_color"]
 
 
 def use_color(choice: str, stream: Any = None) -> bool:
@@ -44,14 +45,16 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
     truncation stats and the length histogram."""
     from tunesmith.cli import catalog
     from tunesmith.config import instantiate, load_config
+    from tunesmith.config.nodes import has_key
     from tunesmith.data.preview import preview
     from tunesmith.training.settings import value_of
 
     if args.n < 1 or args.bins < 1:
         raise ValueError(f"--n and --bins must be >= 1, got --n {args.n}, --bins {args.bins}")
     cfg = load_config(catalog.config_path(args.config), args.overrides)
-    if cfg.get("dataset") is None:
+    if not has_key(cfg, "dataset") or cfg.get("dataset") is None:
         raise ValueError(f"{args.config}: the config has no dataset to preview")
+    check_preview(cfg)
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer)
     size = len(dataset)
@@ -63,6 +66,31 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
     text = preview(tokenizer, dataset, indices=indices, color=color, bins=args.bins)
     sys.stdout.write(text)
     return 0
+
+
+PREVIEWED = ("tokenizer", "dataset")
+"""The keys ``data preview`` builds: the tokenizer, then the dataset given it."""
+
+
+def check_preview(cfg: Any) -> None:
+    """Check what ``data preview`` builds (:data:`PREVIEWED`) as ``tunesmith validate`` checks
+    it, before anything is read: one ``ConfigError`` listing every problem, the ``???`` values
+    they use (``model_dir``) included.
+
+    Example::
+
+        >>> from tunesmith.config import load_config
+        >>> from tunesmith.cli import catalog
+        >>> check_preview(load_config(catalog.config_path("sft/tiny")))
+        Traceback (most recent call last):
+        tunesmith.config.errors.ConfigError: model_dir: value is missing (???); ...
+        dataset.source: value is missing (???); set it in the config or with an override
+    """
+    from tunesmith.config import ConfigError, validate_config
+
+    issues = validate_config(cfg, runtime_args={"dataset": 1}, keys=PREVIEWED)
+    if issues:
+        raise ConfigError.from_issues(issues)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

@@ -8,6 +8,9 @@ progress and metrics, as a single-process run shows them), the other ranks write
 log. A rank that fails writes its traceback to the log and its one-line error to the error file
 torchrun gives it (``TORCHELASTIC_ERROR_FILE``, the format of torch's ``@record``), prints
 nothing, and exits 1; the CLI prints one line per failure (see :mod:`tunesmith.cli.torchrun`).
+A stop signal the CLI passes on (:mod:`tunesmith.training.stop_signals`) makes a rank in
+training save a checkpoint with the others and exit 0; interrupted before training (or by a
+second Ctrl-C) a rank records ``interrupted`` as its error and exits 130.
 
 Example::
 
@@ -52,8 +55,9 @@ def _main(argv: list[str]) -> None:
     except Exception as error:
         _record_failure(error, output, rank, world_size)
         sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank: no traceback on the console
+    except KeyboardInterrupt:  # before training, or a second Ctrl-C: no traceback on the console
         output.write(f"rank {rank} of {world_size}: interrupted\n")
+        _write_error_file("interrupted", "")
         sys.exit(130)
 
 
@@ -119,11 +123,16 @@ def _record_failure(error: Exception, log: _Prefixed, rank: int, world_size: int
     """
     trace = redact("".join(traceback.format_exception(error)))
     log.write(f"rank {rank} of {world_size} failed:\n{trace}")
+    _write_error_file(redact(str(error).strip() or type(error).__name__), trace)
+
+
+def _write_error_file(message: str, trace: str) -> None:
+    """This rank's one-line ``message`` (and ``trace``) in the error file torchrun gave it
+    (``TORCHELASTIC_ERROR_FILE``, the format of torch's ``@record``), when there is one."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     now = time.time()
-    message = redact(str(error).strip() or type(error).__name__)
     data = {"message": {"message": message, "extraInfo": {
         "py_callstack": trace, "timestamp": str(int(now)), "time": now}}}  # fmt: skip
     with open(path, "w") as f:

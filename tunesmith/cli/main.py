@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tunesmith.cli import catalog, data_cmd
+from tunesmith.cli import catalog, data_cmd, quickstart
 
 ALLOW_ANY_ENV = "TUNESMITH_ALLOW_ANY_COMPONENT"
 ALLOW_RUNTIME_ENV = (
@@ -101,7 +102,9 @@ def cmd_cat(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Check a config against the real signatures of its components and its recipe's keys
-    (the recipe: --recipe, a built-in config's, a `# recipe: NAME` first line, or inferred)."""
+    (the recipe: --recipe, a built-in config's, a `# recipe: NAME` first line, or inferred):
+    the very checks `tunesmith run` makes first (catalog.check_run), so both name the same
+    first problem."""
     config_file = catalog.config_path(args.config)
     recipe, how = args.recipe, ""
     if recipe is None:
@@ -113,7 +116,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 "--recipe NAME or a .py file"
             )
     from tunesmith.config import load_config
-    from tunesmith.recipes import check_config, check_local_folders, infer_recipe, model_backends
+    from tunesmith.recipes import check_run, infer_recipe
 
     cfg = load_config(config_file, args.overrides)
     if recipe is None:
@@ -121,10 +124,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if recipe is not None:
             how = f" (recipe {recipe}, inferred from its keys; --recipe NAME to choose)"
     recipe_file = catalog.recipe_path(recipe) if recipe else None
-    check_config(cfg, recipe_file)
-    if recipe_file is not None and recipe_file.parent == catalog.RECIPES_DIR:
-        check_local_folders(cfg)
-    backends = model_backends(cfg)
+    backends = check_run(cfg, recipe_file)
     print(f"{config_file.name}: OK{how}")
     for line in backends:
         print(f"  {line}")
@@ -168,7 +168,9 @@ def _run_torchrun(args: argparse.Namespace, cfg, recipe_file: Path, config_file:
     """Run the recipe on N ranks through torchrun (:mod:`tunesmith.cli.torchrun`): local rank
     0's output on the console as in a single-process run, one ``tunesmith: error:`` line per
     failure (ranks with the same error share one), everything else (every rank's output and
-    traceback, torchrun's own) in a log file whose path is printed at the start and the end."""
+    traceback, torchrun's own) in a log file whose path is printed at the start and the end.
+    Ctrl-C, SIGTERM and SIGHUP go to every rank (:class:`_SignalForwarder`): 0 when the ranks
+    saved and stopped, 130 when they were interrupted before they could."""
     from tunesmith.cli.torchrun import FAILURES_ENV, RUN_LOG_ENV, failure_lines
 
     # torchrun and every rank start with a safe path (see python_module): a json.py in the
@@ -187,11 +189,10 @@ def _run_torchrun(args: argparse.Namespace, cfg, recipe_file: Path, config_file:
     try:
         env = {**os.environ, RUN_LOG_ENV: str(log), FAILURES_ENV: failures, **_secret_env()}
         env["PYTHONSAFEPATH"] = "1"  # and whatever Python the ranks start (3.11+)
-        launcher = subprocess.Popen(command, env=env)
-        # SIGTERM to this process goes to every rank (each then saves a checkpoint and exits 0,
-        # so torchrun, and this command, exit 0); torchrun itself, signalled, would fail.
-        signal.signal(signal.SIGTERM, lambda signum, frame: _signal_ranks(launcher, signum))
-        code = launcher.wait()
+        with _SignalForwarder() as forwarder:
+            # torchrun in a session of its own: a Ctrl-C in the terminal reaches this process
+            # alone, which passes it on to the ranks (torchrun, signalled, would stop them)
+            code = forwarder.start(subprocess.Popen(command, env=env, start_new_session=True))
         records = _read_failures(Path(failures)) if code != 0 else []
     finally:
         os.unlink(failures)
@@ -199,8 +200,11 @@ def _run_torchrun(args: argparse.Namespace, cfg, recipe_file: Path, config_file:
         return 0
     for line in failure_lines(records, world_size) or [f"torchrun exited with code {code}"]:
         print(f"tunesmith: error: {_redacted(line)}", file=sys.stderr)
+    if forwarder.received:
+        names = ", ".join(forwarder.received)
+        print(f"tunesmith: interrupted ({names}) before the ranks could save", file=sys.stderr)
     print(f"tunesmith: the full output of every rank and of torchrun is in {log}", file=sys.stderr)
-    return 1
+    return 130 if forwarder.received else 1
 
 
 _SAFE_PATH_BOOT = (  # Python 3.10 has no -P: drop the '' (cwd) that -c put first, then run
@@ -283,9 +287,58 @@ def _read_failures(path: Path) -> list[dict]:
     return records if isinstance(records, list) else []
 
 
+class _SignalForwarder:
+    """While it is entered, each stop signal this process receives (Ctrl-C, SIGTERM, SIGHUP:
+    :mod:`tunesmith.training.stop_signals`) goes to every rank of the torchrun given to
+    :meth:`start`: a rank in training saves a checkpoint at the end of the step with the
+    others and exits 0, as one process does, so torchrun and this command exit 0; a second
+    Ctrl-C aborts the ranks at once. A signal that comes before torchrun has started is sent
+    when it has; ``received`` names them all.
+
+    Example::
+
+        with _SignalForwarder() as forwarder:
+            code = forwarder.start(subprocess.Popen(command, start_new_session=True))
+    """
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+        self._pending: collections.deque[int] = collections.deque()  # popleft: atomic
+        self._launcher: subprocess.Popen | None = None
+
+    def __enter__(self) -> _SignalForwarder:
+        from tunesmith.training.stop_signals import handle_stop_signals
+
+        self._restore = handle_stop_signals(self._receive)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def start(self, launcher: subprocess.Popen) -> int:
+        """Forward to ``launcher``'s ranks until it exits (after its ranks); its exit code."""
+        self._launcher = launcher
+        self._send()
+        return launcher.wait()
+
+    def _receive(self, signum: int, frame: object) -> None:
+        self.received.append(signal.Signals(signum).name)
+        self._pending.append(signum)
+        if self._launcher is not None:
+            self._send()
+
+    def _send(self) -> None:
+        while self._pending:
+            try:
+                signum = self._pending.popleft()
+            except IndexError:  # a signal's handler, run in between, sent it
+                return
+            _signal_ranks(self._launcher, signum)
+
+
 def _signal_ranks(launcher: subprocess.Popen, signum: int) -> None:
     """Send ``signum`` to torchrun's worker processes (found in Linux's /proc), or to torchrun
-    itself when they cannot be listed."""
+    itself when there are none yet (it then stops with the ranks it is starting)."""
     ranks: list[int] = []
     for children in Path(f"/proc/{launcher.pid}/task").glob("*/children"):
         try:
@@ -368,19 +421,22 @@ def cmd_download(args: argparse.Namespace) -> int:
 
 
 def _load_checkpoint(args: argparse.Namespace):
-    """The model and tokenizer of ``args.checkpoint`` (a model, adapter or run folder)."""
+    """The model and tokenizer of ``args.checkpoint`` (a model, adapter or run folder); says
+    on stderr which checkpoint (and base) that was."""
     import torch
 
-    from tunesmith.cli.checkpoint_loading import load_checkpoint
+    from tunesmith.cli.checkpoint_loading import chosen, load_checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load_checkpoint(
+    loaded = load_checkpoint(
         args.checkpoint,
         base_dir=args.base_dir,
         dtype=args.dtype,
         device=device,
         chat_template=args.chat_template,
     )
+    print(chosen(args.checkpoint, loaded.path, loaded.base), file=sys.stderr)
+    return loaded
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -499,15 +555,16 @@ def check_output_dir(
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Merge a LoRA/DoRA adapter into its base and write a plain HF checkpoint."""
-    from tunesmith.cli.checkpoint_loading import adapter_base, resolve_checkpoint
+    from tunesmith.cli.checkpoint_loading import adapter_base, chosen, resolve_checkpoint
     from tunesmith.models.export import export_merged
     from tunesmith.models.peft_io import ADAPTER_CONFIG_NAME
 
     path = resolve_checkpoint(args.path)  # a run folder: its newest checkpoint
     base = args.base_dir
-    if base is None and (path / ADAPTER_CONFIG_NAME).is_file():
-        base = adapter_base(path)  # found from any working directory
+    if (path / ADAPTER_CONFIG_NAME).is_file():
+        base = adapter_base(path, base)  # found (and checked) from any working directory
     check_output_dir(args.output_dir, force=args.force, keep=[p for p in (path, base) if p])
+    print(chosen(args.path, path, base), file=sys.stderr)
     out = export_merged(path, args.output_dir, base_dir=base, dtype=args.dtype)
     print(f"exported {args.path} to {out}")
     return 0
@@ -562,10 +619,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "checkpoint",
-        help="HF model folder, LoRA adapter folder (a LoRA run's "
-        "step_N), or run folder (its newest checkpoint)",
+        help="run folder (output_dir: its newest complete checkpoint), HF model folder, or "
+        "LoRA adapter folder (a LoRA run's step_N, or a copy of it)",
     )
-    p.add_argument("--base-dir", help="base model of an adapter (default: its config's)")
+    p.add_argument(
+        "--base-dir",
+        help="base model of an adapter (default: the one it records, found from anywhere; "
+        "also searched in the folders of $TUNESMITH_MODEL_PATH)",
+    )
     p.add_argument("--chat-template", help="template name (llama3, qwen2_5, qwen3) or .jinja file")
     p.add_argument("--dtype", help="float32, bfloat16, ... (default: the checkpoint's)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
@@ -651,6 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one step on the longest batch first (same as preflight=true)",
     )
     _add_config_args(p)
+    quickstart.add_parsers(sub, cmd_run)  # tunesmith sft/dpo/grpo MODEL_DIR DATA, no config
 
     p = add("demo", cmd_demo)
     p.add_argument(
@@ -722,9 +784,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of few-shot sampling and sampling")
 
     p = add("export", cmd_export)
-    p.add_argument("path", help="adapter folder (or checkpoint step dir), or a HF model folder")
+    p.add_argument(
+        "path",
+        help="run folder (output_dir: its newest complete checkpoint), adapter folder, or a "
+        "HF model folder",
+    )
     p.add_argument("--output-dir", required=True, help="where to write the merged HF folder")
-    p.add_argument("--base-dir", help="base model folder (default: the adapter config's)")
+    p.add_argument("--base-dir", help="base model folder (default: the one the adapter records)")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: the base's)")
     p.add_argument(
         "--force", action="store_true", help="replace --output-dir when it exists (as cp -f)"
@@ -753,7 +819,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ[ALLOW_RUNTIME_ENV] = "1"  # inherited by torchrun ranks and Ray workers
     try:
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before training, or a second Ctrl-C (in training: a checkpoint, 0)
         print("tunesmith: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one clear line for the user; --debug for the traceback

@@ -3,7 +3,10 @@
 ``python -m tunesmith.cli.torchrun [TORCHRUN ARGS]`` runs torch's own launcher
 (``torch.distributed.run``) in this process, with its log lines (rendezvous, warnings, the
 failure summary and tracebacks) going to the run's log file (``TUNESMITH_RUN_LOG``) instead of
-the console. When ranks fail it writes one JSON record per failed rank to
+the console. Started by the CLI in a session of its own (no terminal signal reaches it: the CLI
+passes Ctrl-C, SIGTERM and SIGHUP on to the ranks), it gets SIGTERM when the CLI ends however it
+ends (Linux), and then stops its ranks as torchrun does on SIGTERM: each rank in training saves
+at the end of its step first. When ranks fail it writes one JSON record per failed rank to
 ``TUNESMITH_FAILURES`` and exits 1; the CLI turns them into one line per failure
 (:func:`failure_lines`). Each rank (:mod:`tunesmith.cli.launch`) writes its own one-line error
 to the error file torchrun gives it (``TORCHELASTIC_ERROR_FILE``, torch's ``@record`` format)
@@ -43,6 +46,7 @@ _RANK_PREFIX = re.compile(r"^rank \d+ of \d+: ")
 
 def main(argv: Sequence[str]) -> int:
     """Run torchrun with ``argv``; 0 when every rank succeeded, else 1 (failures recorded)."""
+    _stop_with_parent()
     path = os.environ[RUN_LOG_ENV]
     log = _RedactingLog(open_no_follow(path, "a", buffering=1, errors="replace"))
     sys.stdout = sys.stderr = log  # torchrun's prints and warnings; the ranks keep the console
@@ -65,6 +69,20 @@ def main(argv: Sequence[str]) -> int:
             _write_failures([{"rank": None, "message": message[0] if message else repr(error)}])
             return 1
     return 0
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _stop_with_parent() -> None:
+    """Ask Linux for SIGTERM to this process when its parent (the CLI) ends, even by SIGKILL or
+    SIGQUIT, so no torchrun and no rank outlives the command that started them; elsewhere,
+    nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 class _RedactingLog:

@@ -12,11 +12,21 @@ Example::
 
 from __future__ import annotations
 
+import ast
 import difflib
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ConfigError", "ConfigIssue", "did_you_mean", "join_path", "type_name"]
+__all__ = [
+    "ConfigError",
+    "ConfigIssue",
+    "did_you_mean",
+    "join_path",
+    "override_hint",
+    "qualify_hints",
+    "type_name",
+]
 
 ROOT_NAME = "<root>"
 
@@ -61,6 +71,53 @@ class ConfigError(Exception):
 def join_path(path: str, key: object) -> str:
     """``join_path("optimizer", "lr") == "optimizer.lr"``; ``join_path("", "lr") == "lr"``."""
     return f"{path}.{key}" if path else str(key)
+
+
+def override_hint(argument: str, value: object) -> str:
+    """A hint, in an error a component raises, naming the value of its own ``argument`` that
+    fixes it, as Python writes it (what a caller of the component types). When the component
+    is built from a config, :func:`qualify_hints` rewrites it as the override a config and
+    the command line take (``prompts.answer_column=null``).
+
+    >>> override_hint("answer_column", None)
+    '`answer_column=None`'
+    """
+    return f"`{argument}={value!r}`"
+
+
+_HINT = re.compile(r"`([A-Za-z_]\w*)=([^`]*)`")
+
+
+def qualify_hints(message: str, path: str, arguments: Collection[str]) -> str:
+    """``message`` with each :func:`override_hint` of one of ``arguments`` (the parameters
+    of the component at ``path``) written as the override of the command line: the full
+    dotted key, the value as YAML writes it, a mapping one key at a time.
+
+    >>> qualify_hints("set `answer_column=None`", "prompts", ["answer_column"])
+    'set `prompts.answer_column=null`'
+    >>> qualify_hints("set `column_map={'text': '<column>'}`", "dataset", ["column_map"])
+    'set `dataset.column_map.text=<column>`'
+    """
+
+    def full(match: re.Match[str]) -> str:
+        name, text = match.groups()
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return match.group(0)
+        if not path or name not in arguments:
+            return match.group(0)
+        return " ".join(f"`{item}`" for item in _overrides(f"{path}.{name}", value))
+
+    return _HINT.sub(full, message)
+
+
+def _overrides(key: str, value: object) -> list[str]:
+    if isinstance(value, dict):
+        return [item for k, v in value.items() for item in _overrides(f"{key}.{k}", v)]
+    if value is None or isinstance(value, bool):
+        return [f"{key}={str(value).lower() if value is not None else 'null'}"]
+    return [f"{key}={value}"]
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:

@@ -21,7 +21,9 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -33,7 +35,7 @@ from tunesmith.config.components import (
     resolve_component,
     unsafe_arguments,
 )
-from tunesmith.config.errors import ConfigError, join_path
+from tunesmith.config.errors import ConfigError, join_path, qualify_hints
 from tunesmith.config.nodes import has_key, node_path, read_child
 
 __all__ = ["instantiate"]
@@ -109,7 +111,16 @@ def _call_component(
     except ConfigError as exc:
         raise ConfigError(f"building {spec}: {exc}", path=path) from exc
     except Exception as exc:
-        raise ConfigError(f"{type(exc).__name__}: {exc}", path=path) from exc
+        message = qualify_hints(f"{type(exc).__name__}: {exc}", path, _arguments(target, node))
+        raise ConfigError(message, path=path) from exc
+
+
+def _arguments(target: Callable[..., Any], node: DictConfig) -> set[str]:
+    """The names a config may set on ``target``: its parameters and the node's keys."""
+    names = {str(key) for key in node}
+    with contextlib.suppress(TypeError, ValueError):  # no signature to read (some builtins)
+        names |= set(inspect.signature(target).parameters)
+    return names
 
 
 def _refuse_unsafe(node: DictConfig, spec: object, path: str, kwargs: dict[str, Any]) -> None:

@@ -20,7 +20,10 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from tunesmith.config.errors import ConfigError
 
-__all__ = ["has_key", "is_tree_node", "node_path", "read_child", "raw_child"]
+__all__ = ["MISSING_VALUE", "has_key", "is_tree_node", "node_path", "read_child", "raw_child"]
+
+MISSING_VALUE = "value is missing (???); set it in the config or with an override"
+"""What is wrong with a ``???`` value, wherever it is read."""
 
 
 def has_key(node: DictConfig, key: Any) -> bool:
@@ -80,9 +83,7 @@ def read_child(parent: DictConfig | ListConfig, key: Any, path: str) -> Any:
     try:
         return parent[key]
     except MissingMandatoryValue as exc:
-        raise ConfigError(
-            "value is missing (???); set it in the config or with an override", path=path
-        ) from exc
+        raise ConfigError(MISSING_VALUE, path=path) from exc
     except OmegaConfBaseException as exc:
         raise ConfigError(_describe(exc, raw_child(parent, key)), path=path) from exc
     except RecursionError as exc:

@@ -35,6 +35,8 @@ Example::
 from __future__ import annotations
 
 import inspect
+import re
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -49,7 +51,7 @@ from tunesmith.config.components import (
     unsafe_argument,
 )
 from tunesmith.config.errors import ConfigError, ConfigIssue, join_path, suggestion
-from tunesmith.config.nodes import has_key, is_tree_node, read_child
+from tunesmith.config.nodes import MISSING_VALUE, has_key, is_tree_node, read_child
 from tunesmith.config.typecheck import type_problem
 
 __all__ = ["check_keys", "validate_config"]
@@ -57,6 +59,8 @@ __all__ = ["check_keys", "validate_config"]
 _P = inspect.Parameter
 _BY_KEYWORD = (_P.POSITIONAL_OR_KEYWORD, _P.KEYWORD_ONLY)
 _POSITIONAL = (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD)
+# The node an interpolation met as ``???``, as omegaconf names it in its message.
+_MISSING_TARGET = re.compile(r"Missing mandatory value: ([\w.\[\]]+)")
 
 
 def validate_config(
@@ -65,14 +69,40 @@ def validate_config(
     runtime_kwargs: Mapping[str, Sequence[str]] | None = None,
     *,
     allow_any_component: bool | None = None,
+    keys: Sequence[str] | None = None,
+    files: bool = True,
 ) -> list[ConfigIssue]:
     """Every problem found in ``cfg``, in tree order (empty when the config is sound).
 
     ``runtime_args`` / ``runtime_kwargs`` are keyed by the dotted path of component nodes
-    (see the module docstring). ``allow_any_component`` as in :func:`instantiate`.
+    (see the module docstring). ``allow_any_component`` as in :func:`instantiate`. ``keys``:
+    check only these top-level keys (what a command builds, e.g. ``tunesmith data preview``'s
+    tokenizer and dataset), and the ``???`` values they refer to. ``files=False``: leave out
+    the checks that look for the files and folders a config names (a config checked before
+    its inputs exist).
+
+    >>> cfg = OmegaConf.create({"model_dir": "???", "tok": {"folder": "${model_dir}"}, "x": "${y}"})
+    >>> [str(issue) for issue in validate_config(cfg, keys=["tok"])]  # not x
+    ['model_dir: value is missing (???); set it in the config or with an override']
     """
-    walker = _Walker(dict(runtime_args or {}), dict(runtime_kwargs or {}), allow_any_component)
-    walker.node(cfg, "")
+    walker = _Walker(
+        dict(runtime_args or {}), dict(runtime_kwargs or {}), allow_any_component, files
+    )
+    if keys is None:
+        walker.node(cfg, "")
+    else:
+        for key in keys:
+            if isinstance(cfg, DictConfig) and has_key(cfg, key):
+                walker.child(cfg, key, "")
+    reported = {issue.path for issue in walker.issues}
+    walker.issues += [
+        ConfigIssue(path, MISSING_VALUE)
+        for path in dict.fromkeys(walker.missing_targets)
+        if path not in reported
+    ]
+    if keys is not None:  # in the config's order, as a walk of the whole tree reports them
+        order = {str(key): index for index, key in enumerate(cfg.keys())}
+        walker.issues.sort(key=lambda issue: order.get(issue.path.split(".")[0], len(order)))
     return walker.issues
 
 
@@ -119,11 +149,14 @@ class _Walker:
         runtime_args: dict[str, int],
         runtime_kwargs: dict[str, Sequence[str]],
         allow_any: bool | None,
+        files: bool,
     ) -> None:
         self.runtime_args = runtime_args
+        self.files = files
         self.runtime_kwargs = runtime_kwargs
         self.allow_any = allow_any
         self.issues: list[ConfigIssue] = []
+        self.missing_targets: list[str] = []  # `???` values interpolations met, by path
 
     def add(self, path: str, message: str) -> None:
         self.issues.append(ConfigIssue(path, message))
@@ -146,6 +179,10 @@ class _Walker:
         except ConfigError as exc:
             # `${model_dir}` while model_dir is `???`: the `???` is reported where it is
             if not isinstance(exc.__cause__, InterpolationToMissingValueError):
+                self.add(child_path, exc.message)
+            elif found := _MISSING_TARGET.search(str(exc.__cause__)):
+                self.missing_targets.append(found.group(1))
+            else:
                 self.add(child_path, exc.message)
             return False, None
         reason = unsafe_argument(key, value)
@@ -223,7 +260,7 @@ class _Walker:
                 elif not (key.startswith("_") and key.endswith("_")):
                     self.add(key_path, f"unknown argument of {name}" + suggestion(key, accepted))
             elif readable:
-                problem = type_problem(param.annotation, value)
+                problem = type_problem(param.annotation, value, files=self.files)
                 if problem:
                     self.add(key_path, f"{problem} (argument of {name})")
         for param in params.values():
@@ -245,8 +282,27 @@ def _signature(target: Callable[..., Any]) -> inspect.Signature | None:
     except ValueError:
         return None  # no signature to inspect (some builtins and C types)
     except Exception:
-        pass  # an annotation names something not importable here: keep annotations as text
+        pass  # an annotation names something not importable here (TYPE_CHECKING): see below
     try:
-        return inspect.signature(target)
+        signature = inspect.signature(target)
     except (ValueError, TypeError):
         return None
+    return signature.replace(
+        parameters=[
+            p.replace(annotation=_evaluated(p.annotation, target))
+            for p in signature.parameters.values()
+        ]
+    )
+
+
+def _evaluated(annotation: Any, target: Callable[..., Any]) -> Any:
+    """A postponed (text) annotation evaluated in the module of ``target``, one at a time:
+    ``source: DataSource`` is checked even when ``tokenizer: Tokenizer`` names a class only
+    imported for type checkers; one that does not evaluate stays text."""
+    module = sys.modules.get(str(getattr(target, "__module__", "")))
+    if not isinstance(annotation, str) or module is None:
+        return annotation
+    try:
+        return eval(annotation, dict(vars(module)))  # noqa: S307 - the component's source text
+    except Exception:
+        return annotation

@@ -52,6 +52,7 @@ __all__ = [
     "MAX_SIZE_ARGUMENT",
     "TEMPLATE_NAMES",
     "TemplateBudgetError",
+    "chat_template_hint",
     "control_tokens",
     "RenderedChat",
     "compile_template",
@@ -71,6 +72,21 @@ TEMPLATE_NAMES: tuple[str, ...] = tuple(
 )
 """Chat templates shipped with tunesmith: every ``tunesmith/data/templates/<name>.jinja``
 (a family's ``template`` names one; adding the file is all it takes)."""
+
+
+def chat_template_hint(choice: str = "<name or .jinja file>") -> str:
+    """How to give a tokenizer a chat template, first as the override a config and the command
+    line take, then in Python: the hint of every error about a missing template.
+
+    >>> chat_template_hint()  # doctest: +ELLIPSIS
+    'set tokenizer.chat_template=<name or .jinja file> (shipped: ...; in Python: ...)'
+    """
+    return (
+        f"set tokenizer.chat_template={choice} (shipped: "
+        f"{', '.join(TEMPLATE_NAMES)}; in Python: Tokenizer.from_pretrained(folder, "
+        "chat_template=...))"
+    )
+
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")

@@ -44,8 +44,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
+from tunesmith.config.errors import override_hint
 from tunesmith.data.report import (
     EMPTY_ASSISTANT_TURN,
     EMPTY_TEXT,
@@ -62,6 +63,8 @@ __all__ = [
     "FORMATS",
     "FORMAT_FIELDS",
     "PROMPT_STYLES",
+    "Format",
+    "PromptStyle",
     "SHAREGPT_ROLES",
     "Conversation",
     "PlainText",
@@ -108,8 +111,11 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 """format -> (required fields, optional fields)."""
 
 FORMATS = tuple(FORMAT_FIELDS)
+Format = Literal[FORMATS]  # type: ignore[valid-type]
+"""A dataset's ``format`` (a key of :data:`FORMAT_FIELDS`), as its signature declares it."""
 
-PROMPT_STYLES = ("chat_template", "alpaca", "instruction_response")
+PromptStyle = Literal["chat_template", "alpaca", "instruction_response"]
+PROMPT_STYLES: tuple[str, ...] = get_args(PromptStyle)
 """How ``alpaca`` rows become a prompt: through the chat template, or as text."""
 
 # The Stanford Alpaca prompts (https://github.com/tatsu-lab/stanford_alpaca, README and
@@ -226,7 +232,8 @@ def check_columns(
         )
         raise DataError(
             f"{source}: format {format!r} needs column {names}, but the data has columns "
-            f"{sorted(available)}; set column_map={{field: column}} to use other names"
+            f"{sorted(available)}; to read it from another column set "
+            f"{override_hint('column_map', {missing[0]: '<column>'})}"
         )
 
 
@@ -375,7 +382,7 @@ def convert_row(
     if prompt_style != "chat_template" and format != "alpaca":
         raise ValueError(
             f"prompt_style={prompt_style!r} applies to format 'alpaca' only, not {format!r}; "
-            "use prompt_style='chat_template' (or leave it unset)"
+            f"set {override_hint('prompt_style', 'chat_template')} (or leave it unset)"
         )
     columns = resolve_columns(format, column_map)
     if not isinstance(row, Mapping):

@@ -95,15 +95,16 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from torch.utils.data import Dataset
 
 from tunesmith.config.registry import component
-from tunesmith.data.chat_template import TemplateBudgetError
+from tunesmith.data.chat_template import TemplateBudgetError, chat_template_hint
 from tunesmith.data.formats import check_columns, check_messages, resolve_columns
 from tunesmith.data.labels import count_trained, make_labels
 from tunesmith.data.report import (
+    BAD_ROW_POLICIES,
     EMPTY_ASSISTANT_TURN,
     IDENTICAL_RESPONSES,
     LAST_TURN_NOT_ASSISTANT,
@@ -115,10 +116,11 @@ from tunesmith.data.report import (
     WRONG_TYPE,
     BadRow,
     DataReport,
+    OnBadRow,
     raise_if_empty,
     read_samples,
 )
-from tunesmith.data.sources import MAX_ROW_BYTES, check_max_row_bytes, load_rows
+from tunesmith.data.sources import MAX_ROW_BYTES, DataSource, check_max_row_bytes, load_rows
 from tunesmith.data.token_cache import CachedRows, tokenize_with_cache, with_progress
 
 if TYPE_CHECKING:
@@ -144,8 +146,9 @@ PREFERENCE_FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 """format -> (required fields, optional fields)."""
 
 PREFERENCE_FORMATS = tuple(PREFERENCE_FORMAT_FIELDS)
-PREFERENCE_TRUNCATION = ("keep_end", "keep_start", "drop")
-BAD_ROW_POLICIES = ("error", "skip")
+PreferenceFormat = Literal[PREFERENCE_FORMATS]  # type: ignore[valid-type]
+PreferenceTruncation = Literal["keep_end", "keep_start", "drop"]
+PREFERENCE_TRUNCATION: tuple[str, ...] = get_args(PreferenceTruncation)
 
 _SIDES = ("chosen", "rejected")
 
@@ -570,15 +573,15 @@ class PreferenceDataset(Dataset):
         self,
         tokenizer: Tokenizer,
         *,
-        source: str | os.PathLike[str],
-        format: str = "messages",
+        source: DataSource,
+        format: PreferenceFormat = "messages",
         column_map: Mapping[str, str] | None = None,
         split: str = "train",
         data_files: str | Sequence[str] | Mapping[str, Any] | None = None,
         max_seq_len: int | None = None,
         max_prompt_len: int | None = None,
-        truncation: str = "keep_end",
-        on_bad_row: str = "error",
+        truncation: PreferenceTruncation = "keep_end",
+        on_bad_row: OnBadRow = "error",
         system_prompt: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         use_chat_template: bool = True,
@@ -600,8 +603,7 @@ class PreferenceDataset(Dataset):
         if use_chat_template and not tokenizer.chat_templates:
             raise ValueError(
                 f"PreferenceDataset renders conversations with the chat template, but the "
-                f"tokenizer {getattr(tokenizer, 'name', '')} has none; load it with "
-                "Tokenizer.from_pretrained(..., chat_template=...)"
+                f"tokenizer {getattr(tokenizer, 'name', '')} has none: {chat_template_hint()}"
             )
         columns = resolve_preference_columns(format, column_map)
         self.format = format

@@ -2,27 +2,35 @@
 
 A row that cannot become a correct training sample raises :class:`BadRow` inside the
 converters. The dataset either stops with a :class:`BadRowError` (naming the file, the
-row and the reason) or counts the row in its :class:`DataReport` and skips it.
+row and the reason) or counts the row in its :class:`DataReport` and skips it. Both name a
+row the same way (:func:`row_number`): by the 1-based line it starts on where the reader
+knows it (JSON Lines, JSON arrays, CSV, text), else by its 1-based row number.
 
 Example::
 
-    >>> report = DataReport(source="train.jsonl")
-    >>> report.add_bad(BadRow(MISSING_FIELD, "no 'output'"), row=3)
-    >>> report.skipped
-    {'missing_field': 1}
-    >>> report.examples["missing_field"]
-    [3]
+    >>> report = DataReport(source="train.jsonl", unit="line")
+    >>> report.add_bad(BadRow(MISSING_FIELD, "no 'output'"), 3)
+    >>> report.skipped, report.examples["missing_field"]
+    ({'missing_field': 1}, [3])
+    >>> print(report.summary().splitlines()[1])
+      skipped 1 x missing_field (lines 3; first: no 'output')
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
+
+from tunesmith.config.errors import override_hint
 
 __all__ = [
     "raise_if_empty",
+    "BAD_ROW_POLICIES",
+    "OnBadRow",
     "read_samples",
+    "row_number",
     "BAD_ROW_REASONS",
     "EMPTY_ASSISTANT_TURN",
     "EMPTY_TEXT",
@@ -85,6 +93,12 @@ BAD_ROW_REASONS = (
 )
 
 
+OnBadRow = Literal["error", "skip"]
+"""What a dataset does with a bad row (``on_bad_row``): stop with a :class:`BadRowError`, or
+count it in its :class:`DataReport` and go on."""
+BAD_ROW_POLICIES: tuple[str, ...] = get_args(OnBadRow)
+
+
 class DataError(ValueError):
     """A dataset that cannot be used as given (bad file, missing column, bad row...)."""
 
@@ -106,13 +120,30 @@ class BadRow(Exception):
         self.detail = detail
 
 
+_LINE = re.compile(r"\(line (\d+)\)")
+
+
+def row_number(index: int, where: str) -> tuple[str, int]:
+    """How every message names the source row ``index`` (0-based) that a reader located at
+    ``where`` (``" (line 7)"``, or ``""``): ``("line", n)``, the 1-based line it starts on,
+    where the reader knows it, else ``("row", index + 1)``.
+
+    >>> row_number(1, " (line 3)"), row_number(1, "")
+    (('line', 3), ('row', 2))
+    """
+    found = _LINE.search(where)
+    return ("line", int(found.group(1))) if found else ("row", index + 1)
+
+
 class BadRowError(DataError):
-    """A bad row met with ``on_bad_row="error"``: names the source, the row and the reason."""
+    """A bad row met with ``on_bad_row="error"``: names the source, the row (as
+    :func:`row_number` does) and the reason. ``row`` is the 0-based index of the row."""
 
     def __init__(self, source: str, row: int, where: str, bad: BadRow) -> None:
+        unit, number = row_number(row, where)
         super().__init__(
-            f"{source}: bad row {row}{where}: {bad.reason}: {bad.detail} "
-            f"(set on_bad_row='skip' to skip and count such rows)"
+            f"{source}: bad row at {unit} {number}: {bad.reason}: {bad.detail} "
+            f"(set {override_hint('on_bad_row', 'skip')} to skip and count such rows)"
         )
         self.source = source
         self.row = row
@@ -126,7 +157,8 @@ class DataReport:
 
     ``rows`` counts every row read, ``samples`` the rows that became samples,
     ``skipped`` maps reason -> count, ``examples`` maps reason -> the first
-    ``max_examples`` row indices (0-based, in source order), ``details`` the
+    ``max_examples`` skipped rows in source order, numbered as :class:`BadRowError` numbers
+    them (:func:`row_number`: 1-based; ``unit`` says whether lines or rows), ``details`` the
     detail text of the first example per reason. ``truncated`` counts kept samples
     that were cut to ``max_seq_len``; ``tokens`` / ``trained_tokens`` sum the kept
     samples' lengths and their positions with a label.
@@ -142,6 +174,7 @@ class DataReport:
     examples: dict[str, list[int]] = field(default_factory=dict)
     details: dict[str, str] = field(default_factory=dict)
     max_examples: int = 10
+    unit: str = "row"
 
     @property
     def num_skipped(self) -> int:
@@ -149,7 +182,7 @@ class DataReport:
         return sum(self.skipped.values())
 
     def add_bad(self, bad: BadRow, row: int) -> None:
-        """Count one skipped row under its reason."""
+        """Count one skipped row (its number in :attr:`unit`) under its reason."""
         self.skipped[bad.reason] = self.skipped.get(bad.reason, 0) + 1
         rows = self.examples.setdefault(bad.reason, [])
         if len(rows) < self.max_examples:
@@ -167,7 +200,8 @@ class DataReport:
             rows = ", ".join(str(r) for r in self.examples[reason])
             more = ", ..." if count > len(self.examples[reason]) else ""
             lines.append(
-                f"  skipped {count} x {reason} (rows {rows}{more}; first: {self.details[reason]})"
+                f"  skipped {count} x {reason} ({self.unit}s {rows}{more}; first: "
+                f"{self.details[reason]})"
             )
         return "\n".join(lines)
 
@@ -206,7 +240,8 @@ def read_samples(
         except BadRow as bad:
             if on_bad_row == "error":
                 raise BadRowError(report.source, index, where, bad) from bad
-            report.add_bad(bad, index)
+            report.unit, number = row_number(index, where)
+            report.add_bad(bad, number)
             continue
         yield index, sample, cut
 

@@ -56,32 +56,42 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from torch.utils.data import Dataset
 
 from tunesmith.config.registry import component
-from tunesmith.data.chat_template import TemplateBudgetError
+from tunesmith.data.chat_template import TemplateBudgetError, chat_template_hint
 from tunesmith.data.formats import (
     PROMPT_STYLES,
     Conversation,
+    Format,
     PlainText,
     PromptCompletion,
+    PromptStyle,
     check_columns,
     convert_row,
     resolve_columns,
 )
 from tunesmith.data.labels import count_trained, make_labels, truncate
 from tunesmith.data.report import (
+    BAD_ROW_POLICIES,
     NO_TRAINED_TOKENS,
     TEMPLATE_ERROR,
     TOO_LONG,
     BadRow,
     DataReport,
+    OnBadRow,
     raise_if_empty,
     read_samples,
 )
-from tunesmith.data.sources import MAX_ROW_BYTES, check_max_row_bytes, load_rows
+from tunesmith.data.sources import (
+    MAX_ROW_BYTES,
+    DataSource,
+    SampleBy,
+    check_max_row_bytes,
+    load_rows,
+)
 from tunesmith.data.token_cache import CachedRows, tokenize_with_cache, with_progress
 
 if TYPE_CHECKING:
@@ -89,9 +99,10 @@ if TYPE_CHECKING:
 
 __all__ = ["BAD_ROW_POLICIES", "TRAIN_ON", "TRUNCATION", "SFTDataset", "tokenize_example"]
 
-TRAIN_ON = ("assistant", "last_turn", "all")
-TRUNCATION = ("right", "left", "drop")
-BAD_ROW_POLICIES = ("error", "skip")
+TrainOn = Literal["assistant", "last_turn", "all"]
+Truncation = Literal["right", "left", "drop"]
+TRAIN_ON: tuple[str, ...] = get_args(TrainOn)
+TRUNCATION: tuple[str, ...] = get_args(Truncation)
 
 
 def _with_eos(ids: list[int], eos_id: int | None) -> list[int]:
@@ -225,21 +236,21 @@ class SFTDataset(Dataset):
         self,
         tokenizer: Tokenizer,
         *,
-        source: str | os.PathLike[str],
-        format: str = "messages",
+        source: DataSource,
+        format: Format = "messages",
         column_map: Mapping[str, str] | None = None,
         split: str = "train",
         data_files: str | Sequence[str] | Mapping[str, Any] | None = None,
-        train_on: str = "assistant",
+        train_on: TrainOn = "assistant",
         max_seq_len: int | None = None,
-        truncation: str = "right",
-        on_bad_row: str = "error",
+        truncation: Truncation = "right",
+        on_bad_row: OnBadRow = "error",
         use_chat_template: bool = True,
         system_prompt: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
-        prompt_style: str | None = None,
+        prompt_style: PromptStyle | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
-        text_sample_by: str = "line",
+        text_sample_by: SampleBy = "line",
         max_row_bytes: int = MAX_ROW_BYTES,
     ) -> None:
         if train_on not in TRAIN_ON:
@@ -268,8 +279,7 @@ class SFTDataset(Dataset):
             raise ValueError(
                 f"format {format!r} renders conversations with the chat template, but the "
                 f"tokenizer {getattr(tokenizer, 'name', '')} has none (tokenizer_config.json has "
-                "no chat_template and there is no chat_template.jinja); load it with "
-                "Tokenizer.from_pretrained(..., chat_template=...)"
+                f"no chat_template and there is no chat_template.jinja): {chat_template_hint()}"
             )
         templated = not raw and prompt_style == "chat_template"
         if templated and (warning := tokenizer.bos_spacing_warning(**(template_kwargs or {}))):

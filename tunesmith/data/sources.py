@@ -45,8 +45,9 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
+from tunesmith.config.typecheck import Check
 from tunesmith.data.report import (
     INVALID_UTF8,
     MALFORMED_JSON,
@@ -59,10 +60,13 @@ __all__ = [
     "FILE_SUFFIXES",
     "MAX_ROW_BYTES",
     "TEXT_SAMPLE_BY",
+    "DataSource",
     "Rows",
+    "SampleBy",
     "check_max_row_bytes",
     "load_rows",
     "read_text_rows",
+    "source_problem",
 ]
 
 MAX_ROW_BYTES = 16 * 2**20
@@ -73,7 +77,8 @@ memory whole; ``load_rows`` (and a dataset's ``max_row_bytes`` key) takes anothe
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".txt")
 """Suffixes of local files read directly; anything else must be a folder or a Hub name."""
 
-TEXT_SAMPLE_BY = ("line", "paragraph", "document")
+SampleBy = Literal["line", "paragraph", "document"]
+TEXT_SAMPLE_BY: tuple[str, ...] = get_args(SampleBy)
 """How a ``.txt`` file is cut into rows (see the module docs)."""
 
 
@@ -779,6 +784,30 @@ def _read_csv(path: Path, sep: str, limit: int) -> Rows:
     return Rows(str(path), header, items)
 
 
+def source_problem(source: str | os.PathLike[str]) -> str | None:
+    """Why ``source`` cannot be read (None: it can be tried): a path that looks local (it
+    starts with ``/``, ``./``, ``../`` or ``~``, or ends in a data file's suffix) and does not
+    exist. Anything else may be a Hub dataset or a ``datasets`` builder name.
+
+    Example::
+
+        >>> source_problem("data/missing.jsonl")
+        'data/missing.jsonl: no such file or folder'
+        >>> source_problem("openai/gsm8k") is None
+        True
+    """
+    path = Path(source).expanduser()
+    looks_local = str(source).startswith(("/", "./", "../", "~")) or path.suffix.lower() in (
+        FILE_SUFFIXES
+    )
+    return f"{source}: no such file or folder" if looks_local and not path.exists() else None
+
+
+DataSource = Annotated[str | os.PathLike[str], Check(source_problem, on_disk=True)]
+"""The ``source`` of a dataset: checked by :func:`source_problem` in ``tunesmith validate``
+and every run before anything is read, and again when it is read."""
+
+
 def check_max_row_bytes(value: Any) -> int:
     """``value`` if it is a positive int (a row limit in bytes), else a ValueError naming
     the key ``max_row_bytes``.
@@ -848,11 +877,8 @@ def load_rows(
         else:
             rows = _read_csv(path, "\t" if suffix == ".tsv" else ",", max_row_bytes)
     else:
-        looks_local = str(source).startswith(("/", "./", "../", "~")) or path.suffix.lower() in (
-            FILE_SUFFIXES
-        )
-        if looks_local and not path.exists():
-            raise DataError(f"{source}: no such file or folder")
+        if (problem := source_problem(source)) is not None:
+            raise DataError(problem)
         rows = _load_with_datasets(str(source), str(source), split=split, data_files=data_files)
     if len(rows) == 0:
         raise DataError(f"{rows.name}: has no rows")

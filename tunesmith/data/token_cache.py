@@ -48,7 +48,7 @@ __all__ = [
     "with_progress",
 ]
 
-_FORMAT = 1  # bump when the entry layout changes
+_FORMAT = 2  # bump when the entry layout changes (2: the report numbers rows as messages do)
 _T = TypeVar("_T")
 
 

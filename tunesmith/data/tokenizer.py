@@ -50,15 +50,17 @@ import json
 from collections.abc import Mapping, Sequence
 from os import PathLike
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Annotated, Any, Literal, overload
 
 import jinja2
 import tokenizers
 
 from tunesmith.config import registry
+from tunesmith.config.typecheck import Check
 from tunesmith.data.chat_template import (
     TEMPLATE_NAMES,
     TemplateBudgetError,
+    chat_template_hint,
     compile_template,
     control_tokens,
     load_template,
@@ -66,7 +68,7 @@ from tunesmith.data.chat_template import (
     render_chat,
 )
 
-__all__ = ["SPECIAL_TOKEN_KEYS", "Tokenizer"]
+__all__ = ["SPECIAL_TOKEN_KEYS", "Tokenizer", "TokenizerFolder", "tokenizer_folder_problem"]
 
 SPECIAL_TOKEN_KEYS = (
     "bos_token",
@@ -95,6 +97,32 @@ _END_OF_TURN_TOKENS = (
 
 # transformers writes this when a tokenizer has no length limit.
 _NO_LIMIT = int(1e18)
+
+
+def tokenizer_folder_problem(folder: str | PathLike[str]) -> str | None:
+    """Why ``folder`` is not a tokenizer folder tunesmith reads (None: it is one): no such
+    folder, or no ``tokenizer.json`` in it.
+
+    Example::
+
+        >>> tokenizer_folder_problem("nowhere")
+        'nowhere: no such tokenizer folder'
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return f"{folder}: no such tokenizer folder"
+    if not (folder / "tokenizer.json").is_file():
+        return (
+            f"{folder / 'tokenizer.json'}: missing. tunesmith reads the fast-tokenizer file "
+            "tokenizer.json; a folder with only tokenizer.model / vocab.json can be converted "
+            "once with transformers: AutoTokenizer.from_pretrained(folder).save_pretrained(folder)"
+        )
+    return None
+
+
+TokenizerFolder = Annotated[str | PathLike[str], Check(tokenizer_folder_problem, on_disk=True)]
+"""The folder ``Tokenizer.from_pretrained`` reads: checked by :func:`tokenizer_folder_problem`
+in ``tunesmith validate`` and every run before anything is built."""
 
 
 def _read_json(path: Path) -> Any:
@@ -208,7 +236,7 @@ class Tokenizer:
     @registry.component
     @classmethod
     def from_pretrained(
-        cls, folder: str | PathLike[str], *, chat_template: str | PathLike[str] | None = None
+        cls, folder: TokenizerFolder, *, chat_template: str | PathLike[str] | None = None
     ) -> Tokenizer:
         """Load a Hugging Face tokenizer folder.
 
@@ -237,16 +265,10 @@ class Tokenizer:
             tok = Tokenizer.from_pretrained("Llama-3.2-1B-Instruct")
             tok = Tokenizer.from_pretrained("Llama-3.2-1B", chat_template="llama3")
         """
+        if (problem := tokenizer_folder_problem(folder)) is not None:
+            raise FileNotFoundError(problem)
         folder = Path(folder)
-        if not folder.is_dir():
-            raise FileNotFoundError(f"{folder}: no such tokenizer folder")
         tokenizer_file = folder / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise FileNotFoundError(
-                f"{tokenizer_file}: missing. tunesmith reads the fast-tokenizer file "
-                "tokenizer.json; a folder with only tokenizer.model / vocab.json can be converted "
-                "once with transformers: AutoTokenizer.from_pretrained(folder).save_pretrained(folder)"
-            )
         try:
             backend = tokenizers.Tokenizer.from_str(tokenizer_file.read_text(encoding="utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
@@ -520,9 +542,7 @@ class Tokenizer:
         if not self.chat_templates:
             raise ValueError(
                 f"{self.name}: the tokenizer has no chat template (tokenizer_config.json has no "
-                "chat_template and there is no chat_template.jinja). Pass one with "
-                f"Tokenizer.from_pretrained(..., chat_template=...): a shipped template "
-                f"({', '.join(map(repr, TEMPLATE_NAMES))}) or the path of a .jinja file"
+                f"chat_template and there is no chat_template.jinja): {chat_template_hint()}"
             )
         if tools is not None and "tool_use" in self.chat_templates:
             return self.chat_templates["tool_use"]
@@ -530,8 +550,8 @@ class Tokenizer:
             return self.chat_templates["default"]
         raise ValueError(
             f"{self.name}: the tokenizer has named chat templates "
-            f"{sorted(self.chat_templates)} but no 'default' one; choose one with "
-            "Tokenizer.from_pretrained(..., chat_template=<name>)"
+            f"{sorted(self.chat_templates)} but no 'default' one: "
+            f"{chat_template_hint('<one of them>')}"
         )
 
     def _budget_error(self, error: TemplateBudgetError, tools: Any) -> TemplateBudgetError:

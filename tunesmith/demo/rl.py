@@ -359,8 +359,8 @@ def _run(
             *grpo_overrides]  # fmt: skip
     # Both configs are checked before anything is built (the warm-up's checkpoint is a
     # stand-in until it exists).
-    prepare_run("sft", WARMUP_CONFIG, sft)
-    prepare_run(recipe, CONFIG, [f"model_dir={sft_dir / 'checkpoints'}", *grpo])
+    prepare_run("sft", WARMUP_CONFIG, sft, files=False)
+    prepare_run(recipe, CONFIG, [f"model_dir={sft_dir / 'checkpoints'}", *grpo], files=False)
     built = is_built(root, settings.assets())
     say(f"[1/5] task (sort the letters), tokenizer and base model in {root}/")
     data = write_rl_data(root, settings)

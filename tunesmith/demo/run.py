@@ -15,9 +15,9 @@ Example::
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +32,27 @@ from tunesmith.generation import GenerationConfig, LocalEngine, generate_with
 from tunesmith.models import from_hf
 from tunesmith.recipes import run
 from tunesmith.training import CheckpointDirectory, plot_run
+from tunesmith.training.logging.quiet import quiet_third_party
 
-__all__ = ["CONFIG", "RUN_DIR", "DemoResult", "evaluate", "run_demo", "summary", "train"]
+__all__ = [
+    "CONFIG",
+    "MAX_NEW_TOKENS",
+    "RUN_DIR",
+    "DemoResult",
+    "evaluate",
+    "generate_command",
+    "run_demo",
+    "summary",
+    "train",
+]
 
 CONFIG = "demo"
 """The SFT config the demo trains with (``tunesmith/recipes/configs/sft/demo.yaml``)."""
 RUN_DIR = "sft"
 """Sub-folder of the output folder for the training run (metrics, checkpoints, plot)."""
 _OWN_KEYS = ("model_dir", "dataset.source", "output_dir")
+MAX_NEW_TOKENS = MAX_LEN + 2
+"""New tokens of a held-out answer: the longest answer and its end-of-turn token, one spare."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +89,7 @@ def evaluate(
     model.eval()  # left in eval mode after (the engine restores the mode it finds)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     engine = LocalEngine(model, tokenizer, pad_id=pad_id)
-    greedy = GenerationConfig(max_new_tokens=MAX_LEN + 2, temperature=0.0)
+    greedy = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
     replies: list[str] = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
@@ -115,10 +128,7 @@ def run_to_checkpoint(recipe: str, config: str, overrides: Sequence[str], run_di
         run_to_checkpoint("sft", "demo", [f"output_dir={out}"], out)
     """
     shutil.rmtree(run_dir, ignore_errors=True)
-    with warnings.catch_warnings():
-        # torchdata's StatefulDataLoader calls a deprecated torch API on construction; the
-        # warning says nothing about the run, so the demo keeps it off its output.
-        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+    with quiet_third_party():  # as every recipe's run: library notices kept off the output
         run(recipe, config, list(overrides))  # load the config, validate it, run in-process
     checkpoint = CheckpointDirectory(run_dir / "checkpoints").latest()
     if checkpoint is None:
@@ -224,9 +234,27 @@ def summary(result: DemoResult, examples: int = 3) -> str:
         f"{result.accuracy_before:.1%} before -> {result.accuracy_after:.1%} after fine-tuning",
         f"checkpoint (Hugging Face folder): {result.checkpoint}",
         f"loss plot:                        {result.plot}",
+        "the fine-tuned model's first answer above, again (the run folder means its newest "
+        "checkpoint):",
+        f"  {generate_command(result.checkpoint.parent.parent, result.held_out[0])}",
         f"total time: {result.seconds:.0f} s",
     ]
     return "\n".join(lines)
+
+
+def generate_command(run_dir: str | os.PathLike[str], example: Example) -> str:
+    """The ``tunesmith generate`` command that answers ``example`` as the demo scored it
+    (greedy, the task's system prompt, :data:`MAX_NEW_TOKENS`), on the newest checkpoint of
+    ``run_dir``.
+
+    Example::
+
+        >>> print(generate_command("outputs/demo/sft", Example("QZXAB")))
+        tunesmith generate outputs/demo/sft --system 'sort the letters' --prompt 'sort QZXAB' --max-new-tokens 10
+    """
+    system, user = (m["content"] for m in example.prompt_messages())
+    words = ["tunesmith", "generate", str(run_dir), "--system", system, "--prompt", user]
+    return shlex.join([*words, "--max-new-tokens", str(MAX_NEW_TOKENS)])
 
 
 def _shown(reply: str, width: int = 14) -> str:

@@ -101,8 +101,9 @@ class GenerationConfig:
 
     ``temperature`` 0 is greedy, > 0 samples (then ``top_p``/``top_k``/``min_p`` filter).
     ``stop_strings`` end a completion after the token that completes one; ``stop_tokens``
-    (token strings such as ``"<|im_end|>"``) and the tokenizer's end-of-sequence token end
-    it at that token. ``engine``: how the project's own engine decodes
+    (token strings such as ``"<|im_end|>"``) and the tokenizer's stop ids (its end of
+    sequence and the end-of-turn tokens it has, as ``generate`` and ``chat`` stop at) end it
+    at that token. ``engine``: how the project's own engine decodes
     (:class:`EngineSettings`; a mapping in a config).
     """
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from tunesmith.models.base_record import find_base
 from tunesmith.models.hf import (
     CONFIG_NAME,
     TOKENIZER_FILES,
@@ -58,7 +59,8 @@ def export_merged(
     """Write a plain Hugging Face folder with the adapters merged into the base weights.
 
     ``adapter_or_model_dir`` is a PEFT adapter folder (its base model is ``base_dir``, else
-    ``base_model_name_or_path`` from ``adapter_config.json``, a local HF folder) or a HF model
+    the local HF folder it records, found and checked from any working directory by
+    :func:`~tunesmith.models.base_record.find_base`) or a HF model
     folder (re-saved, e.g. to change dtype). ``dtype`` (``"bf16"``, ``"fp32"``...) defaults to
     the base config's. The base is loaded in the wider of its stored dtype and ``dtype``; each
     merged weight is computed in float32, then cast to ``dtype``. Generation config and
@@ -94,13 +96,8 @@ def export_merged(
         return save_hf_checkpoint(
             model, out_dir, dtype=out_dtype, max_shard_size=max_shard_size, source_dir=src
         )
-    config = read_adapter_config(src)
-    base = base_dir if base_dir is not None else config.get("base_model_name_or_path")
-    if base is None or not (Path(base) / CONFIG_NAME).is_file():
-        raise CheckpointFileNotFoundError(
-            f"{src / ADAPTER_CONFIG_NAME}: base model {base!r} is not a local HF folder; give "
-            "the base model's folder (`tunesmith export ... --base-dir DIR`, or base_dir=DIR)"
-        )
+    read_adapter_config(src)  # an unsupported adapter: refused before the base is searched
+    base = find_base(src, base_dir)
     model = from_hf(base, dtype=_merge_dtype(base, out_dtype))
     load_peft_adapter(model, src)
     merge_adapters(model)

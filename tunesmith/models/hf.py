@@ -24,12 +24,13 @@ import shutil
 import stat
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from torch import nn
 
 from tunesmith.config.registry import component
+from tunesmith.config.typecheck import Check
 from tunesmith.models.atomic import UnsafePathError, open_no_follow, real_folder, refuse_unsafe
 from tunesmith.models.builder import build_model
 from tunesmith.models.family import language_model_config
@@ -47,6 +48,7 @@ from tunesmith.models.safetensors_io import (
 )
 from tunesmith.models.spec import ModelSpec, UnsupportedModelError, spec_from_hf_config
 from tunesmith.models.transformers_backend import (
+    Backend,
     TransformersLM,
     TransformersSpec,
     choose_backend,
@@ -65,7 +67,10 @@ __all__ = [
     "check_model_files",
     "copy_model_files",
     "CheckpointError",
+    "DTypeSetting",
+    "HFFolder",
     "from_hf",
+    "hf_folder_problem",
     "hf_folder_spec",
     "load_hf_weights",
     "read_hf_config",
@@ -97,6 +102,25 @@ TOKENIZER_FILES: tuple[str, ...] = (
 )
 
 
+def hf_folder_problem(folder: str | os.PathLike) -> str | None:
+    """Why ``folder`` is not a Hugging Face model folder (None: it has a ``config.json``).
+
+    >>> hf_folder_problem("nowhere")
+    'nowhere: no such model folder (a Hugging Face folder with a config.json)'
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return f"{folder}: no such model folder (a Hugging Face folder with a config.json)"
+    if not (folder / CONFIG_NAME).is_file():
+        return f"{folder / CONFIG_NAME} not found: {folder} is not a HF model folder"
+    return None
+
+
+HFFolder = Annotated[str | os.PathLike, Check(hf_folder_problem, on_disk=True)]
+"""A HF model folder argument: checked by :func:`hf_folder_problem` in ``tunesmith validate``
+and every run before anything is built, and by :func:`read_hf_config` when it is read."""
+
+
 def resolve_dtype(
     dtype: torch.dtype | str | None, default: torch.dtype = torch.float32
 ) -> torch.dtype:
@@ -113,8 +137,15 @@ def resolve_dtype(
     return resolved
 
 
+DTypeSetting = Annotated[str, Check.raises(resolve_dtype)]
+"""A dtype given by name (``bf16``, ``float32``, ``auto``...): checked by :func:`resolve_dtype`
+in ``tunesmith validate`` and every run before anything is built."""
+
+
 def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
     """The parsed ``config.json`` of ``folder``; errors name the file."""
+    if (problem := hf_folder_problem(folder)) is not None:
+        raise CheckpointFileNotFoundError(problem)
     return read_json_object(Path(folder) / CONFIG_NAME, "a HF model folder")
 
 
@@ -282,13 +313,13 @@ def verify_own_checkpoint(folder: str | os.PathLike) -> None:
 
 @component
 def from_hf(
-    path: str | os.PathLike,
+    path: HFFolder,
     *,
-    dtype: torch.dtype | str | None = None,
+    dtype: torch.dtype | DTypeSetting | None = None,
     device: torch.device | str = "cpu",
     load_weights: bool = True,
     verify: bool = True,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> TransformerLM | TransformersLM:
     """Build the model of a HF folder from its ``config.json`` and load its weights.
 

@@ -44,8 +44,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tunesmith.models.base_record import BaseRecord
 from tunesmith.models.family import family_for
-from tunesmith.models.hf import resolve_dtype
+from tunesmith.models.hf import CONFIG_NAME, resolve_dtype
 from tunesmith.models.safetensors_io import (
     CheckpointError,
     CheckpointFileNotFoundError,
@@ -641,11 +642,16 @@ def write_peft_adapter(
     atomic; for callers that write more files inside one ``atomic_directory``).
 
     ``state_dict`` (our adapter keys, full plain tensors) replaces ``adapter_state_dict(model)``,
-    e.g. a state dict gathered from an FSDP-sharded model. ``dtype`` casts the tensors.
-    Returns the paths written.
+    e.g. a state dict gathered from an FSDP-sharded model. ``dtype`` casts the tensors. A
+    ``base_model_name_or_path`` that is a local HF folder (as spelled at training, relative
+    to the working directory) is written as its absolute path, and recorded with its weights'
+    fingerprint in ``base_model.json`` (:mod:`tunesmith.models.base_record`): the adapter then
+    finds and checks its base from anywhere. Returns the paths written.
     """
     folder = Path(folder)
-    config = peft_adapter_config(model, base_model_name_or_path=base_model_name_or_path)
+    record = _base_record(base_model_name_or_path)
+    base = record.path if record is not None else base_model_name_or_path
+    config = peft_adapter_config(model, base_model_name_or_path=base)
     own = adapter_state_dict(model)
     expected = own if state_dict is None else dict(state_dict)
     if set(expected) != set(own):
@@ -665,7 +671,14 @@ def write_peft_adapter(
     save_file(tensors, str(weights), metadata={"format": "pt"})
     config_path = folder / ADAPTER_CONFIG_NAME
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return [weights, config_path]
+    return [weights, config_path] + ([record.write(folder)] if record is not None else [])
+
+
+def _base_record(base: str | os.PathLike | None) -> BaseRecord | None:
+    """The record of ``base`` when it is a local HF folder (a hub id or None: no record)."""
+    if base is None or not (Path(base) / CONFIG_NAME).is_file():
+        return None
+    return BaseRecord.of(base)
 
 
 def save_peft_adapter(

@@ -29,7 +29,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,8 @@ from tunesmith.models.family import UnsupportedModelError, families
 from tunesmith.models.hf import (
     CONFIG_NAME,
     SCORE_WEIGHT,
+    DTypeSetting,
+    HFFolder,
     from_hf,
     hf_folder_spec,
     load_hf_weights,
@@ -289,10 +290,10 @@ def _stored_num_labels(folder: Path, num_labels: int) -> int | None:
 
 @component
 def reward_model_from_hf(
-    path: str | os.PathLike,
+    path: HFFolder,
     *,
     num_labels: int = 1,
-    dtype: torch.dtype | str | None = None,
+    dtype: torch.dtype | DTypeSetting | None = None,
     device: torch.device | str | None = None,
     pad_token_id: int | None = None,
 ) -> RewardModel:

@@ -33,7 +33,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -58,8 +58,9 @@ __all__ = [
     "transformers_from_hf",
 ]
 
-BACKENDS = ("auto", "native", "transformers")
+Backend = Literal["auto", "native", "transformers"]
 """``from_hf(backend=)``: ``auto`` is native where a family exists, else transformers."""
+BACKENDS: tuple[str, ...] = get_args(Backend)
 
 ATTENTION_IMPLEMENTATIONS = {"auto": "sdpa", "sdpa": "sdpa", "eager": "eager",
                              "loop": "eager", "flex": "flex_attention"}  # fmt: skip

@@ -14,9 +14,13 @@ Example::
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 
-__all__ = ["AUTOCAST", "DTYPE_NAMES", "dtype_from_name"]
+from tunesmith.config.typecheck import Check
+
+__all__ = ["AUTOCAST", "DTYPE_NAMES", "DTypeName", "dtype_from_name"]
 
 #: Every accepted name (lower case, without a ``torch.`` prefix) -> dtype.
 DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -57,3 +61,8 @@ def dtype_from_name(dtype: torch.dtype | str, *, what: str = "dtype") -> torch.d
     if name not in DTYPE_NAMES:
         raise ValueError(f"unknown {what} {dtype!r}; use one of {sorted(DTYPE_NAMES)}")
     return DTYPE_NAMES[name]
+
+
+DTypeName = Annotated[str, Check.raises(dtype_from_name)]
+"""A dtype given by name in a config: checked by :func:`dtype_from_name` in ``tunesmith
+validate`` and every run before anything is built."""

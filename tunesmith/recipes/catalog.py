@@ -42,6 +42,7 @@ __all__ = [
     "RecipeError",
     "check_config",
     "check_local_folders",
+    "check_run",
     "config_names",
     "config_path",
     "infer_recipe",
@@ -312,9 +313,11 @@ def run_recipe(recipe_file: Path, cfg: Any) -> None:
     Recipe.load(recipe_file).main(cfg)
 
 
-def check_config(cfg: Any, recipe_file: Path | None) -> None:
+def check_config(cfg: Any, recipe_file: Path | None, *, files: bool = True) -> None:
     """Validate the whole config tree (against ``recipe_file``'s ``KEYS``, ``RULES`` and
     run-time arguments when given); raise one ``ConfigError`` listing every problem.
+    ``files=False`` leaves out the files and folders the config names (see
+    :func:`~tunesmith.config.validate_config`).
 
     Example::
 
@@ -331,7 +334,7 @@ def check_config(cfg: Any, recipe_file: Path | None) -> None:
 
     recipe = None if recipe_file is None else Recipe.load(recipe_file)
     args, kwargs = (recipe.runtime_args, recipe.runtime_kwargs) if recipe else ({}, {})
-    issues = validate_config(cfg, runtime_args=args, runtime_kwargs=kwargs)
+    issues = validate_config(cfg, runtime_args=args, runtime_kwargs=kwargs, files=files)
     if recipe and recipe.keys is not None:  # its own top-level keys, misspellings suggested
         issues += check_keys(cfg, recipe.keys)
     if recipe and recipe.rules:  # each top-level value's type, range or choices
@@ -344,14 +347,20 @@ def check_config(cfg: Any, recipe_file: Path | None) -> None:
 
 
 def prepare_run(
-    recipe: str | os.PathLike[str], config: str | os.PathLike[str], overrides: Sequence[str] = ()
+    recipe: str | os.PathLike[str],
+    config: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    *,
+    files: bool = True,
 ) -> tuple[Path, Path, Any]:
-    """The recipe file, the config file and the loaded, checked config of a run; every problem
-    is reported before anything is written.
+    """The recipe file, the config file and the loaded, checked config of a run
+    (:func:`check_run`); every problem is reported before anything is written. ``files=False``
+    checks the config alone, before the files and folders it names exist (the demo checks its
+    second run's config before the first has written its model).
 
     Example::
 
-        >>> recipe_file, config_file, cfg = prepare_run("sft", "demo", ["max_steps=2"])
+        >>> recipe_file, config_file, cfg = prepare_run("sft", "demo", ["max_steps=2"], files=False)
         >>> recipe_file.name, config_file.name, cfg.max_steps
         ('sft.py', 'demo.yaml', 2)
     """
@@ -368,10 +377,31 @@ def prepare_run(
             f"{', '.join(config_names(builtin)) or 'none'}"
         )
     cfg = load_config(config_file, list(overrides))
-    check_config(cfg, recipe_file)
-    if builtin is not None:  # a recipe of your own may give its `*_dir` keys other meanings
-        check_local_folders(cfg)
+    check_run(cfg, recipe_file, files=files)
     return recipe_file, config_file, cfg
+
+
+def check_run(cfg: Any, recipe_file: Path | None, *, files: bool = True) -> list[str]:
+    """Every check of a config before anything is built or read, the same for ``tunesmith
+    validate`` and every run (so both name the same first problem): the Hub ids of a built-in
+    recipe's ``*_dir`` keys (:func:`check_local_folders`), then the whole tree
+    (:func:`check_config`: keys, types, choices, files and folders, required keys), then the
+    backend of each model (:func:`model_backends`, whose lines it returns). ``files=False``:
+    the config alone, not the files and folders it names (nor the models' backends).
+
+    Example::
+
+        >>> from tunesmith.config import load_config
+        >>> _ = Path("my.yaml").write_text("model_dir: Qwen/Qwen3-0.6B\\n")
+        >>> check_run(load_config("my.yaml"), recipe_path("sft"))
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: model_dir 'Qwen/Qwen3-0.6B' is not a local folder; ...
+    """
+    if files and recipe_file is not None and recipe_file.parent == RECIPES_DIR:
+        check_local_folders(cfg)  # a recipe of your own may give `*_dir` keys other meanings
+    check_config(cfg, recipe_file, files=files)
+    return model_backends(cfg) if files else []
 
 
 def check_local_folders(cfg: Any) -> None:

@@ -30,7 +30,6 @@ Example (YAML)::
 from __future__ import annotations
 
 import json
-import os
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,9 +37,12 @@ from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
+from tunesmith.config.errors import override_hint
 from tunesmith.config.registry import component
+from tunesmith.data.chat_template import chat_template_hint
 from tunesmith.data.formats import check_messages
 from tunesmith.data.report import (
+    BAD_ROW_POLICIES,
     EMPTY_TEXT,
     MISSING_FIELD,
     NO_ASSISTANT_TURN,
@@ -49,10 +51,11 @@ from tunesmith.data.report import (
     BadRow,
     DataError,
     DataReport,
+    OnBadRow,
     raise_if_empty,
     read_samples,
 )
-from tunesmith.data.sources import MAX_ROW_BYTES, check_max_row_bytes, load_rows
+from tunesmith.data.sources import MAX_ROW_BYTES, DataSource, check_max_row_bytes, load_rows
 
 if TYPE_CHECKING:
     from tunesmith.data.tokenizer import Tokenizer
@@ -66,8 +69,6 @@ __all__ = [
     "check_prompt_template",
     "encode_prompt",
 ]
-
-BAD_ROW_POLICIES = ("error", "skip")
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,7 @@ class PromptDataset(_PromptSequence):
 
     def __init__(
         self,
-        source: str | os.PathLike[str],
+        source: DataSource,
         *,
         prompt_column: str | None = None,
         messages_column: str | None = None,
@@ -245,7 +246,7 @@ class PromptDataset(_PromptSequence):
         split: str = "train",
         data_files: str | Sequence[str] | Mapping[str, Any] | None = None,
         max_samples: int | None = None,
-        on_bad_row: str = "error",
+        on_bad_row: OnBadRow = "error",
         max_row_bytes: int = MAX_ROW_BYTES,
     ) -> None:
         if on_bad_row not in BAD_ROW_POLICIES:
@@ -269,7 +270,7 @@ class PromptDataset(_PromptSequence):
             if column is None:
                 raise DataError(
                     f"{rows.name}: has neither a 'prompt' nor a 'messages' column (columns: "
-                    f"{sorted(available)}); set prompt_column=<your column>"
+                    f"{sorted(available)}); set {override_hint('prompt_column', '<your column>')}"
                 )
         wanted = [("prompt column", column)]
         if answer_column is not None:
@@ -279,7 +280,7 @@ class PromptDataset(_PromptSequence):
             if name not in available:
                 hint = ""
                 if what == "answer_column":
-                    hint = "; set answer_column=None for data without answers"
+                    hint = f"; set {override_hint('answer_column', None)} for data without answers"
                 raise DataError(
                     f"{rows.name}: {what} {name!r} is not in the data (columns: "
                     f"{sorted(available)}){hint}"
@@ -466,8 +467,8 @@ def encode_prompt(
         raise ValueError(
             f"prompt {prompt.index}: chat_template=True, but the tokenizer "
             f"{getattr(tokenizer, 'name', '')} has no chat template (tokenizer_config.json has "
-            "no chat_template and there is no chat_template.jinja); load it with "
-            "Tokenizer.from_pretrained(..., chat_template=...) or set chat_template=False"
+            f"no chat_template and there is no chat_template.jinja): {chat_template_hint()}, or "
+            "set the config's chat_template=false (chat_template=False in Python)"
         )
     try:
         text = tokenizer.apply_chat_template(

@@ -333,13 +333,15 @@ ASYNC_RESUMABLE = resumable_keys(ASYNC_SETTINGS)
 
 def rl_keys(extra: Mapping[str, Rule]) -> tuple[list[str], dict[str, Rule]]:
     """An RL recipe's ``KEYS`` and ``RULES``: the loop's (less the dataset's), the model
-    step's, :data:`RL_RULES` and the recipe's own ``extra``.
+    step's (less ``loss``: RL's is ``policy_loss``), :data:`RL_RULES` and the recipe's own
+    ``extra``.
 
     >>> keys, rules = rl_keys({"gamma": number(at_least=0, at_most=1)})
-    >>> "dataset" in keys, "prompts" in keys, "gamma" in rules
-    (False, True, True)
+    >>> "dataset" in keys, "loss" in keys, "prompts" in keys, "gamma" in rules
+    (False, False, True, True)
     """
     own = {**RL_RULES, **extra}
-    keys = [k for k in LOOP_KEYS if k not in _DATASET_KEYS] + [*MODEL_KEYS, *own]
+    model = [k for k in MODEL_KEYS if k != "loss"]  # RL's loss is policy_loss
+    keys = [k for k in LOOP_KEYS if k not in _DATASET_KEYS] + [*model, *own]
     rules = {k: v for k, v in LOOP_RULES.items() if k not in _DATASET_KEYS}
-    return keys, {**rules, **MODEL_RULES, **own}
+    return keys, {**rules, **{k: MODEL_RULES[k] for k in model if k in MODEL_RULES}, **own}

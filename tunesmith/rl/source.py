@@ -565,8 +565,11 @@ def rollout_metrics(
 
 
 def stop_token_ids(tokenizer: Any, stop_tokens: Sequence[str]) -> list[int]:
-    """The ids that end a completion: the tokenizer's end of sequence and ``stop_tokens``."""
-    ids = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    """The ids that end a completion: the tokenizer's own stop ids (end of sequence, the
+    generation config's, the end-of-turn tokens its vocabulary has: the ones ``generate`` and
+    ``chat`` stop at) and ``stop_tokens``."""
+    ids = list(getattr(tokenizer, "stop_token_ids", ()))
+    ids += [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     for token in stop_tokens:
         token_id = tokenizer.token_to_id(token)
         if token_id is None:

@@ -8,15 +8,15 @@ rollout source for RL)::
     trainer.start()                                  # resume=... : the checkpoint to continue
     while not trainer.done:
         metrics = trainer.step(source.next_step())   # one optimizer step
-        log(window means); maybe evaluate; maybe save; stop on SIGINT/SIGTERM/stop_after_steps
+        log(window means); maybe evaluate; maybe save; stop on a signal or stop_after_steps
 
 Saving: every ``save_every_n_steps`` steps and/or every ``save_every_minutes`` of wall time
 (rank 0's clock decides, one all-reduce makes every rank agree), and after the last step.
-Ctrl-C (SIGINT) and SIGTERM both ask for a checkpoint at the end of the current step and a
-clean exit with the resume hint; a second Ctrl-C aborts at once. Logging: every
-``log_every_n_steps`` steps the means of the steps since the last line
-(:class:`~tunesmith.training.logging.loggers.MetricWindow`: the loss over every unit of the
-window); ``progress_bar: auto`` (the default) shows a bar when stdout is a terminal.
+Ctrl-C (SIGINT), SIGTERM and SIGHUP (:mod:`~tunesmith.training.stop_signals`) each ask for a
+checkpoint at the end of the current step and a clean exit (code 0) with the resume hint; a
+second Ctrl-C aborts at once. Logging: every ``log_every_n_steps`` steps the means of the steps
+since the last line (:class:`~tunesmith.training.logging.loggers.MetricWindow`: the loss over
+every unit of the window); ``progress_bar: auto`` (the default) shows a bar when stdout is a terminal.
 ``resume: true`` with no checkpoint in ``output_dir`` is refused; ``resume: auto`` resumes
 when there is one and starts fresh otherwise.
 
@@ -62,10 +62,18 @@ from tunesmith.modules.dtypes import AUTOCAST
 from tunesmith.training.checkpoint.checkpointer import not_continued
 from tunesmith.training.checkpoint.run_lock import hold_run_lock
 from tunesmith.training.datasets import inherit_val_dataset
-from tunesmith.training.logging.loggers import MetricLogger, MetricWindow, MultiLogger, NullLogger
+from tunesmith.training.logging.console import FORMATS, RunSummary, parameter_line
+from tunesmith.training.logging.loggers import (
+    MetricLogger,
+    MetricWindow,
+    MultiLogger,
+    NullLogger,
+    StdoutLogger,
+)
+from tunesmith.training.logging.quiet import quiet_third_party
 from tunesmith.training.memory.planner import MemoryPlan
 from tunesmith.training.memory.preflight import PreflightReport, longest_batch, preflight
-from tunesmith.training.memory.usage import peak_memory_gb
+from tunesmith.training.memory.usage import peak_memory_metric
 from tunesmith.training.parallel.distributed import (
     DistributedContext,
     all_reduce_sum,
@@ -77,6 +85,7 @@ from tunesmith.training.rules import Rule, check_rules
 from tunesmith.training.sample_prompts import SamplePrompts
 from tunesmith.training.settings import LOOP_KEYS, LOOP_RULES, LoopSettings, value_of
 from tunesmith.training.sources import BatchSource, DatasetSource, dropped_per_epoch, make_loader
+from tunesmith.training.stop_signals import handle_stop_signals, keep_handlers
 from tunesmith.training.trainer import LossOutput, Objective, Trainer, evaluate
 
 __all__ = [
@@ -110,8 +119,9 @@ def run_main(
 ) -> None:
     """A recipe's ``main``: check the config's top-level keys (unknown ones, and each value
     against ``rules``: see :mod:`~tunesmith.training.loop_config`), start the process group,
-    run ``train(cfg, ctx)``, and turn a dead or hung peer's collective error into one clear
-    line."""
+    run ``train(cfg, ctx)`` (known third-party notices left out:
+    :func:`~tunesmith.training.logging.quiet.quiet_third_party`), and turn a dead or hung
+    peer's collective error into one clear line."""
     cfg = inherit_val_dataset(cfg)
     issues = check_keys(cfg, list(keys))
     issues += [i for i in check_rules(cfg, rules) if i.path in keys]
@@ -125,15 +135,15 @@ def run_main(
             f"parallelism: {ctx.mesh.mesh_dim_names} mesh of {tuple(ctx.mesh.shape)} ranks, "
             f"{ctx.dp_size} data-parallel"
         )
-    previous_sigterm = signal.getsignal(signal.SIGTERM)
-    previous_sigint = signal.getsignal(signal.SIGINT)
+    restore_signals = keep_handlers()  # fit() installs its own, and Ray its SIGTERM's
     lock = None
     try:  # one run per output_dir, taken before anything is written into it
         lock = hold_run_lock(settings.output_dir, ctx)  # a live run's lock is named first
         refuse_another_runs(cfg)
         random.seed(settings.seed)
         torch.manual_seed(settings.seed)
-        train(cfg, ctx)
+        with quiet_third_party():  # library notices that say nothing about the run
+            train(cfg, ctx)
         if ctx.world_size > 1:  # ranks leave together: none tears its group down mid-collective
             dist.barrier()
     except Exception as error:  # a dead or hung peer: say so instead of gloo/NCCL internals
@@ -145,8 +155,7 @@ def run_main(
         if lock is not None:
             lock.release()
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, previous_sigterm)  # fit() installed its own
-            signal.signal(signal.SIGINT, previous_sigint)
+            restore_signals()
         close_distributed()
 
 
@@ -273,8 +282,15 @@ def fit(
     """Run ``trainer`` to the end on the micro-batches of ``source`` as its settings say (see
     the module docs): start it (resuming as ``settings.resume`` says; ``start=False``: the
     caller already did), then step, log to ``loggers`` (rank 0's), validate on
-    ``val_dataset``, log ``samples``, checkpoint, and stop on SIGINT/SIGTERM or
+    ``val_dataset``, log ``samples``, checkpoint, and stop on SIGINT/SIGTERM/SIGHUP or
     ``stop_after_steps``.
+
+    Rank 0 prints the model's parameter count first (trained of total) and, once the loop
+    ends (done or stopped), a summary of the records logged
+    (:class:`~tunesmith.training.logging.console.RunSummary`: steps, tokens, time, peak
+    memory, evaluation, the last checkpoint). A dataset source's records carry the
+    fractional ``epoch``; without a terminal (``progress_bar: auto``) and without a
+    :class:`StdoutLogger`, a line every :data:`HEARTBEAT_S` seconds shows the progress.
 
     A source with a ``step_metrics()`` method (a rollout source: rewards, generation time)
     has them logged with the trainer's, and the trainer's share of the step as ``train_s``.
@@ -290,14 +306,18 @@ def fit(
         log(_complete(trainer))
         MultiLogger(list(loggers)).close()  # the files and runs the caller opened
         return
-    logger = MultiLogger(list(loggers)) if ctx.is_rank_zero else NullLogger()
+    show_bar = ctx.is_rank_zero and _show_bar(settings.progress_bar)
+    summary = RunSummary(trainer.progress["tokens_seen"])  # the lines printed at the end
+    console = _heartbeat(loggers, settings.progress_bar)  # a log file's progress lines
+    logger = MultiLogger([*loggers, *console, summary]) if ctx.is_rank_zero else NullLogger()
     logger.log_config(trainer.record.config)  # environment reads as ${oc.env:...}, never values
     total_steps, stop_after = trainer.total_steps, settings.stop_after_steps
     logger.begin(total_steps, trainer.progress["step"])  # step N/total, elapsed, ETA
+    log(parameter_line(trainer.model))
     log_every = settings.log_every_n_steps
     minutes = settings.save_every_minutes
     save_every_s = None if minutes is None else float(minutes) * 60
-    show_bar = ctx.is_rank_zero and _show_bar(settings.progress_bar)
+    steps_per_epoch = getattr(source, "steps_per_epoch", None)  # a dataset's: epochs shown
     bar = tqdm(
         total=total_steps,
         initial=trainer.progress["step"],
@@ -318,7 +338,11 @@ def fit(
             if hasattr(source, "step_metrics"):  # e.g. rewards, generation time
                 metrics |= {"train_s": time.perf_counter() - train_start, **source.step_metrics()}
             step = trainer.progress["step"]
+            if steps_per_epoch:
+                metrics["epoch"] = step / steps_per_epoch
             bar.update(1)
+            if show_bar and "loss" in metrics:
+                bar.set_postfix_str(f"loss {FORMATS['sig4'](metrics['loss'])}", refresh=False)
             window.add(metrics, weighted=objective_means)
             timing.add(time.perf_counter() - step_start, trainer, first=step == first_step)
             if step % log_every == 0 or step == total_steps:
@@ -359,6 +383,7 @@ def fit(
                 log(f"{reason}: stopped after step {step}; resume with resume=true")
                 break
             step_start = time.perf_counter()
+        log(summary.text(trainer.last_checkpoint))
     finally:
         restore_signals()
         bar.close()
@@ -401,20 +426,43 @@ class _Timing:
 
 
 def _timed(metrics: Mapping[str, float], trainer: Trainer, timing: _Timing) -> dict[str, float]:
-    """``metrics`` with the window's throughput and the memory after the unit count, then its
-    mean step time (``first_step_s`` for the run's first step: compilation and warm-up)."""
+    """``metrics`` (a window's) with the unit count named ``<unit>_in_window`` (the units of
+    the window's steps, e.g. ``trained_tokens_in_window``), then the window's throughput and
+    the peak memory (:func:`~tunesmith.training.memory.usage.peak_memory_metric`:
+    ``peak_rss_gb`` on a CPU, ``peak_alloc_gb`` on CUDA), then its mean step time
+    (``first_step_s`` for the run's first step: compilation and warm-up)."""
     timed: dict[str, float] = {}
     for key, value in metrics.items():
-        timed[key] = value
-        if key == trainer.objective.unit:
-            if timing.steps:
-                timed["tokens_per_s"] = timing.tokens / timing.seconds
-            timed["peak_memory_gb"] = peak_memory_gb(trainer.ctx.device)
+        if key != trainer.objective.unit:
+            timed[key] = value
+            continue
+        timed[f"{key}_in_window"] = value
+        if timing.steps:
+            timed["tokens_per_s"] = timing.tokens / timing.seconds
+        memory_key, memory = peak_memory_metric(trainer.ctx.device)
+        timed[memory_key] = memory
     if timing.first_s is not None:
         timed["first_step_s"] = timing.first_s
     if timing.steps:
         timed["step_time_s"] = timing.seconds / timing.steps
     return timed
+
+
+HEARTBEAT_S = 30.0
+"""Seconds between the progress lines of a run whose stdout is no terminal (see
+:func:`_heartbeat`)."""
+
+
+def _heartbeat(loggers: Sequence[MetricLogger], setting: Any) -> list[MetricLogger]:
+    """The console logger a run gets when it shows no progress bar because stdout is not a
+    terminal (``progress_bar: auto``; a log file, a pipe) and none of ``loggers`` prints
+    lines: a :class:`StdoutLogger` line at most every :data:`HEARTBEAT_S` seconds (and each
+    evaluation's), so a long run's log never goes quiet."""
+    if (setting is not None and setting != "auto") or sys.stdout.isatty():
+        return []
+    if any(isinstance(logger, StdoutLogger) for logger in loggers):
+        return []
+    return [StdoutLogger(min_interval_s=HEARTBEAT_S)]
 
 
 def _console(ctx: DistributedContext) -> Callable[..., None]:
@@ -470,10 +518,11 @@ def _every(step: int, every: int | None, total: int) -> bool:
 def _install_stop_handlers(
     announce: bool = True,
 ) -> tuple[Callable[[], str | None], Callable[[], None]]:
-    """SIGTERM and Ctrl-C (SIGINT) ask for a checkpoint at the end of the current step, then a
-    clean exit; a Ctrl-C after that aborts at once (``KeyboardInterrupt``). Returns (the name
-    of the first signal received, or None; a function that puts the previous handlers back).
-    ``announce``: say on stderr that the run will stop."""
+    """Each stop signal (:func:`~tunesmith.training.stop_signals.stop_signals`: Ctrl-C, SIGTERM,
+    SIGHUP) asks for a checkpoint at the end of the current step, then a clean exit; a Ctrl-C
+    after that aborts at once (``KeyboardInterrupt``). Returns (the name of the first signal
+    received, or None; a function that puts the previous handlers back). ``announce``: say on
+    stderr that the run will stop."""
     received: list[str] = []
 
     def handler(signum: int, frame: Any) -> None:
@@ -489,14 +538,4 @@ def _install_stop_handlers(
                 "(Ctrl-C again aborts at once)\n".encode(),
             )
 
-    if threading.current_thread() is not threading.main_thread():  # signals only reach it
-        return (lambda: received[0] if received else None), (lambda: None)
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    for sig in previous:
-        signal.signal(sig, handler)
-
-    def restore() -> None:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-    return (lambda: received[0] if received else None), restore
+    return (lambda: received[0] if received else None), handle_stop_signals(handler)

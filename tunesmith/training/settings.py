@@ -424,8 +424,9 @@ LOOP_SECTIONS: tuple[Setting, ...] = (
 """The loop's keys whose values are components or sections read by what they build."""
 
 MODEL_SETTINGS: tuple[Setting, ...] = (
-    Setting("model", None, "the trained model (a _component_ mapping)", REQUIRED),
-    Setting("loss", None, "the loss (a _component_ mapping)", REQUIRED),
+    Setting("model", component(required=True), "the trained model (a _component_ mapping)",
+            REQUIRED),
+    Setting("loss", component(required=True), "the loss (a _component_ mapping)", REQUIRED),
     Setting("activation_checkpointing", None,
             "recompute activations in the backward (a mapping of options, or null)", None,
             resumable=True),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -30,7 +31,8 @@ from tunesmith.modules.losses.token import IGNORE_INDEX, rows_per_chunk
 
 __all__ = ["KD_KINDS", "KDLoss", "divergence"]
 
-KD_KINDS = ("forward", "reverse", "symmetric", "js")
+KDKind = Literal["forward", "reverse", "symmetric", "js"]
+KD_KINDS: tuple[str, ...] = get_args(KDKind)
 
 
 def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -187,7 +189,7 @@ class KDLoss(nn.Module):
 
     def __init__(
         self,
-        kind: str = "forward",
+        kind: KDKind = "forward",
         temperature: float = 1.0,
         js_beta: float = 0.5,
         num_chunks: int | None = None,

@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -54,8 +55,11 @@ __all__ = [
     "value_loss",
 ]
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant")
-KL_KINDS = ("k1", "k2", "k3")
+Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"]
+KLKind = Literal["k1", "k2", "k3"]
+Ratio = Literal["token", "sequence"]
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+KL_KINDS: tuple[str, ...] = get_args(KLKind)
 
 
 # -- aggregation -------------------------------------------------------------------------------
@@ -240,15 +244,15 @@ class PolicyLoss(nn.Module):
         self,
         clip_low: float = 0.2,
         clip_high: float | None = None,
-        ratio: str = "token",
-        aggregation: str = "token_mean",
+        ratio: Ratio = "token",
+        aggregation: Aggregation = "token_mean",
         max_tokens: int | None = None,
         dual_clip: float | None = None,
     ) -> None:
         super().__init__()
         _check_clip("clip_low", clip_low)
         _check_clip("clip_high", clip_high, optional=True)
-        if ratio not in ("token", "sequence"):
+        if ratio not in get_args(Ratio):
             raise ValueError(f"ratio must be 'token' or 'sequence' (GSPO), got {ratio!r}")
         if dual_clip is not None and (
             isinstance(dual_clip, bool) or not isinstance(dual_clip, (int, float)) or dual_clip <= 1
@@ -342,7 +346,7 @@ class PolicyLoss(nn.Module):
 
 
 def kl_penalty(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3"
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind = "k3"
 ) -> torch.Tensor:
     """Per-token estimate of ``KL(π || ref)`` from the sampled tokens' log-probabilities
     (Schulman's estimators, http://joschu.net/blog/kl-approx.html), same shape as the inputs,
@@ -395,8 +399,8 @@ class KLPenalty(nn.Module):
     def __init__(
         self,
         coef: float,
-        kind: str = "k3",
-        aggregation: str = "token_mean",
+        kind: KLKind = "k3",
+        aggregation: Aggregation = "token_mean",
         max_tokens: int | None = None,
     ) -> None:
         super().__init__()
@@ -449,7 +453,7 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip: float | None = 0.2,
-    aggregation: str = "token_mean",
+    aggregation: Aggregation = "token_mean",
     max_tokens: int | None = None,
 ) -> ValueLossOutput:
     """PPO's clipped value loss per token,
@@ -502,7 +506,7 @@ class ValueLoss(nn.Module):
     def __init__(
         self,
         clip: float | None = 0.2,
-        aggregation: str = "token_mean",
+        aggregation: Aggregation = "token_mean",
         max_tokens: int | None = None,
     ) -> None:
         super().__init__()

@@ -43,19 +43,40 @@ definition, re-exported by :mod:`tunesmith.data.labels`."""
 
 @component
 class CrossEntropyLoss(nn.Module):
-    """Summed cross-entropy over positions whose label is not ``ignore_index`` (in float32)."""
+    """Summed cross-entropy over positions whose label is not ``ignore_index`` (in float32).
+
+    ``count_correct=True`` also returns how many of those positions the model gets right (its
+    label's logit is the largest: argmax equals the label, a tie counting as right), an int64
+    count with no gradient: the SFT objective's ``token_accuracy``.
+
+    Example::
+
+        >>> logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 5.0]]])
+        >>> loss, correct = CrossEntropyLoss()(logits, torch.tensor([[1, 2, -100]]),
+        ...                                    count_correct=True)
+        >>> int(correct)
+        1
+    """
 
     def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
         super().__init__()
         self.ignore_index = ignore_index
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(
-            logits.flatten(0, -2).float(),
-            labels.flatten(),
-            ignore_index=self.ignore_index,
-            reduction="sum",
+    def forward(
+        self, logits: torch.Tensor, labels: torch.Tensor, *, count_correct: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        flat, targets = logits.flatten(0, -2), labels.flatten()
+        loss = F.cross_entropy(
+            flat.float(), targets, ignore_index=self.ignore_index, reduction="sum"
         )
+        if not count_correct:
+            return loss
+        with torch.no_grad():
+            trained = (targets != self.ignore_index).nonzero().squeeze(1)
+            rows = flat.detach().index_select(0, trained)
+            picked = rows.gather(1, targets.index_select(0, trained)[:, None]).squeeze(1)
+            correct = (picked >= rows.amax(dim=1)).sum()
+        return loss, correct
 
 
 # -- linear cross-entropy ----------------------------------------------------------------------
@@ -150,9 +171,12 @@ def _slope_buffer(
     return torch.empty(rows, vocab, dtype=dtype, device=device)
 
 
-def _softmax_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of ``logits`` ``[rows, vocab]`` against ``targets`` ``[rows]``;
-    ``logits`` is turned in place into the gradient of that sum,
+def _softmax_cross_entropy_(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of ``logits`` ``[rows, vocab]`` against ``targets`` ``[rows]``,
+    and how many rows are right (the target's logit is the row's largest: no extra pass, both
+    are needed for the loss); ``logits`` is turned in place into the gradient of that sum,
     ``softmax(logits) - one_hot(targets)``.
 
     The log-sum-exp comes out of the softmax: the largest probability is
@@ -165,17 +189,18 @@ def _softmax_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor) -> torc
     torch.softmax(logits, dim=1, out=logits)  # row by row: each element read, then written
     lse = best - logits.amax(dim=1).log()
     logits.scatter_add_(1, targets[:, None], torch.full_like(target_logits[:, None], -1.0))
-    return (lse - target_logits).sum()
+    return (lse - target_logits).sum(), (target_logits >= best).sum()
 
 
 def _sharded_softmax_cross_entropy_(
     logits: torch.Tensor, targets: torch.Tensor, shard: vp.VocabShard
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_softmax_cross_entropy_` on this rank's vocabulary rows (loss parallel):
     ``logits`` ``[rows, shard.size]``, ``targets`` global token ids. The global max comes
     from an all-reduce ``MAX``, the sum of ``exp(logit - max)`` and the target logit from one
     all-reduce ``SUM`` (a target on another rank adds 0). Returns the summed CE (the same on
-    every rank); ``logits`` becomes this rank's columns of ``softmax - one_hot``."""
+    every rank) and the rows whose target logit is the global max (also the same on every
+    rank); ``logits`` becomes this rank's columns of ``softmax - one_hot``."""
     best = vp.max_over_ranks(logits.amax(dim=1), shard)
     index, inside = shard.local_targets(targets)
     target_logits = torch.where(inside, logits.gather(1, index[:, None]).squeeze(1), 0.0)
@@ -185,7 +210,7 @@ def _sharded_softmax_cross_entropy_(
     )
     logits.div_(sum_exp[:, None])
     logits.scatter_add_(1, index[:, None], -inside[:, None].to(logits.dtype))
-    return (best + sum_exp.log() - target_logits).sum()
+    return (best + sum_exp.log() - target_logits).sum(), (target_logits >= best).sum()
 
 
 def _add_chunk_grads(
@@ -222,15 +247,16 @@ def _chunked_cross_entropy(
     weight: torch.Tensor,
     targets: torch.Tensor,
     chunk_size: int,
-    ce_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ce_fn: _CEFn,
     need_hidden: bool = False,
     need_weight: bool = False,
     transform: LogitTransform | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Summed CE of ``transform(hidden @ weight.T)`` against ``targets``, ``chunk_size`` rows
-    at a time, and (where asked) the *unscaled* gradients of that sum wrt ``hidden`` (its
-    dtype) and ``weight`` (float32 at least). At most one chunk of logits exists at any time
-    (two for a gradient through a soft cap: ``dy/dz`` is kept beside ``softmax - one_hot``)."""
+    at a time, the count of rows whose target logit is the largest (int64), and (where asked)
+    the *unscaled* gradients of that sum wrt ``hidden`` (its dtype) and ``weight`` (float32 at
+    least). At most one chunk of logits exists at any time (two for a gradient through a soft
+    cap: ``dy/dz`` is kept beside ``softmax - one_hot``)."""
     rows, acc_dtype, device = hidden.shape[0], _accumulation_dtype(hidden.dtype), hidden.device
     block = (min(chunk_size, rows), weight.shape[0])
     buffer = None
@@ -241,22 +267,31 @@ def _chunked_cross_entropy(
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
     grad_weight = torch.empty(weight.shape, dtype=acc_dtype, device=device) if need_weight else None
     total = torch.zeros((), dtype=acc_dtype, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
     for start in range(0, rows, chunk_size):
         part = slice(start, start + chunk_size)
         logits = _chunk_logits(hidden[part], weight, buffer, transform)
         to_raw = _raw_grad_fn(logits, transform, slopes) if need_grad else None
-        total += ce_fn(logits, targets[part])  # logits become d CE / d transformed logits
+        chunk_loss, chunk_correct = ce_fn(logits, targets[part])  # logits: d CE / d logits
+        total += chunk_loss
+        correct += chunk_correct
         if to_raw is not None:
             chunk_grad_hidden = grad_hidden[part] if grad_hidden is not None else None
             _add_chunk_grads(
                 to_raw(logits), hidden[part], weight, chunk_grad_hidden, grad_weight, start == 0
             )
         del logits
-    return total, grad_hidden, grad_weight
+    return total, correct, grad_hidden, grad_weight
+
+
+_CEFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""One chunk's ``(summed CE, rows right)`` from its logits and targets, turning the logits into
+their gradient in place (:func:`_softmax_cross_entropy_` and its loss-parallel form)."""
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Summed CE of ``hidden @ weight.T``, chunk by chunk.
+    """Summed CE of ``hidden @ weight.T``, chunk by chunk, and the count of rows right (an
+    output without gradient).
 
     With ``grad_in_forward`` each chunk also computes its gradients in forward (its logits
     become ``softmax - one_hot`` in place and feed the two gradient matmuls at once), and
@@ -272,29 +307,32 @@ class _LinearCrossEntropy(torch.autograd.Function):
         weight: torch.Tensor,
         targets: torch.Tensor,
         chunk_size: int,
-        ce_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        ce_fn: _CEFn,
         grad_in_forward: bool,
         transform: LogitTransform | None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         need = ctx.needs_input_grad[:2] if grad_in_forward else (False, False)
-        total, grad_hidden, grad_weight = _chunked_cross_entropy(
+        total, correct, grad_hidden, grad_weight = _chunked_cross_entropy(
             hidden, weight, targets, chunk_size, ce_fn, *need, transform
         )
+        ctx.mark_non_differentiable(correct)
         ctx.save_for_backward(hidden, weight, targets)  # for a recompute only
         ctx.chunk_size, ctx.ce_fn, ctx.weight_dtype = chunk_size, ce_fn, weight.dtype
         ctx.transform = transform
         ctx.grads = (grad_hidden, grad_weight) if grad_in_forward else None
-        return total
+        return total, correct
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_output: torch.Tensor, _grad_correct: Any
+    ) -> tuple[Any, ...]:
         if ctx.grads is not None:  # computed in forward: handed over, so autograd may keep
             grad_hidden, grad_weight = ctx.grads  # the weight gradient without a copy
             ctx.grads = None
         else:
             hidden, weight, targets = ctx.saved_tensors
-            _, grad_hidden, grad_weight = _chunked_cross_entropy(
+            _, _, grad_hidden, grad_weight = _chunked_cross_entropy(
                 hidden,
                 weight,
                 targets,
@@ -364,6 +402,13 @@ class LinearCrossEntropyLoss(nn.Module):
     ``True`` here (call ``loss(hidden, weight, labels)``), absent/``False`` on losses that
     take logits (``loss(logits, labels)``).
 
+    ``count_correct=True`` also returns how many trained positions the model gets right (the
+    label's logit is the largest of its row: argmax equals the label, a tie counting as
+    right), an int64 count with no gradient, as :class:`CrossEntropyLoss` does. Each chunk
+    reads it off the row maxima and target logits its loss computes anyway: no extra pass,
+    no full logits (loss parallel: the global maxima and target logits, no extra
+    all-reduce).
+
     Args:
         num_chunks: number of chunks the trained rows are split into (ignored when
             ``chunk_size`` is given). Default (None): up to 8 chunks, none under 512 rows
@@ -384,6 +429,10 @@ class LinearCrossEntropyLoss(nn.Module):
         >>> labels = torch.tensor([[1, 2, -100, 4, -100]] * 2)
         >>> loss = loss_fn(hidden, weight, labels)
         >>> torch.allclose(loss, CrossEntropyLoss()(hidden @ weight.T, labels))
+        True
+        >>> _, correct = loss_fn(hidden, weight, labels, count_correct=True)
+        >>> logits = hidden @ weight.T
+        >>> int(correct) == int((logits.argmax(-1) == labels).sum())
         True
     """
 
@@ -415,7 +464,7 @@ class LinearCrossEntropyLoss(nn.Module):
         self.ignore_index = ignore_index
         self.compile = compile
         self.grad_in_forward = grad_in_forward
-        self._ce_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+        self._ce_fn: _CEFn = (
             torch.compile(_softmax_cross_entropy_, dynamic=True)
             if compile
             else _softmax_cross_entropy_
@@ -444,10 +493,12 @@ class LinearCrossEntropyLoss(nn.Module):
         labels: torch.Tensor,
         *,
         transform: LogitTransform | None = None,
-    ) -> torch.Tensor:
+        count_correct: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Summed CE (float32; float64 for float64 inputs) of ``hidden`` ``[..., h]``
         projected by ``weight`` ``[V, h]`` (then ``transform`` ed), against ``labels``
-        ``[...]`` (already shifted)."""
+        ``[...]`` (already shifted); with ``count_correct``, also the count of positions
+        right (see the class docs)."""
         if hidden.shape[:-1] != labels.shape:
             raise ValueError(
                 f"hidden {list(hidden.shape)} and labels {list(labels.shape)} must agree on "
@@ -465,7 +516,9 @@ class LinearCrossEntropyLoss(nn.Module):
         rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
         targets = flat_labels.index_select(0, keep)
         if rows.shape[0] == 0:  # nothing trained: a zero that still reaches both inputs
-            return (rows.sum() + weight.sum() * 0).to(_accumulation_dtype(rows.dtype))
+            zero = (rows.sum() + weight.sum() * 0).to(_accumulation_dtype(rows.dtype))
+            none_right = torch.zeros((), dtype=torch.int64, device=rows.device)
+            return (zero, none_right) if count_correct else zero
         if ((targets < 0) | (targets >= vocab)).any():
             raise ValueError(
                 f"labels must be in [0, {vocab}) or {self.ignore_index}, got values "
@@ -489,13 +542,14 @@ class LinearCrossEntropyLoss(nn.Module):
         rows, weight = rows.to(dtype), weight.to(dtype)
         with torch.autocast(device_type, enabled=False):
             if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
-                return _LinearCrossEntropy.apply(
+                total, correct = _LinearCrossEntropy.apply(
                     rows, weight, targets, chunk, ce_fn, self.grad_in_forward, transform
                 )
-            total, _, _ = _chunked_cross_entropy(
-                rows, weight, targets, chunk, ce_fn, transform=transform
-            )
-            return total
+            else:
+                total, correct, _, _ = _chunked_cross_entropy(
+                    rows, weight, targets, chunk, ce_fn, transform=transform
+                )
+        return (total, correct) if count_correct else total
 
 
 # -- per-token log-probabilities -------------------------------------------------------------

@@ -39,12 +39,14 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Annotated
 
 import torch
 from torch import nn
 
 from tunesmith.config.registry import component
-from tunesmith.modules.dtypes import dtype_from_name
+from tunesmith.config.typecheck import Check
+from tunesmith.modules.dtypes import DTypeName, dtype_from_name
 from tunesmith.modules.moe import PROJECTIONS, ExpertLoRA, GroupedExperts, MoE
 from tunesmith.modules.peft.dora import DoRALinear
 from tunesmith.modules.peft.lora import LoRALinear
@@ -98,6 +100,11 @@ def resolve_quantize_base(quantize_base: bool | str | None) -> str | None:
     raise ValueError(
         f"quantize_base={quantize_base!r} is not supported: use false, true or 'nf4' (QLoRA)"
     )
+
+
+QuantizeBase = Annotated[str, Check.raises(resolve_quantize_base)]
+"""``quantize_base`` given as text (``nf4``, ``none``): checked by :func:`resolve_quantize_base`
+in ``tunesmith validate`` and every run before anything is built."""
 
 
 # ----------------------------------------------------------------------------- finding layers
@@ -337,8 +344,8 @@ def add_adapter(
     dropout: float = 0.0,
     use_rslora: bool = False,
     use_dora: bool = False,
-    quantize_base: bool | str = False,
-    adapter_dtype: torch.dtype | str | None = None,
+    quantize_base: bool | QuantizeBase = False,
+    adapter_dtype: torch.dtype | DTypeName | None = None,
 ) -> LoRALinear:
     """Replace the ``nn.Linear`` at ``name`` in ``model`` with a LoRA (or DoRA) layer that
     shares its parameters; returns the new layer. ``apply_lora`` does this for many layers."""
@@ -380,8 +387,8 @@ def apply_lora(
     dropout: float = 0.0,
     use_rslora: bool = False,
     use_dora: bool = False,
-    quantize_base: bool | str = False,
-    adapter_dtype: torch.dtype | str | None = None,
+    quantize_base: bool | QuantizeBase = False,
+    adapter_dtype: torch.dtype | DTypeName | None = None,
 ) -> nn.Module:
     """Add adapters to the layers ``target_modules`` selects, freeze everything else.
 

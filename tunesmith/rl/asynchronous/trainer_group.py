@@ -32,10 +32,12 @@ actor, so they die with it.
   every trainer actor (and with rank 0 its rollout and reward workers), shuts Ray down when
   it started it, and exits 1. Checkpoints are atomic: the last one verifies and
   ``resume=auto`` goes on from it.
-* **Signals.** SIGTERM or Ctrl-C (SIGINT) to this process is sent on to every trainer actor
-  as SIGTERM. A rank in training then saves a checkpoint at the end of the step, as under
-  torchrun, and the run ends with exit code 0; a rank still building its model stops at once.
-  A second Ctrl-C kills the actors at once.
+* **Signals.** Ctrl-C (SIGINT), SIGTERM or SIGHUP to this process
+  (:mod:`~tunesmith.training.stop_signals`) is sent on to every trainer actor as SIGTERM. A
+  rank in training then saves a checkpoint at the end of the step, as under torchrun, and the
+  run ends with exit code 0 once every actor, rollout and reward worker (and the Ray instance
+  it started) is gone; a rank still building its model stops at once. A second Ctrl-C kills
+  the actors at once.
 
 Example::
 
@@ -55,7 +57,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -84,6 +85,7 @@ from tunesmith.training.parallel.distributed import (
     PeerFailureError,
 )
 from tunesmith.training.rules import Rule, choice, integer, number
+from tunesmith.training.stop_signals import handle_stop_signals
 
 __all__ = [
     "LAUNCHERS",
@@ -458,25 +460,19 @@ class _Driver:
 
     @contextlib.contextmanager
     def _signals_forwarded(self) -> Iterator[None]:
-        """SIGTERM and SIGINT ask the ranks to stop (forwarded in the wait loop); a second
-        SIGINT aborts at once."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        """Each stop signal (SIGINT, SIGTERM, SIGHUP) asks the ranks to stop (forwarded in the
+        wait loop); a second SIGINT aborts at once."""
 
         def handler(signum: int, frame: Any) -> None:
             if signum == signal.SIGINT and self.signals:
                 raise KeyboardInterrupt
             self.signals.append(signum)
 
-        for sig in previous:
-            signal.signal(sig, handler)
+        restore = handle_stop_signals(handler)
         try:
             yield
         finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
+            restore()
 
     def _forward_signals(self) -> None:
         """Send SIGTERM to every trainer actor's process once a signal has come."""

@@ -32,16 +32,24 @@ import re
 import threading
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal, get_args
 
 from tunesmith.config.registry import component
 from tunesmith.rl.rewards.base import Sample
 
-__all__ = ["EXTRACT_MODES", "ExactAnswer", "MathAnswer", "extract_answer", "parse_number"]
+__all__ = [
+    "EXTRACT_MODES",
+    "ExactAnswer",
+    "ExtractMode",
+    "MathAnswer",
+    "extract_answer",
+    "parse_number",
+]
 
 logger = logging.getLogger(__name__)
 
-EXTRACT_MODES = ("auto", "answer_tag", "boxed", "last_number", "none")
+ExtractMode = Literal["auto", "answer_tag", "boxed", "last_number", "none"]
+EXTRACT_MODES: tuple[str, ...] = get_args(ExtractMode)
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -178,7 +186,7 @@ class ExactAnswer:
 
     def __init__(
         self,
-        extract: str = "auto",
+        extract: ExtractMode = "auto",
         numeric: bool = True,
         rel_tol: float = 1e-6,
         abs_tol: float = 1e-9,
@@ -244,7 +252,7 @@ class MathAnswer:
 
     def __init__(
         self,
-        extract: str = "auto",
+        extract: ExtractMode = "auto",
         timeout_s: int | None = 5,
         float_rounding: int = 6,
         name: str = "math_answer",

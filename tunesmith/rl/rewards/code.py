@@ -48,20 +48,22 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from tunesmith.config.registry import component
 from tunesmith.rl.rewards.base import Sample
 from tunesmith.rl.rewards.sandbox import (
     BEST_EFFORT_GAPS,
     ISOLATION_MODES,
+    Isolation,
     resolve_isolation,
     run_sandboxed,
 )
 
 __all__ = ["CODE_EXTRACT_MODES", "CodeTests", "decode_plain", "extract_code", "plan_test"]
 
-CODE_EXTRACT_MODES = ("code_block", "none")
+CodeExtractMode = Literal["code_block", "none"]
+CODE_EXTRACT_MODES: tuple[str, ...] = get_args(CodeExtractMode)
 
 _PYTHON_FENCES = ("", "python", "python3", "py")
 _OUTPUT_BYTES = 4 << 20
@@ -387,10 +389,10 @@ class CodeTests:
         self,
         timeout_s: float = 5,
         memory_mb: int = 256,
-        extract: str = "code_block",
+        extract: CodeExtractMode = "code_block",
         partial: bool = False,
         max_workers: int = 4,
-        isolation: str = "auto",
+        isolation: Isolation = "auto",
         site_packages: bool = False,
         name: str = "code_tests",
     ) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tunesmith.config.registry import component
-from tunesmith.rl.rewards.answers import check_extract_mode, extract_answer
+from tunesmith.rl.rewards.answers import ExtractMode, check_extract_mode, extract_answer
 from tunesmith.rl.rewards.base import Sample
 
 __all__ = ["ReasoningGymScore"]
@@ -47,7 +47,7 @@ class ReasoningGymScore:
 
     name = "reasoning_gym"
 
-    def __init__(self, extract: str = "answer_tag", name: str = "reasoning_gym") -> None:
+    def __init__(self, extract: ExtractMode = "answer_tag", name: str = "reasoning_gym") -> None:
         self.extract = check_extract_mode(extract)
         self.name = name
         self._score_fns: dict[str, Callable[[str | None, dict[str, Any]], float]] = {}

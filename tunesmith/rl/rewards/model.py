@@ -22,12 +22,12 @@ Example::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
 from tunesmith.config.registry import component
+from tunesmith.models.hf import DTypeSetting, HFFolder
 from tunesmith.rl.rewards.base import Sample
 
 __all__ = ["RewardModelScore"]
@@ -57,10 +57,10 @@ class RewardModelScore:
 
     def __init__(
         self,
-        model_dir: str | os.PathLike,
+        model_dir: HFFolder,
         batch_size: int = 8,
         device: str | torch.device = "cpu",
-        dtype: str | torch.dtype | None = None,
+        dtype: DTypeSetting | torch.dtype | None = None,
         suffix: str = "",
         max_length: int | None = None,
         name: str = "reward_model",

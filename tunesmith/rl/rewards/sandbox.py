@@ -65,6 +65,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 __all__ = [
     "BEST_EFFORT_GAPS",
@@ -78,7 +79,8 @@ __all__ = [
     "run_sandboxed",
 ]
 
-ISOLATION_MODES = ("auto", "namespaces", "best_effort")
+Isolation = Literal["auto", "namespaces", "best_effort"]
+ISOLATION_MODES: tuple[str, ...] = get_args(Isolation)
 OUTPUT_KILL_BYTES = 64 << 20  # more stdout + stderr than this: killed ("output_limit")
 
 BEST_EFFORT_GAPS = (

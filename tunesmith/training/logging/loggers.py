@@ -15,13 +15,16 @@ Example::
 
     >>> logger = MultiLogger([StdoutLogger(), JSONLLogger("runs/exp1")])
     >>> logger.log_config({"lr": 2e-5})
-    >>> logger.log(10, {"loss": 1.2345, "lr": 2e-5})
-    step 10 | loss 1.2345 | lr 2.0e-05
+    >>> logger.log(10, {"loss": 1.2345, "lr": 2e-5, "tokens_seen": 4096})
+    step 10 | loss 1.234 | lr 2.0e-05
     >>> logger.close()
 
-The loop calls ``begin(total_steps, start_step)`` on loggers that have it (here
-:class:`StdoutLogger`, through :class:`MultiLogger`): lines then read ``step 10/200 | ... |
-elapsed 0:01:02 | eta 0:19:38``. With ``log_every_n_steps > 1`` the loop logs the means of a
+The console shows a few of a record's metrics in a compact line (the table
+:data:`~tunesmith.training.logging.console.CONSOLE_FIELDS`); the file, TensorBoard and W&B
+loggers get every one. The loop calls ``begin(total_steps, start_step, elapsed_before)`` on
+loggers that have it (here :class:`StdoutLogger`, through :class:`MultiLogger`): lines then
+read ``step 10/200 | ... | elapsed 0:01:02 | eta 0:19:38``, the elapsed time continuing a
+resumed run's ``metrics.jsonl``. With ``log_every_n_steps > 1`` the loop logs the means of a
 :class:`MetricWindow` of the steps since the last line, not the last step's values.
 
 Optional back ends are imported only when their logger is constructed: ``tensorboard``
@@ -32,8 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import inspect
 import json
-import math
 import os
 import resource
 import sys
@@ -48,6 +51,7 @@ from tqdm import tqdm
 from tunesmith.config.registry import component
 from tunesmith.config.secrets import redact
 from tunesmith.models.atomic import UnsafePathError, open_fd_no_follow, open_no_follow
+from tunesmith.training.logging.console import console_kind, console_line, format_duration
 
 __all__ = [
     "JSONLLogger",
@@ -128,55 +132,57 @@ def _plain(obj: Any) -> Any:
     return str(obj)
 
 
-def _format_value(value: float | int, precision: int) -> str:
-    if isinstance(value, int):
-        return str(value)
-    if not math.isfinite(value):
-        return str(value)
-    if value != 0 and not 1e-3 <= abs(value) < 1e5:
-        return f"{value:.1e}"
-    return f"{value:.{precision}f}"
-
-
 @component
 class StdoutLogger(_ContextManager):
-    """One compact line per ``log`` call: ``step 10 | loss 1.2345 | lr 2.0e-05``.
+    """One compact line per ``log`` call: ``step 10 | loss 1.234 | lr 2.0e-05``.
 
-    Floats print with ``precision`` decimals, or in scientific notation when tiny or huge.
-    ``stream`` defaults to the current ``sys.stdout``, written through ``tqdm.write`` so a
-    progress bar on the terminal is cleared and redrawn around the line, never glued to it.
-    ``log_config`` prints the resolved config only with ``print_config=True`` (the JSONL
-    logger keeps it in ``config.yaml``). After :meth:`begin` a line shows the step out of the
-    run's total, the time since ``begin`` and the time left at the pace so far.
+    A training record shows the fields of
+    :data:`~tunesmith.training.logging.console.CONSOLE_FIELDS` for its kind of recipe, each
+    to a few significant digits (the loss to 4, the learning rate as ``1.0e-04``, tokens/s as
+    ``13.9k``, memory as ``1.31 GB``); every other metric stays in the file loggers. Any other
+    record (evaluation, the first step's time) shows each of its metrics. ``stream`` defaults
+    to the current ``sys.stdout``, written through ``tqdm.write`` so a progress bar on the
+    terminal is cleared and redrawn around the line, never glued to it. ``log_config`` prints
+    the resolved config only with ``print_config=True`` (the JSONL logger keeps it in
+    ``config.yaml``). After :meth:`begin` a line shows the step out of the run's total, the
+    time since the run began and the time left at the pace so far. ``min_interval_s``: a
+    training line at most that often (the last step's always), e.g. a heartbeat in a log file.
 
     Example::
 
-        >>> StdoutLogger().log(10, {"loss": 1.2345, "lr": 2e-5})
-        step 10 | loss 1.2345 | lr 2.0e-05
+        >>> StdoutLogger().log(10, {"loss": 1.2345, "lr": 2e-5, "grad_norm": 0.51234})
+        step 10 | loss 1.234 | lr 2.0e-05 | grad_norm 0.512
     """
 
     def __init__(
-        self, stream: IO[str] | None = None, precision: int = 4, print_config: bool = False
+        self,
+        stream: IO[str] | None = None,
+        print_config: bool = False,
+        min_interval_s: float = 0.0,
     ) -> None:
         self._stream = stream
-        self.precision = precision
         self.print_config = print_config
+        self.min_interval_s = float(min_interval_s)
         self._total: int | None = None
         self._start_step = 0
         self._started = 0.0
+        self._elapsed_before = 0.0
+        self._last_line: float | None = None
 
-    def begin(self, total_steps: int, start_step: int = 0) -> None:
-        """Show ``step N/total_steps``, the elapsed time and an ETA from now on (a run resumed
-        at ``start_step`` counts its pace from there).
+    def begin(self, total_steps: int, start_step: int = 0, elapsed_before: float = 0.0) -> None:
+        """Show ``step N/total_steps``, the elapsed time and an ETA from now on: a run resumed
+        at ``start_step`` counts its pace from there, and its elapsed time from
+        ``elapsed_before`` (the time the records before took, as ``metrics.jsonl`` counts it).
 
         Example::
 
             >>> logger = StdoutLogger()
-            >>> logger.begin(200)
-            >>> logger.log(10, {"loss": 1.5})  # doctest: +ELLIPSIS
-            step 10/200 | loss 1.5000 | elapsed 0:00:00 | eta ...
+            >>> logger.begin(200, start_step=100, elapsed_before=3600)
+            >>> logger.log(110, {"loss": 1.5})  # doctest: +ELLIPSIS
+            step 110/200 | loss 1.5 | elapsed 1:00:00 | eta ...
         """
         self._total, self._start_step = int(total_steps), int(start_step)
+        self._elapsed_before = float(elapsed_before)
         self._started = time.monotonic()
 
     def _write(self, text: str) -> None:
@@ -190,15 +196,25 @@ class StdoutLogger(_ContextManager):
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         values = _scalars(step, metrics)
-        parts = [f"step {step}" if self._total is None else f"step {step}/{self._total}"]
-        parts += [f"{k} {_format_value(v, self.precision)}" for k, v in values.items()]
-        if self._total is not None:
-            elapsed = time.monotonic() - self._started
-            done = step - self._start_step
-            parts.append(f"elapsed {format_duration(elapsed)}")
-            if done > 0:
-                parts.append(f"eta {format_duration(elapsed / done * max(self._total - step, 0))}")
-        self._write(" | ".join(parts) + "\n")
+        now = time.monotonic()
+        training = console_kind(values) is not None
+        if training and self._skipped(step, now):
+            return
+        elapsed = eta = None
+        if self._total is not None and training:
+            session, done = now - self._started, step - self._start_step
+            elapsed = self._elapsed_before + session
+            eta = session / done * max(self._total - step, 0) if done > 0 else None
+        line = console_line(step, values, total=self._total, elapsed=elapsed, eta=eta)
+        self._write(line + "\n")
+
+    def _skipped(self, step: int, now: float) -> bool:
+        """Whether ``min_interval_s`` leaves this training line out (the last one never)."""
+        due = self._last_line is None or now - self._last_line >= self.min_interval_s
+        if due or step == self._total:
+            self._last_line = now
+            return False
+        return True
 
     def log_config(self, cfg: Mapping[str, Any]) -> None:
         if self.print_config:
@@ -206,16 +222,6 @@ class StdoutLogger(_ContextManager):
 
     def close(self) -> None:
         pass
-
-
-def format_duration(seconds: float) -> str:
-    """``H:MM:SS`` of a number of seconds (rounded down).
-
-    >>> format_duration(3725.9)
-    '1:02:05'
-    """
-    whole = int(max(seconds, 0.0))
-    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
 
 
 class MetricWindow:
@@ -229,8 +235,8 @@ class MetricWindow:
       (``sum(value * units) / sum(units)``; steps without the key are left out; with no
       unit at all, the plain mean of the steps);
     - ``unit`` and ``summed`` keys (e.g. ``skipped_update``): the window's total;
-    - ``last`` keys (``lr``, ``tokens_seen``: a position, not a per-step amount): the last
-      value;
+    - ``last`` keys (``lr``, ``tokens_seen``, ``epoch``: a position, not a per-step amount):
+      the last value;
     - any other key (``grad_norm``, a rollout's rewards): the plain mean over the steps.
 
     Integers that are summed or last stay integers. Keys keep the order they first came in.
@@ -250,7 +256,7 @@ class MetricWindow:
         *,
         weighted: Sequence[str] = ("loss",),
         summed: Sequence[str] = ("skipped_update",),
-        last: Sequence[str] = ("lr", "tokens_seen"),
+        last: Sequence[str] = ("lr", "tokens_seen", "epoch"),
     ) -> None:
         self.unit = unit
         self.weighted = set(weighted)
@@ -331,6 +337,12 @@ class JSONLLogger(_ContextManager):
         OPEN_LOG_DIRS.add(os.path.abspath(self.log_dir))
         self._elapsed_before = _last_elapsed(self.path) if self.timestamps else 0.0
         self._opened = time.monotonic()
+
+    @property
+    def elapsed_before(self) -> float:
+        """The ``elapsed_s`` the file's last record holds (0 for a new file): where a resumed
+        run's time continues from."""
+        return self._elapsed_before
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, **_scalars(step, metrics)}
@@ -533,7 +545,7 @@ class WandBLogger(_ContextManager):
 class NullLogger(_ContextManager):
     """Discards everything: what non-zero ranks get instead of a real logger."""
 
-    def begin(self, total_steps: int, start_step: int = 0) -> None:
+    def begin(self, total_steps: int, start_step: int = 0, elapsed_before: float = 0.0) -> None:
         pass
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -564,11 +576,25 @@ class MultiLogger(_ContextManager):
                 )
         self.loggers = list(loggers)
 
-    def begin(self, total_steps: int, start_step: int = 0) -> None:
-        """Pass ``begin`` on to each logger that has one (see :meth:`StdoutLogger.begin`)."""
+    @property
+    def elapsed_before(self) -> float:
+        """The time a resumed run's records took before, as its file loggers have it (the
+        largest ``elapsed_before`` among them; 0 without one)."""
+        return max((float(getattr(lg, "elapsed_before", 0.0)) for lg in self.loggers), default=0.0)
+
+    def begin(
+        self, total_steps: int, start_step: int = 0, elapsed_before: float | None = None
+    ) -> None:
+        """Pass ``begin`` on to each logger that has one (see :meth:`StdoutLogger.begin`), with
+        ``elapsed_before`` (default :attr:`elapsed_before`): the console's elapsed time then
+        continues a resumed run's as the file's does."""
+        before = self.elapsed_before if elapsed_before is None else elapsed_before
         for logger in self.loggers:
-            if hasattr(logger, "begin"):
-                logger.begin(total_steps, start_step)
+            if not hasattr(logger, "begin"):
+                continue
+            takes = "elapsed_before" in inspect.signature(logger.begin).parameters
+            extra = {"elapsed_before": before} if takes else {}  # a logger of before that key
+            logger.begin(total_steps, start_step, **extra)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for logger in self.loggers:

@@ -2,7 +2,7 @@
 
 Top panel: ``loss`` (train) and ``val_loss`` against step; then one panel for each group of
 the recipe's own metrics the run logged (:data:`RECIPE_PANELS`: DPO's rewards and margins,
-the reward accuracy, distillation's KD and CE losses, RL rewards, KL, PPO's policy and value
+the reward accuracy, SFT's token accuracy, distillation's KD and CE losses, RL rewards, KL, PPO's policy and value
 losses; their ``val_`` curves with them); bottom panel: ``lr``, when logged.
 When a step appears more than once (a run resumed from an earlier checkpoint appends to the same
 file) the last value logged for it wins. A file holding two runs (the steps start over: a
@@ -38,7 +38,7 @@ _LOSS_KEYS = ("loss", "val_loss")
 
 RECIPE_PANELS: tuple[tuple[str, str], ...] = (
     ("rewards (chosen, rejected, margin)", r"(val_)?rewards/(chosen|rejected|margins?)"),
-    ("accuracy", r"(val_)?(rewards/)?accuracy"),
+    ("accuracy", r"(val_)?(rewards/|token_)?accuracy"),
     ("distillation losses", r"(val_)?(kd_loss|ce_loss)"),
     ("reward", r"(val_)?reward(/.+)?"),
     ("KL", r"(val_)?kl"),

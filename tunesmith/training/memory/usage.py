@@ -1,6 +1,8 @@
 """Measure memory: the process peak, and the bytes allocated inside a block.
 
-:func:`peak_memory_gb` is the whole-process high-water mark the recipes log.
+:func:`peak_memory_gb` is the whole-process high-water mark the recipes log, under the name
+:func:`peak_memory_metric` gives it (``peak_alloc_gb``: the CUDA allocator's peak;
+``peak_rss_gb``: the process's peak resident set, on a CPU).
 :class:`AllocatedBytes` is the CPU stand-in for ``torch.cuda.max_memory_allocated``: torch's
 CPU allocator reports every allocation and free to the profiler, and the peak of what the
 block allocated and has not yet freed is read from those reports; it also says where that
@@ -36,7 +38,10 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["AllocatedBytes", "LiveTensorBytes", "PeakMemory", "peak_memory_gb", "storage_bytes"]
+__all__ = [
+    "AllocatedBytes", "LiveTensorBytes", "PeakMemory", "peak_memory_gb", "peak_memory_metric",
+    "storage_bytes",
+]  # fmt: skip
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -45,6 +50,21 @@ def peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 1e9
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (1e9 if sys.platform == "darwin" else 1e6)  # bytes on macOS, KiB elsewhere
+
+
+def peak_memory_metric(device: torch.device) -> tuple[str, float]:
+    """:func:`peak_memory_gb` under a name that says what it measured: ``peak_alloc_gb`` (the
+    CUDA caching allocator's peak of allocated tensors, ``torch.cuda.max_memory_allocated``)
+    or ``peak_rss_gb`` (the process's peak resident set: weights, activations, the Python
+    interpreter and every library, the high-water mark of the whole process).
+
+    Example::
+
+        >>> peak_memory_metric(torch.device("cpu"))[0]
+        'peak_rss_gb'
+    """
+    name = "peak_alloc_gb" if device.type == "cuda" else "peak_rss_gb"
+    return name, peak_memory_gb(device)
 
 
 @dataclass(frozen=True)
