@@ -156,8 +156,8 @@ def test_preview_puts_it_together(tok, chat):
     text = preview(tok, dataset, indices=[2, 0], bins=3)
     blocks = [
         dataset.report.summary(),
-        render_sample(tok, dataset[2], title=f"sample 2 ({chat} row 2)"),
-        render_sample(tok, dataset[0], title=f"sample 0 ({chat} row 0)"),
+        render_sample(tok, dataset[2], title=f"sample 2 ({chat} row 3)"),
+        render_sample(tok, dataset[0], title=f"sample 0 ({chat} row 1)"),
         truncation_stats(dataset),
         length_histogram(lengths, bins=3),
     ]

@@ -37,10 +37,10 @@ ERROR_FAULTS: list[Case] = [
         "torchrun-same-error-on-every-rank",
         "fault",
         "torchrun",
-        "`tunesmith run --nproc-per-node 2` on a dataset file whose second line is not JSON "
+        "`tunesmith run --nproc-per-node 2` on a dataset file whose last line is not JSON "
         "(past the CLI's config check, which sees the file is there): both ranks fail the same "
         "way",
-        "exit 1 with one line 'tunesmith: error: ranks 0, 1 of 2: ... line 2 ...', no "
+        "exit 1 with one line 'tunesmith: error: ranks 0, 1 of 2: ... bad row at line N ...', no "
         "traceback or torchrun output on the console, the log's path; the log, the only file "
         "written, holds each rank's traceback and torchrun's summary",
     ),

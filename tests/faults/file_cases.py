@@ -129,8 +129,9 @@ TRAINER_GROUP: list[Case] = [
         "secret-in-rank-error-ray",
         "safety",
         "secret",
-        f"{_GROUP_RUN} whose prompts.source is ${{oc.env:{SECRET_ENV}}} (a token-like path that "
-        "does not exist): the ranks fail with the value in their error",
+        f"{_GROUP_RUN} whose prompts.source is ${{oc.env:{SECRET_ENV}}} (a token-like path to "
+        "a file whose last line is not JSON, prompts.on_bad_row=error: past the CLI's checks): "
+        "the ranks fail with the value in their error",
         "the console line and the failed rank's rank<N>.log (its traceback) hold "
         "`${oc.env:...}`; no file of the run (every rank's log, console.log, driver.log) holds "
         "the value",
@@ -218,7 +219,9 @@ SAFETY: list[Case] = [
         "secret-in-rank-error-torchrun",
         "safety",
         "secret",
-        "the same under `--nproc-per-node 2`: both ranks fail with the value in their error",
+        "`--nproc-per-node 2` whose dataset.source is ${oc.env:...} (a token-like path to a "
+        "file whose last line is not JSON, dataset.on_bad_row=error: past the CLI's checks): "
+        "both ranks fail with the value in their error",
         "the console lines, logs/torchrun-*.log (every rank's traceback, torchrun's summary) "
         "hold `${oc.env:...}`, never the value",
         ci=False,

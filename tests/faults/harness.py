@@ -57,6 +57,21 @@ def start_child(
     return process
 
 
+def with_a_bad_row(source: Path, dest: Path | str) -> tuple[Path, int]:
+    """``source`` (JSONL) copied to ``dest`` with a line that is not JSON appended: a file the
+    CLI's checks pass (it is there) that a rank fails to read (``on_bad_row=error``). Returns
+    the copy and the 1-based line of the bad row.
+
+    Example::
+
+        data, line = with_a_bad_row(fault_world.chat, tmp_path / "broken.jsonl")
+    """
+    rows = source.read_text().splitlines()
+    dest = Path(dest)
+    dest.write_text("\n".join([*rows, '{"messages": [}']) + "\n")
+    return dest, len(rows) + 1
+
+
 def finish(process, log: Path, *, timeout: float, started: float) -> Finished:
     """Wait for ``process`` (killing it after ``timeout`` s, which fails the caller's check)."""
     process.join(timeout)

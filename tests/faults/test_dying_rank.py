@@ -72,9 +72,10 @@ def test_survivor_exits_with_a_clear_error(case, fault_world, tmp_path, outcome)
 
 
 @pytest.mark.parametrize("case", [p for p in params("fault", "rank_death") if "torchrun" in p.id])
-def test_rank_dying_under_torchrun_fails_the_cli(case, fault_world, tmp_path, outcome, monkeypatch):
-    # ranks start with a safe sys.path: the test's own components are added deliberately
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+def test_rank_dying_under_torchrun_fails_the_cli(case, fault_world, tmp_path, outcome):
+    # ranks start with a safe sys.path: the test's own components are added deliberately (in
+    # the child's environment: the fork server's was fixed when it started)
+    repo = {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     overrides = sft_overrides(
         fault_world.model_dir,
         fault_world.count,
@@ -90,7 +91,7 @@ def test_rank_dying_under_torchrun_fails_the_cli(case, fault_world, tmp_path, ou
             *overrides]  # fmt: skip
     log = tmp_path / "cli.log"
     started = time.monotonic()
-    done = finish(start_child(argv, log), log, timeout=240, started=started)
+    done = finish(start_child(argv, log, env=repo), log, timeout=240, started=started)
     assert done.exitcode == 1, done.output[-3000:]
     lines, log = torchrun_errors(done.output)
     assert lines[0] == (

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.catalogue import params
-from tests.faults.harness import finish, start_child
+from tests.faults.harness import finish, start_child, with_a_bad_row
 from tests.recipes.sft_world import sft_overrides
 from tunesmith.cli.torchrun import failure_lines
 from tunesmith.training.checkpoint import checkpointer
@@ -46,9 +46,8 @@ def torchrun_errors(output: str) -> tuple[list[str], Path]:
 
 @pytest.mark.parametrize("case", params("fault", "torchrun"))
 def test_the_same_error_on_every_rank_is_one_line(case, fault_world, tmp_path, outcome):
-    out, data = tmp_path / "out", tmp_path / "broken.jsonl"
-    good = '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}'
-    data.write_text(good + '\n{"messages": [}\n')  # there (the CLI's check passes); line 2 bad
+    out = tmp_path / "out"
+    data, bad = with_a_bad_row(fault_world.chat, tmp_path / "broken.jsonl")
     overrides = sft_overrides(fault_world.model_dir, data, out, "max_steps=2")
     overrides.append("dataset.on_bad_row=error")
     argv = ["run", "sft", "--config", "tiny", "--nproc-per-node", "2", *overrides]
@@ -59,7 +58,7 @@ def test_the_same_error_on_every_rank_is_one_line(case, fault_world, tmp_path, o
     assert len(lines) == 1 and lines[0].startswith(
         f"tunesmith: error: ranks 0, 1 of 2: dataset: BadRowError: {data}: "
     ), lines
-    assert "line 2" in lines[0] and "malformed_json" in lines[0], lines
+    assert f"bad row at line {bad}: malformed_json" in lines[0], lines
     assert run_log.parent == out / "logs"  # the run's log is the only thing written
     assert [p.relative_to(out).as_posix() for p in out.rglob("*")] == [
         "logs",

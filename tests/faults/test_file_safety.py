@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 from tests.faults.catalogue import params
 from tests.faults.file_cases import SECRET_ENV
-from tests.faults.harness import finish, start_child
+from tests.faults.harness import finish, start_child, with_a_bad_row
 from tests.faults.kit import World, resume_copy
 from tests.faults.test_disk_full import tmpfs_permitted
 from tests.recipes.sft_world import checkpoints, cli_command, sft_overrides, subprocess_env
@@ -279,7 +279,7 @@ def test_a_link_inside_the_model_folder_is_copied_as_its_file(fault_world, tmp_p
 
 
 def _secret(tmp_path: Path) -> str:
-    return str(tmp_path / "hf_Zq8xSECRETtoken0123456789.jsonl")  # a token-like missing path
+    return str(tmp_path / "hf_Zq8xSECRETtoken0123456789.jsonl")  # a token-like path
 
 
 @pytest.mark.parametrize("case", [CASES["secret-in-error-line"]])
@@ -305,10 +305,11 @@ def test_a_secret_in_the_error_line_is_redacted(
 def test_a_secret_in_a_rank_error_is_redacted_in_every_log(case, fault_world, tmp_path, outcome):
     from tests.faults.test_error_faults import torchrun_errors
 
-    value = _secret(tmp_path)
+    value = _secret(tmp_path)  # a file there (the CLI's checks pass) that the ranks fail on
+    _, bad = with_a_bad_row(fault_world.chat, value)
     out = tmp_path / "out"
     overrides = sft_overrides(fault_world.model_dir, fault_world.chat, out, "max_steps=2")
-    overrides.append(f"dataset.source=${{oc.env:{SECRET_ENV}}}")
+    overrides += [f"dataset.source=${{oc.env:{SECRET_ENV}}}", "dataset.on_bad_row=error"]
     argv = ["run", "sft", "--config", "tiny", "--nproc-per-node", "2", *overrides]
     log = tmp_path / "cli.log"
     done = finish(
@@ -316,10 +317,10 @@ def test_a_secret_in_a_rank_error_is_redacted_in_every_log(case, fault_world, tm
     )
     assert done.exitcode == 1, done.output[-3000:]
     lines, run_log = torchrun_errors(done.output)
-    assert lines == [
-        f"tunesmith: error: ranks 0, 1 of 2: dataset: DataError: ${{oc.env:{SECRET_ENV}}}: "
-        "no such file or folder"
-    ], lines
+    assert len(lines) == 1 and lines[0].startswith(
+        f"tunesmith: error: ranks 0, 1 of 2: dataset: BadRowError: ${{oc.env:{SECRET_ENV}}}: "
+        f"bad row at line {bad}: malformed_json"
+    ), lines
     assert value not in done.output
     text = run_log.read_text()
     for rank in (0, 1):  # each rank's traceback is there, with the name instead of the value

@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from tests.faults import test_file_safety, test_ray_safety
 from tests.faults.catalogue import params
 from tests.faults.file_cases import SECRET_ENV
-from tests.faults.harness import finish, start_child
+from tests.faults.harness import finish, start_child, with_a_bad_row
 from tests.faults.test_async_faults import ENV as RAY_ENV
 from tests.faults.test_async_faults import one_error
 from tests.recipes.sft_world import REPO_ROOT, free_port, subprocess_env
@@ -266,7 +266,7 @@ def _run_rank(log_dir: Path, value: str, live: bool) -> dict:
 
 
 def _secret(tmp_path: Path) -> str:
-    return str(tmp_path / "hf_Zq8xSECRETtoken0123456789.jsonl")  # a token-like missing path
+    return str(tmp_path / "hf_Zq8xSECRETtoken0123456789.jsonl")  # a token-like path
 
 
 @pytest.mark.parametrize("case", [CASES["secret-in-rank-log-trainer-group"]])
@@ -302,10 +302,12 @@ def test_the_ranks_get_the_names_of_the_secrets(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("case", [CASES["secret-in-rank-error-ray"]])
 def test_a_secret_in_the_ranks_errors_is_redacted_on_ray(case, ray_world, tmp_path, outcome):
-    """2 trainer actors whose prompts file is read from the environment (a token-like path
-    that does not exist): the ranks fail naming it (the first failure stops the other)."""
+    """2 trainer actors whose prompts file is read from the environment (a token-like path to
+    a file whose last row is not JSON: the CLI's checks pass): the ranks fail naming it (the
+    first failure stops the other)."""
     model_dir, prompts = ray_world
     value, name = _secret(tmp_path), f"${{oc.env:{SECRET_ENV}}}"
+    _, bad = with_a_bad_row(prompts, value)
     out, log = tmp_path / "out", tmp_path / "cli.log"
     with ray_temp_dir() as temp:
         overrides = grpo_overrides(
@@ -317,6 +319,7 @@ def test_a_secret_in_the_ranks_errors_is_redacted_on_ray(case, ray_world, tmp_pa
             "ray.num_cpus=4",
             f"ray.temp_dir={temp}",
             f"prompts.source={name}",
+            "prompts.on_bad_row=error",
         )
         argv = ["--allow-any-component", "run", "grpo_async", "--config", "tiny", *overrides]
         done = finish(
@@ -327,8 +330,10 @@ def test_a_secret_in_the_ranks_errors_is_redacted_on_ray(case, ray_world, tmp_pa
         )
     assert done.exitcode == 1, done.output[-3000:]
     line = one_error(done.output)
-    first = re.match(r"tunesmith: error: rank (\d) of 2: prompts: DataError: (.*): no such", line)
-    assert first and first.group(2) == name, line
+    first = re.match(
+        r"tunesmith: error: rank (\d) of 2: prompts: BadRowError: (.*?): bad row", line
+    )
+    assert first and first.group(2) == name and f"line {bad}: malformed_json" in line, line
     assert value not in done.output
     (group,) = (out / "logs").glob("trainer-group-*")
     assert sorted(p.name for p in group.iterdir()) == [
@@ -339,7 +344,7 @@ def test_a_secret_in_the_ranks_errors_is_redacted_on_ray(case, ray_world, tmp_pa
     ]
     rank = int(first.group(1))  # the other may be stopped before it fails too
     text = (group / f"rank{rank}.log").read_text()
-    assert f"rank {rank} of 2 failed:\nTraceback" in text and f"DataError: {name}" in text, text
+    assert f"rank {rank} of 2 failed:\nTraceback" in text and f"BadRowError: {name}" in text, text
     for file in [p for p in out.rglob("*") if p.is_file()]:
         assert value not in file.read_text(errors="replace"), file
     outcome.update(outcome="refused", error=_shown(line, tmp_path))

@@ -411,6 +411,19 @@ def test_resume_with_changed_lr_batch_size_seed_and_data_is_refused(world, tmp_p
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_a_resume_refusal_lists_only_the_keys_of_the_runs_config():
+    """What may change on resume is listed from the keys this run's config has: an RL run
+    (no val_dataset, no dataset) is not told it may change an SFT run's val_dataset."""
+    rl = {"seed": 0, "max_steps": 8, "prompts_per_step": 4, "eval_every_n_steps": 2}
+    saved = RunRecord(rl, total_steps=8, samples=0, step=4)
+    resumable = RESUMABLE_KEYS | {"prompts_per_step"}
+    with pytest.raises(ConfigError) as error:
+        check_resume(Path("ckpt"), saved, RunRecord(rl | {"seed": 1}, 8, 0), resumable=resumable)
+    listed = str(error.value).split("may change: ", 1)[1].split(";", 1)[0].split(", ")
+    assert "val_dataset" in RESUMABLE_KEYS and "val_dataset" not in listed
+    assert {"max_steps", "prompts_per_step"} <= set(listed) <= set(rl)
+
+
 def test_a_refused_rollback_moves_nothing(world, tmp_path):
     """resume=<older step> with a changed lr: refused before the newer checkpoints move aside."""
     _, model_dir, data = world

@@ -20,7 +20,7 @@ Example (a tokenizer trained on the spot; the other examples use its ``tok`` and
     >>> print(preview(tok, dataset, n=1))
     chat.jsonl: 1 rows -> 1 samples (79 tokens, 2 trained), 0 truncated, 0 skipped
     <BLANKLINE>
-    --- sample 0 (chat.jsonl row 0): 79 tokens, 2 trained
+    --- sample 0 (chat.jsonl row 1): 79 tokens, 2 trained
     <|im_start|>system
     You are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>
     <|im_start|>user
@@ -152,7 +152,7 @@ def describe_sample(dataset: Any, index: int) -> str:
     source = getattr(dataset, "source", None)
     if rows is None or source is None:
         return ""
-    return f"{source} row {rows[index]}"
+    return f"{source} row {rows[index] + 1}"  # 1-based, as errors and skip reports count
 
 
 def render_sample(

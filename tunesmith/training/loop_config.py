@@ -267,12 +267,14 @@ def check_resume(
             )
         )
     if issues:
+        # the keys that may change, of those this run's config has (not another recipe's)
+        listed = [k for k in sorted(resumable) if k in current.config or k in saved.config]
         raise ConfigError.from_issues(
             issues,
             header=(
                 f"resume from {checkpoint}: the config differs from the checkpoint's in keys that "
                 "cannot change on resume (start a new run in another output_dir, or set them back; "
-                f"may change: {', '.join(sorted(resumable))}; and {', '.join(BATCH_KEYS)} "
+                f"may change: {', '.join(listed or sorted(resumable))}; and {', '.join(BATCH_KEYS)} "
                 "with the same global batch):"
             ),
         )
