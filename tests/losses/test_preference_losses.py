@@ -12,6 +12,7 @@ import torch
 
 from tunesmith.modules.losses import (
     BradleyTerryLoss,
+    CPOLoss,
     DPOLoss,
     HingeLoss,
     IPOLoss,
@@ -91,6 +92,20 @@ def orpo(pc, pr, lc, lr, beta):
     return -pc / lc - beta * _logsigmoid(ratio), beta * pc / lc, beta * pr / lr
 
 
+def cpo(pc, pr, lc, lr, loss_type, beta, eps, alpha, gamma):
+    """CPO's Eq. 3 (``sigmoid``), its hinge/IPO forms and SimPO's margin, on summed
+    (sigmoid, hinge) or length-averaged (ipo, simpo) log-probs, + α · the chosen's mean NLL."""
+    c, r = (pc / lc, pr / lr) if loss_type in ("ipo", "simpo") else (pc, pr)
+    if loss_type == "hinge":
+        preference = max(0.0, 1 - beta * (c - r))
+    elif loss_type == "ipo":
+        preference = (c - r - 1 / (2 * beta)) ** 2
+    else:
+        z = beta * c - beta * r - (gamma if loss_type == "simpo" else 0.0)
+        preference = -(1 - eps) * _logsigmoid(z) - eps * _logsigmoid(-z)
+    return preference + alpha * (-pc / lc), beta * c, beta * r
+
+
 # -- formulas ----------------------------------------------------------------------------------
 
 
@@ -140,6 +155,62 @@ def test_orpo_matches_paper_formula(beta):
     _check(out, [orpo(pc, pr, lc, lr, beta) for pc, pr, _, _, lc, lr in PAIRS])
 
 
+# (loss_type, beta, label_smoothing, cpo_alpha, simpo_gamma): TRL's defaults, each loss type,
+# label smoothing, no SFT term, a large SFT weight, no SimPO margin, a large one.
+CPO_SETTINGS = [
+    ("sigmoid", 0.1, 0.0, 1.0, 0.5),
+    ("sigmoid", 0.5, 0.2, 0.0, 0.5),
+    ("sigmoid", 2.0, 0.5, 3.0, 0.5),
+    ("hinge", 0.1, 0.0, 1.0, 0.5),
+    ("hinge", 0.5, 0.0, 0.5, 0.5),  # pair 0 sits on the kink: β·(l_c - l_r) = 1
+    ("ipo", 0.1, 0.0, 1.0, 0.5),
+    ("ipo", 2.0, 0.0, 0.0, 0.5),
+    ("simpo", 2.0, 0.0, 1.0, 0.5),
+    ("simpo", 2.5, 0.1, 0.0, 0.0),
+    ("simpo", 0.5, 0.0, 2.0, 3.0),
+]
+# Edge pairs: enormous margins either way (logσ saturates), a zero-margin tie, a one-token
+# response, a near-certain chosen response (NLL ~ 0).
+CPO_EDGES = [
+    (-1.0, -5000.0, 0.0, 0.0, 1, 7),
+    (-5000.0, -1.0, 0.0, 0.0, 7, 1),
+    (-3.0, -3.0, 0.0, 0.0, 3, 3),
+    (-1e-9, -2.0, 0.0, 0.0, 1, 4),
+]
+
+
+@pytest.mark.parametrize("pairs", [PAIRS, CPO_EDGES], ids=["pairs", "edges"])
+@pytest.mark.parametrize("setting", CPO_SETTINGS, ids=lambda s: "-".join(map(str, s)))
+def test_cpo_matches_paper_formula(setting, pairs):
+    loss_type, beta, eps, alpha, gamma = setting
+    policy, reference = _batch(pairs)
+    loss = CPOLoss(beta, loss_type, label_smoothing=eps, cpo_alpha=alpha, simpo_gamma=gamma)
+    out = loss(policy, reference)  # a reference is ignored
+    _check(out, [cpo(pc, pr, lc, lr, *setting) for pc, pr, _, _, lc, lr in pairs])
+    nll = torch.tensor([-pc / lc for pc, _, _, _, lc, _ in pairs], dtype=torch.float64)
+    torch.testing.assert_close(out.nll_loss, nll, rtol=1e-12, atol=1e-12)
+    assert torch.isfinite(out.losses).all() and not out.nll_loss.requires_grad
+
+
+def test_cpo_without_sft_term_is_reference_free_dpo_and_simpo():
+    """``cpo_alpha = 0``: CPO's sigmoid loss is DPO with a zero reference, its simpo loss
+    SimPO; the rewards agree too."""
+    policy, _ = _batch()
+    _check_same(
+        CPOLoss(beta=0.3, label_smoothing=0.2, cpo_alpha=0.0)(policy),
+        DPOLoss(beta=0.3, label_smoothing=0.2, reference_free=True)(policy),
+    )
+    _check_same(
+        CPOLoss(beta=2.0, loss_type="simpo", simpo_gamma=0.7, cpo_alpha=0.0)(policy),
+        SimPOLoss(beta=2.0, gamma=0.7)(policy),
+    )
+
+
+def _check_same(a: PreferenceLossOutput, b: PreferenceLossOutput) -> None:
+    for name in ("losses", "chosen_rewards", "rejected_rewards"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("margin", [0.0, 0.7])
 def test_bradley_terry_matches_formula(margin):
     chosen = [1.5, -0.3, 2.0, 0.0, 7.0]
@@ -182,6 +253,14 @@ def test_hand_checked_numbers():
     # = 0.327311; log ratio = log 1.226818 = 0.204430; -log σ(0.204430) = 0.596152
     # loss = 1.25 + 0.1 · 0.596152
     assert ORPOLoss(beta=0.1)(policy).losses.item() == pytest.approx(1.25 + 0.0596152, abs=1e-6)
+    # CPO β=0.1, α=1: l_c - l_r = 2, -log σ(0.2) = 0.598138869, NLL_c = 5/4; rewards β·π
+    out = CPOLoss(beta=0.1)(policy)
+    assert out.losses.item() == pytest.approx(0.5981388693 + 1.25)
+    assert out.chosen_rewards.item() == pytest.approx(-0.5)
+    assert out.nll_loss.item() == pytest.approx(1.25)
+    # CPO simpo β=2, γ=0.5, α=0: SimPO's -log σ(-0.2) above; ipo β=0.5: (0.15 - 1)² = 0.7225
+    assert CPOLoss(2.0, "simpo", cpo_alpha=0.0)(policy).losses.item() == pytest.approx(0.7981388693)
+    assert CPOLoss(0.5, "ipo", cpo_alpha=0.0)(policy).losses.item() == pytest.approx(0.7225)
     # Bradley-Terry: equal scores give log 2
     assert BradleyTerryLoss()(torch.zeros(1), torch.zeros(1)).item() == pytest.approx(math.log(2))
 
@@ -198,6 +277,10 @@ LOSSES = [
     HingeLoss(beta=0.05),  # every pair away from the kink (β·h = 1)
     SimPOLoss(beta=2.0, gamma=0.5),
     ORPOLoss(beta=0.2),
+    CPOLoss(beta=0.3, label_smoothing=0.1),
+    CPOLoss(beta=0.05, loss_type="hinge"),  # every pair away from the kink
+    CPOLoss(beta=0.4, loss_type="ipo", cpo_alpha=0.5),
+    CPOLoss(beta=2.0, loss_type="simpo", cpo_alpha=2.0, simpo_gamma=0.5),
 ]
 
 
@@ -262,7 +345,7 @@ def test_missing_reference_is_a_clear_error(loss):
         loss(policy)
 
 
-@pytest.mark.parametrize("loss", [SimPOLoss(), ORPOLoss()])
+@pytest.mark.parametrize("loss", [SimPOLoss(), ORPOLoss(), CPOLoss()])
 def test_reference_free_losses_need_no_reference(loss):
     assert loss.needs_reference is False
     policy, _ = _batch()
@@ -289,3 +372,33 @@ def test_bad_inputs_raise_clear_errors():
         DPOLoss(label_smoothing=0.7)
     with pytest.raises(ValueError, match="beta must be > 0"):
         IPOLoss(beta=0.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"beta": 0.0}, r"^beta must be > 0, got 0.0$"),
+        ({"beta": -1.0, "loss_type": "simpo"}, r"^beta must be > 0, got -1.0$"),
+        ({"loss_type": "kto"}, r"^loss_type must be one of sigmoid, hinge, ipo, simpo, got 'kto'$"),
+        ({"cpo_alpha": -0.5}, r"^cpo_alpha must be >= 0, got -0.5$"),
+        ({"label_smoothing": 0.6}, r"^label_smoothing must be in \[0, 0.5\], got 0.6$"),
+        (
+            {"label_smoothing": 0.1, "loss_type": "hinge"},
+            r"^label_smoothing applies to loss_type sigmoid or simpo only, got "
+            r"label_smoothing=0.1 with loss_type='hinge'$",
+        ),
+        ({"label_smoothing": 0.1, "loss_type": "ipo"}, r"loss_type='ipo'$"),
+    ],
+)
+def test_cpo_refuses_bad_settings_naming_the_key(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CPOLoss(**kwargs)
+
+
+def test_nll_loss_is_reported_by_the_losses_with_an_sft_term_only():
+    policy, reference = _batch()
+    nll = -policy.chosen / policy.chosen_tokens
+    torch.testing.assert_close(ORPOLoss()(policy).nll_loss, nll)
+    for loss in (DPOLoss(), IPOLoss(), HingeLoss()):
+        assert loss(policy, reference).nll_loss is None
+    assert SimPOLoss()(policy).nll_loss is None

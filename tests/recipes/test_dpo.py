@@ -42,6 +42,10 @@ from tunesmith.training.parallel.distributed import close_distributed, init_dist
 
 LOSSES = "tunesmith.modules.losses"
 NOT_DPO = ["~loss.label_smoothing", "~loss.reference_free"]  # DPOLoss-only arguments
+CPO = [f"loss._component_={LOSSES}.CPOLoss", "~loss.reference_free"]  # keeps label_smoothing
+# id -> overrides of the runs that compare the recipe with itself (accumulation, resuming)
+# under another loss: DPO (a reference model) and CPO (none, an SFT term on the chosen)
+LOSS_CASES = {"dpo": [], "cpo": CPO}
 ONE_STEP = ["max_steps=1", "lr_scheduler.num_warmup_steps=0", "shuffle=false"]
 
 
@@ -141,7 +145,20 @@ def _orpo(beta):
 
     def loss(pc, pr, rc, rr, nc, nr):
         ac, ar = pc / nc, pr / nr
-        return -ac - beta * _log_sigmoid(log_odds(ac) - log_odds(ar)), beta * ac, beta * ar
+        return -ac - beta * _log_sigmoid(log_odds(ac) - log_odds(ar)), beta * ac, beta * ar, -ac
+
+    return loss
+
+
+def _cpo(beta, eps=0.0, alpha=1.0, gamma=None):
+    """CPO (sigmoid on summed log-probs), or with ``gamma`` its SimPO variant (on averages),
+    + ``alpha`` · the chosen response's mean token NLL, as TRL's CPOTrainer (the NLL per pair)."""
+
+    def loss(pc, pr, rc, rr, nc, nr):
+        c, r = (pc, pr) if gamma is None else (pc / nc, pr / nr)
+        m = beta * (c - r) - (gamma or 0.0)
+        losses = -(1 - eps) * _log_sigmoid(m) - eps * _log_sigmoid(-m) + alpha * (-pc / nc)
+        return losses, beta * c, beta * r, -pc / nc
 
     return loss
 
@@ -158,6 +175,12 @@ VARIANTS = {  # id -> (overrides, formula, needs a reference)
         False,
     ),
     "orpo": ([f"loss._component_={LOSSES}.ORPOLoss", *NOT_DPO], _orpo(0.1), False),
+    "cpo": ([*CPO, "loss.label_smoothing=0.1"], _cpo(0.1, eps=0.1), False),
+    "cpo-simpo": (
+        [*CPO, "loss.loss_type=simpo", "loss.beta=2.0", "loss.cpo_alpha=0.5"],
+        _cpo(2.0, alpha=0.5, gamma=0.5),
+        False,
+    ),
 }
 
 
@@ -165,7 +188,8 @@ VARIANTS = {  # id -> (overrides, formula, needs a reference)
 def test_logged_step_one_equals_the_loss_formula(world, tmp_path, variant):
     """Step 1 of 4 pairs of different lengths (not shuffled: pairs 0-3), the reference another
     model: the logged loss is the mean over pairs of the formula, and the logged rewards and
-    log-probs are the means of the per-pair quantities."""
+    log-probs (and the chosen's NLL, for a loss with an SFT term) are the means of the
+    per-pair quantities."""
     overrides, formula, needs_reference = VARIANTS[variant]
     model_dir, other, data = world["model"], world["other"], world["add"]
     reference_args = [_reference_model(other)] if needs_reference else []
@@ -187,7 +211,9 @@ def test_logged_step_one_equals_the_loss_formula(world, tmp_path, variant):
     reference = hf_sequence_logps(other, batch)[0] if needs_reference else torch.zeros(8)
     nc, nr = counts[:4].double(), counts[4:].double()
     assert len(set(nc.tolist() + nr.tolist())) > 1  # lengths differ: a pair mean, not a token mean
-    losses, chosen, rejected = formula(policy[:4], policy[4:], reference[:4], reference[4:], nc, nr)
+    losses, chosen, rejected, *nll = formula(
+        policy[:4], policy[4:], reference[:4], reference[4:], nc, nr
+    )
     if needs_reference:  # a real reference: the margins are not the trivial zero of step 1
         assert (chosen - rejected).abs().min() > 1e-3
     expected = {
@@ -196,6 +222,9 @@ def test_logged_step_one_equals_the_loss_formula(world, tmp_path, variant):
         "rewards/accuracy": (chosen > rejected).double().mean(),
         "logps/chosen": policy[:4].mean(), "logps/rejected": policy[4:].mean(),
     }  # fmt: skip
+    assert ("nll_loss" in logged) == bool(nll)  # only a loss with an SFT term logs one
+    if nll:
+        expected["nll_loss"] = nll[0].mean()
     assert logged["pairs_in_window"] == 4
     for key, value in expected.items():
         assert logged[key] == pytest.approx(value.item(), rel=1e-5, abs=1e-6), key
@@ -291,9 +320,11 @@ def test_learns_the_preference_on_held_out_pairs(world, sorting, tmp_path, varia
 # -- 4. gradient accumulation == one big batch --------------------------------------------
 
 
-def test_accumulated_micro_batches_equal_one_big_batch(world, tmp_path):
+@pytest.mark.parametrize("loss", list(LOSS_CASES))
+def test_accumulated_micro_batches_equal_one_big_batch(world, tmp_path, loss):
     model_dir, data = world["model"], world["add"]
-    common = ["max_steps=4", "optimizer.lr=1e-3", _reference_model(world["other"])]
+    reference = [_reference_model(world["other"])] if loss == "dpo" else []
+    common = ["max_steps=4", "optimizer.lr=1e-3", *reference, *LOSS_CASES[loss]]
     accumulated = run_recipe(
         "dpo",
         "tiny",
@@ -311,8 +342,10 @@ def test_accumulated_micro_batches_equal_one_big_batch(world, tmp_path):
     for step in logged_a:
         a, b = logged_a[step], logged_b[step]
         assert a["pairs_in_window"] == b["pairs_in_window"] == 4
-        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
-            assert a[key] == pytest.approx(b[key], rel=1e-6), f"{key} at step {step}"
+        assert ("nll_loss" in a) == ("nll_loss" in b) == (loss == "cpo")
+        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "nll_loss"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-6), f"{key} at step {step}"
         for key in ("rewards/chosen", "rewards/margin"):  # small differences of big log-probs
             assert a[key] == pytest.approx(b[key], abs=1e-6), f"{key} at step {step}"
 
@@ -327,12 +360,13 @@ def test_accumulated_micro_batches_equal_one_big_batch(world, tmp_path):
 # -- 5. resuming == the uninterrupted run, with the original model as reference -------------
 
 
+@pytest.mark.parametrize("loss", list(LOSS_CASES))
 @pytest.mark.parametrize("config", ["tiny", "tiny_lora"])
-def test_stop_and_resume_equals_uninterrupted(world, tmp_path, config):
+def test_stop_and_resume_equals_uninterrupted(world, tmp_path, config, loss):
     """A reference rebuilt from the checkpoint (instead of the initial model) would make the
     rewards of the first resumed step zero and change every later step."""
     model_dir, data = world["model"], world["sort"]
-    common = ["batch_size=4", "max_steps=6", "optimizer.lr=5e-3"]
+    common = ["batch_size=4", "max_steps=6", "optimizer.lr=5e-3", *LOSS_CASES[loss]]
     reference = run_recipe("dpo", config, model_dir, data, tmp_path / "whole", *common)
     out = tmp_path / "run"
     run_recipe("dpo", config, model_dir, data, out, *common, "stop_after_steps=3")
@@ -348,8 +382,9 @@ def test_stop_and_resume_equals_uninterrupted(world, tmp_path, config):
     assert sorted(logged) == list(range(1, 7))
     assert abs(logged[4]["rewards/margin"]) > 1e-4  # the policy has left the reference
     for step in range(4, 7):
-        for key in ("loss", "lr", "grad_norm", "rewards/chosen", "rewards/rejected"):
-            assert logged[step][key] == logged_ref[step][key], f"{key} at step {step}"
+        for key in ("loss", "lr", "grad_norm", "rewards/chosen", "rewards/rejected", "nll_loss"):
+            if key in logged_ref[step]:
+                assert logged[step][key] == logged_ref[step][key], f"{key} at step {step}"
 
 
 # -- 6. precomputed reference log-probs == computed on the fly -----------------------------

@@ -32,6 +32,8 @@ PER_RANK, STEPS = 2, 3
 COMMON = [f"max_steps={STEPS}", "optimizer.lr=1e-3"]
 VAL = "val_fraction=0.2"  # 26 pairs: 21 train, 5 val (neither splits evenly over 2 ranks)
 PRECOMPUTE = ["precompute_reference=true", VAL]
+# CPO on the dpo recipe: no reference model, an SFT term on the chosen response
+CPO = ["loss._component_=tunesmith.modules.losses.CPOLoss", "~loss.reference_free"]
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +44,13 @@ def world(tmp_path_factory):
     return root, model_dir, data
 
 
-def _single(world, name: str, *extra: str):
+def _single(world, name: str, *extra: str, config: str = "tiny"):
     """The single-process run ``name`` (run once per module: two tests compare with it)."""
     root, model_dir, data = world
     if (root / name / "checkpoints").is_dir():
         return root / name
     return run_recipe(
-        "dpo", "tiny", model_dir, data, root / name, f"batch_size={2 * PER_RANK}", *COMMON, *extra
+        "dpo", config, model_dir, data, root / name, f"batch_size={2 * PER_RANK}", *COMMON, *extra
     )
 
 
@@ -68,22 +70,39 @@ def _check_same_as_single(model_dir, single, distributed, ranks: int = 2) -> Non
         one, two = logged_1[step], logged_2[step]
         assert one["pairs_in_window"] == two["pairs_in_window"] == 2 * PER_RANK
         assert one["tokens_seen"] == two["tokens_seen"]
-        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected"):
-            assert two[key] == pytest.approx(one[key], rel=1e-5), f"{key} at step {step}"
+        assert ("nll_loss" in one) == ("nll_loss" in two)  # CPO's SFT term
+        for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "nll_loss"):
+            if key in one:
+                assert two[key] == pytest.approx(one[key], rel=1e-5), f"{key} at step {step}"
         for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracy"):
             assert two[key] == pytest.approx(one[key], abs=1e-5), f"{key} at step {step}"
     assert abs(logged_1[STEPS]["rewards/margin"]) > 1e-4  # the reference matters by then
     weights_1 = final_weights(single)
     assert_same_weights(final_weights(distributed), weights_1, 1e-5)
-    assert largest_change(weights_1, checkpoint_weights(model_dir)) > 1e-3
+    lora_b = [w.abs().max().item() for n, w in weights_1.items() if ".lora_B." in n]
+    if lora_b:  # an adapter: every lora_B (zero at the start) moved
+        assert min(lora_b) > 1e-4
+    else:
+        assert largest_change(weights_1, checkpoint_weights(model_dir)) > 1e-3
 
 
-def test_two_gloo_ranks_equal_one_process(world, tmp_path):
+@pytest.mark.parametrize(
+    ("config", "loss"),
+    [
+        pytest.param("tiny", [], id="tiny-dpo"),
+        # slow: tiny-dpo proves full FSDP2, tiny_lora-cpo the CPO loss on the recipe
+        pytest.param("tiny", CPO, id="tiny-cpo", marks=pytest.mark.slow),
+        pytest.param("tiny_lora", CPO, id="tiny_lora-cpo"),
+    ],
+)
+def test_two_gloo_ranks_equal_one_process(world, tmp_path, config, loss):
+    """DPO (a frozen reference, sharded like the policy) and CPO (none, an SFT term on the
+    chosen response), full fine-tuning and LoRA."""
     _, model_dir, data = world
-    single = _single(world, "single")
+    single = _single(world, "single" + ("_cpo" if loss else "") + config[4:], *loss, config=config)
     out = tmp_path / "fsdp"
-    overrides = recipe_overrides(model_dir, data, out, f"batch_size={PER_RANK}", *COMMON)
-    launch_ranks(overrides, tmp_path, recipe="dpo")
+    overrides = recipe_overrides(model_dir, data, out, f"batch_size={PER_RANK}", *COMMON, *loss)
+    launch_ranks(overrides, tmp_path, recipe="dpo", config=config)
     _check_same_as_single(model_dir, single, out)
 
 

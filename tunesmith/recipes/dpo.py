@@ -4,8 +4,8 @@
     tunesmith run dpo --config tiny ... loss._component_=tunesmith.modules.losses.SimPOLoss
 
 The loss is a ``_component_`` of :mod:`tunesmith.modules.losses`: DPO (with label
-smoothing = cDPO, or reference-free), IPO, hinge (RSO), SimPO, ORPO. Per micro-batch of ``B``
-pairs (``2B`` rows: chosen then rejected, from
+smoothing = cDPO, or reference-free), IPO, hinge (RSO), SimPO, ORPO, CPO. Per micro-batch of
+``B`` pairs (``2B`` rows: chosen then rejected, from
 :func:`~tunesmith.data.collate.collate_preference`):
 
 1. the policy's log-probability of each response, summed over its tokens;
@@ -21,7 +21,8 @@ pairs (``2B`` rows: chosen then rejected, from
 
 Logged per step (means over pairs): ``rewards/chosen``, ``rewards/rejected``,
 ``rewards/accuracy`` (chosen reward above rejected), ``rewards/margin``, ``logps/chosen``,
-``logps/rejected``; with a validation set the same with a ``val_`` prefix.
+``logps/rejected``, and for a loss with an SFT term (ORPO, CPO) ``nll_loss``; with a
+validation set the same with a ``val_`` prefix.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@
   (the label of positions that are not trained; its one definition).
 - :mod:`~tunesmith.modules.losses.preference`: pairwise preference losses on summed response
   log-probabilities (:class:`PairLogps`): the DPO family (:class:`DPOLoss` (cDPO),
-  :class:`IPOLoss`, :class:`HingeLoss`, :class:`SimPOLoss`, :class:`ORPOLoss`) and the
-  reward model's :class:`BradleyTerryLoss`.
+  :class:`IPOLoss`, :class:`HingeLoss`, :class:`SimPOLoss`, :class:`ORPOLoss`,
+  :class:`CPOLoss`) and the reward model's :class:`BradleyTerryLoss`.
 - :mod:`~tunesmith.modules.losses.kd`: knowledge distillation (:class:`KDLoss`,
   :func:`divergence`, :data:`KD_KINDS`).
 - :mod:`~tunesmith.modules.losses.rl`: RL objectives on per-token log-probs
@@ -34,7 +34,9 @@ Example::
 
 from tunesmith.modules.losses.kd import KD_KINDS, KDLoss, divergence
 from tunesmith.modules.losses.preference import (
+    CPO_LOSS_TYPES,
     BradleyTerryLoss,
+    CPOLoss,
     DPOLoss,
     HingeLoss,
     IPOLoss,
@@ -66,10 +68,12 @@ from tunesmith.modules.losses.token import (
 
 __all__ = [
     "AGGREGATIONS",
+    "CPO_LOSS_TYPES",
     "IGNORE_INDEX",
     "KD_KINDS",
     "KL_KINDS",
     "BradleyTerryLoss",
+    "CPOLoss",
     "CrossEntropyLoss",
     "DPOLoss",
     "HingeLoss",

@@ -1,5 +1,5 @@
-"""Pairwise preference losses: the DPO family (DPO/cDPO, IPO, hinge/RSO, SimPO, ORPO) and the
-Bradley-Terry loss of reward models.
+"""Pairwise preference losses: the DPO family (DPO/cDPO, IPO, hinge/RSO, SimPO, ORPO, CPO) and
+the Bradley-Terry loss of reward models.
 
 A DPO-family loss sees, for each preference pair, the summed log-probability of the chosen and
 of the rejected response under the policy (and, for most, under a frozen reference model),
@@ -27,7 +27,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,9 @@ from torch import nn
 from tunesmith.config.registry import component
 
 __all__ = [
+    "CPO_LOSS_TYPES",
     "BradleyTerryLoss",
+    "CPOLoss",
     "DPOLoss",
     "HingeLoss",
     "IPOLoss",
@@ -92,17 +94,20 @@ class PreferenceLossOutput:
         losses: per-pair loss (the recipe sums it and divides by the global pair count).
         chosen_rewards: implicit reward of each chosen response, detached (for logging).
         rejected_rewards: implicit reward of each rejected response, detached.
+        nll_loss: the mean token NLL of each chosen response, detached, for a loss with an SFT
+            term (ORPO, CPO; logged as ``nll_loss``); ``None`` for the others.
 
     Example::
 
         >>> out = PreferenceLossOutput(torch.ones(2), torch.zeros(2), torch.zeros(2))
-        >>> out.losses.sum().item()
-        2.0
+        >>> out.losses.sum().item(), out.nll_loss
+        (2.0, None)
     """
 
     losses: torch.Tensor
     chosen_rewards: torch.Tensor
     rejected_rewards: torch.Tensor
+    nll_loss: torch.Tensor | None = None
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -165,14 +170,23 @@ def _need_reference(
 
 
 def _output(
-    losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor
+    losses: torch.Tensor,
+    chosen_rewards: torch.Tensor,
+    rejected_rewards: torch.Tensor,
+    nll_loss: torch.Tensor | None = None,
 ) -> PreferenceLossOutput:
-    return PreferenceLossOutput(losses, chosen_rewards.detach(), rejected_rewards.detach())
+    nll = None if nll_loss is None else nll_loss.detach()
+    return PreferenceLossOutput(losses, chosen_rewards.detach(), rejected_rewards.detach(), nll)
 
 
 def _check_beta(beta: float, name: str = "beta") -> None:
     if not beta > 0:
         raise ValueError(f"{name} must be > 0, got {beta!r}")
+
+
+def _check_label_smoothing(label_smoothing: float) -> None:
+    if not 0.0 <= label_smoothing <= 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5], got {label_smoothing!r}")
 
 
 def _log1m_exp(a: torch.Tensor) -> torch.Tensor:
@@ -225,8 +239,7 @@ class DPOLoss(_PairLoss):
     def __init__(
         self, beta: float = 0.1, label_smoothing: float = 0.0, reference_free: bool = False
     ) -> None:
-        if not 0.0 <= label_smoothing <= 0.5:
-            raise ValueError(f"label_smoothing must be in [0, 0.5], got {label_smoothing!r}")
+        _check_label_smoothing(label_smoothing)
         super().__init__(beta, label_smoothing=label_smoothing, reference_free=reference_free)
         if reference_free:
             self.needs_reference = False
@@ -373,7 +386,7 @@ class ORPOLoss(_PairLoss):
         avg_c, avg_r = policy.average()
         log_odds = _log_odds(avg_c) - _log_odds(avg_r)
         losses = -avg_c - self.beta * F.logsigmoid(log_odds)
-        return _output(losses, self.beta * avg_c, self.beta * avg_r)
+        return _output(losses, self.beta * avg_c, self.beta * avg_r, nll_loss=-avg_c)
 
 
 def _log_odds(avg_logp: torch.Tensor) -> torch.Tensor:
@@ -381,6 +394,98 @@ def _log_odds(avg_logp: torch.Tensor) -> torch.Tensor:
     tiny = torch.finfo(avg_logp.dtype).eps
     a = avg_logp.clamp(max=-tiny)
     return a - _log1m_exp(a)
+
+
+CPOLossType = Literal["sigmoid", "hinge", "ipo", "simpo"]
+CPO_LOSS_TYPES: tuple[str, ...] = get_args(CPOLossType)
+
+
+@component
+class CPOLoss(_PairLoss):
+    """CPO (Xu et al. 2024) and its SimPO variant, reference-free, with the names and
+    ``loss_type`` values of TRL's ``CPOConfig``. Per pair, with ``x = l_c - l_r``:
+
+    - ``sigmoid``: ``-(1-ε)·logσ(β·x) - ε·logσ(-β·x)`` (the paper's Eq. 3 at ``ε = 0``);
+    - ``hinge``: ``relu(1 - β·x)``;
+    - ``ipo``: ``(x - 1/(2β))²``;
+    - ``simpo``: ``sigmoid`` on ``x - γ/β`` (``γ`` = ``simpo_gamma``), i.e.
+      ``-logσ(β·x - γ)`` at ``ε = 0``;
+
+    plus ``cpo_alpha · NLL_c``, the behaviour-cloning term. ``l = π`` (summed log-probs) for
+    ``sigmoid``/``hinge``, ``l = π/|y|`` (length-averaged) for ``ipo``/``simpo``, as TRL.
+    Rewards are ``β·l``. ``NLL_c = -π_c/|y_c|`` is the mean token NLL of each chosen
+    response, so the recipe's mean over pairs is a mean of per-response means: TRL instead
+    averages over all chosen tokens of its batch (a token-weighted mean), which is the same
+    when the chosen responses have equal lengths; the per-pair form keeps gradient
+    accumulation and data parallelism equal to one big batch. ``simpo_gamma`` is used by
+    ``simpo`` only. Every token count must be positive; a passed ``reference`` is ignored.
+
+    Example::
+
+        >>> logps = PairLogps(torch.tensor([-2.0]), torch.tensor([-6.0]),
+        ...                   torch.tensor([2]), torch.tensor([3]))
+        >>> out = CPOLoss(beta=0.5, loss_type="hinge", cpo_alpha=1.0)(logps)
+        >>> out.losses, out.nll_loss  # relu(1 - 0.5·4) + 1·(2/2)
+        (tensor([1.]), tensor([1.]))
+    """
+
+    needs_reference: bool = False
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        loss_type: CPOLossType = "sigmoid",
+        label_smoothing: float = 0.0,
+        cpo_alpha: float = 1.0,
+        simpo_gamma: float = 0.5,
+    ) -> None:
+        _check_cpo(loss_type, label_smoothing, cpo_alpha)
+        super().__init__(
+            beta,
+            loss_type=loss_type,
+            label_smoothing=label_smoothing,
+            cpo_alpha=cpo_alpha,
+            simpo_gamma=simpo_gamma,
+        )
+
+    def forward(
+        self, policy: PairLogps, reference: PairLogps | None = None
+    ) -> PreferenceLossOutput:
+        _check_pairs(policy, "policy")
+        avg_c, avg_r = policy.average()
+        if self.loss_type in ("ipo", "simpo"):
+            chosen, rejected = avg_c, avg_r
+        else:
+            chosen, rejected = _as_float(policy.chosen, policy.rejected)
+        losses = self._preference(chosen - rejected)
+        return _output(
+            losses - self.cpo_alpha * avg_c, self.beta * chosen, self.beta * rejected, -avg_c
+        )
+
+    def _preference(self, x: torch.Tensor) -> torch.Tensor:
+        """The preference term of each pair from ``x = l_c - l_r``."""
+        if self.loss_type == "hinge":
+            return torch.relu(1 - self.beta * x)
+        if self.loss_type == "ipo":
+            return (x - 1 / (2 * self.beta)) ** 2
+        if self.loss_type == "simpo":
+            x = x - self.simpo_gamma / self.beta
+        eps = self.label_smoothing
+        return -(1 - eps) * F.logsigmoid(self.beta * x) - eps * F.logsigmoid(-self.beta * x)
+
+
+def _check_cpo(loss_type: str, label_smoothing: float, cpo_alpha: float) -> None:
+    """One clear line naming the key of a bad :class:`CPOLoss` setting."""
+    if loss_type not in CPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(CPO_LOSS_TYPES)}, got {loss_type!r}")
+    _check_label_smoothing(label_smoothing)
+    if label_smoothing and loss_type in ("hinge", "ipo"):
+        raise ValueError(
+            f"label_smoothing applies to loss_type sigmoid or simpo only, got "
+            f"label_smoothing={label_smoothing!r} with loss_type={loss_type!r}"
+        )
+    if not cpo_alpha >= 0:
+        raise ValueError(f"cpo_alpha must be >= 0, got {cpo_alpha!r}")
 
 
 # -- reward models ----------------------------------------------------------------------------

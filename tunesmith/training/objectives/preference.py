@@ -4,7 +4,7 @@ the whole dataset).
 
 A micro-batch of ``B`` pairs is ``2B`` rows (chosen then rejected, from
 :func:`~tunesmith.data.collate.collate_preference`); the loss is any of
-:mod:`tunesmith.modules.losses`' preference losses (DPO, IPO, hinge, SimPO, ORPO).
+:mod:`tunesmith.modules.losses`' preference losses (DPO, IPO, hinge, SimPO, ORPO, CPO).
 
 Example::
 
@@ -79,6 +79,8 @@ class PreferenceObjective:
             "logps/chosen": policy.chosen.detach().sum(),
             "logps/rejected": policy.rejected.detach().sum(),
         }  # fmt: skip
+        if out.nll_loss is not None:  # the SFT term of ORPO, CPO
+            metrics["nll_loss"] = out.nll_loss.sum()
         aux = router_aux_loss(model, router_logits, batch)
         return LossOutput(out.losses.sum(), metrics, aux_loss=aux)
 
