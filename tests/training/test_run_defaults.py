@@ -163,6 +163,15 @@ def _write(run_dir, records):
             id="dpo",
         ),
         pytest.param(
+            {"loss": 1.3, "rewards/margin": 0.2, "nll_loss": 1.1},
+            [
+                ("loss", ["loss"]),
+                ("rewards (chosen, rejected, margin)", ["rewards/margin"]),
+                ("chosen NLL", ["nll_loss"]),
+            ],
+            id="cpo",
+        ),
+        pytest.param(
             {"loss": 1.0, "kd_loss": 0.7, "ce_loss": 1.2},
             [("loss", ["loss"]), ("distillation losses", ["kd_loss", "ce_loss"])],
             id="kd",

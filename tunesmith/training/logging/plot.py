@@ -2,8 +2,9 @@
 
 Top panel: ``loss`` (train) and ``val_loss`` against step; then one panel for each group of
 the recipe's own metrics the run logged (:data:`RECIPE_PANELS`: DPO's rewards and margins,
-the reward accuracy, SFT's token accuracy, distillation's KD and CE losses, RL rewards, KL, PPO's policy and value
-losses; their ``val_`` curves with them); bottom panel: ``lr``, when logged.
+the reward accuracy, SFT's token accuracy, distillation's KD and CE losses, CPO's and ORPO's
+chosen NLL, RL rewards, KL, PPO's policy and value losses; their ``val_`` curves with them);
+bottom panel: ``lr``, when logged.
 When a step appears more than once (a run resumed from an earlier checkpoint appends to the same
 file) the last value logged for it wins. A file holding two runs (the steps start over: a
 second ``"step": 1`` after step 5, written before fresh runs moved an earlier run's file aside)
@@ -40,6 +41,7 @@ RECIPE_PANELS: tuple[tuple[str, str], ...] = (
     ("rewards (chosen, rejected, margin)", r"(val_)?rewards/(chosen|rejected|margins?)"),
     ("accuracy", r"(val_)?(rewards/|token_)?accuracy"),
     ("distillation losses", r"(val_)?(kd_loss|ce_loss)"),
+    ("chosen NLL", r"(val_)?nll_loss"),
     ("reward", r"(val_)?reward(/.+)?"),
     ("KL", r"(val_)?kl"),
     ("policy / value loss", r"(val_)?(policy_loss|value_loss)"),
