@@ -16,7 +16,8 @@ Ctrl-C (SIGINT), SIGTERM and SIGHUP (:mod:`~tunesmith.training.stop_signals`) ea
 checkpoint at the end of the current step and a clean exit (code 0) with the resume hint; a
 second Ctrl-C aborts at once. Logging: every ``log_every_n_steps`` steps the means of the steps
 since the last line (:class:`~tunesmith.training.logging.loggers.MetricWindow`: the loss over
-every unit of the window); ``progress_bar: auto`` (the default) shows a bar when stdout is a terminal.
+every unit of the window); ``progress_bar: auto`` (the default) shows a bar when stdout is a
+terminal.
 ``resume: true`` with no checkpoint in ``output_dir`` is refused; ``resume: auto`` resumes
 when there is one and starts fresh otherwise.
 

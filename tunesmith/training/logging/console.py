@@ -331,7 +331,7 @@ class RunSummary:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.step = max(self.step, int(step))
         self.tokens_seen = int(metrics.get("tokens_seen", self.tokens_seen))
-        for key in ("peak_rss_gb", "peak_alloc_gb"):
+        for key in (field.keys[0] for field in _MEMORY):  # peak_rss_gb, peak_alloc_gb
             if key in metrics:
                 self.peak[key] = max(self.peak.get(key, 0.0), float(metrics[key]))
         key = "val_loss" if "val_loss" in metrics else "val_reward"
