@@ -563,9 +563,40 @@ def cmd_export(args: argparse.Namespace) -> int:
     base = args.base_dir
     if (path / ADAPTER_CONFIG_NAME).is_file():
         base = adapter_base(path, base)  # found (and checked) from any working directory
+    if args.format == "gguf":
+        return _export_gguf(args, path, base)
+    if args.outtype is not None:
+        raise ValueError("--outtype is the type of a GGUF file's weights: add --format gguf")
     check_output_dir(args.output_dir, force=args.force, keep=[p for p in (path, base) if p])
     print(chosen(args.path, path, base), file=sys.stderr)
     out = export_merged(path, args.output_dir, base_dir=base, dtype=args.dtype)
+    print(f"exported {args.path} to {out}")
+    return 0
+
+
+def _export_gguf(args: argparse.Namespace, path: Path, base: Path | None) -> int:
+    """``export --format gguf``: ``--output-dir/<name>-<OUTTYPE>.gguf``, an adapter merged
+    into its base first (in a temporary folder beside the file)."""
+    from tunesmith.cli.checkpoint_loading import chosen
+    from tunesmith.models.export import export_merged
+    from tunesmith.models.gguf_export import export_gguf
+
+    if args.dtype is not None:
+        raise ValueError("--dtype is a HF folder's; a GGUF file's weights take --outtype")
+    outtype = args.outtype or "f16"
+    out_dir = Path(args.output_dir)
+    name = Path(args.path).resolve().name
+    target = out_dir / f"{name}-{outtype.upper()}.gguf"
+    if (target.exists() or target.is_symlink()) and not args.force:
+        raise FileExistsError(f"{target} already exists: pass --force to replace it")
+    print(chosen(args.path, path, base), file=sys.stderr)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if base is None:
+        out = export_gguf(path, target, outtype=outtype)
+    else:
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".merged-") as merged:
+            export_merged(path, Path(merged) / "model", base_dir=base)
+            out = export_gguf(Path(merged) / "model", target, outtype=outtype)
     print(f"exported {args.path} to {out}")
     return 0
 
@@ -789,9 +820,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="run folder (output_dir: its newest complete checkpoint), adapter folder, or a "
         "HF model folder",
     )
-    p.add_argument("--output-dir", required=True, help="where to write the merged HF folder")
+    p.add_argument(
+        "--output-dir",
+        required=True,
+        help="where to write the merged HF folder (gguf: the folder of the .gguf file)",
+    )
     p.add_argument("--base-dir", help="base model folder (default: the one the adapter records)")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: the base's)")
+    p.add_argument(
+        "--format",
+        choices=("hf", "gguf"),
+        default="hf",
+        help="hf: a Hugging Face folder (default); gguf: one file for llama.cpp/Ollama, "
+        "OUTPUT_DIR/<name>-<OUTTYPE>.gguf",
+    )
+    p.add_argument(
+        "--outtype",
+        choices=("f32", "f16", "bf16", "q8_0"),
+        help="with --format gguf: the weights' type (norms and biases stay f32; default f16)",
+    )
     p.add_argument(
         "--force", action="store_true", help="replace --output-dir when it exists (as cp -f)"
     )
