@@ -569,6 +569,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ValueError("--outtype is the type of a GGUF file's weights: add --format gguf")
     check_output_dir(args.output_dir, force=args.force, keep=[p for p in (path, base) if p])
     print(chosen(args.path, path, base), file=sys.stderr)
+    if args.quantize is not None:
+        from tunesmith.models.export import export_quantized
+
+        out = export_quantized(
+            path, args.output_dir, scheme=args.quantize, group_size=args.group_size,
+            base_dir=base, dtype=args.dtype,
+        )  # fmt: skip
+        print(f"exported {args.path} to {out} ({args.quantize}, torchao)")
+        return 0
     out = export_merged(path, args.output_dir, base_dir=base, dtype=args.dtype)
     print(f"exported {args.path} to {out}")
     return 0
@@ -581,8 +590,10 @@ def _export_gguf(args: argparse.Namespace, path: Path, base: Path | None) -> int
     from tunesmith.models.export import export_merged
     from tunesmith.models.gguf_export import export_gguf
 
-    if args.dtype is not None:
-        raise ValueError("--dtype is a HF folder's; a GGUF file's weights take --outtype")
+    if args.dtype is not None or args.quantize is not None:
+        raise ValueError(
+            "--dtype and --quantize are a HF folder's; a GGUF file's weights take --outtype"
+        )
     outtype = args.outtype or "f16"
     out_dir = Path(args.output_dir)
     name = Path(args.path).resolve().name
@@ -838,6 +849,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--outtype",
         choices=("f32", "f16", "bf16", "q8_0"),
         help="with --format gguf: the weights' type (norms and biases stay f32; default f16)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=("int8da-int4w", "int4w", "int8w"),
+        help="a torchao-quantized HF folder (linear layers but lm_head): the scheme a QAT run "
+        "trained with (quantization.qat.scheme), or post-training quantization",
+    )
+    p.add_argument(
+        "--group-size", type=int, default=32, help="with --quantize: weights per int4 group"
     )
     p.add_argument(
         "--force", action="store_true", help="replace --output-dir when it exists (as cp -f)"

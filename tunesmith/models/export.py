@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -29,9 +30,10 @@ from tunesmith.models.hf import (
 )
 from tunesmith.models.peft_io import ADAPTER_CONFIG_NAME, load_peft_adapter, read_adapter_config
 from tunesmith.models.safetensors_io import CheckpointFileNotFoundError, atomic_directory
+from tunesmith.modules.fake_quant import torchao_config
 from tunesmith.modules.peft import merge_adapters
 
-__all__ = ["export_merged"]
+__all__ = ["export_merged", "export_quantized"]
 
 
 def _overlay_tokenizer_files(source: Path, folder: Path) -> None:
@@ -107,4 +109,41 @@ def export_merged(
             model, tmp, dtype=out_dtype, max_shard_size=max_shard_size, source_dir=base
         )
         _overlay_tokenizer_files(src, tmp)
+    return out_dir
+
+
+def export_quantized(
+    adapter_or_model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    scheme: str,
+    group_size: int = 32,
+    base_dir: str | os.PathLike | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> Path:
+    """Write a torchao-quantized Hugging Face folder of ``adapter_or_model_dir`` (merged as
+    :func:`export_merged` does): every linear layer but ``lm_head`` quantized as ``scheme``
+    (:data:`~tunesmith.modules.fake_quant.QAT_SCHEMES`, the rounding a QAT run trained with),
+    written by transformers itself (``TorchAoConfig``; its ``from_pretrained`` loads the folder
+    as it is), tokenizer files beside it. Atomic; returns ``out_dir``.
+
+    Example::
+
+        export_quantized("runs/qat", "out/int8da-int4w", scheme="int8da-int4w", group_size=32)
+    """
+    import transformers
+
+    out_dir = Path(out_dir)
+    config = transformers.TorchAoConfig(torchao_config(scheme, group_size))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.merged-") as tmp:
+        merged = export_merged(adapter_or_model_dir, Path(tmp) / "merged", base_dir=base_dir,
+                               dtype=dtype)  # fmt: skip
+        stored = resolve_dtype(read_hf_config(merged).get("dtype") or "float32")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            merged, quantization_config=config, dtype=stored
+        )
+        with atomic_directory(out_dir) as staging:
+            model.save_pretrained(staging)
+            _overlay_tokenizer_files(merged, staging)
     return out_dir

@@ -60,6 +60,7 @@ from tqdm import tqdm
 
 from tunesmith.config import ConfigError, check_keys, instantiate
 from tunesmith.modules.dtypes import AUTOCAST
+from tunesmith.training import qat
 from tunesmith.training.checkpoint.checkpointer import not_continued
 from tunesmith.training.checkpoint.run_lock import hold_run_lock
 from tunesmith.training.datasets import inherit_val_dataset
@@ -255,6 +256,10 @@ def fit_from_config(
     if ctx.is_rank_zero:
         trainer.log = log
     trainer.start()  # first: a refused resume leaves no logger's file behind
+    if (qat_settings := qat.QATSettings.from_config(cfg)) is not None:
+        hook = qat.step_hook(qat_settings)  # fake quantization from its first step on
+        hook(trainer, trainer.progress["step"], {})
+        trainer.on_step_end.append(hook)
     loggers = [instantiate(c) for c in cfg.get("metric_loggers") or []]
     samples = SamplePrompts.from_config(cfg, model, world_size=ctx.world_size)  # sample_prompts
     fit(

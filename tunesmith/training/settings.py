@@ -437,6 +437,11 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
     Setting("attention_backend", choice(
         "auto", "sdpa", "varlen", "flex", "loop", null="each model's own setting: auto"
     ), "the attention kernel", None, resumable=True),
+    Setting("quantization", Rule(
+        "a mapping {qat: {scheme, group_size, fake_quant_after_n_steps}}, or null",
+        lambda v: v is None or type_name(v) == "mapping",
+    ), "quantization-aware training: fake-quantized linear layers (tunesmith.training.qat)",
+        None),
 )  # fmt: skip
 """The keys of every recipe's model step (``setup`` and ``parallelize``)."""
 

@@ -48,6 +48,7 @@ from tunesmith.models.transformers_backend import TransformersLM
 from tunesmith.modules.decoder import DecoderModel
 from tunesmith.modules.losses import LinearCrossEntropyLoss
 from tunesmith.modules.peft import adapter_modules, disable_adapters
+from tunesmith.training import qat
 from tunesmith.training.datasets import build_datasets
 from tunesmith.training.memory.compile import compile_loss, compile_options
 from tunesmith.training.memory.planner import MemoryPlan, estimate_memory, optimizer_kind
@@ -213,6 +214,10 @@ def build_policy(
     if adapter_modules(model):  # adapters the PEFT format cannot hold: refused now, not at a save
         peft_adapter_config(model)
     cast_weights(model, check_precision(cfg))  # precision.weights: bf16 casts the trained model
+    if (qat_settings := qat.QATSettings.from_config(cfg)) is not None:
+        if ctx.dims is not None and ctx.dims.tp > 1:
+            raise ValueError("quantization.qat with tensor parallel (tp > 1) is not supported")
+        qat.prepare(model, qat_settings)  # fake quantization: the deployed model's rounding
     apply_attention_backend(model, cfg.get("attention_backend"))
     check_packing(model, cfg)
     if on_device:

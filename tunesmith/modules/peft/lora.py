@@ -112,6 +112,9 @@ class LoRALinear(nn.Module):
         self.dropout = dropout
         self.scaling = lora_scaling(rank, alpha, use_rslora)
         self.adapters_disabled = False
+        # (activation, weight) fake quantizers of the frozen base (QAT + LoRA; see
+        # tunesmith.training.qat): the base's input and weight are rounded, the adapters' not
+        self.base_fake_quantizers: tuple[nn.Module | None, nn.Module] | None = None
         self.weight = base.weight
         self.bias = base.bias
         self.weight.requires_grad_(False)
@@ -189,6 +192,10 @@ class LoRALinear(nn.Module):
         if self.is_quantized:
             out = linear_nf4(x, self.weight)
             return out if self.bias is None else out + self.bias
+        if self.base_fake_quantizers is not None:
+            activation, weight = self.base_fake_quantizers
+            x = x if activation is None else activation(x)
+            return F.linear(x, weight(self.weight), self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def adapter_forward(self, x: torch.Tensor) -> torch.Tensor:
