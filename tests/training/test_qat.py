@@ -96,9 +96,7 @@ def test_what_qat_cannot_do_is_refused_by_name():
         prepare_fake_quant(nn.Sequential(nn.Linear(64, 8)), "int4w", 48)
 
 
-def test_delayed_start_trains_like_plain_training_then_rounds_and_resumes_exactly(
-    world, tmp_path
-):
+def test_delayed_start_trains_like_plain_training_then_rounds_and_resumes_exactly(world, tmp_path):
     steps = ["max_steps=3", "batch_size=4", "save_every_n_steps=1"]
     plain = read_metrics(run_sft(world["model"], world["data"], tmp_path / "plain", *steps))
     qat = run_sft(world["model"], world["data"], tmp_path / "qat", *steps, QAT % 1)
@@ -129,3 +127,8 @@ def test_export_of_a_qat_run_is_the_fake_quantized_model(world, tmp_path, config
     assert (_logits(theirs, IDS) - _logits(merged, IDS)).abs().max() > 1e-3  # quantized
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert tokenizer("add 3 and 4")["input_ids"]
+    ours = from_hf(out)  # generate/chat/eval's loader: transformers' model of the folder
+    torch.testing.assert_close(_logits(ours, IDS), _logits(theirs, IDS), rtol=0, atol=0)
+    if config == "tiny":
+        with pytest.raises(ValueError, match="is a quantized checkpoint, which cannot be trained"):
+            run_sft(out, world["data"], tmp_path / "again", "max_steps=1")

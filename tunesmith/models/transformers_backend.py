@@ -115,6 +115,9 @@ def choose_backend(
     'native'
     >>> str(choose_backend({"model_type": "starcoder2"}))
     'transformers backend (starcoder2 has no native family; no context parallel, ...'
+    >>> torchao = {"quant_method": "torchao"}
+    >>> choose_backend({"model_type": "qwen3", "quantization_config": torchao}).reason
+    'a torchao-quantized folder: transformers loads its quantized weights'
     >>> choose_backend({"model_type": "my_arch", "auto_map": {"AutoModelForCausalLM": "m.M"}})
     Traceback (most recent call last):
     tunesmith.models.family.UnsupportedModelError: model_type 'my_arch' needs the folder's own ...
@@ -123,6 +126,12 @@ def choose_backend(
         raise ValueError(f"{where}backend {backend!r}: expected one of {list(BACKENDS)}")
     model_type = config.get("model_type")
     native = any(f.model_type == model_type for f in families())
+    quantized = (config.get("quantization_config") or {}).get("quant_method") == "torchao"
+    if quantized and backend != "native":  # `tunesmith export --quantize`'s folders
+        _transformers()
+        return BackendChoice(
+            "transformers", "a torchao-quantized folder: transformers loads its quantized weights"
+        )
     if backend == "native" or (backend == "auto" and native):
         if not native:
             raise UnsupportedModelError(

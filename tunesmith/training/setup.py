@@ -211,6 +211,7 @@ def build_policy(
         model = _parallelize(build_policy(cfg, ctx, tokenizer), ctx, cfg)
     """
     model = instantiate(cfg.model)
+    check_trainable(model, cfg)
     if adapter_modules(model):  # adapters the PEFT format cannot hold: refused now, not at a save
         peft_adapter_config(model)
     cast_weights(model, check_precision(cfg))  # precision.weights: bf16 casts the trained model
@@ -224,6 +225,21 @@ def build_policy(
         model = model.to(ctx.device)
     check_vocab(tokenizer, model, cfg)
     return model
+
+
+def check_trainable(model: nn.Module, cfg: DictConfig, key: str = "model") -> None:
+    """Refuse a quantized model (``tunesmith export --quantize``'s folder, loaded by
+    transformers) as the trained one: its int weights take no gradient. Quantization-aware
+    training trains the float model (``quantization.qat``)."""
+    hf_model = getattr(model, "hf_model", None)
+    quantization = getattr(getattr(hf_model, "config", None), "quantization_config", None)
+    if quantization is not None:
+        node = cfg[key]
+        raise ValueError(
+            f"{key} ({node.get('path', node._component_)}) is a quantized checkpoint, which "
+            "cannot be trained: train its float model (with quantization.qat for the "
+            "quantized rounding), then export it with tunesmith export --quantize"
+        )
 
 
 def check_packing(model: nn.Module, cfg: DictConfig, key: str = "model") -> None:
