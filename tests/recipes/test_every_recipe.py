@@ -32,6 +32,7 @@ RECIPES = {
     "dpo": ("pairs", ["optimizer_in_backward=true", "max_grad_norm=null"]),
     "reward_model": ("pairs", []),
     "kd": ("chat", ["teacher_dir={model_dir}"]),
+    "kto": ("pairs", ["dataset.format=paired_messages"]),  # each pair: two rated rows
 }
 STEPS = ["max_steps=2", "batch_size=2"]
 # SGD: Adam would magnify rounding-level differences between compiled and eager kernels.
@@ -74,7 +75,7 @@ def test_preflight_runs_in_every_recipe_and_changes_nothing(world, tmp_path, cap
     )
     assert match, printed
     rows = int(match[1])
-    assert rows == (4 if data == "pairs" else 2)  # a pair is two rows: chosen, then rejected
+    assert rows == (4 if recipe in ("dpo", "reward_model") else 2)  # a pair: two rows
     assert float(match[3]) > 0
 
     logged, expected_logged = read_metrics(out), read_metrics(plain)
@@ -92,7 +93,7 @@ def test_preflight_runs_in_every_recipe_and_changes_nothing(world, tmp_path, cap
 def test_compiled_run_gives_the_eager_run(world, tmp_path, capsys, recipe):
     data, extra = RECIPES[recipe]
     model_dir = world["model_dir"]
-    extra = [e.format(model_dir=model_dir) for e in extra if e.startswith("teacher_dir")]
+    extra = [e.format(model_dir=model_dir) for e in extra if e.startswith(("teacher", "data"))]
     plain = run_recipe(
         recipe, "tiny", model_dir, world[data], tmp_path / "plain", *STEPS, *SGD, *extra
     )

@@ -6,8 +6,8 @@ the sizes its family file ships (the zoo module's ``SIZES``, the ``*_tiny`` test
 out), and which parallel layouts its architecture allows, read from its largest shipped
 :class:`~tunesmith.models.spec.ModelSpec` (nothing here names a family):
 
-- every recipe (sft, dpo, kd, reward_model, grpo, grpo_async, ppo): recipes build models from
-  a config.json through the family table and never name a family;
+- every recipe (sft, dpo, kto, kd, gkd, reward_model, grpo, grpo_async, online_dpo, ppo):
+  recipes build models from a config.json through the family table and never name a family;
 - tensor parallel: every layout the builder makes (heads split; a qk-norm over the whole
   projection sharded with its columns, ``training/parallel/tp_styles.py::ProjectionNorm``);
 - context parallel: every attention kind (ring attention caps soft-capped scores in each

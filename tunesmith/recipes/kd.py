@@ -23,7 +23,10 @@ and ``val_ce_loss``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from omegaconf import DictConfig
+from torch import nn
 
 from tunesmith.config import instantiate
 from tunesmith.training import setup
@@ -66,15 +69,7 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     # packed: true -> packs, of the validation set too (evaluated with the same collate)
     dataset, val_dataset, collate = setup.sft_batches(cfg, dataset, val_dataset, tokenizer)
 
-    # -- student, frozen teacher
-    model = setup.build_policy(cfg, ctx, tokenizer)
-    teacher = setup.frozen_model(
-        cfg, ctx, "teacher_model", offload=bool(cfg.get("teacher_offload", False))
-    )
-    vocab = shared_vocab(model, teacher, tokenizer.vocab_size, log)
-    model = parallelize(model, ctx, cfg)  # checkpointing, compile, FSDP2
-    loss_fn = setup.compiled_loss(cfg, instantiate(cfg.loss))
-    objective = Distillation(teacher, loss_fn, float(cfg.get("kd_ratio", 0.5)), vocab_size=vocab)
+    model, objective = student_and_teacher(cfg, ctx, tokenizer, log)
     setup.memory_plan(cfg, ctx, model, dataset, collate, log, objective="distillation (kd)")
 
     source = DatasetSource.build(dataset, collate, LoopSettings.from_config(cfg), ctx)
@@ -87,3 +82,25 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
         val_dataset=val_dataset,
         name="kd",
     )
+
+
+def student_and_teacher(
+    cfg: DictConfig, ctx: DistributedContext, tokenizer: Any, log: setup.Log
+) -> tuple[nn.Module, Distillation]:
+    """The student (checkpointing, compile, FSDP2 applied) and the objective holding the frozen
+    teacher (``teacher_model``, offloaded with ``teacher_offload``, sharded like the student)
+    and the compiled ``loss``; the ``gkd`` recipe's too.
+
+    Example::
+
+        model, objective = student_and_teacher(cfg, ctx, tokenizer, log)
+    """
+    model = setup.build_policy(cfg, ctx, tokenizer)
+    teacher = setup.frozen_model(
+        cfg, ctx, "teacher_model", offload=bool(cfg.get("teacher_offload", False))
+    )
+    vocab = shared_vocab(model, teacher, tokenizer.vocab_size, log)
+    model = parallelize(model, ctx, cfg)  # checkpointing, compile, FSDP2
+    loss_fn = setup.compiled_loss(cfg, instantiate(cfg.loss))
+    objective = Distillation(teacher, loss_fn, float(cfg.get("kd_ratio", 0.5)), vocab_size=vocab)
+    return model, objective

@@ -73,6 +73,7 @@ __all__ = [
     "PolicyLogprobs",
     "RolloutSettings",
     "RolloutSource",
+    "all_reduce_values",
     "logprobs_under",
     "Rollouts",
     "SampleStage",
@@ -537,8 +538,8 @@ def rollout_metrics(
     }  # fmt: skip
     maxima = {"delta_max": float(delta.max()) if mask.any() else 0.0,
               "length_max": float(lengths.max()) if len(lengths) else 0.0}  # fmt: skip
-    sums = _all_reduce(sums, ctx, dist.ReduceOp.SUM)
-    maxima = _all_reduce(maxima, ctx, dist.ReduceOp.MAX)
+    sums = all_reduce_values(sums, ctx, dist.ReduceOp.SUM)
+    maxima = all_reduce_values(maxima, ctx, dist.ReduceOp.MAX)
     n, tokens, ranks = max(sums["samples"], 1.0), max(sums["tokens"], 1.0), ctx.dp_size
     mean, adv_mean = sums["reward_sum"] / n, sums["adv_sum"] / n
     return {
@@ -586,7 +587,11 @@ def _any_rank(flag: bool, ctx: DistributedContext) -> bool:
     return bool(value.item())
 
 
-def _all_reduce(values: dict[str, float], ctx: DistributedContext, op: Any) -> dict[str, float]:
+def all_reduce_values(
+    values: dict[str, float], ctx: DistributedContext, op: Any
+) -> dict[str, float]:
+    """``values`` reduced with ``op`` (``dist.ReduceOp.SUM``, ``MAX``...) over the
+    data-parallel ranks, key by key (every rank passes the same keys); one process: as given."""
     if ctx.world_size == 1 or not values:
         return values
     keys = sorted(values)

@@ -83,7 +83,18 @@ class LossOutput:
 
 
 class Objective(Protocol):
-    """A method's loss. ``unit`` names what the loss is summed over (logged per step)."""
+    """A method's loss. ``unit`` names what the loss is summed over (logged per step).
+
+    An objective may also define ``prepare_step(model, micro_batches, counted=True)``: called
+    once per optimizer step with all of the step's micro-batches (as the source gave them, on
+    the host) before the first forward, under ``torch.no_grad()`` and the step's autocast, on
+    every data-parallel rank (it may all-reduce over them), and by :func:`evaluate` before each
+    validation batch (with that batch alone, on the device; ``counted=False`` for the repeat a
+    rank short of items runs, whose results are discarded). It computes what the losses of
+    the whole step share, e.g. KTO's KL estimate over all micro-batches and ranks
+    (:class:`~tunesmith.training.objectives.unpaired.KTOObjective`), so accumulation equals
+    one big batch; objectives without it are called as before.
+    """
 
     unit: str
 
@@ -226,7 +237,7 @@ class Trainer:
         see :attr:`computes_grad_norm`), ``tokens_seen``, the unit count and the objective's metrics as means over the units.
 
         Its phases run in named ``torch.profiler.record_function`` ranges (``trainer/units``,
-        ``trainer/objective``, ``trainer/backward``, ``trainer/grad_norm``,
+        ``trainer/prepare`` (an objective's ``prepare_step``), ``trainer/objective``, ``trainer/backward``, ``trainer/grad_norm``,
         ``trainer/optimizer``, ``trainer/metrics``), so a profiler trace splits the step."""
         ctx, objective, accum = self.ctx, self.objective, len(micro_batches)
         step = self.progress["step"] + 1
@@ -239,6 +250,7 @@ class Trainer:
             count = int(local) if ctx.dp_cp_size == 1 else int(units.item())
         if count == 0:  # on every rank: the count is global
             return self._empty_step(step, micro_batches)
+        self._prepare(micro_batches)
         step_loss = torch.zeros((), device=ctx.device)
         sums: dict[str, torch.Tensor] = {}
         for mb in micro_batches:
@@ -303,6 +315,19 @@ class Trainer:
         for hook in self.on_step_end:
             hook(self, step, metrics)
         return metrics
+
+    def _prepare(self, micro_batches: Sequence[Batch]) -> None:
+        """The objective's ``prepare_step`` (see :class:`Objective`), when it has one."""
+        prepare = getattr(self.objective, "prepare_step", None)
+        if prepare is None:
+            return
+        dtype = self.autocast_dtype
+        with (
+            record_function("trainer/prepare"),
+            torch.no_grad(),
+            torch.autocast(self.ctx.device.type, dtype, enabled=bool(dtype)),
+        ):
+            prepare(self.model, micro_batches)
 
     @property
     def computes_grad_norm(self) -> bool:
@@ -462,6 +487,7 @@ def evaluate(
         rounds = int(count.item())
     sums: dict[str, torch.Tensor] = {}
     units = 0
+    prepare = getattr(objective, "prepare_step", None)  # see Objective
     was_training = model.training
     model.eval()
     try:
@@ -472,7 +498,10 @@ def evaluate(
             for i in range(rounds):
                 counted = i < len(batches)
                 mb = _cp_share(collate([dataset[j] for j in (batches[i] if counted else [0])]), ctx)
-                out = objective(model, {k: v.to(ctx.device) for k, v in mb.items()})
+                batch = {k: v.to(ctx.device) for k, v in mb.items()}
+                if prepare is not None:
+                    prepare(model, [batch], counted=counted)
+                out = objective(model, batch)
                 metrics = {"loss": out.loss, **out.metrics}
                 if not counted:  # zeros keep every rank's metric names (and all-reduces) equal
                     metrics = {k: torch.zeros_like(v) for k, v in metrics.items()}

@@ -7,7 +7,8 @@
 - :mod:`~tunesmith.modules.losses.preference`: pairwise preference losses on summed response
   log-probabilities (:class:`PairLogps`): the DPO family (:class:`DPOLoss` (cDPO),
   :class:`IPOLoss`, :class:`HingeLoss`, :class:`SimPOLoss`, :class:`ORPOLoss`,
-  :class:`CPOLoss`) and the reward model's :class:`BradleyTerryLoss`.
+  :class:`CPOLoss`), the reward model's :class:`BradleyTerryLoss`, and KTO's
+  :class:`KTOLoss` on unpaired rated completions (:class:`UnpairedLogps`).
 - :mod:`~tunesmith.modules.losses.kd`: knowledge distillation (:class:`KDLoss`,
   :func:`divergence`, :data:`KD_KINDS`).
 - :mod:`~tunesmith.modules.losses.rl`: RL objectives on per-token log-probs
@@ -40,10 +41,13 @@ from tunesmith.modules.losses.preference import (
     DPOLoss,
     HingeLoss,
     IPOLoss,
+    KTOLoss,
+    KTOLossOutput,
     ORPOLoss,
     PairLogps,
     PreferenceLossOutput,
     SimPOLoss,
+    UnpairedLogps,
 )
 from tunesmith.modules.losses.rl import (
     AGGREGATIONS,
@@ -80,6 +84,8 @@ __all__ = [
     "IPOLoss",
     "KDLoss",
     "KLPenalty",
+    "KTOLoss",
+    "KTOLossOutput",
     "LinearCrossEntropyLoss",
     "ORPOLoss",
     "PairLogps",
@@ -87,6 +93,7 @@ __all__ = [
     "PolicyLossOutput",
     "PreferenceLossOutput",
     "SimPOLoss",
+    "UnpairedLogps",
     "ValueLoss",
     "ValueLossOutput",
     "aggregate",

@@ -52,9 +52,11 @@ def divergence(
 
     Kinds: ``"forward"`` ``KL(p_T || p_S)`` (mass-covering, classic KD); ``"reverse"``
     ``KL(p_S || p_T)`` (mode-seeking, MiniLLM); ``"symmetric"`` their mean; ``"js"`` the
-    generalised Jensen-Shannon divergence with mixture ``m = β·p_T + (1-β)·p_S``:
-    ``β·KL(p_T || m) + (1-β)·KL(p_S || m)`` (``β = js_beta``, in ``(0, 1)``; at ``β = 0.5`` it
-    is the plain JSD, at most ``log 2``).
+    generalised Jensen-Shannon divergence of GKD (Agarwal et al. 2024, eq. 1; TRL's
+    ``generalized_jsd_loss`` with ``beta = js_beta``) with mixture ``m = β·p_T + (1-β)·p_S``:
+    ``β·KL(p_T || m) + (1-β)·KL(p_S || m)`` for ``β = js_beta`` in ``(0, 1)`` (at ``β = 0.5``
+    the plain JSD, at most ``log 2``), and at the ends the KL it tends to (divided by ``β``,
+    resp. ``1-β``): ``β = 0`` forward KL, ``β = 1`` reverse KL.
 
     The result is multiplied by ``T²`` (Hinton et al. 2015): the gradient of a softened
     divergence scales as ``1/T²``, so this keeps its size comparable to the cross-entropy
@@ -90,9 +92,9 @@ def _divergence_sum(
     """The divergence ``kind`` from the student's and the teacher's log-probabilities, summed
     over the last dimension (not yet times ``T²``). Every kind is a sum of per-token terms, so
     on vocabulary shards the local sums add up to the whole."""
-    if kind == "forward":
+    if kind == "forward" or (kind == "js" and js_beta == 0):
         return _kl(log_t, log_s)
-    if kind == "reverse":
+    if kind == "reverse" or (kind == "js" and js_beta == 1):
         return _kl(log_s, log_t)
     if kind == "symmetric":
         return 0.5 * (_kl(log_t, log_s) + _kl(log_s, log_t))
@@ -105,8 +107,8 @@ def _check_kind(kind: str, temperature: float, js_beta: float) -> None:
         raise ValueError(f"kind must be one of {list(KD_KINDS)}, got {kind!r}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    if not 0 < js_beta < 1:
-        raise ValueError(f"js_beta must be in (0, 1), got {js_beta!r}")
+    if not 0 <= js_beta <= 1:
+        raise ValueError(f"js_beta must be in [0, 1], got {js_beta!r}")
 
 
 def _head_logits(

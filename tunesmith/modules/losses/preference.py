@@ -1,5 +1,6 @@
-"""Pairwise preference losses: the DPO family (DPO/cDPO, IPO, hinge/RSO, SimPO, ORPO, CPO) and
-the Bradley-Terry loss of reward models.
+"""Pairwise preference losses: the DPO family (DPO/cDPO, IPO, hinge/RSO, SimPO, ORPO, CPO), the
+Bradley-Terry loss of reward models, and KTO's loss of unpaired (thumbs up / down) completions
+(:class:`KTOLoss` on :class:`UnpairedLogps`).
 
 A DPO-family loss sees, for each preference pair, the summed log-probability of the chosen and
 of the rejected response under the policy (and, for most, under a frozen reference model),
@@ -42,10 +43,13 @@ __all__ = [
     "DPOLoss",
     "HingeLoss",
     "IPOLoss",
+    "KTOLoss",
+    "KTOLossOutput",
     "ORPOLoss",
     "PairLogps",
     "PreferenceLossOutput",
     "SimPOLoss",
+    "UnpairedLogps",
 ]
 
 
@@ -486,6 +490,132 @@ def _check_cpo(loss_type: str, label_smoothing: float, cpo_alpha: float) -> None
         )
     if not cpo_alpha >= 0:
         raise ValueError(f"cpo_alpha must be >= 0, got {cpo_alpha!r}")
+
+
+# -- unpaired feedback ------------------------------------------------------------------------
+
+
+@dataclass
+class UnpairedLogps:
+    """Sequence log-probabilities of ``N`` rated completions (unpaired), each tensor ``[N]``.
+
+    Attributes:
+        logps: summed log-probability of each completion's tokens.
+        tokens: number of trained tokens of each completion (every one must be > 0).
+        desirable: bool, the completion's label (True: desirable / thumbs up).
+
+    Example::
+
+        >>> rows = UnpairedLogps(torch.tensor([-4.0, -9.0]), torch.tensor([2, 3]),
+        ...                      torch.tensor([True, False]))
+        >>> rows.desirable.sum().item()
+        1
+    """
+
+    logps: torch.Tensor
+    tokens: torch.Tensor
+    desirable: torch.Tensor
+
+
+@dataclass
+class KTOLossOutput:
+    """What :class:`KTOLoss` returns.
+
+    Attributes:
+        losses: per-completion loss ``[N]``, weighted (the recipe sums it and divides by the
+            global completion count).
+        rewards: implicit reward ``β·(π - ref)`` of each completion, detached ``[N]``.
+        kl: the KL estimate the losses used: detached and clamped at 0 (a scalar).
+
+    Example::
+
+        >>> out = KTOLossOutput(torch.ones(2), torch.zeros(2), torch.tensor(0.0))
+        >>> out.losses.sum().item(), out.kl.item()
+        (2.0, 0.0)
+    """
+
+    losses: torch.Tensor
+    rewards: torch.Tensor
+    kl: torch.Tensor
+
+
+@component
+class KTOLoss(nn.Module):
+    """KTO (Ethayarajh et al. 2024, Eq. 7-8), with the names of TRL's ``KTOConfig``. Per
+    completion, with ``r = π - ref`` its log-ratio and ``z`` the reference point:
+
+    - desirable: ``desirable_weight · (1 - σ(β·(r - z)))``;
+    - undesirable: ``undesirable_weight · (1 - σ(β·(z - r)))``.
+
+    ``z = max(0, kl)``, detached: ``kl`` is the estimate of ``KL(π‖ref)`` that the caller
+    computed from mismatched (prompt, completion) pairs, the mean of their ``π - ref`` over
+    the whole step (all micro-batches, all data-parallel ranks), so this loss only clamps it.
+    Rewards are ``β·r``. A completion with no trained token is refused (its log-ratio would be
+    0 whatever the model does); a batch of one label only is fine.
+
+    Example::
+
+        >>> rows = UnpairedLogps(torch.tensor([-4.0, -9.0]), torch.tensor([2, 3]),
+        ...                      torch.tensor([True, False]))
+        >>> out = KTOLoss(beta=1.0)(rows, torch.tensor([-4.0, -9.0]), torch.tensor(-0.5))
+        >>> out.losses, out.kl  # r = 0, z = max(0, -0.5) = 0: 1 - σ(0) each
+        (tensor([0.5000, 0.5000]), tensor(0.))
+    """
+
+    needs_reference: bool = True
+
+    def __init__(
+        self, beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0
+    ) -> None:
+        super().__init__()
+        _check_beta(beta)
+        for name, weight in (("desirable_weight", desirable_weight),
+                             ("undesirable_weight", undesirable_weight)):  # fmt: skip
+            if not weight > 0:
+                raise ValueError(f"{name} must be > 0, got {weight!r}")
+        self.beta = beta
+        self.desirable_weight = desirable_weight
+        self.undesirable_weight = undesirable_weight
+
+    def extra_repr(self) -> str:
+        return (
+            f"beta={self.beta}, desirable_weight={self.desirable_weight}, "
+            f"undesirable_weight={self.undesirable_weight}"
+        )
+
+    def forward(
+        self, policy: UnpairedLogps, reference: torch.Tensor, kl: torch.Tensor
+    ) -> KTOLossOutput:
+        _check_unpaired(policy, reference)
+        pi, ref, kl = _as_float(policy.logps, reference.detach(), torch.as_tensor(kl).detach())
+        z = kl.clamp(min=0)
+        ratio = pi - ref
+        desirable = policy.desirable.to(device=pi.device, dtype=torch.bool)
+        losses = torch.where(
+            desirable,
+            self.desirable_weight * (1 - torch.sigmoid(self.beta * (ratio - z))),
+            self.undesirable_weight * (1 - torch.sigmoid(self.beta * (z - ratio))),
+        )
+        return KTOLossOutput(losses, (self.beta * ratio).detach(), z)
+
+
+def _check_unpaired(policy: UnpairedLogps, reference: torch.Tensor) -> None:
+    """Shapes agree and every completion has a trained token."""
+    shape = list(policy.logps.shape)
+    if policy.logps.dim() != 1:
+        raise ValueError(f"policy log-probs must be [N], got {shape}")
+    for name, value in (("reference", reference), ("desirable", policy.desirable)):
+        if list(value.shape) != shape:
+            raise ValueError(f"{name} has shape {list(value.shape)}, expected {shape}")
+    tokens = torch.as_tensor(policy.tokens)
+    if list(tokens.shape) != shape:
+        raise ValueError(f"tokens has shape {list(tokens.shape)}, expected {shape}")
+    if (tokens <= 0).any():
+        empty = (tokens <= 0).nonzero().flatten().tolist()
+        raise ValueError(
+            f"KTOLoss: completions {empty} of the batch have no trained token (zero-length "
+            "completions): a completion's log-ratio would be 0 whatever the policy does"
+        )
 
 
 # -- reward models ----------------------------------------------------------------------------

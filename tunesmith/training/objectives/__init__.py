@@ -5,6 +5,8 @@ loss is, as a :class:`~tunesmith.training.trainer.Objective` (a *sum* over its `
 * :mod:`~tunesmith.training.objectives.token`: SFT's token cross-entropy;
 * :mod:`~tunesmith.training.objectives.preference`: DPO and its family, with the reference's
   log-probabilities (on the fly or precomputed);
+* :mod:`~tunesmith.training.objectives.unpaired`: KTO on rated completions, with the step's KL
+  estimate;
 * :mod:`~tunesmith.training.objectives.distillation`: knowledge distillation;
 * :mod:`~tunesmith.training.objectives.ranking`: the reward model's pairwise ranking.
 
@@ -23,9 +25,11 @@ from tunesmith.training.objectives.distillation import Distillation, shared_voca
 from tunesmith.training.objectives.preference import PreferenceObjective, pair_logps
 from tunesmith.training.objectives.ranking import PairwiseRanking
 from tunesmith.training.objectives.token import TokenCrossEntropy, token_loss
+from tunesmith.training.objectives.unpaired import KTOObjective
 
 __all__ = [
     "Distillation",
+    "KTOObjective",
     "PairwiseRanking",
     "PreferenceObjective",
     "TokenCrossEntropy",

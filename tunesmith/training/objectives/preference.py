@@ -40,6 +40,7 @@ __all__ = [
     "pair_logps",
     "pairs_of",
     "precompute",
+    "reference_table",
 ]
 
 REFERENCE_KEYS = ("reference_chosen", "reference_rejected")
@@ -125,19 +126,24 @@ def collate_with_reference(
 
 
 class WithReference(Dataset):
-    """``dataset``'s pairs with their reference log-probs added (``reference_chosen``,
-    ``reference_rejected``)."""
+    """``dataset``'s items with their reference log-probs added under ``keys`` (pairs:
+    ``reference_chosen``, ``reference_rejected``), one column of ``logps`` per key."""
 
-    def __init__(self, dataset: Sequence[Mapping[str, Any]], logps: torch.Tensor) -> None:
+    def __init__(
+        self,
+        dataset: Sequence[Mapping[str, Any]],
+        logps: torch.Tensor,
+        keys: Sequence[str] = REFERENCE_KEYS,
+    ) -> None:
         self.dataset = dataset
-        self.logps = logps  # [len(dataset), 2]
+        self.logps = logps  # [len(dataset), len(keys)]
+        self.keys = tuple(keys)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        chosen, rejected = self.logps[index].tolist()
-        return {**self.dataset[index], "reference_chosen": chosen, "reference_rejected": rejected}
+        return {**self.dataset[index], **dict(zip(self.keys, self.logps[index].tolist()))}
 
 
 def precompute(
@@ -147,15 +153,30 @@ def precompute(
     ctx: DistributedContext,
     batch_size: int,
 ) -> WithReference:
-    """Every pair's reference log-probs, each data-parallel rank computing its share (every
-    rank runs the same number of batches, as a sharded reference needs) and all ranks
-    gathering all over the dp group."""
+    """Every pair's reference log-probs (see :func:`reference_table`)."""
+
+    def columns(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        logps = reference(batch)
+        return torch.stack([logps.chosen, logps.rejected], dim=1)
+
+    return WithReference(dataset, reference_table(columns, dataset, collate, ctx, batch_size))
+
+
+def reference_table(
+    columns: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
+    dataset: Sequence[Any],
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]],
+    ctx: DistributedContext,
+    batch_size: int,
+) -> torch.Tensor:
+    """``[len(dataset), k]``: the ``k`` columns ``columns(batch)`` gives for each item, each
+    data-parallel rank computing its share (every rank runs the same number of batches, as a
+    sharded reference needs) and all ranks gathering all over the dp group."""
     sampler = DistributedSampler(dataset, ctx.dp_size, ctx.dp_rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate)
     mine = []
     for mb in loader:
-        logps = reference({k: v.to(ctx.device) for k, v in mb.items()})
-        mine.append(torch.stack([logps.chosen, logps.rejected], dim=1).float())
+        mine.append(columns({k: v.to(ctx.device) for k, v in mb.items()}).float())
     mine_t = torch.cat(mine).to(ctx.device)
     indices = torch.tensor(list(iter(sampler)), device=ctx.device)
     if ctx.dp_size > 1:
@@ -164,6 +185,6 @@ def precompute(
         all_indices = [torch.empty_like(indices) for _ in range(ctx.dp_size)]
         dist.all_gather(all_indices, indices, group=ctx.dp_group)
         mine_t, indices = torch.cat(every), torch.cat(all_indices)
-    table = torch.empty(len(dataset), 2)
+    table = torch.empty(len(dataset), mine_t.shape[1])
     table[indices.cpu()] = mine_t.cpu()  # padded repeats write the same value twice
-    return WithReference(dataset, table)
+    return table
