@@ -311,6 +311,23 @@ def test_a_lora_policy_sends_its_adapters_and_equals_the_synchronous_recipe(worl
     assert read_metrics(remote)[STEPS]["kl"] > 0.0
 
 
+def test_a_teacher_scored_by_the_reward_workers_equals_the_synchronous_recipe(world):
+    """On-policy distillation as RL (``TeacherReverseKL``, the teacher as ``reference_model``):
+    the reward workers score every completion with the teacher, as the trainer does in
+    ``grpo``; the runs are the same."""
+    teacher = make_model_dir(world[0] / "teacher", seed=1)
+    distill = (
+        "advantage={_component_: tunesmith.rl.advantages.TeacherReverseKL}",
+        f"reference_model={{_component_: tunesmith.models.from_hf, path: {teacher}}}",
+    )
+    plain = run(world, "grpo", "tiny", "grpo-teacher", *distill)
+    remote = run(world, "grpo_async", "tiny", "async-teacher", "async_mode=sync", *distill)
+    assert_same_weights(final_weights(remote), final_weights(plain), atol=0.0)
+    ours, theirs = read_metrics(remote), read_metrics(plain)
+    for step in range(1, STEPS + 1):
+        assert ours[step]["teacher_reverse_kl"] == theirs[step]["teacher_reverse_kl"] != 0.0
+
+
 @pytest.mark.slow  # two rollout workers in the default tier: test_weight_sync (rollout.workers=2)
 def test_two_rollout_and_reward_workers_share_the_batches(world):
     one = shared(world, "grpo_async", "async_mode=overlap")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tunesmith.models import build_model, llama3
-from tunesmith.rl.advantages import LeaveOneOut
+from tunesmith.rl.advantages import LeaveOneOut, TeacherReverseKL
 from tunesmith.rl.groups import Group
 from tunesmith.rl.ppo.trainer import GAEAdvantages
 from tunesmith.rl.prompts import Prompt, PromptDataset, PromptStream
@@ -27,6 +27,7 @@ from tunesmith.rl.source import (
     stop_token_ids,
 )
 from tunesmith.training.parallel.distributed import DistributedContext
+from tunesmith.training.setup import FrozenPolicy
 
 CTX = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
 TOKENIZER = SimpleNamespace(pad_id=0, eos_id=None, token_to_id=lambda token: None)
@@ -114,6 +115,29 @@ def test_a_sample_stage_of_its_own_feeds_the_other_stages(model, tmp_path):
     resumed = make_source(model, tmp_path, updates_per_batch=2)
     resumed.load_state_dict(source.state_dict())
     assert resumed.sample.calls == [0, 1] and resumed.updates_left == 1
+
+
+def test_a_teachers_reverse_kl_is_each_tokens_advantage(model, tmp_path):
+    """On-policy distillation as RL: the reference is a teacher (another model), and each
+    completion token's advantage is coef x (teacher's log-prob - the policy's)."""
+    torch.manual_seed(1)
+    teacher = build_model(llama3.spec("llama3_tiny"))
+    source = make_source(model, tmp_path)
+    source.logprobs = PolicyLogprobs(model, FrozenPolicy(teacher), CTX, source.settings)
+    source.advantages = TeacherReverseKL(coef=0.5)
+    (batch,) = source.next_step()
+    rows = group_batch(FixedGroups()(0).groups, pad_id=0)
+    with torch.no_grad():
+        gap = completion_logprobs(teacher, rows) - completion_logprobs(model, rows)
+    mask = rows["labels"] != -100
+    torch.testing.assert_close(batch["advantages"], 0.5 * gap * mask, rtol=0, atol=1e-6)
+    kl = -(gap * mask).sum() / mask.sum()
+    assert source.step_metrics()["teacher_reverse_kl"] == pytest.approx(kl.item(), abs=1e-6)
+    assert abs(kl.item()) > 0.01  # two models: a real gap (k1 is >= 0 only on the policy's samples)
+    with pytest.raises(ValueError, match="set reference_model to the teacher's folder"):
+        TeacherReverseKL()({"labels": rows["labels"], "old_logprobs": gap})
+    with pytest.raises(ValueError, match="coef must be > 0"):
+        TeacherReverseKL(coef=0.0)
 
 
 def test_the_parity_check_stops_a_collection_whose_sampler_disagrees(model, tmp_path):

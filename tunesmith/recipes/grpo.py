@@ -15,7 +15,8 @@ Each optimizer step (``updates_per_batch`` steps share one batch of rollouts):
    REINFORCE++); ``dynamic_sampling`` (DAPO) replaces groups whose rewards are all equal;
 3. the trainer's log-probs of the sampled tokens before the update (checked against the
    sampler's: ``max_logprob_mismatch``) and the reference's when ``kl.coef > 0``
-   (``reference_model``, the policy with its LoRA adapters off, or a frozen copy);
+   (``reference_model``, the policy with its LoRA adapters off, or a frozen copy) or the
+   advantage reads it (``TeacherReverseKL``: on-policy distillation, the reference a teacher);
 4. ``policy_loss`` (PPO-clip per token with DAPO's clip-higher, or GSPO's sequence ratio;
    ``aggregation`` token-mean, sequence-mean or Dr. GRPO's constant) plus the KL term.
 
@@ -35,13 +36,14 @@ from omegaconf import DictConfig
 from tunesmith.config import instantiate
 from tunesmith.modules.losses.rl import KLPenalty
 from tunesmith.rl import setup as rl
+from tunesmith.rl.advantages import needs_reference
 from tunesmith.rl.asynchronous.pipeline import require_ray
 from tunesmith.rl.asynchronous.trainer_group import (
     check_launch as check_launch,  # read by `tunesmith run`
 )
 from tunesmith.rl.asynchronous.trainer_group import run_trainers
 from tunesmith.rl.objective import PolicyGradient
-from tunesmith.rl.source import GroupAdvantages, RolloutSource
+from tunesmith.rl.source import RolloutSource, advantage_stage
 from tunesmith.training import setup
 from tunesmith.training.loop import LOOP_RUNTIME_KWARGS, fit_from_config
 from tunesmith.training.parallel.distributed import DistributedContext
@@ -84,7 +86,8 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     # -- policy, reference (taken before the policy is sharded), loss
     model = setup.build_policy(cfg, ctx, tokenizer)
     reference = None
-    if kl_cfg.get("coef", 0.0) > 0 and not asynchronous:  # async: the reward workers' own
+    wants_reference = kl_cfg.get("coef", 0.0) > 0 or needs_reference(advantage)
+    if wants_reference and not asynchronous:  # async: the reward workers' own
         reference = setup.reference_policy(cfg, ctx, model, log, tokenizer=tokenizer)
     model = parallelize(model, ctx, cfg)  # checkpointing, compiled layers, FSDP2 (in place)
     loss = instantiate(cfg.policy_loss)
@@ -125,7 +128,7 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
             rewards=rewards,
             ctx=ctx,
             settings=settings,
-            advantages=GroupAdvantages(advantage, settings.group_size),
+            advantages=advantage_stage(advantage, settings.group_size),
             reference=reference,
         )
     try:

@@ -20,14 +20,16 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from tunesmith.config.registry import component
 
-__all__ = ["BatchNormalized", "GroupNormalized", "LeaveOneOut", "gae", "whiten"]
+__all__ = [
+    "BatchNormalized", "GroupNormalized", "LeaveOneOut", "TeacherReverseKL", "gae", "whiten",
+]  # fmt: skip
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -155,6 +157,78 @@ class BatchNormalized:
             return torch.zeros_like(flat)
         variance = max(total_sq - total * total / count, 0.0) / (count - 1)
         return flat / (variance**0.5 + self.eps)
+
+
+# -- per token: a teacher's log-probs ------------------------------------------------------------
+
+
+@component
+@dataclass(frozen=True)
+class TeacherReverseKL:
+    """On-policy distillation as RL: the negative reverse KL to a teacher, token by token, as
+    the advantage. Each completion token ``y_t`` sampled by the policy gets
+    ``coef · (log p_teacher(y_t | y_<t) - log π_old(y_t | y_<t))`` (no discount, no baseline:
+    the per-token reward of "on-policy distillation"; Agarwal et al. 2024, Lu et al. 2025),
+    which the policy loss (PPO-clip, token mean) turns into the reverse KL's gradient.
+
+    The teacher is the run's reference policy: ``reference_model`` (a teacher folder, same
+    tokenizer), computed by the trainer in ``grpo`` and by the reward workers in
+    ``grpo_async`` (teacher scoring as the reward worker's job), at the sampling temperature.
+    The ``rewards`` are scored and logged but do not enter the update. Unlike the group
+    estimators it is a stage of the rollout source: it reads the batch's ``old_logprobs`` and
+    ``ref_logprobs`` and writes per-token ``advantages`` ``[b, L]``. Logged:
+    ``teacher_reverse_kl``, the mean of ``log π_old - log p_teacher`` over the completion
+    tokens of every rank (``process_group``).
+
+    Example::
+
+        >>> batch = {"labels": torch.tensor([[-100, 5, 6]]),
+        ...          "old_logprobs": torch.tensor([[0.0, -1.0, -2.0]]),
+        ...          "ref_logprobs": torch.tensor([[0.0, -1.5, -1.0]])}
+        >>> TeacherReverseKL()(batch), batch["advantages"]
+        ({'teacher_reverse_kl': -0.25}, tensor([[ 0.0000, -0.5000,  1.0000]]))
+    """
+
+    coef: float = 1.0
+    process_group: Any = None
+    needs_reference: ClassVar[bool] = True  # the source computes ``ref_logprobs``: the teacher's
+    per_token: ClassVar[bool] = True  # a stage of the source, not ``estimator(rewards, n)``
+
+    def __post_init__(self) -> None:
+        if not self.coef > 0:
+            raise ValueError(f"coef must be > 0, got {self.coef!r}")
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        if "ref_logprobs" not in batch:
+            raise ValueError(
+                "TeacherReverseKL needs the teacher's log-probs: set reference_model to the "
+                "teacher's folder"
+            )
+        mask = (batch["labels"] != -100).float()
+        toward = (batch["ref_logprobs"].float() - batch["old_logprobs"].float()) * mask
+        batch["advantages"] = self.coef * toward
+        sums = torch.stack([-toward.double().sum(), mask.double().sum()])
+        group = self.process_group
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        total, tokens = sums.tolist()
+        return {"teacher_reverse_kl": total / max(tokens, 1.0)}
+
+
+def needs_reference(advantage: Any) -> bool:
+    """Whether an ``advantage`` component (an instance, or its class) reads the reference's
+    log-probs (:class:`TeacherReverseKL`).
+
+    >>> needs_reference(TeacherReverseKL), needs_reference(GroupNormalized())
+    (True, False)
+    """
+    return bool(getattr(advantage, "needs_reference", False))
+
+
+def is_stage(advantage: Any) -> bool:
+    """Whether ``advantage`` is a stage of the rollout source (``advantage(batch)``) rather
+    than a group estimator (``estimator(rewards, group_size)``)."""
+    return bool(getattr(advantage, "per_token", False))
 
 
 # -- GAE ---------------------------------------------------------------------------------------

@@ -50,7 +50,12 @@ from tunesmith.rl.settings import (  # re-exported: the recipes read them here
     mapping,
     rl_keys,
 )
-from tunesmith.rl.source import GroupAdvantages, RolloutSettings, RolloutSource, check_sampled
+from tunesmith.rl.source import (
+    RolloutSettings,
+    RolloutSource,
+    advantage_stage,
+    check_sampled,
+)
 from tunesmith.training.parallel.distributed import DistributedContext
 from tunesmith.training.settings import LoopSettings
 from tunesmith.training.setup import Log
@@ -193,6 +198,19 @@ def check_one_update_per_backward(cfg: DictConfig, ctx: DistributedContext) -> N
         )
 
 
+def advantage_needs_reference(cfg: DictConfig) -> bool:
+    """Whether the config's ``advantage`` reads the reference's log-probs (a teacher's:
+    :class:`~tunesmith.rl.advantages.TeacherReverseKL`), so the reference must be computed
+    even without a KL term; decided on the class the component resolves to."""
+    from tunesmith.config.components import resolve_component
+    from tunesmith.rl.advantages import needs_reference
+
+    node = cfg.get("advantage")
+    if node is None or "_component_" not in node:
+        return False
+    return needs_reference(resolve_component(node._component_))
+
+
 def worker_settings(cfg: DictConfig) -> WorkerSettings:
     """What the rollout and reward workers of ``cfg`` are sent: their settings, read once
     here, and the sections their builders read
@@ -217,6 +235,7 @@ def worker_settings(cfg: DictConfig) -> WorkerSettings:
         vllm=rollout.get("vllm") or {},
         merge_adapters=bool(rollout.get("merge_adapters")),
         kl_coef=float(kl.get("coef") or 0),
+        reference_logprobs=advantage_needs_reference(cfg),
         device=loop.device,
         build={k: resolved[k] for k in BUILD_SECTIONS if k in resolved},
     )
@@ -235,7 +254,8 @@ def asynchronous_source(
     """The batch source of asynchronous GRPO (``cfg.async_mode`` set) and, on rank 0, its
     started rollout pipeline (close it when the run ends). The whole prompt stream is rank
     0's: it draws every step's prompts and shares the groups out. ``advantage``: the
-    estimator of the groups' advantages (:class:`~tunesmith.rl.source.GroupAdvantages`);
+    estimator of the groups' advantages or a stage of its own
+    (:func:`~tunesmith.rl.source.advantage_stage`);
     ``dynamic``: the recipe's dynamic sampling (groups whose rewards are all equal replaced;
     default: off)."""
     dynamic = dynamic or DynamicSampling()
@@ -279,7 +299,7 @@ def asynchronous_source(
             prompts=stream,
             ctx=ctx,
             settings=settings,
-            advantages=GroupAdvantages(advantage, settings.group_size),
+            advantages=advantage_stage(advantage, settings.group_size),
             rollout_log=Path(loop.output_dir) / "rollouts.jsonl",
             merged_adapters=rollout.get("engine") == "vllm" or bool(rollout.get("merge_adapters")),
         )

@@ -73,6 +73,7 @@ __all__ = [
     "PolicyLogprobs",
     "RolloutSettings",
     "RolloutSource",
+    "advantage_stage",
     "all_reduce_values",
     "logprobs_under",
     "Rollouts",
@@ -390,6 +391,21 @@ class GroupAdvantages:
     def __call__(self, batch: Batch) -> dict[str, float]:
         batch["advantages"] = self.estimator(batch["rewards"], self.group_size).float()
         return {}
+
+
+def advantage_stage(advantage: Any, group_size: int) -> AdvantageStage:
+    """The rollout source's advantages stage for a config's ``advantage``: a group estimator
+    (``estimator(rewards, group_size)``) in :class:`GroupAdvantages`, or a stage of its own
+    (per-token, e.g. :class:`~tunesmith.rl.advantages.TeacherReverseKL`) as it is.
+
+    >>> from tunesmith.rl.advantages import LeaveOneOut, TeacherReverseKL
+    >>> type(advantage_stage(LeaveOneOut(), 4)).__name__, type(advantage_stage(
+    ...     TeacherReverseKL(), 4)).__name__
+    ('GroupAdvantages', 'TeacherReverseKL')
+    """
+    from tunesmith.rl.advantages import is_stage
+
+    return advantage if is_stage(advantage) else GroupAdvantages(advantage, group_size)
 
 
 # -- the source

@@ -74,6 +74,9 @@ class WorkerSettings:
     vllm: Mapping[str, Any] = field(default_factory=dict)
     merge_adapters: bool = False
     kl_coef: float = 0.0
+    reference_logprobs: bool = False
+    """The reference's log-probs are wanted without a KL term (a teacher's, for the
+    advantage: :class:`~tunesmith.rl.advantages.TeacherReverseKL`)."""
     device: str = "auto"
     build: Mapping[str, Any] = field(default_factory=dict)
     """:data:`BUILD_SECTIONS` of the run's config, resolved."""
@@ -215,7 +218,7 @@ class RewardWorker(_Role):
         super().__init__(settings, threads, cwd)
         self.rewards = instantiate(self.build.rewards)
         self.reference = None
-        if settings.kl_coef > 0:
+        if settings.kl_coef > 0 or settings.reference_logprobs:
             policy = setup.build_policy(self.build, self.ctx, self.tokenizer)
             self.reference = setup.reference_policy(
                 self.build, self.ctx, policy, lambda *a: None, tokenizer=self.tokenizer
