@@ -30,7 +30,7 @@ from tunesmith.models.gguf_export import (
     llama3_rope_factors,
 )
 from tunesmith.models.hf import from_hf, save_hf_checkpoint
-from tunesmith.models.zoo import gemma2, llama3, mistral, qwen2_5, qwen3
+from tunesmith.models.zoo import gemma2, llama3, mistral, qwen2_5, qwen3, qwen3_moe
 
 TOLERANCE = {"f32": 1e-5, "f16": 2e-3, "bf16": 2e-2, "q8_0": 2e-2}
 # family -> (zoo module, tokenizer family, spec overrides): transformers' GGUF reader takes
@@ -39,7 +39,11 @@ FAMILIES = {
     "llama": (llama3, "llama3", {"rope_scaling": None}),
     "qwen2": (qwen2_5, "qwen2_5", {}),
     "qwen3": (qwen3, "qwen3", {"head_dim": 128}),
-}
+    # its reader also takes moe_intermediate_size from the config class (768); every layer
+    # sparse with renormalised top-k weights, as llama.cpp's qwen3moe (and real checkpoints)
+    "qwen3_moe": (qwen3_moe, "qwen3", {"head_dim": 128, "moe_intermediate_size": 768,
+                                       "mlp_only_layers": (), "norm_topk_prob": True}),
+}  # fmt: skip
 CONVERSATION = [
     {"role": "system", "content": "You add numbers."},
     {"role": "user", "content": "add 12 and 30, please!"},
@@ -70,8 +74,14 @@ def _read_back(path):
     return model, transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
 
 
-@pytest.mark.parametrize("outtype", sorted(TOLERANCE))
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# bf16 and q8_0 round enough to move a token's router scores across a top-k tie, which sends
+# it to another expert: the mixture of experts is compared where rounding is far below that
+# (f32, f16); benchmarks/results/gguf_export.md measures all four
+READ_BACK = [(f, t) for f in sorted(FAMILIES) for t in sorted(TOLERANCE)
+             if f != "qwen3_moe" or t in ("f32", "f16")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "outtype"), READ_BACK)
 def test_transformers_reads_back_the_same_model(folders, tmp_path, family, outtype):
     path = export_gguf(folders[family], tmp_path / "model.gguf", outtype=outtype)
     theirs, _ = _read_back(path)
@@ -129,7 +139,8 @@ def test_a_llama3_scaled_model_writes_rope_freqs(tmp_path):
 @pytest.mark.parametrize(
     ("zoo", "overrides", "words"),
     [
-        (gemma2, {}, "GGUF export supports model_type llama, mistral, qwen2, qwen3; 'gemma2'"),
+        (gemma2, {}, "supports model_type llama, mistral, qwen2, qwen3, qwen3_moe; 'gemma2'"),
+        (qwen3_moe, {}, r"'mlp_only_layers': \(1,\)"),  # a dense layer: not llama.cpp's qwen3moe
         (mistral, {"sliding_window": 8}, "sliding_window 8"),
         (qwen3, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                   "original_max_position_embeddings": 128}}, "'yarn'"),

@@ -5,7 +5,8 @@ Ollama and transformers (``from_pretrained(folder, gguf_file=...)``) load.
 :func:`export_gguf` (an adapter is merged into its base first). The file holds:
 
 - the model's hyperparameters under llama.cpp's keys for its architecture (:data:`GGUF_ARCHES`:
-  Llama and Mistral are llama.cpp's ``llama``, Qwen2/2.5 ``qwen2``, Qwen3 ``qwen3``; any other
+  Llama and Mistral are llama.cpp's ``llama``, Qwen2/2.5 ``qwen2``, Qwen3 ``qwen3``, Qwen3-MoE
+  ``qwen3moe`` with its experts stacked ``[experts, ...]`` as llama.cpp keeps them; any other
   family is refused by name);
 - every weight under llama.cpp's tensor names (the ``gguf`` package's own name map), 2-D
   weights in ``outtype`` (``f32``, ``f16``, ``bf16`` or ``q8_0``: blocks of 32 int8 values
@@ -48,10 +49,14 @@ import torch
 from tunesmith.models.hf import from_hf, read_hf_config
 from tunesmith.models.safetensors_io import CheckpointFileNotFoundError
 from tunesmith.models.spec import ModelSpec
+from tunesmith.modules.moe import stacked_state
 
 __all__ = ["GGUF_ARCHES", "OUTTYPES", "PRE_TOKENIZERS", "GGUFExportError", "export_gguf"]
 
-GGUF_ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHES = {
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+}  # fmt: skip
 """Hugging Face ``model_type`` -> llama.cpp architecture, for the families exported."""
 
 OutType = Literal["f32", "f16", "bf16", "q8_0"]
@@ -68,6 +73,7 @@ PRE_TOKENIZERS = {  # llama.cpp's name of a byte-level BPE pre-tokenizer <- its 
     ),
 }
 _Q8_BLOCK = 32  # values per q8_0 block
+_STACKED_EXPERTS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 
 
 class GGUFExportError(ValueError):
@@ -98,6 +104,8 @@ def export_gguf(
     arch = GGUF_ARCHES[model_type]
     model = from_hf(folder, dtype=torch.float32, backend="native")
     spec: ModelSpec = model.spec
+    with stacked_state(model):  # experts as [experts, ...] tensors, as llama.cpp stores them
+        state = model.state_dict()
     vocab = _Vocab.read(folder, spec.vocab_size)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +114,7 @@ def export_gguf(
     try:
         _write_hyperparameters(writer, spec, arch, name=folder.resolve().name, outtype=outtype)
         vocab.write(writer, folder)
-        for name, array, qtype in _tensors(model.state_dict(), spec, arch, outtype):
+        for name, array, qtype in _tensors(state, spec, arch, outtype):
             writer.add_tensor(name, array, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -138,6 +146,10 @@ def _write_hyperparameters(writer: Any, spec: ModelSpec, arch: str, *, name: str
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
     writer.add_vocab_size(spec.vocab_size)
+    if spec.num_experts:
+        writer.add_expert_count(spec.num_experts)
+        writer.add_expert_used_count(spec.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(spec.moe_intermediate_size)
     writer.add_file_type(
         {
             "f32": gguf.LlamaFileType.ALL_F32,
@@ -160,6 +172,18 @@ def _check_supported(spec: ModelSpec, arch: str) -> None:
             f"{spec.max_position_embeddings}): llama.cpp's {arch} attends to the whole context, "
             "so the exported model would not be this one"
         )
+    if spec.num_experts:  # llama.cpp's qwen3moe: every layer sparse, top-k weights renormalised
+        moe = {"norm_topk_prob": spec.norm_topk_prob, "mlp_only_layers": spec.mlp_only_layers,
+               "decoder_sparse_step": spec.decoder_sparse_step}  # fmt: skip
+        if arch != "qwen3moe" or moe != {
+            "norm_topk_prob": True,
+            "mlp_only_layers": (),
+            "decoder_sparse_step": 1,
+        }:
+            raise GGUFExportError(
+                f"GGUF export of this mixture of experts ({moe}) is not supported: llama.cpp's "
+                "qwen3moe needs every layer sparse with renormalised top-k weights"
+            )
     plain = (
         spec.partial_rotary_factor == 1.0
         and not spec.rope_interleaved
@@ -169,7 +193,6 @@ def _check_supported(spec: ModelSpec, arch: str) -> None:
         and spec.embedding_multiplier == 1.0
         and spec.residual_multiplier == 1.0
         and spec.logits_scaling == 1.0
-        and not spec.num_experts
         and spec.hidden_act == "silu"
     )
     if not plain:
@@ -193,6 +216,8 @@ def _tensors(
         if key.endswith("rotary_emb.inv_freq"):
             continue
         stem, _, suffix = key.rpartition(".")
+        if key.endswith(_STACKED_EXPERTS):  # "...mlp.experts.gate_proj": no ".weight"
+            stem, suffix = key, "weight"
         target = names.get_name(stem)
         if target is None:
             raise GGUFExportError(f"GGUF export: no llama.cpp name for tensor {key}")
