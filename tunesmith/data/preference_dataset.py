@@ -94,7 +94,6 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from torch.utils.data import Dataset
@@ -115,13 +114,10 @@ from tunesmith.data.report import (
     TOO_LONG,
     WRONG_TYPE,
     BadRow,
-    DataReport,
     OnBadRow,
-    raise_if_empty,
-    read_samples,
 )
 from tunesmith.data.sources import MAX_ROW_BYTES, DataSource, check_max_row_bytes, load_rows
-from tunesmith.data.token_cache import CachedRows, tokenize_with_cache, with_progress
+from tunesmith.data.token_cache import CachedRows, tokenize_rows, tokenize_with_cache
 
 if TYPE_CHECKING:
     from tunesmith.data.tokenizer import Tokenizer
@@ -631,12 +627,7 @@ class PreferenceDataset(Dataset):
                 source, split=split, data_files=data_files, max_row_bytes=max_row_bytes
             )
             check_columns(format, columns, rows.columns, rows.name, PREFERENCE_FORMAT_FIELDS)
-            built = CachedRows([], [], DataReport(source=rows.name))
-            progress = with_progress(rows, f"tokenizing {Path(rows.name).name}")
-            for index, sample, cut in read_samples(progress, make_sample, on_bad_row, built.report):
-                _keep(built, sample, index, cut)
-            raise_if_empty(built.report, "pairs")
-            return built
+            return tokenize_rows(rows, make_sample, on_bad_row, _keep, "pairs")
 
         settings = {
             "dataset": "PreferenceDataset", "format": format, "column_map": column_map,

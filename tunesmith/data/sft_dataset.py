@@ -55,7 +55,6 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from torch.utils.data import Dataset
@@ -80,10 +79,7 @@ from tunesmith.data.report import (
     TEMPLATE_ERROR,
     TOO_LONG,
     BadRow,
-    DataReport,
     OnBadRow,
-    raise_if_empty,
-    read_samples,
 )
 from tunesmith.data.sources import (
     MAX_ROW_BYTES,
@@ -92,7 +88,7 @@ from tunesmith.data.sources import (
     check_max_row_bytes,
     load_rows,
 )
-from tunesmith.data.token_cache import CachedRows, tokenize_with_cache, with_progress
+from tunesmith.data.token_cache import CachedRows, tokenize_rows, tokenize_with_cache
 
 if TYPE_CHECKING:
     from tunesmith.data.tokenizer import Tokenizer
@@ -220,6 +216,7 @@ class SFTDataset(Dataset):
     Example::
 
         >>> import json
+        >>> from pathlib import Path
         >>> from tunesmith.data import Tokenizer
         >>> from tunesmith.demo.assets import build_tokenizer, make_splits
         >>> tok = Tokenizer.from_pretrained(build_tokenizer("tok", make_splits(50, 0)[0]))
@@ -316,18 +313,7 @@ class SFTDataset(Dataset):
                 max_row_bytes=max_row_bytes,
             )
             check_columns(format, columns, rows.columns, rows.name)
-            built = CachedRows([], [], DataReport(source=rows.name))
-            report = built.report
-            progress = with_progress(rows, f"tokenizing {Path(rows.name).name}")
-            for index, sample, cut in read_samples(progress, make_sample, on_bad_row, report):
-                built.samples.append(sample)
-                built.row_indices.append(index)
-                report.samples += 1
-                report.truncated += int(cut)
-                report.tokens += len(sample["input_ids"])
-                report.trained_tokens += count_trained(sample["labels"])
-            raise_if_empty(report)
-            return built
+            return tokenize_rows(rows, make_sample, on_bad_row, _keep)
 
         settings = {
             "dataset": "SFTDataset", "format": format, "column_map": column_map,
@@ -348,3 +334,12 @@ class SFTDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         return self.samples[index]
+
+
+def _keep(built: CachedRows, sample: dict[str, Any], index: int, cut: bool) -> None:
+    built.samples.append(sample)
+    built.row_indices.append(index)
+    built.report.samples += 1
+    built.report.truncated += int(cut)
+    built.report.tokens += len(sample["input_ids"])
+    built.report.trained_tokens += count_trained(sample["labels"])

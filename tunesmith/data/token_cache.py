@@ -37,13 +37,14 @@ from typing import Any, TypeVar
 import numpy as np
 from tqdm import tqdm
 
-from tunesmith.data.report import DataReport
+from tunesmith.data.report import DataReport, OnBadRow, raise_if_empty, read_samples
 
 __all__ = [
     "CachedRows",
     "TokenCache",
     "code_fingerprint",
     "file_sha256",
+    "tokenize_rows",
     "tokenize_with_cache",
     "with_progress",
 ]
@@ -228,6 +229,40 @@ def with_progress(items: Sequence[_T], desc: str) -> Iterable[_T]:
     [1, 2]
     """
     return tqdm(items, total=len(items), desc=desc, unit=" rows", disable=None, leave=False)
+
+
+def tokenize_rows(
+    rows: Sequence[Any],
+    make_sample: Callable[[Any], tuple[Any, bool]],
+    on_bad_row: OnBadRow,
+    add: Callable[[CachedRows, Any, int, bool], None],
+    what: str = "samples",
+) -> CachedRows:
+    """Every row of ``rows`` (what :func:`~tunesmith.data.sources.load_rows` read: ``(index,
+    where, row)`` items, named by its ``name``) through ``make_sample`` (-> ``(sample, truncated)``) under a progress bar, a bad
+    row handled as ``on_bad_row`` says (:func:`~tunesmith.data.report.read_samples`), each kept
+    sample put into the result by ``add(built, sample, row_index, truncated)`` (it updates the
+    report's counts); a result with nothing kept is refused naming ``what``. The ``build`` of
+    the datasets' :func:`tokenize_with_cache`.
+
+    Example::
+
+        >>> class Rows(list):
+        ...     name = "a.jsonl"
+        >>> def add(built, sample, index, cut):
+        ...     built.samples.append(sample); built.row_indices.append(index)
+        ...     built.report.samples += 1
+        >>> rows = Rows([(0, "line 1", {"x": 1})])
+        >>> built = tokenize_rows(rows, lambda r: ({"ids": [r["x"]]}, False), "error", add)
+        >>> built.samples, built.row_indices
+        ([{'ids': [1]}], [0])
+    """
+    built = CachedRows([], [], DataReport(source=rows.name))
+    progress = with_progress(rows, f"tokenizing {Path(rows.name).name}")
+    for index, sample, cut in read_samples(progress, make_sample, on_bad_row, built.report):
+        add(built, sample, index, cut)
+    raise_if_empty(built.report, what)
+    return built
 
 
 def tokenize_with_cache(

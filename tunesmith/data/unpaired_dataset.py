@@ -65,7 +65,6 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -98,13 +97,10 @@ from tunesmith.data.report import (
     NO_TRAINED_TOKENS,
     WRONG_TYPE,
     BadRow,
-    DataReport,
     OnBadRow,
-    raise_if_empty,
-    read_samples,
 )
 from tunesmith.data.sources import MAX_ROW_BYTES, DataSource, check_max_row_bytes, load_rows
-from tunesmith.data.token_cache import CachedRows, tokenize_with_cache, with_progress
+from tunesmith.data.token_cache import CachedRows, tokenize_rows, tokenize_with_cache
 
 if TYPE_CHECKING:
     from tunesmith.data.tokenizer import Tokenizer
@@ -404,14 +400,7 @@ class UnpairedDataset(Dataset):
             name, fields = _PAIRED.get(format, format), _fields_of(format)
             columns = resolve_columns(name, column_map, fields)
             check_columns(name, columns, rows.columns, rows.name, fields)
-            built = CachedRows([], [], DataReport(source=rows.name))
-            progress = with_progress(rows, f"tokenizing {Path(rows.name).name}")
-            for index, samples, cut in read_samples(
-                progress, make_sample, on_bad_row, built.report
-            ):
-                _keep(built, samples, index, cut)
-            raise_if_empty(built.report, "completions")
-            return built
+            return tokenize_rows(rows, make_sample, on_bad_row, _keep, "completions")
 
         settings = {
             "dataset": "UnpairedDataset", "format": format, "column_map": column_map,
