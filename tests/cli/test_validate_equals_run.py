@@ -75,6 +75,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("sft/tiny", ["packed=yes please"], "packed: expected true or false"),
     ("dpo/tiny", ["batch_size=-2"], "batch_size: expected an int >= 1"),
     ("grpo/tiny", ["group_size=0"], "group_size: expected an int >= 1"),
+    ("grpo/tiny", ["generation.temperature=0"], "temperature must be > 0 for RL sampling"),
 ]
 
 CONFIGS = sorted({config for config, _, _ in CASES})

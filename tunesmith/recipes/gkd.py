@@ -50,7 +50,7 @@ KEYS = [
 ]  # fmt: skip
 RULES = {  # what each top-level value may be, checked up front
     **{k: v for k, v in kd.RULES.items() if k != "packed"},
-    **rules_of(settings_of(GKDSettings)), "generation": rl.RL_RULES["generation"],
+    **rules_of(settings_of(GKDSettings)), "generation": rl.GENERATION_RULE,
     "teacher_tokenizer": component(null="no check that the teacher shares the tokenizer"),
 }  # fmt: skip
 

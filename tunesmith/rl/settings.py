@@ -59,6 +59,7 @@ __all__ = [
     "RL_SECTIONS",
     "RL_SETTINGS",
     "DYNAMIC_RULES",
+    "GENERATION_RULE",
     "AsyncSettings",
     "DynamicSampling",
     "RLSettings",
@@ -182,6 +183,26 @@ def _generation_problem(section: Any) -> str | None:
     return None
 
 
+def _sampled_generation_problem(section: Any) -> str | None:
+    """:func:`_generation_problem`, and a greedy ``temperature: 0`` refused as the run refuses
+    it (:func:`~tunesmith.rl.source.check_sampled`: a policy gradient needs samples).
+
+    >>> _sampled_generation_problem({"temperature": 0.0})
+    'temperature must be > 0 for RL sampling, got 0.0'
+    """
+    if (problem := _generation_problem(section)) is not None:
+        return problem
+    temperature = (section or {}).get("temperature")
+    if temperature is not None and temperature == 0:
+        return f"temperature must be > 0 for RL sampling, got {temperature}"
+    return None
+
+
+GENERATION_RULE = replace(mapping("a mapping of generation settings"), extra=_generation_problem)
+"""The ``generation`` section of a recipe that may decode greedily (``gkd``); the RL
+recipes' own refuses ``temperature: 0``."""
+
+
 def _ray_problem(section: Any) -> str | None:
     """What is wrong in the ``ray`` section: an unknown key, an address that is not one, a
     connect timeout that is not a positive number.
@@ -269,8 +290,8 @@ RL_SECTIONS: tuple[Setting, ...] = (
     Setting("reference_model", component(
         null="the policy with its adapters off, or a frozen copy"),
         "the reference policy of the KL term", None),
-    Setting("generation", replace(mapping("a mapping of generation settings"),
-            extra=_generation_problem), "how completions are sampled (max_new_tokens, "
+    Setting("generation", replace(GENERATION_RULE, extra=_sampled_generation_problem),
+            "how completions are sampled (max_new_tokens, "
             "temperature, ...) and the engine that samples them (engine: slots, cache)", None),
 )  # fmt: skip
 """The RL keys whose values are components or sections read by what they build."""
