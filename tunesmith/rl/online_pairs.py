@@ -50,6 +50,7 @@ from tunesmith.models.atomic import open_no_follow
 from tunesmith.rl.groups import Group
 from tunesmith.rl.prompts import Prompt, PromptStream
 from tunesmith.rl.source import (
+    CollectionCycle,
     LocalGroups,
     Rollouts,
     RolloutSettings,
@@ -172,7 +173,7 @@ class OnlinePreference(PreferenceObjective):
         return LossOutput(out.loss * 0, {k: v * 0 for k, v in out.metrics.items()}, aux)
 
 
-class OnlinePairs:
+class OnlinePairs(CollectionCycle):
     """Preference pairs sampled by the policy and ranked by the judge, as a batch source (see
     the module docs). ``sample``: the sample stage (default: :class:`LocalGroups` of ``model``
     scored by ``rewards``); ``settings.micro_batch_size``: pairs per micro-batch.
@@ -207,42 +208,12 @@ class OnlinePairs:
         self.sample: SampleStage = sample
         # what an evaluator decoding as the source does stops at
         self.stop_token_ids = stop_token_ids(tokenizer, settings.generation.stop_tokens)
-        self.epoch = 0
-        self.batches = 0
-        self.updates_left = 0
-        self._micro: list[Batch] | None = None
-        self._metrics: dict[str, float] = {}
+        self._start_cycle()
 
-    # -- BatchSource
+    COLLECTED_KEY = "micro_batches"  # a collection here is already its micro-batches
 
-    def next_step(self) -> list[Batch]:
-        """The micro-batches of the next optimizer step (collecting new pairs when the current
-        ones have had their ``updates_per_batch`` steps)."""
-        self._metrics = {}
-        if self._micro is None or self.updates_left == 0:
-            self._micro = self._collect()
-            self.updates_left = self.settings.updates_per_batch
-            self.batches += 1
-        self.updates_left -= 1
-        return list(self._micro)
-
-    def step_metrics(self) -> dict[str, float]:
-        """The metrics of the collection the last step made (empty when it made none)."""
-        return dict(self._metrics)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "prompts": self.prompts.state_dict(), **self.sample.state_dict(),
-            "batches": self.batches, "updates_left": self.updates_left,
-            "micro_batches": self._micro,
-        }  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.prompts.load_state_dict(state["prompts"])
-        self.epoch = self.prompts.epoch
-        self.batches, self.updates_left = int(state["batches"]), int(state["updates_left"])
-        self._micro = state["micro_batches"]
-        self.sample.load_state_dict(state)
+    def _step_batches(self, collected: list[Batch]) -> list[Batch]:
+        return list(collected)
 
     # -- one collection
 
