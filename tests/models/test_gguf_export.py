@@ -155,6 +155,15 @@ def test_what_the_file_cannot_say_is_refused_by_name(tmp_path, zoo, overrides, w
     assert not list(tmp_path.glob("*.gguf*"))  # nothing half-written left
 
 
+def test_a_link_planted_at_the_partial_file_is_not_written_through(folders, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    (tmp_path / ".model.gguf.partial").symlink_to(victim)
+    export_gguf(folders["qwen2"], tmp_path / "model.gguf", outtype="f16")
+    assert victim.read_text() == "mine"
+    assert (tmp_path / "model.gguf").is_file() and not (tmp_path / "model.gguf").is_symlink()
+
+
 def test_export_command_merges_a_lora_run_into_a_gguf_file(tmp_path, capsys):
     model_dir = make_model_dir(tmp_path / "base")
     data = make_counting_data(tmp_path / "d.jsonl", rows=8)

@@ -110,6 +110,7 @@ def export_gguf(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial")
+    partial.unlink(missing_ok=True)  # a leftover, or a link planted there: never written through
     writer = gguf.GGUFWriter(partial, arch)
     try:
         _write_hyperparameters(writer, spec, arch, name=folder.resolve().name, outtype=outtype)
