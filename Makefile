@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv demo demo-rl test test-durations test-slow test-faults test-gpu lint format clean
+.PHONY: venv demo demo-rl test test-durations test-slow test-faults test-gpu test-llama-cpp lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,14 @@ test-slow: venv
 # Tests that need CUDA and vllm (the vLLM rollout engine); each skips with the reason without.
 test-gpu: venv
 	$(PY) -m pytest -q -rs -m gpu
+
+# llama.cpp itself loads our GGUF files (tests/models/test_gguf_llama_cpp.py): installs the
+# llama-cpp extra first, which builds llama.cpp from source (measured 17 min on 2 cores; once).
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+test-llama-cpp: venv
+	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" \
+		$(PY) -m pip install --quiet -e ".[llama-cpp]"
+	$(PY) -m pytest -q -m llama_cpp tests/models/test_gguf_llama_cpp.py tests/models/test_mixtral_gguf.py
 
 # The whole reliability suite (24 SIGKILL seeds, torchrun cases...), its outcomes recorded in
 # benchmarks/results/reliability.json, then RELIABILITY.md regenerated from them.

@@ -6,11 +6,13 @@ byte-level BPE tokenizer of the family's kind (the test suite's tokenizer factor
 with :func:`tunesmith.models.gguf_export.export_gguf` and loaded by
 ``transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`` in float32.
 Logits: 4 rows of 64 random ids; the max and the mean |difference| against our float32 model,
-and their ratio to the logits' own standard deviation. Writes ``results/gguf_export.md``.
+and their ratio to the logits' own standard deviation. With ``--llama-cpp`` (the ``llama-cpp``
+extra installed) llama.cpp itself loads each file too (``llama_cpp.Llama``, CPU) and its logits
+on the same rows get the same three columns. Writes ``results/gguf_export.md``.
 
 Usage::
 
-    PYTHONPATH=. python benchmarks/gguf_export.py
+    PYTHONPATH=. python benchmarks/gguf_export.py --llama-cpp
     PYTHONPATH=. python benchmarks/gguf_export.py --hidden 256 --out /tmp/gguf_export.md
 """
 
@@ -47,7 +49,11 @@ FAMILIES = {
     "qwen3_moe": (qwen3_moe, "qwen3", {"head_dim": 128, "moe_intermediate_size": 768,
                                        "mlp_only_layers": (), "norm_topk_prob": True}),
 }  # fmt: skip
-DEFAULTS = {"hidden": 512, "out": str(REPO / "benchmarks" / "results" / "gguf_export.md")}
+DEFAULTS = {
+    "hidden": 512,
+    "llama_cpp": False,
+    "out": str(REPO / "benchmarks" / "results" / "gguf_export.md"),
+}
 
 
 def model_folder(root: Path, family: str, hidden: int) -> Path:
@@ -64,7 +70,31 @@ def model_folder(root: Path, family: str, hidden: int) -> Path:
     return save_hf_checkpoint(model, root / "model", source_dir=tokenizer_dir)
 
 
-def measure(folder: Path, outtype: str, ids: torch.Tensor) -> dict[str, float]:
+def gaps(theirs: torch.Tensor, ours: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    """The max and mean |difference| of two logit tensors, and the max over ours' std."""
+    gap = (theirs - ours).abs()
+    return {f"{prefix}max": gap.max().item(), f"{prefix}mean": gap.mean().item(),
+            f"{prefix}max_rel": gap.max().item() / ours.std().item()}  # fmt: skip
+
+
+def llama_cpp_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's logits of the GGUF file ``path`` on each row of ``ids`` (a fresh context
+    per row), ``[rows, length, vocab]``."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=str(path), logits_all=True, n_ctx=ids.shape[1], verbose=False, seed=0
+    )
+    rows = []
+    for row in ids.tolist():
+        llm.reset()
+        llm.eval(row)
+        rows.append(torch.tensor(llm.scores[: len(row)]))
+    llm.close()
+    return torch.stack(rows)
+
+
+def measure(folder: Path, outtype: str, ids: torch.Tensor, llama_cpp: bool) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         path = export_gguf(folder, Path(tmp) / "model.gguf", outtype=outtype)
@@ -76,15 +106,16 @@ def measure(folder: Path, outtype: str, ids: torch.Tensor) -> dict[str, float]:
         ours = from_hf(folder, dtype=torch.float32)
         with torch.no_grad():
             a, b = theirs(ids).logits, ours(ids)
-    gap = (a - b).abs()
-    scale = b.std().item()
-    return {"size_mb": size / 2**20, "export_s": seconds, "max": gap.max().item(),
-            "mean": gap.mean().item(), "max_rel": gap.max().item() / scale}  # fmt: skip
+        result = {"size_mb": size / 2**20, "export_s": seconds, **gaps(a, b)}
+        if llama_cpp:
+            result.update(gaps(llama_cpp_logits(path, ids), b, prefix="cpp_"))
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=DEFAULTS["hidden"])
+    parser.add_argument("--llama-cpp", action="store_true", help="llama.cpp's logits too")
     parser.add_argument("--out", default=DEFAULTS["out"])
     args = parser.parse_args()
     rows = []
@@ -95,17 +126,17 @@ def main() -> None:
             ids = torch.randint(0, vocab, (4, 64), generator=torch.Generator().manual_seed(0))
             params = sum(p.numel() for p in from_hf(folder).parameters())
             for outtype in OUTTYPES:
-                result = measure(folder, outtype, ids)
+                result = measure(folder, outtype, ids, args.llama_cpp)
                 rows.append((family, params, outtype, result))
                 print(family, outtype, result, flush=True)
     lines = [
-        "# GGUF export: read back by transformers against ours",
+        "# GGUF export: read back by transformers (and llama.cpp) against ours",
         "",
         f"`{command_line('benchmarks/gguf_export.py', args, DEFAULTS, skip=['out'])}`",
         "",
         f"- Machine: {machine()}; torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, gguf {importlib.metadata.version('gguf')}; "
-        f"run {time.strftime('%Y-%m-%d')}.",
+        f"{transformers.__version__}, gguf {importlib.metadata.version('gguf')}"
+        f"{_llama_cpp_version(args)}; run {time.strftime('%Y-%m-%d')}.",
         f"- Models: random, hidden {args.hidden}, 4 layers, 8 heads / 4 KV heads, the family's "
         "byte-level BPE tokenizer of the test suite (vocabulary ~640); Qwen3 at head_dim 128 "
         "(transformers' GGUF reader takes it from its config class), Llama without RoPE "
@@ -117,18 +148,48 @@ def main() -> None:
         "token's router scores across a top-k tie sends it to another expert: its logits then "
         "differ by a whole expert's contribution (the max), while the mean stays near the dense "
         "families'.",
+        *_llama_cpp_note(args),
         "",
         "| family | parameters | outtype | file MiB | export s | max \\|Δ logit\\| "
-        "| mean \\|Δ logit\\| | max / std |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| mean \\|Δ logit\\| | max / std |" + _LLAMA_CPP_HEAD * args.llama_cpp,
+        "|---|---:|---|---:|---:|---:|---:|---:|" + "---:|---:|---:|" * args.llama_cpp,
     ]
     for family, params, outtype, r in rows:
+        cpp = (
+            f" {r['cpp_max']:.2e} | {r['cpp_mean']:.2e} | {r['cpp_max_rel']:.2e} |"
+            if args.llama_cpp
+            else ""
+        )
         lines.append(
             f"| {family} | {params:,} | {outtype} | {r['size_mb']:.2f} | {r['export_s']:.2f} "
-            f"| {r['max']:.2e} | {r['mean']:.2e} | {r['max_rel']:.2e} |"
+            f"| {r['max']:.2e} | {r['mean']:.2e} | {r['max_rel']:.2e} |" + cpp
         )
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
+
+
+_LLAMA_CPP_HEAD = " llama.cpp max \\|Δ\\| | llama.cpp mean \\|Δ\\| | llama.cpp max / std |"
+
+
+def _llama_cpp_version(args: argparse.Namespace) -> str:
+    if not args.llama_cpp:
+        return ""
+    return f", llama-cpp-python {importlib.metadata.version('llama-cpp-python')}"
+
+
+def _llama_cpp_note(args: argparse.Namespace) -> list[str]:
+    if not args.llama_cpp:
+        return []
+    return [
+        "- llama.cpp columns: the same rows through llama.cpp itself (`llama_cpp.Llama` with "
+        "its defaults, CPU backend, a fresh context per row) against our float32 model. Its "
+        "f32 row is not 0: llama.cpp keeps the KV cache in f16 by default (with an f32 cache "
+        "a tiny Qwen2's f32 file gave 3e-6); its CPU matmuls with f16 and q8_0 weights also "
+        "round the activations (to f16; to 8-bit blocks), which transformers' reader does not "
+        "(it dequantises to float32). The Qwen3-MoE bf16 and q8_0 maxima are the top-k ties "
+        "above. `tests/models/test_gguf_llama_cpp.py` (`make test-llama-cpp`) checks f16 and "
+        "q8_0 logits, the tokenizer and the chat template on tiny models."
+    ]
 
 
 if __name__ == "__main__":

@@ -28,19 +28,33 @@ step each) so load changes on a shared machine hit both alike; the table gives t
 wall time and the median CPU time of this process per thread, and the outputs and gradients
 of the two are compared (max abs difference).
 
+**Per family** (``--families``): tokens/s of a training step (forward + backward, every
+weight and the input requiring grad) of one MoE layer *as the family builds it* (its router,
+experts, shared experts: ``tunesmith.models.builder``'s layer for its first MoE layer) at its
+largest shipped size's routing (experts, top-k) with hidden and expert widths divided by
+``--scale``, grouped experts (``torch._grouped_mm``) vs the per-expert loop (the same layer
+with the grouped kernel switched off: ``GroupedExperts``' loop over experts). A new family is
+a row by naming it: ``--families mixtral,qwen3_moe,deepseek_v3``.
+
 Usage::
 
     python benchmarks/moe.py                      # writes results/moe.md
     python benchmarks/moe.py --sizes 512x256x128 --rounds 3 --no-write
+    python benchmarks/moe.py --families mixtral,qwen3_moe,deepseek_v3 --sizes ""  # rows only
+
+``--sizes ''`` measures the family rows alone and keeps the file's other table (and
+``--families ''`` the reverse).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -48,12 +62,19 @@ import torch.nn.functional as F
 from sft_ladder import machine
 from torch import nn
 
+from tunesmith.models import builder, zoo
+from tunesmith.models.spec import ModelSpec
+from tunesmith.modules import moe as moe_module
 from tunesmith.modules.feed_forward import FeedForward
 from tunesmith.modules.moe import MoE
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ((8, 2), (8, 8), (64, 2), (64, 8))  # (experts, top-k)
 WAYS = ("old loop", "grouped", "stacked loop", "manual loop", "padded bmm")
+FAMILIES = "mixtral,qwen3_moe"
+FAMILY_HEADING = (
+    "## Per family: a training step of one MoE layer, grouped experts vs a per-expert loop"
+)
 
 
 class LoopMoE(nn.Module):
@@ -252,6 +273,93 @@ def run_case(
     return row
 
 
+def family_layer(family: str, scale: int) -> tuple[str, ModelSpec, nn.Module]:
+    """The family's largest shipped MoE size, its spec with hidden and expert widths divided
+    by ``scale``, and the MoE layer the builder makes for its first MoE layer (float32, CPU)."""
+    sizes = zoo.FAMILY_FILES[family]
+    moe_sizes = [(name, sizes.spec(name)) for name in sizes.SIZES if sizes.spec(name).is_moe]
+    if not moe_sizes:
+        raise SystemExit(f"--families: {family} ships no mixture-of-experts size")
+    name, full = max(moe_sizes, key=lambda item: item[1].approx_parameters())
+    small = full.replace(  # attention is not built: its sizes stay
+        hidden_size=full.hidden_size // scale,
+        moe_intermediate_size=full.moe_intermediate_size // scale,
+        intermediate_size=max(1, full.intermediate_size // scale),
+        torch_dtype=None,
+    )
+    layer_idx = next(i for i in range(small.num_hidden_layers) if small.is_moe_layer(i))
+    torch.manual_seed(0)
+    layer = builder._mlp(small, layer_idx)
+    for p in layer.parameters():  # some families' routers start at zero (a bias)
+        torch.nn.init.normal_(p, std=0.05) if p.dim() > 1 else torch.nn.init.normal_(p, std=0.1)
+    return name, small, layer
+
+
+@contextlib.contextmanager
+def per_expert_loop() -> Iterator[None]:
+    """``GroupedExperts`` without the grouped kernel: its loop over experts."""
+    saved = moe_module.grouped_mm_supported
+    moe_module.grouped_mm_supported = lambda *tensors: False
+    try:
+        yield
+    finally:
+        moe_module.grouped_mm_supported = saved
+
+
+def _family_step(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, loop: bool):
+    with per_expert_loop() if loop else contextlib.nullcontext():
+        elapsed = step(layer, x, g)
+    mine = [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+    return elapsed, torch.cat([x.grad.flatten(), *(t.flatten() for t in mine)])
+
+
+def run_family(family: str, tokens: int, scale: int, rounds: int) -> dict[str, object]:
+    """Tokens per CPU-second (per thread) of a training step, grouped vs per-expert loop."""
+    name, spec, layer = family_layer(family, scale)
+    x = torch.randn(1, tokens, spec.hidden_size, requires_grad=True)
+    g = torch.randn(1, tokens, spec.hidden_size)
+    results = {mode: _family_step(layer, x, g, mode == "loop") for mode in ("grouped", "loop")}
+    diff = (results["grouped"][1] - results["loop"][1]).abs().max().item()
+    times: dict[str, list[float]] = {"grouped": [], "loop": []}
+    for _ in range(rounds):
+        for mode in times:
+            times[mode].append(_family_step(layer, x, g, mode == "loop")[0][1])
+    threads = torch.get_num_threads()
+    rate = {mode: tokens / (statistics.median(ts) / threads) for mode, ts in times.items()}
+    return {"family": family, "size": name, "spec": spec, "tokens": tokens, "scale": scale,
+            "grouped": rate["grouped"], "loop": rate["loop"], "diff": diff}  # fmt: skip
+
+
+def family_lines(rows: list[dict[str, object]], command: str, minutes: float) -> list[str]:
+    lines = [
+        FAMILY_HEADING,
+        "",
+        f"`{command}` ({minutes:.1f} min)",
+        "",
+        "- The layer each family builds (router, experts, shared experts) for its first MoE "
+        "layer, at its largest shipped size's experts and top-k with hidden and expert widths "
+        "divided by the scale; float32; step = forward + backward of `(out * g).sum()` with the "
+        "input and every weight requiring grad. **grouped**: `torch._grouped_mm`; **loop**: "
+        "the same layer and weights with the grouped kernel off (`GroupedExperts`' loop over "
+        "experts). Tokens per CPU-second of this process per thread (median).",
+        "- **max diff**: largest absolute difference of the input and weight gradients of the "
+        "two (float32 rounding only).",
+        "",
+        "| family | shipped size | scale | tokens x hidden x expert inter | experts | top-k | "
+        "grouped tok/s | loop tok/s | grouped vs loop | max diff |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        s = r["spec"]
+        lines.append(
+            f"| {r['family']} | {r['size']} | 1/{r['scale']} | {r['tokens']}x{s.hidden_size}x"
+            f"{s.moe_intermediate_size} | {s.num_experts} | {s.num_experts_per_tok} | "
+            f"{r['grouped']:.0f} | {r['loop']:.0f} | {r['grouped'] / r['loop']:.2f}x | "
+            f"{r['diff']:.1e} |"
+        )
+    return lines
+
+
 def _size(text: str) -> tuple[tuple[int, int, int], tuple[tuple[int, int], ...]]:
     """``TxHxI`` (the four default cases) or ``TxHxI:E/k`` (that case only)."""
     shape, _, case = text.partition(":")
@@ -270,12 +378,31 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--families",
+        default=FAMILIES,
+        help="comma-separated family names (tunesmith.models.zoo) for the per-family rows; "
+        "'' for none",
+    )
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per family step")
+    parser.add_argument("--scale", type=int, default=8, help="family widths divided by this")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    family_start = time.perf_counter()
+    family_rows = []
+    for family in filter(None, args.families.split(",")):
+        row = run_family(family, args.tokens, args.scale, args.rounds)
+        family_rows.append(row)
+        print(f"{family}: grouped {row['grouped']:.0f} tok/s, loop {row['loop']:.0f} tok/s")
+    family_command = (
+        f"python benchmarks/moe.py --sizes '' --families {args.families} --tokens {args.tokens} "
+        f"--scale {args.scale} --rounds {args.rounds} --threads {args.threads}"
+    )
+    family_minutes = (time.perf_counter() - family_start) / 60
     start = time.perf_counter()
     rows = []
-    for text in args.sizes.split(","):
+    for text in filter(None, args.sizes.split(",")):
         size, cases = _size(text)
         for experts, top_k in cases:
             row = run_case(experts, top_k, size, args.rounds)
@@ -328,11 +455,23 @@ def main() -> None:
             + f" | {r['old loop_cpu'] / r['grouped_cpu']:.2f}x "
             f"| {r['old loop_cpu'] / r['bound']:.2f}x | {diff:.1e} |"
         )
-    text = "\n".join(lines) + "\n"
+    ways = "\n".join(lines) + "\n" if rows else None
+    families = "\n".join(family_lines(family_rows, family_command, family_minutes)) + "\n"
+    text = merged_results(ways, families if family_rows else None)
     print(text)
     if not args.no_write:
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "moe.md").write_text(text)
+
+
+def merged_results(ways: str | None, families: str | None) -> str:
+    """results/moe.md with the parts this run measured, the other part kept from the file
+    (``--sizes ''`` re-measures the family rows alone, ``--families ''`` the ways alone)."""
+    old = (RESULTS / "moe.md").read_text() if (RESULTS / "moe.md").is_file() else ""
+    old_ways, marker, old_families = old.partition(FAMILY_HEADING)
+    ways = ways if ways is not None else old_ways.rstrip("\n") + "\n"
+    families = families if families is not None else (marker + old_families if marker else "")
+    return ways + ("\n" + families if families else "")
 
 
 if __name__ == "__main__":

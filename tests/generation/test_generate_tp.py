@@ -18,7 +18,7 @@ import torch
 from tests.gloo_world import run_on_ranks
 from tunesmith.generation import generate
 from tunesmith.models import build_model
-from tunesmith.models.zoo import llama3, qwen3
+from tunesmith.models.zoo import deepseek_v3, llama3, qwen3
 
 WORLD = 2
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [77, 12], [150, 4, 4, 90, 33, 21, 7, 120, 64, 9, 18]]
@@ -27,12 +27,17 @@ SEEDS = {0: 7, 1: 1234}  # plain sampling: the tp ranks' generators differ on pu
 MODELS = {  # qwen3: tied embeddings, qk-norm and an odd vocabulary (shards of 130 + 129)
     "llama3": lambda: llama3.spec("llama3_tiny", initializer_range=0.2),
     "qwen3": lambda: qwen3.spec("qwen3_tiny", vocab_size=259, initializer_range=0.2),
+    # multi-head latent attention: heads split, the cached latent replicated on every rank
+    "deepseek_v3": lambda: deepseek_v3.spec(
+        "deepseek_v3_tiny", num_attention_heads=4, num_key_value_heads=4, initializer_range=0.2
+    ),
 }
 LAYOUTS = {  # (model, sequence_parallel, FSDP2 on top)
     "llama3_sp": ("llama3", True, False),
     "llama3_no_sp": ("llama3", False, False),
     "llama3_fsdp2_sp": ("llama3", True, True),
     "qwen3_sp": ("qwen3", True, False),
+    "deepseek_v3_fsdp2_sp": ("deepseek_v3", True, True),
 }
 
 

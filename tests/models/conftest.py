@@ -29,6 +29,11 @@ HF_FAMILIES = (
     "phi3",
     "glm4",
     "olmo3",
+    "mixtral",
+    "llama4_text",
+    "deepseek_v3",
+    "deepseek_v2",
+    "gpt_oss",
 )
 
 _TINY: dict[str, Any] = {
@@ -76,6 +81,27 @@ _FAMILY_TINY: dict[str, dict[str, Any]] = {
                  "short_factor": [1.0, 1.0, 1.5, 2.0]}},
     "glm4": {"head_dim": 16},
     "olmo3": {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 4},
+    # 5 experts of width 32, top-3, a window of 4 (tests/models/test_mixtral.py: odd sizes).
+    "mixtral": {"head_dim": 16, "intermediate_size": 32, "num_local_experts": 5,
+                "num_experts_per_tok": 3, "sliding_window": 4},
+    # Multi-head latent attention (every head expands the latent: kv heads = heads), experts.
+    "deepseek_v3": {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                    "n_routed_experts": 6, "num_experts_per_tok": 2, "n_group": 2,
+                    "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                    "moe_intermediate_size": 32, "num_mtp_layers": 0},
+    "deepseek_v2": {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 16,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                    "n_routed_experts": 5, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                    "moe_intermediate_size": 32},
+    # Chunks of 3, NoPE every 3rd layer, MoE every 2nd (3 experts), a temperature that moves.
+    "llama4_text": {"head_dim": 16, "num_hidden_layers": 3, "intermediate_size": 32,
+                    "intermediate_size_mlp": 128, "num_local_experts": 3,
+                    "interleave_moe_layer_step": 2, "no_rope_layer_interval": 3,
+                    "attention_chunk_size": 3, "floor_scale": 2, "attn_scale": 0.5},
+    # Sinks, biased experts (5, top-3) clamped at a limit the random weights reach, window 4.
+    "gpt_oss": {"head_dim": 16, "intermediate_size": 32, "num_local_experts": 5,
+                "num_experts_per_tok": 3, "sliding_window": 4, "swiglu_limit": 0.6},
 }  # fmt: skip
 
 

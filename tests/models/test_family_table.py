@@ -11,6 +11,7 @@ from tunesmith.models import Family, build_model, families, zoo
 from tunesmith.models.catalog import HEADERS, family_row, family_rows, markdown_table, text_table
 from tunesmith.models.family import register_family, unregister_family
 from tunesmith.modules.attention import Attention
+from tunesmith.modules.mla import MultiHeadLatentAttention
 from tunesmith.training.parallel.tensor_parallel import check_tp_shardable
 
 ROWS = {row.name: row for row in family_rows()}
@@ -44,8 +45,9 @@ def test_what_works_with_the_families_that_limit_it():
     assert ROWS["qwen3_moe"].expert_parallel is True
     assert ROWS["gemma3"].context_parallel is True  # the config carries a soft-cap it ignores
     assert ROWS["qwen3"].tensor_parallel is True  # a per-head qk-norm splits with the heads
-    dense = [r for r in ROWS.values() if r.name != "qwen3_moe"]
-    assert not any(r.expert_parallel for r in dense)
+    assert ROWS["deepseek_v3"].tensor_parallel is True  # MLA: heads split, latents replicated
+    dense = [r for r in ROWS.values() if not r.expert_parallel]
+    assert {"qwen3_moe", "deepseek_v3", "deepseek_v2"}.isdisjoint(r.name for r in dense)
 
 
 @pytest.mark.parametrize("family", families(), ids=lambda f: f.name)
@@ -63,7 +65,7 @@ def test_the_parallel_columns_agree_with_the_refusals(family):
     except ValueError:
         shardable = False
     assert row.tensor_parallel is shardable
-    attention = [m for m in model.modules() if isinstance(m, Attention)]
+    attention = [m for m in model.modules() if isinstance(m, (Attention, MultiHeadLatentAttention))]
     assert row.context_parallel is True  # ring attention serves every Attention
     assert attention
     assert row.expert_parallel is model.spec.is_moe

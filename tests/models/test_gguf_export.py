@@ -139,7 +139,7 @@ def test_a_llama3_scaled_model_writes_rope_freqs(tmp_path):
 @pytest.mark.parametrize(
     ("zoo", "overrides", "words"),
     [
-        (gemma2, {}, "supports model_type llama, mistral, qwen2, qwen3, qwen3_moe; 'gemma2'"),
+        (gemma2, {}, "supports model_type llama, mistral, mixtral, qwen2, qwen3, qwen3_moe; 'gemma2'"),
         (qwen3_moe, {}, r"'mlp_only_layers': \(1,\)"),  # a dense layer: not llama.cpp's qwen3moe
         (mistral, {"sliding_window": 8}, "sliding_window 8"),
         (qwen3, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,

@@ -11,8 +11,10 @@ import torch
 from tests.models.conftest import HF_FAMILIES, write_tiny_hf_checkpoint
 
 # The families whose adapters are plain linear layers; Qwen3-MoE's expert adapters (PEFT's
-# fused ``target_parameters`` format) have their own tests in test_lora_experts.py.
-DENSE_FAMILIES = tuple(f for f in HF_FAMILIES if f != "qwen3_moe")
+# fused ``target_parameters`` format) have their own tests in test_lora_experts.py, Mixtral's
+# (peft names its experts' projections w1/w3/w2) in test_mixtral_lora.py, gpt-oss's (gate/up
+# interleaved) in tests/models/test_gpt_oss.py.
+DENSE_FAMILIES = tuple(f for f in HF_FAMILIES if f not in ("qwen3_moe", "mixtral", "gpt_oss"))
 
 # A family whose checkpoints fuse projections that tunesmith keeps apart (``Family.fused``:
 # Phi-3's ``qkv_proj``, ``gate_up_proj``) has adapters on q/k/v and gate/up in memory, while

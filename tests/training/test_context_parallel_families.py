@@ -4,8 +4,8 @@ Each rank keeps the zigzag halves of the rows (:func:`shard_batch`) and runs the
 ``cp_index`` (ring attention); the logits at its positions and the parameters' gradients
 (summed over the ranks) must equal the unsplit model's, for: Gemma 2 (soft-capped scores in
 every ring block, alternating windows, scaled queries), Gemma 3 (local RoPE), OLMo 3 (three
-sliding layers to one global), Phi-3 (partial rotary), GLM-4 (interleaved rotary) and SmolLM3
-(NoPE layers); rows with padding and packed rows whose documents cross the split.
+sliding layers to one global), Phi-3 (partial rotary), GLM-4 (interleaved rotary), SmolLM3
+(NoPE layers) and DeepSeek-V3 (multi-head latent attention, routed experts); rows with padding and packed rows whose documents cross the split.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tests.gloo_world import run_on_ranks
 from tests.models.conftest import randomize_
 from tunesmith.models import build_model
-from tunesmith.models.zoo import gemma2, gemma3, glm4, olmo3, phi3, smollm3
+from tunesmith.models.zoo import deepseek_v3, gemma2, gemma3, glm4, olmo3, phi3, smollm3
 from tunesmith.training.parallel.context_parallel import install_context_parallel, shard_batch
 
 CP = 2
@@ -28,6 +28,8 @@ SPECS = {
     "phi3_partial_rotary": lambda: phi3.spec("phi3_tiny", rope_scaling=None),
     "glm4_interleaved": lambda: glm4.spec("glm4_tiny"),
     "smollm3_nope": lambda: smollm3.spec("smollm3_tiny"),
+    # q/k and values of other widths (padded to one inside the ring), experts
+    "deepseek_v3_mla": lambda: deepseek_v3.spec("deepseek_v3_tiny"),
 }
 
 

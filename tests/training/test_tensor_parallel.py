@@ -19,6 +19,8 @@ from tests.gloo_world import run_on_ranks
 from tunesmith.config import ConfigError
 from tunesmith.models import build_model
 from tunesmith.models.zoo import (
+    deepseek_v2,
+    deepseek_v3,
     gemma2,
     gemma3,
     glm4,
@@ -51,6 +53,13 @@ SPECS = {
     "phi3_longrope_partial": lambda: phi3.spec("phi3_tiny", vocab_size=VOCAB),
     "glm4_interleaved_partial": lambda: glm4.spec("glm4_tiny", vocab_size=VOCAB),
     "olmo2_projection_qk_norm": lambda: olmo2.spec("olmo2_tiny", vocab_size=VOCAB),
+    # Multi-head latent attention: heads split, latents (and their norms) replicated.
+    "deepseek_v3_mla": lambda: deepseek_v3.spec(
+        "deepseek_v3_tiny", vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=4
+    ),
+    "deepseek_v2_mla_plain_q": lambda: deepseek_v2.spec(
+        "deepseek_v2_tiny", vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=4
+    ),
 }
 
 

@@ -14,9 +14,13 @@ from tunesmith.models.spec import ModelSpec, UnsupportedModelError
 from tunesmith.modules.attention import Attention
 from tunesmith.modules.decoder import DecoderLayer, DecoderModel, TransformerLM
 from tunesmith.modules.feed_forward import FeedForward
+from tunesmith.modules.gpt_oss_experts import gpt_oss_experts
+from tunesmith.modules.llama4 import AttentionTemperature, L2Norm, Llama4MoE
+from tunesmith.modules.mla import MultiHeadLatentAttention, mla_softmax_scale
 from tunesmith.modules.moe import MoE
 from tunesmith.modules.norms import RMSNorm
 from tunesmith.modules.rope import RotaryEmbedding
+from tunesmith.modules.routers import DeepSeekMoE
 
 __all__ = ["build_model", "family_spec", "size_builder"]
 
@@ -73,7 +77,10 @@ def _assemble(spec: ModelSpec) -> TransformerLM:
                 softcap=spec.attn_logit_softcapping,
                 rope=i not in spec.nope_layers,
                 rope_interleaved=spec.rope_interleaved,
-            ),
+                sinks=spec.attention_sinks,
+            )
+            if spec.mla is None
+            else _latent_attention(spec),
             _mlp(spec, i),
             spec.hidden_size,
             spec.rms_norm_eps,
@@ -81,9 +88,11 @@ def _assemble(spec: ModelSpec) -> TransformerLM:
             norm_style=spec.norm_style,
             residual_multiplier=spec.residual_multiplier,
             sliding_window=spec.layer_sliding_window(i),
+            attention_chunk_size=spec.layer_attention_chunk(i),
         )
         for i in range(spec.num_hidden_layers)
     ]
+    _llama4_attention(layers, spec)
     local_rope = None
     if spec.rope_local_theta is not None:
         local_rope = RotaryEmbedding(
@@ -108,7 +117,69 @@ def _assemble(spec: ModelSpec) -> TransformerLM:
     )
 
 
+def _latent_attention(spec: ModelSpec) -> MultiHeadLatentAttention:
+    """DeepSeek's multi-head latent attention (``spec.mla``)."""
+    return MultiHeadLatentAttention(
+        spec.hidden_size,
+        spec.num_attention_heads,
+        spec.mla,
+        bias=spec.attention_bias,
+        scale=mla_softmax_scale(spec.mla, spec.rope_scaling),
+        rope_interleaved=spec.rope_interleaved,
+    )
+
+
+def _llama4_attention(layers: list[DecoderLayer], spec: ModelSpec) -> None:
+    """Llama 4's weightless qk-norm on RoPE layers and temperature on NoPE layers."""
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        if spec.qk_l2_norm and i not in spec.nope_layers:
+            attn.q_norm = attn.k_norm = L2Norm(spec.rms_norm_eps)
+        if spec.attn_temperature_tuning and i in spec.nope_layers:
+            attn.query_scale = AttentionTemperature(spec.floor_scale, spec.attn_scale)
+
+
+def _clamped_moe(spec: ModelSpec) -> MoE:
+    """gpt-oss's MoE layer (``spec.clamped_experts``): biased router, softmax after top-k,
+    biased experts with the clamped SwiGLU, transformers' fused tensors on disk."""
+    moe = MoE(
+        spec.hidden_size,
+        spec.moe_intermediate_size,
+        num_experts=spec.num_experts,
+        top_k=spec.num_experts_per_tok,
+        router_bias=True,
+        softmax_after_topk=True,
+    )
+    moe.experts = gpt_oss_experts(
+        spec.num_experts,
+        spec.hidden_size,
+        spec.moe_intermediate_size,
+        alpha=spec.clamped_experts.swiglu_alpha,
+        limit=spec.clamped_experts.swiglu_limit,
+    )
+    return moe
+
+
 def _mlp(spec: ModelSpec, layer_idx: int) -> nn.Module:
+    if spec.clamped_experts is not None and spec.is_moe_layer(layer_idx):
+        return _clamped_moe(spec)
+    if spec.moe_router == "llama4" and spec.is_moe_layer(layer_idx):
+        return Llama4MoE(
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            num_experts=spec.num_experts,
+            top_k=spec.num_experts_per_tok,
+        )
+    if spec.moe_routing is not None and spec.is_moe_layer(layer_idx):
+        return DeepSeekMoE(
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            num_experts=spec.num_experts,
+            top_k=spec.num_experts_per_tok,
+            routing=spec.moe_routing,
+            norm_topk_prob=spec.norm_topk_prob,
+            mlp_bias=spec.mlp_bias,
+        )
     if spec.is_moe_layer(layer_idx):
         if spec.hidden_act != "silu":
             raise UnsupportedModelError(

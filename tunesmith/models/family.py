@@ -117,6 +117,11 @@ class Family:
             names tunesmith keeps apart, in row order (Phi-3:
             ``{"qkv_proj": ("q_proj", "k_proj", "v_proj")}``); see
             :mod:`~tunesmith.models.fused_keys`.
+        renames: pieces of tensor names its files spell differently from the modules (ours ->
+            the file's, ``{i}`` an index; Mixtral: ``{".mlp.gate.": ".block_sparse_moe.gate."}``),
+            renamed on load and save; see :mod:`~tunesmith.models.key_renames`.
+        renames_in_peft: transformers' modules carry the files' names too (Llama 4's
+            ``feed_forward``), so PEFT folders are renamed as well (else they keep ours).
 
     Example::
 
@@ -135,6 +140,8 @@ class Family:
     to_hf_config: Callable[[ModelSpec], dict[str, Any]] = _no_keys
     template: str | None = None
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    renames: Mapping[str, str] = field(default_factory=dict)
+    renames_in_peft: bool = False
     multimodal_types: tuple[str, ...] = ()
     classifier: str | None = None
     has_classifier: bool = True

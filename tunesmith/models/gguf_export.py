@@ -6,8 +6,9 @@ Ollama and transformers (``from_pretrained(folder, gguf_file=...)``) load.
 
 - the model's hyperparameters under llama.cpp's keys for its architecture (:data:`GGUF_ARCHES`:
   Llama and Mistral are llama.cpp's ``llama``, Qwen2/2.5 ``qwen2``, Qwen3 ``qwen3``, Qwen3-MoE
-  ``qwen3moe`` with its experts stacked ``[experts, ...]`` as llama.cpp keeps them; any other
-  family is refused by name);
+  ``qwen3moe`` with its experts stacked ``[experts, ...]`` as llama.cpp keeps them, Mixtral
+  llama.cpp's ``llama`` with such experts (``ffn_gate_exps`` ...; transformers' GGUF reader
+  does not read it back: llama.cpp does); any other family is refused by name);
 - every weight under llama.cpp's tensor names (the ``gguf`` package's own name map), 2-D
   weights in ``outtype`` (``f32``, ``f16``, ``bf16`` or ``q8_0``: blocks of 32 int8 values
   with one f16 scale; a weight whose rows are not a multiple of 32 stays f16, as llama.cpp
@@ -55,7 +56,7 @@ __all__ = ["GGUF_ARCHES", "OUTTYPES", "PRE_TOKENIZERS", "GGUFExportError", "expo
 
 GGUF_ARCHES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-    "qwen3_moe": "qwen3moe",
+    "qwen3_moe": "qwen3moe", "mixtral": "llama",
 }  # fmt: skip
 """Hugging Face ``model_type`` -> llama.cpp architecture, for the families exported."""
 
@@ -173,17 +174,21 @@ def _check_supported(spec: ModelSpec, arch: str) -> None:
             f"{spec.max_position_embeddings}): llama.cpp's {arch} attends to the whole context, "
             "so the exported model would not be this one"
         )
-    if spec.num_experts:  # llama.cpp's qwen3moe: every layer sparse, top-k weights renormalised
+    # llama.cpp's qwen3moe, and its llama with experts (Mixtral): every layer sparse, softmax
+    # top-k weights renormalised
+    if spec.num_experts:
         moe = {"norm_topk_prob": spec.norm_topk_prob, "mlp_only_layers": spec.mlp_only_layers,
                "decoder_sparse_step": spec.decoder_sparse_step}  # fmt: skip
-        if arch != "qwen3moe" or moe != {
+        sparse_arch = arch == "qwen3moe" or (arch == "llama" and spec.model_type == "mixtral")
+        if not sparse_arch or moe != {
             "norm_topk_prob": True,
             "mlp_only_layers": (),
             "decoder_sparse_step": 1,
         }:
             raise GGUFExportError(
                 f"GGUF export of this mixture of experts ({moe}) is not supported: llama.cpp's "
-                "qwen3moe needs every layer sparse with renormalised top-k weights"
+                "qwen3moe and llama (Mixtral) need every layer sparse with renormalised top-k "
+                "weights"
             )
     plain = (
         spec.partial_rotary_factor == 1.0

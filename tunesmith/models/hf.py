@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -35,7 +35,9 @@ from tunesmith.models.atomic import UnsafePathError, open_no_follow, real_folder
 from tunesmith.models.builder import build_model
 from tunesmith.models.family import language_model_config
 from tunesmith.models.fused_keys import fuse_state, fused_parts
+from tunesmith.models.load_filters import LoadFilters, load_filters
 from tunesmith.models.manifest import has_manifest, manifest_problem
+from tunesmith.models.mxfp4_weights import dequantized_source
 from tunesmith.models.safetensors_io import (
     CheckpointError,
     CheckpointFileNotFoundError,
@@ -224,11 +226,21 @@ def load_hf_weights(
     if verify:
         verify_own_checkpoint(folder)
     rename = _language_model_names(folder)
-    load_into_module(
-        model, folder, device=device, dtype=resolved, parts=_fused_parts(model), rename=rename
-    )
+    filters = _load_filters(folder)
+    with dequantized_source(folder, dtype=resolved) as source:  # MXFP4 experts: dequantized
+        load_into_module(
+            model,
+            source,
+            device=device,
+            dtype=resolved,
+            parts=_fused_parts(model),
+            rename=_with_family_renames(model, _then(filters, rename)),
+            transform=None if filters is None else filters.transform,
+        )
     if rename is not None:
         rename.report(folder)
+    if filters is not None:
+        filters.report(folder)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     if hasattr(model, "init_buffers"):
@@ -274,6 +286,48 @@ def _language_model_names(folder: str | os.PathLike) -> _LanguageModelNames | No
         return None
     note = language_model_config(read_hf_config(folder))[1]
     return None if note is None else _LanguageModelNames(note)
+
+
+def _with_family_renames(
+    model: nn.Module, rename: Callable[[str], str | None] | None
+) -> Callable[[str], str | None] | None:
+    """``rename`` followed by the names ``model``'s family spells differently on disk
+    (``spec.checkpoint_renames``, e.g. Mixtral's ``block_sparse_moe``)."""
+    renames = getattr(getattr(model, "spec", None), "checkpoint_renames", None)
+    if not renames:
+        return rename
+    if rename is None:
+        return renames.from_disk
+    first = rename
+
+    def both(name: str) -> str | None:
+        ours = first(name)
+        return None if ours is None else renames.from_disk(ours)
+
+    return both
+
+
+def _load_filters(folder: str | os.PathLike) -> LoadFilters | None:
+    """What the folder's config asks a loader to skip or convert (MTP layers, FP8), or None."""
+    if not (Path(folder) / CONFIG_NAME).is_file():
+        return None
+    return load_filters(folder, language_model_config(read_hf_config(folder))[0])
+
+
+def _then(
+    filters: LoadFilters | None, rename: Callable[[str], str | None] | None
+) -> Callable[[str], str | None] | None:
+    """``filters.rename`` (on the names as stored), then ``rename``."""
+    if filters is None:
+        return rename
+    if rename is None:
+        return filters.rename
+
+    def both(name: str) -> str | None:
+        kept = filters.rename(name)
+        return None if kept is None else rename(kept)
+
+    return both
 
 
 def _fused_parts(model: nn.Module) -> dict[str, tuple[str, int, int]]:
@@ -633,7 +687,7 @@ def write_hf_checkpoint(
         )
     out_dtype = resolve_dtype(dtype) if dtype is not None else _dominant_dtype(state)
     written = write_safetensors_shards(
-        fuse_state(state, spec.fused_projections),
+        spec.checkpoint_renames.state_to_disk(fuse_state(state, spec.fused_projections)),
         folder,
         max_shard_size=max_shard_size,
         dtype=out_dtype,

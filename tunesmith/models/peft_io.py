@@ -126,9 +126,37 @@ def _expert_file_layers(experts_name: str, fused: bool, down: bool) -> dict[str,
     return {("gate_up_proj" if fused else "down_proj"): experts_name}
 
 
-def _to_peft_expert_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _experts_whose_layout(model: nn.Module, flag: str) -> set[str]:
+    """Expert modules whose ``checkpoint_layout`` sets ``flag``."""
+    return {
+        name
+        for name, m in model.named_modules()
+        if getattr(getattr(m, "checkpoint_layout", None), flag, False)
+    }
+
+
+def _interleaved_experts(model: nn.Module) -> set[str]:
+    """Expert modules whose checkpoints interleave gate and up rows (gpt-oss:
+    ``checkpoint_layout.interleaved_gate_up``): their fused ``lora_B`` rows are interleaved too."""
+    return _experts_whose_layout(model, "interleaved_gate_up")
+
+
+def _input_major_experts(model: nn.Module) -> set[str]:
+    """Expert modules whose checkpoints store ``[E, in, out]`` (Llama 4:
+    ``checkpoint_layout.input_major``). peft reads every 3-D expert tensor as ``[E, out, in]``,
+    so its ``lora_A``/``lora_B`` there are our ``B``/``A`` transposed (``(B A)^T = A^T B^T``)."""
+    return _experts_whose_layout(model, "input_major")
+
+
+def _to_peft_expert_tensors(
+    state: Mapping[str, torch.Tensor],
+    interleaved: Collection[str] = (),
+    input_major: Collection[str] = (),
+) -> dict[str, torch.Tensor]:
     """Our stacked expert adapter keys (``<experts>.lora.<proj>.lora_A``) -> PEFT's keys and
-    layouts (without prefix); other keys pass through."""
+    layouts (without prefix); other keys pass through. ``interleaved``: experts names whose
+    fused rows alternate gate and up (see :func:`_interleaved_experts`); ``input_major``: those
+    stored ``[E, in, out]`` (see :func:`_input_major_experts`)."""
     out: dict[str, torch.Tensor] = {}
     groups: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
     for key, value in state.items():
@@ -151,12 +179,19 @@ def _to_peft_expert_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torc
             b = torch.stack(
                 [torch.block_diag(bg, bu) for bg, bu in zip(g["lora_B"], u["lora_B"], strict=True)]
             )
+            if experts_name in interleaved:  # rows gate_0, up_0, gate_1, up_1, ...
+                half = b.shape[1] // 2
+                b = torch.stack([b[:, :half], b[:, half:]], dim=2).flatten(1, 2)
+            if experts_name in input_major:
+                a, b = b.transpose(1, 2), a.transpose(1, 2)
             out[f"{layers['gate_up_proj']}.lora_A.weight"] = a.flatten(0, 1)
             out[f"{layers['gate_up_proj']}.lora_B.weight"] = b.permute(1, 2, 0).flatten(1, 2)
         if down:
-            d = projs["down_proj"]
-            out[f"{layers['down_proj']}.lora_A.weight"] = d["lora_A"].flatten(0, 1)
-            out[f"{layers['down_proj']}.lora_B.weight"] = d["lora_B"].permute(1, 2, 0).flatten(1, 2)
+            a, b = projs["down_proj"]["lora_A"], projs["down_proj"]["lora_B"]
+            if experts_name in input_major:
+                a, b = b.transpose(1, 2), a.transpose(1, 2)
+            out[f"{layers['down_proj']}.lora_A.weight"] = a.flatten(0, 1)
+            out[f"{layers['down_proj']}.lora_B.weight"] = b.permute(1, 2, 0).flatten(1, 2)
     return out
 
 
@@ -198,9 +233,13 @@ def _expert_adapters(
                 )
             a3 = a.reshape(e, -1, a.shape[-1])
             b3 = b.reshape(b.shape[0], -1, e).permute(2, 0, 1)
+            if getattr(module.checkpoint_layout, "input_major", False):  # see _input_major_experts
+                a3, b3 = b3.transpose(1, 2), a3.transpose(1, 2)
             if param == "down_proj":
                 out.setdefault(experts_name, {})["down_proj"] = (a3, b3)
                 continue
+            if getattr(getattr(module, "checkpoint_layout", None), "interleaved_gate_up", False):
+                b3 = torch.cat([b3[:, 0::2], b3[:, 1::2]], dim=1)  # gate rows, then up rows
             r2, i2 = a3.shape[1], b3.shape[1]
             if r2 % 2 or i2 % 2:
                 raise CheckpointError(f"{file}: '{layer}' (gate_up_proj) has odd rank or width")
@@ -664,14 +703,40 @@ def write_peft_adapter(
     plain = {k: _plain_cpu(k, v, out_dtype) for k, v in expected.items()}
     plain = _to_peft_fused_tensors(plain, _adapter_groups(model)[1])
     tensors = {
-        PEFT_KEY_PREFIX + k: v.contiguous() for k, v in _to_peft_expert_tensors(plain).items()
+        PEFT_KEY_PREFIX + k: v.contiguous()
+        for k, v in _to_peft_expert_tensors(
+            plain, _interleaved_experts(model), _input_major_experts(model)
+        ).items()
     }
+    tensors = _peft_renamed(model, tensors, to_file=True)
     folder.mkdir(parents=True, exist_ok=True)
     weights = folder / ADAPTER_WEIGHTS_NAME
     save_file(tensors, str(weights), metadata={"format": "pt"})
     config_path = folder / ADAPTER_CONFIG_NAME
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return [weights, config_path] + ([record.write(folder)] if record is not None else [])
+
+
+def _peft_renamed(model: nn.Module, named: Mapping[str, Any], *, to_file: bool) -> dict[str, Any]:
+    """``named`` (state-dict or layer names) as the family's PEFT folders spell them
+    (``to_file``) or as the model's modules do: renamed by ``Family.renames`` where
+    transformers' modules carry the files' names (``renames_in_peft``, Llama 4's
+    ``feed_forward``); unchanged for the other families (PEFT keeps in-memory names).
+
+    Example::
+
+        >>> from tunesmith.models import llama4
+        >>> tiny = llama4.llama4_tiny(device="meta")
+        >>> list(_peft_renamed(tiny, {"model.layers.1.mlp.experts": 0}, to_file=True))
+        ['model.layers.1.feed_forward.experts']
+    """
+    specs = (getattr(m, "spec", None) for m in model.modules())
+    spec = next((s for s in specs if isinstance(s, ModelSpec)), None)
+    if spec is None or not family_for(spec.model_type).renames_in_peft:
+        return dict(named)
+    renames = spec.checkpoint_renames
+    rename = renames.to_disk if to_file else renames.from_disk
+    return {rename(f"{key}.")[:-1]: value for key, value in named.items()}
 
 
 def _base_record(base: str | os.PathLike | None) -> BaseRecord | None:
@@ -889,6 +954,8 @@ def load_peft_adapter(
     each parameter takes its own shard of the file's tensor.
     """
     adapter = read_peft_adapter(folder)
+    adapter.layers = _peft_renamed(model, adapter.layers, to_file=False)
+    adapter.base = _peft_renamed(model, adapter.base, to_file=False)
     file = adapter.weights_file
     config = adapter.config
     every = adapter_modules(model)

@@ -296,6 +296,7 @@ def load_into_module(
     dtype: torch.dtype | None = None,
     parts: Mapping[str, tuple[str, int, int]] | None = None,
     rename: Callable[[str], str | None] | None = None,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Load a safetensors folder into ``module`` shard by shard, replacing its tensors.
 
@@ -312,6 +313,9 @@ def load_into_module(
     ``parts`` names tensors the checkpoint stores fused with others (see
     :func:`~tunesmith.models.fused_keys.fused_parts`): state-dict name -> (checkpoint name,
     first row, end row); such a tensor is read as those rows of the fused one.
+    ``transform`` (optional) gets each tensor as read, by its (renamed) checkpoint name, and
+    returns what is loaded instead (block-scaled FP8 dequantized, see
+    :mod:`~tunesmith.models.fp8_weights`), before the cast to ``dtype``.
 
     Every name and shape is checked from the file headers before any data is read.
 
@@ -333,6 +337,7 @@ def load_into_module(
     state = module.state_dict(keep_vars=True)
     tied = _tied_names(module, state)
     expected = {key: state[key] for key in tied}  # one name per tensor object
+    float32 = _float32_names(module)
 
     # ---- validate names and shapes from headers only
     source: dict[str, str] = {}  # state-dict name -> checkpoint name its data is read from
@@ -404,12 +409,18 @@ def load_into_module(
             for key in by_file[path]:
                 target = expected[key]
                 dt = (dtype or target.dtype) if target.is_floating_point() else target.dtype
+                if key in float32:  # kept in float32 whatever the load dtype
+                    dt = torch.float32
                 if key in rows:  # read once, cut into its parts
                     if source[key] not in fused:
                         fused[source[key]] = _read(f, path, _stored(infos, source[key]))
+                        if transform is not None:
+                            fused[source[key]] = transform(source[key], fused[source[key]])
                     tensor = fused[source[key]][rows[key][0] : rows[key][1]]
                 else:
                     tensor = _read(f, path, _stored(infos, source[key]))
+                    if transform is not None:
+                        tensor = transform(source[key], tensor)
                 shard[key] = tensor.to(device=_target_device(target, device), dtype=dt)
             result = module.load_state_dict(shard, strict=False, assign=True)
             if result.unexpected_keys:
@@ -435,6 +446,16 @@ def load_into_module(
                     f"({infos[source[key]].file.name}) but the model ties them; set "
                     f"tie_word_embeddings=false in config.json if the checkpoint is really untied"
                 )
+
+
+def _float32_names(module: nn.Module) -> set[str]:
+    """State-dict names of the tensors ``module``'s submodules keep in float32 whatever the
+    model's dtype (their ``float32_buffers``, e.g. DeepSeek's ``e_score_correction_bias``)."""
+    return {
+        f"{name}.{buffer}" if name else buffer
+        for name, sub in module.named_modules()
+        for buffer in getattr(sub, "float32_buffers", ())
+    }
 
 
 def _renamed(

@@ -31,10 +31,16 @@ from tunesmith.models.family import (
     families,
     family_for,
 )
+from tunesmith.models.fp8_weights import block_fp8_size
+from tunesmith.models.key_renames import KeyRenames
+from tunesmith.models.mxfp4_weights import is_mxfp4_config
 from tunesmith.modules.decoder import NORM_LAYOUTS
 from tunesmith.modules.feed_forward import ACTIVATIONS
+from tunesmith.modules.gpt_oss_experts import ClampedExperts
 from tunesmith.modules.logits import LogitTransform
+from tunesmith.modules.mla import MLAConfig
 from tunesmith.modules.norms import NORM_STYLES
+from tunesmith.modules.routers import DeepSeekRouting
 
 __all__ = [
     "SIZE_LIMITS",
@@ -75,6 +81,7 @@ SIZE_LIMITS: dict[str, tuple[int, int]] = {
     "num_experts_per_tok": (0, 4096),
     "moe_intermediate_size": (0, 2**19),
     "decoder_sparse_step": (1, 1024),
+    "attention_chunk_size": (1, 2**25),
 }
 """Sizes a spec (and a ``config.json``) may have: ``(lowest, highest)``, generous bounds that
 no real model reaches (Llama 3.1 405B: 126 layers, hidden 16384, vocab 128256), so a hostile
@@ -185,6 +192,23 @@ class ModelSpec:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     final_logit_softcapping: float | None = None
+    # DeepSeek-V2/V3: multi-head latent attention and routing with shared experts (see
+    # tunesmith.models.zoo.deepseek_v3); None for every other family.
+    mla: MLAConfig | None = None
+    moe_routing: DeepSeekRouting | None = None
+    # Llama 4: chunked local attention on "chunked_attention" layers (see layer_types), a
+    # weightless RMS ("L2") qk-norm on RoPE layers, attention temperature tuning on NoPE
+    # layers (see tunesmith.models.zoo.llama4); off for every other family.
+    attention_chunk_size: int | None = None
+    qk_l2_norm: bool = False
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    moe_router: str = "softmax"  # "llama4": Llama4MoE (sigmoid top-k, shared expert)
+    # gpt-oss: attention sinks (a learned logit per head in the softmax denominator) and its
+    # experts (see tunesmith.modules.gpt_oss_experts.ClampedExperts); off for other families.
+    attention_sinks: bool = False
+    clamped_experts: ClampedExperts | None = None
     # Initialisation and tokens (carried through to config.json).
     initializer_range: float = 0.02
     bos_token_id: int | None = None
@@ -242,7 +266,11 @@ class ModelSpec:
                 raise ValueError(
                     f"layer_types lists {len(self.layer_types)} layers, the model has {n}"
                 )
-            kinds = set(self.layer_types) - {"full_attention", "sliding_attention"}
+            kinds = set(self.layer_types) - {
+                "full_attention",
+                "sliding_attention",
+                "chunked_attention",
+            }
             if kinds:
                 raise UnsupportedModelError(
                     f"layer_types {sorted(kinds)} are not supported (full_attention, "
@@ -250,6 +278,10 @@ class ModelSpec:
                 )
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but no sliding_window")
+            if "chunked_attention" in self.layer_types and not self.attention_chunk_size:
+                raise ValueError(
+                    "layer_types has chunked_attention layers but no attention_chunk_size"
+                )
         outside = [i for i in self.nope_layers if not (isinstance(i, int) and 0 <= i < n)]
         if outside:
             raise ValueError(f"nope_layers {outside} are not layers of a {n}-layer model")
@@ -265,6 +297,10 @@ class ModelSpec:
                 f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] and "
                 f"rotate an even number of features (head_dim {self.head_dim})"
             )
+        if self.moe_router not in ("softmax", "llama4"):
+            raise UnsupportedModelError(
+                f"moe_router {self.moe_router!r} is not supported; supported: softmax, llama4"
+            )
         if self.rope_local_theta is not None and not self.rope_local_theta > 0:
             raise ValueError(f"rope_local_theta must be > 0, got {self.rope_local_theta!r}")
 
@@ -272,6 +308,22 @@ class ModelSpec:
     def rotary_dim(self) -> int:
         """The features of each head that RoPE rotates (``head_dim`` unless partial)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_attention_chunk(self, layer_idx: int) -> int | None:
+        """The attention chunk of layer ``layer_idx`` (Llama 4's ``"chunked_attention"``
+        layers: a query sees only the keys of its own ``attention_chunk_size`` positions), or
+        None.
+
+        Example::
+
+            >>> from tunesmith.models import llama4
+            >>> spec = llama4.spec("llama4_tiny")
+            >>> spec.layer_attention_chunk(0), spec.layer_attention_chunk(2)
+            (3, None)
+        """
+        if self.layer_types is not None and self.layer_types[layer_idx] == "chunked_attention":
+            return self.attention_chunk_size
+        return None
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The window of layer ``layer_idx`` (None: full attention).
@@ -304,6 +356,13 @@ class ModelSpec:
         return family_for(self.model_type).fused
 
     @property
+    def checkpoint_renames(self) -> KeyRenames:
+        """How this family's files spell tensor names that differ from the modules'
+        (``Family.renames``; empty for most families), see
+        :mod:`~tunesmith.models.key_renames`."""
+        return KeyRenames(family_for(self.model_type).renames)
+
+    @property
     def is_moe(self) -> bool:
         """True when at least one layer is a mixture-of-experts layer."""
         return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
@@ -320,8 +379,14 @@ class ModelSpec:
         """
         width, q, kv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
         attention = 2 * width * (q + kv) * self.head_dim
+        if self.mla is not None:
+            attention = self.mla.parameters(width, q)
         dense = 3 * width * self.intermediate_size
         experts = self.num_experts * (3 * width * self.moe_intermediate_size + width)
+        if self.moe_routing is not None:  # shared experts beside the routed ones
+            experts += 3 * width * self.moe_intermediate_size * self.moe_routing.n_shared_experts
+        if self.moe_router == "llama4":  # its shared expert, as wide as a routed one
+            experts += 3 * width * self.moe_intermediate_size
         layers = sum(
             experts if self.is_moe_layer(i) else dense for i in range(self.num_hidden_layers)
         )
@@ -460,10 +525,19 @@ _FAMILY_FIELDS: dict[str, Any] = {
         "residual_multiplier",
         "logits_scaling",
         "final_logit_softcapping",
+        "mla",
+        "moe_routing",
+        "attention_chunk_size",
+        "qk_l2_norm",
+        "attn_temperature_tuning",
+        "floor_scale",
+        "attn_scale",
+        "moe_router",
     )
 }
 """Spec fields only a family's own hooks read and write, with their defaults: a spec whose
 value a family's config cannot carry back is refused when written."""
+_FAMILY_FIELDS.update(attention_sinks=False, clamped_experts=None)  # gpt-oss
 
 
 def _family_fields(config: dict[str, Any]) -> dict[str, Any]:
@@ -663,7 +737,8 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     if missing:
         raise ValueError(f"config.json for {model_type!r} lacks required key(s): {missing}")
     check_sizes(config)  # before any hook or default reads a size
-    if config.get("quantization_config"):
+    dequantized = block_fp8_size(config) is not None or is_mxfp4_config(config)  # FP8, MXFP4
+    if config.get("quantization_config") and not dequantized:
         method = config["quantization_config"].get("quant_method", "?")
         raise UnsupportedModelError(
             f"pre-quantized checkpoints (quantization_config.quant_method={method!r}) are not "

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from tunesmith.models.family import UnsupportedModelError, families
+from tunesmith.models.key_renames import KeyRenames
 from tunesmith.models.safetensors_io import CheckpointError
 from tunesmith.modules.decoder import mark_decoder_layers
 from tunesmith.modules.logits import LogitTransform
@@ -183,6 +184,8 @@ class TransformersSpec:
     sizes: dict[str, Any] = dataclasses.field(default_factory=dict)
     backend = "transformers"
     fused_projections: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # transformers writes its own names: nothing to rename on save (see models/key_renames.py)
+    checkpoint_renames = property(lambda self: KeyRenames({}))
 
     @classmethod
     def of(cls, config: Any) -> TransformersSpec:

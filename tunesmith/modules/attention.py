@@ -17,6 +17,7 @@ from tunesmith.modules.kv_cache import KVCache
 from tunesmith.modules.norms import RMSNorm
 from tunesmith.modules.paged_cache import PagedKVCache
 from tunesmith.modules.rope import apply_rotary
+from tunesmith.modules.sinks import sink_attention
 
 __all__ = ["Attention"]
 
@@ -45,6 +46,8 @@ class Attention(nn.Module):
         rope: rotate q and k (False: a NoPE layer, which ignores ``cos``/``sin``).
         rope_interleaved: rotate pairs ``(0, 1), (2, 3), ...`` instead of the two halves
             (GLM-4; the rotary embedding must lay cos/sin out the same way).
+        sinks: a learned logit per head in the softmax denominator (gpt-oss), the parameter
+            ``sinks`` ``[num_heads]``; computed by :func:`~tunesmith.modules.sinks.sink_attention`.
 
     Example::
 
@@ -72,6 +75,7 @@ class Attention(nn.Module):
         softcap: float | None = None,
         rope: bool = True,
         rope_interleaved: bool = False,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -98,6 +102,12 @@ class Attention(nn.Module):
         self.softcap = softcap
         self.rope = rope
         self.rope_interleaved = rope_interleaved
+        if sinks and softcap is not None:
+            raise ValueError("attention sinks with a soft-cap on the scores are not supported")
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
+        # A module (q, batch, cached tokens) -> q scaled by position, set by a builder
+        # (Llama 4's temperature tuning of NoPE layers, tunesmith.modules.llama4); None: none.
+        self.query_scale: nn.Module | None = None
 
     def forward(
         self,
@@ -134,6 +144,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rope:
             q, k = apply_rotary(q, k, cos, sin, interleaved=self.rope_interleaved)
+        if self.query_scale is not None:
+            q = self.query_scale(q, batch, getattr(kv_cache, "seq_len", 0))
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)
 
@@ -141,7 +153,10 @@ class Attention(nn.Module):
             batch = AttentionBatch("sdpa", mask=mask)
             if spans is not None:
                 batch.backend, batch.prepared["loop"] = "loop", spans
-        if self.softcap is not None:
+        if self.sinks is not None:
+            sinks = self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks
+            out = sink_attention(q, k, v, batch, sinks, scale=self.scale)  # TP: local heads
+        elif self.softcap is not None:
             out = softcapped_attention(q, k, v, batch, scale=self.scale, softcap=self.softcap)
         else:
             if self.scale is not None:  # the backends all scale by head_dim ** -0.5

@@ -62,6 +62,8 @@ class AttentionBatch:
             causal path (see :func:`~tunesmith.modules.masks.build_attention_mask`).
         document_ids: ``[b, s]`` packed rows (equal ids = one document, negative = padding).
         sliding_window: each query sees only the last ``sliding_window`` keys, or None.
+        position_ids: ``[b|1, q_len]`` positions of the queries (set by the decoder; what a
+            layer scales by position reads, e.g. Llama 4's attention temperature), or None.
         prepared: what backends computed once for this forward (index tensors, block
             masks), by backend name; filled by :meth:`prepare`.
 
@@ -77,6 +79,7 @@ class AttentionBatch:
     mask: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
     sliding_window: int | None = None
+    position_ids: torch.Tensor | None = None
     prepared: dict[str, Any] = field(default_factory=dict)
 
     def prepare(self) -> AttentionBackend:

@@ -16,6 +16,7 @@ from torch import nn
 
 from tunesmith.modules.attention import Attention
 from tunesmith.modules.attention_backends import AttentionBatch, resolve_attention_backend
+from tunesmith.modules.chunked import chunked_batch
 from tunesmith.modules.kv_cache import KVCache
 from tunesmith.modules.logits import LogitTransform
 from tunesmith.modules.masks import build_attention_mask, document_causal_mask
@@ -24,6 +25,7 @@ from tunesmith.modules.norms import RMSNorm
 from tunesmith.modules.paged_cache import PagedKVCache
 from tunesmith.modules.ring_attention import RingShard, ring_batch
 from tunesmith.modules.rope import RotaryEmbedding
+from tunesmith.modules.routers import DeepSeekGate
 
 __all__ = [
     "NORM_LAYOUTS",
@@ -114,6 +116,7 @@ class DecoderLayer(nn.Module):
         norm_style: str = "plain",
         residual_multiplier: float = 1.0,
         sliding_window: int | None = None,
+        attention_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         if norm_layout not in NORM_LAYOUTS:
@@ -128,10 +131,14 @@ class DecoderLayer(nn.Module):
             self.add_module(name, RMSNorm(hidden_size, eps=norm_eps, style=norm_style))
         self.residual_multiplier = residual_multiplier
         self.sliding_window = sliding_window
+        self.attention_chunk_size = attention_chunk_size
 
     @property
     def attention_type(self) -> str:
-        """``"sliding_attention"`` or ``"full_attention"`` (the names of HF's ``layer_types``)."""
+        """``"sliding_attention"``, ``"chunked_attention"`` (queries see only their own chunk of
+        ``attention_chunk_size`` positions: Llama 4) or ``"full_attention"`` (HF's names)."""
+        if self.attention_chunk_size is not None:
+            return "chunked_attention"
         return "full_attention" if self.sliding_window is None else "sliding_attention"
 
     def _norm(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
@@ -236,6 +243,15 @@ class DecoderModel(nn.Module):
         return tuple(dict.fromkeys(layer.sliding_window for layer in self.layers))
 
     @property
+    def attention_kinds(self) -> tuple[tuple[int | None, int | None], ...]:
+        """The distinct ``(sliding_window, attention_chunk_size)`` of the layers, in order."""
+        return tuple(
+            dict.fromkeys(
+                (layer.sliding_window, layer.attention_chunk_size) for layer in self.layers
+            )
+        )
+
+    @property
     def attention_backend(self) -> str:
         """The backend knob (``auto`` or a name in ``ATTENTION_BACKENDS``)."""
         return self._attention_backend
@@ -291,9 +307,10 @@ class DecoderModel(nn.Module):
             packed=document_ids is not None,
             cached=kv_cache is not None,
         )
-        # One mask and batch per distinct window, built once for every layer that has it.
-        batches: dict[int | None, tuple[torch.Tensor | None, AttentionBatch]] = {}
-        for window in self.sliding_windows:
+        # One mask and batch per distinct (window, chunk), built once for every layer with it.
+        batches: dict[tuple[int | None, int | None], tuple[torch.Tensor | None, AttentionBatch]]
+        batches = {}
+        for window, chunk in self.attention_kinds:
             shape = {"batch_size": b, "q_len": s, "sliding_window": window}
             if kv_cache is None:
                 mask = build_attention_mask(
@@ -308,9 +325,16 @@ class DecoderModel(nn.Module):
                 shard = RingShard(getattr(self, "context_parallel_group", None), cp_index)
                 mask, batch = None, ring_batch(shard, document_ids=document_ids,
                                                sliding_window=window)  # fmt: skip
+            if chunk is not None:  # Llama 4: finer documents, the mask cut at chunk edges
+                mask, batch = chunked_batch(
+                    mask, batch, chunk_size=chunk, position_ids=position_ids,
+                    attention_mask=attention_mask,
+                    cached_len=None if kv_cache is None else getattr(kv_cache, "seq_len", 0),
+                )  # fmt: skip
+            batch.position_ids = position_ids
             if not torch.compiler.is_compiling():
                 batch.prepare()  # index tensors / block masks, once for every layer
-            batches[window] = (mask, batch)
+            batches[(window, chunk)] = (mask, batch)
         h = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             h = h * torch.tensor(self.embedding_multiplier, dtype=h.dtype)
@@ -319,7 +343,7 @@ class DecoderModel(nn.Module):
             rope["local"] = self.rotary_emb_local(position_ids, dtype=h.dtype)
         router_logits = []
         for i, layer in enumerate(self.layers):
-            mask, batch = batches[layer.sliding_window]
+            mask, batch = batches[(layer.sliding_window, layer.attention_chunk_size)]
             local = layer.sliding_window is not None and self.rotary_emb_local is not None
             cos, sin = rope["local" if local else None]
             h, layer_router_logits = layer(
@@ -482,6 +506,8 @@ class TransformerLM(nn.Module):
             "num_layers": len(self.model.layers),
             "num_kv_heads": attn.num_kv_heads,
             "head_dim": attn.head_dim,
+            # values of another width: multi-head latent attention caches its latent
+            "value_dim": getattr(attn, "cache_value_dim", None),
             "dtype": weight.dtype if dtype is None else dtype,
             "device": weight.device if device is None else device,
         }
@@ -535,8 +561,10 @@ class TransformerLM(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
-            elif isinstance(module, GroupedExperts):
+            elif isinstance(module, (GroupedExperts, DeepSeekGate)):
                 module.init_weights(std)
+            if isinstance(module, Attention) and module.sinks is not None:
+                nn.init.normal_(module.sinks, mean=0.0, std=std)  # gpt-oss, as transformers
         self.init_buffers()
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:

@@ -10,7 +10,9 @@ __all__ = ["KVCache"]
 
 
 class KVCache:
-    """Per-layer key/value buffers ``[batch, kv_heads, max_seq_len, head_dim]``.
+    """Per-layer key/value buffers ``[batch, kv_heads, max_seq_len, head_dim]`` (values
+    ``value_dim`` wide when given: multi-head latent attention caches its latent as the keys and
+    its rotary key as the values, see :mod:`~tunesmith.modules.mla`).
 
     All rows share one fill level, :attr:`seq_len`. During a forward each attention
     layer calls :meth:`update` with its new keys/values, which are written after
@@ -35,12 +37,14 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         *,
+        value_dim: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
+        v_shape = (*shape[:3], head_dim if value_dim is None else value_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
         self.seq_len = 0

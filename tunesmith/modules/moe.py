@@ -27,6 +27,8 @@ __all__ = [
     "MoE",
     "grouped_mm_supported",
     "load_balancing_loss",
+    "file_expert_keys",
+    "model_expert_keys",
     "split_expert_keys",
     "stack_expert_keys",
     "stacked_state",
@@ -71,6 +73,12 @@ class GroupedExperts(nn.Module):
     stacked tensors); ``load_state_dict`` takes those keys (stacked back, also when a
     streaming loader passes an expert's tensors over several calls) or the stacked names.
 
+    Options (gpt-oss): ``bias`` adds ``gate_proj_bias``/``up_proj_bias`` ``[E, I]`` and
+    ``down_proj_bias`` ``[E, H]``; ``activation(gate, up)`` replaces ``silu(gate) * up``;
+    ``checkpoint_layout`` (an object with ``split(module, state_dict, prefix)`` and
+    ``stack(module, state_dict, prefix, error_msgs)``) replaces the per-expert keys on disk
+    (see :mod:`~tunesmith.modules.gpt_oss_experts`).
+
     Example::
 
         >>> experts = GroupedExperts(4, hidden_size=32, intermediate_size=16)
@@ -81,7 +89,15 @@ class GroupedExperts(nn.Module):
         ['0.down_proj.weight', '0.gate_proj.weight']
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        bias: bool = False,
+        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         if num_experts <= 0:
             raise ValueError(f"num_experts must be positive, got {num_experts}")
@@ -91,6 +107,11 @@ class GroupedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        for name, width in zip(PROJECTIONS, (intermediate_size, intermediate_size, hidden_size)):
+            bias_param = nn.Parameter(torch.zeros(num_experts, width)) if bias else None
+            self.register_parameter(f"{name}_bias", bias_param)
+        self.activation = activation  # None: silu(gate) * up
+        self.checkpoint_layout: Any = None  # None: per-expert HF keys (see the class docs)
         self._pending: dict[str, dict[int, torch.Tensor]] = {}  # see _stack_experts
         self._prefix = ""
         self.split_state_dict = True  # state_dict() with HF per-expert keys (see stacked_state)
@@ -137,11 +158,23 @@ class GroupedExperts(nn.Module):
         for weight in (self.gate_proj, self.up_proj, self.down_proj):
             bound = 1 / math.sqrt(weight.shape[-1])
             nn.init.uniform_(weight, -bound, bound)
+        self._zero_biases()
 
     def init_weights(self, std: float) -> None:
         """Every expert weight ~ ``N(0, std)``, as transformers initialises its linears."""
         for weight in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(weight, mean=0.0, std=std)
+        self._zero_biases()
+
+    @torch.no_grad()
+    def _zero_biases(self) -> None:
+        for name in PROJECTIONS:
+            bias = getattr(self, f"{name}_bias")
+            if bias is not None:
+                bias.zero_()
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up if self.activation is None else self.activation(gate, up)
 
     def extra_repr(self) -> str:
         return (
@@ -160,18 +193,24 @@ class GroupedExperts(nn.Module):
                 f"{gate.shape[0]}: add expert LoRA (apply_lora) before expert parallel splits "
                 f"the experts (apply_expert_parallel), which splits the adapters with them"
             )
+        biases = {name: getattr(self, f"{name}_bias") for name in PROJECTIONS}
         if grouped_mm_supported(tokens_sorted, gate, down, *operands):
             offs = counts.cumsum(0).to(torch.int32)
+            if biases["gate_proj"] is not None:  # each row's expert, without a host sync
+                experts = torch.arange(len(counts), device=counts.device)
+                rows = experts.repeat_interleave(counts, output_size=tokens_sorted.shape[0])
 
             def project(x: torch.Tensor, name: str, weight: torch.Tensor) -> torch.Tensor:
                 y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
                 if name in adapters:
                     y = y + adapters[name].grouped(x, offs).to(y.dtype)
+                if biases[name] is not None:
+                    y = y + biases[name][rows]
                 return y
 
             g = project(tokens_sorted, "gate_proj", gate)
             u = project(tokens_sorted, "up_proj", up)
-            return project(F.silu(g) * u, "down_proj", down)
+            return project(self._glu(g, u), "down_proj", down)
         # unbind, not gate[e]: the backward of one select per expert would build E full-size
         # gradients; unbind's is one stack.
         outputs = []
@@ -188,12 +227,14 @@ class GroupedExperts(nn.Module):
                 lora = adapters[name]
                 h = lora.dropout_layer(x).to(a.dtype)
                 y = y + ((h @ a.T) @ b.T * lora.scaling).to(y.dtype)
+            if biases[name] is not None:
+                y = y + biases[name][e]
             return y
 
         weights = zip(gate.unbind(), up.unbind(), down.unbind(), strict=True)
         for e, (chunk, (g, u, d)) in enumerate(zip(chunks, weights, strict=True)):
             if chunk.shape[0]:
-                hidden = F.silu(one(chunk, "gate_proj", g, e)) * one(chunk, "up_proj", u, e)
+                hidden = self._glu(one(chunk, "gate_proj", g, e), one(chunk, "up_proj", u, e))
                 outputs.append(one(hidden, "down_proj", d, e))
         if not outputs:
             return tokens_sorted.new_zeros(tokens_sorted.shape)
@@ -284,6 +325,9 @@ def _split_experts(
     """State-dict post-hook: stacked ``gate_proj`` -> ``{i}.gate_proj.weight`` (HF keys)."""
     if not module.split_state_dict:
         return
+    if module.checkpoint_layout is not None:
+        module.checkpoint_layout.split(module, state_dict, prefix)
+        return
     stacked = {name: state_dict.pop(prefix + name) for name in PROJECTIONS}
     for i in range(module.num_experts):
         for name in PROJECTIONS:
@@ -308,6 +352,10 @@ def _stack_experts(
     the absent ones meanwhile).
     """
     module._prefix = prefix
+    if module.checkpoint_layout is not None:
+        if module.split_state_dict:
+            module.checkpoint_layout.stack(module, state_dict, prefix, error_msgs)
+        return
     for name in PROJECTIONS:
         pending = module._pending.setdefault(name, {})
         for i in range(module.num_experts):
@@ -412,6 +460,57 @@ def split_expert_keys(state: Mapping[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _layouts(model: nn.Module) -> dict[str, GroupedExperts]:
+    """``model``'s experts modules that have a ``checkpoint_layout``, by state-dict prefix."""
+    return {
+        f"{name}.": m
+        for name, m in model.named_modules()
+        if isinstance(m, GroupedExperts) and m.checkpoint_layout is not None
+    }
+
+
+def file_expert_keys(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+    """A stacked state dict of ``model`` (:func:`stacked_state`) with its experts as the files
+    store them: each experts module's ``checkpoint_layout`` (Llama 4's fused tensors), else
+    per-expert keys (:func:`split_expert_keys`).
+
+    Example::
+
+        >>> moe = MoE(8, 4, num_experts=2, top_k=1)
+        >>> with stacked_state(moe):
+        ...     sorted(file_expert_keys(moe, moe.state_dict()))[:2]
+        ['experts.0.down_proj.weight', 'experts.0.gate_proj.weight']
+    """
+    layouts = _layouts(model)
+    own = {k: v for k, v in state.items() if not k.startswith(tuple(layouts))}
+    out = split_expert_keys(own)
+    for prefix, module in layouts.items():
+        part = {k: v for k, v in state.items() if k.startswith(prefix)}
+        if prefix + "gate_proj" in part:
+            module.checkpoint_layout.split(module, part, prefix)
+        out.update(part)
+    return out
+
+
+def model_expert_keys(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`file_expert_keys`: the files' expert keys of ``model`` as its
+    stacked parameter names (a ``checkpoint_layout``'s refusals raise ``ValueError``).
+
+    Example::
+
+        >>> moe = MoE(8, 4, num_experts=2, top_k=1)
+        >>> sorted(model_expert_keys(moe, moe.state_dict()))
+        ['experts.down_proj', 'experts.gate_proj', 'experts.up_proj', 'gate.weight']
+    """
+    state = stack_expert_keys(state)
+    errors: list[str] = []
+    for prefix, module in _layouts(model).items():
+        module.checkpoint_layout.stack(module, state, prefix, errors)
+    if errors:
+        raise ValueError("; ".join(errors))
+    return state
+
+
 @contextlib.contextmanager
 def stacked_state(model: nn.Module) -> Iterator[nn.Module]:
     """Inside the block, ``model.state_dict()`` keeps the stacked expert tensors under their
@@ -451,6 +550,11 @@ class MoE(nn.Module):
     ``forward`` returns the output and the router logits ``[b * s, num_experts]``
     (for :func:`load_balancing_loss` and parity checks).
 
+    gpt-oss: ``router_bias`` gives ``gate`` a bias; ``softmax_after_topk`` picks the top
+    ``top_k`` logits first and softmaxes those (in the logits' dtype, as transformers' gpt-oss
+    router); ``expert_bias`` and ``activation`` are :class:`GroupedExperts`' ``bias`` and
+    ``activation``.
+
     Example::
 
         >>> moe = MoE(32, 16, num_experts=4, top_k=2, norm_topk_prob=True)
@@ -467,17 +571,44 @@ class MoE(nn.Module):
         num_experts: int,
         top_k: int,
         norm_topk_prob: bool = False,
+        router_bias: bool = False,
+        softmax_after_topk: bool = False,
+        expert_bias: bool = False,
+        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size)
+        self.softmax_after_topk = softmax_after_topk
+        self.gate = nn.Linear(hidden_size, num_experts, bias=router_bias)
+        self.experts = GroupedExperts(
+            num_experts, hidden_size, intermediate_size, bias=expert_bias, activation=activation
+        )
+
+    scale_inputs = False  # weights scale each expert's output (Llama 4's MoE: its input)
+    # Router statistics of the forwards in train mode since the last read: ``[E + 1]``, the
+    # tokens each expert got as routed, then the assignments no expert got; see _record_routing.
+    routed_counts: torch.Tensor | None = None
+
+    def _record_routing(self, counts: torch.Tensor, assignments: int) -> None:
+        """In train mode, add the tokens each expert got (``counts``: the routing decision
+        itself, whatever the router) and the (token, slot) assignments of the ``assignments``
+        made that reached no expert to the totals that
+        :func:`tunesmith.training.router_stats.router_statistics` reads and resets."""
+        if not self.training:
+            return
+        counts = counts.detach()
+        routed = torch.cat([counts, (assignments - counts.sum())[None]])
+        total = self.routed_counts
+        self.routed_counts = routed if total is None else total + routed
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens ``[n, hidden]`` -> (router logits ``[n, E]``, weights ``[n, k]``, experts ``[n, k]``)."""
         logits = self.gate(x)
+        if self.softmax_after_topk:
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return logits, F.softmax(top, dim=-1, dtype=top.dtype).to(x.dtype), experts
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -498,7 +629,12 @@ class MoE(nn.Module):
         counts = flat_experts.new_zeros(self.num_experts).scatter_add_(
             0, flat_experts, torch.ones_like(flat_experts)
         )
-        expert_out = self.experts(tokens[token_idx], counts) * weights.flatten()[order, None]
+        self._record_routing(counts, flat_experts.numel())
+        slot_weights = weights.flatten()[order, None]
+        if self.scale_inputs:  # Llama 4: the weight scales what the expert sees
+            expert_out = self.experts(tokens[token_idx] * slot_weights, counts)
+        else:
+            expert_out = self.experts(tokens[token_idx], counts) * slot_weights
         out = torch.zeros_like(tokens).index_add_(0, token_idx, expert_out)
         return out.reshape(shape), logits
 

@@ -40,6 +40,8 @@ class PagedKVCache:
         block_size: positions per block.
         num_kv_heads: key/value heads (per rank under tensor parallel).
         head_dim: width of one head.
+        value_dim: width of one value head when it is not ``head_dim`` (multi-head latent
+            attention: the latent as keys, the rotary key as values).
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class PagedKVCache:
         num_kv_heads: int,
         head_dim: int,
         *,
+        value_dim: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -58,8 +61,9 @@ class PagedKVCache:
                 f"PagedKVCache needs at least 2 blocks (one is scratch), got {num_blocks}"
             )
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        v_shape = (*shape[:3], head_dim if value_dim is None else value_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.block_tables: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
@@ -67,7 +71,12 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        value_dim: int | None = None,
     ) -> int:
         """Bytes one block takes over all layers (keys and values).
 
@@ -75,7 +84,8 @@ class PagedKVCache:
         8192
         """
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+        widths = head_dim + (head_dim if value_dim is None else value_dim)
+        return num_layers * block_size * num_kv_heads * widths * itemsize
 
     @property
     def num_layers(self) -> int:
@@ -85,7 +95,10 @@ class PagedKVCache:
     def block_bytes(self) -> int:
         """Bytes one block of this cache takes over all layers (keys and values)."""
         _, block_size, heads, dim = self.k[0].shape
-        return self.bytes_per_block(self.num_layers, block_size, heads, dim, self.k[0].dtype)
+        value_dim = self.v[0].shape[-1]
+        return self.bytes_per_block(
+            self.num_layers, block_size, heads, dim, self.k[0].dtype, value_dim
+        )
 
     def bind(self, block_tables: torch.Tensor, positions: torch.Tensor) -> None:
         """Set the rows of the next forward: ``block_tables`` ``[b, n]`` (pool block ids) and
@@ -112,17 +125,18 @@ class PagedKVCache:
         if self._write_at is None or self.block_tables is None:
             raise RuntimeError("PagedKVCache: bind(block_tables, positions) before each forward")
         b, h, s, d = k.shape
+        dv = v.shape[-1]
         pool_k, pool_v = self.k[layer_idx], self.v[layer_idx]
         new_k = k.transpose(1, 2).reshape(b * s, h, d).to(pool_k.dtype)
-        new_v = v.transpose(1, 2).reshape(b * s, h, d).to(pool_v.dtype)
+        new_v = v.transpose(1, 2).reshape(b * s, h, dv).to(pool_v.dtype)
         pool_k.view(-1, h, d).index_copy_(0, self._write_at, new_k)
-        pool_v.view(-1, h, d).index_copy_(0, self._write_at, new_v)
+        pool_v.view(-1, h, dv).index_copy_(0, self._write_at, new_v)
         # Whole blocks gathered in table order: position p of a row is index p of its keys
         # (a view as [b, h, n * block, d], no second copy).
         blocks = self.block_tables.reshape(-1)
         length = self.block_tables.shape[1] * self.block_size
         keys = pool_k.index_select(0, blocks).view(b, length, h, d).transpose(1, 2)
-        values = pool_v.index_select(0, blocks).view(b, length, h, d).transpose(1, 2)
+        values = pool_v.index_select(0, blocks).view(b, length, h, dv).transpose(1, 2)
         return keys, values
 
     def attention_mask(

@@ -46,6 +46,7 @@ def ring_attention(
     enable_gqa: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the local queries over the keys of every rank of ``group`` (see the module
     docs); differentiable in ``q``, ``k`` and ``v``. All ranks of ``group`` must call it with
@@ -62,6 +63,9 @@ def ring_attention(
         enable_gqa: let ``kv_heads`` be a divisor of ``heads`` (grouped-query attention).
         scale: the softmax scale (default ``d ** -0.5``).
         softcap: soft-cap every block's scores, ``cap * tanh(scores / cap)`` (Gemma 2).
+        sinks: ``[heads]`` attention sinks (gpt-oss): a logit per head added to the softmax
+            denominator once, after the ring (``out * exp(lse - logaddexp(lse, sink))``);
+            differentiable.
 
     Returns:
         ``[b, heads, s_local, d]``, zeros for queries that may see no key (padding).
@@ -98,7 +102,7 @@ def ring_attention(
             f"document_ids must be [b, s_local] = {[b, s]}, got {list(document_ids.shape)}"
         )
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return _Ring.apply(q, k, v, group, index, document_ids, sliding_window, scale, softcap)
+    return _Ring.apply(q, k, v, group, index, document_ids, sliding_window, scale, softcap, sinks)
 
 
 # -- the kernel -------------------------------------------------------------------------------
@@ -111,7 +115,7 @@ QUERY_CHUNK = 1024
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, index, document_ids, sliding_window, scale, softcap):  # type: ignore[override]
+    def forward(ctx, q, k, v, group, index, document_ids, sliding_window, scale, softcap, sinks):  # type: ignore[override]
         ring = _RingInfo(group)
         layout = _Layout(ring, index, document_ids, sliding_window)
         b, heads, s, d = q.shape
@@ -145,14 +149,18 @@ class _Ring(torch.autograd.Function):
         seen = row_sum > 0
         out = torch.where(seen[..., None], acc / torch.where(seen, row_sum, 1.0)[..., None], 0.0)
         lse = torch.where(seen, row_max + torch.log(torch.where(seen, row_sum, 1.0)), -math.inf)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # one more term in each row's denominator, no value
+            sink = sinks.to(work).view(1, kv_heads, heads // kv_heads, 1).expand_as(lse)
+            total = torch.logaddexp(lse, sink)
+            out, lse = out * torch.exp(lse - total)[..., None], total
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.ring, ctx.layout, ctx.scale, ctx.work = ring, layout, scale, work
         ctx.softcap = softcap
         return out.view(b, heads, s, d).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         ring, layout, scale, work = ctx.ring, ctx.layout, ctx.scale, ctx.work
         b, heads, s, d = q.shape
         kv_heads = k.shape[1]
@@ -193,7 +201,13 @@ class _Ring(torch.autograd.Function):
         if ring.size > 1:  # the last block's gradient is its owner's (the next rank)
             dkv = ring.shift(dkv)()
         dq = dq.view(b, heads, s, d).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        dsinks = None
+        if sinks:  # d out / d sink = -p_sink * out: -sum over rows of p_sink * delta
+            sink = sinks[0].to(work).view(1, kv_heads, heads // kv_heads, 1)
+            dsinks = -(torch.exp(sink - lse) * delta[..., 0]).sum((0, 3)).reshape(heads)
+            dsinks = dsinks.to(sinks[0].dtype)
+        grads = (dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype))
+        return (*grads, None, None, None, None, None, None, dsinks)
 
 
 class _RingInfo:
@@ -309,6 +323,7 @@ def ring_backend(
     *,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``ring`` attention backend: :func:`ring_attention` with the batch's
     :class:`RingShard` (see :func:`ring_batch`), document ids and sliding window (and, from
@@ -330,6 +345,7 @@ def ring_backend(
         enable_gqa=q.shape[1] != k.shape[1],
         scale=scale,
         softcap=softcap,
+        sinks=sinks,
     )
 
 

@@ -76,6 +76,7 @@ from tunesmith.training.logging.quiet import quiet_third_party
 from tunesmith.training.memory.planner import MemoryPlan
 from tunesmith.training.memory.preflight import PreflightReport, longest_batch, preflight
 from tunesmith.training.memory.usage import peak_memory_metric
+from tunesmith.training.moe_balancing import BiasBalancing
 from tunesmith.training.parallel.distributed import (
     DistributedContext,
     all_reduce_sum,
@@ -260,6 +261,8 @@ def fit_from_config(
         hook = qat.step_hook(qat_settings)  # fake quantization from its first step on
         hook(trainer, trainer.progress["step"], {})
         trainer.on_step_end.append(hook)
+    if (balancing := BiasBalancing.from_config(cfg)) is not None:  # DeepSeek-V3 experts
+        trainer.on_step_end.append(balancing.step_hook(trainer.model))
     loggers = [instantiate(c) for c in cfg.get("metric_loggers") or []]
     samples = SamplePrompts.from_config(cfg, model, world_size=ctx.world_size)  # sample_prompts
     fit(

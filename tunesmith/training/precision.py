@@ -1,7 +1,8 @@
 """What the trained weights, their optimizer copies and the optimizer's states are stored in:
 the ``precision`` config key (autocast stays ``mixed_precision``).
 
-``precision: {weights, master_weights, optimizer_states, save_dtype}`` (every key optional):
+``precision: {weights, master_weights, optimizer_states, save_dtype, matmuls}`` (every key
+optional):
 
 - ``weights``: ``fp32`` or ``bf16``, the dtype the trained model's parameters are cast to,
   hence of its forward, backward and gradients (:func:`cast_weights`); null (default): as the
@@ -16,6 +17,9 @@ the ``precision`` config key (autocast stays ``mixed_precision``).
   moments) in bf16 between steps and steps them in fp32.
 - ``save_dtype``: dtype of the exported HF weights; null (default): the weights' own. A dtype
   narrower than ``weights`` is refused (resume must be exact).
+- ``matmuls``: ``fp8_rowwise`` or ``fp8_tensorwise``: the linear layers' matmuls in float8
+  (torchao; CUDA compute capability 8.9+, bf16 compute: :mod:`tunesmith.training.fp8`); null
+  (default): in the weights' (or autocast's) dtype. The stored dtypes above do not change.
 
 The modes, and bytes per trained parameter at rest (weights + masters + AdamW's two moments;
 the gradients add the weights' size during a step):
@@ -62,10 +66,15 @@ __all__ = [
     "build_optimizer",
     "cast_weights",
     "check_precision",
+    "device_problem",
+    "machine_problem",
     "precision_problem",
 ]
 
-PRECISION_KEYS = ("weights", "master_weights", "optimizer_states", "save_dtype")
+PRECISION_KEYS = ("weights", "master_weights", "optimizer_states", "save_dtype", "matmuls")
+MATMULS = ("fp8_rowwise", "fp8_tensorwise")
+MIN_CAPABILITY = (8, 9)
+"""The oldest CUDA compute capability with float8 tensor cores (Ada; Hopper is 9.0)."""
 _NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _WORDS = {v: k for k, v in _NAMES.items()}
 
@@ -87,6 +96,7 @@ class Precision:
     master_weights: torch.dtype | None = None
     optimizer_states: torch.dtype | None = None
     save_dtype: torch.dtype | None = None
+    matmuls: str | None = None
 
     @classmethod
     def from_mapping(cls, value: Mapping[str, Any] | None) -> Precision:
@@ -105,6 +115,7 @@ class Precision:
             master_weights=master,
             optimizer_states=states or master or weights,
             save_dtype=dtype_from_name(save) if save else None,
+            matmuls=value.get("matmuls"),
         )
 
     def describe(self) -> str:
@@ -121,9 +132,10 @@ class Precision:
         master = f"{word(self.master_weights)} master" if self.master_weights else "no master"
         states = "same-dtype" if self.optimizer_states is None else word(self.optimizer_states)
         saved = "as the weights" if self.save_dtype is None else f"in {word(self.save_dtype)}"
+        matmuls = "" if self.matmuls is None else f", {self.matmuls} matmuls"
         return (
             f"precision: {weights} weights, {master} weights, {states} optimizer states, "
-            f"saved {saved}"
+            f"saved {saved}{matmuls}"
         )
 
 
@@ -134,7 +146,7 @@ def precision_problem(value: Any) -> str | None:
     >>> precision_problem({"weights": "bf16", "optimizer_states": "fp32"})
     'optimizer_states: fp32 with bf16 weights needs master_weights: fp32 (torch optimizers keep their states in the dtype of the tensors they step)'
     >>> precision_problem({"weight": "bf16"})
-    "unknown key 'weight' (allowed: weights, master_weights, optimizer_states, save_dtype)"
+    "unknown key 'weight' (allowed: weights, master_weights, optimizer_states, save_dtype, matmuls)"
     """
     if value is None:
         return None
@@ -147,6 +159,10 @@ def precision_problem(value: Any) -> str | None:
         got = value.get(key)
         if got is not None and got not in _NAMES:
             return f"{key}: expected 'fp32' or 'bf16'{_null_words(key)}, got {got!r}"
+    matmuls = value.get("matmuls")
+    if matmuls is not None and matmuls not in MATMULS:
+        allowed = ", ".join(MATMULS)
+        return f"matmuls: expected one of {allowed}, or null (the weights' dtype), got {matmuls!r}"
     if value.get("master_weights") == "bf16":
         return "master_weights: bf16 is no master copy of bf16 weights; use fp32 or null"
     weights = _NAMES.get(value.get("weights"))
@@ -178,6 +194,44 @@ def precision_problem(value: Any) -> str | None:
                 "resume would not be exact)"
             )
     return None
+
+
+def device_problem(device: torch.device, matmuls: str = "fp8_rowwise") -> str | None:
+    """Why float8 matmuls cannot run on ``device`` (one line naming the requirement), or None.
+
+    >>> device_problem(torch.device("cpu"), "fp8_tensorwise")[:60]
+    'matmuls: fp8_tensorwise needs a CUDA GPU of compute capabili'
+    """
+    need = (
+        f"matmuls: {matmuls} needs a CUDA GPU of compute capability "
+        f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (Ada, Hopper, Blackwell)"
+    )
+    if device.type != "cuda":
+        where = "the CPU" if device.type == "cpu" else f"a {device.type} device"
+        return f"{need}; this run is on {where}"
+    if not torch.cuda.is_available():
+        return f"{need}; this machine has no CUDA device"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return f"{need}; {name} is {capability[0]}.{capability[1]}"
+    return None
+
+
+def machine_problem(precision: Any) -> str | None:
+    """:func:`device_problem` of the device a run gets here (``auto``: CUDA when there is
+    one) for a ``precision`` mapping asking for float8 matmuls; None otherwise. The rule of
+    the ``precision`` key calls it, so ``tunesmith validate`` and every run refuse the same
+    line before anything is built (``device: cpu`` on a GPU machine is refused at set-up:
+    :func:`~tunesmith.training.fp8.prepare`).
+
+    >>> machine_problem({"weights": "bf16"}) is None
+    True
+    """
+    matmuls = (precision or {}).get("matmuls") if hasattr(precision, "get") else None
+    if matmuls not in MATMULS:
+        return None
+    return device_problem(torch.device("cuda"), matmuls)  # none here: "this machine has none"
 
 
 def _null_words(key: str) -> str:

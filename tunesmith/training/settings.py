@@ -35,7 +35,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from tunesmith.config import ConfigError, ConfigIssue
 from tunesmith.modules.dtypes import AUTOCAST
-from tunesmith.training.precision import Precision, check_precision, precision_problem
+from tunesmith.training.precision import (
+    Precision,
+    check_precision,
+    machine_problem,
+    precision_problem,
+)
 from tunesmith.training.rules import (
     Rule,
     choice,
@@ -153,10 +158,10 @@ def _parallelism_problem(value: Any) -> str | None:
 
 
 _PRECISION_RULE = Rule(
-    "a mapping of weights, master_weights, optimizer_states, save_dtype, or null (the model's "
-    "own dtype, no master copies)",
+    "a mapping of weights, master_weights, optimizer_states, save_dtype, matmuls, or null (the "
+    "model's own dtype, no master copies)",
     lambda v: v is None or type_name(v) == "mapping",
-    extra=precision_problem,
+    extra=lambda v: precision_problem(v) or machine_problem(v),  # fp8 matmuls: this machine's GPU
 )
 _PARALLELISM_RULE = Rule(
     "a mapping of dp_replicate, dp_shard, tp, cp, ep sizes (and sequence_parallel: "
@@ -246,7 +251,8 @@ class LoopSettings(Settings):
     precision: Precision = setting(
         Precision(),
         _PRECISION_RULE,
-        "dtypes the weights, master copies and optimizer states are kept in",
+        "dtypes the weights, master copies and optimizer states are kept in; matmuls: fp8 "
+        "training (CUDA 8.9+)",
     )
     shuffle: bool = setting(True, flag(), "a seeded new order of the samples each epoch")
     gradient_accumulation_steps: int = setting(1, integer(1), "micro-batches per optimizer step")
@@ -378,7 +384,7 @@ class LoopSettings(Settings):
         without a config; ``precision`` as its dtype names).
 
         >>> LoopSettings(output_dir="out", batch_size=2).as_config()["precision"]
-        {'weights': None, 'master_weights': None, 'optimizer_states': None, 'save_dtype': None}
+        {'weights': None, 'master_weights': None, 'optimizer_states': None, 'save_dtype': None, 'matmuls': None}
         """
         values = {s.name: getattr(self, s.name) for s in settings_of(LoopSettings)}
         values["precision"] = {
@@ -442,6 +448,11 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
         lambda v: v is None or type_name(v) == "mapping",
     ), "quantization-aware training: fake-quantized linear layers (tunesmith.training.qat)",
         None),
+    Setting("moe_bias_balancing", Rule(
+        "a mapping {update_rate}, or null",
+        lambda v: v is None or type_name(v) == "mapping",
+    ), "DeepSeek-V3 bias-based expert balancing after each step "
+       "(tunesmith.training.moe_balancing)", None),
 )  # fmt: skip
 """The keys of every recipe's model step (``setup`` and ``parallelize``)."""
 

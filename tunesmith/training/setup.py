@@ -48,7 +48,7 @@ from tunesmith.models.transformers_backend import TransformersLM
 from tunesmith.modules.decoder import DecoderModel
 from tunesmith.modules.losses import LinearCrossEntropyLoss
 from tunesmith.modules.peft import adapter_modules, disable_adapters
-from tunesmith.training import qat
+from tunesmith.training import fp8, qat
 from tunesmith.training.datasets import build_datasets
 from tunesmith.training.memory.compile import compile_loss, compile_options
 from tunesmith.training.memory.planner import MemoryPlan, estimate_memory, optimizer_kind
@@ -219,6 +219,9 @@ def build_policy(
         if ctx.dims is not None and ctx.dims.tp > 1:
             raise ValueError("quantization.qat with tensor parallel (tp > 1) is not supported")
         qat.prepare(model, qat_settings)  # fake quantization: the deployed model's rounding
+    # precision.matmuls: float8 linears before parallelize, whose FSDP2 shards them (on CUDA,
+    # tensorwise weights all-gathered in float8; gloo cannot all-gather float8)
+    fp8.prepare(model, cfg, ctx.device, fsdp=ctx.dp_cp_size > 1 and ctx.device.type == "cuda")
     apply_attention_backend(model, cfg.get("attention_backend"))
     check_packing(model, cfg)
     if on_device:

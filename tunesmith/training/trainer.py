@@ -49,6 +49,7 @@ from tunesmith.training.memory.optim_in_backward import OptimizerInBackward, che
 from tunesmith.training.parallel.context_parallel import check_objective, shard_batch
 from tunesmith.training.parallel.distributed import DistributedContext, all_reduce_sum, full_tensor
 from tunesmith.training.precision import build_optimizer
+from tunesmith.training.router_stats import reset_router_statistics, router_statistics
 from tunesmith.training.settings import RESUMABLE_KEYS, LoopSettings
 from tunesmith.training.sources import BatchSource
 
@@ -243,6 +244,7 @@ class Trainer:
         step = self.progress["step"] + 1
         micro_batches = [_cp_share(mb, ctx) for mb in micro_batches]  # context parallel
         self.model.train()
+        reset_router_statistics(self.model)  # MoE: count this step's routing only
         with record_function("trainer/units"):
             local = sum(objective.units(mb) for mb in micro_batches)
             units = all_reduce_sum(local, ctx.device, ctx.dp_cp_group)
@@ -312,6 +314,7 @@ class Trainer:
             if grad_norm is None:
                 del metrics["grad_norm"]
             metrics |= _means(sums, units, ctx)
+            metrics |= router_statistics(self.model, ctx.device, ctx.dp_cp_group)
         for hook in self.on_step_end:
             hook(self, step, metrics)
         return metrics

@@ -51,7 +51,7 @@ from tunesmith.models.manifest import MARKER, has_manifest
 from tunesmith.models.peft_io import load_peft_adapter, write_peft_adapter
 from tunesmith.models.safetensors_io import CheckpointError, find_weight_files
 from tunesmith.models.transformers_backend import TransformersSpec
-from tunesmith.modules.moe import split_expert_keys, stack_expert_keys, stacked_state
+from tunesmith.modules.moe import file_expert_keys, model_expert_keys, stacked_state
 from tunesmith.modules.peft import adapter_modules, adapter_state_dict
 from tunesmith.training.checkpoint import safe_dcp
 from tunesmith.training.checkpoint.directory import (
@@ -204,7 +204,7 @@ def _gather_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     if _transformers_built(model):  # its own names; checkpoint_layout() converts on write
         return get_model_state_dict(model, options=options)
     with stacked_state(model):  # DCP needs parameter names; HF keys for MoE experts after
-        return split_expert_keys(get_model_state_dict(model, options=options))
+        return file_expert_keys(model, get_model_state_dict(model, options=options))
 
 
 def _transformers_built(model: nn.Module) -> bool:
@@ -223,7 +223,7 @@ def _check_shapes(
             name: torch.empty(t.shape, device="meta") for name, t in model.state_dict().items()
         }
     if not _transformers_built(model):
-        stacked = split_expert_keys(stacked)
+        stacked = file_expert_keys(model, stacked)
     expected = {name: tuple(t.shape) for name, t in stacked.items()}
     for name, tensor in weights.items():
         if name in expected and tuple(tensor.shape) != expected[name]:
@@ -685,10 +685,14 @@ class Checkpointer:
                 if _transformers_built(model):  # a MoE's per-expert tensors, fused
                     weights = model.spec.runtime_layout(weights, path)
                     origin = {name: origin.get(name, path) for name in weights}
+                renames = getattr(getattr(model, "spec", None), "checkpoint_renames", None)
+                if renames:  # names the family's files spell otherwise (Llama 4's feed_forward)
+                    weights = {renames.from_disk(k): v for k, v in weights.items()}
+                    origin = {renames.from_disk(k): v for k, v in origin.items()}
                 _check_shapes(model, weights, origin)
             set_model_state_dict(
                 model,
-                weights if _transformers_built(model) else stack_expert_keys(weights),
+                weights if _transformers_built(model) else model_expert_keys(model, weights),
                 options=StateDictOptions(
                     full_state_dict=True, broadcast_from_rank0=self.ctx.world_size > 1
                 ),

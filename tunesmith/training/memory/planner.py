@@ -386,7 +386,11 @@ def activation_bytes_per_token(
     if getattr(spec, "attn_logit_softcapping", None) is not None:
         # soft-capped scores are written out: tanh (a), float32 softmax, its a-byte copy
         sharded += nh * seq_len * (2 * a + 4)
-    if masked and nh > nkv:
+    mla = getattr(spec, "mla", None)
+    if mla is not None:  # latent attention: its latents, then expanded q, k, v per head
+        total += a * 2 * (mla.latent_width + (mla.q_lora_rank or 0))
+        sharded += a * nh * 2 * (mla.qk_head_dim + mla.v_head_dim) + 4 * nh
+    elif masked and nh > nkv:
         sharded += a * 4 * nh * hd + 4 * nh
     else:
         sharded += a * (2 * nh + 2 * nkv) * hd + 4 * nh
@@ -398,6 +402,9 @@ def activation_bytes_per_token(
     if is_moe is not None and is_moe(layer_idx):  # replicated experts: every token, whole
         k, experts = spec.num_experts_per_tok, spec.num_experts
         total += k * (4 * a * spec.moe_intermediate_size + a * h) + 8 * experts
+        routing = getattr(spec, "moe_routing", None)
+        if routing is not None:  # shared experts beside the routed ones (DeepSeek)
+            total += 4 * a * spec.moe_intermediate_size * routing.n_shared_experts
         if ep > 1:  # the all-to-all buffers: rows received, rows returned
             total += 2 * k * a * h
     else:

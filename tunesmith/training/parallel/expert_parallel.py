@@ -186,8 +186,11 @@ class ExpertParallel:
 
 def _sharded_params(experts: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """The experts module's split parameters, in a fixed order: the stacked experts, then each
-    LoRA adapter's ``lora_A``/``lora_B`` (by projection name)."""
-    owners = [(experts, name, experts._parameters[name]) for name in EXPERT_PARAMS]
+    LoRA adapter's ``lora_A``/``lora_B`` (by projection name). Expert biases (gpt-oss:
+    ``gate_proj_bias`` ``[E, out]`` ...) are stacked on the experts too and split alike."""
+    biases = [f"{name}_bias" for name in EXPERT_PARAMS]
+    names = [*EXPERT_PARAMS, *(b for b in biases if experts._parameters.get(b) is not None)]
+    owners = [(experts, name, experts._parameters[name]) for name in names]
     adapters = getattr(experts, "lora", {})
     for proj in sorted(adapters):
         adapter = adapters[proj]

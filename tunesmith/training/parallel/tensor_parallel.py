@@ -60,12 +60,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from tunesmith.models.transformers_backend import TransformersLM
 from tunesmith.modules.attention import Attention
+from tunesmith.modules.mla import MultiHeadLatentAttention
 from tunesmith.modules.moe import MoE
 from tunesmith.modules.peft.lora import LoRALinear
 from tunesmith.modules.peft.nf4 import is_nf4
@@ -74,6 +75,7 @@ from tunesmith.training.parallel.tp_styles import (
     Gathered,
     HeadNorm,
     ProjectionNorm,
+    Replicated,
     RowwiseToStream,
     Stream,
     StreamNorm,
@@ -123,19 +125,17 @@ def apply_tensor_parallel(
     parallelize_module(body, mesh, {"embed_tokens": RowwiseToStream(stream)})
     for layer in body.layers:
         attn = layer.self_attn
-        if not isinstance(attn, Attention):
+        if not isinstance(attn, (Attention, MultiHeadLatentAttention)):
             raise TypeError(f"tensor parallel needs tunesmith's Attention, got {type(attn)}")
         after = (layer.layout.attn_out, layer.layout.mlp_out)
         plan: dict[str, ParallelStyle] = {
             "self_attn": Gathered(stream),
-            "self_attn.q_proj": _colwise(attn.q_proj),
-            "self_attn.k_proj": _colwise(attn.k_proj),
-            "self_attn.v_proj": _colwise(attn.v_proj),
+            **_projections_plan(attn),
             "self_attn.o_proj": _rowwise(attn.o_proj, stream),
             # Norms before a block feed it; norms after one are added to the stream.
             **{name: StreamNorm(stream, local_output=name in after) for name in layer.norm_names},
         }
-        if attn.q_norm is not None:
+        if getattr(attn, "q_norm", None) is not None:
             norm = HeadNorm() if attn.qk_norm_per_head else ProjectionNorm()
             plan["self_attn.q_norm"] = plan["self_attn.k_norm"] = norm
         if isinstance(layer.mlp, MoE):
@@ -146,8 +146,10 @@ def apply_tensor_parallel(
             plan["mlp.up_proj"] = _colwise(layer.mlp.up_proj)
             plan["mlp.down_proj"] = _rowwise(layer.mlp.down_proj, stream)
         parallelize_module(layer, mesh, plan)
+        _shard_sinks(attn, mesh)
         attn.num_heads //= tp
-        attn.num_kv_heads //= tp
+        if isinstance(attn, Attention):  # MLA's cached latent is one replicated "head"
+            attn.num_kv_heads //= tp
     parallelize_module(body, mesh, {"norm": StreamNorm(stream)})
     body.norm.register_forward_hook(
         lambda mod, inputs, out: out.redistribute(placements=(Replicate(),)).to_local()
@@ -159,6 +161,34 @@ def apply_tensor_parallel(
         tied = getattr(model, "tie_word_embeddings", False)
         _shard_head(head, mesh, body.embed_tokens if tied else None)
     return model
+
+
+def _projections_plan(attn: nn.Module) -> dict[str, ParallelStyle]:
+    """The styles of an attention's input projections. GQA: q, k and v column-wise (by head).
+    Multi-head latent attention: the query's and the keys/values' up-projections (``q_b_proj``
+    or ``q_proj``, ``kv_b_proj``) column-wise by head; what makes the latents (``q_a_proj``,
+    ``kv_a_proj_with_mqa``) and their norms replicated, so every rank holds the whole latent
+    and its cache (the module takes the latents local; see ``mla._local``)."""
+    if isinstance(attn, Attention):
+        return {
+            f"self_attn.{n}": _colwise(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")
+        }
+    names = ["q_proj"] if attn.mla.q_lora_rank is None else ["q_b_proj"]
+    plan: dict[str, ParallelStyle] = {f"self_attn.{n}": _colwise(getattr(attn, n)) for n in names}
+    plan["self_attn.kv_b_proj"] = _colwise(attn.kv_b_proj)
+    replicated = ["kv_a_proj_with_mqa", "kv_a_layernorm"]
+    if attn.mla.q_lora_rank is not None:
+        replicated += ["q_a_proj", "q_a_layernorm"]
+    plan.update({f"self_attn.{n}": Replicated() for n in replicated})
+    return plan
+
+
+def _shard_sinks(attn: Attention, mesh: DeviceMesh) -> None:
+    """Attention sinks (gpt-oss, one per query head): each rank keeps its own heads'."""
+    sinks = getattr(attn, "sinks", None)
+    if sinks is not None:
+        shard = distribute_tensor(sinks.detach(), mesh, [Shard(0)])
+        attn.sinks = nn.Parameter(shard, requires_grad=sinks.requires_grad)
 
 
 def _pad_sequence(

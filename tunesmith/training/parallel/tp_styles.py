@@ -27,6 +27,7 @@ __all__ = [
     "Gathered",
     "HeadNorm",
     "ProjectionNorm",
+    "Replicated",
     "RowwiseToStream",
     "Stream",
     "StreamNorm",
@@ -114,6 +115,17 @@ class ProjectionNorm(ParallelStyle):
 
         return distribute_module(
             module, device_mesh, shard_params, shard_columns, lambda mod, out, mesh: out.to_local()
+        )
+
+
+class Replicated(ParallelStyle):
+    """A module on a replicated (gathered) input ``DTensor``, e.g. multi-head latent
+    attention's latent projections and norms: its parameters replicated, their gradients summed
+    from every rank's part of the backward by DTensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, lambda name, mod, mesh: replicate_params(mod, mesh)
         )
 
 
