@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from tunesmith.models import from_hf
 from tunesmith.models.fp8_weights import dequantize_block_fp8
-from tunesmith.models.safetensors_io import CheckpointError
+from tunesmith.models.safetensors_io import CheckpointError, DerivedTensor, load_into_module
 from tunesmith.models.spec import UnsupportedModelError
 
 BLOCK = (8, 8)
@@ -121,12 +121,50 @@ def test_partial_edge_blocks_equal_the_float64_formula():
 def test_fp8_weight_without_its_scale_is_named(fp8_folder, tmp_path):
     state = load_file(fp8_folder / "model.safetensors")
     del state["model.layers.1.self_attn.o_proj.weight_scale_inv"]
-    for name in ("config.json", "generation_config.json"):
-        if (fp8_folder / name).exists():
-            (tmp_path / name).write_bytes((fp8_folder / name).read_bytes())
+    _copy_config(fp8_folder, tmp_path)
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(UnsupportedModelError, match="o_proj.weight' has no"):
         from_hf(tmp_path, dtype=torch.float32)
+
+
+def _copy_config(source, target) -> None:
+    for name in ("config.json", "generation_config.json"):
+        if (source / name).exists():
+            (target / name).write_bytes((source / name).read_bytes())
+
+
+def test_scales_in_another_shard_load_the_same_weights(fp8_folder, tmp_path):
+    """Every scale in the second shard, its weight in the first: read across shards."""
+    state = load_file(fp8_folder / "model.safetensors")
+    shards = {"model-00001-of-00002.safetensors": [n for n in state if "_scale_inv" not in n],
+              "model-00002-of-00002.safetensors": [n for n in state if "_scale_inv" in n]}  # fmt: skip
+    for file, names in shards.items():
+        save_file({n: state[n] for n in names}, tmp_path / file, metadata={"format": "pt"})
+    weight_map = {n: file for file, names in shards.items() for n in names}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    _copy_config(fp8_folder, tmp_path)
+    sharded = from_hf(tmp_path, dtype=torch.bfloat16).state_dict()
+    single = from_hf(fp8_folder, dtype=torch.bfloat16).state_dict()
+    assert sharded.keys() == single.keys()
+    assert all(torch.equal(sharded[n], single[n]) for n in single)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    scale = state[name + "_scale_inv"].repeat_interleave(8, 0).repeat_interleave(8, 1)
+    assert torch.equal(sharded[name], (state[name].float() * scale).bfloat16())
+
+
+def test_a_misshaped_scale_is_named_with_its_file(fp8_folder, tmp_path):
+    state = load_file(fp8_folder / "model.safetensors")
+    name = "model.layers.1.self_attn.o_proj.weight"
+    state[name + "_scale_inv"] = state[name + "_scale_inv"][:, :1].contiguous()
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _copy_config(fp8_folder, tmp_path)
+    rows, cols = state[name].shape
+    with pytest.raises(UnsupportedModelError) as error:
+        from_hf(tmp_path, dtype=torch.float32)
+    assert str(error.value) == (
+        f"{tmp_path / 'model.safetensors'}: '{name}_scale_inv' has shape [{rows // 8}, 1]; "
+        f"FP8 tensor '{name}' [{rows}, {cols}] with block [8, 8] needs [{rows // 8}, {cols // 8}]"
+    )
 
 
 def test_other_quantized_folders_and_bad_blocks_are_refused(fp8_folder, tmp_path):
@@ -139,3 +177,34 @@ def test_other_quantized_folders_and_bad_blocks_are_refused(fp8_folder, tmp_path
         (tmp_path / "model.safetensors").write_bytes(b"")
         with pytest.raises((UnsupportedModelError, CheckpointError), match=message):
             from_hf(tmp_path, dtype=torch.float32)
+
+
+def test_derived_tensors_read_their_inputs_and_conflicts_are_named(tmp_path):
+    """The loader's general mechanism: a tensor computed from two stored ones in its load dtype;
+    an input no file holds, an input read twice, or a computed name also stored is refused."""
+    save_file(
+        {"w": torch.full((2, 3), 3.0), "w_scale": torch.tensor(0.5), "b": torch.ones(2)},
+        tmp_path / "model.safetensors",
+    )
+    module = torch.nn.Linear(3, 2, device="meta")
+
+    def scaled(name="weight", inputs=("w", "w_scale")):
+        return lambda infos: {name: DerivedTensor(inputs, (2, 3), _times)}
+
+    renames = {"b": "bias"}.get
+    load_into_module(
+        module, tmp_path, dtype=torch.bfloat16, rename=lambda n: renames(n, n), derive=scaled()
+    )
+    assert module.weight.dtype == torch.bfloat16
+    assert torch.equal(module.weight, torch.full((2, 3), 1.5, dtype=torch.bfloat16))
+    for derive, message in (
+        (scaled(inputs=("w", "gone")), "'weight' is computed from 'gone', which no file holds"),
+        (lambda i: scaled()(i) | scaled("x")(i), "'w' is read for both 'weight' and 'x'"),
+        (scaled(name="b"), "tensor 'b' is stored and also computed from"),
+    ):
+        with pytest.raises(CheckpointError, match=message):
+            load_into_module(torch.nn.Linear(3, 2, device="meta"), tmp_path, derive=derive)
+
+
+def _times(weight: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
+    return (weight * scale).to(dtype)

@@ -1,25 +1,24 @@
 """MXFP4 gpt-oss checkpoints: our dequantization == transformers' own (its MXFP4 integration
-dequantizes on CPU with ``Mxfp4Config(dequantize=True)``), on a crafted sharded folder."""
+dequantizes on CPU with ``Mxfp4Config(dequantize=True)``), on a crafted sharded folder; loading
+writes nothing to disk and dequantizes one expert at a time, straight into the load dtype."""
 
 from __future__ import annotations
 
 import json
+import tempfile
+from collections import Counter
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers.integrations import mxfp4 as hf_mxfp4
 
 from tests.models.conftest import randomize_
-from tunesmith.models import from_hf, spec_from_hf_config
+from tunesmith.models import from_hf, mxfp4_weights, spec_from_hf_config
 from tunesmith.models.family import UnsupportedModelError
-from tunesmith.models.mxfp4_weights import (
-    FP4_E2M1_VALUES,
-    dequantize_mxfp4,
-    dequantize_mxfp4_folder,
-    dequantized_source,
-)
+from tunesmith.models.mxfp4_weights import FP4_E2M1_VALUES, dequantize_experts, dequantize_mxfp4
+from tunesmith.models.safetensors_io import CheckpointError
 
 QUANTIZATION = {
     "quant_method": "mxfp4",
@@ -98,23 +97,91 @@ def test_from_hf_equals_transformers_dequantized_model(mxfp4_folder):
         assert (ours(ids) - theirs(ids).logits).abs().max() < 1e-4
 
 
-def test_dequantized_folder_maps_every_tensor_and_plain_folders_pass(mxfp4_folder, tmp_path):
+def test_dequantize_experts_equals_transformers_layout():
+    blocks, scales = _random_mxfp4((3, 10, 64), torch.Generator().manual_seed(5))
+    theirs = hf_mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    assert torch.equal(dequantize_experts(blocks, scales, torch.bfloat16), theirs)
+
+
+def test_loading_writes_nothing_and_dequantizes_expert_by_expert_in_the_load_dtype(
+    mxfp4_folder, tmp_path, monkeypatch
+):
+    """Nothing is written: the temporary directory is a file (so creating anything in it, even
+    briefly, fails) and the folder is unchanged; each dequantization call gets one expert's
+    blocks (so float32 values exist for one expert at a time) and the model's expert tensors
+    are the bfloat16 values themselves (equal to the float32 load, cast)."""
     folder, state = mxfp4_folder
-    out = dequantize_mxfp4_folder(folder, tmp_path / "deq", dtype=torch.float32)
-    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-    expected = {n.removesuffix("_blocks") for n in state if not n.endswith("_scales")}
-    assert set(weight_map) == expected
-    with dequantized_source(out) as source:  # no MXFP4 config: the folder itself
-        assert source == out
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    not_a_dir = tmp_path / "tmpdir"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("TMPDIR", str(not_a_dir))
+    monkeypatch.setattr(tempfile, "tempdir", str(not_a_dir))
+    calls = []
+
+    def per_expert(blocks, scales, dtype=torch.float32):
+        calls.append((tuple(blocks.shape), dtype))
+        return dequantize_mxfp4(blocks, scales, dtype)
+
+    monkeypatch.setattr(mxfp4_weights, "dequantize_mxfp4", per_expert)
+    ours = from_hf(folder, dtype=torch.bfloat16)
+    with pytest.raises(NotADirectoryError):  # what a temporary copy would have met
+        tempfile.mkdtemp()
+    assert not_a_dir.read_text() == ""
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+    quantized = [n for n in state if n.endswith("_blocks")]
+    expected_calls = [
+        ((rows, groups, 16), torch.bfloat16)
+        for n in sorted(quantized)
+        for _ in range(state[n].shape[0])
+        for rows, groups in [state[n].shape[1:3]]
+    ]
+    assert Counter(calls) == Counter(expected_calls)  # in the loader's order
+    mine = ours.spec.checkpoint_renames.state_to_disk(ours.state_dict())
+    for name in quantized:
+        base = name.removesuffix("_blocks")
+        full = dequantize_mxfp4(state[name], state[base + "_scales"]).transpose(1, 2)
+        assert mine[base].dtype == torch.bfloat16
+        assert torch.equal(mine[base], full.to(torch.bfloat16)), base
 
 
-def test_a_blocks_tensor_without_scales_is_refused_by_name(tmp_path):
-    blocks, _ = _random_mxfp4((2, 4, 32), torch.Generator().manual_seed(4))
-    save_file(
-        {"model.layers.0.mlp.experts.down_proj_blocks": blocks}, tmp_path / "model.safetensors"
-    )
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj"):
-        dequantize_mxfp4_folder(tmp_path, tmp_path / "out")
+def _broken_copy(mxfp4_folder, tmp_path, change) -> None:
+    """``mxfp4_folder`` as one file, its tensors edited by ``change``, in ``tmp_path``."""
+    folder, _ = mxfp4_folder
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(file))
+    change(state)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda s: s.pop("model.layers.1.mlp.experts.down_proj_scales"),
+            r"'model\.layers\.1\.mlp\.experts\.down_proj_blocks' has no "
+            r"'model\.layers\.1\.mlp\.experts\.down_proj_scales'",
+        ),
+        (
+            lambda s: s.pop("model.layers.0.mlp.experts.gate_up_proj_blocks"),
+            r"'model\.layers\.0\.mlp\.experts\.gate_up_proj_scales' has no '.*_blocks'",
+        ),
+        (
+            lambda s: s.update(
+                {"model.layers.0.mlp.experts.down_proj_scales": torch.zeros(3, 64, 2).byte()}
+            ),
+            r"'model\.layers\.0\.mlp\.experts\.down_proj_blocks' and '.*_scales' "
+            r"\(model\.safetensors\) have shapes \[3, 64, 1, 16\] and \[3, 64, 2\]",
+        ),
+    ],
+    ids=["no scales", "no blocks", "mis-shaped scales"],
+)
+def test_missing_or_misshaped_blocks_and_scales_are_named(mxfp4_folder, tmp_path, change, message):
+    _broken_copy(mxfp4_folder, tmp_path, change)
+    with pytest.raises(CheckpointError, match=message) as error:
+        from_hf(tmp_path, dtype=torch.float32)
+    assert str(tmp_path / "model.safetensors") in str(error.value)
 
 
 def test_mxfp4_configs_are_read_other_quantizations_refused():

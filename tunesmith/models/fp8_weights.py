@@ -4,9 +4,9 @@ Such a folder's ``config.json`` has ``quantization_config: {"quant_method": "fp8
 "weight_block_size": [128, 128], ...}``; each quantized linear stores ``weight`` in
 ``float8_e4m3fn`` and ``weight_scale_inv`` (float32, one number per ``128 x 128`` block,
 ``ceil(rows / 128) x ceil(cols / 128)``), the true weight being ``weight * scale`` block by block.
-:class:`BlockFp8Folder` gives a loader what it needs: a ``rename`` that leaves the scales out
-and a ``transform`` that turns each FP8 weight into floats as it is read (the load dtype is
-applied after, so nothing is rounded twice); the model itself never sees FP8.
+:class:`BlockFp8Folder` gives a loader what it needs: a ``derive`` that computes each FP8
+weight from itself and its scale as it is loaded (in float32, then cast once to the load
+dtype, so nothing is rounded twice); the model itself never sees FP8.
 
 Example::
 
@@ -19,20 +19,19 @@ Example::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from tunesmith.models.family import UnsupportedModelError
+from tunesmith.models.safetensors_io import DerivedTensor, TensorInfo
 
 __all__ = ["SCALE_SUFFIX", "BlockFp8Folder", "block_fp8_size", "dequantize_block_fp8"]
 
 SCALE_SUFFIX = "_scale_inv"
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_CODES = ("F8_E4M3", "F8_E5M2")  # safetensors header dtypes
+_FLOAT_CODES = ("F64", "F32", "F16", "BF16", *_FP8_CODES)
 
 
 def block_fp8_size(config: Mapping[str, Any]) -> tuple[int, int] | None:
@@ -79,39 +78,54 @@ def dequantize_block_fp8(
 
 
 class BlockFp8Folder:
-    """How to read a block-scaled FP8 folder: :meth:`rename` leaves every ``*_scale_inv`` out,
-    :meth:`transform` dequantizes a FP8 tensor with its scale (read from whichever shard holds
-    it). A FP8 tensor without a scale is an error that names it.
+    """How to read a block-scaled FP8 folder: :meth:`derive` makes each FP8 weight a tensor
+    computed from itself and its ``*_scale_inv`` (in whichever shard each sits) as it is loaded;
+    :meth:`rename` leaves out a scale no FP8 weight uses. A FP8 weight without a float scale of
+    its block grid's shape is an error naming the file and both tensors, from headers alone.
 
     Example::
 
-        loader(folder, rename=fp8.rename, transform=fp8.transform)
+        fp8 = BlockFp8Folder((128, 128))
+        loader(folder, rename=fp8.rename, derive=fp8.derive)
     """
 
-    def __init__(
-        self, folder: str | os.PathLike, block: tuple[int, int], files: Mapping[str, Path]
-    ) -> None:
-        self.folder = Path(folder)
+    def __init__(self, block: tuple[int, int]) -> None:
         self.block = block
-        self.files = dict(files)  # scale name -> the shard that holds it
         self.dequantized = 0
 
     def rename(self, name: str) -> str | None:
         return None if name.endswith(SCALE_SUFFIX) else name
 
-    def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dtype not in _FP8:
-            return tensor
+    def derive(self, infos: Mapping[str, TensorInfo]) -> dict[str, DerivedTensor]:
+        """Each FP8 weight of ``infos`` (name -> header) -> its dequantization."""
+        return {
+            name: DerivedTensor((name, self._scale(name, info, infos)), info.shape, self._compute)
+            for name, info in infos.items()
+            if info.dtype in _FP8_CODES
+        }
+
+    def _scale(self, name: str, info: TensorInfo, infos: Mapping[str, TensorInfo]) -> str:
+        """The name of ``name``'s scale, checked from its header."""
         scale_name = name + SCALE_SUFFIX
-        if scale_name not in self.files:
+        scale = infos.get(scale_name)
+        if scale is None:
             raise UnsupportedModelError(
-                f"{self.folder}: FP8 tensor '{name}' has no '{scale_name}' to dequantize it with"
+                f"{info.file}: FP8 tensor '{name}' has no '{scale_name}' to dequantize it with"
             )
-        with safe_open(self.files[scale_name], framework="pt") as f:
-            scale = f.get_tensor(scale_name)
-        if not scale.dtype.is_floating_point:
+        if scale.dtype not in _FLOAT_CODES:
             raise UnsupportedModelError(
-                f"{self.folder}: '{scale_name}' is {scale.dtype}; only float scales are read"
+                f"{scale.file}: '{scale_name}' is {scale.dtype}; only float scales are read"
             )
+        grid = [-(-size // block) for size, block in zip(info.shape, self.block)]
+        if len(info.shape) != 2 or list(scale.shape) != grid:
+            raise UnsupportedModelError(
+                f"{scale.file}: '{scale_name}' has shape {list(scale.shape)}; FP8 tensor "
+                f"'{name}' {list(info.shape)} with block {list(self.block)} needs {grid}"
+            )
+        return scale_name
+
+    def _compute(
+        self, weight: torch.Tensor, scale_inv: torch.Tensor, *, dtype: torch.dtype
+    ) -> torch.Tensor:
         self.dequantized += 1
-        return dequantize_block_fp8(tensor, scale, self.block)
+        return dequantize_block_fp8(weight, scale_inv, self.block).to(dtype)

@@ -37,7 +37,6 @@ from tunesmith.models.family import language_model_config
 from tunesmith.models.fused_keys import fuse_state, fused_parts
 from tunesmith.models.load_filters import LoadFilters, load_filters
 from tunesmith.models.manifest import has_manifest, manifest_problem
-from tunesmith.models.mxfp4_weights import dequantized_source
 from tunesmith.models.safetensors_io import (
     CheckpointError,
     CheckpointFileNotFoundError,
@@ -227,16 +226,15 @@ def load_hf_weights(
         verify_own_checkpoint(folder)
     rename = _language_model_names(folder)
     filters = _load_filters(folder)
-    with dequantized_source(folder, dtype=resolved) as source:  # MXFP4 experts: dequantized
-        load_into_module(
-            model,
-            source,
-            device=device,
-            dtype=resolved,
-            parts=_fused_parts(model),
-            rename=_with_family_renames(model, _then(filters, rename)),
-            transform=None if filters is None else filters.transform,
-        )
+    load_into_module(
+        model,
+        folder,
+        device=device,
+        dtype=resolved,
+        parts=_fused_parts(model),
+        rename=_with_family_renames(model, _then(filters, rename)),
+        derive=None if filters is None else filters.derive,  # FP8, MXFP4: dequantized
+    )
     if rename is not None:
         rename.report(folder)
     if filters is not None:
@@ -308,10 +306,11 @@ def _with_family_renames(
 
 
 def _load_filters(folder: str | os.PathLike) -> LoadFilters | None:
-    """What the folder's config asks a loader to skip or convert (MTP layers, FP8), or None."""
+    """What the folder's config asks a loader to skip or convert (MTP layers, FP8, MXFP4), or
+    None."""
     if not (Path(folder) / CONFIG_NAME).is_file():
         return None
-    return load_filters(folder, language_model_config(read_hf_config(folder))[0])
+    return load_filters(language_model_config(read_hf_config(folder))[0])
 
 
 def _then(

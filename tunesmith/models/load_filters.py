@@ -1,7 +1,8 @@
 """What a loader leaves out of, or converts in, a Hugging Face folder before the model sees it:
 multi-token-prediction layers (DeepSeek-V3's ``num_nextn_predict_layers``, stored as layers
-after the last; skipped with a message) and block-scaled FP8 weights (dequantized, see
-:mod:`~tunesmith.models.fp8_weights`).
+after the last; skipped with a message), block-scaled FP8 weights and MXFP4 experts (each
+computed from its stored data and scales as it is loaded, see
+:mod:`~tunesmith.models.fp8_weights` and :mod:`~tunesmith.models.mxfp4_weights`).
 
 Example::
 
@@ -21,10 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from tunesmith.models.fp8_weights import SCALE_SUFFIX, BlockFp8Folder, block_fp8_size
-from tunesmith.models.safetensors_io import read_tensor_index
+from tunesmith.models.fp8_weights import BlockFp8Folder, block_fp8_size
+from tunesmith.models.mxfp4_weights import Mxfp4Folder, is_mxfp4_config
+from tunesmith.models.safetensors_io import DerivedTensor, TensorInfo
 
 __all__ = ["LoadFilters", "load_filters", "mtp_layers"]
 
@@ -44,12 +44,13 @@ def mtp_layers(config: Mapping[str, Any]) -> int:
 
 @dataclass
 class LoadFilters:
-    """``rename`` (None: leave the tensor out) and ``transform`` (a tensor as read -> as
-    loaded) for :func:`~tunesmith.models.safetensors_io.load_into_module`."""
+    """``rename`` (None: leave the tensor out) and ``derive`` (the tensors computed from
+    others as they are loaded) for :func:`~tunesmith.models.safetensors_io.load_into_module`."""
 
     num_layers: int
     mtp_layers: int = 0
     fp8: BlockFp8Folder | None = None
+    mxfp4: Mxfp4Folder | None = None
     skipped: int = 0
 
     def rename(self, name: str) -> str | None:
@@ -59,8 +60,10 @@ class LoadFilters:
             return None
         return name if self.fp8 is None else self.fp8.rename(name)
 
-    def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.fp8 is None else self.fp8.transform(name, tensor)
+    def derive(self, infos: Mapping[str, TensorInfo]) -> dict[str, DerivedTensor]:
+        """FP8 weights and MXFP4 experts of ``infos`` (stored name -> header), dequantized."""
+        derived = {} if self.fp8 is None else self.fp8.derive(infos)
+        return derived | ({} if self.mxfp4 is None else self.mxfp4.derive(infos))
 
     def report(self, folder: str | os.PathLike) -> None:
         if self.skipped:
@@ -74,20 +77,24 @@ class LoadFilters:
                 "%s: %d block-scaled FP8 weight(s) dequantized on load (block %s)",
                 folder, self.fp8.dequantized, list(self.fp8.block),
             )  # fmt: skip
+        if self.mxfp4 is not None:
+            logger.info(
+                "%s: %d MXFP4 tensor(s) dequantized on load", folder, self.mxfp4.dequantized
+            )
 
 
-def load_filters(folder: str | os.PathLike, config: Mapping[str, Any]) -> LoadFilters | None:
-    """The filters ``config`` (the folder's ``config.json``) asks for, None when none."""
+def load_filters(config: Mapping[str, Any]) -> LoadFilters | None:
+    """The filters ``config`` (a folder's ``config.json``) asks for, None when none.
+
+    >>> load_filters({"num_hidden_layers": 2, "quantization_config": {"quant_method": "mxfp4"}})
+    LoadFilters(num_layers=2, mtp_layers=0, fp8=None, mxfp4=Mxfp4Folder(), skipped=0)
+    >>> load_filters({"num_hidden_layers": 2}) is None
+    True
+    """
     mtp = mtp_layers(config)
     block = block_fp8_size(config)
-    if not mtp and block is None:
+    mxfp4 = Mxfp4Folder() if is_mxfp4_config(config) else None
+    if not mtp and block is None and mxfp4 is None:
         return None
-    fp8 = None
-    if block is not None:
-        scales = {
-            name: info.file
-            for name, info in read_tensor_index(folder).items()
-            if name.endswith(SCALE_SUFFIX)
-        }
-        fp8 = BlockFp8Folder(folder, block, scales)
-    return LoadFilters(num_layers=config["num_hidden_layers"], mtp_layers=mtp, fp8=fp8)
+    fp8 = None if block is None else BlockFp8Folder(block)
+    return LoadFilters(num_layers=config["num_hidden_layers"], mtp_layers=mtp, fp8=fp8, mxfp4=mxfp4)

@@ -8,11 +8,11 @@ shared E8M0 scale byte, the power of two ``2 ** (scale - 127)``. A gpt-oss folde
 ``..._scales`` ``[E, 2 * I, hidden / 32]`` for ``gate_up_proj`` ``[E, hidden, 2 * I]``
 (transposed), and the same for ``down_proj``. Everything else is plain.
 
-:func:`dequantized_source` gives the folder to load from: the folder itself, or for an MXFP4
-folder a temporary copy whose expert tensors are dequantized (one output file per tensor, so
-memory holds one tensor at a time), which :func:`~tunesmith.models.hf.load_hf_weights` reads
-as any folder and removes afterwards. The copy costs the dequantized experts' size on disk
-(gpt-oss-20b in bfloat16: about 38 GB) under the temporary directory (``TMPDIR``).
+:class:`Mxfp4Folder` gives the loader (:func:`~tunesmith.models.safetensors_io.load_into_module`,
+``derive=``) each ``X`` as a tensor computed from ``X_blocks`` and ``X_scales`` (wherever each
+sits) as its shard is loaded: :func:`dequantize_experts` writes it in the load dtype one expert
+at a time, so memory holds the packed inputs, the result and one expert's float32 values;
+nothing is written to disk.
 
 Example::
 
@@ -23,30 +23,22 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import tempfile
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from tunesmith.models.safetensors_io import find_weight_files, read_tensor_index
+from tunesmith.models.safetensors_io import CheckpointError, DerivedTensor, TensorInfo
 
 __all__ = [
     "FP4_E2M1_VALUES",
+    "Mxfp4Folder",
+    "dequantize_experts",
     "dequantize_mxfp4",
-    "dequantized_source",
-    "dequantize_mxfp4_folder",
     "is_mxfp4_config",
 ]
 
 _BLOCKS, _SCALES = "_blocks", "_scales"
-_INDEX_NAME = "model.safetensors.index.json"
 
 
 def _e2m1(code: int) -> float:
@@ -87,67 +79,80 @@ def is_mxfp4_config(config: Mapping[str, Any]) -> bool:
     return (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
 
 
-def _quantized_pairs(names: list[str], where: Path) -> dict[str, tuple[str, str]]:
-    """Dequantized name -> (blocks name, scales name); a blocks tensor without its scales (or
-    the reverse) is an error naming it."""
-    blocks = {n.removesuffix(_BLOCKS) for n in names if n.endswith(_BLOCKS)}
-    scales = {n.removesuffix(_SCALES) for n in names if n.endswith(_SCALES)}
-    lone = sorted(blocks ^ scales)
-    if lone:
-        raise ValueError(f"{where}: MXFP4 tensor(s) {lone} lack their _blocks or _scales")
-    return {name: (name + _BLOCKS, name + _SCALES) for name in sorted(blocks)}
+class Mxfp4Folder:
+    """How to read an MXFP4 folder: :meth:`derive` turns each ``X_blocks``/``X_scales`` pair
+    into ``X`` (transformers' parameter layout, as its own MXFP4 loader gives), checked from
+    the headers; a lone or mis-shaped blocks or scales tensor is an error naming its file.
+
+    Example::
+
+        loader(folder, derive=Mxfp4Folder().derive)
+    """
+
+    def __init__(self) -> None:
+        self.dequantized = 0
+
+    def __repr__(self) -> str:
+        return "Mxfp4Folder()"
+
+    def derive(self, infos: Mapping[str, TensorInfo]) -> dict[str, DerivedTensor]:
+        """Each MXFP4 pair of ``infos`` (stored name -> header) -> its dequantization."""
+        blocks = {n.removesuffix(_BLOCKS) for n in infos if n.endswith(_BLOCKS)}
+        scales = {n.removesuffix(_SCALES) for n in infos if n.endswith(_SCALES)}
+        for name in sorted(blocks ^ scales):
+            have, lack = (_BLOCKS, _SCALES) if name in blocks else (_SCALES, _BLOCKS)
+            raise CheckpointError(
+                f"{infos[name + have].file}: MXFP4 tensor '{name + have}' has no "
+                f"'{name + lack}' in the checkpoint"
+            )
+        return {
+            name: DerivedTensor(
+                (name + _BLOCKS, name + _SCALES), _shape(name, infos), self._compute
+            )
+            for name in sorted(blocks)
+        }
+
+    def _compute(
+        self, blocks: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype
+    ) -> torch.Tensor:
+        self.dequantized += 1
+        return dequantize_experts(blocks, scales, dtype)
 
 
-def dequantize_mxfp4_folder(
-    folder: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16
-) -> Path:
-    """Write ``folder``'s weights into ``out`` with every ``X_blocks``/``X_scales`` pair
-    dequantized to ``X`` in ``dtype`` (transposed to transformers' parameter layout, as its
-    own MXFP4 loader does), an index mapping every tensor; returns ``out``."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    infos = read_tensor_index(folder)  # blocks and scales may sit in different shards
-    pairs = _quantized_pairs(list(infos), Path(folder))
-    quantized = {n for pair in pairs.values() for n in pair}
-    weight_map: dict[str, str] = {}
-    for number, path in enumerate(find_weight_files(folder)[0]):
-        with safe_open(path, framework="pt") as f:
-            plain = {n: f.get_tensor(n) for n in f.keys() if n not in quantized}  # noqa: SIM118
-        weight_map.update(_save(plain, out / f"plain-{number:05d}.safetensors"))
-    for number, (name, (blocks, scales)) in enumerate(pairs.items()):
-        value = dequantize_mxfp4(
-            _read(infos[blocks].file, blocks), _read(infos[scales].file, scales), dtype
+def _shape(name: str, infos: Mapping[str, TensorInfo]) -> tuple[int, ...]:
+    """``name``'s dequantized shape ``[E, G * 32, out]`` from its blocks' and scales' headers."""
+    blocks, scales = infos[name + _BLOCKS], infos[name + _SCALES]
+    problem = None
+    if blocks.dtype != "U8" or scales.dtype != "U8":
+        problem = f"dtypes {blocks.dtype} and {scales.dtype} (both must be U8)"
+    elif len(blocks.shape) != 4 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        problem = (
+            f"shapes {list(blocks.shape)} and {list(scales.shape)} (blocks must be "
+            "[experts, out, groups, 16], scales [experts, out, groups])"
         )
-        file = out / f"mxfp4-{number:05d}.safetensors"
-        weight_map.update(_save({name: value.transpose(1, 2).contiguous()}, file))
-    index = {"metadata": {}, "weight_map": weight_map}
-    (out / _INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if problem:
+        raise CheckpointError(
+            f"{blocks.file}: MXFP4 tensors '{name + _BLOCKS}' and '{name + _SCALES}' "
+            f"({scales.file.name}) have {problem}"
+        )
+    experts, rows, groups, _ = blocks.shape
+    return (experts, groups * 32, rows)
+
+
+def dequantize_experts(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Experts' ``blocks`` ``[E, out, G, 16]`` and ``scales`` ``[E, out, G]`` -> ``[E, G * 32,
+    out]`` in ``dtype`` (transposed, as transformers keeps them), one expert at a time.
+
+    Example::
+
+        >>> blocks = torch.full((2, 3, 1, 16), 0x22, dtype=torch.uint8)  # every value 1.0
+        >>> dequantize_experts(blocks, torch.full((2, 3, 1), 127, dtype=torch.uint8)).shape
+        torch.Size([2, 32, 3])
+    """
+    experts, rows, groups, _ = blocks.shape
+    out = torch.empty(experts, groups * 32, rows, dtype=dtype, device=blocks.device)
+    for expert in range(experts):
+        out[expert] = dequantize_mxfp4(blocks[expert], scales[expert], dtype).T
     return out
-
-
-def _read(path: Path, name: str) -> torch.Tensor:
-    with safe_open(path, framework="pt") as f:
-        return f.get_tensor(name)
-
-
-def _save(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, str]:
-    if not tensors:
-        return {}
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return dict.fromkeys(tensors, path.name)
-
-
-@contextlib.contextmanager
-def dequantized_source(
-    folder: str | os.PathLike, *, dtype: torch.dtype | None = None
-) -> Iterator[Path]:
-    """The folder to read weights from: ``folder`` itself, or for an MXFP4 folder a temporary
-    dequantized copy (in ``dtype``, default bfloat16) removed on exit."""
-    folder = Path(folder)
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    if not is_mxfp4_config(config):
-        yield folder
-        return
-    with tempfile.TemporaryDirectory(prefix="tunesmith-mxfp4-") as tmp:
-        yield dequantize_mxfp4_folder(folder, tmp, dtype=dtype or torch.bfloat16)

@@ -45,15 +45,16 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tunesmith.models.base_record import BaseRecord
-from tunesmith.models.family import family_for
-from tunesmith.models.hf import CONFIG_NAME, resolve_dtype
+from tunesmith.models.builder import build_model
+from tunesmith.models.family import family_for, language_model_config
+from tunesmith.models.hf import CONFIG_NAME, from_hf, read_hf_config, resolve_dtype
 from tunesmith.models.safetensors_io import (
     CheckpointError,
     CheckpointFileNotFoundError,
     atomic_directory,
     read_json_object,
 )
-from tunesmith.models.spec import ModelSpec
+from tunesmith.models.spec import ModelSpec, spec_from_hf_config
 from tunesmith.modules.moe import ExpertLoRA, GroupedExperts
 from tunesmith.modules.peft import (
     DoRALinear,
@@ -61,9 +62,18 @@ from tunesmith.modules.peft import (
     adapter_modules,
     adapter_state_dict,
     add_adapter,
+    apply_lora,
+    find_linear_targets,
     is_nf4,
     mark_adapters_trainable,
+    peft_misread_modules,
     resolve_quantize_base,
+)
+from tunesmith.modules.peft.peft_compat import (
+    PEFT_EXPERT_NAMES,
+    peft_misread_message,
+    peft_misread_names,
+    warn_peft_misread,
 )
 
 __all__ = [
@@ -73,6 +83,7 @@ __all__ = [
     "PeftAdapter",
     "load_peft_adapter",
     "peft_adapter_config",
+    "peft_misread_in_config",
     "read_adapter_config",
     "read_peft_adapter",
     "save_peft_adapter",
@@ -711,7 +722,11 @@ def write_peft_adapter(
     tensors = _peft_renamed(model, tensors, to_file=True)
     folder.mkdir(parents=True, exist_ok=True)
     weights = folder / ADAPTER_WEIGHTS_NAME
-    save_file(tensors, str(weights), metadata={"format": "pt"})
+    note = warn_peft_misread(
+        model, peft_misread_modules(model)
+    )  # peft would drop some adapters: said in the file too
+    metadata = {"format": "pt"} | ({"tunesmith_peft_note": note} if note else {})
+    save_file(tensors, str(weights), metadata=metadata)
     config_path = folder / ADAPTER_CONFIG_NAME
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return [weights, config_path] + ([record.write(folder)] if record is not None else [])
@@ -1094,3 +1109,55 @@ def load_peft_adapter(
             module.quantize_base()
     mark_adapters_trainable(model)
     return model
+
+
+# ----------------------------------------------------------------------------- checking a config
+
+
+def _lora_on_hf_folder(cfg: Any, key: str) -> tuple[Path, Any] | None:
+    """(base folder, ``target_modules``) of ``cfg[key]`` when it is ``apply_lora`` over
+    ``from_hf(path)`` of a folder with a ``config.json``; None for any other node (or a broken
+    one: the config checks report it)."""
+    from tunesmith.config.components import resolve_component  # the allow-list applies
+
+    try:
+        node = cfg[key]
+        outer, inner = resolve_component(node["_component_"]), node["model"]
+        path, targets = inner.get("path"), node["target_modules"]
+        if outer is not apply_lora or resolve_component(inner["_component_"]) is not from_hf:
+            return None
+    except Exception:
+        return None
+    if not isinstance(path, str) or not (Path(path) / CONFIG_NAME).is_file():
+        return None
+    return Path(path), targets if isinstance(targets, str) else [str(t) for t in targets]
+
+
+def peft_misread_in_config(cfg: Any) -> list[str]:
+    """One line per top-level LoRA model of ``cfg`` (``apply_lora`` over ``from_hf`` of a local
+    folder) whose PEFT folders peft would misread (:mod:`tunesmith.modules.peft.peft_compat`),
+    found on a meta-device build: ``tunesmith validate`` prints them, a run logs the same at
+    LoRA setup.
+
+    Example::
+
+        >>> from omegaconf import OmegaConf
+        >>> peft_misread_in_config(OmegaConf.create({"model": {"path": "nowhere"}}))
+        []
+    """
+    lines = []
+    for key in cfg:
+        found = _lora_on_hf_folder(cfg, key)
+        if found is None:
+            continue
+        config = language_model_config(read_hf_config(found[0]))[0]
+        if config.get("model_type") not in PEFT_EXPERT_NAMES:
+            continue
+        model = build_model(spec_from_hf_config(config), device="meta")
+        try:
+            modules = peft_misread_names(model, find_linear_targets(model, found[1]))
+        except ValueError:  # targets that match nothing: the run says so when it builds
+            continue
+        if modules:
+            lines.append(f"{key}: warning: {peft_misread_message(model.spec.model_type, modules)}")
+    return lines

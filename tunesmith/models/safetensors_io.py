@@ -48,6 +48,7 @@ __all__ = [
     "SAFE_INDEX_NAME",
     "SAFE_WEIGHTS_NAME",
     "CheckpointError",
+    "DerivedTensor",
     "TensorInfo",
     "assert_no_meta",
     "atomic_directory",
@@ -95,6 +96,24 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype code, e.g. "BF16"
     stored_name: str | None = None  # its name in the file, when the index renamed it
+
+
+@dataclass(frozen=True)
+class DerivedTensor:
+    """A checkpoint tensor the loader computes from others of the folder instead of reading it
+    (a quantized weight from its data and scales): ``compute(*inputs, dtype=)`` gets the
+    ``inputs`` (names as stored) as read and returns the tensor of ``shape`` in ``dtype``.
+
+    Example::
+
+        >>> half = DerivedTensor(("w", "w_scale"), (2, 3), lambda w, s, dtype: (w * s).to(dtype))
+        >>> half.compute(torch.ones(2, 3), torch.tensor(0.5), dtype=torch.bfloat16)[0]
+        tensor([0.5000, 0.5000, 0.5000], dtype=torch.bfloat16)
+    """
+
+    inputs: tuple[str, ...]  # read only to compute it; never loaded themselves
+    shape: tuple[int, ...]
+    compute: Callable[..., torch.Tensor]
 
 
 def _names(names: list[str] | set[str], limit: int = 20) -> str:
@@ -296,7 +315,7 @@ def load_into_module(
     dtype: torch.dtype | None = None,
     parts: Mapping[str, tuple[str, int, int]] | None = None,
     rename: Callable[[str], str | None] | None = None,
-    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    derive: Callable[[Mapping[str, TensorInfo]], Mapping[str, DerivedTensor]] | None = None,
 ) -> None:
     """Load a safetensors folder into ``module`` shard by shard, replacing its tensors.
 
@@ -313,9 +332,12 @@ def load_into_module(
     ``parts`` names tensors the checkpoint stores fused with others (see
     :func:`~tunesmith.models.fused_keys.fused_parts`): state-dict name -> (checkpoint name,
     first row, end row); such a tensor is read as those rows of the fused one.
-    ``transform`` (optional) gets each tensor as read, by its (renamed) checkpoint name, and
-    returns what is loaded instead (block-scaled FP8 dequantized, see
-    :mod:`~tunesmith.models.fp8_weights`), before the cast to ``dtype``.
+    ``derive`` (optional) gets the folder's tensors (names as stored -> header) and returns the
+    tensors to compute instead of reading (:class:`DerivedTensor`, e.g. a quantized weight
+    from its data and scales: block-scaled FP8, MXFP4); each stands for its inputs under its
+    own name (then renamed like any other) and is computed in its load dtype as its shard is
+    loaded, reading only its inputs, so memory holds one such tensor's inputs at a time and
+    nothing is written to disk.
 
     Every name and shape is checked from the file headers before any data is read.
 
@@ -331,7 +353,9 @@ def load_into_module(
         {'cpu'}
     """
     folder = Path(folder)
-    infos = read_tensor_index(folder)
+    stored = read_tensor_index(folder)
+    reader = _Reader(stored, dict(derive(stored)) if derive is not None else {})
+    infos = reader.infos(folder)
     if rename is not None:
         infos = _renamed(infos, rename)
     state = module.state_dict(keep_vars=True)
@@ -413,14 +437,10 @@ def load_into_module(
                     dt = torch.float32
                 if key in rows:  # read once, cut into its parts
                     if source[key] not in fused:
-                        fused[source[key]] = _read(f, path, _stored(infos, source[key]))
-                        if transform is not None:
-                            fused[source[key]] = transform(source[key], fused[source[key]])
+                        fused[source[key]] = reader.read(f, path, _stored(infos, source[key]), dt)
                     tensor = fused[source[key]][rows[key][0] : rows[key][1]]
                 else:
-                    tensor = _read(f, path, _stored(infos, source[key]))
-                    if transform is not None:
-                        tensor = transform(source[key], tensor)
+                    tensor = reader.read(f, path, _stored(infos, source[key]), dt)
                 shard[key] = tensor.to(device=_target_device(target, device), dtype=dt)
             result = module.load_state_dict(shard, strict=False, assign=True)
             if result.unexpected_keys:
@@ -437,7 +457,7 @@ def load_into_module(
         for name in duplicates[key]:
             info = infos[name]
             with _open_shard(info.file) as f:
-                copy = _read(f, info.file, _stored(infos, name)).to(
+                copy = reader.read(f, info.file, _stored(infos, name), loaded[key].dtype).to(
                     loaded[key].device, loaded[key].dtype
                 )
             if not torch.equal(copy, loaded[key]):
@@ -473,6 +493,58 @@ def _renamed(
             )
         out[new] = dataclasses.replace(info, stored_name=name)
     return out
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """Reads a checkpoint tensor by its stored name: from its file, or computed from its
+    inputs when ``derived`` (see :class:`DerivedTensor`) holds it."""
+
+    stored: Mapping[str, TensorInfo]
+    derived: Mapping[str, DerivedTensor]
+
+    def infos(self, folder: Path) -> dict[str, TensorInfo]:
+        """The tensors to load: the stored ones with each derived tensor in place of its inputs
+        (listed in its first input's file; "F32": computed as floats)."""
+        infos = dict(self.stored)
+        used: dict[str, str] = {}  # input -> the derived tensor it is read for
+        for name, tensor in self.derived.items():
+            for source in tensor.inputs:
+                if source not in self.stored:
+                    raise CheckpointError(
+                        f"checkpoint {folder}: '{name}' is computed from '{source}', "
+                        "which no file holds"
+                    )
+                if source in used:
+                    raise CheckpointError(
+                        f"{self.stored[source].file}: tensor '{source}' is read for both "
+                        f"'{used[source]}' and '{name}'"
+                    )
+                used[source] = name
+                infos.pop(source)
+        for name, tensor in self.derived.items():
+            if name in infos:
+                raise CheckpointError(
+                    f"{infos[name].file}: tensor '{name}' is stored and also computed from "
+                    f"{list(tensor.inputs)}"
+                )
+            infos[name] = TensorInfo(self.stored[tensor.inputs[0]].file, tensor.shape, "F32")
+        return infos
+
+    def read(self, handle, path: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor ``name`` (read from ``handle``, the open ``path``, or computed in ``dtype``)."""
+        if name not in self.derived:
+            return _read(handle, path, name)
+        tensor = self.derived[name]
+        inputs = [self._input(handle, path, source) for source in tensor.inputs]
+        return tensor.compute(*inputs, dtype=dtype)
+
+    def _input(self, handle, path: Path, name: str) -> torch.Tensor:
+        file = self.stored[name].file
+        if file == path:
+            return _read(handle, path, name)
+        with _open_shard(file) as f:  # e.g. scales in another shard than their blocks
+            return _read(f, file, name)
 
 
 def _stored(infos: Mapping[str, TensorInfo], name: str) -> str:

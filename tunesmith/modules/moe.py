@@ -587,19 +587,30 @@ class MoE(nn.Module):
         )
 
     scale_inputs = False  # weights scale each expert's output (Llama 4's MoE: its input)
-    # Router statistics of the forwards in train mode since the last read: ``[E + 1]``, the
-    # tokens each expert got as routed, then the assignments no expert got; see _record_routing.
+    # The expert load counted since the last read (tunesmith.training.router_stats): ``[E + 1]``,
+    # the real tokens each expert got as routed, then the assignments no expert got.
     routed_counts: torch.Tensor | None = None
+    # ``[n]`` bool, which of the next forward's tokens are real (set by the decoder body's
+    # hook, router_stats.track_routing); a counting forward consumes it.
+    real_tokens: torch.Tensor | None = None
 
-    def _record_routing(self, counts: torch.Tensor, assignments: int) -> None:
-        """In train mode, add the tokens each expert got (``counts``: the routing decision
-        itself, whatever the router) and the (token, slot) assignments of the ``assignments``
-        made that reached no expert to the totals that
-        :func:`tunesmith.training.router_stats.router_statistics` reads and resets."""
-        if not self.training:
+    def _record_routing(self, experts: torch.Tensor) -> None:
+        """In train mode, add the (token, slot) assignments ``experts`` ``[n, k]`` of the real
+        tokens (:attr:`real_tokens`) to :attr:`routed_counts`, per expert (the routing decision
+        itself, whatever the router), then those that reached no expert. Only a forward whose
+        tokens were marked counts, and it consumes the mark: activation checkpointing's
+        recomputation in backward finds none and counts nothing again. Static shapes, no host
+        sync (torch.compile guards on the mark being set)."""
+        real = self.real_tokens
+        if not self.training or real is None:
             return
-        counts = counts.detach()
-        routed = torch.cat([counts, (assignments - counts.sum())[None]])
+        self.real_tokens = None
+        if real.shape[0] != experts.shape[0]:  # a forward of other tokens than the body's
+            real = torch.ones(experts.shape[0], dtype=torch.bool)
+        weights = real.to(experts.device, torch.long)[:, None].expand_as(experts).flatten()
+        flat = experts.detach().flatten()
+        counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, weights)
+        routed = torch.cat([counts, (weights.sum() - counts.sum())[None]])
         total = self.routed_counts
         self.routed_counts = routed if total is None else total + routed
 
@@ -629,7 +640,7 @@ class MoE(nn.Module):
         counts = flat_experts.new_zeros(self.num_experts).scatter_add_(
             0, flat_experts, torch.ones_like(flat_experts)
         )
-        self._record_routing(counts, flat_experts.numel())
+        self._record_routing(experts)
         slot_weights = weights.flatten()[order, None]
         if self.scale_inputs:  # Llama 4: the weight scales what the expert sees
             expert_out = self.experts(tokens[token_idx] * slot_weights, counts)

@@ -13,22 +13,21 @@ that serves every family. Methods (``topk_method`` of DeepSeek's configs):
 
 The weights are then multiplied by ``routed_scaling_factor``.
 
-Bias-based balancing (DeepSeek-V3's auxiliary-loss-free load balancing, off by default): with
-:func:`track_expert_load`, each training forward counts the experts' assignments, and
+Bias-based balancing (DeepSeek-V3's auxiliary-loss-free load balancing, off by default):
 :func:`update_correction_bias` (after each optimizer step) moves every expert's
 ``e_score_correction_bias`` by ``update_rate`` towards balance, ``b_i += rate * sign(mean load -
-load_i)``, outside the gradient; it changes which experts are chosen, never their weights.
+load_i)``, outside the gradient; it changes which experts are chosen, never their weights. The
+loads are the step's, as every :class:`~tunesmith.modules.moe.MoE` layer counts them for the
+router statistics (:func:`~tunesmith.training.router_stats.read_expert_loads`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,8 +39,8 @@ __all__ = [
     "DeepSeekGate",
     "DeepSeekMoE",
     "DeepSeekRouting",
+    "balanced_layers",
     "deepseek_route",
-    "track_expert_load",
     "update_correction_bias",
 ]
 
@@ -218,8 +217,6 @@ class DeepSeekMoE(MoE):
         self.shared_experts = FeedForward(
             hidden_size, intermediate_size * routing.n_shared_experts, bias=mlp_bias
         )
-        self.expert_load: torch.Tensor | None = None  # see track_expert_load
-        self.real_tokens: torch.Tensor | None = None  # [n] bool of the forward, when known
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens ``[n, hidden]`` -> (float32 router logits ``[n, E]``, weights ``[n, k]``,
@@ -229,104 +226,48 @@ class DeepSeekMoE(MoE):
             logits, self.gate.e_score_correction_bias, self.routing, self.top_k,
             self.norm_topk_prob,
         )  # fmt: skip
-        if self.expert_load is not None and self.training and _outside_backward():
-            self._count(experts)
         return logits, weights.to(x.dtype), experts
-
-    def _count(self, experts: torch.Tensor) -> None:
-        """Add the assignments of the forward's real tokens (padding left out) to the load."""
-        real = self.real_tokens
-        if real is not None and real.shape[0] == experts.shape[0]:
-            experts = experts[real.to(experts.device)]
-        self.expert_load += torch.bincount(experts.flatten(), minlength=self.num_experts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out, logits = super().forward(x)
         return out + self.shared_experts(x), logits
 
 
-def _outside_backward() -> bool:
-    """False while autograd runs a backward (activation checkpointing recomputing a forward,
-    whose routing was counted the first time)."""
-    return torch._C._current_graph_task_id() == -1
+def balanced_layers(model: nn.Module) -> Iterator[DeepSeekMoE]:
+    """The DeepSeek MoE layers of ``model`` with a correction bias (V3's ``noaux_tc``).
 
+    Example::
 
-def _balanced_layers(model: nn.Module) -> Iterator[DeepSeekMoE]:
+        >>> from tunesmith.models import deepseek_v3
+        >>> len(list(balanced_layers(deepseek_v3.deepseek_v3_tiny())))
+        2
+    """
     for module in model.modules():
         if isinstance(module, DeepSeekMoE) and module.gate.e_score_correction_bias is not None:
             yield module
 
 
-def track_expert_load(model: nn.Module) -> int:
-    """Make every DeepSeek MoE layer with a correction bias count its experts' assignments in
-    training forwards (``expert_load``, from zero); returns how many layers count.
-
-    Example::
-
-        >>> from tunesmith.models import deepseek_v3
-        >>> model = deepseek_v3.deepseek_v3_tiny()
-        >>> track_expert_load(model)
-        2
-    """
-    layers = list(_balanced_layers(model))
-    for moe in layers:
-        bias = moe.gate.e_score_correction_bias
-        moe.expert_load = torch.zeros(moe.num_experts, dtype=torch.long, device=bias.device)
-    body = getattr(model, "model", None)
-    if layers and isinstance(body, nn.Module):
-        body.register_forward_pre_hook(partial(_mark_real_tokens, layers), with_kwargs=True)
-    return len(layers)
-
-
-def _mark_real_tokens(
-    layers: list[DeepSeekMoE], body: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
-    """Forward pre-hook of the decoder body: tell the tracked layers which of the forward's
-    ``[b * s]`` positions are real tokens (not rows' padding, packed rows' gaps or the
-    positions tensor parallel pads the sequence with: ``_tp_cut``), as the body sees them."""
-    ids = args[0] if args else kwargs["input_ids"]
-    real = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-    mask, docs = kwargs.get("attention_mask"), kwargs.get("document_ids")
-    if mask is not None and mask.dim() == 2:
-        real &= mask[:, -ids.shape[1] :].bool()
-    if docs is not None and docs.shape == ids.shape:
-        real &= docs >= 0
-    cut = getattr(body, "_tp_cut", None)
-    if cut is not None:
-        real[:, cut:] = False
-    for moe in layers:
-        moe.real_tokens = real.reshape(-1)
-
-
 @torch.no_grad()
-def update_correction_bias(
-    model: nn.Module, update_rate: float, group: dist.ProcessGroup | None = None
-) -> None:
-    """Bias-based balancing, once per optimizer step: per tracked layer, the loads counted
-    since the last update (summed over the ranks of ``group``, default the whole world when
-    torch.distributed is initialised: each rank routed its own tokens; a rank counted twice
-    changes nothing, the update takes only the sign) move each expert's bias by
-    ``update_rate`` up when below the mean load and down when above; then the counts restart.
+def update_correction_bias(loads: Mapping[nn.Module, torch.Tensor], update_rate: float) -> None:
+    """Bias-based balancing, once per optimizer step: per layer of ``loads`` with a correction
+    bias, its load (the tokens each expert got in the step, summed over the ranks whose tokens
+    make the global batch, as :func:`~tunesmith.training.router_stats.read_expert_loads` gives
+    it: ``[E + 1]``, the last entry the assignments no expert got) moves each expert's
+    bias by ``update_rate`` up when below the layer's mean load and down when above. Ranks
+    that routed the same tokens (tensor parallel) hold the same loads, so their biases stay
+    equal.
 
     Example::
 
         >>> from tunesmith.models import deepseek_v3
-        >>> model = deepseek_v3.deepseek_v3_tiny()
-        >>> _ = track_expert_load(model)
-        >>> moe = model.model.layers[1].mlp
-        >>> moe.expert_load += torch.tensor([6, 0, 3, 3, 3, 3])
-        >>> update_correction_bias(model, 0.001)
+        >>> moe = deepseek_v3.deepseek_v3_tiny().model.layers[1].mlp
+        >>> update_correction_bias({moe: torch.tensor([6, 0, 3, 3, 3, 3, 0])}, 0.001)
         >>> moe.gate.e_score_correction_bias.tolist()
         [-0.0010000000474974513, 0.0010000000474974513, 0.0, 0.0, 0.0, 0.0]
     """
-    layers = [moe for moe in _balanced_layers(model) if moe.expert_load is not None]
-    if not layers:
-        return
-    loads = torch.stack([moe.expert_load for moe in layers]).float()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(loads, group=group)
-    step = update_rate * torch.sign(loads.mean(dim=1, keepdim=True) - loads)
-    for moe, delta in zip(layers, step, strict=True):
+    for moe, load in loads.items():
+        if not isinstance(moe, DeepSeekMoE) or moe.gate.e_score_correction_bias is None:
+            continue
+        load = load[: moe.num_experts].float()
         bias = moe.gate.e_score_correction_bias
-        bias += delta.to(bias.device, bias.dtype)
-        moe.expert_load.zero_()
+        bias += (update_rate * torch.sign(load.mean() - load)).to(bias.device, bias.dtype)

@@ -386,8 +386,10 @@ def check_run(cfg: Any, recipe_file: Path | None, *, files: bool = True) -> list
     validate`` and every run (so both name the same first problem): the Hub ids of a built-in
     recipe's ``*_dir`` keys (:func:`check_local_folders`), then the whole tree
     (:func:`check_config`: keys, types, choices, files and folders, required keys), then the
-    backend of each model (:func:`model_backends`, whose lines it returns). ``files=False``:
-    the config alone, not the files and folders it names (nor the models' backends).
+    backend of each model (:func:`model_backends`, whose lines it returns, followed by those of
+    LoRA adapters peft would misread: :func:`~tunesmith.models.peft_io.peft_misread_in_config`).
+    ``files=False``: the config alone, not the files and folders it names (nor the models'
+    backends).
 
     Example::
 
@@ -401,7 +403,11 @@ def check_run(cfg: Any, recipe_file: Path | None, *, files: bool = True) -> list
     if files and recipe_file is not None and recipe_file.parent == RECIPES_DIR:
         check_local_folders(cfg)  # a recipe of your own may give `*_dir` keys other meanings
     check_config(cfg, recipe_file, files=files)
-    return model_backends(cfg) if files else []
+    if not files:
+        return []
+    from tunesmith.models.peft_io import peft_misread_in_config
+
+    return model_backends(cfg) + peft_misread_in_config(cfg)
 
 
 def check_local_folders(cfg: Any) -> None:

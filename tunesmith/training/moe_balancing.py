@@ -1,10 +1,12 @@
 """DeepSeek-V3's bias-based load balancing as a trainer hook: the config's
-``moe_bias_balancing: {update_rate: 0.001}`` (off when absent or null) makes each training
-forward count the routed experts' load, and after each optimizer step moves every expert's
-``e_score_correction_bias`` by ``update_rate`` towards balance, outside the gradient
-(:func:`~tunesmith.modules.routers.update_correction_bias`). The bias is a buffer of the
-model: checkpoints save it (``config.json``-compatible, transformers reads it) and a resume
-continues from it.
+``moe_bias_balancing: {update_rate: 0.001}`` (off when absent or null) moves, after each
+optimizer step, every expert's ``e_score_correction_bias`` by ``update_rate`` towards balance,
+outside the gradient (:func:`~tunesmith.modules.routers.update_correction_bias`). The loads are
+the step's that the trainer read for its router statistics (``trainer.expert_loads``: real
+tokens only, summed over the data-parallel and context-parallel ranks, see
+:mod:`tunesmith.training.router_stats`), so every rank, ``tp`` ranks included, makes the same
+update. The bias is a buffer of the model: checkpoints save it (``config.json``-compatible,
+transformers reads it) and a resume continues from it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from tunesmith.config.errors import ConfigError, ConfigIssue
-from tunesmith.modules.routers import track_expert_load, update_correction_bias
+from tunesmith.modules.routers import balanced_layers, update_correction_bias
 
 __all__ = ["BiasBalancing"]
 
@@ -61,15 +63,16 @@ class BiasBalancing:
         return cls(**section)
 
     def step_hook(self, model: nn.Module) -> Any:
-        """A trainer hook (``on_step_end``) that updates ``model``'s correction biases; the
-        model must have DeepSeek MoE layers with one (refused by name otherwise)."""
-        if not track_expert_load(model):
+        """A trainer hook (``on_step_end``) that updates ``model``'s correction biases from
+        the step's ``trainer.expert_loads``; the model must have DeepSeek MoE layers with one
+        (refused by name otherwise)."""
+        if next(balanced_layers(model), None) is None:
             raise ConfigError.from_issues(
                 [ConfigIssue("moe_bias_balancing", "needs a model with DeepSeek-V3 MoE layers "
                              "(an e_score_correction_bias); this model has none")]
             )  # fmt: skip
 
         def hook(trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
-            update_correction_bias(model, self.update_rate)
+            update_correction_bias(trainer.expert_loads, self.update_rate)
 
         return hook

@@ -49,7 +49,12 @@ from tunesmith.training.memory.optim_in_backward import OptimizerInBackward, che
 from tunesmith.training.parallel.context_parallel import check_objective, shard_batch
 from tunesmith.training.parallel.distributed import DistributedContext, all_reduce_sum, full_tensor
 from tunesmith.training.precision import build_optimizer
-from tunesmith.training.router_stats import reset_router_statistics, router_statistics
+from tunesmith.training.router_stats import (
+    read_expert_loads,
+    reset_router_statistics,
+    summarise_expert_loads,
+    track_routing,
+)
 from tunesmith.training.settings import RESUMABLE_KEYS, LoopSettings
 from tunesmith.training.sources import BatchSource
 
@@ -108,7 +113,8 @@ class Objective(Protocol):
 
 StepHook = Callable[["Trainer", int, dict[str, float]], None]
 """``hook(trainer, step, metrics)``, called after each optimizer step (e.g. sync weights to a
-generator, bump a policy version)."""
+generator, bump a policy version; ``trainer.expert_loads`` holds the step's MoE expert loads,
+as DeepSeek-V3's bias balancing reads them)."""
 
 
 class Trainer:
@@ -192,6 +198,10 @@ class Trainer:
         self.progress = {"step": 0, "tokens_seen": 0}
         self.last_checkpoint: Path | None = None
         self.rank_tokens = 0  # real (non-padding) tokens of the last step on this rank
+        track_routing(model)  # MoE layers count their experts' load (router_stats)
+        # the last step's expert load per MoE layer, summed over ctx.dp_cp_group: the router
+        # statistics and on_step_end hooks (DeepSeek-V3's bias balancing) read it
+        self.expert_loads: dict[nn.Module, torch.Tensor] = {}
 
     @classmethod
     def from_config(
@@ -314,7 +324,8 @@ class Trainer:
             if grad_norm is None:
                 del metrics["grad_norm"]
             metrics |= _means(sums, units, ctx)
-            metrics |= router_statistics(self.model, ctx.device, ctx.dp_cp_group)
+            self.expert_loads = read_expert_loads(self.model, ctx.device, ctx.dp_cp_group)
+            metrics |= summarise_expert_loads(self.expert_loads)
         for hook in self.on_step_end:
             hook(self, step, metrics)
         return metrics
@@ -362,6 +373,7 @@ class Trainer:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
         self.progress["step"] = step
+        self.expert_loads = {}  # no forward: no expert load
         self.rank_tokens = sum(_real_tokens(mb) for mb in micro_batches)
         seen = all_reduce_sum(self.rank_tokens, self.ctx.device, self.ctx.dp_cp_group)
         self.progress["tokens_seen"] += int(seen.item())

@@ -28,6 +28,7 @@ from tunesmith.modules.peft.apply import (
     is_adapter_key,
     mark_adapters_trainable,
     merge_adapters,
+    peft_misread_modules,
     resolve_quantize_base,
     trainable_parameters,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "lora_scaling",
     "mark_adapters_trainable",
     "merge_adapters",
+    "peft_misread_modules",
     "quantize_nf4",
     "resolve_quantize_base",
     "trainable_parameters",

@@ -51,6 +51,7 @@ from tunesmith.modules.moe import PROJECTIONS, ExpertLoRA, GroupedExperts, MoE
 from tunesmith.modules.peft.dora import DoRALinear
 from tunesmith.modules.peft.lora import LoRALinear
 from tunesmith.modules.peft.nf4 import quantize_nf4
+from tunesmith.modules.peft.peft_compat import peft_misread_names, warn_peft_misread
 
 __all__ = [
     "ADAPTER_KEY_SUFFIXES",
@@ -65,6 +66,7 @@ __all__ = [
     "is_adapter_key",
     "mark_adapters_trainable",
     "merge_adapters",
+    "peft_misread_modules",
     "resolve_quantize_base",
     "target_aliases",
     "trainable_parameters",
@@ -406,6 +408,8 @@ def apply_lora(
 
     After this, only adapter parameters require grad: build the optimizer from
     :func:`trainable_parameters`. Adapters start as an exact no-op.
+    Adapters on non-expert MLPs of a MoE model that peft would misread in a PEFT folder log
+    one warning (:mod:`tunesmith.modules.peft.peft_compat`).
     """
     names = find_linear_targets(model, target_modules)
     expert_targets = find_expert_targets(model, target_modules)
@@ -440,10 +444,18 @@ def apply_lora(
             adapter_dtype=adapter_dtype,
         )
     mark_adapters_trainable(model)
+    warn_peft_misread(model, peft_misread_modules(model))
     return model
 
 
 # ----------------------------------------------------------------------------- inspecting
+
+
+def peft_misread_modules(model: nn.Module) -> list[str]:
+    """Names of ``model``'s adapted non-expert layers that peft would drop from a PEFT folder
+    (:mod:`tunesmith.modules.peft.peft_compat`); empty for experts-only adapters."""
+    adapted = adapter_modules(model).items()
+    return peft_misread_names(model, [n for n, m in adapted if not isinstance(m, ExpertLoRA)])
 
 
 def adapter_modules(model: nn.Module) -> dict[str, LoRALinear | ExpertLoRA]:
