@@ -2,8 +2,10 @@
 logits, router logits and aux loss, gradients, each feature shown to matter, greedy generation
 with a KV cache, checkpoints both ways (sharded); attention sinks in every backend (packed ==
 separate rows; ring attention under cp 2); LoRA folders peft loads (attention, experts); ep2,
-tp2, dp_shard2 == one process; every recipe against its full-logit reference; the shipped
-config; harmony templates' masks == transformers'."""
+tp2 == one process; harmony templates' masks == transformers'. Every recipe on gpt-oss:
+tests/recipes/test_recipes_on_moe_families.py; the SFT recipe on two ranks:
+tests/recipes/test_sft_moe_parallel.py; the shipped config:
+tests/recipes/test_moe_shipped_configs.py."""
 
 from __future__ import annotations
 
@@ -18,24 +20,10 @@ import tokenizers
 import torch
 import transformers
 import trl
-from omegaconf import OmegaConf
 
 from tests.data.tokenizer_factory import make_tokenizer_folder
 from tests.gloo_world import run_on_ranks
 from tests.models.conftest import randomize_
-from tests.recipes.sft_world import (
-    assert_same_as_single,
-    launch_ranks,
-    make_chat_data,
-    make_counting_data,
-    make_model_dir,
-    run_sft,
-    sft_overrides,
-)
-from tests.recipes.test_recipes_on_families import CHECKS
-from tests.recipes.test_recipes_on_families import World as FamiliesWorld
-from tunesmith.cli import catalog
-from tunesmith.config import load_config
 from tunesmith.data.tokenizer import Tokenizer
 from tunesmith.generation import generate
 from tunesmith.models import build_model, from_hf, gpt_oss, spec_from_hf_config
@@ -46,8 +34,6 @@ from tunesmith.modules.masks import document_position_ids
 from tunesmith.modules.moe import load_balancing_loss
 from tunesmith.modules.peft import apply_lora, disable_adapters, trainable_parameters
 from tunesmith.modules.sinks import sink_attention
-from tunesmith.recipes.catalog import check_run
-from tunesmith.training.memory.planner import estimate_memory, optimizer_kind
 from tunesmith.training.parallel.distributed import ParallelDims, expert_mesh_of
 from tunesmith.training.parallel.expert_parallel import apply_expert_parallel
 
@@ -389,121 +375,6 @@ def test_tensor_parallel_tp2_equals_one_process():
         where = f"sequence_parallel={sp} {kind} seq={seq}"
         assert logits_error < 2e-6, f"{where}: logits differ by {logits_error}"
         assert grad_error < 2e-5, f"{where}: gradients differ by {grad_error} (relative)"
-
-
-# --- the shipped config ----------------------------------------------------------------------
-
-CONFIG = catalog.config_path("gpt_oss_20b_lora", "sft")
-
-
-def test_shipped_config_validates_on_a_gpt_oss_folder(tmp_path):
-    """``tunesmith validate``'s checks pass on a (tiny) gpt-oss folder."""
-    model_dir = make_model_dir(tmp_path, family=gpt_oss)
-    data = make_chat_data(tmp_path / "chats.jsonl", rows=4)
-    cfg = load_config(CONFIG, [f"model_dir={model_dir}", f"dataset.source={data}"])
-    assert check_run(cfg, catalog.recipe_path("sft")) == []  # raises on any problem
-
-
-def _plan(cfg: dict, model: torch.nn.Module, **dims):
-    return estimate_memory(
-        model, batch_size=cfg["batch_size"], seq_len=cfg["dataset"]["max_seq_len"],
-        optimizer=optimizer_kind(cfg["optimizer"]["_component_"], cfg["optimizer"]),
-        mixed_precision=cfg["mixed_precision"], loss="linear", packed=True,
-        activation_checkpointing=cfg["activation_checkpointing"],
-        parallel=ParallelDims(**dims), device="cuda",
-    )  # fmt: skip
-
-
-def test_shipped_config_memory_plan_on_eight_ranks_fits_and_splits_the_experts():
-    cfg = OmegaConf.to_container(load_config(CONFIG, ["dataset.source=x"]), resolve=False)
-    lora = {k: v for k, v in cfg["model"].items() if k not in ("_component_", "model")}
-    lora["adapter_dtype"] = torch.float32
-    model = apply_lora(gpt_oss.gpt_oss_20b(device="meta", dtype=torch.bfloat16), **lora)
-    shipped = _plan(cfg, model, **cfg["parallelism"])
-    print(shipped.table())
-    assert cfg["parallelism"] == {"dp_shard": 8, "ep": 8}
-    assert shipped.total < 20 * 2**30  # per rank: room to spare on an 80 GB GPU
-    assert shipped.gathered_layers < _plan(cfg, model, dp_shard=8).gathered_layers / 4
-
-
-# --- every recipe ----------------------------------------------------------------------------
-
-RECIPES = [("sft", None), ("dpo", None), ("kd", "teacher"), ("reward_model", None),
-           ("grpo", None), ("ppo", None)]  # fmt: skip
-
-
-class RecipesWorld(FamiliesWorld):
-    """Tiny gpt-oss folders (a student and a teacher) and the data of every recipe, for
-    tests.recipes' full-logit references. The load-balancing coefficient is 0 here: the
-    references are the recipes' losses alone (the aux loss is held to transformers' above)."""
-
-    def __init__(self, root) -> None:
-        super(FamiliesWorld, self).__init__(root)
-        common = {"family": gpt_oss, "initializer_range": 0.1, "router_aux_loss_coef": 0.0}
-        self.dirs = {
-            "gpt_oss": make_model_dir(root / "gpt_oss", **common),
-            "teacher": make_model_dir(root / "teacher", seed=1, **common),
-        }
-
-
-@pytest.fixture(scope="module")
-def recipes_world(tmp_path_factory) -> RecipesWorld:
-    return RecipesWorld(tmp_path_factory.mktemp("gpt_oss_recipes"))
-
-
-@pytest.mark.parametrize(("recipe", "teacher"), RECIPES, ids=[r for r, _ in RECIPES])
-def test_recipe_on_gpt_oss_matches_its_full_logits_reference(
-    recipes_world, tmp_path, recipe, teacher
-):
-    """Each recipe's logged step equals the number computed from the model's full logits
-    (grpo/ppo: the trainer's log-probs are the KV-cache sampler's)."""
-    CHECKS[recipe](recipes_world, "gpt_oss", teacher, tmp_path / "out")
-
-
-# --- data and expert parallel through the SFT recipe -----------------------------------------
-
-STEPS = 5  # the issue's "5 steps each"
-
-
-@pytest.fixture(scope="module")
-def sft_world(tmp_path_factory):
-    """A tiny gpt-oss folder (4 experts: ep 2 divides them; aux coefficient 0.1 so it weighs),
-    counting data, and one process's 5 steps with batches of one sample, ``accumulation``
-    micro-batches a step (as many as the data-parallel ranks), run once each."""
-    root = tmp_path_factory.mktemp("gpt_oss_sft")
-    model_dir = make_model_dir(root, family=gpt_oss, num_experts=4, router_aux_loss_coef=0.1)
-    data = make_counting_data(root / "count.jsonl", rows=24)
-    singles: dict[int, Path] = {}
-
-    def single(accumulation: int) -> Path:
-        if accumulation not in singles:
-            singles[accumulation] = run_sft(
-                model_dir, data, root / f"single{accumulation}", "batch_size=1",
-                f"gradient_accumulation_steps={accumulation}", f"max_steps={STEPS}",
-                config="tiny",
-            )  # fmt: skip
-        return singles[accumulation]
-
-    return model_dir, data, single
-
-
-PARALLEL = {"dp_shard2": (2, 1, 1), "dp_shard2_ep2": (2, 2, 1), "tp2": (1, 1, 2)}
-
-
-@pytest.mark.parametrize("name", list(PARALLEL))
-def test_sft_on_two_ranks_equals_one_process(sft_world, tmp_path, name):
-    """5 steps on two ranks: FSDP2 (dp_shard 2), with expert parallel (2 of the 4 experts per
-    rank, their biases split too), or tensor parallel (tp 2: the heads and their sinks split)
-    == one process: logged losses, grad norms, token counts and final weights."""
-    model_dir, data, single = sft_world
-    dp_shard, ep, tp = PARALLEL[name]
-    out = tmp_path / "ranks"
-    overrides = sft_overrides(
-        model_dir, data, out, "batch_size=1", f"max_steps={STEPS}",
-        f"parallelism.dp_shard={dp_shard}", f"parallelism.ep={ep}", f"parallelism.tp={tp}",
-    )  # fmt: skip
-    launch_ranks(overrides, tmp_path, config="tiny", world_size=2, timeout=240)
-    assert_same_as_single(model_dir, single(dp_shard), out, steps=STEPS, ranks=2)
 
 
 # --- the harmony chat format -----------------------------------------------------------------
