@@ -96,16 +96,22 @@ ESCAPES = [
         "symlink-race",
         "a thread swaps a name between an inside file and a symlink to an "
         "outside file while the main thread appends to it",
-        "import os, threading\nopen('inside', 'w').close()\nstop = []\n"
-        "def flip():\n    while not stop:\n"
+        # Until an append lands in another file than 'inside' (won), at most 3 s: a loaded
+        # machine may give the flipping thread no turn in a fixed short window.
+        "import os, threading\nopen('inside', 'w').close()\ninside = os.stat('inside').st_ino\n"
+        "stop = []\ndef flip():\n    while not stop:\n"
         "        for make in (lambda: os.symlink({outside!r}, 'l.tmp'), "
         "lambda: os.link('inside', 'l.tmp')):\n"
         "            try:\n                make()\n                os.replace('l.tmp', 'l')\n"
         "            except OSError:\n                pass\n"
-        "t = threading.Thread(target=flip)\nt.start()\nimport time\nend = time.monotonic() + 0.3\n"
-        "while time.monotonic() < end:\n    try:\n        open('l', 'a').write('x')\n"
+        "t = threading.Thread(target=flip)\nt.start()\nimport time\nend = time.monotonic() + 3\n"
+        "while time.monotonic() < end:\n    try:\n"
+        "        fd = os.open('l', os.O_WRONLY | os.O_APPEND)\n"
+        "        os.write(fd, b'x')\n        won = os.fstat(fd).st_ino != inside\n"
+        "        os.close(fd)\n        if won:\n            break\n"
         "    except OSError:\n        time.sleep(0.001)\nstop.append(1)\nt.join()",
         live=True,
+        timeout_s=4.0,
     ),
     Escape(
         "write-python-prefix",
