@@ -223,7 +223,8 @@ PARTS = {
         "loop": (4, {"objectives", "*"}),  # trainer, sources, loop, setup, parallelize, ...
     },
     "rl": {
-        "pieces": (1, {"rewards", "*"}),  # prompts, groups, rollout, advantages, source, ...
+        # prompts, groups, rollout, advantages, source, envs (environments and tools), ...
+        "pieces": (1, {"rewards", "envs", "*"}),
         "ppo": (2, {"ppo"}),
         "asynchronous": (2, {"asynchronous"}),
         "recipes' glue": (3, {"settings", "setup"}),

@@ -34,6 +34,7 @@ HF_FAMILIES = (
     "deepseek_v3",
     "deepseek_v2",
     "gpt_oss",
+    "glm4_moe",
 )
 
 _TINY: dict[str, Any] = {
@@ -99,6 +100,13 @@ _FAMILY_TINY: dict[str, dict[str, Any]] = {
                     "intermediate_size_mlp": 128, "num_local_experts": 3,
                     "interleave_moe_layer_step": 2, "no_rope_layer_interval": 3,
                     "attention_chunk_size": 3, "floor_scale": 2, "attn_scale": 0.5},
+    # DeepSeek-V3 routing (6 experts in 2 groups, top-2) beside GQA with q/k/v biases, qk-norm
+    # and a quarter of each head rotated; layer 0 dense.
+    "glm4_moe": {"head_dim": 16, "partial_rotary_factor": 0.25, "attention_bias": True,
+                 "use_qk_norm": True, "n_routed_experts": 6, "num_experts_per_tok": 2,
+                 "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+                 "first_k_dense_replace": 1, "moe_intermediate_size": 32,
+                 "routed_scaling_factor": 1.5, "num_mtp_layers": 0},
     # Sinks, biased experts (5, top-3) clamped at a limit the random weights reach, window 4.
     "gpt_oss": {"head_dim": 16, "intermediate_size": 32, "num_local_experts": 5,
                 "num_experts_per_tok": 3, "sliding_window": 4, "swiglu_limit": 0.6},

@@ -5,11 +5,12 @@ same text and conversation, the chat template and special tokens kept; what the 
 say is refused by name; ``tunesmith export --format gguf`` merges a LoRA run first.
 
 Tolerances (max |logit difference| over 2 x 24 random ids, logits of magnitude ~1): f32 1e-5,
-f16 2e-3, bf16 2e-2, q8_0 2e-2 (int8 blocks of 32 with an f16 scale).
+f16 2e-3, bf16 2e-2, q8_0 2e-2 (int8 blocks of 32 with an f16 scale; Gemma 3's six layers 5e-2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -30,9 +31,29 @@ from tunesmith.models.gguf_export import (
     llama3_rope_factors,
 )
 from tunesmith.models.hf import from_hf, save_hf_checkpoint
-from tunesmith.models.zoo import gemma2, llama3, mistral, qwen2_5, qwen3, qwen3_moe
+from tunesmith.models.zoo import (
+    gemma2,
+    gemma3,
+    glm4,
+    gpt_oss,
+    granite,
+    llama3,
+    mistral,
+    olmo2,
+    olmo3,
+    phi3,
+    qwen2_5,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+GEMMA3_LAYERS = ("sliding_attention",) * 5 + ("full_attention",)
 TOLERANCE = {"f32": 1e-5, "f16": 2e-3, "bf16": 2e-2, "q8_0": 2e-2}
+# Gemma 3 needs 6 layers (llama.cpp's fixed pattern) and scales its embeddings by sqrt(hidden):
+# q8_0's rounding adds up to more there (measured 0.032)
+WIDER = {("gemma3", "q8_0"): 5e-2}
 # family -> (zoo module, tokenizer family, spec overrides): transformers' GGUF reader takes
 # Qwen3's head_dim from its config class (128) and reads no RoPE scaling, so those are set here
 FAMILIES = {
@@ -43,6 +64,14 @@ FAMILIES = {
     # sparse with renormalised top-k weights, as llama.cpp's qwen3moe (and real checkpoints)
     "qwen3_moe": (qwen3_moe, "qwen3", {"head_dim": 128, "moe_intermediate_size": 768,
                                        "mlp_only_layers": (), "norm_topk_prob": True}),
+    # Phi-4-mini's tokenizer (o200k split); the reader rotates whole heads and reads no LongRoPE
+    "phi3": (phi3, "phi4", {"rope_scaling": None, "partial_rotary_factor": 1.0}),
+    # the reader scales attention by its config class's query_pre_attn_scalar (256), llama.cpp
+    # by 1/sqrt(head_dim): a head of 256 makes both the model's; a window of 4, softcaps on
+    "gemma2": (gemma2, "llama3", {"head_dim": 256, "attention_multiplier": 1 / 16}),
+    # Gemma 3 as llama.cpp's gemma3 computes it: five window layers (RoPE base 10000), one global
+    "gemma3": (gemma3, "llama3", {"head_dim": 256, "attention_multiplier": 1 / 16,
+                                  "num_hidden_layers": 6, "layer_types": GEMMA3_LAYERS}),
 }  # fmt: skip
 CONVERSATION = [
     {"role": "system", "content": "You add numbers."},
@@ -91,7 +120,7 @@ def test_transformers_reads_back_the_same_model(folders, tmp_path, family, outty
     )
     with torch.no_grad():
         gap = (theirs(ids).logits - ours(ids)).abs().max().item()
-    assert gap < TOLERANCE[outtype], gap
+    assert gap < WIDER.get((family, outtype), TOLERANCE[outtype]), gap
     if outtype != "f32":  # the rounding is really there: the file is not float32
         assert gap > 0
 
@@ -139,11 +168,21 @@ def test_a_llama3_scaled_model_writes_rope_freqs(tmp_path):
 @pytest.mark.parametrize(
     ("zoo", "overrides", "words"),
     [
-        (gemma2, {}, "supports model_type llama, mistral, mixtral, qwen2, qwen3, qwen3_moe; 'gemma2'"),
+        (gpt_oss, {}, "supports model_type gemma2, gemma3_text, glm4, granite, llama, mistral, "
+                      "mixtral, olmo2, olmo3, phi3, qwen2, qwen3, qwen3_moe, smollm3; 'gpt_oss'"),
+        (gemma2, {"attention_multiplier": 0.1}, r"compute attention_multiplier=0\.1"),
+        (gemma2, {"layer_types": ("full_attention", "sliding_attention")}, "layer_types="),
+        (smollm3, {}, r"nope_layers=\(1, 3\)"),  # llama.cpp's smollm3: every 4th layer, (3,)
+        (gemma3, {}, "layer_types="),  # gemma3_tiny: a global layer every 3rd, llama.cpp's 6th
+        (olmo3, {"layer_types": ("full_attention",) * 3 + ("sliding_attention",)},
+         "layer_types="),  # llama.cpp's olmo2 window: the last of every 4 layers global
+        (qwen3, {"hidden_act": "gelu"}, "qwen3 does not compute hidden_act='gelu'"),
         (qwen3_moe, {}, r"'mlp_only_layers': \(1,\)"),  # a dense layer: not llama.cpp's qwen3moe
         (mistral, {"sliding_window": 8}, "sliding_window 8"),
-        (qwen3, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                  "original_max_position_embeddings": 128}}, "'yarn'"),
+        (llama3, {"rope_scaling": YARN}, "rope_scaling 'yarn'"),  # written for Qwen only
+        (qwen3, {"rope_scaling": {**YARN, "attention_factor": 2.0}},
+         "llama.cpp computes attention_factor 1.13863"),  # 0.1 ln 4 + 1
+        (qwen3, {"rope_scaling": {**YARN, "truncate": False}}, r"reads no \['truncate'\]"),
     ],
 )  # fmt: skip
 def test_what_the_file_cannot_say_is_refused_by_name(tmp_path, zoo, overrides, words):
@@ -153,6 +192,76 @@ def test_what_the_file_cannot_say_is_refused_by_name(tmp_path, zoo, overrides, w
     with pytest.raises(GGUFExportError, match=words):
         export_gguf(folder, tmp_path / "m.gguf")
     assert not list(tmp_path.glob("*.gguf*"))  # nothing half-written left
+
+
+def test_phi3s_longrope_factors_and_attention_factor_are_written(tmp_path):
+    import gguf
+
+    folder = make_model_dir(tmp_path, family=phi3)  # phi3_tiny: LongRoPE, factor 8 past 8
+    spec = from_hf(folder).spec
+    reader = gguf.GGUFReader(export_gguf(folder, tmp_path / "m.gguf", outtype="f16"))
+    stored = {t.name: np.asarray(t.data) for t in reader.tensors}
+    for kind in ("long", "short"):
+        np.testing.assert_array_equal(
+            stored[f"rope_factors_{kind}.weight"], spec.rope_scaling[f"{kind}_factor"]
+        )
+    fields = _fields(reader)
+    assert fields["phi3.rope.scaling.attn_factor"] == pytest.approx(2**0.5)  # 1 + ln 8 / ln 8
+    assert fields["phi3.rope.scaling.original_context_length"] == 8
+    assert fields["phi3.rope.dimension_count"] == 8  # half of each 16-feature head
+
+
+def test_qwens_yarn_is_written(tmp_path):
+    import gguf
+
+    folder = make_model_dir(tmp_path, family=qwen3, rope_scaling={**YARN, "beta_fast": 16})
+    reader = gguf.GGUFReader(export_gguf(folder, tmp_path / "m.gguf", outtype="f32"))
+    fields = _fields(reader)
+    assert fields["qwen3.rope.scaling.factor"] == 4.0
+    assert fields["qwen3.rope.scaling.original_context_length"] == 128
+    assert (
+        fields["qwen3.rope.scaling.yarn_beta_fast"],
+        fields["qwen3.rope.scaling.yarn_beta_slow"],
+    ) == (16, 1)
+    field = reader.fields["qwen3.rope.scaling.type"]
+    assert bytes(field.parts[field.data[0]]).decode() == "yarn"
+
+
+def test_gemma3s_linear_rope_scaling_is_written(tmp_path):
+    import gguf
+
+    overrides = {**FAMILIES["gemma3"][2], "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    folder = make_model_dir(tmp_path, family=gemma3, **overrides)
+    reader = gguf.GGUFReader(export_gguf(folder, tmp_path / "m.gguf", outtype="f32"))
+    assert _fields(reader)["gemma3.rope.scaling.factor"] == 8.0
+    field = reader.fields["gemma3.rope.scaling.type"]
+    assert bytes(field.parts[field.data[0]]).decode() == "linear"
+    assert _fields(reader)["gemma3.attention.sliding_window"] == 4
+
+
+def test_gemma_27bs_attention_scale_is_llama_cpps_by_layer_count():
+    from tunesmith.models.gguf_arches import ARCHES, unsupported
+
+    for family, size, layers in ((gemma2, "gemma2_27b", 46), (gemma3, "gemma3_27b", 62)):
+        spec = family.spec(size)  # attention 1/sqrt(hidden / heads), not 1/sqrt(head_dim)
+        assert spec.num_hidden_layers == layers
+        assert spec.attention_multiplier != spec.head_dim**-0.5
+        assert unsupported(spec, ARCHES[spec.model_type]) == []
+        smaller = dataclasses.replace(spec, num_hidden_layers=layers - 2, layer_types=None,
+                                      sliding_window=None)  # fmt: skip
+        assert f"attention_multiplier={spec.attention_multiplier!r}" in unsupported(
+            smaller, ARCHES[spec.model_type]
+        )
+
+
+def test_a_sentencepiece_style_tokenizer_is_refused_by_name(tmp_path):
+    tokenizer_dir = make_tokenizer_folder(tmp_path / "tok", "gemma")  # Gemma's "▁" pieces
+    spec = gemma2.spec(
+        "gemma2_tiny", vocab_size=Tokenizer.from_pretrained(tokenizer_dir).vocab_size
+    )
+    folder = save_hf_checkpoint(build_model(spec), tmp_path / "m", source_dir=tokenizer_dir)
+    with pytest.raises(GGUFExportError, match="supports byte-level BPE tokenizers"):
+        export_gguf(folder, tmp_path / "m.gguf")
 
 
 def test_a_link_planted_at_the_partial_file_is_not_written_through(folders, tmp_path):
@@ -188,3 +297,82 @@ def test_export_command_merges_a_lora_run_into_a_gguf_file(tmp_path, capsys):
     assert "a GGUF file's weights take --outtype" in capsys.readouterr().err
     assert main(["export", str(run), "--output-dir", str(out / "hf"), "--outtype", "q8_0"]) == 1
     assert "add --format gguf" in capsys.readouterr().err
+
+
+# transformers' GGUF reader reads no OLMo 2/3, Granite, GLM-4 or SmolLM3: their files are checked
+# tensor by tensor against llama.cpp's names (written out here, per layer; a tuple is fused in
+# that order) and their metadata keys; the llama_cpp-marked tests run them
+LAYER_NAMES = {
+    "olmo2": {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "post_attention_layernorm": "post_attention_norm",
+              "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate_proj": "ffn_gate",
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"},
+    "granite": {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"},
+    "smollm3": {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"},
+    "glm4": {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "input_layernorm": "attn_norm", "post_self_attn_layernorm": "post_attention_norm",
+             "post_attention_layernorm": "ffn_norm", "post_mlp_layernorm": "post_ffw_norm",
+             ("mlp.gate_proj", "mlp.up_proj"): "ffn_up", "mlp.down_proj": "ffn_down"},
+}  # fmt: skip
+LAYER_NAMES["olmo3"] = LAYER_NAMES["olmo2"]  # llama.cpp's olmo2 with a window
+ZOO = {"olmo2": (olmo2, {}), "granite": (granite, {}), "glm4": (glm4, {}),
+       "smollm3": (smollm3, {"nope_layers": (3,)}), "olmo3": (olmo3, {})}  # fmt: skip
+INTERLEAVED = ("granite", "smollm3")  # llama.cpp's "norm" RoPE: q/k rows reordered
+
+
+def _fields(reader) -> dict:
+    """``{key: value}`` of a GGUF file's scalar metadata."""
+    out = {}
+    for key, field in reader.fields.items():
+        if len(field.data) == 1 and field.types and field.types[0].name != "STRING":
+            out[key] = field.parts[field.data[0]][0].item()
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(LAYER_NAMES))
+def test_files_hold_llama_cpps_names_values_and_keys(tmp_path, family):
+    import gguf
+
+    zoo, overrides = ZOO[family]
+    folder = make_model_dir(tmp_path, family=zoo, **overrides)
+    reader = gguf.GGUFReader(export_gguf(folder, tmp_path / "m.gguf", outtype="f32"))
+    model = from_hf(folder, dtype=torch.float32)
+    state, spec = model.state_dict(), model.spec
+    embeddings = state["model.embed_tokens.weight"]
+    want = {"token_embd.weight": embeddings, "output_norm.weight": state["model.norm.weight"],
+            "output.weight": state.get("lm_head.weight", embeddings)}  # fmt: skip
+    for layer in range(spec.num_hidden_layers):
+        for ours, theirs in LAYER_NAMES[family].items():
+            parts = (ours,) if isinstance(ours, str) else ours
+            for suffix in ("weight", "bias"):
+                keys = [f"model.layers.{layer}.{part}.{suffix}" for part in parts]
+                if keys[0] in state:
+                    want[f"blk.{layer}.{theirs}.{suffix}"] = torch.cat([state[k] for k in keys])
+            if family in INTERLEAVED and ours in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = spec.num_attention_heads if "q_" in ours else spec.num_key_value_heads
+                name = f"blk.{layer}.{theirs}.weight"
+                want[name] = interleave_rope_rows(want[name], heads)
+    stored = {t.name: np.asarray(t.data) for t in reader.tensors}
+    assert sorted(stored) == sorted(want)
+    for name, tensor in want.items():
+        np.testing.assert_array_equal(stored[name], tensor.numpy(), err_msg=name)
+    assert len(want) == 3 + spec.num_hidden_layers * (len(LAYER_NAMES[family]) + 3 * spec.qkv_bias)
+    fields, arch = _fields(reader), {"olmo3": "olmo2"}.get(family, family)
+    assert fields[f"{arch}.block_count"] == spec.num_hidden_layers
+    assert fields[f"{arch}.rope.dimension_count"] == spec.rotary_dim
+    assert fields[f"{arch}.attention.head_count_kv"] == spec.num_key_value_heads
+    if family == "olmo3":  # olmo3_tiny: a window of 4 on three layers of every four
+        assert fields["olmo2.attention.sliding_window"] == 4
+    if family == "granite":  # granite_tiny sets every multiplier
+        for key, value in (("embedding_scale", 3.0), ("residual_scale", 0.5),
+                           ("attention.scale", 0.1), ("logit_scale", 4.0)):  # fmt: skip
+            assert fields[f"granite.{key}"] == pytest.approx(value), key

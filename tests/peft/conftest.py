@@ -15,8 +15,10 @@ from tests.models.conftest import HF_FAMILIES, write_tiny_hf_checkpoint
 # (peft names its experts' projections w1/w3/w2) in test_mixtral_lora.py, gpt-oss's (gate/up
 # interleaved) in tests/models/test_gpt_oss.py, Llama 4's in tests/models/test_llama4.py,
 # DeepSeek's (latent attention: no k_proj/v_proj) in test_lora_deepseek.py; which MoE MLP
-# adapters peft drops: test_peft_moe_targets.py.
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "llama4_text", "deepseek_v2", "deepseek_v3")
+# adapters peft drops (GLM-4.5's included, with its experts-only folders): test_peft_moe_targets.py.
+MOE_FAMILIES = (
+    "qwen3_moe", "mixtral", "gpt_oss", "llama4_text", "deepseek_v2", "deepseek_v3", "glm4_moe",
+)  # fmt: skip
 DENSE_FAMILIES = tuple(f for f in HF_FAMILIES if f not in MOE_FAMILIES)
 
 # A family whose checkpoints fuse projections that tunesmith keeps apart (``Family.fused``:

@@ -20,6 +20,8 @@ from tests.models.conftest import randomize_
 from tests.models.hf_deepseek import CASES as DEEPSEEK
 from tests.models.hf_deepseek import hf_config, hf_model
 from tests.models.hf_moe import tiny_hf_qwen3_moe
+from tests.models.test_glm4_moe import CASES as GLM4_MOE
+from tests.models.test_glm4_moe import hf_config as glm4_moe_config
 from tests.models.test_mixtral import hf_mixtral
 from tests.recipes.sft_world import make_chat_data, make_model_dir
 from tunesmith.cli.main import main
@@ -81,9 +83,13 @@ FAMILIES: dict[str, tuple[Callable[[], transformers.PreTrainedModel], int]] = {
     "mixtral": (lambda: hf_mixtral(seed=4, num_hidden_layers=2, num_local_experts=3), 0),
     "gpt_oss": (_gpt_oss, 0),
     "llama4_text": (_llama4, 2 * 3),  # 1 dense layer, 1 with a shared expert
+    "glm4_moe": (  # 1 dense layer, 2 with shared experts
+        lambda: hf_model(glm4_moe_config(**GLM4_MOE["groups_top2_qknorm"]), seed=4).eval(),
+        3 * 3,
+    ),
 }
 # The families whose folders peft misreads with those adapters (measured below).
-MISREAD = {"qwen3_moe", "deepseek_v2", "deepseek_v3"}
+MISREAD = {"qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe"}
 
 
 def _adapted(folder: Path, targets: list[str], seed: int = 5) -> torch.nn.Module:

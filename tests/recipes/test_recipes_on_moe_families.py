@@ -1,6 +1,6 @@
 """Every recipe on the MoE families (Mixtral, DeepSeek-V3 and V2: multi-head latent attention,
 shared experts, DeepSeek routing; gpt-oss; Llama 4: chunked attention, NoPE layers, sigmoid
-top-1 MoE), each run held to a number computed from the model itself by the checks of
+top-1 MoE; GLM-4.5: DeepSeek routing beside partial-rotary GQA), each run held to a number computed from the model itself by the checks of
 :mod:`tests.recipes.test_recipes_on_families` (reward_model: transformers'
 ``*ForSequenceClassification`` loads the checkpoint, written under the family's on-disk names,
 and scores alike; GRPO/PPO: the trainer's log-probs are the sampler's, decoded with the
@@ -16,7 +16,15 @@ import pytest
 from tests.recipes.sft_world import make_model_dir
 from tests.recipes.test_recipes_on_families import CHECKS
 from tests.recipes.test_recipes_on_families import World as FamiliesWorld
-from tunesmith.models.zoo import deepseek_v2, deepseek_v3, gpt_oss, llama4, mixtral, qwen3_moe
+from tunesmith.models.zoo import (
+    deepseek_v2,
+    deepseek_v3,
+    glm4_moe,
+    gpt_oss,
+    llama4,
+    mixtral,
+    qwen3_moe,
+)
 
 # The load-balancing term is left out of the logged losses the checks recompute (coefficient 0;
 # its exactness: tests/models/test_mixtral.py, test_gpt_oss.py); Mixtral's window of 8 is
@@ -30,6 +38,7 @@ MODELS: dict[str, tuple[ModuleType, dict]] = {
     "gpt_oss": (gpt_oss, NO_AUX),
     "gpt_oss_teacher": (gpt_oss, {"seed": 1, **NO_AUX}),
     "llama4": (llama4, {"num_experts": 4}),
+    "glm4_moe": (glm4_moe, {"initializer_range": 0.1}),
 }
 """model folder name -> (its zoo module, :func:`make_model_dir` arguments)."""
 
@@ -42,6 +51,7 @@ CASES: list[tuple[str, str, str | None]] = [
     ("sft", "gpt_oss", None), ("dpo", "gpt_oss", None), ("kd", "gpt_oss", "gpt_oss_teacher"),
     ("reward_model", "gpt_oss", None), ("grpo", "gpt_oss", None), ("ppo", "gpt_oss", None),
     ("dpo", "llama4", None), ("grpo", "llama4", None),
+    ("sft", "glm4_moe", None), ("dpo", "glm4_moe", None), ("grpo", "glm4_moe", None),
 ]  # fmt: skip
 """(recipe, family, kd teacher's model folder)."""
 

@@ -11,6 +11,9 @@ of tests/recipes/test_sft_expert_parallel.py), under each family's layouts (:dat
   heads, the latents replicated). Bias-based balancing is on: the correction biases, updated
   from the expert loads summed over the ranks, end as the single process's (they are in the
   compared weights) and moved.
+- GLM-4.5 (DeepSeek-V3's MoE layers beside grouped-query attention with q/k/v biases, qk-norm
+  and partial rotary): ep 2 and tensor parallel (tp 2: two of the four heads and one of the two
+  kv heads per rank), bias balancing on as for DeepSeek-V3.
 - gpt-oss (4 experts; aux coefficient 0.1 so it weighs): FSDP2 (dp_shard 2), with expert
   parallel (2 of the 4 experts per rank, their biases split too), or tensor parallel (tp 2:
   the heads and their sinks split).
@@ -38,7 +41,7 @@ from tests.recipes.sft_world import (
     run_sft,
     sft_overrides,
 )
-from tunesmith.models.zoo import deepseek_v3, gpt_oss, mixtral
+from tunesmith.models.zoo import deepseek_v3, glm4_moe, gpt_oss, mixtral
 
 Weights = dict[str, torch.Tensor]
 
@@ -81,6 +84,14 @@ FAMILIES = {
         {"initializer_range": 0.1, "num_attention_heads": 4, "num_key_value_heads": 4},
         steps=5,
         layouts={"ep2_dp_shard2": (EP2, 2), "dp_shard2": (DP2, 2),
+                 "tp2": (("parallelism.tp=2", "gradient_accumulation_steps=2"), 2)},
+        settings=("moe_bias_balancing.update_rate=0.01",), check=_balanced_biases,
+    ),
+    "glm4_moe": Family(
+        glm4_moe,
+        {"initializer_range": 0.1, "num_attention_heads": 4, "num_key_value_heads": 2},
+        steps=5,
+        layouts={"ep2_dp_shard2": (EP2, 2),
                  "tp2": (("parallelism.tp=2", "gradient_accumulation_steps=2"), 2)},
         settings=("moe_bias_balancing.update_rate=0.01",), check=_balanced_biases,
     ),

@@ -111,6 +111,12 @@ def tokenizer_folder_problem(folder: str | PathLike[str]) -> str | None:
     folder = Path(folder)
     if not folder.is_dir():
         return f"{folder}: no such tokenizer folder"
+    if not (folder / "tokenizer.json").is_file() and (remote := _remote_tokenizer(folder)):
+        return (
+            f"{folder / 'tokenizer.json'}: missing, and the folder's tokenizer is {remote}, "
+            "built by the folder's own code (auto_map, trust_remote_code): tunesmith runs no "
+            "remote code; give a folder with a tokenizer.json (tokenizer.folder)"
+        )
     if not (folder / "tokenizer.json").is_file():
         return (
             f"{folder / 'tokenizer.json'}: missing. tunesmith reads the fast-tokenizer file "
@@ -118,6 +124,21 @@ def tokenizer_folder_problem(folder: str | PathLike[str]) -> str | None:
             "once with transformers: AutoTokenizer.from_pretrained(folder).save_pretrained(folder)"
         )
     return None
+
+
+def _remote_tokenizer(folder: Path) -> str | None:
+    """The class ``tokenizer_config.json`` names when its ``auto_map`` builds the tokenizer
+    with the folder's own code (Kimi K2's tiktoken ``TikTokenTokenizer``), else None."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    auto = config.get("auto_map") if isinstance(config, dict) else None
+    code = auto.get("AutoTokenizer") if isinstance(auto, dict) else None
+    if not code:
+        return None
+    code = next((c for c in code if c), None) if isinstance(code, list) else code
+    return f"{config.get('tokenizer_class') or code} ({code})"
 
 
 TokenizerFolder = Annotated[str | PathLike[str], Check(tokenizer_folder_problem, on_disk=True)]

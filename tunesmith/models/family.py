@@ -97,7 +97,8 @@ class Family:
         architecture: the transformers causal-LM class (``"Qwen2ForCausalLM"``); the reward
             model class is the same with ``ForSequenceClassification``.
         implied: spec fields every config of this type means (``{"qkv_bias": True}``).
-        flags: names in :data:`FLAG_FIELDS` the config.json carries as keys of the same name.
+        flags: names in :data:`FLAG_FIELDS` the config.json carries as keys of the same name,
+            or of the name ``flag_keys`` gives (GLM-4.5: ``{"qkv_bias": "attention_bias"}``).
         defaults: transformers' values for keys in :data:`OPTIONAL_KEYS` (or ``head_dim``,
             ``tie_word_embeddings``) when a config.json omits them.
         from_hf_config: config.json dict -> further spec fields (sliding window, experts).
@@ -122,6 +123,9 @@ class Family:
             renamed on load and save; see :mod:`~tunesmith.models.key_renames`.
         renames_in_peft: transformers' modules carry the files' names too (Llama 4's
             ``feed_forward``), so PEFT folders are renamed as well (else they keep ours).
+        aliases: other ``model_type``s whose config.json is this family's (Kimi K2's
+            ``kimi_k2``, a ``DeepseekV3ForCausalLM``): read as this family, the spec keeping
+            the folder's ``model_type``, so a save writes it back.
 
     Example::
 
@@ -135,6 +139,7 @@ class Family:
     architecture: str
     implied: Mapping[str, Any] = field(default_factory=dict)
     flags: tuple[str, ...] = ()
+    flag_keys: Mapping[str, str] = field(default_factory=dict)
     defaults: Mapping[str, Any] = field(default_factory=dict)
     from_hf_config: Callable[[Mapping[str, Any]], dict[str, Any]] = _no_fields
     to_hf_config: Callable[[ModelSpec], dict[str, Any]] = _no_keys
@@ -142,15 +147,20 @@ class Family:
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     renames: Mapping[str, str] = field(default_factory=dict)
     renames_in_peft: bool = False
+    aliases: tuple[str, ...] = ()
     multimodal_types: tuple[str, ...] = ()
     classifier: str | None = None
     has_classifier: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flags", tuple(self.flags))
+        object.__setattr__(self, "aliases", tuple(self.aliases))
         unknown = [f for f in self.flags if f not in FLAG_FIELDS]
         if unknown:
             raise ValueError(f"family {self.name!r}: flags {unknown} not in {FLAG_FIELDS}")
+        unread = sorted(set(self.flag_keys) - set(self.flags))
+        if unread:
+            raise ValueError(f"family {self.name!r}: flag_keys {unread} are not flags")
         both = sorted(set(self.flags) & set(self.implied))
         if both:
             raise ValueError(f"family {self.name!r}: {both} both implied and read as flags")
@@ -160,6 +170,16 @@ class Family:
         bad = [k for k in self.defaults if k not in DEFAULTABLE_KEYS]
         if bad:
             raise ValueError(f"family {self.name!r}: defaults for {bad} are not read")
+
+    def flag_key(self, name: str) -> str:
+        """The config.json key of flag ``name`` (its own name unless ``flag_keys`` renames it).
+
+        Example::
+
+            >>> family_for("glm4_moe").flag_key("qkv_bias"), family_for("llama").flag_key("mlp_bias")
+            ('attention_bias', 'mlp_bias')
+        """
+        return self.flag_keys.get(name, name)
 
     @property
     def classifier_architecture(self) -> str | None:
@@ -202,7 +222,8 @@ def register_family(family: Family) -> Family:
         raise TypeError(f"register_family expects a Family, got {type(family).__name__}")
     for other in _FAMILIES.values():
         wraps = set(other.multimodal_types) & {family.model_type, *family.multimodal_types}
-        if other.model_type == family.model_type or other.name == family.name or wraps:
+        named = {other.model_type, *other.aliases} & {family.model_type, *family.aliases}
+        if named or other.name == family.name or wraps:
             raise ValueError(
                 f"family {family.name!r} (model_type {family.model_type!r}) clashes with the "
                 f"registered family {other.name!r} (model_type {other.model_type!r})"
@@ -226,10 +247,12 @@ def family_for(model_type: Any) -> Family:
 
     Example::
 
-        >>> family_for("llama").name
-        'llama3'
+        >>> family_for("llama").name, family_for("kimi_k2").name  # a model_type or an alias
+        ('llama3', 'deepseek_v3')
     """
     family = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        family = next((f for f in _FAMILIES.values() if model_type in f.aliases), None)
     if family is None:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(_FAMILIES))}"

@@ -4,17 +4,21 @@ Ollama and transformers (``from_pretrained(folder, gguf_file=...)``) load.
 ``tunesmith export RUN_OR_FOLDER --output-dir DIR --format gguf --outtype f16`` calls
 :func:`export_gguf` (an adapter is merged into its base first). The file holds:
 
-- the model's hyperparameters under llama.cpp's keys for its architecture (:data:`GGUF_ARCHES`:
-  Llama and Mistral are llama.cpp's ``llama``, Qwen2/2.5 ``qwen2``, Qwen3 ``qwen3``, Qwen3-MoE
-  ``qwen3moe`` with its experts stacked ``[experts, ...]`` as llama.cpp keeps them, Mixtral
-  llama.cpp's ``llama`` with such experts (``ffn_gate_exps`` ...; transformers' GGUF reader
-  does not read it back: llama.cpp does); any other family is refused by name);
+- the model's hyperparameters under llama.cpp's keys for its architecture (:data:`GGUF_ARCHES`,
+  from :data:`tunesmith.models.gguf_arches.ARCHES`: Llama and Mistral are llama.cpp's
+  ``llama``, Qwen2/2.5 ``qwen2``, Qwen3 ``qwen3``, Qwen3-MoE ``qwen3moe`` and Mixtral ``llama``
+  with their experts stacked ``[experts, ...]`` as llama.cpp keeps them, Phi-3 ``phi3`` (q/k/v
+  and gate/up fused, LongRoPE as ``rope_factors_long``/``rope_factors_short``), Gemma 2/3
+  ``gemma2``/``gemma3`` (norms stored ``1 + w``, the window, softcaps, Gemma 3's linear RoPE
+  scaling), OLMo 2/3 ``olmo2``, Granite ``granite``, SmolLM3 ``smollm3``, GLM-4 ``glm4``); a
+  setting llama.cpp's architecture does not compute, or any other family, is refused by name;
 - every weight under llama.cpp's tensor names (the ``gguf`` package's own name map), 2-D
   weights in ``outtype`` (``f32``, ``f16``, ``bf16`` or ``q8_0``: blocks of 32 int8 values
   with one f16 scale; a weight whose rows are not a multiple of 32 stays f16, as llama.cpp
-  does), norms and biases in f32. For ``llama`` the q/k rows of each head are reordered from
-  the Hugging Face rotate-half layout to llama.cpp's interleaved pairs (transformers' GGUF
-  loader undoes it); Llama 3's RoPE scaling is written as llama.cpp's ``rope_freqs`` factors;
+  does), norms and biases in f32. For ``llama``, ``granite`` and ``smollm3`` the q/k rows of
+  each head are reordered from the Hugging Face rotate-half layout to llama.cpp's interleaved
+  pairs (transformers' GGUF loader undoes it for ``llama``); Llama 3's RoPE scaling is written
+  as llama.cpp's ``rope_freqs`` factors;
 - the byte-level BPE tokenizer: every token with its type (normal, control for special added
   tokens, user-defined for other added tokens, unused for the rows past the tokenizer's
   vocabulary), the merges, the special token ids, ``add_bos_token`` and the folder's chat
@@ -39,6 +43,7 @@ With a tokenizer in the folder (``export_gguf`` refuses a folder without one)::
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -47,17 +52,18 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from tunesmith.models.family import family_for
+from tunesmith.models.fused_keys import fuse_state
+from tunesmith.models.gguf_arches import ARCHES, Arch, unsupported
 from tunesmith.models.hf import from_hf, read_hf_config
 from tunesmith.models.safetensors_io import CheckpointFileNotFoundError
 from tunesmith.models.spec import ModelSpec
 from tunesmith.modules.moe import stacked_state
+from tunesmith.modules.rope import rope_inv_freq
 
 __all__ = ["GGUF_ARCHES", "OUTTYPES", "PRE_TOKENIZERS", "GGUFExportError", "export_gguf"]
 
-GGUF_ARCHES = {
-    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-    "qwen3_moe": "qwen3moe", "mixtral": "llama",
-}  # fmt: skip
+GGUF_ARCHES = {model_type: arch.name for model_type, arch in ARCHES.items()}
 """Hugging Face ``model_type`` -> llama.cpp architecture, for the families exported."""
 
 OutType = Literal["f32", "f16", "bf16", "q8_0"]
@@ -72,7 +78,22 @@ PRE_TOKENIZERS = {  # llama.cpp's name of a byte-level BPE pre-tokenizer <- its 
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
         r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     ),
+    "gpt-4o": (  # tiktoken's o200k_base (Phi-4-mini)
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
 }
+_ROPE_SCALINGS = {("llama", "llama3"), ("gemma3", "linear"), ("phi3", "longrope"),
+                  ("qwen2", "yarn"), ("qwen3", "yarn"), ("qwen3moe", "yarn")}  # fmt: skip
+"""``(llama.cpp architecture, rope_type)`` written: Llama 3's as ``rope_freqs``, Gemma 3's
+linear factor (llama.cpp applies it to the global layers only, as Gemma 3 does), Phi-3's
+LongRoPE as ``rope_factors_long``/``rope_factors_short`` with its attention factor, Qwen's YaRN
+as its factor, original context and betas (llama.cpp derives YaRN's attention factor
+``0.1 ln(factor) + 1`` itself: another one is refused)."""
+_YARN_KEYS = {"rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"}
 _Q8_BLOCK = 32  # values per q8_0 block
 _STACKED_EXPERTS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 
@@ -102,17 +123,20 @@ def export_gguf(
             f"{folder / 'config.json'}: GGUF export supports model_type "
             f"{', '.join(sorted(GGUF_ARCHES))}; {model_type!r} is not supported yet"
         )
-    arch = GGUF_ARCHES[model_type]
+    arch = ARCHES[model_type]
     model = from_hf(folder, dtype=torch.float32, backend="native")
     spec: ModelSpec = model.spec
+    _check_supported(spec, arch)
     with stacked_state(model):  # experts as [experts, ...] tensors, as llama.cpp stores them
         state = model.state_dict()
+    if arch.fused:  # attn_qkv, ffn_up = gate|up: the family's own fused checkpoint keys
+        state = fuse_state(state, family_for(model_type).fused)
     vocab = _Vocab.read(folder, spec.vocab_size)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial")
     partial.unlink(missing_ok=True)  # a leftover, or a link planted there: never written through
-    writer = gguf.GGUFWriter(partial, arch)
+    writer = gguf.GGUFWriter(partial, arch.name)
     try:
         _write_hyperparameters(writer, spec, arch, name=folder.resolve().name, outtype=outtype)
         vocab.write(writer, folder)
@@ -132,7 +156,7 @@ def export_gguf(
 # -- hyperparameters ---------------------------------------------------------------------------
 
 
-def _write_hyperparameters(writer: Any, spec: ModelSpec, arch: str, *, name: str, outtype: str):
+def _write_hyperparameters(writer: Any, spec: ModelSpec, arch: Arch, *, name: str, outtype: str):
     import gguf
 
     writer.add_name(name)
@@ -144,7 +168,7 @@ def _write_hyperparameters(writer: Any, spec: ModelSpec, arch: str, *, name: str
     writer.add_head_count_kv(spec.num_key_value_heads)
     writer.add_key_length(spec.head_dim)
     writer.add_value_length(spec.head_dim)
-    writer.add_rope_dimension_count(spec.head_dim)
+    writer.add_rope_dimension_count(spec.rotary_dim)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
     writer.add_vocab_size(spec.vocab_size)
@@ -152,6 +176,29 @@ def _write_hyperparameters(writer: Any, spec: ModelSpec, arch: str, *, name: str
         writer.add_expert_count(spec.num_experts)
         writer.add_expert_used_count(spec.num_experts_per_tok)
         writer.add_expert_feed_forward_length(spec.moe_intermediate_size)
+    if arch.scales:  # granite: llama.cpp divides the logits by its logit_scale
+        writer.add_embedding_scale(spec.embedding_multiplier)
+        writer.add_residual_scale(spec.residual_multiplier)
+        writer.add_attention_scale(spec.attention_multiplier or spec.head_dim**-0.5)
+        writer.add_logit_scale(spec.logits_scaling)
+    if arch.softcaps:
+        writer.add_attn_logit_softcapping(spec.attn_logit_softcapping or 0.0)
+        writer.add_final_logit_softcapping(spec.final_logit_softcapping or 0.0)
+    if arch.swa_every and spec.sliding_window is not None:
+        writer.add_sliding_window(spec.sliding_window)
+    if (spec.rope_scaling or {}).get("rope_type") == "longrope":
+        _, attention_factor = rope_inv_freq(spec.rotary_dim, spec.rope_theta, spec.rope_scaling)
+        writer.add_rope_scaling_attn_factors(attention_factor)
+        writer.add_rope_scaling_orig_ctx_len(spec.rope_scaling["original_max_position_embeddings"])
+    if (spec.rope_scaling or {}).get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(spec.rope_scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(spec.rope_scaling["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(float(spec.rope_scaling.get("beta_fast") or 32))
+        writer.add_rope_scaling_yarn_beta_slow(float(spec.rope_scaling.get("beta_slow") or 1))
+    if (spec.rope_scaling or {}).get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(spec.rope_scaling["factor"])
     writer.add_file_type(
         {
             "f32": gguf.LlamaFileType.ALL_F32,
@@ -160,27 +207,44 @@ def _write_hyperparameters(writer: Any, spec: ModelSpec, arch: str, *, name: str
             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
         }[outtype]
     )
-    _check_supported(spec, arch)
 
 
-def _check_supported(spec: ModelSpec, arch: str) -> None:
+def _check_yarn(scaling: Mapping[str, Any]) -> None:
+    """Refuse a YaRN llama.cpp would compute otherwise: its own attention factor, truncated
+    correction range, no ``mscale`` pair."""
+    default = 0.1 * math.log(scaling["factor"]) + 1.0
+    factor = scaling.get("attention_factor")
+    truncated = {"truncate"} if scaling.get("truncate", True) is True else set()
+    other = sorted(set(scaling) - _YARN_KEYS - {"attention_factor"} - truncated)
+    if other or (factor is not None and not math.isclose(factor, default, rel_tol=1e-6)):
+        raise GGUFExportError(
+            f"GGUF export of this YaRN ({dict(scaling)}): llama.cpp computes attention_factor "
+            f"{default:.6g} itself and reads no {other or 'other factor'}"
+        )
+
+
+def _check_supported(spec: ModelSpec, arch: Arch) -> None:
     """Refuse what the GGUF file could not say, naming the setting."""
     scaling = (spec.rope_scaling or {}).get("rope_type")
-    if scaling not in (None, "default") and not (arch == "llama" and scaling == "llama3"):
+    if scaling not in (None, "default") and (arch.name, scaling) not in _ROPE_SCALINGS:
         raise GGUFExportError(f"GGUF export of rope_scaling {scaling!r} is not supported yet")
-    if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
+    if scaling == "yarn":
+        _check_yarn(spec.rope_scaling)
+    windowed = (
+        spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings
+    )
+    if windowed and not arch.swa_every:
         raise GGUFExportError(
             f"sliding_window {spec.sliding_window} (< max_position_embeddings "
-            f"{spec.max_position_embeddings}): llama.cpp's {arch} attends to the whole context, "
-            "so the exported model would not be this one"
+            f"{spec.max_position_embeddings}): llama.cpp's {arch.name} attends to the whole "
+            "context, so the exported model would not be this one"
         )
     # llama.cpp's qwen3moe, and its llama with experts (Mixtral): every layer sparse, softmax
     # top-k weights renormalised
     if spec.num_experts:
         moe = {"norm_topk_prob": spec.norm_topk_prob, "mlp_only_layers": spec.mlp_only_layers,
                "decoder_sparse_step": spec.decoder_sparse_step}  # fmt: skip
-        sparse_arch = arch == "qwen3moe" or (arch == "llama" and spec.model_type == "mixtral")
-        if not sparse_arch or moe != {
+        if not arch.experts or moe != {
             "norm_topk_prob": True,
             "mlp_only_layers": (),
             "decoder_sparse_step": 1,
@@ -190,34 +254,29 @@ def _check_supported(spec: ModelSpec, arch: str) -> None:
                 "qwen3moe and llama (Mixtral) need every layer sparse with renormalised top-k "
                 "weights"
             )
-    plain = (
-        spec.partial_rotary_factor == 1.0
-        and not spec.rope_interleaved
-        and spec.norm_layout == "pre"
-        and spec.norm_style == "plain"
-        and spec.attention_multiplier is None
-        and spec.embedding_multiplier == 1.0
-        and spec.residual_multiplier == 1.0
-        and spec.logits_scaling == 1.0
-        and spec.hidden_act == "silu"
-    )
-    if not plain:
-        raise GGUFExportError(f"GGUF export: this {spec.model_type} model's spec is not plain")
+    settings = unsupported(spec, arch)
+    if settings:
+        raise GGUFExportError(
+            f"GGUF export of this {spec.model_type} model: llama.cpp's {arch.name} does not "
+            f"compute {', '.join(settings)}"
+        )
 
 
 # -- tensors -----------------------------------------------------------------------------------
 
 
 def _tensors(
-    state: Mapping[str, torch.Tensor], spec: ModelSpec, arch: str, outtype: str
+    state: Mapping[str, torch.Tensor], spec: ModelSpec, arch: Arch, outtype: str
 ) -> Iterator[tuple[str, np.ndarray, Any]]:
     """``(llama.cpp name, data, its GGML type)`` of every weight to write."""
     import gguf
 
-    model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch.name]
     names = gguf.get_tensor_name_map(model_arch, spec.num_hidden_layers)
+    if spec.tie_word_embeddings and arch.output_always and "lm_head.weight" not in state:
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
     for key, tensor in state.items():
-        if key == "lm_head.weight" and spec.tie_word_embeddings:
+        if key == "lm_head.weight" and spec.tie_word_embeddings and not arch.output_always:
             continue  # tied: llama.cpp (and transformers' reader) use token_embd
         if key.endswith("rotary_emb.inv_freq"):
             continue
@@ -228,12 +287,19 @@ def _tensors(
         if target is None:
             raise GGUFExportError(f"GGUF export: no llama.cpp name for tensor {key}")
         data = tensor.detach().float()
-        if arch == "llama" and stem.endswith(("self_attn.q_proj", "self_attn.k_proj")):
+        if arch.norm_style == "unit_offset" and "norm" in stem:
+            data = data + 1.0  # llama.cpp multiplies by the stored weight: store 1 + w
+        if arch.interleave_rope and stem.endswith(("self_attn.q_proj", "self_attn.k_proj")):
             heads = spec.num_attention_heads if "q_proj" in stem else spec.num_key_value_heads
             data = interleave_rope_rows(data, heads)
         yield (f"{target}.{suffix}", *_encode(data.numpy(), outtype))
-    if arch == "llama" and (spec.rope_scaling or {}).get("rope_type") == "llama3":
+    scaling = spec.rope_scaling or {}
+    if arch.name == "llama" and scaling.get("rope_type") == "llama3":
         yield "rope_freqs.weight", *_encode(llama3_rope_factors(spec).numpy(), "f32")
+    if scaling.get("rope_type") == "longrope":  # llama.cpp: long past the original context
+        for kind in ("long", "short"):
+            factors = np.asarray(scaling[f"{kind}_factor"], dtype=np.float32)
+            yield f"rope_factors_{kind}.weight", *_encode(factors, "f32")
 
 
 def interleave_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -254,8 +320,6 @@ def interleave_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
 def llama3_rope_factors(spec: ModelSpec) -> torch.Tensor:
     """Per rotary frequency, the factor llama.cpp divides it by (``rope_freqs``) so that
     plain RoPE gives Llama 3's scaled frequencies: ``plain / scaled``."""
-    from tunesmith.modules.rope import rope_inv_freq
-
     plain, _ = rope_inv_freq(spec.head_dim, spec.rope_theta)
     scaled, _ = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
     return (plain / scaled).float()

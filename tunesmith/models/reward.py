@@ -318,7 +318,7 @@ def reward_model_from_hf(
     _check_num_labels(num_labels)
     folder = Path(path)
     model_type = read_hf_config(folder).get("model_type")
-    if not any(f.model_type == model_type for f in families()):
+    if not any(model_type in (f.model_type, *f.aliases) for f in families()):
         raise UnsupportedModelError(
             f"{folder / CONFIG_NAME}: model_type {model_type!r} has no native family, and "
             "reward models need one: the transformers backend (which trains such models with "

@@ -456,7 +456,7 @@ class ModelSpec:
         for name in FLAG_FIELDS:
             value = getattr(self, name)
             if name in family.flags:
-                config[name] = value
+                config[family.flag_key(name)] = value
             elif value != family.implied.get(name, False):
                 raise UnsupportedModelError(_inexpressible(name, value, family))
         config.update(family.to_hf_config(self))
@@ -731,6 +731,8 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
     config = dict(config)
     family = family_for(config.get("model_type"))
     model_type = family.model_type
+    if config["model_type"] in family.aliases:  # kept, so that a save writes it back
+        model_type = config["model_type"]
     sizes = {k: v for k, v in family.defaults.items() if k not in OPTIONAL_KEYS}
     config = {**sizes, **config}  # transformers' defaults for sizes a config leaves out
     missing = [k for k in _REQUIRED_KEYS if k not in config]
@@ -781,7 +783,7 @@ def spec_from_hf_config(config: dict[str, Any]) -> ModelSpec:
             fields[key] = family.defaults[key]
     for name in FLAG_FIELDS:
         if name in family.flags:
-            fields[name] = bool(config.get(name, False))
+            fields[name] = bool(config.get(family.flag_key(name), False))
         elif name in family.implied:
             fields[name] = family.implied[name]
     fields.update(family.from_hf_config(config))

@@ -126,7 +126,7 @@ def choose_backend(
     if backend not in BACKENDS:
         raise ValueError(f"{where}backend {backend!r}: expected one of {list(BACKENDS)}")
     model_type = config.get("model_type")
-    native = any(f.model_type == model_type for f in families())
+    native = any(model_type in (f.model_type, *f.aliases) for f in families())
     quantized = (config.get("quantization_config") or {}).get("quant_method") == "torchao"
     if quantized and backend != "native":  # `tunesmith export --quantize`'s folders
         _transformers()

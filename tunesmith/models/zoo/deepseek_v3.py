@@ -1,5 +1,7 @@
 """DeepSeek-V3 models (DeepSeek-AI; also DeepSeek-R1 and Moonshot's Moonlight), ``model_type``
-``"deepseek_v3"``.
+``"deepseek_v3"``; Moonshot's Kimi K2 folders (``model_type`` ``"kimi_k2"``, architecture
+``DeepseekV3ForCausalLM``, the same config keys) are read as this family and saved back as
+``kimi_k2``.
 
 Attention is multi-head latent attention (:mod:`tunesmith.modules.mla`: a low-rank query
 unless ``q_lora_rank`` is null, keys and values expanded from a cached latent of
@@ -161,6 +163,7 @@ FAMILY = register_family(
         },
         from_hf_config=_read_config,
         to_hf_config=_write_config,
+        aliases=("kimi_k2",),  # Kimi K2 (Moonshot AI): DeepseekV3ForCausalLM under its own name
     )
 )
 

@@ -46,6 +46,7 @@ PEFT_EXPERT_NAMES: dict[str, frozenset[str]] = {
     "qwen3_moe": _GATE_UP_DOWN,
     "deepseek_v2": _GATE_UP_DOWN,
     "deepseek_v3": _GATE_UP_DOWN,
+    "glm4_moe": _GATE_UP_DOWN,
     "mixtral": frozenset({"w1", "w2", "w3"}),
 }
 _SHOWN = 3  # names quoted in the message
