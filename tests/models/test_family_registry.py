@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
 import tunesmith.models
@@ -288,3 +289,11 @@ def _code_strings(path: Path) -> set[str]:
 def test_generic_code_names_no_family(module):
     strings = _code_strings(Path(tunesmith.models.__file__).parent / module)
     assert not strings & {f.model_type for f in SHIPPED}
+
+
+@pytest.mark.parametrize("family", SHIPPED, ids=lambda f: f.name)
+def test_the_reward_model_class_a_family_names_exists_in_transformers(family):
+    """A reward model's config.json names ``classifier_architecture``: transformers must have
+    it (or the family says it has none, and its reward folders load with tunesmith only)."""
+    name = family.classifier_architecture
+    assert name is None or hasattr(transformers, name), (family.name, name)

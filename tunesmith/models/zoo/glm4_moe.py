@@ -60,6 +60,7 @@ FAMILY = register_family(
         defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-5},
         from_hf_config=_read_config,
         to_hf_config=_write_config,
+        has_classifier=False,  # transformers has no Glm4MoeForSequenceClassification
     )
 )
 
