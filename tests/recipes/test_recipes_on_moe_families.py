@@ -50,7 +50,7 @@ CASES: list[tuple[str, str, str | None]] = [
     ("grpo", "deepseek_v2", None), ("ppo", "deepseek_v3", None),
     ("sft", "gpt_oss", None), ("dpo", "gpt_oss", None), ("kd", "gpt_oss", "gpt_oss_teacher"),
     ("reward_model", "gpt_oss", None), ("grpo", "gpt_oss", None), ("ppo", "gpt_oss", None),
-    ("dpo", "llama4", None), ("kd", "llama4", "glm4_moe"), ("reward_model", "llama4", None),
+    ("sft", "llama4", None), ("dpo", "llama4", None), ("kd", "llama4", "glm4_moe"), ("reward_model", "llama4", None),
     ("grpo", "llama4", None), ("ppo", "llama4", None),
     ("sft", "glm4_moe", None), ("dpo", "glm4_moe", None), ("kd", "glm4_moe", "llama4"),
     ("reward_model", "glm4_moe", None), ("grpo", "glm4_moe", None), ("ppo", "glm4_moe", None),
