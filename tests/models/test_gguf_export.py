@@ -1,8 +1,8 @@
 """GGUF export (issue #37): a tiny model of each exported family written as GGUF and read back by
 transformers' own GGUF loader (``from_pretrained(folder, gguf_file=...)``, an independent
 reader): the same logits as our model within the file type's rounding, the same tokens for the
-same text and conversation, the chat template and special tokens kept; what the file could not
-say is refused by name; ``tunesmith export --format gguf`` merges a LoRA run first.
+same text and conversation, the chat template and special tokens kept; a sentencepiece-style (Gemma,
+Llama 2) tokenizer as llama.cpp's SPM vocabulary; what the file could not say is refused by name; ``tunesmith export --format gguf`` merges a LoRA run first.
 
 Tolerances (max |logit difference| over 2 x 24 random ids, logits of magnitude ~1): f32 1e-5,
 f16 2e-3, bf16 2e-2, q8_0 2e-2 (int8 blocks of 32 with an f16 scale; Gemma 3's six layers 5e-2).
@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 
-from tests.data.tokenizer_factory import make_tokenizer_folder
+from tests.data.tokenizer_factory import make_tokenizer_folder, tokenizer_json
 from tests.recipes.sft_world import make_counting_data, make_model_dir, run_sft
 from tunesmith.cli.main import main
 from tunesmith.data import Tokenizer
@@ -254,13 +254,129 @@ def test_gemma_27bs_attention_scale_is_llama_cpps_by_layer_count():
         )
 
 
-def test_a_sentencepiece_style_tokenizer_is_refused_by_name(tmp_path):
-    tokenizer_dir = make_tokenizer_folder(tmp_path / "tok", "gemma")  # Gemma's "▁" pieces
-    spec = gemma2.spec(
-        "gemma2_tiny", vocab_size=Tokenizer.from_pretrained(tokenizer_dir).vocab_size
-    )
-    folder = save_hf_checkpoint(build_model(spec), tmp_path / "m", source_dir=tokenizer_dir)
-    with pytest.raises(GGUFExportError, match="supports byte-level BPE tokenizers"):
+LLAMA2_NORMALIZER = {"type": "Sequence", "normalizers": [
+    {"type": "Prepend", "prepend": "▁"},
+    {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+]}  # fmt: skip
+SPM_TEXTS = [
+    "Hello world 123, it's 2026!",
+    "  two leading spaces\n\n\tand a tab",
+    "ünïcödé 日本語 🙂 mixed",  # characters outside the vocabulary: <0xNN> byte pieces
+    "<start_of_turn>user\nhi there<end_of_turn>\n",
+]
+
+
+def spm_merges(vocab: dict) -> list[list[str]]:
+    """Every pair of pieces that joins into a piece, ranked by the joined piece's id: the
+    merges transformers' converter writes for a sentencepiece BPE model."""
+    pairs = {(t[:k], t[k:]) for t in vocab for k in range(1, len(t))}
+    pairs = {(a, b) for a, b in pairs if a in vocab and b in vocab}
+    return [[a, b] for a, b in sorted(pairs, key=lambda p: (vocab[p[0] + p[1]], vocab[p[0]]))]
+
+
+def spm_model_dir(root, zoo, *, llama2: bool = False, reverse: bool = False, **overrides):
+    """A tiny model of ``zoo`` with the suite's Gemma tokenizer, its merges those of a converted
+    sentencepiece model (``byte_fallback``, ``<0x00>``..``<0xFF>``, spaces as "▁"); with
+    ``llama2`` Llama 2's normalizer (a "▁" prepended), with ``reverse`` the merges' ranks
+    reversed (not in id order: the pieces' scores must follow the ranks)."""
+    tokenizer_dir = make_tokenizer_folder(root / "tokenizer", "gemma")
+    path = tokenizer_dir / "tokenizer.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    merges = spm_merges(data["model"]["vocab"])
+    data["model"]["merges"] = merges[::-1] if reverse else merges
+    if llama2:
+        data["normalizer"], data["pre_tokenizer"] = LLAMA2_NORMALIZER, None
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    vocab = Tokenizer.from_pretrained(tokenizer_dir).vocab_size
+    torch.manual_seed(0)
+    name = f"{zoo.__name__.rsplit('.', 1)[-1]}_tiny"
+    spec = zoo.spec(name, vocab_size=vocab, **overrides)
+    return save_hf_checkpoint(build_model(spec), root / "model", source_dir=tokenizer_dir)
+
+
+def test_a_gemma_sentencepiece_tokenizer_exports_as_llama_cpps_spm_vocabulary(tmp_path):
+    import gguf
+
+    folder = spm_model_dir(tmp_path, gemma2, **FAMILIES["gemma2"][2])
+    path = export_gguf(folder, tmp_path / "model.gguf", outtype="f16")
+    ours = Tokenizer.from_pretrained(folder)
+    _, theirs = _read_back(path)
+    for text in SPM_TEXTS:
+        want = ours.encode(text, add_special_tokens=False)
+        assert theirs(text, add_special_tokens=False)["input_ids"] == want, text
+    assert any(ours.token_to_id("<0xF0>") in ours.encode(t) for t in SPM_TEXTS)  # 🙂 as bytes
+    assert theirs("hi")["input_ids"] == ours.encode("hi")  # <bos> added by both
+
+    fields = gguf.GGUFReader(path).fields
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    types = [int(t) for t in fields["tokenizer.ggml.token_type"].contents()]
+    kinds = gguf.TokenType
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is False
+    scores = fields["tokenizer.ggml.scores"].contents()
+    merged = [vocab[a + b] for a, b in spm_merges(vocab)]  # ids in merge order
+    assert [scores[i] for i in dict.fromkeys(merged)] == sorted(scores, reverse=True)[
+        : len(set(merged))
+    ]
+    assert max(scores[vocab[f"<0x{b:02X}>"]] for b in range(256)) < min(scores[i] for i in merged)
+    assert [types[vocab[f"<0x{b:02X}>"]] for b in range(256)] == [kinds.BYTE] * 256
+    assert types[vocab["<unk>"]] == kinds.UNKNOWN
+    assert types[ours.token_to_id("<end_of_turn>")] == kinds.CONTROL
+    assert types[vocab["▁the"]] == kinds.NORMAL
+    assert fields["tokenizer.ggml.bos_token_id"].contents() == ours.token_to_id("<bos>")
+    assert "tokenizer.ggml.merges" not in fields
+
+
+def test_llama_2s_normalizer_writes_a_space_prefix(tmp_path):
+    import gguf
+
+    folder = spm_model_dir(tmp_path, llama3, llama2=True, rope_scaling=None)
+    fields = gguf.GGUFReader(export_gguf(folder, tmp_path / "m.gguf")).fields
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is True
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+
+
+def _keep_trained_merges(data):
+    data["model"]["merges"] = json.loads(tokenizer_json("gemma"))["model"]["merges"]
+
+
+def _part_a_pieces_merges(data):  # one of "▁the"'s merges moved to the end
+    merges = data["model"]["merges"]
+    merges.append(merges.pop(max(i for i, (a, b) in enumerate(merges) if a + b == "▁the")))
+
+
+def _metaspace(data):
+    data["normalizer"] = None
+    data["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first",
+                             "split": False}  # fmt: skip
+
+
+def _unigram(data):
+    data["model"] = {
+        "type": "Unigram",
+        "unk_id": 3,
+        "vocab": [[t, 0.0] for t in data["model"]["vocab"]],
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (_keep_trained_merges, "merges leave out pairs of pieces that form a piece"),
+        (_part_a_pieces_merges, "the merges making '▁the' are not side by side"),
+        (_metaspace, "normalizer null and pre-tokenizer .*Metaspace"),
+        (_unigram, "this one is 'Unigram'"),
+    ],
+)
+def test_a_sentencepiece_tokenizer_llama_cpp_would_read_otherwise_is_refused(
+    tmp_path, change, words
+):
+    folder = spm_model_dir(tmp_path, gemma2)
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    change(data)
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    with pytest.raises(GGUFExportError, match=words):
         export_gguf(folder, tmp_path / "m.gguf")
 
 

@@ -22,7 +22,8 @@ the measured values of every family and out type at a larger shape).
 Every model shape of the test suite's tiny families loads as is: llama.cpp refused none (head
 dims 16 and 32, 2 to 6 layers, vocabularies of ~640). A family's settings that llama.cpp fixes
 are set here to its values (SmolLM3's RoPE-free 4th layer, Gemma 3's six-layer pattern); the
-tokenizers are byte-level BPE (Phi-4-mini's o200k split for Phi-3, Llama 3's for Gemma).
+tokenizers are byte-level BPE (Phi-4-mini's o200k split for Phi-3, Llama 3's for Gemma), and a
+sentencepiece-style one (Gemma's; Llama 2's normalizer) on Gemma 2 and Llama at f16.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import pytest
 import torch
 
 from tests.data.tokenizer_factory import make_tokenizer_folder
+from tests.models.test_gguf_export import SPM_TEXTS, spm_model_dir
 from tunesmith.data import Tokenizer
 from tunesmith.models import build_model
 from tunesmith.models.gguf_export import export_gguf
@@ -184,3 +186,30 @@ def test_llama_cpp_tokenizes_and_templates_as_we_do(folders, tmp_path, family):
     ids, _ = ours.tokenize_conversation(CONVERSATION)
     assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids
     llm.close()
+
+
+# sentencepiece-style tokenizers (Gemma's "▁" normalizer; Llama 2's with a "▁" prepended, which
+# llama.cpp adds as add_space_prefix) exported as llama.cpp's SPM vocabulary; merges ranked
+# against the pieces' ids too (the scores follow the ranks)
+SPM_FAMILIES = {"gemma2": (gemma2, {}), "gemma2_reversed": (gemma2, {"reverse": True}),
+                "llama": (llama3, {"llama2": True})}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(SPM_FAMILIES))
+def test_llama_cpp_reads_a_sentencepiece_tokenizer_as_we_do(tmp_path, family):
+    zoo, overrides = SPM_FAMILIES[family]
+    folder = spm_model_dir(tmp_path, zoo, **overrides)
+    llm = _load(export_gguf(folder, tmp_path / "model.gguf", outtype="f16"))
+    ours = Tokenizer.from_pretrained(folder)
+    for text in SPM_TEXTS:
+        want = ours.encode(text, add_special_tokens=False)
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == want, text
+    ids = ours.encode(" ".join(SPM_TEXTS))  # <bos> first, as both add it
+    assert llm.tokenize(" ".join(SPM_TEXTS).encode(), add_bos=True, special=True) == ids
+    llm.eval(ids)
+    got = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    llm.close()
+    with torch.no_grad():
+        want = from_hf(folder, dtype=torch.float32)(torch.tensor([ids]))[0].numpy()
+    gap = np.abs(got - want).max() / want.std()
+    assert 0 < gap < TOLERANCE["f16"], gap

@@ -23,7 +23,11 @@ Ollama and transformers (``from_pretrained(folder, gguf_file=...)``) load.
   tokens, user-defined for other added tokens, unused for the rows past the tokenizer's
   vocabulary), the merges, the special token ids, ``add_bos_token`` and the folder's chat
   template; its pre-tokenizer is named from the ``tokenizer.json`` split pattern
-  (:data:`PRE_TOKENIZERS`), another pattern is refused rather than guessed.
+  (:data:`PRE_TOKENIZERS`), another pattern is refused rather than guessed;
+- or a sentencepiece-style tokenizer (BPE with ``byte_fallback``, ``<0xNN>`` byte pieces, spaces
+  as "▁": Gemma's, Llama 2's) as llama.cpp's ``llama`` (SPM) vocabulary from ``tokenizer.json``
+  alone: pieces scored by their merges' rank, byte/unknown/control types, ``add_space_prefix`` from
+  the normalizer; merges or a normalizer llama.cpp would tokenise differently are refused.
 
 The file is written next to its final name and renamed into place (atomic).
 
@@ -45,6 +49,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -343,45 +348,27 @@ def _encode(array: np.ndarray, outtype: str) -> tuple[np.ndarray, Any]:
 
 
 class _Vocab:
-    """The byte-level BPE tokenizer of a folder as GGUF metadata."""
+    """The byte-level BPE tokenizer of a folder as GGUF metadata (:meth:`read` gives a
+    sentencepiece-style one as :class:`_SpmVocab`)."""
 
     def __init__(self, tokens: list[str], types: list[int], pre: str) -> None:
         self.tokens, self.types, self.pre = tokens, types, pre
 
     @classmethod
-    def read(cls, folder: Path, vocab_size: int) -> _Vocab:
-        import gguf
-
+    def read(cls, folder: Path, vocab_size: int) -> _Vocab | _SpmVocab:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise CheckpointFileNotFoundError(f"GGUF export needs {path} (the tokenizer)")
         data = json.loads(path.read_text(encoding="utf-8"))
         model = data.get("model") or {}
+        if model.get("type") == "BPE" and model.get("byte_fallback"):
+            return _SpmVocab.read(path, data, vocab_size)
         if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(data.get("pre_tokenizer")):
             raise GGUFExportError(
-                f"{path}: GGUF export supports byte-level BPE tokenizers; this one is "
-                f"{model.get('type')!r} (sentencepiece-style vocabularies are not supported yet)"
+                f"{path}: GGUF export supports byte-level BPE and sentencepiece-style BPE "
+                f"(byte_fallback) tokenizers; this one is {model.get('type')!r}"
             )
-        ids = {token: i for token, i in model["vocab"].items()}
-        added = {t["id"]: t for t in data.get("added_tokens", [])}
-        size = max(vocab_size, max(ids.values(), default=-1) + 1, max(added, default=-1) + 1)
-        by_id = {i: token for token, i in ids.items()}
-        tokens, types = [], []
-        kinds = gguf.TokenType
-        for i in range(size):
-            if i in added:
-                tokens.append(added[i]["content"])
-                types.append(kinds.CONTROL if added[i].get("special") else kinds.USER_DEFINED)
-            elif i in by_id:
-                tokens.append(by_id[i])
-                types.append(kinds.NORMAL)
-            else:
-                tokens.append(f"[PAD{i}]")
-                types.append(kinds.UNUSED)
-        if size > vocab_size:
-            raise GGUFExportError(
-                f"{path}: the tokenizer has {size} ids, the model's vocabulary {vocab_size}"
-            )
+        tokens, types = _token_rows(path, data, vocab_size)
         return cls(tokens, types, _pre_tokenizer(path, data))
 
     def write(self, writer: Any, folder: Path) -> None:
@@ -395,6 +382,137 @@ class _Vocab:
         if not special.merges:
             raise GGUFExportError(f"{folder / 'tokenizer.json'}: no BPE merges found")
         special.add_to_gguf(writer, quiet=True)
+
+
+def _token_rows(path: Path, data: Mapping[str, Any], vocab_size: int) -> tuple[list, list]:
+    """Every id's token and type (normal, control/user-defined for added tokens, unused past
+    the tokenizer's vocabulary) up to ``vocab_size``."""
+    import gguf
+
+    model = data["model"]
+    ids = {token: i for token, i in model["vocab"].items()}
+    added = {t["id"]: t for t in data.get("added_tokens", [])}
+    size = max(vocab_size, max(ids.values(), default=-1) + 1, max(added, default=-1) + 1)
+    by_id = {i: token for token, i in ids.items()}
+    tokens, types = [], []
+    kinds = gguf.TokenType
+    for i in range(size):
+        if i in added:
+            tokens.append(added[i]["content"])
+            types.append(kinds.CONTROL if added[i].get("special") else kinds.USER_DEFINED)
+        elif i in by_id:
+            tokens.append(by_id[i])
+            types.append(kinds.NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(kinds.UNUSED)
+    if size > vocab_size:
+        raise GGUFExportError(
+            f"{path}: the tokenizer has {size} ids, the model's vocabulary {vocab_size}"
+        )
+    return tokens, types
+
+
+class _SpmVocab:
+    """A sentencepiece-style BPE tokenizer (``byte_fallback``, ``<0xNN>`` byte pieces, spaces as
+    "▁") as llama.cpp's ``llama`` (SPM) vocabulary, scored by :func:`_spm_scores` so that
+    llama.cpp's join of the highest-scored adjacent pair is the tokenizer's merge of the
+    lowest rank."""
+
+    def __init__(self, tokens: list, scores: list, types: list, space_prefix: bool) -> None:
+        self.tokens, self.scores, self.types = tokens, scores, types
+        self.space_prefix = space_prefix
+
+    @classmethod
+    def read(cls, path: Path, data: Mapping[str, Any], vocab_size: int) -> _SpmVocab:
+        import gguf
+
+        model = data["model"]
+        for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
+            if model.get(key):
+                raise GGUFExportError(f"{path}: GGUF export cannot write a BPE {key} to llama.cpp")
+        if model.get("ignore_merges"):
+            raise GGUFExportError(f"{path}: GGUF export cannot write BPE ignore_merges")
+        space_prefix = _space_prefix(path, data)
+        tokens, types = _token_rows(path, data, vocab_size)
+        scores = _spm_scores(path, model, tokens)
+        unk = model["vocab"].get(model.get("unk_token") or "")
+        for i, token in enumerate(tokens):
+            if i == unk:
+                types[i] = gguf.TokenType.UNKNOWN
+            elif types[i] == gguf.TokenType.NORMAL and _BYTE_PIECE.fullmatch(token):
+                types[i] = gguf.TokenType.BYTE
+        missing = sorted({f"<0x{b:02X}>" for b in range(256)} - set(model["vocab"]))
+        if missing:
+            raise GGUFExportError(f"{path}: byte_fallback without the byte pieces {missing[:3]}")
+        return cls(tokens, scores, types, space_prefix)
+
+    def write(self, writer: Any, folder: Path) -> None:
+        import gguf
+
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(self.tokens)
+        writer.add_token_scores(self.scores)
+        writer.add_token_types(self.types)
+        writer.add_add_space_prefix(self.space_prefix)
+        special = gguf.SpecialVocab(folder, load_merges=False, n_vocab=len(self.tokens))
+        special.add_to_gguf(writer, quiet=True)
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+_SPACE = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+_PREPEND = {"type": "Prepend", "prepend": "▁"}
+_NO_SPLIT = (None, {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
+                    "invert": False})  # fmt: skip
+
+
+def _space_prefix(path: Path, data: Mapping[str, Any]) -> bool:
+    """llama.cpp's ``add_space_prefix`` of the tokenizer's "▁" normalizer: Gemma's (spaces
+    replaced, no prefix) or Llama 2's (a "▁" prepended to each text between special tokens,
+    then spaces replaced). Another normalizer or pre-tokenizer is refused: a Metaspace one
+    (``prepend_scheme="first"``) skips the prefix after special tokens and before a leading
+    space, where llama.cpp adds it."""
+    normalizer, pre = data.get("normalizer"), data.get("pre_tokenizer")
+    if pre in _NO_SPLIT and normalizer == _SPACE:
+        return False
+    if pre in _NO_SPLIT and (normalizer or {}).get("normalizers") == [_PREPEND, _SPACE]:
+        return True
+    raise GGUFExportError(
+        f"{path}: GGUF export writes sentencepiece-style tokenizers whose normalizer replaces "
+        f"spaces by '▁' (Gemma's, or Llama 2's with a '▁' prepended) and whose pre-tokenizer "
+        f"does not split; this one has normalizer {json.dumps(normalizer)[:80]} and "
+        f"pre-tokenizer {json.dumps(pre)[:80]}"
+    )
+
+
+def _spm_scores(path: Path, model: Mapping[str, Any], tokens: list[str]) -> list[float]:
+    """Each piece's llama.cpp score: minus the rank of its first merge (pieces no merge makes:
+    below every merged one). llama.cpp's SPM joins any adjacent pair whose concatenation is a
+    piece, highest score first; it tokenises as the BPE merges only when they are every such
+    pair with each piece's merges side by side (as a converted sentencepiece model has them):
+    other merges are refused."""
+    vocab = model["vocab"]
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    first: dict[str, int] = {}
+    for rank, (a, b) in enumerate(merges):
+        if (
+            first.setdefault(a + b, rank) != rank
+            and merges[rank - 1][0] + merges[rank - 1][1] != a + b
+        ):
+            raise GGUFExportError(
+                f"{path}: the merges making {a + b!r} are not side by side (rank {first[a + b]} "
+                f"and {rank}); llama.cpp's SPM vocabulary merges by piece score and would "
+                "tokenise text differently"
+            )
+    pairs = {(t[:k], t[k:]) for t in vocab for k in range(1, len(t))}
+    missing = sorted(p for p in pairs - set(merges) if p[0] in vocab and p[1] in vocab)
+    if missing:
+        raise GGUFExportError(
+            f"{path}: its BPE merges leave out pairs of pieces that form a piece (e.g. "
+            f"{missing[0]}); llama.cpp's SPM vocabulary joins those and would tokenise differently"
+        )
+    return [-float(first.get(token, len(merges) + i)) for i, token in enumerate(tokens)]
 
 
 def _pre_tokenizer(path: Path, data: Mapping[str, Any]) -> str:
