@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from tests.models.conftest import HF_FAMILIES, randomize_, tiny_hf_model
+from tests.models.parity_checks import hf_greedy
 from tunesmith.generation import generate, left_pad, policy_logprobs
 from tunesmith.models import build_model, from_hf
 
@@ -54,25 +54,10 @@ def model(pairs):
     return pairs("llama")[1]
 
 
-def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int):
-    ids, mask, _ = left_pad(prompts, pad_id=0)
-    config = transformers.GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
-        eos_token_id=None,
-        pad_token_id=0,
-        bos_token_id=1,
-    )
-    with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    return out[:, ids.shape[1] :].tolist()
-
-
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])
 def test_greedy_matches_transformers_with_left_padding(pair, use_cache):
     hf, ours = pair
-    expected = _hf_greedy(hf, PROMPTS, 20)
+    expected = hf_greedy(hf, PROMPTS, 20)
     out = generate(ours, PROMPTS, max_new_tokens=20, use_cache=use_cache)
     assert out.sequences == expected
     assert out.finish_reasons == ["length"] * 3

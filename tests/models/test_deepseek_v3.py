@@ -8,6 +8,7 @@ transformers' for 20 tokens, packed rows equal to separate rows.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -16,15 +17,20 @@ import transformers
 from safetensors.torch import save_file
 
 from tests.models.hf_deepseek import CASES, VOCAB, YARN, hf_config, hf_model
-from tunesmith.generation.generate import generate
+from tests.models.parity_checks import (
+    ATOL,
+    assert_gradients_match,
+    assert_greedy_matches_transformers,
+    assert_logits_and_router_logits_match,
+    left_padded_batch,
+    zero_correction_biases,
+)
 from tunesmith.models import build_model, deepseek_v2, deepseek_v3, from_hf, spec_from_hf_config
 from tunesmith.models.hf import save_hf_checkpoint
 from tunesmith.models.safetensors_io import CheckpointError
 from tunesmith.modules.masks import document_position_ids
 from tunesmith.training.memory.planner import activation_bytes_per_token, estimate_memory
 from tunesmith.training.parallel.distributed import ParallelDims
-
-ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -37,56 +43,17 @@ def pair(request, tmp_path_factory):
 
 
 def _batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB, (2, 12), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding
-    return ids, mask
+    return left_padded_batch(VOCAB, seed)
 
 
 def test_logits_and_router_logits_match_transformers(pair):
     _, hf, ours, _ = pair
-    ids, mask = _batch()
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        theirs = hf(ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
-        logits, router_logits = ours(
-            ids, attention_mask=mask, position_ids=pos, output_router_logits=True
-        )
-    real = mask.bool()
-    assert (logits - theirs.logits)[real].abs().max() < ATOL
-    assert len(router_logits) == len(theirs.router_logits) > 0
-    for mine, hf_logits in zip(router_logits, theirs.router_logits, strict=True):
-        assert (mine - hf_logits)[real.flatten()].abs().max() < ATOL
-
-
-def _hf_grads(hf: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """transformers' gradients under our names (fused experts split per projection)."""
-    out = {}
-    for name, p in hf.named_parameters():
-        if name.endswith("experts.gate_up_proj"):
-            gate, up = p.grad.chunk(2, dim=1)
-            out[name.replace("gate_up_proj", "gate_proj")] = gate
-            out[name.replace("gate_up_proj", "up_proj")] = up
-        else:
-            out[name] = p.grad
-    return out
+    assert_logits_and_router_logits_match(hf, ours, VOCAB)
 
 
 def test_gradients_of_a_summed_loss_match_transformers(pair):
     _, hf, ours, _ = pair
-    ids, _ = _batch(seed=4)
-    weights = torch.randn(2, 12, VOCAB, generator=torch.Generator().manual_seed(5))
-    hf.zero_grad()
-    ours.zero_grad()
-    (hf(ids).logits * weights).sum().backward()
-    (ours(ids) * weights).sum().backward()
-    theirs = _hf_grads(hf)
-    mine = dict(ours.named_parameters())
-    assert set(mine) == set(theirs)
-    for name, p in mine.items():
-        scale = theirs[name].abs().max().clamp(min=1e-6)
-        assert (p.grad - theirs[name]).abs().max() / scale < 1e-4, name
+    assert_gradients_match(hf, ours, VOCAB)
 
 
 # Each config-only feature, turned off in transformers (same weights), moves the logits.
@@ -119,12 +86,7 @@ def test_config_only_features_change_the_logits(pair):
             gap = (ablated(ids).logits - mine).abs().max()
             assert gap > 100 * ATOL, change
         if model_type == "deepseek_v3":  # the correction bias picks the experts
-            state = {k: v for k, v in hf.state_dict().items() if "e_score_correction" not in k}
-            ablated = hf_model(hf_config(model_type, **fields))
-            ablated.load_state_dict(state, strict=False)
-            for name, b in ablated.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    b.zero_()
+            ablated = zero_correction_biases(copy.deepcopy(hf))
             assert (ablated(ids).logits - mine).abs().max() > 100 * ATOL
 
 
@@ -144,18 +106,7 @@ def test_save_loads_in_transformers_with_equal_logits(pair, tmp_path):
 def test_greedy_generation_with_latent_cache_matches_transformers(pair):
     _, hf, ours, _ = pair
     prompts = [[5, 17, 99, 3, 42], [8, 61, 7], [100, 2, 30, 44, 9, 12, 77]]
-    out = generate(ours, prompts, max_new_tokens=20)
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-    config = transformers.GenerationConfig(
-        do_sample=False, max_new_tokens=20, min_new_tokens=20, eos_token_id=None,
-        pad_token_id=0, bos_token_id=1,
-    )  # fmt: skip
-    with torch.no_grad():
-        expected = hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    assert out.sequences == expected[:, width:].tolist()
-    assert len({tuple(s) for s in out.sequences}) == 3  # rows are not trivially alike
+    assert_greedy_matches_transformers(hf, ours, prompts)
 
 
 def test_latent_cache_is_smaller_by_the_ratio_the_config_implies(pair, capsys):

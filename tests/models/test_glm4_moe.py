@@ -8,6 +8,7 @@ KV cache equal to transformers' for 20 tokens, multi-token-prediction layers ski
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 
@@ -17,12 +18,17 @@ import transformers
 
 from tests.models.conftest import read_safetensors_folder
 from tests.models.hf_deepseek import hf_model
-from tests.models.test_deepseek_v3 import _hf_grads
-from tunesmith.generation.generate import generate
+from tests.models.parity_checks import (
+    ATOL,
+    assert_gradients_match,
+    assert_greedy_matches_transformers,
+    assert_logits_and_router_logits_match,
+    left_padded_batch,
+    zero_correction_biases,
+)
 from tunesmith.models import build_model, from_hf, glm4_moe, spec_from_hf_config
 from tunesmith.models.hf import save_hf_checkpoint
 
-ATOL = 1e-4
 VOCAB = 131
 BASE = {
     "vocab_size": VOCAB, "hidden_size": 40, "intermediate_size": 56, "moe_intermediate_size": 20,
@@ -67,43 +73,17 @@ def pair(request, tmp_path_factory):
 
 
 def _batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB, (2, 12), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding
-    return ids, mask
+    return left_padded_batch(VOCAB, seed)
 
 
 def test_logits_and_router_logits_match_transformers(pair):
     _, hf, ours, _ = pair
-    ids, mask = _batch()
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        theirs = hf(ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
-        logits, router_logits = ours(
-            ids, attention_mask=mask, position_ids=pos, output_router_logits=True
-        )
-    real = mask.bool()
-    assert (logits - theirs.logits)[real].abs().max() < ATOL
-    assert len(router_logits) == len(theirs.router_logits) > 0
-    for mine, hf_logits in zip(router_logits, theirs.router_logits, strict=True):
-        assert (mine - hf_logits)[real.flatten()].abs().max() < ATOL
+    assert_logits_and_router_logits_match(hf, ours, VOCAB)
 
 
 def test_gradients_of_a_summed_loss_match_transformers(pair):
     _, hf, ours, _ = pair
-    ids, _ = _batch(seed=4)
-    weights = torch.randn(2, 12, VOCAB, generator=torch.Generator().manual_seed(5))
-    hf.zero_grad()
-    ours.zero_grad()
-    (hf(ids).logits * weights).sum().backward()
-    (ours(ids) * weights).sum().backward()
-    theirs = _hf_grads(hf)
-    mine = dict(ours.named_parameters())
-    assert set(mine) == set(theirs)
-    for name, p in mine.items():
-        scale = theirs[name].abs().max().clamp(min=1e-6)
-        assert (p.grad - theirs[name]).abs().max() / scale < 1e-4, name
+    assert_gradients_match(hf, ours, VOCAB)
 
 
 # Each config-only feature, changed in transformers (same weights), moves the logits.
@@ -137,12 +117,7 @@ def test_config_only_features_change_the_logits(pair):
             ablated = hf_model(hf_config(**{**CASES[case], **change}))
             ablated.load_state_dict(hf.state_dict(), strict=False)
             assert (ablated(ids).logits - mine).abs().max() > 100 * ATOL, change
-        # the correction bias picks the experts
-        ablated = hf_model(hf_config(**CASES[case]))
-        ablated.load_state_dict(hf.state_dict())
-        for name, b in ablated.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.zero_()
+        ablated = zero_correction_biases(copy.deepcopy(hf))  # the bias picks the experts
         assert (ablated(ids).logits - mine).abs().max() > 100 * ATOL
 
 
@@ -164,18 +139,7 @@ def test_save_loads_in_transformers_with_equal_logits(pair, tmp_path):
 def test_greedy_generation_with_kv_cache_matches_transformers(pair):
     _, hf, ours, _ = pair
     prompts = [[5, 17, 99, 3, 42], [8, 61, 7], [100, 2, 30, 44, 9, 12, 77]]
-    out = generate(ours, prompts, max_new_tokens=20)
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-    config = transformers.GenerationConfig(
-        do_sample=False, max_new_tokens=20, min_new_tokens=20, eos_token_id=None,
-        pad_token_id=0, bos_token_id=1,
-    )  # fmt: skip
-    with torch.no_grad():
-        expected = hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    assert out.sequences == expected[:, width:].tolist()
-    assert len({tuple(s) for s in out.sequences}) == 3  # rows are not trivially alike
+    assert_greedy_matches_transformers(hf, ours, prompts)
 
 
 def test_multi_token_prediction_layers_are_skipped_with_a_message(tmp_path, caplog):

@@ -24,8 +24,8 @@ import trl
 from tests.data.tokenizer_factory import make_tokenizer_folder
 from tests.gloo_world import run_on_ranks
 from tests.models.conftest import randomize_
+from tests.models.parity_checks import assert_greedy_matches_transformers
 from tunesmith.data.tokenizer import Tokenizer
-from tunesmith.generation import generate
 from tunesmith.models import build_model, from_hf, gpt_oss, spec_from_hf_config
 from tunesmith.models.hf import save_hf_checkpoint
 from tunesmith.models.peft_io import load_peft_adapter, save_peft_adapter
@@ -161,21 +161,7 @@ def test_each_gpt_oss_feature_changes_the_logits(pair, ablation):
 def test_greedy_generation_with_kv_cache_matches_transformers(pair):
     hf, ours = pair
     prompts = [[5, 17, 99, 3, 42, 8, 61], [77, 12], [100, 4, 4, 90, 33, 21, 7, 120, 64]]
-    ids = torch.zeros(3, 9, dtype=torch.long)
-    mask = torch.zeros(3, 9, dtype=torch.long)
-    for row, prompt in enumerate(prompts):  # left padding
-        ids[row, 9 - len(prompt) :] = torch.tensor(prompt)
-        mask[row, 9 - len(prompt) :] = 1
-    config = transformers.GenerationConfig(
-        do_sample=False, max_new_tokens=20, min_new_tokens=20, eos_token_id=None,
-        pad_token_id=0, bos_token_id=1,
-    )  # fmt: skip
-    with torch.no_grad():
-        expected = hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    expected = expected[:, 9:].tolist()
-    out = generate(ours, prompts, max_new_tokens=20, use_cache=True)
-    assert out.sequences == expected
-    assert len({tuple(s) for s in expected}) == 3  # not one trivial continuation
+    assert_greedy_matches_transformers(hf, ours, prompts)
 
 
 def test_our_checkpoint_loads_in_transformers_with_equal_logits(pair, tmp_path):

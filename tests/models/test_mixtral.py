@@ -11,7 +11,7 @@ import transformers
 from safetensors.torch import save_file
 
 from tests.models.conftest import randomize_, read_safetensors_folder
-from tunesmith.generation import generate, left_pad
+from tests.models.parity_checks import assert_greedy_matches_transformers
 from tunesmith.models import build_model, from_hf, mixtral, spec_from_hf_config
 from tunesmith.models.family import UnsupportedModelError
 from tunesmith.models.hf import save_hf_checkpoint
@@ -200,16 +200,7 @@ def test_greedy_generation_with_kv_cache_matches_transformers(tmp_path):
     hf.save_pretrained(tmp_path)
     ours = from_hf(tmp_path).eval()
     prompts = [[5, 17, 99, 3, 42, 8, 61], [77, 12], [120, 4, 4, 90, 33, 21, 7, 110, 64, 9]]
-    ids, mask, _ = left_pad(prompts, pad_id=0)
-    config = transformers.GenerationConfig(
-        do_sample=False, max_new_tokens=20, min_new_tokens=20, eos_token_id=None,
-        pad_token_id=0, bos_token_id=1,
-    )  # fmt: skip
-    with torch.no_grad():
-        expected = hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    out = generate(ours, prompts, max_new_tokens=20, use_cache=True)
-    assert out.sequences == expected[:, ids.shape[1] :].tolist()
-    assert len({tuple(row) for row in out.sequences}) == 3
+    assert_greedy_matches_transformers(hf, ours, prompts)
 
 
 @torch.no_grad()
