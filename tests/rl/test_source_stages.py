@@ -156,8 +156,8 @@ def test_an_advantages_stage_with_a_kl_needs_the_references_logprobs():
         GAEAdvantages(nn.Identity(), CTX, RolloutSettings(group_size=1), lam=2.0)
 
 
-def test_the_default_sample_stage_needs_rewards(model, tmp_path):
-    with pytest.raises(ValueError, match="rewards= scores the groups it samples"):
+def test_the_default_sample_stage_needs_rewards_or_an_environment(model, tmp_path):
+    with pytest.raises(ValueError, match="rewards=, environment= or both score the groups"):
         RolloutSource(
             model=model,
             tokenizer=TOKENIZER,

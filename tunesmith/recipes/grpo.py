@@ -59,6 +59,7 @@ KEYS, RULES = rl.rl_keys(
         "kl": rl.mapping("a mapping with coef (>= 0) and kind (k1, k2, k3), or null (no KL term)"),
         **rl.DYNAMIC_RULES,
         **rl.ASYNC_RULES,
+        **rl.ENVIRONMENT_RULES,
     }
 )
 
@@ -80,7 +81,10 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
     tokenizer = setup.load_tokenizer(cfg)
     prompts = instantiate(cfg.prompts)
     stream = rl.prompt_stream(cfg, ctx, prompts, log)
-    rewards = instantiate(cfg.rewards)
+    rewards = instantiate(cfg.rewards) if cfg.get("rewards") is not None else None
+    environment = instantiate(cfg.environment) if cfg.get("environment") is not None else None
+    if rewards is None and environment is None:
+        raise ValueError("grpo: rewards, environment or both must score the rollouts")
     advantage = instantiate(cfg.advantage, **_dp_group_for(cfg.advantage, ctx))
 
     # -- policy, reference (taken before the policy is sharded), loss
@@ -130,6 +134,7 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
             settings=settings,
             advantages=advantage_stage(advantage, settings.group_size),
             reference=reference,
+            environment=environment,
         )
     try:
         fit_from_config(

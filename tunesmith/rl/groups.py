@@ -37,10 +37,25 @@ import torch
 
 from tunesmith.generation.generate import GenerationOutput
 from tunesmith.generation.keyed import row_key
+from tunesmith.rl.envs.base import Environment
+from tunesmith.rl.envs.trajectory import (
+    EpisodeSettings,
+    Trajectory,
+    TurnGenerateFn,
+    sample_trajectories,
+)
 from tunesmith.rl.prompts import Prompt, encode_prompt
 from tunesmith.rl.rewards import RewardSet, Sample
 
-__all__ = ["GenerateFn", "Group", "sample_groups", "score_groups"]
+__all__ = [
+    "GenerateFn",
+    "Group",
+    "episode_failures",
+    "sample_groups",
+    "sample_trajectory_groups",
+    "score_groups",
+    "trajectory_group",
+]
 
 GenerateFn = Callable[[list[list[int]], list[int]], GenerationOutput]
 """``generate_fn(prompt_rows, row_keys)``: one completion per row, keyed sampling."""
@@ -60,6 +75,11 @@ class Group:
         rewards / per_reward: ``[group_size]`` totals and each named reward (after scoring).
         ref_logprobs: per completion, the reference policy's log-probs of its tokens (when
             scored with a reference).
+        masks: multi-turn groups (:func:`trajectory_group`): per completion, 1 on the tokens
+            the policy sampled, 0 on the environment's observation tokens (not trained; their
+            log-probs are 0); None: every completion token is the policy's.
+        episodes: multi-turn groups: per completion, what happened (the episode's
+            ``summary()`` and its ``messages``), for ``samples.jsonl``.
     """
 
     prompt: Prompt
@@ -74,6 +94,8 @@ class Group:
     rewards: torch.Tensor | None = None
     per_reward: dict[str, torch.Tensor] = field(default_factory=dict)
     ref_logprobs: list[list[float]] | None = None
+    masks: list[list[int]] | None = None
+    episodes: list[dict[str, Any]] | None = None
 
     @property
     def id(self) -> tuple[int, int]:
@@ -126,9 +148,101 @@ def sample_groups(
     return groups
 
 
+def trajectory_group(
+    prompt: Prompt,
+    round: int,
+    prompt_ids: list[int],
+    prompt_text: str,
+    trajectories: Sequence[Trajectory],
+    version: int = 0,
+) -> Group:
+    """The group of one prompt's multi-turn ``trajectories``
+    (:func:`~tunesmith.rl.envs.trajectory.sample_trajectories`): each completion is everything
+    after the prompt (sampled and observation tokens, ``masks`` telling them apart), its text
+    the last reply, and it is already scored: ``rewards`` the episodes' rewards,
+    ``per_reward`` their terms (0 where an episode has none of a name)."""
+    names = sorted({name for t in trajectories for name in t.episode.terms})
+    return Group(
+        prompt=prompt,
+        round=round,
+        prompt_ids=list(prompt_ids),
+        prompt_text=prompt_text,
+        completions=[t.ids for t in trajectories],
+        logprobs=[t.logprobs for t in trajectories],
+        finish=[t.finish for t in trajectories],
+        texts=[t.answer for t in trajectories],
+        version=version,
+        rewards=torch.tensor([t.episode.reward for t in trajectories], dtype=torch.float32),
+        per_reward={
+            name: torch.tensor([t.episode.terms.get(name, 0.0) for t in trajectories])
+            for name in names
+        },
+        masks=[t.mask for t in trajectories],
+        episodes=[{**t.episode.summary(), "messages": t.episode.messages} for t in trajectories],
+    )
+
+
+def sample_trajectory_groups(
+    generate_fn: TurnGenerateFn,
+    tokenizer: Any,
+    environment: Environment,
+    prompts: Sequence[Prompt],
+    *,
+    round: int,
+    group_size: int,
+    seed: int,
+    episode: EpisodeSettings,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    version: int = 0,
+    keep_going: Callable[[bool], bool] = bool,
+) -> list[Group]:
+    """:func:`sample_groups` for an ``environment``: ``group_size`` multi-turn trajectories of
+    each prompt (:func:`~tunesmith.rl.envs.trajectory.sample_trajectories`), scored by their
+    episodes (:func:`trajectory_group`). ``keep_going(any_live)``: whether to sample another
+    turn (all data-parallel ranks must decode together: True while any rank has a live
+    trajectory)."""
+    sampled = sample_trajectories(
+        generate_fn,
+        tokenizer,
+        environment,
+        prompts,
+        round=round,
+        group_size=group_size,
+        seed=seed,
+        settings=episode,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+        keep_going=keep_going,
+    )
+    return [
+        trajectory_group(prompt, round, ids, text, trajectories, version)
+        for prompt, (ids, text, trajectories) in zip(prompts, sampled)
+    ]
+
+
+def episode_failures(groups: Sequence[Group]) -> dict[str, int]:
+    """How many trajectories of multi-turn ``groups`` ended in an error or a timeout (``env:
+    error``, ``env: timeout``): counted with the reward failures.
+
+    Example::
+
+        >>> episode_failures([])
+        {}
+    """
+    failures: dict[str, int] = {}
+    for g in groups:
+        for summary in g.episodes or []:
+            if summary["ended"] in ("error", "timeout"):
+                key = f"env: {summary['ended']}"
+                failures[key] = failures.get(key, 0) + 1
+    return failures
+
+
 def score_groups(rewards: RewardSet, groups: Sequence[Group]) -> dict[str, int]:
     """Score every completion of ``groups`` (one ``rewards`` call) into ``group.rewards`` and
-    ``group.per_reward``; returns the reward functions' failure counts."""
+    ``group.per_reward`` (added to what a multi-turn group's environment gave:
+    :func:`trajectory_group`); returns the reward functions' failure counts."""
     samples = [
         Sample(
             prompt=g.prompt_text,
@@ -145,7 +259,11 @@ def score_groups(rewards: RewardSet, groups: Sequence[Group]) -> dict[str, int]:
     start = 0
     for g in groups:
         part = slice(start, start + g.size)
-        g.rewards = scored.total[part]
-        g.per_reward = {name: values[part] for name, values in scored.per_reward.items()}
+        before = g.rewards if g.episodes is not None else None  # the environment's
+        g.rewards = scored.total[part] if before is None else before + scored.total[part]
+        g.per_reward = {
+            **(g.per_reward if before is not None else {}),
+            **{name: values[part] for name, values in scored.per_reward.items()},
+        }
         start += g.size
     return dict(scored.failures)

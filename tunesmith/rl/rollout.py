@@ -37,6 +37,7 @@ __all__ = [
     "completion_logprobs",
     "completion_mask",
     "group_batch",
+    "group_masks",
     "micro_batches",
     "per_micro_batch",
     "rollout_batch",
@@ -54,11 +55,21 @@ def rollout_batch(
     *,
     per_token: Mapping[str, Sequence[Sequence[float]]] | None = None,
     per_row: Mapping[str, torch.Tensor] | None = None,
+    masks: Sequence[Sequence[int] | None] | None = None,
 ) -> Batch:
     """Training rows of ``prompt_ids[i] + completion_ids[i]``: ``input_ids``,
     ``position_ids``, ``attention_mask`` and ``labels`` (``[b, L]``), each ``per_token``
     list (one value per completion token) placed at its label positions (float32, 0 elsewhere),
-    and each ``per_row`` tensor (``[b]``) as it is."""
+    and each ``per_row`` tensor (``[b]``) as it is. ``masks[i]`` (one 0/1 per completion
+    token; None: all 1) leaves the label of a 0 token out: a multi-turn row's observation
+    tokens are in the row but not trained.
+
+    Example::
+
+        >>> batch = rollout_batch([[5]], [[6, 7, 8]], pad_id=0, masks=[[1, 0, 1]])
+        >>> batch["labels"].tolist()
+        [[6, -100, 8, -100]]
+    """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(
             f"rollout_batch: {len(prompt_ids)} prompts but {len(completion_ids)} completions"
@@ -77,7 +88,7 @@ def rollout_batch(
         input_ids[i, :n] = torch.as_tensor(rows[i], dtype=torch.long)
         attention_mask[i, :n] = 1
         if completion:
-            labels[i, start : start + len(completion)] = torch.as_tensor(list(completion))
+            labels[i, start : start + len(completion)] = _masked(completion, masks, i)
         for key, table in (per_token or {}).items():
             if len(table[i]) != len(completion):
                 raise ValueError(
@@ -96,6 +107,31 @@ def rollout_batch(
             raise ValueError(f"rollout_batch: {key} has {tensor.shape[0]} rows, expected {b}")
         batch[key] = tensor
     return batch
+
+
+def _masked(
+    completion: Sequence[int], masks: Sequence[Sequence[int] | None] | None, row: int
+) -> torch.Tensor:
+    """A row's completion as labels: ``IGNORE_INDEX`` where its mask is 0."""
+    labels = torch.as_tensor(list(completion), dtype=torch.long)
+    mask = None if masks is None else masks[row]
+    if mask is None:
+        return labels
+    if len(mask) != len(completion):
+        raise ValueError(
+            f"rollout_batch: the mask of row {row} has {len(mask)} values for "
+            f"{len(completion)} completion tokens"
+        )
+    return labels.masked_fill(torch.as_tensor(list(mask)) == 0, IGNORE_INDEX)
+
+
+def group_masks(groups: Sequence[Group], cut: Sequence[bool] | None = None) -> list | None:
+    """Each completion's mask of ``groups`` in row order (None for a row of a single-turn
+    group, ``[]`` for a row ``cut`` to no token), or None when no group has masks."""
+    if all(g.masks is None for g in groups):
+        return None
+    masks = [m for g in groups for m in (g.masks or [None] * g.size)]
+    return [[] if cut and cut[i] else m for i, m in enumerate(masks)]
 
 
 def completion_mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -202,6 +238,7 @@ def group_batch(
             "rewards": torch.cat([g.rewards for g in groups]).float(),
             "stopped": torch.tensor([float(f == "stop") for _, _, _, f in rows]),
         },
+        masks=group_masks(groups, cut),
     )
     if version is not None:
         batch["policy_lag"] = torch.tensor(

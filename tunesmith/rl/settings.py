@@ -35,6 +35,7 @@ from tunesmith.rl.asynchronous.pipeline import (
 )
 from tunesmith.rl.asynchronous.trainer_group import TRAINER_GROUP_RULE
 from tunesmith.rl.asynchronous.weight_sync import SYNC_MODES
+from tunesmith.rl.envs.trajectory import EpisodeSettings
 from tunesmith.training.rules import Rule, choice, component, flag, integer, number, type_name
 from tunesmith.training.settings import (
     LOOP_KEYS,
@@ -59,6 +60,8 @@ __all__ = [
     "RL_SECTIONS",
     "RL_SETTINGS",
     "DYNAMIC_RULES",
+    "ENVIRONMENT_RULES",
+    "ENVIRONMENT_SECTIONS",
     "GENERATION_RULE",
     "AsyncSettings",
     "DynamicSampling",
@@ -277,6 +280,38 @@ class DynamicSampling(Settings):
 
 DYNAMIC_RULES = rules_of(settings_of(DynamicSampling))
 """The rule of each dynamic-sampling key."""
+
+
+def _episode_problem(section: Any) -> str | None:
+    """What building the ``episode`` section's
+    :class:`~tunesmith.rl.envs.trajectory.EpisodeSettings` raises, or None.
+
+    >>> _episode_problem({"max_turns": 0})
+    'EpisodeLimits: max_turns must be an int >= 1, got 0'
+    """
+    if section is None:
+        return None
+    values = OmegaConf.to_container(section) if isinstance(section, DictConfig) else section
+    try:
+        EpisodeSettings.of(dict(values))
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return None
+
+
+ENVIRONMENT_SECTIONS: tuple[Setting, ...] = (
+    Setting("environment", component(null="single-turn rollouts"),
+            "multi-turn rollouts: the environment each trajectory runs in (tools, feedback, "
+            "rewards); then rewards, if given, add their scores of the last reply", None),
+    Setting("rewards", component(null="the environment's rewards alone"),
+            "the reward functions and their weights (or an environment's)", None),
+    Setting("episode", replace(mapping("max_turns, step_timeout_s, max_tokens"),
+                               extra=_episode_problem),
+            "limits of each multi-turn trajectory (with an environment)", None),
+)  # fmt: skip
+"""GRPO's multi-turn sections (``environment`` makes ``rewards`` optional)."""
+ENVIRONMENT_RULES = rules_of(ENVIRONMENT_SECTIONS)
+"""The rule of each of GRPO's multi-turn sections."""
 
 
 RL_SECTIONS: tuple[Setting, ...] = (

@@ -36,6 +36,7 @@ from tunesmith.generation.config import GenerationConfig
 from tunesmith.rl.asynchronous.pipeline import PipelineSettings, RolloutPipeline
 from tunesmith.rl.asynchronous.source import AsyncRolloutSource
 from tunesmith.rl.asynchronous.workers import BUILD_SECTIONS, WorkerSettings
+from tunesmith.rl.envs.trajectory import EpisodeSettings
 from tunesmith.rl.evaluate import evaluate_rewards
 from tunesmith.rl.prompts import Prompt, PromptStream
 from tunesmith.rl.rewards import RewardSet
@@ -43,6 +44,7 @@ from tunesmith.rl.settings import (  # re-exported: the recipes read them here
     ASYNC_RESUMABLE,
     ASYNC_RULES,
     DYNAMIC_RULES,
+    ENVIRONMENT_RULES,
     GENERATION_RULE,
     RL_RULES,
     AsyncSettings,
@@ -66,6 +68,7 @@ __all__ = [
     "ASYNC_RULES",
     "RL_RULES",
     "DYNAMIC_RULES",
+    "ENVIRONMENT_RULES",
     "GENERATION_RULE",
     "AsyncSettings",
     "DynamicSampling",
@@ -149,6 +152,7 @@ def rollout_settings(cfg: DictConfig, dynamic: DynamicSampling | None = None) ->
         seed=loop.seed,
         samples_file=Path(loop.output_dir) / "samples.jsonl",
         log_samples_every=rl.log_samples_every,
+        episode=EpisodeSettings.of(plain(cfg.get("episode"))) if cfg.get("environment") else None,
     )
 
 
@@ -157,13 +161,19 @@ def reward_evaluator(
     ctx: DistributedContext,
     model: nn.Module,
     tokenizer: Any,
-    rewards: RewardSet,
+    rewards: RewardSet | None,
     source: RolloutSource,
 ) -> Callable[[], dict[str, float]] | None:
     """Held-out rewards of ``model``'s greedy answers to ``cfg.val_prompts`` (decoded as the
     source decodes), or None without ``val_prompts``."""
     if not cfg.get("val_prompts"):
         return None
+    if rewards is None:
+        raise ValueError(
+            "val_prompts: held-out rewards score greedy single-turn answers with `rewards`, "
+            "and this run has only an environment: add rewards (scoring the answer) or drop "
+            "val_prompts"
+        )
     val_prompts = instantiate(cfg.val_prompts)
     generation = source.settings.generation
     batch_size = RLSettings.from_config(cfg).eval_batch_size
@@ -239,6 +249,7 @@ def worker_settings(cfg: DictConfig) -> WorkerSettings:
         kl_coef=float(kl.get("coef") or 0),
         reference_logprobs=advantage_needs_reference(cfg),
         device=loop.device,
+        episode=EpisodeSettings.of(plain(cfg.get("episode"))) if cfg.get("environment") else None,
         build={k: resolved[k] for k in BUILD_SECTIONS if k in resolved},
     )
 

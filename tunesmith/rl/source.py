@@ -57,7 +57,15 @@ from tunesmith.generation.engine import LocalEngine, generate_with
 from tunesmith.generation.generate import GenerationOutput
 from tunesmith.models.atomic import open_no_follow
 from tunesmith.modules.dtypes import AUTOCAST
-from tunesmith.rl.groups import Group, sample_groups, score_groups
+from tunesmith.rl.envs.base import Environment
+from tunesmith.rl.envs.trajectory import EpisodeSettings
+from tunesmith.rl.groups import (
+    Group,
+    episode_failures,
+    sample_groups,
+    sample_trajectory_groups,
+    score_groups,
+)
 from tunesmith.rl.prompts import PromptStream
 from tunesmith.rl.rewards import RewardSet
 from tunesmith.rl.rollout import completion_logprobs, group_batch, micro_batches, per_micro_batch
@@ -110,6 +118,7 @@ class RolloutSettings:
         chunk_size: completion tokens per head application in the log-probs.
         samples_file / log_samples_every: a group of completions appended every this many
             batches (0: never).
+        episode: multi-turn rollouts' limits (with an environment; None: single-turn).
 
     Example::
 
@@ -134,6 +143,7 @@ class RolloutSettings:
     chunk_size: int = 1024
     samples_file: Path | None = None
     log_samples_every: int = 0
+    episode: EpisodeSettings | None = None
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -209,8 +219,11 @@ class AdvantageStage(Protocol):
 
 class LocalGroups:
     """The sample stage of the synchronous recipes: every rank samples its prompts' groups
-    with ``model`` and scores them with ``rewards`` (see the module docs). Its state is the
-    collection round.
+    with ``model`` and scores them with ``rewards`` (see the module docs). With an
+    ``environment``, each completion is a multi-turn trajectory
+    (:func:`~tunesmith.rl.envs.trajectory.sample_trajectories`, limits in
+    ``settings.episode``) scored by the environment, plus ``rewards`` (if any) of its last
+    reply. Its state is the collection round.
 
     Example::
 
@@ -223,11 +236,15 @@ class LocalGroups:
         model: nn.Module,
         tokenizer: Any,
         prompts: PromptStream,
-        rewards: RewardSet,
+        rewards: RewardSet | None,
         ctx: DistributedContext,
         settings: RolloutSettings,
+        environment: Environment | None = None,
     ) -> None:
+        if rewards is None and environment is None:
+            raise ValueError("LocalGroups: rewards=, environment= or both score the groups")
         self.tokenizer, self.prompts, self.rewards = tokenizer, prompts, rewards
+        self.environment = environment
         self.ctx, self.settings = ctx, settings
         self.stop_token_ids = stop_token_ids(tokenizer, settings.generation.stop_tokens)
         self.engine = LocalEngine(
@@ -265,6 +282,7 @@ class LocalGroups:
             flat_groups=flat_groups,
             times=times,
             epoch=self.prompts.epoch,
+            metrics=episode_metrics(kept[:wanted], self.ctx) if self.environment else {},
         )
 
     def sample(self, times: dict[str, float]) -> list[Group]:
@@ -272,15 +290,30 @@ class LocalGroups:
         prompts = self.prompts.next_prompts()
         start = time.perf_counter()
         s = self.settings
-        groups = sample_groups(
-            self._generate,
-            self.tokenizer,
-            prompts,
-            round=self.round,
-            group_size=s.group_size,
-            seed=s.seed,
-            chat_template=s.chat_template,
-        )
+        if self.environment is not None:
+            groups = sample_trajectory_groups(
+                self._generate,
+                self.tokenizer,
+                self.environment,
+                prompts,
+                round=self.round,
+                group_size=s.group_size,
+                seed=s.seed,
+                episode=s.episode or EpisodeSettings(),
+                max_new_tokens=s.generation.max_new_tokens,
+                stop_token_ids=self.stop_token_ids,
+                keep_going=lambda live: _any_rank(live, self.ctx),
+            )
+        else:
+            groups = sample_groups(
+                self._generate,
+                self.tokenizer,
+                prompts,
+                round=self.round,
+                group_size=s.group_size,
+                seed=s.seed,
+                chat_template=s.chat_template,
+            )
         self.round += 1
         times["generate_s"] += time.perf_counter() - start
         times["generated_tokens"] = times.get("generated_tokens", 0) + sum(
@@ -291,14 +324,27 @@ class LocalGroups:
     def score(self, groups: list[Group], times: dict[str, float]) -> dict[str, int]:
         """Score ``groups`` (their ``rewards``); returns the reward failures."""
         start = time.perf_counter()
-        failures = score_groups(self.rewards, groups)
+        failures = episode_failures(groups)
+        if self.rewards is not None:
+            for key, count in score_groups(self.rewards, groups).items():
+                failures[key] = failures.get(key, 0) + count
         times["reward_s"] += time.perf_counter() - start
         return failures
 
-    def _generate(self, rows: list[list[int]], keys: list[int]) -> GenerationOutput:
-        """The policy's completions of ``rows``, through the engine every rollout decodes with
-        (the trained model itself here; every rank decodes the same number of steps)."""
-        return generate_with(self.engine, rows, keys, self.settings.generation, self.stop_token_ids)
+    def _generate(
+        self, rows: list[list[int]], keys: list[int], limits: list[int] | None = None
+    ) -> GenerationOutput:
+        """The policy's completions of ``rows`` (``limits``: one token limit per row instead
+        of ``generation.max_new_tokens``), through the engine every rollout decodes with (the
+        trained model itself here; every rank decodes the same number of steps)."""
+        return generate_with(
+            self.engine,
+            rows,
+            keys,
+            self.settings.generation,
+            self.stop_token_ids,
+            max_new_tokens=limits,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"round": self.round}
@@ -487,11 +533,14 @@ class RolloutSource(CollectionCycle):
         rewards: RewardSet | None = None,
         reference: FrozenPolicy | None = None,
         sample: SampleStage | None = None,
+        environment: Environment | None = None,
     ) -> None:
         if sample is None:
-            if rewards is None:
-                raise ValueError("RolloutSource: rewards= scores the groups it samples")
-            sample = LocalGroups(model, tokenizer, prompts, rewards, ctx, settings)
+            if rewards is None and environment is None:
+                raise ValueError(
+                    "RolloutSource: rewards=, environment= or both score the groups it samples"
+                )
+            sample = LocalGroups(model, tokenizer, prompts, rewards, ctx, settings, environment)
         self.model, self.tokenizer, self.prompts, self.ctx = model, tokenizer, prompts, ctx
         self.settings, self.pad_id = settings, pad_id(tokenizer)
         # the ids that end a completion: what an evaluator decoding as the source does stops at
@@ -542,6 +591,8 @@ class RolloutSource(CollectionCycle):
             "answer": _plain(first.prompt.answer),
             "completions": first.texts[: s.group_size], "rewards": first.rewards.tolist(),
         }  # fmt: skip
+        if first.episodes is not None:  # whole trajectories: messages, tool calls and results
+            record["trajectories"] = _plain(first.episodes[: s.group_size])
         path = Path(s.samples_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open_no_follow(path, "a") as f:  # a planted link: refused
@@ -604,6 +655,42 @@ def rollout_metrics(
         / max(sums["t/generate_s"] / ranks, 1e-9),
         "rollout_samples": sums["samples"],
     }  # fmt: skip
+
+
+def episode_metrics(groups: Sequence[Group], ctx: DistributedContext) -> dict[str, float]:
+    """Multi-turn groups' trajectory metrics over all data-parallel ranks: ``env/turns``
+    (mean assistant turns), ``env/<count>`` (mean per trajectory of each counted event:
+    ``tool_calls``, ``malformed_calls``, ``tool_errors``...), ``env/ended_<ending>`` (the share
+    of trajectories that ended so) and ``env/policy_tokens`` (mean sampled tokens).
+
+    Example::
+
+        >>> ctx = DistributedContext(rank=0, world_size=1, local_rank=0,
+        ...                          device=torch.device("cpu"), mesh=None)
+        >>> episode_metrics([], ctx)["env/turns"]
+        0.0
+    """
+    from tunesmith.rl.envs.episode import ENDINGS
+
+    summaries = [e for g in groups for e in g.episodes or []]
+    masks = [m for g in groups for m in g.masks or []]
+    counts = sorted({k for e in summaries for k in e["counts"]} | {"tool_calls"})
+    sums = {
+        "n": float(len(summaries)), "turns": float(sum(e["turns"] for e in summaries)),
+        "policy_tokens": float(sum(sum(m) for m in masks)),
+        **{f"count/{k}": float(sum(e["counts"].get(k, 0) for e in summaries)) for k in counts},
+        **{f"ended/{k}": float(sum(e["ended"] == k for e in summaries)) for k in ENDINGS},
+    }  # fmt: skip
+    sums = all_reduce_values(sums, ctx, dist.ReduceOp.SUM)
+    n = max(sums.pop("n"), 1.0)
+    out = {"env/turns": sums["turns"] / n, "env/policy_tokens": sums["policy_tokens"] / n}
+    for key, value in sums.items():
+        kind, _, name = key.partition("/")
+        if kind == "count":
+            out[f"env/{name}"] = value / n
+        elif kind == "ended":
+            out[f"env/ended_{name}"] = value / n
+    return out
 
 
 # -- helpers

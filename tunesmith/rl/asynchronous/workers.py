@@ -39,15 +39,23 @@ from tunesmith.generation.engine import LocalEngine, generate_with
 from tunesmith.modules.dtypes import AUTOCAST
 from tunesmith.modules.peft.apply import adapter_modules, merge_adapters
 from tunesmith.rl.asynchronous.weight_sync import TensorSpec, WeightReceiver
-from tunesmith.rl.groups import Group, sample_groups, score_groups
+from tunesmith.rl.envs.trajectory import EpisodeSettings
+from tunesmith.rl.groups import (
+    Group,
+    episode_failures,
+    sample_groups,
+    sample_trajectory_groups,
+    score_groups,
+)
 from tunesmith.rl.prompts import Prompt
-from tunesmith.rl.rollout import per_micro_batch, rollout_batch
+from tunesmith.rl.rollout import group_masks, per_micro_batch, rollout_batch
 from tunesmith.rl.source import logprobs_under, stop_token_ids
 from tunesmith.training import setup
 from tunesmith.training.parallel.distributed import DistributedContext
 
 BUILD_SECTIONS = ("model_dir", "tokenizer", "model", "precision", "mixed_precision",
-                  "attention_backend", "rewards", "reference_model", "reference_offload")  # fmt: skip
+                  "attention_backend", "rewards", "reference_model", "reference_offload",
+                  "environment")  # fmt: skip
 """The config sections a worker's builders read (``setup.load_tokenizer``, ``build_policy``,
 ``reference_policy``, the rewards), resolved: all a worker gets of the config."""
 
@@ -78,6 +86,8 @@ class WorkerSettings:
     """The reference's log-probs are wanted without a KL term (a teacher's, for the
     advantage: :class:`~tunesmith.rl.advantages.TeacherReverseKL`)."""
     device: str = "auto"
+    episode: EpisodeSettings | None = None
+    """Multi-turn trajectories' limits (the run has an ``environment``); None: single-turn."""
     build: Mapping[str, Any] = field(default_factory=dict)
     """:data:`BUILD_SECTIONS` of the run's config, resolved."""
 
@@ -138,6 +148,8 @@ class RolloutWorker(_Role):
             )
         self.version = 0
         self.receiver = WeightReceiver(self.device)
+        environment = self.build.get("environment")  # runs here, trajectory by trajectory
+        self.environment = instantiate(environment) if environment is not None else None
 
     def load_weights(self, named: Mapping[str, torch.Tensor], version: int) -> int:
         """Take the policy of ``version`` (every trainable tensor, by name)."""
@@ -192,19 +204,36 @@ class RolloutWorker(_Role):
         settings, g = self.settings, self.generation
         start = time.perf_counter()
 
-        def generate(rows: list[list[int]], keys: list[int]) -> Any:
-            return generate_with(self.engine, rows, keys, g, self.stop_token_ids)
+        def generate(rows: list[list[int]], keys: list[int], limits: Any = None) -> Any:
+            return generate_with(
+                self.engine, rows, keys, g, self.stop_token_ids, max_new_tokens=limits
+            )
 
-        groups = sample_groups(
-            generate,
-            self.tokenizer,
-            prompts,
-            round=round,
-            group_size=settings.group_size,
-            seed=settings.seed,
-            chat_template=settings.chat_template,
-            version=self.version,
-        )
+        if self.environment is not None:
+            groups = sample_trajectory_groups(
+                generate,
+                self.tokenizer,
+                self.environment,
+                prompts,
+                round=round,
+                group_size=settings.group_size,
+                seed=settings.seed,
+                episode=settings.episode or EpisodeSettings(),
+                max_new_tokens=g.max_new_tokens,
+                stop_token_ids=self.stop_token_ids,
+                version=self.version,
+            )
+        else:
+            groups = sample_groups(
+                generate,
+                self.tokenizer,
+                prompts,
+                round=round,
+                group_size=settings.group_size,
+                seed=settings.seed,
+                chat_template=settings.chat_template,
+                version=self.version,
+            )
         seconds = time.perf_counter() - start
         self.busy_s += seconds
         tokens = sum(len(c) for group in groups for c in group.completions)
@@ -216,7 +245,8 @@ class RewardWorker(_Role):
 
     def __init__(self, settings: WorkerSettings, threads: int = 1, cwd: str | None = None) -> None:
         super().__init__(settings, threads, cwd)
-        self.rewards = instantiate(self.build.rewards)
+        rewards = self.build.get("rewards")  # None: the environment's rewards alone
+        self.rewards = instantiate(rewards) if rewards is not None else None
         self.reference = None
         if settings.kl_coef > 0 or settings.reference_logprobs:
             policy = setup.build_policy(self.build, self.ctx, self.tokenizer)
@@ -235,7 +265,10 @@ class RewardWorker(_Role):
         reference log-probs), the reward failures, and the stats with the time it took."""
         groups, stats = rolled
         start = time.perf_counter()
-        failures = score_groups(self.rewards, groups)
+        failures = episode_failures(groups)
+        if self.rewards is not None:
+            for key, count in score_groups(self.rewards, groups).items():
+                failures[key] = failures.get(key, 0) + count
         reward_s = time.perf_counter() - start
         if self.reference is not None:
             self._reference_logprobs(groups)
@@ -253,7 +286,10 @@ class RewardWorker(_Role):
             for g in groups
             for c, f in zip(g.completions, g.finish)
         ]
-        batch = rollout_batch(prompts, completions, setup.pad_id(self.tokenizer))
+        cut = [not c for c in completions]  # by the overlong filter, or empty
+        batch = rollout_batch(
+            prompts, completions, setup.pad_id(self.tokenizer), masks=group_masks(groups, cut)
+        )
         logprobs = logprobs_under(self.reference, self.temperature)
         values = per_micro_batch(
             logprobs, batch, self.micro_batch_size, self.ctx, self.autocast_dtype

@@ -1,5 +1,5 @@
-"""Environments and tools for multi-turn, tool-using RL (the foundations; not yet wired into
-the ``grpo``/``grpo_async`` rollouts).
+"""Environments and tools for multi-turn, tool-using RL (``environment:`` in ``grpo`` and
+``grpo_async``).
 
 * :mod:`~tunesmith.rl.envs.base`: the :class:`Environment` protocol, :class:`StepResult` and
   :func:`spawn` (a fresh environment per trajectory);
@@ -11,7 +11,9 @@ the ``grpo``/``grpo_async`` rollouts).
   :func:`function_schema`;
 * the built-in tools :class:`Calculator` (exact arithmetic), :class:`PythonTool` (the code
   sandbox) and :class:`Retrieve` (BM25 over a local JSONL corpus);
-* :mod:`~tunesmith.rl.envs.tool_env`: :class:`ToolEnv`, tools plus rewards on the final answer.
+* :mod:`~tunesmith.rl.envs.tool_env`: :class:`ToolEnv`, tools plus rewards on the final answer;
+* :mod:`~tunesmith.rl.envs.trajectory`: multi-turn rollouts as exact token rows
+  (:func:`sample_trajectories`, :class:`EpisodeSettings`, :class:`ObservationTokens`).
 
 Example::
 
@@ -43,6 +45,12 @@ from tunesmith.rl.envs.toolcalls import (
     parse_qwen,
     parse_tool_calls,
 )
+from tunesmith.rl.envs.trajectory import (
+    EpisodeSettings,
+    ObservationTokens,
+    Trajectory,
+    sample_trajectories,
+)
 
 __all__ = [
     "ENDINGS",
@@ -52,7 +60,9 @@ __all__ = [
     "Environment",
     "Episode",
     "EpisodeLimits",
+    "EpisodeSettings",
     "Message",
+    "ObservationTokens",
     "ParsedTurn",
     "PythonTool",
     "Retrieve",
@@ -61,6 +71,7 @@ __all__ = [
     "ToolCall",
     "ToolEnv",
     "ToolError",
+    "Trajectory",
     "calculate",
     "check_arguments",
     "function_schema",
@@ -69,5 +80,6 @@ __all__ = [
     "parse_plain",
     "parse_qwen",
     "parse_tool_calls",
+    "sample_trajectories",
     "spawn",
 ]

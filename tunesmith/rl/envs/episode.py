@@ -43,8 +43,9 @@ __all__ = ["ENDINGS", "Episode", "EpisodeLimits"]
 
 logger = logging.getLogger(__name__)
 
-ENDINGS = ("done", "turn_limit", "timeout", "error")
-"""How a trajectory ends; every ending but ``"done"`` scores 0."""
+ENDINGS = ("done", "turn_limit", "token_limit", "timeout", "error")
+"""How a trajectory ends; every ending but ``"done"`` scores 0 (``"token_limit"``: the
+rollout cut it at its token budget, :meth:`Episode.cut`)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,26 @@ class Episode:
         observations = [dict(m) for m in result.observations]
         self.messages.extend(observations)
         return observations
+
+    def cut(self, ending: str) -> None:
+        """End the trajectory from outside (the rollout's token budget): reward 0.
+
+        Example::
+
+            >>> from tunesmith.rl.envs.base import StepResult
+            >>> class Never:
+            ...     def tool_schemas(self): return None
+            ...     def reset(self, row): return []
+            ...     def step(self, message): return StepResult([], {"ok": 1.0}, False)
+            >>> e = Episode(Never(), None, EpisodeLimits())
+            >>> e.cut("token_limit")
+            >>> e.ended, e.reward
+            ('token_limit', 0.0)
+        """
+        if ending not in ENDINGS or ending == "done":
+            raise ValueError(f"Episode.cut: {ending!r} is not an ending other than done")
+        if not self.done:
+            self.ended = ending
 
     def _add(self, result: StepResult) -> None:
         for name, value in result.terms.items():

@@ -1,0 +1,300 @@
+"""Multi-turn rollouts (tunesmith.rl.envs.trajectory, groups.sample_trajectory_groups): the
+rows are the sampled ids and the templated observation ids in the order they happened, masks
+1 on the policy's tokens only.
+
+- a scripted policy's 3-turn conversation through each family's shipped template (Qwen2.5,
+  Qwen3, Llama 3.1) gives exactly the hand-built row and mask, and each turn continues the row
+  the last turn left;
+- re-rendering the conversation would give other ids, while the rows keep the sampled ones;
+- a one-turn environment samples what single-turn GRPO samples (same keys, same tokens);
+- with a real model, the trainer's log-probs of a multi-turn row equal the sampler's (the
+  parity check covers observation tokens placed between turns);
+- an environment that raises ends that trajectory (reward 0, counted), a token budget ends
+  one as ``token_limit`` (``finish == "length"``: the overlong filter drops it);
+- the grpo recipe with ``environment:`` logs whole trajectories and the episode metrics.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.data.tokenizer_factory import make_tokenizer_folder
+from tunesmith.data import Tokenizer
+from tunesmith.generation.config import GenerationConfig
+from tunesmith.generation.engine import LocalEngine, generate_with
+from tunesmith.generation.generate import GenerationOutput
+from tunesmith.models import llama3
+from tunesmith.modules.losses import IGNORE_INDEX
+from tunesmith.rl.envs import Calculator, StepResult, ToolEnv
+from tunesmith.rl.envs.trajectory import EpisodeSettings
+from tunesmith.rl.groups import episode_failures, sample_groups, sample_trajectory_groups
+from tunesmith.rl.prompts import Prompt
+from tunesmith.rl.rewards import ExactAnswer
+from tunesmith.rl.rollout import completion_logprobs, group_batch
+
+QUESTION = [{"role": "user", "content": "What is 12*12+1?"}]
+# family -> (tool-call format, end-of-turn token, call text, text after a tool result)
+FAMILIES = {
+    "qwen2_5": ("qwen", "<|im_end|>",
+                '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n'
+                "</tool_call>",
+                "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n"
+                "<|im_start|>assistant\n"),
+    "qwen3": ("qwen", "<|im_end|>",
+              '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n'
+              "</tool_call>",
+              "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n"
+              "<|im_start|>assistant\n"),
+    "llama3": ("llama3", "<|eot_id|>",
+               '{{"name": "calculator", "parameters": {{"expression": "{}"}}}}',
+               # the template writes a tool result as JSON: a string gets quotes
+               '<|start_header_id|>ipython<|end_header_id|>\n\n"{}"<|eot_id|>'
+               "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    return {f: Tokenizer.from_pretrained(make_tokenizer_folder(root / f, f)) for f in FAMILIES}
+
+
+class Scripted:
+    """A policy stand-in replying ``replies[t]`` (token ids, the end-of-turn id last) at turn
+    ``t`` to every row, with log-probs -1, -2, ...; it keeps the rows it was asked to
+    continue."""
+
+    def __init__(self, replies: list[list[int]]) -> None:
+        self.replies, self.rows = replies, []
+
+    def __call__(self, rows, keys, limits):
+        self.rows.append([list(r) for r in rows])
+        reply = self.replies[len(self.rows) - 1]
+        return GenerationOutput(
+            [list(reply) for _ in rows],
+            [[-1.0 - i for i in range(len(reply))] for _ in rows],
+            [len(r) for r in rows],
+            ["stop"] * len(rows),
+        )
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _three_turns(tok, family: str, replies_text: list[str], env=None, **episode):
+    fmt, end, _, _ = FAMILIES[family]
+    replies = [_ids(tok, r) + [tok.token_to_id(end)] for r in replies_text]
+    policy = Scripted(replies)
+    env = env or ToolEnv([Calculator()], ExactAnswer(), format=fmt)
+    groups = sample_trajectory_groups(
+        policy, tok, env, [Prompt(7, QUESTION, answer="145")], round=0, group_size=2, seed=0,
+        episode=EpisodeSettings(**episode), max_new_tokens=64,
+        stop_token_ids=tok.stop_token_ids,
+    )  # fmt: skip
+    return groups[0], replies, policy, env
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_three_turn_conversation_gives_the_hand_built_row_and_mask(tokenizers, family):
+    tok = tokenizers[family]
+    _, end, call, after = FAMILIES[family]
+    texts = [call.format("12*12"), call.format("144+1"), "The answer is 145"]
+    group, replies, policy, env = _three_turns(tok, family, texts)
+    prompt = tok.apply_chat_template(QUESTION, tools=env.tool_schemas(), add_generation_prompt=True)
+    expected_prompt = _ids(tok, prompt)
+    observations = [_ids(tok, after.format(result)) for result in ("144", "145")]
+    expected = replies[0] + observations[0] + replies[1] + observations[1] + replies[2]
+    mask = [1] * len(replies[0]) + [0] * len(observations[0]) + [1] * len(replies[1])
+    mask += [0] * len(observations[1]) + [1] * len(replies[2])
+    assert group.prompt_ids == expected_prompt
+    assert group.completions == [expected, expected] and group.masks == [mask, mask]
+    # every turn continued the row the last one left, for both samples
+    starts = [0, len(replies[0] + observations[0]), len(expected) - len(replies[2])]
+    assert policy.rows == [[expected_prompt + expected[:s]] * 2 for s in starts]
+    assert group.rewards.tolist() == [1.0, 1.0] and group.finish == ["stop", "stop"]
+    assert [e["turns"] for e in group.episodes] == [3, 3]
+    assert group.episodes[0]["counts"]["tool_calls"] == 2
+    # the training row: labels and sampling log-probs on the policy's tokens only
+    batch = group_batch([group], pad_id=0)
+    start = len(expected_prompt) - 1
+    labels = batch["labels"][0, start : start + len(expected)].tolist()
+    assert labels == [t if m else IGNORE_INDEX for t, m in zip(expected, mask)]
+    logprobs = batch["sampling_logprobs"][0, start : start + len(expected)].tolist()
+    sampled = [-1.0 - i for r in replies for i in range(len(r))]
+    assert [x for x, m in zip(logprobs, mask) if m] == sampled
+    assert [x for x, m in zip(logprobs, mask) if not m] == [0.0] * (len(mask) - sum(mask))
+
+
+def test_rows_keep_the_sampled_ids_where_rendering_again_would_not(tokenizers):
+    tok = tokenizers["qwen2_5"]
+    _, end, call, _ = FAMILIES["qwen2_5"]
+    texts = [call.format("12*12"), "145"]
+    policy_ids = [[i for ch in text for i in _ids(tok, ch)] for text in texts]  # one per char
+    assert policy_ids[0] != _ids(tok, texts[0])  # the tokenizer would merge them
+    replies = [ids + [tok.token_to_id(end)] for ids in policy_ids]
+    env = ToolEnv([Calculator()], ExactAnswer(), format="qwen")
+    group = sample_trajectory_groups(
+        Scripted(replies), tok, env, [Prompt(0, QUESTION, answer="145")], round=0, group_size=1,
+        seed=0, episode=EpisodeSettings(), max_new_tokens=64, stop_token_ids=tok.stop_token_ids,
+    )[0]  # fmt: skip
+    row = group.prompt_ids + group.completions[0]
+    rendered = _ids(tok, tok.apply_chat_template(group.episodes[0]["messages"],
+                                                  tools=env.tool_schemas()))  # fmt: skip
+    assert rendered[: len(row)] != row  # rendering the conversation again drifts ...
+    first = group.completions[0][: len(replies[0])]
+    assert first == replies[0]  # ... our row holds what was sampled
+    assert group.completions[0][-len(replies[1]) :] == replies[1]
+
+
+class OneTurn:
+    """Scores the first reply by its length and ends (no tools)."""
+
+    def tool_schemas(self):
+        return None
+
+    def reset(self, row):
+        self.row = row
+        return [dict(m) for m in row.messages]
+
+    def step(self, message):
+        return StepResult([], {"length": len(message["content"]) / 100}, True)
+
+
+class Again:
+    """Asks for another try until the third reply, which ends it; the reward is the share
+    of digits in the last reply."""
+
+    def tool_schemas(self):
+        return None
+
+    def reset(self, row):
+        self.turns = 0
+        return [dict(m) for m in row.messages]
+
+    def step(self, message):
+        self.turns += 1
+        text = message["content"]
+        if self.turns < 3:
+            return StepResult([{"role": "user", "content": f"Again ({self.turns})."}], {}, False)
+        share = sum(c.isdigit() for c in text) / max(len(text), 1)
+        return StepResult([], {"last_digits": share}, True)
+
+
+@pytest.fixture(scope="module")
+def policy(tokenizers):
+    tok = tokenizers["qwen2_5"]
+    torch.manual_seed(0)
+    model = llama3.llama3_tiny(vocab_size=tok.vocab_size, max_position_embeddings=2048)
+    for p in model.parameters():  # far from ties: keyed draws land on clear tokens
+        torch.nn.init.normal_(p, std=0.1)
+    return model, tok, LocalEngine(model, tok, pad_id=0)
+
+
+def _generate(engine, tok, max_new_tokens=6):
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+
+    def generate(rows, keys, limits=None):
+        return generate_with(engine, rows, keys, config, tok.stop_token_ids, max_new_tokens=limits)
+
+    return generate
+
+
+PROMPTS = [Prompt(3, [{"role": "user", "content": "add 2 and 3"}], answer="5"),
+           Prompt(5, [{"role": "user", "content": "add 4 and 4"}], answer="8")]  # fmt: skip
+
+
+def test_a_one_turn_environment_samples_what_single_turn_grpo_samples(policy):
+    _, tok, engine = policy
+    generate = _generate(engine, tok)
+    single = sample_groups(generate, tok, PROMPTS, round=2, group_size=3, seed=11)
+    multi = sample_trajectory_groups(
+        generate, tok, OneTurn(), PROMPTS, round=2, group_size=3, seed=11,
+        episode=EpisodeSettings(), max_new_tokens=6, stop_token_ids=tok.stop_token_ids,
+    )  # fmt: skip
+    for s, m in zip(single, multi):
+        assert m.prompt_ids == s.prompt_ids and m.completions == s.completions
+        assert m.logprobs == s.logprobs and m.finish == s.finish
+        assert m.masks == [[1] * len(c) for c in s.completions]
+    assert len({tuple(c) for g in single for c in g.completions}) > 1  # really sampled
+
+
+def test_the_trainer_s_logprobs_of_multi_turn_rows_equal_the_sampler_s(policy):
+    model, tok, engine = policy
+    groups = sample_trajectory_groups(
+        _generate(engine, tok), tok, Again(), PROMPTS, round=0, group_size=2, seed=1,
+        episode=EpisodeSettings(max_turns=5), max_new_tokens=6,
+        stop_token_ids=tok.stop_token_ids,
+    )  # fmt: skip
+    assert all(e["turns"] == 3 and e["ended"] == "done" for g in groups for e in g.episodes)
+    batch = group_batch(groups, pad_id=0)
+    observed = sum(len(m) - sum(m) for g in groups for m in g.masks)
+    assert observed > 4 * 2 * 10  # two observations of >10 tokens in each of 4 rows
+    with torch.no_grad():
+        trainer = completion_logprobs(model, batch)
+    trained = batch["labels"] != IGNORE_INDEX
+    assert int(trained.sum()) == sum(sum(m) for g in groups for m in g.masks)
+    assert (trainer - batch["sampling_logprobs"]).abs()[trained].max() < 1e-5
+    assert (trainer[~trained] == 0).all()
+
+
+class FailsOnSecondTurn(Again):
+    def step(self, message):
+        if getattr(self, "turns", 0) == 1 and "(1)" not in message["content"]:
+            raise RuntimeError("tool crashed")
+        return super().step(message)
+
+
+def test_an_environment_that_raises_ends_its_trajectory_at_reward_0_counted(policy):
+    _, tok, engine = policy
+    groups = sample_trajectory_groups(
+        _generate(engine, tok), tok, FailsOnSecondTurn(), PROMPTS[:1], round=0, group_size=2,
+        seed=1, episode=EpisodeSettings(), max_new_tokens=6, stop_token_ids=tok.stop_token_ids,
+    )  # fmt: skip
+    group = groups[0]
+    assert [e["ended"] for e in group.episodes] == ["error", "error"]
+    assert group.rewards.tolist() == [0.0, 0.0]
+    assert episode_failures(groups) == {"env: error": 2}
+    for ids, mask in zip(group.completions, group.masks):  # two replies, one observation
+        assert len(ids) == len(mask) and mask[0] == 1 and mask[-1] == 1 and 0 in mask
+
+
+def test_a_token_budget_ends_a_trajectory_as_token_limit(policy):
+    _, tok, engine = policy
+    groups = sample_trajectory_groups(
+        _generate(engine, tok), tok, Again(), PROMPTS[:1], round=0, group_size=2, seed=1,
+        episode=EpisodeSettings(max_tokens=20), max_new_tokens=6,
+        stop_token_ids=tok.stop_token_ids,
+    )  # fmt: skip
+    group = groups[0]
+    assert [e["ended"] for e in group.episodes] == ["token_limit"] * 2
+    assert group.finish == ["length", "length"] and group.rewards.tolist() == [0.0, 0.0]
+    assert all(len(ids) <= 20 for ids in group.completions)
+    batch = group_batch(groups, pad_id=0, overlong_filter=True)
+    assert (batch["labels"] == IGNORE_INDEX).all()  # the overlong filter drops them
+
+
+def test_grpo_with_an_environment_logs_trajectories_and_episode_metrics(tmp_path):
+    from tests.recipes.sft_world import make_model_dir, read_metrics
+    from tests.rl.rl_world import grpo_overrides, make_prompts, run_rl
+
+    model_dir, prompts = make_model_dir(tmp_path), make_prompts(tmp_path / "p.jsonl", rows=8)
+    out = tmp_path / "out"
+    overrides = grpo_overrides(model_dir, prompts, out, "max_steps=2", "generation.max_new_tokens=6",
+                               "log_samples_every=1", "episode.max_turns=4")  # fmt: skip
+    overrides.append("environment._component_=tests.rl.test_multiturn.Again")
+    run_rl("grpo", "tiny", overrides)
+    first = read_metrics(out)[1]
+    assert first["env/turns"] == 3.0 and first["env/ended_done"] == 1.0
+    assert first["logprob_mismatch_max"] < 1e-5  # multi-turn rows: trainer == sampler
+    record = json.loads((out / "samples.jsonl").read_text().splitlines()[0])
+    trajectory = record["trajectories"][0]
+    roles = [m["role"] for m in trajectory["messages"]]
+    assert roles == ["user", "assistant"] * 3 and len(trajectory["messages"]) == 6
+    assert trajectory["messages"][2]["content"] == "Again (1)."
+    # rewards beside the environment add their score of the last reply
+    assert first["reward/digits"] == pytest.approx(first["reward/last_digits"], abs=1e-6)
+    assert first["reward"] == pytest.approx(2 * first["reward/digits"], abs=1e-6)
