@@ -22,13 +22,14 @@ import pytest
 import torch
 
 from tests.data.tokenizer_factory import make_tokenizer_folder
+from tests.rl.envs_world import AGAIN_ENV, Again, FailsOnSecondTurn, OneTurn
 from tunesmith.data import Tokenizer
 from tunesmith.generation.config import GenerationConfig
 from tunesmith.generation.engine import LocalEngine, generate_with
 from tunesmith.generation.generate import GenerationOutput
 from tunesmith.models import llama3
 from tunesmith.modules.losses import IGNORE_INDEX
-from tunesmith.rl.envs import Calculator, StepResult, ToolEnv
+from tunesmith.rl.envs import Calculator, ToolEnv
 from tunesmith.rl.envs.trajectory import EpisodeSettings
 from tunesmith.rl.groups import episode_failures, sample_groups, sample_trajectory_groups
 from tunesmith.rl.prompts import Prompt
@@ -150,40 +151,6 @@ def test_rows_keep_the_sampled_ids_where_rendering_again_would_not(tokenizers):
     assert group.completions[0][-len(replies[1]) :] == replies[1]
 
 
-class OneTurn:
-    """Scores the first reply by its length and ends (no tools)."""
-
-    def tool_schemas(self):
-        return None
-
-    def reset(self, row):
-        self.row = row
-        return [dict(m) for m in row.messages]
-
-    def step(self, message):
-        return StepResult([], {"length": len(message["content"]) / 100}, True)
-
-
-class Again:
-    """Asks for another try until the third reply, which ends it; the reward is the share
-    of digits in the last reply."""
-
-    def tool_schemas(self):
-        return None
-
-    def reset(self, row):
-        self.turns = 0
-        return [dict(m) for m in row.messages]
-
-    def step(self, message):
-        self.turns += 1
-        text = message["content"]
-        if self.turns < 3:
-            return StepResult([{"role": "user", "content": f"Again ({self.turns})."}], {}, False)
-        share = sum(c.isdigit() for c in text) / max(len(text), 1)
-        return StepResult([], {"last_digits": share}, True)
-
-
 @pytest.fixture(scope="module")
 def policy(tokenizers):
     tok = tokenizers["qwen2_5"]
@@ -241,13 +208,6 @@ def test_the_trainer_s_logprobs_of_multi_turn_rows_equal_the_sampler_s(policy):
     assert (trainer[~trained] == 0).all()
 
 
-class FailsOnSecondTurn(Again):
-    def step(self, message):
-        if getattr(self, "turns", 0) == 1 and "(1)" not in message["content"]:
-            raise RuntimeError("tool crashed")
-        return super().step(message)
-
-
 def test_an_environment_that_raises_ends_its_trajectory_at_reward_0_counted(policy):
     _, tok, engine = policy
     groups = sample_trajectory_groups(
@@ -285,7 +245,7 @@ def test_grpo_with_an_environment_logs_trajectories_and_episode_metrics(tmp_path
     out = tmp_path / "out"
     overrides = grpo_overrides(model_dir, prompts, out, "max_steps=2", "generation.max_new_tokens=6",
                                "log_samples_every=1", "episode.max_turns=4")  # fmt: skip
-    overrides.append("environment._component_=tests.rl.test_multiturn.Again")
+    overrides.append(f"environment._component_={AGAIN_ENV}")
     run_rl("grpo", "tiny", overrides)
     first = read_metrics(out)[1]
     assert first["env/turns"] == 3.0 and first["env/ended_done"] == 1.0

@@ -45,7 +45,7 @@ from tunesmith.rl.asynchronous.pipeline import RolloutPipeline
 from tunesmith.rl.asynchronous.weight_sync import nbytes
 from tunesmith.rl.groups import Group
 from tunesmith.rl.prompts import PromptStream
-from tunesmith.rl.source import Rollouts, RolloutSource
+from tunesmith.rl.source import Rollouts, RolloutSource, episode_metrics
 from tunesmith.training.parallel.distributed import DistributedContext, full_tensor
 
 __all__ = ["AsyncRolloutSource", "PipelineGroups", "log_rollouts", "merged_adapter_weights"]
@@ -127,6 +127,7 @@ class PipelineGroups:
         # the groups drawn for the batch (refills too) and how many had all-equal rewards:
         # counted once, on the first data-parallel rank (the metrics sum them over the ranks)
         first = self.ctx.dp_rank == 0
+        multi_turn = any(g.episodes is not None for share in shares for g in share)  # all ranks
         return Rollouts(
             mine,
             failures,
@@ -135,7 +136,8 @@ class PipelineGroups:
             times=self._times(metrics),
             epoch=epoch,
             version=self.version,
-            metrics=self._metrics(metrics, shares, now),
+            metrics=self._metrics(metrics, shares, now)
+            | (episode_metrics(mine, self.ctx) if multi_turn else {}),
         )
 
     def _times(self, metrics: dict[str, float]) -> dict[str, float]:
