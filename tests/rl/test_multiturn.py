@@ -245,9 +245,22 @@ def test_grpo_with_an_environment_logs_trajectories_and_episode_metrics(tmp_path
     out = tmp_path / "out"
     overrides = grpo_overrides(model_dir, prompts, out, "max_steps=2", "generation.max_new_tokens=6",
                                "log_samples_every=1", "episode.max_turns=4")  # fmt: skip
-    overrides.append(f"environment._component_={AGAIN_ENV}")
+    overrides += [
+        f"environment._component_={AGAIN_ENV}",
+        "eval_every_n_steps=2",  # held-out: one greedy trajectory per prompt
+        f"val_prompts={{_component_: tunesmith.rl.prompts.PromptDataset, source: {prompts}, "
+        "prompt_column: prompt, answer_column: answer}",
+    ]
     run_rl("grpo", "tiny", overrides)
     first = read_metrics(out)[1]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (evaluated,) = [r for r in records if "val_reward" in r]  # step 2's
+    assert evaluated["val_env/turns"] == 3.0 and evaluated["val_env/done"] == 1.0
+    assert evaluated["val_reward"] == pytest.approx(
+        evaluated["val_reward/digits"] + evaluated["val_reward/last_digits"], abs=1e-6
+    )
+    # the environment's term and the reward beside it score the same last reply
+    assert evaluated["val_reward/digits"] == pytest.approx(evaluated["val_reward/last_digits"])
     assert first["env/turns"] == 3.0 and first["env/ended_done"] == 1.0
     assert first["logprob_mismatch_max"] < 1e-5  # multi-turn rows: trainer == sampler
     record = json.loads((out / "samples.jsonl").read_text().splitlines()[0])

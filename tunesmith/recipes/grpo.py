@@ -144,7 +144,9 @@ def train(cfg: DictConfig, ctx: DistributedContext) -> None:
             objective=objective,
             source=source,
             name="grpo",
-            evaluator=rl.reward_evaluator(cfg, ctx, model, tokenizer, rewards, source),
+            evaluator=rl.reward_evaluator(
+                cfg, ctx, model, tokenizer, rewards, source, environment=environment
+            ),
             resumable=rl.ASYNC_RESUMABLE,
             make_trainer=partial(Trainer.from_config, on_step_end=on_step_end),
         )

@@ -37,7 +37,7 @@ from tunesmith.rl.asynchronous.pipeline import PipelineSettings, RolloutPipeline
 from tunesmith.rl.asynchronous.source import AsyncRolloutSource
 from tunesmith.rl.asynchronous.workers import BUILD_SECTIONS, WorkerSettings
 from tunesmith.rl.envs.trajectory import EpisodeSettings
-from tunesmith.rl.evaluate import evaluate_rewards
+from tunesmith.rl.evaluate import evaluate_environment, evaluate_rewards
 from tunesmith.rl.prompts import Prompt, PromptStream
 from tunesmith.rl.rewards import RewardSet
 from tunesmith.rl.settings import (  # re-exported: the recipes read them here
@@ -163,33 +163,38 @@ def reward_evaluator(
     tokenizer: Any,
     rewards: RewardSet | None,
     source: RolloutSource,
+    environment: Any = None,
 ) -> Callable[[], dict[str, float]] | None:
     """Held-out rewards of ``model``'s greedy answers to ``cfg.val_prompts`` (decoded as the
-    source decodes), or None without ``val_prompts``."""
+    source decodes), or None without ``val_prompts``; with an ``environment``, of one greedy
+    trajectory per prompt (:func:`~tunesmith.rl.evaluate.evaluate_environment`)."""
     if not cfg.get("val_prompts"):
         return None
-    if rewards is None:
-        raise ValueError(
-            "val_prompts: held-out rewards score greedy single-turn answers with `rewards`, "
-            "and this run has only an environment: add rewards (scoring the answer) or drop "
-            "val_prompts"
-        )
     val_prompts = instantiate(cfg.val_prompts)
     generation = source.settings.generation
     batch_size = RLSettings.from_config(cfg).eval_batch_size
+    common = {
+        "max_new_tokens": generation.max_new_tokens,
+        "batch_size": batch_size,
+        "stop_token_ids": source.stop_token_ids,
+        "stop_strings": generation.stop_strings,
+    }
 
     def evaluator() -> dict[str, float]:
+        if environment is not None:
+            episode = source.settings.episode or EpisodeSettings()
+            return evaluate_environment(
+                model, tokenizer, val_prompts, environment, ctx, episode=episode,
+                rewards=rewards, **common,
+            )  # fmt: skip
         return evaluate_rewards(
             model,
             tokenizer,
             val_prompts,
             rewards,
             ctx,
-            max_new_tokens=generation.max_new_tokens,
-            batch_size=batch_size,
-            stop_token_ids=source.stop_token_ids,
-            stop_strings=generation.stop_strings,
             chat_template=source.settings.chat_template,
+            **common,
         )
 
     return evaluator
