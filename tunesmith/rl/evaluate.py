@@ -48,17 +48,8 @@ def evaluate_rewards(
 ) -> dict[str, float]:
     """``val_reward`` (the weighted total) and ``val_reward/<name>`` (each reward) averaged
     over ``prompts``, greedy decoding, the model's mode restored after."""
-    mine = list(range(ctx.dp_rank, len(prompts), ctx.dp_size))
-    rounds = -(-len(mine) // batch_size)
-    if ctx.world_size > 1:  # every rank runs as many generate calls as the busiest
-        count = torch.tensor(rounds, device=ctx.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        rounds = int(count.item())
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    engine = LocalEngine(model, tokenizer, pad_id=pad_id, sync_ranks=ctx.world_size > 1)
-    greedy = GenerationConfig(
-        max_new_tokens=max_new_tokens, temperature=0.0, stop_strings=list(stop_strings)
-    )
+    mine, rounds = _my_share(len(prompts), batch_size, ctx)
+    engine, greedy = _greedy(model, tokenizer, ctx, max_new_tokens, stop_strings)
     sums: dict[str, float] = {}
     for i in range(rounds):
         chunk = [prompts[j] for j in mine[i * batch_size : (i + 1) * batch_size]]
@@ -84,11 +75,7 @@ def evaluate_rewards(
         for name, values in scored.per_reward.items():
             _add(sums, f"val_reward/{name}", float(values.sum()))
     keys = ["val_reward", *(f"val_reward/{name}" for name in sorted(rewards.rewards))]
-    totals = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
-    if ctx.world_size > 1:
-        totals = totals.to(ctx.device)
-        dist.all_reduce(totals, group=ctx.dp_group)
-    return {k: v / max(len(prompts), 1) for k, v in zip(keys, totals.tolist())}
+    return _means(sums, keys, len(prompts), ctx)
 
 
 @torch.no_grad()
@@ -111,17 +98,8 @@ def evaluate_environment(
     episode (plus ``rewards`` of the last reply when given). ``val_reward`` (the total),
     ``val_reward/<term>`` (each term and reward), ``val_env/turns`` and ``val_env/done`` (the
     share of trajectories the environment ended), averaged over ``prompts``."""
-    mine = list(range(ctx.dp_rank, len(prompts), ctx.dp_size))
-    rounds = -(-len(mine) // batch_size)
-    if ctx.world_size > 1:  # every rank runs as many rounds as the busiest
-        count = torch.tensor(rounds, device=ctx.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        rounds = int(count.item())
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    engine = LocalEngine(model, tokenizer, pad_id=pad_id, sync_ranks=ctx.world_size > 1)
-    greedy = GenerationConfig(
-        max_new_tokens=max_new_tokens, temperature=0.0, stop_strings=list(stop_strings)
-    )
+    mine, rounds = _my_share(len(prompts), batch_size, ctx)
+    engine, greedy = _greedy(model, tokenizer, ctx, max_new_tokens, stop_strings)
 
     def generate(rows: list[list[int]], keys: list[int], limits: list[int]) -> Any:
         return generate_with(engine, rows, None, greedy, stop_token_ids, max_new_tokens=limits)
@@ -158,12 +136,46 @@ def evaluate_environment(
         every: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(every, sorted(names))
         names = {n for rank_names in every for n in rank_names}
-    keys = sorted(names)
+    return _means(sums, sorted(names), len(prompts), ctx)
+
+
+def _my_share(n: int, batch_size: int, ctx: DistributedContext) -> tuple[list[int], int]:
+    """This rank's prompt indices (``r, r + dp_size, ...``) and the number of batches every
+    rank runs (the busiest rank's: a sharded model needs every forward on all ranks)."""
+    mine = list(range(ctx.dp_rank, n, ctx.dp_size))
+    rounds = -(-len(mine) // batch_size)
+    if ctx.world_size > 1:
+        count = torch.tensor(rounds, device=ctx.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        rounds = int(count.item())
+    return mine, rounds
+
+
+def _greedy(
+    model: nn.Module,
+    tokenizer: Any,
+    ctx: DistributedContext,
+    max_new_tokens: int,
+    stop_strings: Sequence[str],
+) -> tuple[LocalEngine, GenerationConfig]:
+    """The engine and the greedy decoding of a held-out evaluation."""
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    engine = LocalEngine(model, tokenizer, pad_id=pad_id, sync_ranks=ctx.world_size > 1)
+    greedy = GenerationConfig(
+        max_new_tokens=max_new_tokens, temperature=0.0, stop_strings=list(stop_strings)
+    )
+    return engine, greedy
+
+
+def _means(
+    sums: dict[str, float], keys: Sequence[str], n: int, ctx: DistributedContext
+) -> dict[str, float]:
+    """``sums`` of ``keys`` summed over the data-parallel ranks, divided by ``n``."""
     totals = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
     if ctx.world_size > 1:
         totals = totals.to(ctx.device)
         dist.all_reduce(totals, group=ctx.dp_group)
-    return {k: v / max(len(prompts), 1) for k, v in zip(keys, totals.tolist())}
+    return {k: v / max(n, 1) for k, v in zip(keys, totals.tolist())}
 
 
 def _add(sums: dict[str, float], key: str, value: float) -> None:
