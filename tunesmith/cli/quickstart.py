@@ -15,7 +15,10 @@ of these laid over the one before:
    is another class replaces the default's whole node;
 3. the arguments: MODEL_DIR (``model_dir``), DATA (``dataset.source``, GRPO's
    ``prompts.source``), ``--epochs``, ``--max-steps``, ``--output-dir``, and GRPO's
-   ``--reward`` (built-in rewards, :data:`REWARDS`) and ``--answer-column``;
+   ``--reward`` (built-in rewards, :data:`REWARDS`) and ``--answer-column``, and ``--tool``
+   (built-in tools, :data:`TOOLS`): multi-turn GRPO in a ``ToolEnv`` of those tools whose
+   final answers the rewards score (``rewards`` move into ``environment.rewards``), the
+   tool-call format that of the model's chat template (``--tool-format`` to choose);
 4. ``key=value`` and ``~key`` overrides, as for ``tunesmith run``.
 
 It then runs as ``tunesmith run RECIPE --config CONFIG`` does (in this process, or on
@@ -124,6 +127,21 @@ REWARDS: dict[str, str] = {
 }
 """``grpo --reward NAME``: the built-in rewards that need no argument and score a completion
 from the prompt's answer (or its format); NAME is the reward's own ``name``."""
+
+TOOLS: dict[str, str] = {
+    "calculator": "tunesmith.rl.envs.Calculator",
+    "python": "tunesmith.rl.envs.PythonTool",
+}
+"""``grpo --tool NAME``: the built-in tools that need no argument (``Retrieve`` needs a corpus:
+give it in a config's ``environment``)."""
+
+TOOL_FORMATS = ("qwen", "llama3", "plain")
+PLAIN_TOOLS_PROMPT = (
+    "You can use tools. To call one, write a line `CALL <name> <JSON object of arguments>`; "
+    "its result comes back in the next message. Answer without a CALL line when you are done. "
+    "Tools: {tools}."
+)
+"""The system prompt of ``--tool`` with the ``plain`` format (a template without tool calls)."""
 
 
 # ----------------------------------------------------------------------------- the config
@@ -284,6 +302,35 @@ def build_config(quick: QuickRecipe, args: argparse.Namespace):
         detected = detect_format(quick, node)
         if detected != node.get("format"):
             cfg = _compose(base, {format_key: detected}, user, values, overrides)
+    if getattr(args, "tool", None):
+        cfg = _with_tools(cfg, args.tool, args.tool_format)
+    return cfg
+
+
+def _with_tools(cfg, tools: Sequence[str], tool_format: str | None):
+    """``cfg`` with an ``environment`` of the named built-in tools (a ``ToolEnv`` in the
+    format of the model's chat template unless ``tool_format`` is given) scoring final
+    answers with ``cfg.rewards``, and no ``rewards`` beside it."""
+    from omegaconf import OmegaConf
+
+    from tunesmith.data import Tokenizer
+    from tunesmith.rl.envs.toolcalls import template_tool_format
+
+    if tool_format is None:
+        template = OmegaConf.select(cfg, "tokenizer.chat_template", default=None)
+        tokenizer = Tokenizer.from_pretrained(cfg.model_dir, chat_template=template)
+        tool_format = template_tool_format(*tokenizer.chat_templates.values())
+    names = list(dict.fromkeys(tools))
+    environment = {
+        "_component_": "tunesmith.rl.envs.ToolEnv",
+        "format": tool_format,
+        "tools": [{"_component_": TOOLS[name]} for name in names],
+        "rewards": OmegaConf.to_container(cfg.rewards, resolve=False),
+    }
+    if tool_format == "plain":
+        environment["system_prompt"] = PLAIN_TOOLS_PROMPT.format(tools=", ".join(names))
+    cfg.environment = environment
+    cfg.rewards = None
     return cfg
 
 
@@ -504,6 +551,18 @@ def _add_parser(
             help="a built-in reward (repeat for several, each weighing 1; default: exact_answer)",
         )
         p.add_argument("--answer-column", help="the column of the answers (default: answer)")
+        p.add_argument(
+            "--tool",
+            action="append",
+            choices=list(TOOLS),
+            help="a built-in tool the policy may call (repeat for several): multi-turn GRPO, "
+            "the rewards scoring the final answer",
+        )
+        p.add_argument(
+            "--tool-format",
+            choices=TOOL_FORMATS,
+            help="how the policy writes tool calls (default: its chat template's)",
+        )
     p.add_argument(
         "--print-config", action="store_true", help="check and print the config; run nothing"
     )

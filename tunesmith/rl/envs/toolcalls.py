@@ -42,6 +42,7 @@ __all__ = [
     "parse_plain",
     "parse_qwen",
     "parse_tool_calls",
+    "template_tool_format",
 ]
 
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*\Z")
@@ -296,3 +297,22 @@ def parse_tool_calls(text: str, format: str) -> ParsedTurn:
             f"unknown tool-call format {format!r}; choose one of {sorted(TOOL_CALL_FORMATS)}"
         ) from None
     return parser(text)
+
+
+def template_tool_format(*templates: str) -> str:
+    """The tool-call format that chat ``templates`` (a tokenizer's, ``tool_use`` included)
+    render calls in: ``qwen`` (``<tool_call>`` blocks), ``llama3`` (``<|python_tag|>`` or an
+    ``ipython`` role), else ``plain`` (the fallback, described in the system prompt).
+
+    Example::
+
+        >>> from tunesmith.data.chat_template import load_template
+        >>> [template_tool_format(load_template(n)) for n in ("qwen3", "llama3", "gemma")]
+        ['qwen', 'llama3', 'plain']
+    """
+    text = "\n".join(templates)
+    if "<tool_call>" in text:
+        return "qwen"
+    if _PYTHON_TAG in text or "ipython" in text:
+        return "llama3"
+    return "plain"
