@@ -66,3 +66,17 @@ class FailsOnSecondTurn(Again):
         if self.turns == 1:
             raise RuntimeError("tool crashed")
         return super().step(message)
+
+
+SLOW_TURNS_ENV = "tests.rl.envs_world.SlowTurnsByAnswer"
+
+
+class SlowTurnsByAnswer(TurnsByAnswer):
+    """:class:`TurnsByAnswer` whose steps take 0.2 s (a slow tool): a rollout worker spends
+    most of a batch between the turns of its trajectories, where a test kills it."""
+
+    def step(self, message):
+        import time
+
+        time.sleep(0.2)
+        return super().step(message)

@@ -6,13 +6,24 @@ environment whose trajectories take 1 to 3 turns depending on the prompt
   a rank whose trajectories are over must keep decoding with the other (a missing turn would
   hang the sharded forward), and the rollouts, losses and weights equal one process's;
 - ``grpo_async`` in ``sync`` mode (Ray rollout and reward workers running the environment)
-  == the synchronous recipe, bitwise.
+  == the synchronous recipe, bitwise;
+- a rollout worker SIGKILLed between the turns of its trajectories (a slow tool) loses and
+  duplicates nothing: its prompts are sampled again with the same keys, and the run ends with
+  the weights of the run where nothing died (slow).
 """
 
 from __future__ import annotations
 
-import pytest
+import json
+import os
+import re
+import signal
+import time
 
+import pytest
+import ray
+
+from tests import forked
 from tests.recipes.sft_world import (
     _any_component_allowed,
     assert_same_weights,
@@ -23,8 +34,10 @@ from tests.recipes.sft_world import (
     make_model_dir,
     read_metrics,
 )
-from tests.rl.envs_world import TURNS_ENV
+from tests.rl.envs_world import SLOW_TURNS_ENV, TURNS_ENV
 from tests.rl.rl_world import grpo_overrides, local_ray, make_prompts, run_rl
+from tests.rl.test_grpo_async import follow
+from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
 
 STEPS = 3
 FAST = [
@@ -78,17 +91,64 @@ def test_two_fsdp2_ranks_with_uneven_turns_equal_one_process(world, single, tmp_
     assert largest_change(weights, checkpoint_weights(model_dir)) > 1e-3  # it trained
 
 
-def test_async_sync_mode_equals_the_synchronous_recipe(world, single):
+@pytest.fixture(scope="module")
+def ray_instance():
+    """A Ray instance for the module's asynchronous runs (they join it)."""
+    with local_ray():
+        yield ray.get_runtime_context().gcs_address
+
+
+@pytest.fixture(scope="module")
+def async_sync(world, ray_instance):
     root, model_dir, prompts = world
     out = root / "async"
-    with local_ray():
-        run_rl(
-            "grpo_async",
-            "tiny",
-            grpo_overrides(model_dir, prompts, out, *FAST, "async_mode=sync"),
-        )
+    run_rl("grpo_async", "tiny", grpo_overrides(model_dir, prompts, out, *FAST, "async_mode=sync"))
+    return out
+
+
+def test_async_sync_mode_equals_the_synchronous_recipe(single, async_sync):
+    out = async_sync
     assert_same_weights(final_weights(out), final_weights(single), atol=0.0)
     ours, theirs = read_metrics(out), read_metrics(single)
     for step in range(1, STEPS + 1):
         for key in ("reward", "completion_length", "loss", "env/turns", "env/policy_tokens"):
             assert ours[step][key] == theirs[step][key], (step, key)
+
+
+@pytest.mark.slow  # the single-turn case (test_grpo_async) runs by default: same requeue path
+def test_a_rollout_worker_killed_mid_trajectory_loses_and_duplicates_nothing(
+    world, async_sync, ray_instance, tmp_path
+):
+    _, model_dir, prompts = world
+    out, log = tmp_path / "killed", tmp_path / "run.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", ALLOW_ANY_COMPONENT_ENV: "1",
+           "RAY_AUTH_MODE": "disabled"}  # fmt: skip
+    overrides = [*grpo_overrides(model_dir, prompts, out, *FAST), "async_mode=sync",
+                 f"environment._component_={SLOW_TURNS_ENV}", f"ray.address={ray_instance}"]  # fmt: skip
+    log.touch()
+    process = forked.Child.cli(["run", "grpo_async", "--config", "tiny", *overrides], log, env=env)
+    lines, killed, pid = [], None, None
+    try:
+        for line in follow(log, process, timeout=300):
+            lines.append(line)
+            found = re.search(r"rollout workers \(pids \[(\d+)", line)
+            if found:
+                pid = int(found.group(1))
+            if line.startswith("step 1/") and killed is None:  # batch 2's trajectories run
+                time.sleep(0.3)  # past its first turn's tool step
+                os.kill(pid, signal.SIGKILL)
+                killed = pid
+        assert process.wait(timeout=10) == 0, "".join(lines)
+    finally:
+        process.kill()
+    assert killed is not None, "".join(lines)
+    metrics = read_metrics(out)
+    assert sorted(metrics) == list(range(1, STEPS + 1))  # every update made
+    assert metrics[STEPS]["worker_restarts"] >= 1 and metrics[STEPS]["requeued_groups"] >= 1
+    used = [tuple(g[:2]) for r in _rollouts(out) for g in r["groups"]]
+    assert used == [tuple(g[:2]) for r in _rollouts(async_sync) for g in r["groups"]]
+    assert_same_weights(final_weights(out), final_weights(async_sync), atol=0.0)
+
+
+def _rollouts(out):
+    return [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
