@@ -271,3 +271,10 @@ def test_grpo_with_an_environment_logs_trajectories_and_episode_metrics(tmp_path
     # rewards beside the environment add their score of the last reply
     assert first["reward/digits"] == pytest.approx(first["reward/last_digits"], abs=1e-6)
     assert first["reward"] == pytest.approx(2 * first["reward/digits"], abs=1e-6)
+
+
+def test_multi_turn_rollouts_refuse_chat_template_false():
+    from tunesmith.rl.source import RolloutSettings
+
+    with pytest.raises(ValueError, match="chat_template: false, but an environment"):
+        RolloutSettings(group_size=2, chat_template=False, episode=EpisodeSettings())

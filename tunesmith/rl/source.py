@@ -148,6 +148,11 @@ class RolloutSettings:
     def __post_init__(self) -> None:
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.episode is not None and not self.chat_template:
+            raise ValueError(
+                "chat_template: false, but an environment's turns are chat messages: "
+                "multi-turn rollouts render them with the chat template"
+            )
         check_sampled(self.generation)
 
     @property
