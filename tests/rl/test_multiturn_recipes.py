@@ -35,7 +35,7 @@ from tests.recipes.sft_world import (
     read_metrics,
 )
 from tests.rl.envs_world import SLOW_TURNS_ENV, TURNS_ENV
-from tests.rl.rl_world import grpo_overrides, local_ray, make_prompts, run_rl
+from tests.rl.rl_world import grpo_overrides, local_ray, run_rl
 from tests.rl.test_grpo_async import follow
 from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
 
@@ -50,14 +50,26 @@ FAST = [
     "generation.max_new_tokens=6",
     f"environment._component_={TURNS_ENV}",
     "episode.max_turns=4",
+    "shuffle=false",
 ]
 ROLLOUT_KEYS = ("reward", "reward/digits", "reward/last_digits", "completion_length", "env/turns")
+
+
+def uneven_prompts(path, steps: int = STEPS):
+    """Prompts in steps of 4 (``shuffle=false``): rank 0 of 2 gets each step's first two
+    (answers 3 and 6: one turn), rank 1 the last two (5 and 8: three turns), so rank 0's
+    trajectories are over two turns before rank 1's."""
+    rows = [(1, 2), (2, 4), (2, 3), (4, 4)] * steps
+    path.write_text("".join(
+        json.dumps({"prompt": f"add {a} and {b}", "answer": str(a + b)}) + "\n" for a, b in rows
+    ))  # fmt: skip
+    return path
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("multiturn")
-    return root, make_model_dir(root), make_prompts(root / "prompts.jsonl", rows=24)
+    return root, make_model_dir(root), uneven_prompts(root / "prompts.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +90,12 @@ def test_two_fsdp2_ranks_with_uneven_turns_equal_one_process(world, single, tmp_
             timeout=300,
         )
     one, two = read_metrics(single), read_metrics(tmp_path / "two")
-    turns = {one[step]["env/turns"] for step in one}
-    assert len(turns) > 1 or 1.0 < turns.pop() < 3.0  # the steps mix 1-, 2- and 3-turn rows
+    assert {one[step]["env/turns"] for step in one} == {2.0}  # half 1 turn, half 3
     for step in range(1, STEPS + 1):
         for key in ROLLOUT_KEYS:  # the same rollouts
             assert two[step][key] == pytest.approx(one[step][key], abs=1e-6), (step, key)
-        for key in ("loss", "grad_norm", "entropy"):
-            assert two[step][key] == pytest.approx(one[step][key], rel=1e-5), (step, key)
+        for key in ("loss", "grad_norm", "entropy"):  # (a GRPO loss can be ~1e-8)
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-7), key
         assert two[step]["logprob_mismatch_max"] < 1e-5
     weights = final_weights(single)
     assert_same_weights(final_weights(tmp_path / "two"), weights, 1e-5)
