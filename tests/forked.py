@@ -186,6 +186,15 @@ def run_module(module: str, argv: Sequence[str]) -> None:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
+def run_script(path: str, argv: Sequence[str], cwd: str) -> None:
+    """``python PATH ARGV...`` run in ``cwd``, in this process (for :func:`start`): the
+    script's folder first on ``sys.path``, as the interpreter puts it."""
+    os.chdir(cwd)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, str(Path(path).resolve().parent))
+    runpy.run_path(path, run_name="__main__")
+
+
 def wait_all(processes: list[BaseProcess], *, timeout: float) -> list[int]:
     """Wait for every process and return their exit codes; when one fails (a non-zero code) the
     others are killed at once (they would wait in a collective until it times out), and so is
@@ -208,4 +217,13 @@ def wait_all(processes: list[BaseProcess], *, timeout: float) -> list[int]:
     return [p.exitcode for p in processes]
 
 
-__all__ = ["CONTEXT", "Child", "redirect_output", "run_cli", "run_module", "start", "wait_all"]
+__all__ = [
+    "CONTEXT",
+    "Child",
+    "redirect_output",
+    "run_cli",
+    "run_module",
+    "run_script",
+    "start",
+    "wait_all",
+]

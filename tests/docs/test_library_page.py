@@ -2,6 +2,11 @@
 resumed to step 8, and under ``torchrun --standalone --nproc-per-node 2``, in a workspace
 that holds what the page assumes (``models/Qwen3-0.6B``: a tiny model and tokenizer;
 ``data.jsonl``). The resumed run's steps equal an uninterrupted run's.
+
+``python train.py`` and ``torchrun ... train.py`` start real interpreters with a bare
+environment; the resumed and the uninterrupted runs are the same script in children of the
+suite's fork server (:func:`tests.forked.run_script`: the same environment, arguments and
+working folder, without the interpreter's start-up).
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked
 from tests.docs.doc_commands import fenced_blocks
 from tests.recipes.sft_world import make_chat_data, make_model_dir
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "library.md"
 VENV_BIN = Path(sys.executable).parent
 STOP_LINE = "stop_after_steps=None if RESUME else 4,"
+ENV = {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"}  # the scripts' whole env
 
 
 def page_script() -> str:
@@ -40,22 +47,29 @@ def workspace(tmp_path_factory) -> Path:
     return root
 
 
-def _run(workspace: Path, name: str, command: list[str], script: str) -> Path:
-    """``command`` in a copy of the workspace with ``script`` as train.py; its folder."""
+def _workspace(workspace: Path, name: str, script: str) -> Path:
+    """A copy of the workspace with ``script`` as train.py."""
     folder = workspace.parent / f"{workspace.name}-{name}"
     shutil.copytree(workspace, folder)
     (folder / "train.py").write_text(script)
-    done = subprocess.run(
-        command,
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={"PATH": f"{VENV_BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-    )
+    return folder
+
+
+def _run(workspace: Path, name: str, command: list[str], script: str) -> Path:
+    """``command`` in a copy of the workspace with ``script`` as train.py; its folder."""
+    folder = _workspace(workspace, name, script)
+    done = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=600, env=ENV)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (folder / "output.txt").write_text(done.stdout + done.stderr)
     return folder
+
+
+def _forked(folder: Path, *argv: str) -> None:
+    """``python train.py ARGV`` in ``folder``, in a fork-server child; its output appended to
+    ``output.txt``."""
+    log = folder / "output.txt"
+    child = forked.start(forked.run_script, "train.py", list(argv), str(folder), log=log, env=ENV)
+    assert forked.wait_all([child], timeout=600) == [0], log.read_text()[-3000:]
 
 
 def _losses(folder: Path) -> dict[int, float]:
@@ -74,16 +88,11 @@ def test_the_script_stops_resumes_and_equals_an_uninterrupted_run(workspace):
     assert _steps(stopped) == ["step_000004"] and sorted(_losses(stopped)) == [1, 2, 3, 4]
     assert (stopped / "runs/lora/checkpoints/step_000004/adapter_model.safetensors").is_file()
 
-    subprocess.run(
-        [*python, "--resume"],
-        cwd=stopped,
-        check=True,
-        capture_output=True,
-        env={"PATH": f"{VENV_BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-    )
+    _forked(stopped, "--resume")
     assert _steps(stopped) == ["step_000004", "step_000008"]
 
-    whole = _run(workspace, "whole", python, script.replace(STOP_LINE, "stop_after_steps=None,"))
+    whole = _workspace(workspace, "whole", script.replace(STOP_LINE, "stop_after_steps=None,"))
+    _forked(whole)
     assert _steps(whole) == ["step_000004", "step_000008"]
     resumed, uninterrupted = _losses(stopped), _losses(whole)
     assert sorted(resumed) == sorted(uninterrupted) == list(range(1, 9))

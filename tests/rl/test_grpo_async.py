@@ -23,14 +23,16 @@ import os
 import random
 import re
 import signal
-import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
 from omegaconf import OmegaConf
 
+from tests import forked
 from tests.recipes.sft_world import (
     _any_component_allowed,
     assert_same_weights,
@@ -52,9 +54,11 @@ from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
 from tunesmith.recipes import config_path
 from tunesmith.rl.asynchronous.pipeline import dynamic_selection
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 FAST = [f"max_steps={STEPS}", "optimizer.lr=1e-2", "generation.max_new_tokens=8"]
+# long enough to SIGKILL a rollout worker while it samples: the sync-mode runs that the killed
+# worker's run is compared with (test_a_killed_rollout_worker_loses_and_duplicates_nothing)
+LONG = "generation.max_new_tokens=48"
 DYNAMIC = [f"rewards.rewards={{flat: {{_component_: {EVEN_FLAT_REWARD}}}}}",
            "dynamic_sampling=true"]  # fmt: skip
 
@@ -113,8 +117,8 @@ def rollouts(out):
 )
 def test_sync_mode_equals_the_synchronous_recipe(world, kl):
     coef = [] if kl == "0.0" else [f"kl.coef={kl}"]  # 0.0: the config's own
-    plain = shared(world, "grpo", *coef)
-    remote = shared(world, "grpo_async", "async_mode=sync", *coef)
+    plain = shared(world, "grpo", LONG, *coef)
+    remote = shared(world, "grpo_async", "async_mode=sync", LONG, *coef)
     assert_same_weights(final_weights(remote), final_weights(plain), atol=0.0)
     ours, theirs = read_metrics(remote), read_metrics(plain)
     for step in range(1, STEPS + 1):
@@ -156,8 +160,8 @@ def test_async_modes_use_each_group_once_and_never_too_stale(world, mode, allowe
 
 @pytest.mark.slow  # off_policy's bound is checked by the staleness case above (off_policy-2)
 def test_off_policy_with_no_staleness_is_sync(world):
-    sync = shared(world, "grpo_async", "async_mode=sync")
-    off = run(world, "grpo_async", "tiny", "off0", "async_mode=off_policy", "max_staleness=0")
+    sync = shared(world, "grpo_async", "async_mode=sync", LONG)
+    off = run(world, "grpo_async", "tiny", "off0", "async_mode=off_policy", "max_staleness=0", LONG)
     assert_same_weights(final_weights(off), final_weights(sync), atol=0.0)
 
 
@@ -261,26 +265,21 @@ def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path, w
     """SIGKILL the rollout worker while it samples: Ray restarts it (``collective``: in a new
     weight-sync group), its prompts are sampled again with the same keys and policy, and the
     run ends with the weights of a run where nothing died (sync mode: every batch sampled by
-    the policy that trains on it; weights through the object store)."""
+    the policy that trains on it; weights through the object store). The run is a child of
+    the fork server (:mod:`tests.forked`): the CLI, in a process of its own to kill from."""
     root, model_dir, prompts = world
-    slow = ["generation.max_new_tokens=48", f"max_steps={STEPS}", "optimizer.lr=1e-2"]
-    quiet = root / "nokill"
-    if not (quiet / "rollouts.jsonl").is_file():  # one run for both parametrisations
-        run(world, "grpo_async", "tiny", "nokill", "async_mode=sync", *slow)
-    out = tmp_path / "killed"
+    quiet = shared(world, "grpo_async", "async_mode=sync", LONG)  # of test_sync_mode_equals...
+    out, log = tmp_path / "killed", tmp_path / "run.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", ALLOW_ANY_COMPONENT_ENV: "1",
-           "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}  # fmt: skip
-    lines, killed = [], None
+           "RAY_AUTH_MODE": "disabled"}  # fmt: skip
     address = ray.get_runtime_context().gcs_address  # the run joins the module's instance
-    overrides = [*grpo_overrides(model_dir, prompts, out, *FAST), *slow, "async_mode=sync",
+    overrides = [*grpo_overrides(model_dir, prompts, out, *FAST), LONG, "async_mode=sync",
                  f"ray.address={address}", f"rollout.weight_sync={weight_sync}"]  # fmt: skip
-    command = [sys.executable, "-m", "tunesmith.cli.main", "run", "grpo_async", "--config",
-               "tiny", *overrides]  # fmt: skip
-    process = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    log.touch()
+    process = forked.Child.cli(["run", "grpo_async", "--config", "tiny", *overrides], log, env=env)
+    lines, killed = [], None
     try:
-        for line in process.stdout:
+        for line in follow(log, process, timeout=300):
             lines.append(line)
             found = re.search(r"rollout workers \(pids \[(\d+)", line)
             if found:
@@ -288,7 +287,7 @@ def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path, w
             if line.startswith("step 1/") and killed is None:  # batch 2 is being sampled
                 os.kill(pid, signal.SIGKILL)
                 killed = pid
-        assert process.wait(timeout=300) == 0, "".join(lines)
+        assert process.wait(timeout=10) == 0, "".join(lines)
     finally:
         process.kill()
     assert killed is not None, "".join(lines)
@@ -298,6 +297,24 @@ def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path, w
     used = [tuple(g[:2]) for r in rollouts(out) for g in r["groups"]]
     assert used == [tuple(g[:2]) for r in rollouts(quiet) for g in r["groups"]]  # once each
     assert_same_weights(final_weights(out), final_weights(quiet), atol=0.0)
+
+
+def follow(log: Path, process: forked.Child, *, timeout: float) -> Iterator[str]:
+    """The lines of ``log`` as ``process`` writes them, until it exits (past ``timeout`` s
+    the test fails)."""
+    deadline, pending = time.monotonic() + timeout, ""
+    with open(log) as f:
+        while True:
+            ended = process.poll() is not None  # read once more after the exit
+            pending += f.read()
+            *lines, pending = pending.split("\n")
+            yield from (line + "\n" for line in lines)
+            if ended:
+                break
+            assert time.monotonic() < deadline, f"still running after {timeout} s: {log}"
+            time.sleep(0.05)
+    if pending:
+        yield pending
 
 
 LORA_KL = ("kl.coef=0.1", "async_mode=sync")  # the reward workers' reference log-probs too

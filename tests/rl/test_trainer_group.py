@@ -4,7 +4,9 @@ on a tiny policy with real Ray actors and workers:
 * 2 torchrun trainer ranks and 2 trainer actors each == the 1-process run (the same
   rollouts, rewards and lengths; loss and grad norm rel 1e-5; weights 1e-5), the actors'
   checkpoint recording 2 data-parallel ranks; actors == torchrun ranks bitwise (the same
-  per-rank code in the same process group); the three runs are made once for the module;
+  per-rank code in the same process group); the three runs are made once for the module.
+  The 1-process run is the synchronous ``grpo`` recipe, which ``sync`` mode in one process
+  equals bitwise (``tests/rl/test_grpo_async.py``, the same world): no Ray workers to start;
 * on a Ray cluster of two nodes (two raylets on this machine), one actor per node == the
   one-node run bitwise;
 * SIGTERM to the driver: the ranks save at the end of the step and the run exits 0; resumed,
@@ -106,9 +108,13 @@ def two_actors(world, ray_instance) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_process(world, ray_instance) -> Path:
-    """The same run in one trainer process."""
-    return run(world, "one-process")
+def one_process(world) -> Path:
+    """The same run in one process: ``grpo``, which ``grpo_async``'s ``sync`` mode in one
+    process equals bitwise (test_sync_mode_equals_the_synchronous_recipe)."""
+    root, model_dir, prompts = world
+    out = root / "one-process"
+    run_rl("grpo", "tiny", grpo_overrides(model_dir, prompts, out, *FAST))
+    return out
 
 
 @pytest.fixture(scope="module")
