@@ -40,9 +40,13 @@ from tunesmith.models import build_model  # noqa: E402
 from tunesmith.models.gguf_export import OUTTYPES, export_gguf  # noqa: E402
 from tunesmith.models.hf import from_hf, save_hf_checkpoint  # noqa: E402
 from tunesmith.models.zoo import (  # noqa: E402
+    deepseek_v2,
+    deepseek_v3,
     gemma2,
     gemma3,
     glm4,
+    glm4_moe,
+    gpt_oss,
     granite,
     llama3,
     mixtral,
@@ -54,6 +58,8 @@ from tunesmith.models.zoo import (  # noqa: E402
     qwen3_moe,
     smollm3,
 )
+from tunesmith.modules.mla import MLAConfig  # noqa: E402
+from tunesmith.modules.routers import DeepSeekRouting  # noqa: E402
 
 # family -> (zoo module, tokenizer family, spec overrides): transformers' GGUF reader takes
 # Qwen3's head_dim from its config class (128) and reads no RoPE scaling
@@ -76,12 +82,44 @@ FAMILIES = {
     "granite": (granite, "llama3", {}),
     "smollm3": (smollm3, "llama3", {"nope_layers": (3,)}),
     "glm4": (glm4, "llama3", {}),
+    # OLMo 3's YaRN (factor 8 past 16 positions) on its global layer only
+    "olmo3_yarn": (olmo3, "olmo2", {"rope_scaling": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16},
+        "rope_local_theta": olmo3.spec("olmo3_tiny").rope_theta}),
+    # llama.cpp's deepseek2: latent attention (kv_lora_rank 128, 64 + 32 features per query
+    # head, values of 64; V3 with a low-rank query of 192), 8 experts of 384, 2 shared,
+    # layer 0 dense; V2 softmax top-2 unnormalised, V3 sigmoid top-2 within the best 2 of 4
+    # groups, renormalised
+    "deepseek_v2": (deepseek_v2, "llama3", {
+        "num_key_value_heads": 8, "head_dim": 32, "mla": MLAConfig(None, 128, 64, 32, 64),
+        "mlp_only_layers": (0,),
+        "num_experts": 8, "moe_intermediate_size": 384,
+        "moe_routing": DeepSeekRouting("greedy", 1, 1, 1.5, 2)}),
+    "deepseek_v3": (deepseek_v3, "llama3", {
+        "num_key_value_heads": 8, "head_dim": 32, "mla": MLAConfig(192, 128, 64, 32, 64),
+        "mlp_only_layers": (0,),
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 384,
+        "moe_routing": DeepSeekRouting("noaux_tc", 4, 2, 2.5, 2)}),
+    # GLM-4.5: 6 experts of 384 (top 2 within the best of 2 groups), 2 shared, layer 0 dense,
+    # RoPE on half of each head
+    "glm4_moe": (glm4_moe, "llama3", {"moe_intermediate_size": 384, "mlp_only_layers": (0,),
+                                      "partial_rotary_factor": 0.5}),
+    # gpt-oss: sinks, a window of 4 on every other layer, 5 experts of 384 (top 3) with
+    # biases, YaRN truncated as llama.cpp computes it (gpt-oss's own, truncate false, is refused)
+    "gpt_oss": (gpt_oss, "llama3", {
+        "intermediate_size": 384, "moe_intermediate_size": 384,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                         "original_max_position_embeddings": 128},
+        "layer_types": ("sliding_attention", "full_attention") * 2}),
 }  # fmt: skip
-LLAMA_CPP_ONLY = ("mixtral", "olmo2", "olmo3", "granite", "smollm3", "glm4")
-"""Families transformers' GGUF reader does not read: llama.cpp's columns only."""
+LLAMA_CPP_ONLY = ("mixtral", "olmo2", "olmo3", "granite", "smollm3", "glm4", "olmo3_yarn",
+                  "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")  # fmt: skip
+"""Families transformers' GGUF reader does not read (gpt-oss: not compared by it here):
+llama.cpp's columns only."""
 DEFAULTS = {
     "hidden": 512,
     "llama_cpp": False,
+    "families": list(FAMILIES),
     "out": str(REPO / "benchmarks" / "results" / "gguf_export.md"),
 }
 
@@ -155,10 +193,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=DEFAULTS["hidden"])
     parser.add_argument("--llama-cpp", action="store_true", help="llama.cpp's logits too")
     parser.add_argument("--out", default=DEFAULTS["out"])
+    parser.add_argument(
+        "--families", nargs="+", default=DEFAULTS["families"], choices=list(FAMILIES),
+        help="measure these; the other families' rows of --out are kept as they are",
+    )  # fmt: skip
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for family in FAMILIES:
+        for family in args.families:
             folder = model_folder(Path(tmp) / family, family, args.hidden)
             vocab = from_hf(folder).spec.vocab_size
             ids = torch.randint(0, vocab, (4, 64), generator=torch.Generator().manual_seed(0))
@@ -187,7 +229,14 @@ def main() -> None:
         "layers, 1 global); SmolLM3 without RoPE on its 4th layer; Mixtral (5 experts, top 3) "
         "without its window; OLMo 3 with its tiny window of 4 on 3 layers of 4. transformers' "
         "reader reads no "
-        f"{', '.join(LLAMA_CPP_ONLY)}: their transformers columns are empty.",
+        f"{', '.join(LLAMA_CPP_ONLY)}: their transformers columns are empty. "
+        "OLMo 3 with YaRN (factor 8 past 16 positions) on its global layer; DeepSeek-V2/V3 as "
+        "llama.cpp's deepseek2 (latent attention: kv_lora_rank 128, 64 + 32 features per "
+        "query head, values of 64, V3 with a low-rank query of 192; 8 experts of 384, 2 shared, "
+        "layer 0 dense; V2 softmax top-2 unnormalised, V3 sigmoid top-2 within the best 2 of 4 "
+        "groups); GLM-4.5 (6 experts of 384, top 2 of the best of 2 groups, RoPE on half of "
+        "each head); gpt-oss (sinks, a window of 4 on every other layer, 5 experts of 384, "
+        "top 3, YaRN truncated as llama.cpp computes it).",
         "- Logits: 4 rows of 64 random ids, our float32 model against transformers' model of "
         "the file (dequantised to float32); `max / std`: the max difference over the "
         "standard deviation of our logits. In the mixture of experts a rounding that moves a "
@@ -195,11 +244,13 @@ def main() -> None:
         "differ by a whole expert's contribution (the max), while the mean stays near the dense "
         "families'.",
         *_llama_cpp_note(args),
+        *_kept_note(args),
         "",
         "| family | parameters | outtype | file MiB | export s | max \\|Δ logit\\| "
         "| mean \\|Δ logit\\| | max / std |" + _LLAMA_CPP_HEAD * args.llama_cpp,
         "|---|---:|---|---:|---:|---:|---:|---:|" + "---:|---:|---:|" * args.llama_cpp,
     ]
+    kept = kept_rows(Path(args.out), set(FAMILIES) - set(args.families))
     for family, params, outtype, r in rows:
         read = (
             f"{r['max']:.2e} | {r['mean']:.2e} | {r['max_rel']:.2e}" if "max" in r else "— | — | —"
@@ -209,12 +260,40 @@ def main() -> None:
             if args.llama_cpp
             else ""
         )
-        lines.append(
+        kept[family].append(
             f"| {family} | {params:,} | {outtype} | {r['size_mb']:.2f} | {r['export_s']:.2f} "
             f"| {read} |" + cpp
         )
+    lines += [row for family in FAMILIES for row in kept[family]]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
+
+
+def _kept_note(args: argparse.Namespace) -> list[str]:
+    if list(args.families) == list(FAMILIES):
+        return []
+    return [
+        f"- This run measured {', '.join(args.families)}; the other families' rows are those of "
+        "the file's earlier run (the same shapes and machine, without `--families`)."
+    ]
+
+
+def kept_rows(path: Path, families: set[str]) -> dict[str, list[str]]:
+    """The table rows of ``families`` in the results file ``path`` (a run of some families
+    keeps the others' rows), per family of :data:`FAMILIES`.
+
+    Example::
+
+        kept_rows(Path("results/gguf_export.md"), {"llama"})["llama"][0]  # '| llama | ...'
+    """
+    kept: dict[str, list[str]] = {family: [] for family in FAMILIES}
+    if not path.is_file():
+        return kept
+    for line in path.read_text().splitlines():
+        cells = line.split("|")
+        if len(cells) > 2 and cells[1].strip() in families:
+            kept[cells[1].strip()].append(line)
+    return kept
 
 
 _LLAMA_CPP_HEAD = " llama.cpp max \\|Δ\\| | llama.cpp mean \\|Δ\\| | llama.cpp max / std |"
@@ -238,7 +317,11 @@ def _llama_cpp_note(args: argparse.Namespace) -> list[str]:
         "(it dequantises to float32). The Qwen3-MoE bf16 and q8_0 maxima are the top-k ties "
         "above, and so are Mixtral's (5 experts, top 3; its f32 file too: llama.cpp's f16 KV "
         "cache rounds the router's input: with an f32 cache the f32 file gave 3e-6 / std; its "
-        "f16 row happens to keep every choice). `tests/models/test_gguf_llama_cpp.py` (`make "
+        "f16 row happens to keep every choice), and so are the maxima of DeepSeek-V2/V3, "
+        "GLM-4.5 and gpt-oss above 0.05 / std (their means stay near the dense families'; "
+        "gpt-oss's f32 file too, through the f16 KV cache: `tests/models/test_gguf_llama_cpp.py` "
+        "compares them from f32 files with an f32 cache, below 1e-4 / std). "
+        "`tests/models/test_gguf_llama_cpp.py` (`make "
         "test-llama-cpp`) checks f16 and q8_0 logits, the tokenizer and the chat template on "
         "tiny models."
     ]

@@ -35,9 +35,9 @@ from tunesmith.models.zoo import (
     gemma2,
     gemma3,
     glm4,
-    gpt_oss,
     granite,
     llama3,
+    llama4,
     mistral,
     olmo2,
     olmo3,
@@ -168,8 +168,9 @@ def test_a_llama3_scaled_model_writes_rope_freqs(tmp_path):
 @pytest.mark.parametrize(
     ("zoo", "overrides", "words"),
     [
-        (gpt_oss, {}, "supports model_type gemma2, gemma3_text, glm4, granite, llama, mistral, "
-                      "mixtral, olmo2, olmo3, phi3, qwen2, qwen3, qwen3_moe, smollm3; 'gpt_oss'"),
+        (llama4, {}, "supports model_type deepseek_v2, deepseek_v3, gemma2, gemma3_text, glm4, "
+                     "glm4_moe, gpt_oss, granite, kimi_k2, llama, mistral, mixtral, olmo2, olmo3, "
+                     "phi3, qwen2, qwen3, qwen3_moe, smollm3; 'llama4_text'"),
         (gemma2, {"attention_multiplier": 0.1}, r"compute attention_multiplier=0\.1"),
         (gemma2, {"layer_types": ("full_attention", "sliding_attention")}, "layer_types="),
         (smollm3, {}, r"nope_layers=\(1, 3\)"),  # llama.cpp's smollm3: every 4th layer, (3,)

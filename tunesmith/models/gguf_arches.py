@@ -17,9 +17,16 @@ model that llama.cpp runs differently is refused, not written):
   ``1/sqrt(head_dim)`` (``1/sqrt(hidden/heads)`` at the 46/62 layers of their 27B), multiply
   by norm weights stored as ``1 + w`` and attend in a window on all but every 2nd (Gemma 2) or
   6th (Gemma 3, RoPE base 10000 there) layer; OLMo 3 is ``olmo2`` with a window on all but
-  every 4th layer;
+  every 4th layer, a RoPE scaling (YaRN) on the global layers only;
 - ``smollm3`` skips RoPE on every 4th layer; ``glm4`` rotates interleaved pairs of half of each
-  head, as GLM-4 itself does.
+  head, as GLM-4 itself does;
+- ``deepseek2`` (DeepSeek-V2/V3, Moonlight, Kimi K2) runs multi-head latent attention and
+  ``glm4moe`` (GLM-4.5) grouped-query attention with q/k norms and half-rotary RoPE, both with
+  DeepSeek's routing and shared experts after leading dense layers
+  (:mod:`tunesmith.models.gguf_deepseek`);
+- ``gpt-oss`` adds a learned sink logit per head to every softmax, attends in a window on every
+  other layer (the first of each pair), routes by a softmax over the top-k router logits (with
+  a bias) and runs experts with biases through SwiGLU clamped at 7 with ``alpha`` 1.702.
 
 Example::
 
@@ -35,7 +42,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tunesmith.models.gguf_deepseek import deepseek_unsupported
 from tunesmith.models.spec import ModelSpec
+from tunesmith.modules.gpt_oss_experts import ClampedExperts
 
 __all__ = ["ARCHES", "Arch", "swa_layer_types", "unsupported"]
 
@@ -67,7 +76,14 @@ class Arch:
     softcaps: bool = False  # attention and final logits capped (Gemma 2), values in the file
     rope_local_theta: float | None = None  # the window layers' RoPE base (Gemma 3: 10000)
     big_layers: int = 0  # llama.cpp's "27B" by its layer count: attention 1/sqrt(hidden/heads)
+    deepseek_routing: bool = False  # DeepSeek's routing, shared experts, leading dense layers
+    mla: bool = False  # multi-head latent attention (llama.cpp's deepseek2)
+    gpt_oss: bool = False  # attention sinks, clamped SwiGLU experts with biases (gpt-oss)
+    plain_window_rope: bool = False  # a RoPE scaling on the global layers only (OLMo 3)
 
+
+_GPT_OSS_EXPERTS = ClampedExperts(swiglu_alpha=1.702, swiglu_limit=7.0)  # llama.cpp's, fixed
+_DEEPSEEK2 = Arch("deepseek2", experts=True, rope_interleaved=True, deepseek_routing=True, mla=True)
 
 ARCHES = {
     "llama": Arch("llama", interleave_rope=True),
@@ -80,7 +96,8 @@ ARCHES = {
     "olmo2": Arch("olmo2", norm_layout="post", norm_style="float_weight",
                   qk_norm_per_head=False, output_always=True),
     "olmo3": Arch("olmo2", norm_layout="post", norm_style="float_weight",
-                  qk_norm_per_head=False, output_always=True, swa_every=4),
+                  qk_norm_per_head=False, output_always=True, swa_every=4,
+                  plain_window_rope=True),
     "granite": Arch("granite", interleave_rope=True, scales=True, output_always=True),
     "smollm3": Arch("smollm3", interleave_rope=True, nope_every=4, output_always=True),
     "gemma2": Arch("gemma2", norm_layout="sandwich", norm_style="unit_offset", swa_every=2,
@@ -89,6 +106,11 @@ ARCHES = {
                         gemma=True, rope_local_theta=10000.0, big_layers=62),
     "glm4": Arch("glm4", fused=True, partial_rotary=True, norm_layout="sandwich_glm",
                  rope_interleaved=True, output_always=True),
+    "glm4_moe": Arch("glm4moe", experts=True, partial_rotary=True, deepseek_routing=True),
+    "gpt_oss": Arch("gpt-oss", experts=True, swa_every=2, gpt_oss=True),
+    "deepseek_v2": _DEEPSEEK2,
+    "deepseek_v3": _DEEPSEEK2,
+    "kimi_k2": _DEEPSEEK2,  # read as deepseek_v3
 }  # fmt: skip
 """Hugging Face ``model_type`` -> its llama.cpp architecture, for the families exported."""
 
@@ -137,12 +159,23 @@ def unsupported(spec: ModelSpec, arch: Arch) -> list[str]:
         del wanted["attn_logit_softcapping"], wanted["final_logit_softcapping"]
     if arch.swa_every:  # llama.cpp's fixed pattern, and a window it reads from the file
         wanted["layer_types"] = swa_layer_types(spec.num_hidden_layers, arch.swa_every)
+    if arch.mla:  # llama.cpp's deepseek2: latent attention, DeepSeek routing
+        del wanted["mla"]
+    scaled = (spec.rope_scaling or {}).get("rope_type", "default") != "default"
+    if arch.plain_window_rope and (scaled or spec.rope_local_theta is not None):
+        wanted["rope_local_theta"] = spec.rope_theta  # window layers: plain RoPE, same base
+    if arch.gpt_oss:  # llama.cpp's gpt-oss: sinks on every layer
+        wanted["attention_sinks"] = True
     if arch.scales:  # their values are in the file
         for key in ("attention_multiplier", "embedding_multiplier", "residual_multiplier",
                     "logits_scaling"):  # fmt: skip
             del wanted[key]
     found = [f"{key}={getattr(spec, key)!r}" for key, value in wanted.items()
              if not _same(getattr(spec, key), value)]  # fmt: skip
+    if arch.deepseek_routing:
+        found += deepseek_unsupported(spec, mla=arch.mla)
+    if arch.gpt_oss and spec.clamped_experts != _GPT_OSS_EXPERTS:
+        found.append(f"clamped_experts={spec.clamped_experts!r}")
     if arch.swa_every and spec.sliding_window is None:
         found.append("sliding_window=None")
     if arch.softcaps:  # llama.cpp's gemma2 always caps: a missing cap has no value to write

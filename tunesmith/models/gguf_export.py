@@ -10,8 +10,11 @@ Ollama and transformers (``from_pretrained(folder, gguf_file=...)``) load.
   with their experts stacked ``[experts, ...]`` as llama.cpp keeps them, Phi-3 ``phi3`` (q/k/v
   and gate/up fused, LongRoPE as ``rope_factors_long``/``rope_factors_short``), Gemma 2/3
   ``gemma2``/``gemma3`` (norms stored ``1 + w``, the window, softcaps, Gemma 3's linear RoPE
-  scaling), OLMo 2/3 ``olmo2``, Granite ``granite``, SmolLM3 ``smollm3``, GLM-4 ``glm4``); a
-  setting llama.cpp's architecture does not compute, or any other family, is refused by name;
+  scaling), OLMo 2/3 ``olmo2`` (OLMo 3's YaRN on its global layers), Granite ``granite``,
+  SmolLM3 ``smollm3``, GLM-4 ``glm4``, GLM-4.5 ``glm4moe``, DeepSeek-V2/V3 (Moonlight, Kimi K2)
+  ``deepseek2`` (latent attention and DeepSeek's routing: :mod:`tunesmith.models.gguf_deepseek`),
+  gpt-oss ``gpt-oss`` (sinks, experts with biases, kept f32 as llama.cpp adds them)); a setting
+  llama.cpp's architecture does not compute, or any other family, is refused by name;
 - every weight under llama.cpp's tensor names (the ``gguf`` package's own name map), 2-D
   weights in ``outtype`` (``f32``, ``f16``, ``bf16`` or ``q8_0``: blocks of 32 int8 values
   with one f16 scale; a weight whose rows are not a multiple of 32 stays f16, as llama.cpp
@@ -60,6 +63,7 @@ import torch
 from tunesmith.models.family import family_for
 from tunesmith.models.fused_keys import fuse_state
 from tunesmith.models.gguf_arches import ARCHES, Arch, unsupported
+from tunesmith.models.gguf_deepseek import deepseek_yarn, split_kv_b, write_mla, write_routing
 from tunesmith.models.hf import from_hf, read_hf_config
 from tunesmith.models.safetensors_io import CheckpointFileNotFoundError
 from tunesmith.models.spec import ModelSpec
@@ -92,12 +96,15 @@ PRE_TOKENIZERS = {  # llama.cpp's name of a byte-level BPE pre-tokenizer <- its 
     ),
 }
 _ROPE_SCALINGS = {("llama", "llama3"), ("gemma3", "linear"), ("phi3", "longrope"),
-                  ("qwen2", "yarn"), ("qwen3", "yarn"), ("qwen3moe", "yarn")}  # fmt: skip
+                  ("qwen2", "yarn"), ("qwen3", "yarn"), ("qwen3moe", "yarn"),
+                  ("deepseek2", "yarn"), ("gpt-oss", "yarn"), ("olmo2", "yarn")}  # fmt: skip
 """``(llama.cpp architecture, rope_type)`` written: Llama 3's as ``rope_freqs``, Gemma 3's
 linear factor (llama.cpp applies it to the global layers only, as Gemma 3 does), Phi-3's
-LongRoPE as ``rope_factors_long``/``rope_factors_short`` with its attention factor, Qwen's YaRN
+LongRoPE as ``rope_factors_long``/``rope_factors_short`` with its attention factor, Qwen's,
+gpt-oss's and OLMo 2/3's YaRN (OLMo 3: on its global layers only, as llama.cpp computes it)
 as its factor, original context and betas (llama.cpp derives YaRN's attention factor
-``0.1 ln(factor) + 1`` itself: another one is refused)."""
+``0.1 ln(factor) + 1`` itself: another one is refused), DeepSeek's with its softmax factor
+(:func:`~tunesmith.models.gguf_deepseek.deepseek_yarn`)."""
 _YARN_KEYS = {"rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"}
 _Q8_BLOCK = 32  # values per q8_0 block
 _STACKED_EXPERTS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
@@ -170,9 +177,12 @@ def _write_hyperparameters(writer: Any, spec: ModelSpec, arch: Arch, *, name: st
     writer.add_block_count(spec.num_hidden_layers)
     writer.add_feed_forward_length(spec.intermediate_size)
     writer.add_head_count(spec.num_attention_heads)
-    writer.add_head_count_kv(spec.num_key_value_heads)
-    writer.add_key_length(spec.head_dim)
-    writer.add_value_length(spec.head_dim)
+    if arch.mla:  # llama.cpp: one KV head of the cached latent and the rotary key
+        write_mla(writer, spec)
+    else:
+        writer.add_head_count_kv(spec.num_key_value_heads)
+        writer.add_key_length(spec.head_dim)
+        writer.add_value_length(spec.head_dim)
     writer.add_rope_dimension_count(spec.rotary_dim)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
@@ -181,6 +191,8 @@ def _write_hyperparameters(writer: Any, spec: ModelSpec, arch: Arch, *, name: st
         writer.add_expert_count(spec.num_experts)
         writer.add_expert_used_count(spec.num_experts_per_tok)
         writer.add_expert_feed_forward_length(spec.moe_intermediate_size)
+    if arch.deepseek_routing:
+        write_routing(writer, spec)
     if arch.scales:  # granite: llama.cpp divides the logits by its logit_scale
         writer.add_embedding_scale(spec.embedding_multiplier)
         writer.add_residual_scale(spec.residual_multiplier)
@@ -228,13 +240,24 @@ def _check_yarn(scaling: Mapping[str, Any]) -> None:
         )
 
 
+def _family_yarn(spec: ModelSpec, arch: Arch) -> Mapping[str, Any]:
+    """The YaRN of ``spec`` as llama.cpp's ``arch`` reads it (DeepSeek's ``mscale`` pair
+    removed, refused when llama.cpp computes it otherwise)."""
+    if not arch.mla:
+        return spec.rope_scaling
+    try:
+        return deepseek_yarn(spec.rope_scaling)
+    except ValueError as error:
+        raise GGUFExportError(f"GGUF export of this YaRN: {error}") from None
+
+
 def _check_supported(spec: ModelSpec, arch: Arch) -> None:
     """Refuse what the GGUF file could not say, naming the setting."""
     scaling = (spec.rope_scaling or {}).get("rope_type")
     if scaling not in (None, "default") and (arch.name, scaling) not in _ROPE_SCALINGS:
         raise GGUFExportError(f"GGUF export of rope_scaling {scaling!r} is not supported yet")
     if scaling == "yarn":
-        _check_yarn(spec.rope_scaling)
+        _check_yarn(_family_yarn(spec, arch))
     windowed = (
         spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings
     )
@@ -246,7 +269,8 @@ def _check_supported(spec: ModelSpec, arch: Arch) -> None:
         )
     # llama.cpp's qwen3moe, and its llama with experts (Mixtral): every layer sparse, softmax
     # top-k weights renormalised
-    if spec.num_experts:
+    # gpt-oss's softmax over the top-k logits is a renormalised top-k softmax
+    if spec.num_experts and not (arch.deepseek_routing or arch.gpt_oss):
         moe = {"norm_topk_prob": spec.norm_topk_prob, "mlp_only_layers": spec.mlp_only_layers,
                "decoder_sparse_step": spec.decoder_sparse_step}  # fmt: skip
         if not arch.experts or moe != {
@@ -285,9 +309,13 @@ def _tensors(
             continue  # tied: llama.cpp (and transformers' reader) use token_embd
         if key.endswith("rotary_emb.inv_freq"):
             continue
-        stem, _, suffix = key.rpartition(".")
-        if key.endswith(_STACKED_EXPERTS):  # "...mlp.experts.gate_proj": no ".weight"
-            stem, suffix = key, "weight"
+        stem, suffix = _stem_and_suffix(key)
+        if arch.mla and stem.endswith("self_attn.kv_b_proj"):  # attn_k_b and attn_v_b
+            parts = split_kv_b(tensor.detach().float(), spec.mla, spec.num_attention_heads)
+            for part, data in zip(("k_b_proj", "v_b_proj"), parts, strict=True):
+                target = names.get_name(stem.replace("kv_b_proj", part))
+                yield (f"{target}.{suffix}", *_encode(data.numpy(), outtype))
+            continue
         target = names.get_name(stem)
         if target is None:
             raise GGUFExportError(f"GGUF export: no llama.cpp name for tensor {key}")
@@ -297,7 +325,8 @@ def _tensors(
         if arch.interleave_rope and stem.endswith(("self_attn.q_proj", "self_attn.k_proj")):
             heads = spec.num_attention_heads if "q_proj" in stem else spec.num_key_value_heads
             data = interleave_rope_rows(data, heads)
-        yield (f"{target}.{suffix}", *_encode(data.numpy(), outtype))
+        kind = "f32" if suffix == "bias" else outtype  # experts' [E, width] biases too
+        yield (f"{target}.{suffix}", *_encode(data.numpy(), kind))
     scaling = spec.rope_scaling or {}
     if arch.name == "llama" and scaling.get("rope_type") == "llama3":
         yield "rope_freqs.weight", *_encode(llama3_rope_factors(spec).numpy(), "f32")
@@ -305,6 +334,28 @@ def _tensors(
         for kind in ("long", "short"):
             factors = np.asarray(scaling[f"{kind}_factor"], dtype=np.float32)
             yield f"rope_factors_{kind}.weight", *_encode(factors, "f32")
+
+
+def _stem_and_suffix(key: str) -> tuple[str, str]:
+    """A state-dict key as the ``gguf`` name map's stem and llama.cpp's suffix: stacked experts
+    and gpt-oss's sinks have no ``.weight``, the experts' biases end in ``_bias``, DeepSeek-V3's
+    router bias is ``exp_probs_b.bias``.
+
+    Example::
+
+        >>> _stem_and_suffix("model.layers.1.mlp.experts.up_proj_bias")
+        ('model.layers.1.mlp.experts.up_proj', 'bias')
+        >>> _stem_and_suffix("model.layers.1.mlp.gate.e_score_correction_bias")
+        ('model.layers.1.mlp.gate.e_score_correction', 'bias')
+    """
+    if key.endswith((*_STACKED_EXPERTS, "self_attn.sinks")):
+        return key, "weight"
+    if key.endswith(tuple(f"{name}_bias" for name in _STACKED_EXPERTS)):
+        return key.removesuffix("_bias"), "bias"
+    stem, _, suffix = key.rpartition(".")
+    if suffix == "e_score_correction_bias":
+        return f"{stem}.e_score_correction", "bias"
+    return stem, suffix
 
 
 def interleave_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
