@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv demo demo-rl test test-durations test-slow test-faults test-gpu test-llama-cpp lint format clean
+.PHONY: venv demo demo-rl demo-agent test test-durations test-slow test-faults test-gpu test-llama-cpp lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ demo: venv
 
 demo-rl: venv
 	$(VENV)/bin/tunesmith demo rl
+
+demo-agent: venv
+	$(VENV)/bin/tunesmith demo agent
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -623,11 +623,22 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Fine-tune a tiny model on a generated task; print held-out accuracy before and after.
     `demo` (or `demo sft`): SFT; `demo rl`: SFT on few demonstrations, then GRPO
-    (`demo rl --async`: asynchronous GRPO, rollouts sampled by Ray workers while it trains)."""
+    (`demo rl --async`: asynchronous GRPO, rollouts sampled by Ray workers while it trains);
+    `demo agent`: SFT on tool-use traces, then GRPO with a calculator tool and without it."""
     overrides = list(args.overrides)
-    kind = overrides.pop(0) if overrides and overrides[0] in ("sft", "rl") else "sft"
+    kind = overrides.pop(0) if overrides and overrides[0] in ("sft", "rl", "agent") else "sft"
     if args.asynchronous and kind != "rl":
         raise CLIError("--async is an option of `tunesmith demo rl` (asynchronous GRPO)")
+    if kind == "agent":
+        from tunesmith.demo.agent import AgentDemoSettings, run_agent_demo
+
+        run_agent_demo(
+            args.output_dir or "outputs/demo_agent",
+            settings=AgentDemoSettings(seed=args.seed),
+            overrides=overrides,
+            threads=args.threads,
+        )
+        return 0
     if kind == "rl":
         from tunesmith.demo.rl import RLDemoSettings, run_rl_demo
 
@@ -759,7 +770,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("demo", cmd_demo)
     p.add_argument(
         "--output-dir",
-        help="assets, checkpoints and plot (default: outputs/demo, outputs/demo_rl for `demo rl`)",
+        help="assets, checkpoints and plot (default: outputs/demo, outputs/demo_rl for `demo rl`, "
+        "outputs/demo_agent for `demo agent`)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the task data, model and run")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny: 1 is fastest)")

@@ -10,7 +10,8 @@
 * :mod:`~tunesmith.rl.envs.tool`: the :class:`Tool` protocol, :class:`ToolError` and
   :func:`function_schema`;
 * the built-in tools :class:`Calculator` (exact arithmetic), :class:`PythonTool` (the code
-  sandbox) and :class:`Retrieve` (BM25 over a local JSONL corpus);
+  sandbox) and :class:`Retrieve` (BM25 over a local JSONL corpus); :class:`Unavailable`
+  stands in for a tool in a control run (every call an error);
 * :mod:`~tunesmith.rl.envs.tool_env`: :class:`ToolEnv`, tools plus rewards on the final answer;
 * :mod:`~tunesmith.rl.envs.trajectory`: multi-turn rollouts as exact token rows
   (:func:`sample_trajectories`, :class:`EpisodeSettings`, :class:`ObservationTokens`).
@@ -51,6 +52,7 @@ from tunesmith.rl.envs.trajectory import (
     Trajectory,
     sample_trajectories,
 )
+from tunesmith.rl.envs.unavailable import Unavailable
 
 __all__ = [
     "ENDINGS",
@@ -72,6 +74,7 @@ __all__ = [
     "ToolEnv",
     "ToolError",
     "Trajectory",
+    "Unavailable",
     "calculate",
     "check_arguments",
     "function_schema",

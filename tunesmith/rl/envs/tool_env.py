@@ -73,6 +73,9 @@ class ToolEnv:
         format: the tool-call format of the policy's family (:data:`TOOL_CALL_FORMATS`).
         system_prompt: a system message put first when the prompt has none.
         max_calls_per_turn: calls of one reply beyond this are refused (an error each).
+        describe_tools: pass the tools' schemas to the chat template (its ``tools`` block);
+            False leaves them out (``tool_schemas()`` is None), for a system prompt that
+            states the tools itself in fewer tokens (the ``plain`` format).
 
     Example (YAML)::
 
@@ -90,6 +93,7 @@ class ToolEnv:
         format: str = "qwen",
         system_prompt: str | None = None,
         max_calls_per_turn: int = 4,
+        describe_tools: bool = True,
     ) -> None:
         if format not in TOOL_CALL_FORMATS:
             raise ValueError(
@@ -106,10 +110,14 @@ class ToolEnv:
         self.format = format
         self.system_prompt = system_prompt
         self.max_calls_per_turn = max_calls_per_turn
+        self.describe_tools = bool(describe_tools)
         self.prompt: Prompt | None = None
 
-    def tool_schemas(self) -> list[dict[str, Any]]:
-        """The tools' schemas, for the chat template's ``tools`` argument."""
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """The tools' schemas, for the chat template's ``tools`` argument (None when
+        ``describe_tools`` is False)."""
+        if not self.describe_tools:
+            return None
         return [tool.schema for tool in self.tools.values()]
 
     def reset(self, row: Prompt) -> list[Message]:
