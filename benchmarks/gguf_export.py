@@ -49,6 +49,7 @@ from tunesmith.models.zoo import (  # noqa: E402
     gpt_oss,
     granite,
     llama3,
+    llama4,
     mixtral,
     olmo2,
     olmo3,
@@ -111,9 +112,19 @@ FAMILIES = {
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                          "original_max_position_embeddings": 128},
         "layer_types": ("sliding_attention", "full_attention") * 2}),
+    # Llama 4 as llama.cpp's llama4 fixes it: chunks of 8192 on layers 0-2, layer 3 without RoPE
+    # (its temperature), Scout's llama3 RoPE scaling, 4 experts of 384 (top 1) and a shared one
+    # on layers 1 and 3
+    "llama4_text": (llama4, "llama3", {
+        "nope_layers": (3,), "layer_types": ("chunked_attention",) * 3 + ("full_attention",),
+        "attention_chunk_size": 8192, "floor_scale": 8192.0, "attn_scale": 0.1,
+        "max_position_embeddings": 16384, "mlp_only_layers": (0, 2), "num_experts": 4,
+        "moe_intermediate_size": 384,
+        "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
 }  # fmt: skip
 LLAMA_CPP_ONLY = ("mixtral", "olmo2", "olmo3", "granite", "smollm3", "glm4", "olmo3_yarn",
-                  "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")  # fmt: skip
+                  "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4_text")  # fmt: skip
 """Families transformers' GGUF reader does not read (gpt-oss: not compared by it here):
 llama.cpp's columns only."""
 DEFAULTS = {
@@ -236,7 +247,10 @@ def main() -> None:
         "layer 0 dense; V2 softmax top-2 unnormalised, V3 sigmoid top-2 within the best 2 of 4 "
         "groups); GLM-4.5 (6 experts of 384, top 2 of the best of 2 groups, RoPE on half of "
         "each head); gpt-oss (sinks, a window of 4 on every other layer, 5 experts of 384, "
-        "top 3, YaRN truncated as llama.cpp computes it).",
+        "top 3, YaRN truncated as llama.cpp computes it); Llama 4 text as llama.cpp's llama4 "
+        "(chunks of 8192 on layers 0-2, layer 3 without RoPE, Scout's llama3 RoPE scaling, 4 "
+        "experts of 384, top 1, and a shared one on layers 1 and 3; these 64-token rows stay "
+        "in the first chunk: `tests/models/test_gguf_llama_cpp.py` runs 8300 tokens).",
         "- Logits: 4 rows of 64 random ids, our float32 model against transformers' model of "
         "the file (dequantised to float32); `max / std`: the max difference over the "
         "standard deviation of our logits. In the mixture of experts a rounding that moves a "
@@ -318,7 +332,7 @@ def _llama_cpp_note(args: argparse.Namespace) -> list[str]:
         "above, and so are Mixtral's (5 experts, top 3; its f32 file too: llama.cpp's f16 KV "
         "cache rounds the router's input: with an f32 cache the f32 file gave 3e-6 / std; its "
         "f16 row happens to keep every choice), and so are the maxima of DeepSeek-V2/V3, "
-        "GLM-4.5 and gpt-oss above 0.05 / std (their means stay near the dense families'; "
+        "GLM-4.5, gpt-oss and Llama 4 above 0.05 / std (their means stay near the dense families'; "
         "gpt-oss's f32 file too, through the f16 KV cache: `tests/models/test_gguf_llama_cpp.py` "
         "compares them from f32 files with an f32 cache, below 1e-4 / std). "
         "`tests/models/test_gguf_llama_cpp.py` (`make "

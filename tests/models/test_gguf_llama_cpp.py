@@ -22,7 +22,9 @@ the measured values of every family and out type at a larger shape).
 The frontier mixtures of experts (DeepSeek-V2/V3 as ``deepseek2``, GLM-4.5, gpt-oss) and OLMo 3's
 YaRN are also compared where nothing rounds (an f32 file, llama.cpp's KV cache in f32) with
 weights ten times larger, where routing and YaRN move the logits by several standard deviations:
-below 1e-4 of the logits' standard deviation (measured 1e-5).
+below 1e-4 of the logits' standard deviation (measured 1e-5). Llama 4 (llama.cpp's ``llama4``)
+is also run on 8300 tokens, past its first chunk of 8192 positions where its NoPE layer's
+temperature rises: below 1e-3 std there (measured 1.4e-4).
 
 Every model shape of the test suite's tiny families loads as is: llama.cpp refused none (head
 dims 16 and 32, 2 to 6 layers, vocabularies of ~640). A family's settings that llama.cpp fixes
@@ -34,6 +36,7 @@ sentencepiece-style one (Gemma's; Llama 2's normalizer) on Gemma 2 and Llama at 
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -41,6 +44,7 @@ import torch
 
 from tests.data.tokenizer_factory import make_tokenizer_folder
 from tests.models.test_gguf_export import SPM_TEXTS, spm_model_dir
+from tests.models.test_gguf_llama4 import LLAMA_CPP as LLAMA4
 from tunesmith.data import Tokenizer
 from tunesmith.models import build_model
 from tunesmith.models.gguf_export import export_gguf
@@ -55,6 +59,7 @@ from tunesmith.models.zoo import (
     gpt_oss,
     granite,
     llama3,
+    llama4,
     olmo2,
     olmo3,
     phi3,
@@ -126,6 +131,9 @@ FAMILIES = {
     # its correction range truncated, as llama.cpp computes it (gpt-oss's own, truncate false,
     # is refused: llama.cpp's logits then differ from position 1 on, by 1.8 std here)
     "gpt_oss": (gpt_oss, "llama3", {"rope_scaling": TRUNCATED_YARN}),
+    # Llama 4 as llama.cpp's llama4 fixes it: chunks of 8192, layer 3 global without RoPE (its
+    # queries' temperature), Scout's llama3 RoPE scaling, top-1 of 3 experts on layers 1 and 3
+    "llama4": (llama4, "llama3", LLAMA4),
 }  # fmt: skip
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4,
                  "mscale": 0.707, "mscale_all_dim": 0.707}  # fmt: skip
@@ -145,6 +153,7 @@ EXACT = {
     "gpt_oss": (gpt_oss, "llama3", {"initializer_range": 0.2, "rope_scaling": TRUNCATED_YARN}),
     # OLMo 3's YaRN on the global layer only (our logits with it on every layer: 3 std away)
     "olmo3_yarn": FAMILIES["olmo3_yarn"],
+    "llama4": (llama4, "llama3", {**LLAMA4, "initializer_range": 0.2}),
 }  # fmt: skip
 EXACT_TOLERANCE = 1e-4  # max |Δ logit| / std, f32 file and f32 KV cache (measured 1e-5)
 CONVERSATION = [
@@ -206,7 +215,7 @@ def llama_cpp_logits(path, ids: list[int], **options) -> np.ndarray:
 
 
 # compared at f16 only (see the module docs)
-MOE = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
+MOE = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4")
 COMPARED = [(f, t) for f in sorted(FAMILIES) for t in sorted(TOLERANCE)
             if f not in MOE or t == "f16"]  # fmt: skip
 
@@ -236,6 +245,44 @@ def test_llama_cpp_computes_our_model_exactly_in_f32(tmp_path, family):
     f32 = 0  # GGML_TYPE_F32
     got = llama_cpp_logits(path, ids, type_k=f32, type_v=f32)
     assert np.abs(got - want).max() / want.std() < EXACT_TOLERANCE
+
+
+# Llama 4 past its first chunk: positions 8192 on start a chunk of their own on the RoPE layers
+# and raise the NoPE layer's temperature (floor((pos + 1) / 8192) turns 1 at 8191); f32 file and
+# KV cache, weights of initializer_range 0.2. Measured: 1.4e-4 std at worst (sums over 8300
+# positions in f32); our model without the temperature is 0.088 std from llama.cpp past 8192, with
+# one chunk over the whole prompt 6.9 std (without Scout's RoPE scaling 1.9): llama.cpp did
+# compute them. Our forward on 8300 tokens: ~4 s on 2 CPU cores; llama.cpp's ~15 s.
+LONG_PROMPT = 8300
+LONG_TOLERANCE = 1e-3
+
+
+def _our_logits(folder, ids: list[int], **config) -> np.ndarray:
+    """Our float32 logits on ``ids`` of the model in ``folder``, its ``config.json`` changed by
+    ``config`` (in a copy)."""
+    if config:
+        copy = folder.parent / "_".join(config)
+        shutil.copytree(folder, copy)
+        data = json.loads((copy / "config.json").read_text())
+        (copy / "config.json").write_text(json.dumps({**data, **config}))
+        folder = copy
+    with torch.no_grad():
+        return from_hf(folder, dtype=torch.float32)(torch.tensor([ids]))[0].numpy()
+
+
+def test_llama_cpp_computes_llama4_past_its_first_chunk(tmp_path):
+    folder = _model_dir(tmp_path, "llama4", EXACT)
+    path = export_gguf(folder, tmp_path / "model.gguf", outtype="f32")
+    ids = torch.randint(3, 200, (LONG_PROMPT,), generator=torch.Generator().manual_seed(1))
+    ids = ids.tolist()
+    got = llama_cpp_logits(path, ids, n_ctx=LONG_PROMPT + 256, type_k=0, type_v=0)
+    want = _our_logits(folder, ids)
+    scale = want.std()
+    assert np.abs(got - want).max() / scale < LONG_TOLERANCE
+    later = slice(8192, None)  # past the first chunk, the temperature raised
+    for config in ({"attn_temperature_tuning": False}, {"attention_chunk_size": 16384}):
+        other = _our_logits(folder, ids, **config)
+        assert np.abs(got[later] - other[later]).max() / scale > 10 * LONG_TOLERANCE, config
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -26,7 +26,11 @@ model that llama.cpp runs differently is refused, not written):
   (:mod:`tunesmith.models.gguf_deepseek`);
 - ``gpt-oss`` adds a learned sink logit per head to every softmax, attends in a window on every
   other layer (the first of each pair), routes by a softmax over the top-k router logits (with
-  a bias) and runs experts with biases through SwiGLU clamped at 7 with ``alpha`` 1.702.
+  a bias) and runs experts with biases through SwiGLU clamped at 7 with ``alpha`` 1.702;
+- ``llama4`` (Llama 4 text) attends in chunks of 8192 on RoPE layers, globally with a query
+  temperature on every 4th (NoPE) layer, routes by sigmoid top-k beside a shared expert on every
+  ``interleave_moe_layer_step``-th layer, all fixed as published
+  (:mod:`tunesmith.models.gguf_llama4`).
 
 Example::
 
@@ -43,6 +47,7 @@ import math
 from dataclasses import dataclass
 
 from tunesmith.models.gguf_deepseek import deepseek_unsupported
+from tunesmith.models.gguf_llama4 import llama4_unsupported
 from tunesmith.models.spec import ModelSpec
 from tunesmith.modules.gpt_oss_experts import ClampedExperts
 
@@ -80,6 +85,7 @@ class Arch:
     mla: bool = False  # multi-head latent attention (llama.cpp's deepseek2)
     gpt_oss: bool = False  # attention sinks, clamped SwiGLU experts with biases (gpt-oss)
     plain_window_rope: bool = False  # a RoPE scaling on the global layers only (OLMo 3)
+    llama4: bool = False  # chunked/NoPE layers, temperature, sigmoid routing fixed (Llama 4)
 
 
 _GPT_OSS_EXPERTS = ClampedExperts(swiglu_alpha=1.702, swiglu_limit=7.0)  # llama.cpp's, fixed
@@ -111,6 +117,8 @@ ARCHES = {
     "deepseek_v2": _DEEPSEEK2,
     "deepseek_v3": _DEEPSEEK2,
     "kimi_k2": _DEEPSEEK2,  # read as deepseek_v3
+    "llama4_text": Arch("llama4", experts=True, rope_interleaved=True, nope_every=4,
+                        llama4=True),
 }  # fmt: skip
 """Hugging Face ``model_type`` -> its llama.cpp architecture, for the families exported."""
 
@@ -164,6 +172,8 @@ def unsupported(spec: ModelSpec, arch: Arch) -> list[str]:
     scaled = (spec.rope_scaling or {}).get("rope_type", "default") != "default"
     if arch.plain_window_rope and (scaled or spec.rope_local_theta is not None):
         wanted["rope_local_theta"] = spec.rope_theta  # window layers: plain RoPE, same base
+    if arch.llama4:  # llama.cpp's llama4: sigmoid top-k scaling the experts' inputs
+        wanted["moe_router"] = "llama4"
     if arch.gpt_oss:  # llama.cpp's gpt-oss: sinks on every layer
         wanted["attention_sinks"] = True
     if arch.scales:  # their values are in the file
@@ -174,6 +184,8 @@ def unsupported(spec: ModelSpec, arch: Arch) -> list[str]:
              if not _same(getattr(spec, key), value)]  # fmt: skip
     if arch.deepseek_routing:
         found += deepseek_unsupported(spec, mla=arch.mla)
+    if arch.llama4:
+        found += llama4_unsupported(spec)
     if arch.gpt_oss and spec.clamped_experts != _GPT_OSS_EXPERTS:
         found.append(f"clamped_experts={spec.clamped_experts!r}")
     if arch.swa_every and spec.sliding_window is None:

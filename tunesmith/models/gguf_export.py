@@ -13,7 +13,9 @@ Ollama and transformers (``from_pretrained(folder, gguf_file=...)``) load.
   scaling), OLMo 2/3 ``olmo2`` (OLMo 3's YaRN on its global layers), Granite ``granite``,
   SmolLM3 ``smollm3``, GLM-4 ``glm4``, GLM-4.5 ``glm4moe``, DeepSeek-V2/V3 (Moonlight, Kimi K2)
   ``deepseek2`` (latent attention and DeepSeek's routing: :mod:`tunesmith.models.gguf_deepseek`),
-  gpt-oss ``gpt-oss`` (sinks, experts with biases, kept f32 as llama.cpp adds them)); a setting
+  gpt-oss ``gpt-oss`` (sinks, experts with biases, kept f32 as llama.cpp adds them)), Llama 4
+  text ``llama4`` (chunked attention, NoPE layers, interleaved MoE layers:
+  :mod:`tunesmith.models.gguf_llama4`); a setting
   llama.cpp's architecture does not compute, or any other family, is refused by name;
 - every weight under llama.cpp's tensor names (the ``gguf`` package's own name map), 2-D
   weights in ``outtype`` (``f32``, ``f16``, ``bf16`` or ``q8_0``: blocks of 32 int8 values
@@ -64,6 +66,7 @@ from tunesmith.models.family import family_for
 from tunesmith.models.fused_keys import fuse_state
 from tunesmith.models.gguf_arches import ARCHES, Arch, unsupported
 from tunesmith.models.gguf_deepseek import deepseek_yarn, split_kv_b, write_mla, write_routing
+from tunesmith.models.gguf_llama4 import write_llama4
 from tunesmith.models.hf import from_hf, read_hf_config
 from tunesmith.models.safetensors_io import CheckpointFileNotFoundError
 from tunesmith.models.spec import ModelSpec
@@ -95,16 +98,16 @@ PRE_TOKENIZERS = {  # llama.cpp's name of a byte-level BPE pre-tokenizer <- its 
         r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     ),
 }
-_ROPE_SCALINGS = {("llama", "llama3"), ("gemma3", "linear"), ("phi3", "longrope"),
-                  ("qwen2", "yarn"), ("qwen3", "yarn"), ("qwen3moe", "yarn"),
+_ROPE_SCALINGS = {("llama", "llama3"), ("llama4", "llama3"), ("gemma3", "linear"),
+                  ("phi3", "longrope"), ("qwen2", "yarn"), ("qwen3", "yarn"), ("qwen3moe", "yarn"),
                   ("deepseek2", "yarn"), ("gpt-oss", "yarn"), ("olmo2", "yarn")}  # fmt: skip
-"""``(llama.cpp architecture, rope_type)`` written: Llama 3's as ``rope_freqs``, Gemma 3's
-linear factor (llama.cpp applies it to the global layers only, as Gemma 3 does), Phi-3's
-LongRoPE as ``rope_factors_long``/``rope_factors_short`` with its attention factor, Qwen's,
-gpt-oss's and OLMo 2/3's YaRN (OLMo 3: on its global layers only, as llama.cpp computes it)
-as its factor, original context and betas (llama.cpp derives YaRN's attention factor
-``0.1 ln(factor) + 1`` itself: another one is refused), DeepSeek's with its softmax factor
-(:func:`~tunesmith.models.gguf_deepseek.deepseek_yarn`)."""
+"""``(llama.cpp architecture, rope_type)`` written: Llama 3's and Llama 4 Scout's as
+``rope_freqs``, Gemma 3's linear factor (llama.cpp applies it to the global layers only, as
+Gemma 3 does), Phi-3's LongRoPE as ``rope_factors_long``/``rope_factors_short`` with its
+attention factor, Qwen's, gpt-oss's and OLMo 2/3's YaRN (OLMo 3: on its global layers only, as
+llama.cpp computes it) as its factor, original context and betas (llama.cpp derives YaRN's
+attention factor ``0.1 ln(factor) + 1`` itself: another one is refused), DeepSeek's with its
+softmax factor (:func:`~tunesmith.models.gguf_deepseek.deepseek_yarn`)."""
 _YARN_KEYS = {"rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"}
 _Q8_BLOCK = 32  # values per q8_0 block
 _STACKED_EXPERTS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
@@ -193,6 +196,8 @@ def _write_hyperparameters(writer: Any, spec: ModelSpec, arch: Arch, *, name: st
         writer.add_expert_feed_forward_length(spec.moe_intermediate_size)
     if arch.deepseek_routing:
         write_routing(writer, spec)
+    if arch.llama4:
+        write_llama4(writer, spec)
     if arch.scales:  # granite: llama.cpp divides the logits by its logit_scale
         writer.add_embedding_scale(spec.embedding_multiplier)
         writer.add_residual_scale(spec.residual_multiplier)
@@ -270,7 +275,7 @@ def _check_supported(spec: ModelSpec, arch: Arch) -> None:
     # llama.cpp's qwen3moe, and its llama with experts (Mixtral): every layer sparse, softmax
     # top-k weights renormalised
     # gpt-oss's softmax over the top-k logits is a renormalised top-k softmax
-    if spec.num_experts and not (arch.deepseek_routing or arch.gpt_oss):
+    if spec.num_experts and not (arch.deepseek_routing or arch.gpt_oss or arch.llama4):
         moe = {"norm_topk_prob": spec.norm_topk_prob, "mlp_only_layers": spec.mlp_only_layers,
                "decoder_sparse_step": spec.decoder_sparse_step}  # fmt: skip
         if not arch.experts or moe != {
@@ -328,7 +333,7 @@ def _tensors(
         kind = "f32" if suffix == "bias" else outtype  # experts' [E, width] biases too
         yield (f"{target}.{suffix}", *_encode(data.numpy(), kind))
     scaling = spec.rope_scaling or {}
-    if arch.name == "llama" and scaling.get("rope_type") == "llama3":
+    if arch.name in ("llama", "llama4") and scaling.get("rope_type") == "llama3":
         yield "rope_freqs.weight", *_encode(llama3_rope_factors(spec).numpy(), "f32")
     if scaling.get("rope_type") == "longrope":  # llama.cpp: long past the original context
         for kind in ("long", "short"):
