@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -123,3 +124,58 @@ def launch_async_ranks(overrides: Sequence[str], log_dir: Path) -> None:
         launch_ranks(
             [*overrides, f"ray.temp_dir={temp}"], log_dir, recipe="grpo_async", timeout=300
         )
+
+
+def run_killing_the_rollout_worker(
+    overrides: Sequence[str], log: Path, *, delay_s: float = 0.0
+) -> int:
+    """``tunesmith run grpo_async --config tiny OVERRIDES`` (its output in ``log``) as a
+    child of the fork server (:mod:`tests.forked`: the CLI in a process of its own), its
+    rollout worker SIGKILLed ``delay_s`` after step 1 is logged (batch 2 is being sampled);
+    waits for the run to end (it must exit 0) and returns the killed pid."""
+    import re
+    import signal
+
+    from tests import forked
+    from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", ALLOW_ANY_COMPONENT_ENV: "1",
+           "RAY_AUTH_MODE": "disabled"}  # fmt: skip
+    log.touch()
+    argv = ["run", "grpo_async", "--config", "tiny", *overrides]
+    process = forked.Child.cli(argv, log, env=env)
+    lines: list[str] = []
+    killed = pid = None
+    try:
+        for line in follow(log, process, timeout=300):
+            lines.append(line)
+            found = re.search(r"rollout workers \(pids \[(\d+)", line)
+            if found:
+                pid = int(found.group(1))
+            if line.startswith("step 1/") and killed is None and pid is not None:
+                time.sleep(delay_s)
+                os.kill(pid, signal.SIGKILL)
+                killed = pid
+        assert process.wait(timeout=10) == 0, "".join(lines)
+    finally:
+        process.kill()
+    assert killed is not None, "".join(lines)
+    return killed
+
+
+def follow(log: Path, process: Any, *, timeout: float) -> Iterator[str]:
+    """The lines of ``log`` as ``process`` (a :class:`tests.forked.Child`) writes them, until
+    it exits (past ``timeout`` s the test fails)."""
+    deadline, pending = time.monotonic() + timeout, ""
+    with open(log) as f:
+        while True:
+            ended = process.poll() is not None  # read once more after the exit
+            pending += f.read()
+            *lines, pending = pending.split("\n")
+            yield from (line + "\n" for line in lines)
+            if ended:
+                break
+            assert time.monotonic() < deadline, f"still running after {timeout} s: {log}"
+            time.sleep(0.05)
+    if pending:
+        yield pending

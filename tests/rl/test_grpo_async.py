@@ -19,20 +19,14 @@ for the module, in a temp dir of its own):
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
-import signal
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
 from omegaconf import OmegaConf
 
-from tests import forked
 from tests.recipes.sft_world import (
     _any_component_allowed,
     assert_same_weights,
@@ -47,10 +41,10 @@ from tests.rl.rl_world import (
     launch_async_ranks,
     local_ray,
     make_prompts,
+    run_killing_the_rollout_worker,
     run_rl,
 )
 from tunesmith.cli.main import main as cli_main
-from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
 from tunesmith.recipes import config_path
 from tunesmith.rl.asynchronous.pipeline import dynamic_selection
 
@@ -270,51 +264,16 @@ def test_a_killed_rollout_worker_loses_and_duplicates_nothing(world, tmp_path, w
     root, model_dir, prompts = world
     quiet = shared(world, "grpo_async", "async_mode=sync", LONG)  # of test_sync_mode_equals...
     out, log = tmp_path / "killed", tmp_path / "run.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", ALLOW_ANY_COMPONENT_ENV: "1",
-           "RAY_AUTH_MODE": "disabled"}  # fmt: skip
     address = ray.get_runtime_context().gcs_address  # the run joins the module's instance
     overrides = [*grpo_overrides(model_dir, prompts, out, *FAST), LONG, "async_mode=sync",
                  f"ray.address={address}", f"rollout.weight_sync={weight_sync}"]  # fmt: skip
-    log.touch()
-    process = forked.Child.cli(["run", "grpo_async", "--config", "tiny", *overrides], log, env=env)
-    lines, killed = [], None
-    try:
-        for line in follow(log, process, timeout=300):
-            lines.append(line)
-            found = re.search(r"rollout workers \(pids \[(\d+)", line)
-            if found:
-                pid = int(found.group(1))
-            if line.startswith("step 1/") and killed is None:  # batch 2 is being sampled
-                os.kill(pid, signal.SIGKILL)
-                killed = pid
-        assert process.wait(timeout=10) == 0, "".join(lines)
-    finally:
-        process.kill()
-    assert killed is not None, "".join(lines)
+    run_killing_the_rollout_worker(overrides, log)
     metrics = read_metrics(out)
     assert sorted(metrics) == list(range(1, STEPS + 1))  # every update made
     assert metrics[STEPS]["worker_restarts"] >= 1 and metrics[STEPS]["requeued_groups"] >= 1
     used = [tuple(g[:2]) for r in rollouts(out) for g in r["groups"]]
     assert used == [tuple(g[:2]) for r in rollouts(quiet) for g in r["groups"]]  # once each
     assert_same_weights(final_weights(out), final_weights(quiet), atol=0.0)
-
-
-def follow(log: Path, process: forked.Child, *, timeout: float) -> Iterator[str]:
-    """The lines of ``log`` as ``process`` writes them, until it exits (past ``timeout`` s
-    the test fails)."""
-    deadline, pending = time.monotonic() + timeout, ""
-    with open(log) as f:
-        while True:
-            ended = process.poll() is not None  # read once more after the exit
-            pending += f.read()
-            *lines, pending = pending.split("\n")
-            yield from (line + "\n" for line in lines)
-            if ended:
-                break
-            assert time.monotonic() < deadline, f"still running after {timeout} s: {log}"
-            time.sleep(0.05)
-    if pending:
-        yield pending
 
 
 LORA_KL = ("kl.coef=0.1", "async_mode=sync")  # the reward workers' reference log-probs too

@@ -15,15 +15,10 @@ environment whose trajectories take 1 to 3 turns depending on the prompt
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import time
 
 import pytest
 import ray
 
-from tests import forked
 from tests.recipes.sft_world import (
     _any_component_allowed,
     assert_same_weights,
@@ -35,9 +30,7 @@ from tests.recipes.sft_world import (
     read_metrics,
 )
 from tests.rl.envs_world import SLOW_TURNS_ENV, TURNS_ENV
-from tests.rl.rl_world import grpo_overrides, local_ray, run_rl
-from tests.rl.test_grpo_async import follow
-from tunesmith.config import ALLOW_ANY_COMPONENT_ENV
+from tests.rl.rl_world import grpo_overrides, local_ray, run_killing_the_rollout_worker, run_rl
 
 STEPS = 3
 FAST = [
@@ -132,27 +125,10 @@ def test_a_rollout_worker_killed_mid_trajectory_loses_and_duplicates_nothing(
 ):
     _, model_dir, prompts = world
     out, log = tmp_path / "killed", tmp_path / "run.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", ALLOW_ANY_COMPONENT_ENV: "1",
-           "RAY_AUTH_MODE": "disabled"}  # fmt: skip
     overrides = [*grpo_overrides(model_dir, prompts, out, *FAST), "async_mode=sync",
                  f"environment._component_={SLOW_TURNS_ENV}", f"ray.address={ray_instance}"]  # fmt: skip
-    log.touch()
-    process = forked.Child.cli(["run", "grpo_async", "--config", "tiny", *overrides], log, env=env)
-    lines, killed, pid = [], None, None
-    try:
-        for line in follow(log, process, timeout=300):
-            lines.append(line)
-            found = re.search(r"rollout workers \(pids \[(\d+)", line)
-            if found:
-                pid = int(found.group(1))
-            if line.startswith("step 1/") and killed is None:  # batch 2's trajectories run
-                time.sleep(0.3)  # past its first turn's tool step
-                os.kill(pid, signal.SIGKILL)
-                killed = pid
-        assert process.wait(timeout=10) == 0, "".join(lines)
-    finally:
-        process.kill()
-    assert killed is not None, "".join(lines)
+    # 0.3 s after step 1: past the first turn's tool step of batch 2's trajectories
+    run_killing_the_rollout_worker(overrides, log, delay_s=0.3)
     metrics = read_metrics(out)
     assert sorted(metrics) == list(range(1, STEPS + 1))  # every update made
     assert metrics[STEPS]["worker_restarts"] >= 1 and metrics[STEPS]["requeued_groups"] >= 1
