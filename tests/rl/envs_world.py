@@ -80,3 +80,12 @@ class SlowTurnsByAnswer(TurnsByAnswer):
 
         time.sleep(0.2)
         return super().step(message)
+
+
+class FailsToReset(Again):
+    """:class:`Again` whose ``reset`` raises for prompts with an even answer."""
+
+    def reset(self, row):
+        if int(row.answer) % 2 == 0:
+            raise RuntimeError("no such task")
+        return super().reset(row)

@@ -278,3 +278,24 @@ def test_multi_turn_rollouts_refuse_chat_template_false():
 
     with pytest.raises(ValueError, match="chat_template: false, but an environment"):
         RolloutSettings(group_size=2, chat_template=False, episode=EpisodeSettings())
+
+
+def test_a_reset_that_raises_ends_its_trajectories_with_no_turn(policy):
+    from tests.rl.envs_world import FailsToReset
+
+    _, tok, engine = policy
+    groups = sample_trajectory_groups(
+        _generate(engine, tok), tok, FailsToReset(), PROMPTS, round=0, group_size=2, seed=1,
+        episode=EpisodeSettings(), max_new_tokens=6, stop_token_ids=tok.stop_token_ids,
+    )  # fmt: skip
+    failed, ran = groups[1], groups[0]  # answers 8 (even: reset raises) and 5
+    assert [e["ended"] for e in failed.episodes] == ["error", "error"]
+    assert failed.completions == [[], []] and failed.rewards.tolist() == [0.0, 0.0]
+    assert failed.prompt_ids == tok.encode(
+        tok.apply_chat_template(PROMPTS[1].messages, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    assert [e["ended"] for e in ran.episodes] == ["done", "done"]
+    assert episode_failures(groups) == {"env: error": 2}
+    batch = group_batch(groups, pad_id=0)
+    assert (batch["labels"][2:] == IGNORE_INDEX).all()  # nothing of the failed group trains

@@ -246,8 +246,12 @@ def sample_trajectories(
     encoded: list[tuple[list[int], str]] = []
     for prompt in prompts:
         episodes = [Episode(environment, prompt, settings.limits) for _ in range(group_size)]
-        tools = episodes[0].env.tool_schemas()
-        opening = Prompt(prompt.index, episodes[0].messages, prompt.answer, prompt.metadata)
+        # the opening of a trajectory that started (a reset that failed ended its own at
+        # reward 0, with no turn; when all did, the row keeps the prompt's own messages)
+        opened = next((e for e in episodes if not e.done), None)
+        tools = None if opened is None else opened.env.tool_schemas()
+        messages = prompt.messages if opened is None else opened.messages
+        opening = Prompt(prompt.index, messages, prompt.answer, prompt.metadata)
         ids, text = encode_prompt(tokenizer, opening, template_kwargs={"tools": tools, **kwargs})
         encoded.append((ids, text))
         observe = ObservationTokens(tokenizer, tools, kwargs)
