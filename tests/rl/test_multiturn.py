@@ -16,6 +16,8 @@ rows are the sampled ids and the templated observation ids in the order they hap
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 
 import pytest
@@ -299,3 +301,48 @@ def test_a_reset_that_raises_ends_its_trajectories_with_no_turn(policy):
     assert episode_failures(groups) == {"env: error": 2}
     batch = group_batch(groups, pad_id=0)
     assert (batch["labels"][2:] == IGNORE_INDEX).all()  # nothing of the failed group trains
+
+
+def test_each_turn_continues_its_conversation_s_kv_cache(policy):
+    """Sampled within ``keep_prefixes`` (as the recipes sample), the trajectories are those of
+    an engine that prefills every turn from scratch, and the turns after the first prefill
+    little more than their new tokens (the observation, a partly filled block)."""
+    model, tok, _ = policy
+    stats = {}
+
+    def sample(kept: bool):
+        engine = LocalEngine(model, tok, pad_id=0)
+        generate = _generate(engine, tok)
+
+        def recorded(rows, keys, limits=None):
+            out = generate(rows, keys, limits)
+            stats.setdefault(kept, []).append((rows, out.stats))
+            return out
+
+        with engine.keep_prefixes() if kept else contextlib.nullcontext():
+            return sample_trajectory_groups(
+                recorded, tok, Again(), PROMPTS, round=0, group_size=2, seed=1,
+                episode=EpisodeSettings(max_turns=5), max_new_tokens=6,
+                stop_token_ids=tok.stop_token_ids,
+            )  # fmt: skip
+
+    cached, fresh = sample(True), sample(False)
+    for c, f in zip(cached, fresh, strict=True):
+        assert c.completions == f.completions and c.masks == f.masks
+        for got, want in zip(c.logprobs, f.logprobs):
+            assert got == pytest.approx(want, abs=1e-5, rel=0)
+    assert len(stats[True]) == 3  # three turns
+    observations = [_zero_runs(m) for g in cached for m in g.masks]  # per row, per turn
+    for turn in (1, 2):
+        (rows, kept), (_, plain) = stats[True][turn], stats[False][turn]
+        assert plain["prefill_tokens"] == sum(map(len, rows))  # 4 distinct rows, all new
+        assert kept["prefill_tokens"] + kept["cached_tokens"] == plain["prefill_tokens"]
+        # the observation, the last reply's last token (never fed) and the rest of the
+        # last partly filled block: each row redoes less than one block of what it had
+        observed = sum(runs[turn - 1] for runs in observations)
+        assert observed < kept["prefill_tokens"] <= observed + 4 * 16
+
+
+def _zero_runs(mask: list[int]) -> list[int]:
+    """Lengths of the runs of 0 in ``mask`` (the observations), in order."""
+    return [len(list(run)) for value, run in itertools.groupby(mask) if value == 0]

@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -32,6 +32,7 @@ from torch import nn
 from tunesmith.generation.config import EngineSettings, GenerationConfig
 from tunesmith.generation.generate import GenerationOutput, generate
 from tunesmith.generation.paged import generate_paged, supports_paged
+from tunesmith.generation.prefix_cache import PrefixCache
 
 __all__ = ["LocalEngine", "RolloutEngine", "check_named_weights", "generate_with"]
 
@@ -47,7 +48,10 @@ class RolloutEngine(Protocol):
     the trainer recomputes. ``load_weights`` copies tensors into the running policy by Hugging
     Face name; a partial update (e.g. only a LoRA policy's adapter weights) is allowed, but
     every name must exist with the sent shape. ``max_new_tokens`` is one limit for every
-    prompt or one per prompt (a row whose limit is 0 is answered empty).
+    prompt or one per prompt (a row whose limit is 0 is answered empty). Within
+    ``keep_prefixes()`` the engine may keep the KV cache of what it prefilled and decoded for
+    the calls that follow (a multi-turn rollout's next turn continues its conversation's
+    cache); the results are the same up to float rounding.
 
     Example::
 
@@ -71,6 +75,8 @@ class RolloutEngine(Protocol):
     ) -> GenerationOutput: ...
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None: ...
+
+    def keep_prefixes(self) -> contextlib.AbstractContextManager[None]: ...
 
 
 def check_named_weights(
@@ -116,7 +122,10 @@ class LocalEngine:
     to find stop strings, and ``torch.autocast`` to ``autocast_dtype`` when set.
     ``load_weights`` copies tensors into the model's parameters by name (HF names: the
     identity map), cast to each parameter's dtype and device; every name and shape is checked
-    before anything is copied.
+    before anything is copied. ``keep_prefixes()``: a block within which the paged cache
+    and its full blocks outlive each call (:mod:`~tunesmith.generation.prefix_cache`), so a
+    prompt that extends an earlier one (prompt, reply, observation: a conversation's next
+    turn) prefills only what is new; released at the block's end, dropped by ``load_weights``.
 
     Args:
         model: a ``TransformerLM`` (plain, not sharded: a rollout worker holds a whole copy).
@@ -162,6 +171,7 @@ class LocalEngine:
         self.settings = settings or EngineSettings()
         self.paged = self.settings.paged and supports_paged(model)
         self._compiled: Any = None
+        self._prefixes: PrefixCache | None = None
 
     def _compiled_step(self) -> Any:
         """The decode step compiled once (CUDA graphs on CUDA), or None."""
@@ -212,7 +222,11 @@ class LocalEngine:
         was_training = self.model.training
         self.model.eval()
         paged = (
-            {"settings": self.settings, "compiled_step": self._compiled_step()}
+            {
+                "settings": self.settings,
+                "compiled_step": self._compiled_step(),
+                "prefixes": self._prefixes,
+            }
             if self.paged
             else {}
         )
@@ -248,6 +262,30 @@ class LocalEngine:
         )
         for name, tensor in named_tensors.items():
             params[name].copy_(tensor.detach())
+        if self._prefixes is not None:  # kept keys belong to the old weights
+            self._prefixes = PrefixCache(self.settings.block_size)
+
+    @contextlib.contextmanager
+    def keep_prefixes(self) -> Iterator[None]:
+        """Keep the paged cache's full blocks from call to call within this block (see the
+        class docs); a no-op for the plain engine and with ``share_prefixes: false``, and
+        inside an outer block (which keeps them).
+
+        Example::
+
+            with engine.keep_prefixes():
+                first = engine.generate([prompt], ...)
+                again = engine.generate([prompt + first.sequences[0] + observation], ...)
+            again.stats["cached_tokens"]  # the full blocks of prompt + reply, not prefilled
+        """
+        if not (self.paged and self.settings.share_prefixes) or self._prefixes is not None:
+            yield
+            return
+        self._prefixes = PrefixCache(self.settings.block_size)
+        try:
+            yield
+        finally:
+            self._prefixes = None  # the kept pool is released with it
 
 
 def generate_with(

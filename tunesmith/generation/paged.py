@@ -15,7 +15,9 @@ less work for them:
   is prefilled between two decode steps. A finished row costs no more decode work.
 * **A static cache.** One pool of blocks, allocated once per call (and released after it, so
   a training step that follows has its memory back); nothing is concatenated or reallocated
-  while decoding. Each row reserves the blocks it can need at admission (prompt plus its
+  while decoding. Given ``prefixes`` (:mod:`~tunesmith.generation.prefix_cache`), the pool
+  and its full blocks outlive the call instead, and a prompt that starts with kept blocks
+  prefills only the rest: a multi-turn rollout's next turn continues its conversation. Each row reserves the blocks it can need at admission (prompt plus its
   ``max_new_tokens``), so a row never waits for memory mid-way and nothing is truncated.
 * **A compiled decode step** (``compile=True``): ``torch.compile`` of the decode forward, with
   batch and cache widths rounded up to powers of two so a few graphs serve a whole run (CUDA
@@ -53,6 +55,7 @@ from torch import Tensor, nn
 
 from tunesmith.generation.config import EngineSettings
 from tunesmith.generation.generate import GenerationOutput, _reshard, check_call
+from tunesmith.generation.prefix_cache import PrefixCache
 from tunesmith.generation.sampling import LogitsProcessor, sample
 from tunesmith.modules.paged_cache import PagedKVCache
 
@@ -86,6 +89,9 @@ class _Prompt:
     rows_left: int = 0  # rows of this prompt not finished yet
     blocks: list[int] = field(default_factory=list)  # its cache blocks, once prefilled
     logits: Tensor | None = None  # the next-token logits after it, once prefilled
+    start: int = 0  # its first position to prefill (those before are kept from earlier calls)
+    nodes: list[Any] = field(default_factory=list)  # the kept blocks it pins (PrefixCache)
+    private: list[int] = field(default_factory=list)  # its blocks freed when it is done
 
 
 @dataclass
@@ -109,6 +115,11 @@ class _BlockPool:
         self.peak_used = 0
         self.num_blocks = num_blocks
 
+    def grow(self, num_blocks: int) -> None:
+        """Add the blocks up to ``num_blocks`` (a kept pool made larger)."""
+        self.free[:0] = range(num_blocks - 1, self.num_blocks - 1, -1)
+        self.num_blocks = num_blocks
+
     def take(self, n: int) -> list[int]:
         taken = [self.free.pop() for _ in range(n)]
         self.peak_used = max(self.peak_used, self.num_blocks - 1 - len(self.free))
@@ -128,8 +139,10 @@ class _Scheduler:
         keys: list[int] | None,
         settings: EngineSettings,
         block_size: int,
+        prefixes: PrefixCache | None = None,
     ) -> None:
         self.block_size = block_size
+        self.prefixes = prefixes
         prompts: dict[tuple[int, ...], _Prompt] = {}
         self.waiting: list[_Row] = []
         self.rows: list[_Row] = []
@@ -147,15 +160,24 @@ class _Scheduler:
         self.running: list[_Row] = []
 
     def worst_case_blocks(self) -> int:
-        """Blocks for every row at once (each distinct prompt once), the scratch one too."""
+        """Blocks for every row at once (each distinct prompt once, less what is kept of it
+        from earlier calls), the scratch one too."""
         prompts = {id(r.prompt): r.prompt for r in self.waiting}.values()
-        shared = sum(_blocks(len(p.ids), self.block_size) for p in prompts)
+        shared = sum(_blocks(len(p.ids), self.block_size) - len(self._kept(p)) for p in prompts)
         return 1 + shared + sum(self._own_blocks(r) for r in self.waiting)
 
-    def use_pool(self, num_blocks: int) -> None:
-        """Hand out the blocks of a cache of ``num_blocks``, which must hold every row alone
-        (or the call could never end)."""
-        self.pool = _BlockPool(num_blocks)
+    def _kept(self, prompt: _Prompt) -> list[Any]:
+        """The kept blocks of ``prompt``'s start (one token at least is left to prefill, for
+        its next-token logits)."""
+        if self.prefixes is None:
+            return []
+        return self.prefixes.match(prompt.ids, most=(len(prompt.ids) - 1) // self.block_size)
+
+    def use_pool(self, pool: _BlockPool) -> None:
+        """Hand out the blocks of ``pool``, whose cache must hold every row alone (or the
+        call could never end)."""
+        self.pool = pool
+        num_blocks = pool.num_blocks
         for row in self.waiting:
             if self._need(row, fresh=True) > num_blocks - 1:
                 raise ValueError(
@@ -171,9 +193,19 @@ class _Scheduler:
         positions = len(row.prompt.ids) + row.limit - 1
         return _blocks(positions, self.block_size) - row.prompt.full_blocks
 
-    def _need(self, row: _Row, fresh: bool) -> int:
-        shared = _blocks(len(row.prompt.ids), self.block_size) if fresh else 0
+    def _need(self, row: _Row, fresh: bool, kept: int = 0) -> int:
+        shared = _blocks(len(row.prompt.ids), self.block_size) - kept if fresh else 0
         return shared + self._own_blocks(row)
+
+    def _available(self) -> int:
+        """Free blocks, and kept ones no running prompt uses (evicted when taken)."""
+        return len(self.pool.free) + (self.prefixes.evictable if self.prefixes else 0)
+
+    def _take(self, n: int) -> list[int]:
+        short = n - len(self.pool.free)
+        if short > 0 and self.prefixes is not None:
+            self.pool.give(self.prefixes.evict(short))
+        return self.pool.take(n)
 
     def admit(self) -> tuple[list[_Row], list[_Prompt]]:
         """Start waiting rows (in order) while a slot and their blocks are free; return them
@@ -183,8 +215,11 @@ class _Scheduler:
         while self.waiting and len(self.running) < self.max_slots:
             # A row whose prompt is in the cache first (its shared blocks are paid for).
             row = next((r for r in self.waiting if r.prompt.blocks), self.waiting[0])
-            fresh = not row.prompt.blocks
-            if self._need(row, fresh) > len(self.pool.free):
+            prompt, fresh = row.prompt, not row.prompt.blocks
+            kept = self._kept(prompt) if fresh else []
+            self._pin(kept)
+            if self._need(row, fresh, len(kept)) > self._available():
+                self._unpin(kept)
                 if self.running:
                     break  # a running row will give blocks back
                 # Nothing runs, yet prompts kept for their waiting rows fill the cache: drop
@@ -193,29 +228,57 @@ class _Scheduler:
                 continue
             self.waiting.remove(row)
             if fresh:
-                row.prompt.blocks = self.pool.take(_blocks(len(row.prompt.ids), self.block_size))
-                prefill.append(row.prompt)
-            row.own = self.pool.take(self._own_blocks(row))
-            row.table = row.prompt.blocks[: row.prompt.full_blocks] + row.own
+                prompt.private = self._take(_blocks(len(prompt.ids), self.block_size) - len(kept))
+                prompt.nodes, prompt.start = kept, len(kept) * self.block_size
+                prompt.blocks = [n.block for n in kept] + prompt.private
+                prefill.append(prompt)
+            row.own = self._take(self._own_blocks(row))
+            row.table = prompt.blocks[: prompt.full_blocks] + row.own
             self.running.append(row)
             started.append(row)
         return started, prefill
 
+    def _pin(self, nodes: list[Any]) -> None:
+        if self.prefixes is not None:
+            self.prefixes.pin(nodes)
+
+    def _unpin(self, nodes: list[Any]) -> None:
+        if self.prefixes is not None:
+            self.prefixes.unpin(nodes)
+
+    def prefilled(self, prompts: list[_Prompt]) -> None:
+        """Keep the full blocks of the prompts just prefilled (when prefixes are kept)."""
+        if self.prefixes is None:
+            return
+        for prompt in prompts:
+            nodes, adopted = self.prefixes.register(prompt.ids, prompt.blocks, len(prompt.nodes))
+            prompt.nodes += nodes
+            taken = set(adopted)
+            prompt.private = [b for b in prompt.private if b not in taken]
+
+    def _release(self, prompt: _Prompt) -> None:
+        self._unpin(prompt.nodes)
+        self.pool.give(prompt.private)
+        prompt.blocks, prompt.logits, prompt.nodes, prompt.private = [], None, [], []
+
     def _drop_cached_prompts(self) -> None:
         for prompt in {id(r.prompt): r.prompt for r in self.waiting}.values():
             if prompt.blocks:
-                self.pool.give(prompt.blocks)
-                prompt.blocks, prompt.logits = [], None
+                self._release(prompt)
 
     def finish(self, row: _Row) -> None:
-        """A row ended: its slot and blocks go back (its prompt's too, after its last row)."""
+        """A row ended: its slot and blocks go back (its prompt's too, after its last row);
+        when prefixes are kept, its full blocks (every token fed) are kept instead."""
         self.running.remove(row)
+        if self.prefixes is not None:
+            fed = row.prompt.ids + row.tokens[:-1]
+            kept = set(self.prefixes.adopt(fed, row.table, first=row.prompt.full_blocks))
+            row.own = [b for b in row.own if b not in kept]
         self.pool.give(row.own)
         row.own = []
         row.prompt.rows_left -= 1
         if row.prompt.rows_left == 0 and row.prompt.blocks:
-            self.pool.give(row.prompt.blocks)
-            row.prompt.blocks, row.prompt.logits = [], None
+            self._release(row.prompt)
 
 
 def _pow2(n: int) -> int:
@@ -261,6 +324,28 @@ def _cache_blocks(model: nn.Module, plan: _Scheduler, settings: EngineSettings) 
     return max(plan.worst_case_blocks(), 2), per_block
 
 
+def _kept_pool(
+    model: nn.Module, prefixes: PrefixCache, num_blocks: int, fixed: bool
+) -> tuple[Any, _BlockPool]:
+    """The pool ``prefixes`` keeps between calls: made on the first call, then grown to
+    ``num_blocks`` plus the kept blocks when that is more (its kept blocks copied over), unless
+    its size is ``fixed`` (``kv_cache_mib``: kept blocks are evicted instead)."""
+    wanted = num_blocks if fixed else num_blocks + prefixes.kept
+    old = prefixes.cache
+    if old is None:
+        prefixes.cache = model.init_paged_kv_cache(wanted, prefixes.block_size)
+        prefixes.pool = _BlockPool(wanted)
+    elif not fixed and old.num_blocks < wanted:
+        cache = model.init_paged_kv_cache(wanted, prefixes.block_size)
+        for new, kept in zip((*cache.k, *cache.v), (*old.k, *old.v)):
+            new[: old.num_blocks].copy_(kept)
+        prefixes.cache = cache
+        prefixes.pool.grow(wanted)
+    pool = prefixes.pool
+    pool.peak_used = pool.num_blocks - 1 - len(pool.free)
+    return prefixes.cache, pool
+
+
 def _table_tensor(rows: list[_Row], used: list[int], device: torch.device) -> Tensor:
     """The rows' block tables up to the blocks they use now (``used[i]`` each), so a decode step
     reads only the keys written so far; zero (scratch) beyond."""
@@ -292,16 +377,21 @@ def generate_paged(
     tp_group: ProcessGroup | None = None,
     settings: EngineSettings | None = None,
     compiled_step: Any = None,
+    prefixes: PrefixCache | None = None,
 ) -> GenerationOutput:
     """Decode like :func:`~tunesmith.generation.generate` (same arguments, same result) with
     the rollout engine of this module; ``settings`` size and shape it (see
     :class:`~tunesmith.generation.config.EngineSettings`). ``compiled_step``: a compiled
     ``model`` forward to decode with (the engine that owns it keeps it across calls).
+    ``prefixes``: blocks kept from earlier calls (and kept for later ones) in their pool
+    (:class:`~tunesmith.generation.prefix_cache.PrefixCache`): a prompt that starts with
+    kept blocks prefills only the rest.
 
     Rows without ``row_keys`` draw from ``generator`` in the order the engine samples them,
     which differs from the plain engine's; with keys (and greedy) the tokens are the plain
     engine's. ``out.stats``: ``prefill_tokens``, ``decode_steps``, ``decode_rows`` (rows fed
-    over all steps), ``peak_slots``, ``cache_blocks``, ``peak_blocks``, ``cache_mib``.
+    over all steps), ``peak_slots``, ``cache_blocks``, ``peak_blocks``, ``cache_mib``,
+    ``cached_tokens`` (prompt positions found in ``prefixes``, not prefilled).
     """
     started = time.perf_counter()
     if not supports_paged(model):
@@ -320,16 +410,22 @@ def generate_paged(
     shared, sync, stop_ids = call.shared, call.sync, call.stop_ids
 
     bs = settings.block_size
-    plan = _Scheduler(rows, limits, keys, settings, bs)
+    plan = _Scheduler(rows, limits, keys, settings, bs, prefixes)
     num_blocks, per_block = _cache_blocks(model, plan, settings)
-    plan.use_pool(num_blocks)
-    cache = model.init_paged_kv_cache(num_blocks, bs)
+    if prefixes is None:
+        cache, pool = model.init_paged_kv_cache(num_blocks, bs), _BlockPool(num_blocks)
+    else:
+        cache, pool = _kept_pool(model, prefixes, num_blocks, fixed=bool(settings.kv_cache_mib))
+        num_blocks = pool.num_blocks
+    plan.use_pool(pool)
     if compiled_step is not None and device.type == "cuda":
         for pool in (*cache.k, *cache.v):  # CUDA graphs write the pools in place, not copies
             torch._dynamo.mark_static_address(pool)
     forward = _Forward(model, cache, compiled_step)
     stop_set = set(stop_ids)
-    stats = {"prefill_tokens": 0, "decode_steps": 0, "decode_rows": 0, "peak_slots": 0}
+    stats = dict.fromkeys(
+        ("prefill_tokens", "cached_tokens", "decode_steps", "decode_rows", "peak_slots"), 0
+    )
 
     def take(batch: list[_Row], logits: Tensor) -> None:
         """Sample each row's next token from its logits; finish the rows that end."""
@@ -361,6 +457,7 @@ def generate_paged(
             break  # nothing runs, so nothing waits either: every row fits an empty cache
         if any_prefill:
             _prefill(forward, prefill, pad_id, device, stats)
+            plan.prefilled(prefill)
         if admitted:
             for row in admitted:
                 _copy_partial(cache, row, bs)
@@ -402,20 +499,21 @@ def _prefill(
     device: torch.device,
     stats: dict[str, int],
 ) -> None:
-    """Run the new prompts (left-padded into one batch; padding writes to the scratch block)
-    and keep each one's next-token logits. No prompt (another rank prefills): a scratch
-    forward."""
+    """Run the new prompts from their first position not kept (``p.start``; left-padded into
+    one batch, padding writes to the scratch block) and keep each one's next-token logits. No
+    prompt (another rank prefills): a scratch forward."""
     if not prompts:
         _idle_forward(forward, pad_id, device)
         return
-    length = max(len(p.ids) for p in prompts)
+    length = max(len(p.ids) - p.start for p in prompts)
     width = max(len(p.blocks) for p in prompts)
     capacity = width * forward.cache.block_size  # a position here writes to scratch
     ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
     positions = torch.full((len(prompts), length), capacity, dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, length - len(p.ids) :] = torch.tensor(p.ids)
-        positions[i, length - len(p.ids) :] = torch.arange(len(p.ids))
+        new = len(p.ids) - p.start
+        ids[i, length - new :] = torch.tensor(p.ids[p.start :])
+        positions[i, length - new :] = torch.arange(p.start, len(p.ids))
     tables = torch.tensor([p.blocks + [0] * (width - len(p.blocks)) for p in prompts])
     # Padding is written past the table (to scratch) but rotated as position 0: a family
     # whose rotary table depends on the largest position (LongRoPE) sees only real ones.
@@ -423,7 +521,8 @@ def _prefill(
     logits = forward(ids.to(device), positions.to(device), tables.to(device), rope.to(device))
     for p, row_logits in zip(prompts, logits):
         p.logits = row_logits
-    stats["prefill_tokens"] += sum(len(p.ids) for p in prompts)
+    stats["prefill_tokens"] += sum(len(p.ids) - p.start for p in prompts)
+    stats["cached_tokens"] += sum(p.start for p in prompts)
 
 
 def _copy_partial(cache: PagedKVCache, row: _Row, block_size: int) -> None:

@@ -41,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -520,3 +521,8 @@ class VLLMEngine:
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if reset is not None:
             reset()
+
+    def keep_prefixes(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to do: vLLM's automatic prefix caching keeps prompts' blocks across calls
+        (``enable_prefix_caching``, on by default)."""
+        return contextlib.nullcontext()

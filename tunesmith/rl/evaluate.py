@@ -115,11 +115,12 @@ def evaluate_environment(
     for i in range(rounds):
         chunk = [prompts[j] for j in mine[i * batch_size : (i + 1) * batch_size]]
         counted = bool(chunk)
-        groups = sample_trajectory_groups(
-            generate, tokenizer, environment, chunk or [prompts[0]], round=0, group_size=1,
-            seed=0, episode=episode, max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_token_ids, keep_going=any_rank,
-        )  # fmt: skip
+        with engine.keep_prefixes():  # each turn continues its conversation's cache
+            groups = sample_trajectory_groups(
+                generate, tokenizer, environment, chunk or [prompts[0]], round=0, group_size=1,
+                seed=0, episode=episode, max_new_tokens=max_new_tokens,
+                stop_token_ids=stop_token_ids, keep_going=any_rank,
+            )  # fmt: skip
         if not counted:  # a rank out of prompts still decodes (discarded)
             continue
         if rewards is not None:

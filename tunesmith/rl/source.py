@@ -296,19 +296,20 @@ class LocalGroups:
         start = time.perf_counter()
         s = self.settings
         if self.environment is not None:
-            groups = sample_trajectory_groups(
-                self._generate,
-                self.tokenizer,
-                self.environment,
-                prompts,
-                round=self.round,
-                group_size=s.group_size,
-                seed=s.seed,
-                episode=s.episode or EpisodeSettings(),
-                max_new_tokens=s.generation.max_new_tokens,
-                stop_token_ids=self.stop_token_ids,
-                keep_going=lambda live: _any_rank(live, self.ctx),
-            )
+            with self.engine.keep_prefixes():  # each turn continues its conversation's cache
+                groups = sample_trajectory_groups(
+                    self._generate,
+                    self.tokenizer,
+                    self.environment,
+                    prompts,
+                    round=self.round,
+                    group_size=s.group_size,
+                    seed=s.seed,
+                    episode=s.episode or EpisodeSettings(),
+                    max_new_tokens=s.generation.max_new_tokens,
+                    stop_token_ids=self.stop_token_ids,
+                    keep_going=lambda live: _any_rank(live, self.ctx),
+                )
         else:
             groups = sample_groups(
                 self._generate,

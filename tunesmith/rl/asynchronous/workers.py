@@ -210,19 +210,20 @@ class RolloutWorker(_Role):
             )
 
         if self.environment is not None:
-            groups = sample_trajectory_groups(
-                generate,
-                self.tokenizer,
-                self.environment,
-                prompts,
-                round=round,
-                group_size=settings.group_size,
-                seed=settings.seed,
-                episode=settings.episode or EpisodeSettings(),
-                max_new_tokens=g.max_new_tokens,
-                stop_token_ids=self.stop_token_ids,
-                version=self.version,
-            )
+            with self.engine.keep_prefixes():  # each turn continues its conversation's cache
+                groups = sample_trajectory_groups(
+                    generate,
+                    self.tokenizer,
+                    self.environment,
+                    prompts,
+                    round=round,
+                    group_size=settings.group_size,
+                    seed=settings.seed,
+                    episode=settings.episode or EpisodeSettings(),
+                    max_new_tokens=g.max_new_tokens,
+                    stop_token_ids=self.stop_token_ids,
+                    version=self.version,
+                )
         else:
             groups = sample_groups(
                 generate,
