@@ -10,7 +10,7 @@ reply with a fixed observation, on the benchmark model of ``sft_mfu.py`` (Llama-
 layers, hidden 256) with the demo's tokenizer. Alternated ``--repeats`` times in one process,
 medians reported; the trajectories of both runs compared token by token.
 
-    python benchmarks/multiturn_rollout.py              # writes benchmarks/results/multiturn_rollout.md
+    python benchmarks/multiturn_rollout.py   # benchmarks/results/multiturn_rollout.md
     python benchmarks/multiturn_rollout.py --dry-run --out /tmp/x   # tiny, seconds
 """
 

@@ -15,10 +15,11 @@ less work for them:
   is prefilled between two decode steps. A finished row costs no more decode work.
 * **A static cache.** One pool of blocks, allocated once per call (and released after it, so
   a training step that follows has its memory back); nothing is concatenated or reallocated
-  while decoding. Given ``prefixes`` (:mod:`~tunesmith.generation.prefix_cache`), the pool
-  and its full blocks outlive the call instead, and a prompt that starts with kept blocks
-  prefills only the rest: a multi-turn rollout's next turn continues its conversation. Each row reserves the blocks it can need at admission (prompt plus its
+  while decoding. Each row reserves the blocks it can need at admission (prompt plus its
   ``max_new_tokens``), so a row never waits for memory mid-way and nothing is truncated.
+* **Kept prefixes** (``prefixes``, :mod:`~tunesmith.generation.prefix_cache`): the pool and
+  its full blocks outlive the call, and a prompt that starts with kept blocks prefills only
+  the rest, so a multi-turn rollout's next turn continues its conversation's cache.
 * **A compiled decode step** (``compile=True``): ``torch.compile`` of the decode forward, with
   batch and cache widths rounded up to powers of two so a few graphs serve a whole run (CUDA
   graphs on CUDA: ``mode="reduce-overhead"``).
