@@ -1,24 +1,28 @@
-"""``tunesmith demo agent``: a tiny model that uses a calculator tool for products it cannot
-compute in its head, trained by SFT on tool-use traces and GRPO in a tool environment, against
-the same GRPO run without the tool.
+"""``tunesmith demo agent``: a tiny model learns by GRPO to call a calculator tool for products
+it cannot compute in its head, against the same GRPO run with the tool answering errors.
 
-The task: multiply two ``digits``-digit numbers (``"What is 4829*1057?"``), answered by the
-exact product. A tiny, randomly initialised Qwen2.5-style model cannot multiply 4-digit
-numbers, but it can copy digits: a reply ``CALL calculator {"expression": "4829*1057"}`` (the
-``plain`` tool-call format, stated in a short system prompt) gets the product back as a
-``tool`` message, and copying it is the answer. Steps:
+The task: multiply two ``digits``-digit numbers (``"What is 482*617?"``), answered by the exact
+product. A tiny, randomly initialised Qwen2.5-style model cannot multiply 3-digit numbers, but
+it can copy digits: a reply ``CALL calculator {"expression": "482*617"}`` (the ``plain``
+tool-call format, stated in a short system prompt) gets the product back as a ``tool``
+message, and copying it (``Answer: 297394``) is the answer. Steps:
 
 1. the local world under the output folder: ``data/traces.jsonl`` (``num_traces`` SFT rows:
-   user, the assistant's call, the tool's result, the assistant's answer; a
-   ``direct_fraction`` of them answer at once instead), ``data/prompts.jsonl`` (RL prompts)
-   and ``data/held_out_prompts.jsonl``, a byte-level BPE tokenizer trained on the traces' chat
-   text (:func:`~tunesmith.demo.assets.build_tokenizer`) and a random base model;
-2. the SFT warm-up on the traces, ``tunesmith run sft --config demo_agent``;
+   user, the assistant's call, the tool's result, the assistant's answer; after the first
+   ``direct_from`` share of the rows, a ``direct_fraction`` of them answer at once instead),
+   ``data/prompts.jsonl`` (RL prompts) and ``data/held_out_prompts.jsonl``, a byte-level BPE
+   tokenizer trained on the traces' chat text (:func:`~tunesmith.demo.assets.build_tokenizer`)
+   and a random base model (:data:`AGENT_MODEL`);
+2. the SFT warm-up on the traces in file order, ``tunesmith run sft --config demo_agent``:
+   the tool-use traces first teach the copying (the question into the call, the result into
+   the answer), the mixed ones last leave the warm-up answering at once (its first reply is
+   ``Answer: ...`` in about 2 of 3 samples, so greedily always), and those answers are wrong;
 3. GRPO, ``tunesmith run grpo --config demo_agent``: an ``environment:`` of
    :class:`~tunesmith.rl.envs.ToolEnv` with the :class:`~tunesmith.rl.envs.Calculator`
    (``describe_tools: false``: the system prompt states the tool, not the template's long
-   tools block); the final answer is scored exactly (``correct``) plus partial credit for
-   the right digits;
+   tools block); the final answer scores 1 when its last number is the product, else 0 (no
+   partial credit, which would reward close guesses): what GRPO can learn is the decision
+   to call;
 4. the **control**: the same GRPO run from the same warm-up with the calculator replaced by
    :class:`~tunesmith.rl.envs.Unavailable`, which answers every call with an error (same
    prompts, format, turns, token budget, rewards and seed: only the tool's information is
@@ -26,9 +30,10 @@ numbers, but it can copy digits: a reply ``CALL calculator {"expression": "4829*
 5. held-out accuracy (greedy trajectories, exact final answer) of the warm-up and of the
    GRPO checkpoint with the calculator, and of the control checkpoint without it.
 
-What it shows at its default size (benchmarks/results/agent_demo.md, seeds 0-2): the tool
-is what makes answers right (the control stays at 0%); GRPO's 40 steps keep or lower the
-warm-up's accuracy, they do not raise it.
+What it shows at its default size (benchmarks/results/agent_demo.md, seeds 0-2, about 4
+minutes a seed on one core): the warm-up answers every held-out question at once (0%); GRPO
+with the calculator learns to call it for every question (98-100%); the control, whose
+calls get errors, has no reward to learn from and stays at 0%.
 
 Example::
 
@@ -65,6 +70,8 @@ from tunesmith.rl.setup import plain
 
 __all__ = [
     "ACCURACY_REWARD",
+    "AGENT_MODEL",
+    "ANSWER_PREFIX",
     "CONFIG",
     "NO_TOOL",
     "SYSTEM_PROMPT",
@@ -86,10 +93,18 @@ CONFIG = WARMUP_CONFIG = "demo_agent"
 """The configs: ``sft/demo_agent.yaml`` (warm-up) and ``grpo/demo_agent.yaml`` (GRPO)."""
 ACCURACY_REWARD = "correct"
 """The environment's reward term that is accuracy (1 for the exact product, else 0)."""
-SYSTEM_PROMPT = 'To multiply, reply CALL calculator {"expression": "A*B"}, then its result.'
+SYSTEM_PROMPT = 'To multiply, reply CALL calculator {"expression": "A*B"}, then Answer: its result.'
 """The system prompt: the tool and its call format (in place of the template's tools block)."""
+ANSWER_PREFIX = "Answer: "
+"""The final answer's start, after the tool's result or at once: the first reply's first token
+is the decision, ``C`` (``CALL``) or ``A`` (``Answer``)."""
 NO_TOOL = "environment.tools.0._component_=tunesmith.rl.envs.Unavailable"
 """The override that turns the GRPO run into the control (the calculator answers errors)."""
+AGENT_MODEL: dict[str, Any] = {**DEFAULT_MODEL, "rope_theta": 30.0}
+"""The demo's base model: the demos' tiny size with a RoPE base of 30 instead of Qwen's 1e6: the
+copying (attending a fixed number of tokens back) is then learned within the warm-up's
+tool-use traces on seeds 0-2; at 1e6 it was a late, seed-dependent phase transition, at 100 or
+10 it missed on one seed of three (benchmarks/results/agent_demo.md)."""
 SFT_DIR, GRPO_DIR, CONTROL_DIR = "sft", "grpo", "grpo_no_tool"
 TRACES, PROMPTS, HELD_OUT = "traces.jsonl", "prompts.jsonl", "held_out_prompts.jsonl"
 MANIFEST = "manifest.json"
@@ -105,8 +120,8 @@ class Product:
     Example::
 
         >>> p = Product(12, 34)
-        >>> p.answer, p.call
-        ('408', 'CALL calculator {"expression": "12*34"}')
+        >>> p.answer, p.call, p.reply
+        ('408', 'CALL calculator {"expression": "12*34"}', 'Answer: 408')
         >>> [m["role"] for m in p.messages()]
         ['system', 'user', 'assistant', 'tool', 'assistant']
     """
@@ -117,6 +132,11 @@ class Product:
     @property
     def answer(self) -> str:
         return str(self.a * self.b)
+
+    @property
+    def reply(self) -> str:
+        """The assistant's final answer (after the tool's result, or at once)."""
+        return ANSWER_PREFIX + self.answer
 
     @property
     def call(self) -> str:
@@ -132,7 +152,7 @@ class Product:
 
     def direct_messages(self) -> list[dict[str, str]]:
         """A trace that answers at once, without the tool (an SFT row)."""
-        return [*self.prompt_messages(), {"role": "assistant", "content": self.answer}]
+        return [*self.prompt_messages(), {"role": "assistant", "content": self.reply}]
 
     def messages(self) -> list[dict[str, str]]:
         """A whole tool-use trace (an SFT row): the call, the tool's result, the answer."""
@@ -140,27 +160,36 @@ class Product:
             *self.prompt_messages(),
             {"role": "assistant", "content": self.call},
             {"role": "tool", "name": "calculator", "content": self.answer},
-            {"role": "assistant", "content": self.answer},
+            {"role": "assistant", "content": self.reply},
         ]
 
 
-def make_products(count: int, digits: int, seed: int) -> list[Product]:
-    """``count`` distinct products of two ``digits``-digit numbers.
+def make_products(
+    count: int, digits: int, seed: int, *, full_length: bool = False
+) -> list[Product]:
+    """``count`` distinct products of two ``digits``-digit numbers; ``full_length``: only those
+    whose product has ``2 * digits`` digits (every result and answer the same length).
 
     >>> make_products(2, 3, seed=0)
     [Product(a=964, b=494), Product(a=876, b=530)]
+    >>> [len(p.answer) for p in make_products(50, 2, seed=0, full_length=True)] == [4] * 50
+    True
     """
     if digits < 1:
         raise ValueError(f"digits must be >= 1, got {digits}")
     low, high = 10 ** (digits - 1), 10**digits - 1
-    possible = (high - low + 1) ** 2
+    smallest = 10 ** (2 * digits - 1) if full_length else 0
+    possible = sum(high - max(low, -(-smallest // a)) + 1 for a in range(low, high + 1))
     if count > possible:
+        kind = f"{2 * digits}-digit products" if full_length else "products"
         raise ValueError(
-            f"{count} distinct products of {digits}-digit numbers requested, only {possible} exist"
+            f"{count} distinct {kind} of {digits}-digit numbers requested, only {possible} exist"
         )
     rng, drawn = random.Random(seed), {}
     while len(drawn) < count:  # a dict keeps the order drawn
-        drawn.setdefault(Product(rng.randint(low, high), rng.randint(low, high)), None)
+        product = Product(rng.randint(low, high), rng.randint(low, high))
+        if product.a * product.b >= smallest:
+            drawn.setdefault(product, None)
     return list(drawn)
 
 
@@ -171,20 +200,24 @@ def make_products(count: int, digits: int, seed: int) -> list[Product]:
 class AgentDemoSettings:
     """Sizes of the task and the model, and the seed (data, model and every run).
 
-    ``num_traces`` problems become SFT traces, ``num_prompts`` RL prompts, ``num_held_out``
-    are never trained on; ``digits``: of each factor. A ``direct_fraction`` of the traces
-    answer at once (the right product, without the tool), the others call the calculator:
-    the warm-up calls it for only a part of new questions.
+    ``num_traces`` problems become SFT traces (in the warm-up's order: ``sft/demo_agent.yaml``
+    reads them once, unshuffled), ``num_prompts`` RL prompts, ``num_held_out`` are never
+    trained on; ``digits``: of each factor; ``full_length``: only products of ``2 * digits``
+    digits, so every result sits at the same place. After the first ``direct_from`` share of
+    the traces, a ``direct_fraction`` of them answer at once (the right product, without the
+    tool), the others call the calculator: the warm-up answers new questions at once.
     """
 
     seed: int = 0
-    digits: int = 4
-    num_traces: int = 1000
-    direct_fraction: float = 0.0
+    digits: int = 3
+    full_length: bool = True
+    num_traces: int = 19200
+    direct_from: float = 0.75
+    direct_fraction: float = 0.65
     num_prompts: int = 2000
     num_held_out: int = 200
     vocab_size: int = 320
-    model: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MODEL))
+    model: dict[str, Any] = field(default_factory=lambda: dict(AGENT_MODEL))
 
 
 @dataclass(frozen=True)
@@ -236,10 +269,11 @@ def write_agent_data(
         settings.num_traces + settings.num_prompts + settings.num_held_out,
         settings.digits,
         settings.seed,
+        full_length=settings.full_length,
     )
     held_out, train = products[: settings.num_held_out], products[settings.num_held_out :]
     traces = train[: settings.num_traces]
-    _write_rows(_traces(traces, settings.direct_fraction), data.traces_file)
+    _write_rows(_traces(traces, settings.direct_fraction, settings.direct_from), data.traces_file)
     _write_rows(map(_prompt_row, train[settings.num_traces :]), data.prompts_file)
     _write_rows(map(_prompt_row, held_out), data.held_out_file)
     tokenizer_dir = build_tokenizer(data.root / "tokenizer", train, settings.vocab_size)
@@ -248,13 +282,18 @@ def write_agent_data(
     return data
 
 
-def _traces(products: Sequence[Product], direct_fraction: float) -> Iterable[dict[str, Any]]:
-    """SFT rows: every product's tool-use trace, except a ``direct_fraction`` of them (spread
-    evenly) that answer at once."""
-    if not 0.0 <= direct_fraction <= 1.0:
-        raise ValueError(f"direct_fraction must be in [0, 1], got {direct_fraction}")
+def _traces(
+    products: Sequence[Product], direct_fraction: float, direct_from: float = 0.0
+) -> Iterable[dict[str, Any]]:
+    """SFT rows: every product's tool-use trace, except a ``direct_fraction`` of those after
+    the first ``direct_from`` share of the rows (spread evenly) that answer at once."""
+    for name, value in (("direct_fraction", direct_fraction), ("direct_from", direct_from)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
+    start = round(len(products) * direct_from)
     for i, product in enumerate(products):
-        direct = int((i + 1) * direct_fraction) > int(i * direct_fraction)
+        j = i - start
+        direct = j >= 0 and int((j + 1) * direct_fraction) > int(j * direct_fraction)
         yield {"messages": product.direct_messages() if direct else product.messages()}
 
 
