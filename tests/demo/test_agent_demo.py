@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from tests.demo.test_demo import TOY_MODEL
 from tunesmith.cli.main import main as cli_main
 from tunesmith.config import instantiate, load_config
 from tunesmith.data import SFTDataset, Tokenizer
@@ -29,14 +30,6 @@ from tunesmith.rl.envs.trajectory import sample_trajectories
 from tunesmith.rl.prompts import Prompt
 from tunesmith.rl.rewards.strings import StringMatch
 
-TOY_MODEL = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-}
 TOY = AgentDemoSettings(
     seed=3,
     digits=3,

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from tests.demo.test_demo import TOY_MODEL
 from tunesmith.cli.main import main as cli_main
 from tunesmith.config import ConfigError, instantiate, load_config
 from tunesmith.data import Tokenizer
@@ -27,14 +28,6 @@ from tunesmith.rl.prompts import Prompt, PromptDataset
 from tunesmith.rl.rewards import RewardSet, Sample
 from tunesmith.rl.rewards.strings import CharacterMatch, StringMatch, character_match
 
-TOY_MODEL = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-}
 TOY = RLDemoSettings(
     seed=3, num_demonstrations=16, num_prompts=48, num_held_out=12, model=TOY_MODEL
 )

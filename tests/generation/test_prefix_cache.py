@@ -48,10 +48,11 @@ def _kept_tokens(row, previous_row, previous_reply):
 
 def _three_turns(engine, fresh):
     """Three turns through ``engine`` (inside keep_prefixes) checked against ``fresh``; the
-    calls' stats and the prefill each turn should have needed at most."""
-    rows, stats, expected = PROMPTS, [], []
+    calls' stats, the prefill each next turn should need, and each turn's distinct prompts."""
+    rows, stats, expected, distinct_rows = PROMPTS, [], [], []
     with engine.keep_prefixes():
         for turn in range(3):
+            distinct_rows.append({tuple(r) for r in rows})
             out = _call(engine, rows, turn)
             assert_same(out, _call(fresh, rows, turn), f"turn {turn}")
             stats.append(out.stats)
@@ -59,14 +60,14 @@ def _three_turns(engine, fresh):
             distinct = {tuple(r): (r, p, s) for r, p, s in zip(following, rows, out.sequences)}
             expected.append(sum(len(r) - _kept_tokens(r, p, s) for r, p, s in distinct.values()))
             rows = following
-    return stats, expected
+    return stats, expected, distinct_rows
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_turn_prefills_only_what_is_new_and_answers_as_a_fresh_engine(family):
     model = tiny(family)
     settings = EngineSettings(block_size=BLOCK)
-    stats, expected = _three_turns(
+    stats, expected, distinct_rows = _three_turns(
         LocalEngine(model, None, pad_id=0, settings=settings),
         LocalEngine(model, None, pad_id=0, settings=settings),
     )
@@ -74,25 +75,16 @@ def test_each_turn_prefills_only_what_is_new_and_answers_as_a_fresh_engine(famil
     assert stats[0]["prefill_tokens"] == len(OPENING) + len(PROMPTS[-1])  # the group's once
     for turn in (1, 2):
         assert stats[turn]["prefill_tokens"] == expected[turn - 1], f"turn {turn}"
-        total = sum(len(r) for r in {tuple(r) for r in _rows_of(model, turn)})
+        total = sum(map(len, distinct_rows[turn]))
         assert stats[turn]["cached_tokens"] == total - stats[turn]["prefill_tokens"]
-
-
-def _rows_of(model, turn):
-    """The distinct prompts of ``turn`` (replayed on a fresh engine: the same keys)."""
-    engine = LocalEngine(model, None, pad_id=0, settings=EngineSettings(block_size=BLOCK))
-    rows = PROMPTS
-    for t in range(turn):
-        rows = _next_turn(rows, _call(engine, rows, t), t)
-    return rows
 
 
 def test_a_small_cache_evicts_kept_blocks_and_changes_no_token():
     model = tiny()
     small = EngineSettings(block_size=BLOCK, kv_cache_mib=0.03, max_slots=2)
     engine = LocalEngine(model, None, pad_id=0, settings=small)
-    stats, _ = _three_turns(engine, LocalEngine(model, None, pad_id=0, settings=small))
-    roomy, _ = _three_turns(
+    stats, _, _ = _three_turns(engine, LocalEngine(model, None, pad_id=0, settings=small))
+    roomy, _, _ = _three_turns(
         LocalEngine(model, None, pad_id=0, settings=EngineSettings(block_size=BLOCK)),
         LocalEngine(model, None, pad_id=0, settings=small),
     )
